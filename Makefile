@@ -1,0 +1,38 @@
+# make run:  set up .venv and run the main job (for now the CPU kernel benchmark suite)
+# make test: set up .venv and run the test suite (CPU; Triton kernels under the interpreter)
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+PYTEST := $(BIN)/python -m pytest
+
+.PHONY: run test test-all bench bench-gpu lint clean
+
+$(STAMP): setup.py pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	# torch first and pinned: an unpinned torch (or one pulled in by a dependency) is a multi-GB CUDA build
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q triton==3.9.0
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(STAMP)
+
+run: bench
+
+test: $(STAMP)
+	$(PYTEST) -m "not slow" -q
+
+test-all: $(STAMP)
+	$(PYTEST) -q
+
+bench: $(STAMP)
+	$(PYTEST) experiments/bench -q -p no:cacheprovider --benchmark-enable --benchmark-only \
+		--benchmark-columns=min,median,max,rounds --benchmark-sort=name
+
+bench-gpu: $(STAMP)
+	$(BIN)/python -m experiments.bench.gpu --out bench_results/$$(date +%Y%m%d-%H%M%S)
+
+lint: $(STAMP)
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .benchmarks

@@ -1,0 +1,1 @@
+"""Experiments: the hydra main job (run.py, later), the kernel benchmark suite (bench/), reproductions."""

@@ -1,0 +1,234 @@
+"""The GPU kernel suite: time every kernel at serving shapes against cuBLAS and FlashInfer.
+
+    python -m experiments.bench.gpu --out bench_results/h200          # on a CUDA machine
+    python -m experiments.bench.gpu --tiny --out /tmp/smoke           # CPU smoke run (interpreter)
+
+Writes ``kernels.csv`` and ``kernels.md``: time, GB/s, % of the device-to-device copy bandwidth measured
+in the same run, and TFLOP/s. Times come from ``triton.testing.do_bench`` (median, ms) on CUDA, and from
+a perf_counter loop on the CPU, where the numbers only show that the suite runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from functools import partial
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():  # before any kernel module is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# (name, kv heads, q heads, head dim): the head configurations the kernels serve
+MODELS = [("smollm2-135m", 3, 9, 64), ("llama-3-8b", 8, 32, 128), ("qwen3-coder-480b", 8, 96, 128)]
+GEMM_MS = [1, 4, 16, 64]
+GEMM_NK = [(4096, 4096), (8192, 4096), (4096, 8192), (8192, 8192)]
+DECODE_BATCHES = [(8, 32768), (32, 8192), (64, 4096), (256, 1024)]  # (sequences, tokens each)
+APPEND_TOKENS = [(256, 1), (8, 1024), (1, 8192)]  # (requests, tokens appended each)
+PAGE_SIZE = 16
+
+
+@dataclass
+class Row:
+    kernel: str
+    shape: str
+    provider: str
+    ms: float
+    gbps: float
+    pct_copy: float
+    tflops: float
+
+
+def timer(device: str, quick: bool) -> Callable[[Callable[[], object]], float]:
+    """Median milliseconds of fn()."""
+    if device == "cuda":
+        import triton.testing
+
+        return lambda fn: triton.testing.do_bench(fn, warmup=5 if quick else 25, rep=20 if quick else 100)
+
+    def cpu_timer(fn):
+        fn()
+        samples = []
+        for _ in range(2 if quick else 5):
+            start = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(samples)
+
+    return cpu_timer
+
+
+def copy_bandwidth(bench, device: str, nbytes: int) -> float:
+    """GB/s of a device-to-device copy (bytes read + written), the yardstick for the memory-bound kernels."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / bench(lambda: dst.copy_(src)) / 1e6
+
+
+def bench_kv_append(device, dtype, tiny) -> Iterator[tuple]:
+    from pdkernels.kv_append import kv_append
+    from pdkernels.testing import append_positions, make_paged_cache
+
+    shapes = [(2, 8)] if tiny else APPEND_TOKENS
+    models = MODELS[:1] if tiny else MODELS
+    for (name, kv_heads, _, head_dim), (reqs, tokens) in ((m, s) for m in models for s in shapes):
+        case = make_paged_cache([tokens] * reqs, kv_heads, head_dim, PAGE_SIZE, dtype=dtype, device=device)
+        batch_indices, positions = append_positions(case, [tokens] * reqs)
+        k = torch.randn(reqs * tokens, kv_heads, head_dim, device=device, dtype=dtype)
+        v = torch.randn_like(k)
+        tables = (case.kv_indices, case.kv_indptr, case.kv_last_page_len)
+        nbytes = 2 * 2 * k.numel() * k.element_size()  # K and V, read once and written once
+        shape = f"{name} T={reqs}x{tokens}"
+        args = (k, v, batch_indices, positions, case.cache, *tables)
+        yield "kv_append", shape, "triton", nbytes, 0, partial(kv_append, *args, validate=False)
+        fi = _flashinfer()
+        if fi is not None:
+            fi_append = partial(fi.page.append_paged_kv_cache, *args, kv_layout="HND")
+            yield "kv_append", shape, "flashinfer", nbytes, 0, fi_append
+
+
+def bench_gemms(device, dtype, tiny) -> Iterator[tuple]:
+    from pdkernels.out_proj import make_layer_counter, out_proj
+    from pdkernels.splitk_gemm import splitk_gemm
+
+    shapes = [
+        (m, n, k) for m in ([1, 16] if tiny else GEMM_MS) for n, k in ([(256, 512)] if tiny else GEMM_NK)
+    ]
+    for m, n, k in shapes:
+        x = torch.randn(m, k, device=device, dtype=dtype)
+        w = torch.randn(n, k, device=device, dtype=dtype)
+        y = torch.empty(m, n, device=device, dtype=dtype)
+        nbytes = (n * k + m * k + m * n) * x.element_size()
+        flops = 2 * m * n * k
+        shape = f"M={m} N={n} K={k}"
+        counter = make_layer_counter(1, device)
+        yield "splitk_gemm", shape, "triton", nbytes, flops, partial(splitk_gemm, x, w, out=y)
+        yield "splitk_gemm", shape, "torch.matmul", nbytes, flops, partial(torch.matmul, x, w.t(), out=y)
+        yield (
+            "out_proj",
+            shape,
+            "triton+counter",
+            nbytes,
+            flops,
+            partial(out_proj, x, w, out=y, counter=counter),
+        )
+        yield "out_proj", shape, "triton", nbytes, flops, partial(out_proj, x, w, out=y)
+
+
+def bench_decode(device, dtype, tiny) -> Iterator[tuple]:
+    from pdkernels.decode_attention import decode_attention
+    from pdkernels.testing import make_paged_cache
+
+    batches = [(2, 64)] if tiny else DECODE_BATCHES
+    models = MODELS[:1] if tiny else MODELS
+    for (name, kv_heads, q_heads, head_dim), (batch, tokens) in ((m, b) for m in models for b in batches):
+        case = make_paged_cache([tokens] * batch, kv_heads, head_dim, PAGE_SIZE, dtype=dtype, device=device)
+        q = torch.randn(batch, q_heads, head_dim, device=device, dtype=dtype)
+        out = torch.empty_like(q)
+        tables = (case.cache, case.kv_indptr, case.kv_indices, case.kv_last_page_len)
+        nbytes = (
+            2 * batch * tokens * kv_heads * head_dim * q.element_size() + 2 * q.numel() * q.element_size()
+        )
+        flops = 4 * batch * q_heads * tokens * head_dim
+        shape = f"{name} B={batch} L={tokens}"
+        ours = partial(decode_attention, q, *tables, out=out, validate=False)
+        yield "decode_attention", shape, "triton", nbytes, flops, ours
+        fi = _flashinfer()
+        if fi is not None:
+            wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
+                torch.zeros(128 << 20, dtype=torch.uint8, device=device),
+                "HND",
+                use_tensor_cores=q_heads // kv_heads >= 4,
+            )
+            wrapper.plan(
+                case.kv_indptr,
+                case.kv_indices,
+                case.kv_last_page_len,
+                q_heads,
+                kv_heads,
+                head_dim,
+                PAGE_SIZE,
+                q_data_type=dtype,
+                kv_data_type=dtype,
+            )
+            theirs = partial(wrapper.run, q, case.cache, out=out)
+            yield "decode_attention", shape, "flashinfer", nbytes, flops, theirs
+
+
+def _flashinfer():
+    if not torch.cuda.is_available():
+        return None
+    try:
+        import flashinfer
+    except ImportError:
+        return None
+    return flashinfer
+
+
+def run_suite(device: str, tiny: bool, quick: bool, only: list[str] | None = None) -> tuple[list[Row], float]:
+    bench = timer(device, quick)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float16
+    copy_gbps = copy_bandwidth(bench, device, (1 << 20) if tiny else (1 << 30))
+    rows = []
+    for group in (bench_kv_append, bench_gemms, bench_decode):
+        for kernel, shape, provider, nbytes, flops, fn in group(device, dtype, tiny):
+            if only and kernel not in only:
+                continue
+            ms = bench(fn)
+            gbps = nbytes / ms / 1e6
+            rows.append(Row(kernel, shape, provider, ms, gbps, 100 * gbps / copy_gbps, flops / ms / 1e9))
+            print(f"{kernel:18s} {shape:36s} {provider:16s} {ms * 1e3:10.1f} us {gbps:8.1f} GB/s", flush=True)
+    return rows, copy_gbps
+
+
+def write_results(rows: list[Row], copy_gbps: float, out: Path, device_name: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "kernels.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(asdict(rows[0])))
+        writer.writeheader()
+        writer.writerows(asdict(r) for r in rows)
+    lines = [
+        f"Device: {device_name}; device-to-device copy: {copy_gbps:.0f} GB/s (measured in this run)",
+        "",
+        "| kernel | shape | provider | time (us) | GB/s | % of copy | TFLOP/s |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        tflops = f"{r.tflops:.1f}" if r.tflops else "-"
+        lines.append(
+            f"| {r.kernel} | {r.shape} | {r.provider} | {r.ms * 1e3:.1f} | {r.gbps:.0f} | "
+            f"{r.pct_copy:.0f}% | {tflops} |"
+        )
+    (out / "kernels.md").write_text("\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("bench_results"))
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke run)")
+    parser.add_argument("--quick", action="store_true", help="fewer timing repetitions")
+    parser.add_argument(
+        "--only", nargs="*", choices=["kv_append", "splitk_gemm", "out_proj", "decode_attention"]
+    )
+    args = parser.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not args.tiny:
+        print("full shapes need a CUDA device; pass --tiny on the CPU", file=sys.stderr)
+        return 2
+    name = torch.cuda.get_device_name() if device == "cuda" else "CPU (Triton interpreter)"
+    rows, copy_gbps = run_suite(device, args.tiny, args.quick, args.only)
+    write_results(rows, copy_gbps, args.out, name)
+    print(f"wrote {args.out / 'kernels.csv'} and {args.out / 'kernels.md'}")
+    return 0 if all(math.isfinite(r.ms) for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,316 @@
+"""Paged decode attention: one query token per sequence, GQA, split over the KV length with a merge.
+
+Phase 1 runs one program per (sequence, kv head, split): all ``Hq // Hkv`` query heads of the group
+share each K/V block they load (padded to 16 rows for tl.dot). Each program writes a partial output and
+its log-sum-exp; phase 2 merges the splits. Bytes: the K/V of every sequence once.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from pdkernels._paging import INTERPRET, cache_geometry, cache_strides, next_pow2, require, split_kv_cache
+from pdkernels.extend_attention import (
+    LOG2E,
+    check_attention_inputs,
+    check_out,
+    extend_attention_ref,
+    load_kv_block,
+)
+
+__all__ = ["decode_attention", "decode_attention_ref"]
+
+
+@triton.jit
+def _decode_split_kernel(
+    # pointers
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    o_part_ptr,
+    lse_part_ptr,
+    kv_indptr_ptr,
+    kv_indices_ptr,
+    kv_last_page_len_ptr,
+    # sizes
+    qk_scale,
+    group_size,
+    head_dim,
+    page_size,
+    # strides
+    stride_q_b,
+    stride_q_h,
+    stride_op_b,
+    stride_op_h,
+    stride_op_s,
+    stride_lp_b,
+    stride_lp_h,
+    stride_kc_page,
+    stride_kc_h,
+    stride_kc_p,
+    stride_vc_page,
+    stride_vc_h,
+    stride_vc_p,
+    # meta
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    page_lo = tl.load(kv_indptr_ptr + b)
+    num_pages = tl.load(kv_indptr_ptr + b + 1) - page_lo
+    seq_len = tl.where(num_pages > 0, (num_pages - 1) * page_size + tl.load(kv_last_page_len_ptr + b), 0)
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = kv_head * group_size + offs_g
+    mask_g = offs_g < group_size
+    mask_d = offs_d < head_dim
+    q = tl.load(
+        q_ptr + b * stride_q_b + heads[:, None] * stride_q_h + offs_d[None, :],
+        mask=mask_g[:, None] & mask_d[None, :],
+        other=0.0,
+    )  # [BLOCK_G, BLOCK_D]
+    if UPCAST:
+        q = q.to(tl.float32)
+    m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_G,), tl.float32)
+    acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
+    for start in range(lo, hi, BLOCK_N):  # every block holds at least one valid token
+        offs_n = start + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < hi
+        k = load_kv_block(
+            k_cache_ptr,
+            kv_indices_ptr,
+            page_lo,
+            kv_head,
+            offs_n,
+            mask_n,
+            offs_d,
+            head_dim,
+            page_size,
+            stride_kc_page,
+            stride_kc_h,
+            stride_kc_p,
+        )
+        v = load_kv_block(
+            v_cache_ptr,
+            kv_indices_ptr,
+            page_lo,
+            kv_head,
+            offs_n,
+            mask_n,
+            offs_d,
+            head_dim,
+            page_size,
+            stride_vc_page,
+            stride_vc_h,
+            stride_vc_p,
+        )
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.where(mask_n[None, :], tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))  # log2 units
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    o = o_part_ptr + b * stride_op_b + heads[:, None] * stride_op_h + split * stride_op_s + offs_d[None, :]
+    tl.store(o, acc / l_safe[:, None], mask=mask_g[:, None] & mask_d[None, :])
+    lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))  # log2 units; -inf for an empty split
+    tl.store(lse_part_ptr + b * stride_lp_b + heads * stride_lp_h + split, lse, mask=mask_g)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    o_part_ptr,
+    lse_part_ptr,
+    o_ptr,
+    lse_ptr,
+    head_dim,
+    stride_op_b,
+    stride_op_h,
+    stride_op_s,
+    stride_lp_b,
+    stride_lp_h,
+    stride_o_b,
+    stride_o_h,
+    stride_lse_b,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_LSE: tl.constexpr,
+):
+    b, head = tl.program_id(0), tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_s = offs_s < NUM_SPLITS
+    lse = tl.load(
+        lse_part_ptr + b * stride_lp_b + head * stride_lp_h + offs_s, mask=mask_s, other=float("-inf")
+    )
+    m = tl.max(lse, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m_safe)  # [BLOCK_S]; 0 for empty splits
+    parts = tl.load(
+        o_part_ptr + b * stride_op_b + head * stride_op_h + offs_s[:, None] * stride_op_s + offs_d[None, :],
+        mask=mask_s[:, None] & (offs_d[None, :] < head_dim),
+        other=0.0,
+    )
+    total = tl.sum(w, 0)
+    total_safe = tl.where(total > 0, total, 1.0)
+    o = tl.sum(parts * w[:, None], 0) / total_safe
+    tl.store(
+        o_ptr + b * stride_o_b + head * stride_o_h + offs_d,
+        o.to(o_ptr.dtype.element_ty),
+        mask=offs_d < head_dim,
+    )
+    if HAS_LSE:
+        tl.store(
+            lse_ptr + b * stride_lse_b + head,
+            tl.where(total > 0, (m_safe + tl.log2(total_safe)) / 1.4426950408889634, float("-inf")),
+        )
+
+
+def default_num_splits(
+    batch: int, num_kv_heads: int, avg_len: float, block_n: int, device: torch.device
+) -> int:
+    """About two programs per SM, no split shorter than one block (no device sync: uses shapes only)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    return max(
+        1, min(triton.cdiv(2 * sms, max(1, batch * num_kv_heads)), triton.cdiv(int(avg_len), block_n), 64)
+    )
+
+
+def decode_attention(
+    q: Tensor,
+    paged_kv_cache: Tensor | tuple[Tensor, Tensor],
+    kv_indptr: Tensor,
+    kv_indices: Tensor,
+    kv_last_page_len: Tensor,
+    kv_layout: str = "HND",
+    sm_scale: float | None = None,
+    out: Tensor | None = None,
+    return_lse: bool = False,
+    num_splits: int | None = None,
+    validate: bool = True,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Attention of one query per sequence, q [B, Hq, D], over its paged K/V (Hq a multiple of Hkv).
+
+    paged_kv_cache: [pages, 2, Hkv, P, D] (HND) or [pages, 2, P, Hkv, D] (NHD), or a (k, v) pair; page
+    table as FlashInfer's (kv_indptr [B + 1], kv_indices, kv_last_page_len [B]). Returns out [B, Hq, D]
+    in q's dtype (written into `out` when given) and, with return_lse, the natural-log LSE [B, Hq] fp32.
+    A sequence with no tokens gets zeros and LSE -inf. validate=False skips the host-side checks.
+    """
+    if validate:
+        k_cache, v_cache, seq_lens = check_attention_inputs(
+            q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, kv_layout
+        )
+        require(
+            seq_lens.numel() == q.shape[0], f"q has {q.shape[0]} sequences, the page table {seq_lens.numel()}"
+        )
+        require(num_splits is None or num_splits >= 1, f"num_splits must be >= 1 or None, got {num_splits}")
+    else:
+        k_cache, v_cache = split_kv_cache(paged_kv_cache, kv_layout)
+    batch, num_heads, head_dim = q.shape
+    _, num_kv_heads, page_size, _ = cache_geometry(k_cache, kv_layout)
+    out = check_out("out", out, tuple(q.shape), q.dtype, q.device)
+    lse = torch.empty((batch, num_heads), dtype=torch.float32, device=q.device) if return_lse else None
+    if batch == 0:
+        return (out, lse) if return_lse else out
+    block_n = 64
+    group = num_heads // num_kv_heads
+    num_splits = num_splits or default_num_splits(
+        batch, num_kv_heads, kv_indices.numel() * page_size / batch, block_n, q.device
+    )
+    o_part = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+    lse_part = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
+    block_d = max(16, next_pow2(head_dim))
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q,
+        k_cache,
+        v_cache,
+        o_part,
+        lse_part,
+        kv_indptr,
+        kv_indices,
+        kv_last_page_len,
+        sm_scale * LOG2E,
+        group,
+        head_dim,
+        page_size,
+        q.stride(0),
+        q.stride(1),
+        o_part.stride(0),
+        o_part.stride(1),
+        o_part.stride(2),
+        lse_part.stride(0),
+        lse_part.stride(1),
+        *cache_strides(k_cache, kv_layout),
+        *cache_strides(v_cache, kv_layout),
+        NUM_SPLITS=num_splits,
+        BLOCK_G=max(16, next_pow2(group)),
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        UPCAST=INTERPRET and q.dtype == torch.bfloat16,
+    )
+    lse_arg = lse if lse is not None else lse_part
+    _decode_merge_kernel[(batch, num_heads)](
+        o_part,
+        lse_part,
+        out,
+        lse_arg,
+        head_dim,
+        o_part.stride(0),
+        o_part.stride(1),
+        o_part.stride(2),
+        lse_part.stride(0),
+        lse_part.stride(1),
+        out.stride(0),
+        out.stride(1),
+        lse_arg.stride(0),
+        NUM_SPLITS=num_splits,
+        BLOCK_S=next_pow2(num_splits),
+        BLOCK_D=block_d,
+        HAS_LSE=return_lse,
+    )
+    return (out, lse) if return_lse else out
+
+
+def decode_attention_ref(
+    q: Tensor,
+    paged_kv_cache: Tensor | tuple[Tensor, Tensor],
+    kv_indptr: Tensor,
+    kv_indices: Tensor,
+    kv_last_page_len: Tensor,
+    kv_layout: str = "HND",
+    sm_scale: float | None = None,
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Reference: extend attention with one query per sequence (the last position, so causal is moot)."""
+    qo_indptr = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
+    return extend_attention_ref(
+        q,
+        qo_indptr,
+        paged_kv_cache,
+        kv_indptr,
+        kv_indices,
+        kv_last_page_len,
+        kv_layout,
+        causal=False,
+        sm_scale=sm_scale,
+        return_lse=return_lse,
+    )

@@ -1,0 +1,341 @@
+"""Prefill/extend attention over a paged KV cache, for chunked prefill.
+
+Request ``b`` brings ``q_len = qo_indptr[b+1] - qo_indptr[b]`` new query tokens whose K/V are already
+appended, so the cache holds ``seq_len`` tokens (page table) of which the last ``q_len`` are the new
+ones. Query ``i`` sits at position ``seq_len - q_len + i`` and, when causal, attends to the cached
+prefix and to the new tokens up to itself. GQA: query head ``h`` reads kv head ``h // (Hq // Hkv)``.
+FLOPs: 4 * Hq * D * sum over queries of the keys they attend to.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from pdkernels._paging import (
+    INDEX_DTYPES,
+    INTERPRET,
+    cache_geometry,
+    cache_strides,
+    check_page_table,
+    check_tensor,
+    gather_kv,
+    next_pow2,
+    require,
+    split_kv_cache,
+)
+
+__all__ = ["extend_attention", "extend_attention_ref", "check_attention_inputs", "check_extend_attention"]
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def load_kv_block(
+    cache_ptr,
+    kv_indices_ptr,
+    page_lo,
+    kv_head,
+    offs_n,
+    mask_n,
+    offs_d,
+    head_dim,
+    page_size,
+    stride_page,
+    stride_h,
+    stride_p,
+):
+    """[BLOCK_N, BLOCK_D] rows of one kv head at token positions offs_n of one request."""
+    page = tl.load(kv_indices_ptr + page_lo + offs_n // page_size, mask=mask_n, other=0).to(tl.int64)
+    rows = cache_ptr + page * stride_page + kv_head * stride_h + (offs_n % page_size) * stride_p
+    return tl.load(
+        rows[:, None] + offs_d[None, :], mask=mask_n[:, None] & (offs_d[None, :] < head_dim), other=0.0
+    )
+
+
+@triton.jit
+def _extend_attention_kernel(
+    # pointers
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    o_ptr,
+    lse_ptr,
+    qo_indptr_ptr,
+    kv_indptr_ptr,
+    kv_indices_ptr,
+    kv_last_page_len_ptr,
+    # sizes
+    qk_scale,
+    group_size,
+    head_dim,
+    page_size,
+    # strides
+    stride_q_t,
+    stride_q_h,
+    stride_o_t,
+    stride_o_h,
+    stride_lse_t,
+    stride_kc_page,
+    stride_kc_h,
+    stride_kc_p,
+    stride_vc_page,
+    stride_vc_h,
+    stride_vc_p,
+    # meta
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    UPCAST: tl.constexpr,
+    HAS_LSE: tl.constexpr,
+):
+    pid_m, head, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    q_lo = tl.load(qo_indptr_ptr + b)
+    q_len = tl.load(qo_indptr_ptr + b + 1) - q_lo
+    page_lo = tl.load(kv_indptr_ptr + b)
+    num_pages = tl.load(kv_indptr_ptr + b + 1) - page_lo
+    seq_len = tl.where(num_pages > 0, (num_pages - 1) * page_size + tl.load(kv_last_page_len_ptr + b), 0)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_m = offs_m < q_len
+    q_pos = seq_len - q_len + offs_m  # absolute position of each query
+    q = tl.load(
+        q_ptr + (q_lo + offs_m[:, None]).to(tl.int64) * stride_q_t + head * stride_q_h + offs_d[None, :],
+        mask=mask_m[:, None] & (offs_d[None, :] < head_dim),
+        other=0.0,
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
+    kv_head = head // group_size
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    kv_hi = seq_len
+    if CAUSAL:
+        kv_hi = tl.minimum(seq_len, seq_len - q_len + (pid_m + 1) * BLOCK_M)
+    if pid_m * BLOCK_M < q_len:
+        for start in range(0, kv_hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < kv_hi
+            k = load_kv_block(
+                k_cache_ptr,
+                kv_indices_ptr,
+                page_lo,
+                kv_head,
+                offs_n,
+                mask_n,
+                offs_d,
+                head_dim,
+                page_size,
+                stride_kc_page,
+                stride_kc_h,
+                stride_kc_p,
+            )
+            v = load_kv_block(
+                v_cache_ptr,
+                kv_indices_ptr,
+                page_lo,
+                kv_head,
+                offs_n,
+                mask_n,
+                offs_d,
+                head_dim,
+                page_size,
+                stride_vc_page,
+                stride_vc_h,
+                stride_vc_p,
+            )
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+            keep = mask_n[None, :]
+            if CAUSAL:
+                keep = keep & (offs_n[None, :] <= q_pos[:, None])
+            s = tl.where(keep, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing to attend to yet
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    o = o_ptr + (q_lo + offs_m[:, None]).to(tl.int64) * stride_o_t + head * stride_o_h + offs_d[None, :]
+    tl.store(
+        o,
+        (acc / l_safe[:, None]).to(o_ptr.dtype.element_ty),
+        mask=mask_m[:, None] & (offs_d[None, :] < head_dim),
+    )
+    if HAS_LSE:
+        lse = tl.where(l_i > 0, (m_i + tl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
+        tl.store(lse_ptr + (q_lo + offs_m).to(tl.int64) * stride_lse_t + head, lse, mask=mask_m)
+
+
+def check_attention_inputs(
+    q: Tensor,
+    paged_kv_cache: Tensor | tuple[Tensor, Tensor],
+    kv_indptr: Tensor,
+    kv_indices: Tensor,
+    kv_last_page_len: Tensor,
+    kv_layout: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Check q [T, Hq, D] against the cache and page table; return (k_cache, v_cache, seq_lens)."""
+    k_cache, v_cache = split_kv_cache(paged_kv_cache, kv_layout)
+    num_pages, num_kv_heads, page_size, head_dim = cache_geometry(k_cache, kv_layout)
+    check_tensor("q", q, 3, (torch.float16, torch.bfloat16, torch.float32), k_cache.device)
+    require(q.dtype == k_cache.dtype, f"q dtype {q.dtype} must equal the cache dtype {k_cache.dtype}")
+    require(q.shape[2] == head_dim, f"q head_dim {q.shape[2]} differs from the cache's {head_dim}")
+    require(
+        q.shape[1] % num_kv_heads == 0,
+        f"q heads ({q.shape[1]}) must be a multiple of the cache's kv heads ({num_kv_heads})",
+    )
+    seq_lens = check_page_table(kv_indptr, kv_indices, kv_last_page_len, num_pages, page_size, k_cache.device)
+    return k_cache, v_cache, seq_lens
+
+
+def check_out(name: str, t: Tensor | None, shape: tuple, dtype: torch.dtype, device: torch.device) -> Tensor:
+    if t is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    check_tensor(name, t, len(shape), (dtype,), device)
+    require(tuple(t.shape) == shape, f"{name} must have shape {shape}, got {tuple(t.shape)}")
+    return t
+
+
+def check_extend_attention(
+    q: Tensor,
+    qo_indptr: Tensor,
+    paged_kv_cache: Tensor | tuple[Tensor, Tensor],
+    kv_indptr: Tensor,
+    kv_indices: Tensor,
+    kv_last_page_len: Tensor,
+    kv_layout: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Check extend_attention's inputs; return (k_cache, v_cache, queries per request [B])."""
+    k_cache, v_cache, seq_lens = check_attention_inputs(
+        q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, kv_layout
+    )
+    check_tensor("qo_indptr", qo_indptr, 1, INDEX_DTYPES, q.device, contiguous=True)
+    require(
+        qo_indptr.numel() == seq_lens.numel() + 1
+        and int(qo_indptr[0]) == 0
+        and int(qo_indptr[-1]) == q.shape[0],
+        f"qo_indptr must be [0 .. T={q.shape[0]}] with batch_size + 1 = {seq_lens.numel() + 1} entries",
+    )
+    q_lens = (qo_indptr[1:] - qo_indptr[:-1]).cpu().long()
+    require(
+        bool(((q_lens >= 0) & (q_lens <= seq_lens)).all()),
+        f"each request's queries (q_lens {q_lens.tolist()}) must fit its cached tokens ({seq_lens.tolist()})",
+    )
+    return k_cache, v_cache, q_lens
+
+
+def extend_attention(
+    q: Tensor,
+    qo_indptr: Tensor,
+    paged_kv_cache: Tensor | tuple[Tensor, Tensor],
+    kv_indptr: Tensor,
+    kv_indices: Tensor,
+    kv_last_page_len: Tensor,
+    kv_layout: str = "HND",
+    causal: bool = True,
+    sm_scale: float | None = None,
+    out: Tensor | None = None,
+    return_lse: bool = False,
+    max_q_len: int | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Attention of q [T, Hq, D] (ragged by qo_indptr [B + 1]) over each request's paged K/V.
+
+    Returns out [T, Hq, D] in q's dtype (written into `out` when given) and, with return_lse, the
+    natural-log log-sum-exp [T, Hq] fp32 of each query's scores.
+    """
+    k_cache, v_cache, q_lens = check_extend_attention(
+        q, qo_indptr, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, kv_layout
+    )
+    num_tokens, num_heads, head_dim = q.shape
+    out = check_out("out", out, tuple(q.shape), q.dtype, q.device)
+    lse = torch.empty((num_tokens, num_heads), dtype=torch.float32, device=q.device) if return_lse else out
+    batch = q_lens.numel()
+    max_q_len = (max_q_len or int(q_lens.max())) if batch else 0
+    if num_tokens and max_q_len:
+        _, num_kv_heads, page_size, _ = cache_geometry(k_cache, kv_layout)
+        sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
+        block_m, block_n = (16, 64) if INTERPRET else (64, 64)
+        grid = (triton.cdiv(max_q_len, block_m), num_heads, batch)
+        _extend_attention_kernel[grid](
+            q,
+            k_cache,
+            v_cache,
+            out,
+            lse,
+            qo_indptr,
+            kv_indptr,
+            kv_indices,
+            kv_last_page_len,
+            sm_scale * LOG2E,
+            num_heads // num_kv_heads,
+            head_dim,
+            page_size,
+            q.stride(0),
+            q.stride(1),
+            out.stride(0),
+            out.stride(1),
+            lse.stride(0),
+            *cache_strides(k_cache, kv_layout),
+            *cache_strides(v_cache, kv_layout),
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_D=max(16, next_pow2(head_dim)),
+            CAUSAL=causal,
+            UPCAST=INTERPRET and q.dtype == torch.bfloat16,
+            HAS_LSE=return_lse,
+        )
+    return (out, lse) if return_lse else out
+
+
+def extend_attention_ref(
+    q: Tensor,
+    qo_indptr: Tensor,
+    paged_kv_cache: Tensor | tuple[Tensor, Tensor],
+    kv_indptr: Tensor,
+    kv_indices: Tensor,
+    kv_last_page_len: Tensor,
+    kv_layout: str = "HND",
+    causal: bool = True,
+    sm_scale: float | None = None,
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Reference: gather each request's K/V, fp32 softmax with the causal offset, one request at a time."""
+    k_cache, v_cache = split_kv_cache(paged_kv_cache, kv_layout)
+    page_size = cache_geometry(k_cache, kv_layout)[2]
+    num_tokens, num_heads, head_dim = q.shape
+    sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full((num_tokens, num_heads), float("-inf"), device=q.device)
+    indptr, qo = kv_indptr.tolist(), qo_indptr.tolist()
+    for b in range(len(indptr) - 1):
+        pages = kv_indices[indptr[b] : indptr[b + 1]]
+        seq_len = (len(pages) - 1) * page_size + int(kv_last_page_len[b]) if len(pages) else 0
+        q_b = q[qo[b] : qo[b + 1]].float()  # [n, Hq, D]
+        if q_b.shape[0] == 0 or seq_len == 0:
+            continue
+        group = num_heads // cache_geometry(k_cache, kv_layout)[1]
+        k = (
+            gather_kv(k_cache, kv_layout, pages, seq_len).float().repeat_interleave(group, dim=1)
+        )  # [L, Hq, D]
+        v = gather_kv(v_cache, kv_layout, pages, seq_len).float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q_b, k) * sm_scale  # [Hq, n, L]
+        if causal:
+            q_pos = seq_len - q_b.shape[0] + torch.arange(q_b.shape[0], device=q.device)
+            scores = scores.masked_fill(
+                torch.arange(seq_len, device=q.device)[None, :] > q_pos[:, None], float("-inf")
+            )
+        out[qo[b] : qo[b + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+        lse[qo[b] : qo[b + 1]] = scores.logsumexp(-1).t()
+    out = out.to(q.dtype)
+    return (out, lse) if return_lse else out

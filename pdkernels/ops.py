@@ -1,0 +1,210 @@
+"""The one place that picks each op's implementation.
+
+Backends: ``triton`` (our kernels: on CUDA tensors, or on CPU under TRITON_INTERPRET=1), ``torch`` (the
+plain references), ``flashinfer`` (CUDA only, for the appends and the attentions; the GEMMs stay
+Triton). ``auto`` takes triton where it can run and torch otherwise. Choose with ``set_backend`` or the
+environment variable PDKERNELS_BACKEND. Every backend gets the same input checks (``validate=False``
+skips them where a launcher allows it, e.g. during CUDA-graph capture).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from pdkernels import decode_attention as _dec
+from pdkernels import extend_attention as _ext
+from pdkernels import kv_append as _kv
+from pdkernels import out_proj as _op
+from pdkernels import splitk_gemm as _gemm
+from pdkernels._paging import INTERPRET, require
+
+BACKENDS = ("auto", "triton", "torch", "flashinfer")
+FLASHINFER_OPS = ("kv_append", "kv_append_mla", "decode_attention", "extend_attention")
+_backend = os.environ.get("PDKERNELS_BACKEND", "auto")
+
+
+def set_backend(name: str) -> None:
+    require(name in BACKENDS, f"backend must be one of {BACKENDS}, got {name!r}")
+    global _backend
+    _backend = name
+
+
+def resolve(op: str, device: torch.device) -> str:
+    """The backend that runs `op` on `device` under the current setting: 'triton', 'torch' or 'flashinfer'."""
+    require(_backend in BACKENDS, f"PDKERNELS_BACKEND must be one of {BACKENDS}, got {_backend!r}")
+    triton_ok = device.type == "cuda" or INTERPRET
+    if _backend == "torch" or (_backend == "auto" and not triton_ok):
+        return "torch"
+    if _backend == "flashinfer" and op in FLASHINFER_OPS:
+        from pdkernels import flashinfer_ops
+
+        require(
+            device.type == "cuda" and flashinfer_ops.available(),
+            "backend 'flashinfer' needs a CUDA device and the flashinfer-python package (pip install .[gpu])",
+        )
+        return "flashinfer"
+    require(
+        triton_ok, f"backend 'triton' needs a CUDA tensor or TRITON_INTERPRET=1, got a {device.type} tensor"
+    )
+    return "triton"
+
+
+def _flashinfer():
+    from pdkernels import flashinfer_ops
+
+    return flashinfer_ops
+
+
+def kv_append(
+    append_key,
+    append_value,
+    batch_indices,
+    positions,
+    paged_kv_cache,
+    kv_indices,
+    kv_indptr,
+    kv_last_page_len,
+    kv_layout: str = "HND",
+    validate: bool = True,
+) -> None:
+    """See pdkernels.kv_append.kv_append."""
+    args = (
+        append_key,
+        append_value,
+        batch_indices,
+        positions,
+        paged_kv_cache,
+        kv_indices,
+        kv_indptr,
+        kv_last_page_len,
+        kv_layout,
+    )
+    kind = resolve("kv_append", append_key.device)
+    if kind == "triton":
+        return _kv.kv_append(*args, validate=validate)
+    if validate:
+        _kv.check_kv_append(*args)
+    (_kv.kv_append_ref if kind == "torch" else _flashinfer().kv_append)(*args)
+
+
+def kv_append_slots(
+    append_key, append_value, paged_kv_cache, slots, kv_layout: str = "HND", validate: bool = True
+) -> None:
+    """See pdkernels.kv_append.kv_append_slots."""
+    args = (append_key, append_value, paged_kv_cache, slots, kv_layout)
+    if resolve("kv_append_slots", append_key.device) == "triton":
+        return _kv.kv_append_slots(*args, validate=validate)
+    if validate:
+        _kv.check_kv_append_slots(*args)
+    _kv.kv_append_slots_ref(*args)
+
+
+def kv_append_mla(
+    append_ckv,
+    append_kpe,
+    batch_indices,
+    positions,
+    ckv_cache,
+    kpe_cache,
+    kv_indices,
+    kv_indptr,
+    kv_last_page_len,
+    validate: bool = True,
+) -> None:
+    """See pdkernels.kv_append.kv_append_mla."""
+    args = (
+        append_ckv,
+        append_kpe,
+        batch_indices,
+        positions,
+        ckv_cache,
+        kpe_cache,
+        kv_indices,
+        kv_indptr,
+        kv_last_page_len,
+    )
+    kind = resolve("kv_append_mla", append_ckv.device)
+    if kind == "triton":
+        return _kv.kv_append_mla(*args, validate=validate)
+    if validate:
+        _kv.check_kv_append_mla(*args)
+    (_kv.kv_append_mla_ref if kind == "torch" else _flashinfer().kv_append_mla)(*args)
+
+
+def linear(x, w, out=None):
+    """y = x @ w^T for decode-sized x [M, K] (split-K GEMM); see pdkernels.splitk_gemm."""
+    if resolve("splitk_gemm", x.device) == "triton":
+        return _gemm.splitk_gemm(x, w, out=out)
+    return _gemm.splitk_gemm_ref(x, w, out=_gemm.check_linear(x, w, out))
+
+
+def out_proj(x, w, out=None, counter=None, layer: int = 0):
+    """Attention output projection that bumps counter[0, layer] once; see pdkernels.out_proj."""
+    if resolve("out_proj", x.device) == "triton":
+        return _op.out_proj(x, w, out=out, counter=counter, layer=layer)
+    if counter is not None:
+        _op.check_counter(counter, layer, x.device)
+    return _op.out_proj_ref(x, w, out=_gemm.check_linear(x, w, out), counter=counter, layer=layer)
+
+
+def decode_attention(
+    q,
+    paged_kv_cache,
+    kv_indptr,
+    kv_indices,
+    kv_last_page_len,
+    kv_layout: str = "HND",
+    sm_scale: float | None = None,
+    out=None,
+    return_lse: bool = False,
+    validate: bool = True,
+):
+    """See pdkernels.decode_attention.decode_attention."""
+    args = (q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, kv_layout)
+    kind = resolve("decode_attention", q.device)
+    if kind == "triton":
+        return _dec.decode_attention(
+            *args, sm_scale=sm_scale, out=out, return_lse=return_lse, validate=validate
+        )
+    if validate:
+        _ext.check_attention_inputs(*args)
+    if kind == "flashinfer":
+        return _flashinfer().decode_attention(*args, sm_scale=sm_scale, out=out, return_lse=return_lse)
+    return _into(out, _dec.decode_attention_ref(*args, sm_scale=sm_scale, return_lse=return_lse), return_lse)
+
+
+def extend_attention(
+    q,
+    qo_indptr,
+    paged_kv_cache,
+    kv_indptr,
+    kv_indices,
+    kv_last_page_len,
+    kv_layout: str = "HND",
+    causal: bool = True,
+    sm_scale: float | None = None,
+    out=None,
+    return_lse: bool = False,
+):
+    """See pdkernels.extend_attention.extend_attention."""
+    args = (q, qo_indptr, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, kv_layout)
+    kind = resolve("extend_attention", q.device)
+    if kind == "triton":
+        return _ext.extend_attention(*args, causal=causal, sm_scale=sm_scale, out=out, return_lse=return_lse)
+    _ext.check_extend_attention(*args)
+    if kind == "flashinfer":
+        return _flashinfer().extend_attention(
+            *args, causal=causal, sm_scale=sm_scale, out=out, return_lse=return_lse
+        )
+    result = _ext.extend_attention_ref(*args, causal=causal, sm_scale=sm_scale, return_lse=return_lse)
+    return _into(out, result, return_lse)
+
+
+def _into(out, result, return_lse: bool):
+    """Give a reference's result the launchers' `out=` behaviour."""
+    if out is None:
+        return result
+    out.copy_(result[0] if return_lse else result)
+    return (out, result[1]) if return_lse else out

@@ -1,0 +1,215 @@
+"""Split-K GEMM ``y = x @ W^T`` for the small-M linears of decode (M = 1..64 tokens).
+
+With few rows, a plain tiled GEMM launches too few programs to read the weight at full bandwidth. Each
+program here reduces one K-slice of one [BLOCK_M, BLOCK_N] tile in fp32 and writes it to a workspace;
+a second kernel sums the SPLIT_K partials in a fixed order (deterministic, no atomics) and casts.
+FLOPs: 2*M*N*K. Bytes: N*K*w.itemsize (weight) + M*K + M*N (activations), weight-dominated for small M.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from pdkernels._paging import INTERPRET, check_tensor, next_pow2, require
+
+__all__ = ["splitk_gemm", "splitk_gemm_ref", "gemm_tile", "gemm_meta"]
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def gemm_tile(
+    x_ptr,
+    w_ptr,
+    M,
+    N,
+    stride_xm,
+    stride_xk,
+    stride_wn,
+    stride_wk,
+    pid_m,
+    pid_n,
+    k_lo,
+    k_hi,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """fp32 [BLOCK_M, BLOCK_N] tile of x[:, k_lo:k_hi] @ w[:, k_lo:k_hi]^T (shared with out_proj)."""
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+    w_cols = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        in_k = offs_k < k_hi
+        x = tl.load(
+            x_rows + offs_k[None, :] * stride_xk, mask=(offs_m[:, None] < M) & in_k[None, :], other=0.0
+        )
+        w = tl.load(
+            w_cols + offs_k[:, None] * stride_wk, mask=in_k[:, None] & (offs_n[None, :] < N), other=0.0
+        )
+        if UPCAST:  # the interpreter's bf16 arithmetic is wrong; fp32 operands are exact there
+            x = x.to(tl.float32)
+            w = w.to(tl.float32)
+        if IEEE:
+            acc = tl.dot(x, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, w, acc)
+    return acc
+
+
+@triton.jit
+def _splitk_gemm_kernel(
+    x_ptr,
+    w_ptr,
+    ws_ptr,
+    M,
+    N,
+    k_per_split,
+    K,
+    stride_xm,
+    stride_xk,
+    stride_wn,
+    stride_wk,
+    stride_ws_s,
+    stride_ws_m,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    acc = gemm_tile(
+        x_ptr,
+        w_ptr,
+        M,
+        N,
+        stride_xm,
+        stride_xk,
+        stride_wn,
+        stride_wk,
+        pid_m,
+        pid_n,
+        k_lo,
+        k_hi,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+        UPCAST,
+        IEEE,
+    )
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ws = ws_ptr + pid_k * stride_ws_s + offs_m[:, None] * stride_ws_m + offs_n[None, :]
+    tl.store(ws, acc, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+@triton.jit
+def _splitk_reduce_kernel(
+    ws_ptr, y_ptr, M, N, split_k, stride_ws_s, stride_ws_m, stride_ym, BLOCK_N: tl.constexpr
+):
+    m, pid_n = tl.program_id(0), tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = offs_n < N
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for s in range(0, split_k):
+        acc += tl.load(ws_ptr + s * stride_ws_s + m * stride_ws_m + offs_n, mask=mask, other=0.0)
+    tl.store(y_ptr + m * stride_ym + offs_n, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def gemm_meta(x: Tensor) -> dict:
+    """Dtype-dependent meta-parameters of gemm_tile."""
+    return dict(UPCAST=INTERPRET and x.dtype == torch.bfloat16, IEEE=x.dtype == torch.float32)
+
+
+def check_linear(x: Tensor, w: Tensor, out: Tensor | None) -> Tensor:
+    """Check x [M, K] and w [N, K]; return out (allocated when None) as [M, N] in x's dtype."""
+    check_tensor("x", x, 2, DTYPES)
+    check_tensor("w", w, 2, (x.dtype,), x.device)
+    require(x.shape[1] == w.shape[1], f"x is [M, K={x.shape[1]}] but w is [N, K={w.shape[1]}]: K must match")
+    if out is None:
+        return torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
+    check_tensor("out", out, 2, (x.dtype,), x.device)
+    require(
+        tuple(out.shape) == (x.shape[0], w.shape[0]),
+        f"out must be [M, N] = {(x.shape[0], w.shape[0])}, got {tuple(out.shape)}",
+    )
+    return out
+
+
+def default_split_k(
+    m: int, n: int, k: int, block_m: int, block_n: int, block_k: int, device: torch.device
+) -> int:
+    """Enough K-slices to give every SM about two programs, none shorter than one BLOCK_K."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    return max(1, min(triton.cdiv(2 * sms, tiles), triton.cdiv(k, block_k)))
+
+
+def splitk_gemm(
+    x: Tensor,
+    w: Tensor,
+    out: Tensor | None = None,
+    split_k: int | None = None,
+    block_n: int = 64,
+    block_k: int = 128,
+) -> Tensor:
+    """y = x @ w^T. x [M, K], w [N, K] (nn.Linear layout), fp16/bf16/fp32; returns (or fills) out [M, N].
+
+    split_k: number of K-slices (default: from the SM count); the reduction is deterministic.
+    """
+    out = check_linear(x, w, out)
+    require(split_k is None or split_k >= 1, f"split_k must be >= 1 or None, got {split_k}")
+    (m, k), n = x.shape, w.shape[0]
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    block_m = min(64, max(16, next_pow2(m)))
+    split_k = split_k or default_split_k(m, n, k, block_m, block_n, block_k, x.device)
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    split_k = triton.cdiv(k, k_per_split)
+    ws = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)
+    _splitk_gemm_kernel[grid](
+        x,
+        w,
+        ws,
+        m,
+        n,
+        k_per_split,
+        k,
+        x.stride(0),
+        x.stride(1),
+        w.stride(0),
+        w.stride(1),
+        ws.stride(0),
+        ws.stride(1),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        **gemm_meta(x),
+    )
+    reduce_n = min(1024, next_pow2(n))
+    _splitk_reduce_kernel[(m, triton.cdiv(n, reduce_n))](
+        ws, out, m, n, split_k, ws.stride(0), ws.stride(1), out.stride(0), BLOCK_N=reduce_n
+    )
+    return out
+
+
+def splitk_gemm_ref(x: Tensor, w: Tensor, out: Tensor | None = None) -> Tensor:
+    """Reference: fp32 accumulation, cast to x's dtype."""
+    y = (x.float() @ w.float().t()).to(x.dtype)
+    if out is None:
+        return y
+    return out.copy_(y)

@@ -1,0 +1,20 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="pdkernels",
+    version="0.1.0",
+    description="Disaggregated prefill/decode for LLM serving: kernels, engine, KV transfer, experiments",
+    python_requires=">=3.10",
+    packages=find_packages(include=["pdkernels", "engine*", "transfer*", "experiments*"]),
+    install_requires=[
+        # the CPU wheel on this machine's disk; an unpinned torch pulls a multi-GB CUDA build
+        "torch==2.13.0",
+        "triton==3.9.0",
+        "numpy",
+    ],
+    extras_require={
+        "test": ["pytest", "pytest-benchmark", "hypothesis", "transformers", "ruff"],
+        "gpu": ["flashinfer-python", "cuda-python"],
+        "nixl": ["nixl-cu12==1.5.1"],
+    },
+)

@@ -1,0 +1,81 @@
+import pytest
+import torch
+
+from pdkernels.decode_attention import decode_attention, decode_attention_ref
+from pdkernels.testing import make_paged_cache
+
+# (dtype, atol, rtol): the kernel rounds probabilities to the cache dtype before P @ V
+TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
+SEQ_LENS = [1, 17, 50]
+KV_HEADS, HEAD_DIM = 2, 32
+
+
+def _case(page_size, kv_layout, dtype, group, seq_lens=SEQ_LENS, seed=0):
+    case = make_paged_cache(seq_lens, KV_HEADS, HEAD_DIM, page_size, kv_layout, dtype=dtype, seed=seed)
+    q = torch.randn(
+        len(seq_lens), KV_HEADS * group, HEAD_DIM, generator=torch.Generator().manual_seed(seed + 1)
+    )
+    return case, q.to(dtype)
+
+
+def _tables(case):
+    return case.cache, case.kv_indptr, case.kv_indices, case.kv_last_page_len, case.kv_layout
+
+
+@pytest.mark.parametrize("dtype", list(TOL))
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("kv_layout", ["HND", "NHD"])
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_decode_attention_matches_ref(page_size, kv_layout, group, dtype):
+    case, q = _case(page_size, kv_layout, dtype, group)
+    out, lse = decode_attention(q, *_tables(case), return_lse=True, num_splits=3)
+    ref_out, ref_lse = decode_attention_ref(q, *_tables(case), return_lse=True)
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(out, ref_out, atol=atol, rtol=rtol)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 7, None])
+def test_decode_attention_split_counts(num_splits):
+    """More splits than blocks leaves empty splits; the merge must ignore them."""
+    case, q = _case(4, "HND", torch.float32, 4)
+    out = decode_attention(q, *_tables(case), num_splits=num_splits)
+    torch.testing.assert_close(out, decode_attention_ref(q, *_tables(case)), atol=1e-5, rtol=1e-5)
+
+
+def test_decode_attention_out_scale_and_empty_sequence():
+    case, q = _case(16, "HND", torch.float16, 3, seq_lens=[0, 33, 5])
+    out = torch.full_like(q, float("nan"))
+    got, lse = decode_attention(q, *_tables(case), sm_scale=0.3, out=out, return_lse=True)
+    ref, ref_lse = decode_attention_ref(q, *_tables(case), sm_scale=0.3, return_lse=True)
+    assert got.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(out, ref, atol=2e-3, rtol=2e-3)
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and bool(torch.isneginf(lse[0]).all())
+    torch.testing.assert_close(lse[1:], ref_lse[1:], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda q, a: (q[:, :3], a), "must be a multiple of the cache's kv heads"),
+        (lambda q, a: (q[..., :16], a), "head_dim"),
+        (lambda q, a: (q.half(), a), "must equal the cache dtype"),
+        (lambda q, a: (q[:2], a), "sequences"),
+        (lambda q, a: (q, {**a, "kv_layout": "hnd"}), "kv_layout must be one of"),
+        (lambda q, a: (q, {**a, "kv_indices": a["kv_indices"] + 100}), "kv_indices hold page ids"),
+        (lambda q, a: (q, {**a, "kv_indptr": a["kv_indptr"].flip(0)}), "kv_indptr"),
+        (lambda q, a: (q.transpose(0, 2).contiguous().transpose(0, 2), a), "contiguous in its last dim"),
+    ],
+)
+def test_decode_attention_rejects_bad_input(change, message):
+    case, q = _case(4, "HND", torch.float32, 2)
+    args = dict(
+        paged_kv_cache=case.cache,
+        kv_indptr=case.kv_indptr,
+        kv_indices=case.kv_indices,
+        kv_last_page_len=case.kv_last_page_len,
+        kv_layout="HND",
+    )
+    q, args = change(q, args)
+    with pytest.raises(ValueError, match=message):
+        decode_attention(q, **args)
