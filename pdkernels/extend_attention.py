@@ -248,20 +248,26 @@ def extend_attention(
     out: Tensor | None = None,
     return_lse: bool = False,
     max_q_len: int | None = None,
+    validate: bool = True,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention of q [T, Hq, D] (ragged by qo_indptr [B + 1]) over each request's paged K/V.
 
     Returns out [T, Hq, D] in q's dtype (written into `out` when given) and, with return_lse, the
-    natural-log log-sum-exp [T, Hq] fp32 of each query's scores.
+    natural-log log-sum-exp [T, Hq] fp32 of each query's scores. validate=False skips the input checks;
+    max_q_len (the longest query run) then saves a device sync.
     """
-    k_cache, v_cache, q_lens = check_extend_attention(
-        q, qo_indptr, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, kv_layout
-    )
+    if validate:
+        k_cache, v_cache, q_lens = check_extend_attention(
+            q, qo_indptr, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, kv_layout
+        )
+    else:
+        k_cache, v_cache = split_kv_cache(paged_kv_cache, kv_layout)
+        q_lens = qo_indptr[1:] - qo_indptr[:-1]
     num_tokens, num_heads, head_dim = q.shape
     out = check_out("out", out, tuple(q.shape), q.dtype, q.device)
     lse = torch.empty((num_tokens, num_heads), dtype=torch.float32, device=q.device) if return_lse else out
     batch = q_lens.numel()
-    max_q_len = (max_q_len or int(q_lens.max())) if batch else 0
+    max_q_len = (max_q_len or int(q_lens.max())) if batch else 0  # max_q_len given: no sync
     if num_tokens and max_q_len:
         _, num_kv_heads, page_size, _ = cache_geometry(k_cache, kv_layout)
         sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)

@@ -187,19 +187,19 @@ def extend_attention(
     sm_scale: float | None = None,
     out=None,
     return_lse: bool = False,
+    validate: bool = True,
 ):
     """See pdkernels.extend_attention.extend_attention."""
     args = (q, qo_indptr, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, kv_layout)
     kind = resolve("extend_attention", q.device)
+    kwargs = {"causal": causal, "sm_scale": sm_scale, "return_lse": return_lse}
     if kind == "triton":
-        return _ext.extend_attention(*args, causal=causal, sm_scale=sm_scale, out=out, return_lse=return_lse)
-    _ext.check_extend_attention(*args)
+        return _ext.extend_attention(*args, out=out, validate=validate, **kwargs)
+    if validate:
+        _ext.check_extend_attention(*args)
     if kind == "flashinfer":
-        return _flashinfer().extend_attention(
-            *args, causal=causal, sm_scale=sm_scale, out=out, return_lse=return_lse
-        )
-    result = _ext.extend_attention_ref(*args, causal=causal, sm_scale=sm_scale, return_lse=return_lse)
-    return _into(out, result, return_lse)
+        return _flashinfer().extend_attention(*args, out=out, **kwargs)
+    return _into(out, _ext.extend_attention_ref(*args, **kwargs), return_lse)
 
 
 def _into(out, result, return_lse: bool):

@@ -1,0 +1,131 @@
+"""Engine configuration: dataclasses that check their invariants on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+ROLES = ("colocated", "prefill", "decode")
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A Llama-family decoder: RMSNorm, RoPE, GQA, SwiGLU; Qwen3 adds RMSNorm on q and k per head."""
+
+    name: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    max_position: int = 2048
+    tie_embeddings: bool = False
+    qk_norm: bool = False
+    rope_scaling: dict | None = None  # Llama 3 "llama3" frequency scaling, as in config.json
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position",
+        ):
+            _check(getattr(self, name) >= 1, f"model.{name} must be >= 1, got {getattr(self, name)}")
+        _check(
+            self.num_heads % self.num_kv_heads == 0,
+            f"model.num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})",
+        )
+        _check(self.head_dim % 2 == 0, f"model.head_dim must be even for RoPE, got {self.head_dim}")
+        kind = (self.rope_scaling or {}).get("rope_type", (self.rope_scaling or {}).get("type"))
+        _check(
+            kind in (None, "default", "llama3"),
+            f"model.rope_scaling type must be one of (None, 'default', 'llama3'), got {kind!r}",
+        )
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    page_size: int = 16
+    num_pages: int = 1024
+    kv_layout: str = "HND"
+
+    def __post_init__(self):
+        _check(self.page_size >= 1, f"page_size must be >= 1, got {self.page_size}")
+        _check(self.num_pages >= 1, f"num_pages must be >= 1, got {self.num_pages}")
+        _check(
+            self.kv_layout in ("HND", "NHD"),
+            f"kv_layout must be one of ('HND', 'NHD'), got {self.kv_layout!r}",
+        )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    role: str = "colocated"
+    max_num_seqs: int = 64  # sequences in one step
+    max_num_batched_tokens: int = 512  # per-step token budget; prompts longer than it are chunked
+
+    def __post_init__(self):
+        _check(self.role in ROLES, f"role must be one of {ROLES}, got {self.role!r}")
+        _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        _check(
+            self.max_num_batched_tokens >= 1,
+            f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}",
+        )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: str = "cpu"
+    dtype: str = "float32"
+    tp: int = 1
+    seed: int = 0
+
+    def __post_init__(self):
+        _check(self.dtype in DTYPES, f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+        _check(
+            self.device == "cpu" or self.device.startswith("cuda"),
+            f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}",
+        )
+        _check(self.tp >= 1, f"tp must be >= 1, got {self.tp}")
+        m = self.model
+        _check(m.num_heads % self.tp == 0, f"tp={self.tp} must divide the {m.num_heads} attention heads")
+        _check(
+            m.num_kv_heads % self.tp == 0 or self.tp % m.num_kv_heads == 0,
+            f"tp={self.tp} must divide the {m.num_kv_heads} kv heads or be a multiple of them (replication)",
+        )
+        _check(
+            m.intermediate_size % self.tp == 0,
+            f"tp={self.tp} must divide the MLP width {m.intermediate_size}",
+        )
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]

@@ -1,0 +1,229 @@
+"""The engine's API: LLM(model=...).generate(prompts, SamplingParams(...)), plus the role hooks.
+
+Roles (see scheduler.py): ``colocated`` serves whole requests; ``prefill`` computes prompt KV (all but
+the last token), never samples, tells its listener each batch before the forward pass, and keeps a
+request's pages until ``release``; ``decode`` additionally ``reserve``s pinned pages for a remote
+prefill and ``admit_prefilled`` starts decoding once they are filled.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Protocol
+
+import torch
+
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.kv_cache import PageAllocator, allocate_kv_cache
+from engine.model import Model, Shard
+from engine.runner import ModelRunner
+from engine.sampler import sample
+from engine.scheduler import Batch, Scheduler
+from engine.sequence import RequestOutput, SamplingParams, Sequence, Status
+from engine.weights import load_model
+from pdkernels.out_proj import make_layer_counter
+
+
+class PrefillListener(Protocol):
+    """What the prefill role tells the messenger."""
+
+    def on_batch(self, batch: Batch, counter: torch.Tensor) -> None: ...  # before the forward pass
+
+    def on_prefilled(self, seq: Sequence, last_hidden: torch.Tensor) -> None: ...  # KV of prompt[:-1] done
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str = "smollm2-135m",
+        *,
+        tp: int = 1,
+        page_size: int = 16,
+        num_pages: int = 1024,
+        device: str = "cpu",
+        dtype: str = "float32",
+        role: str = "colocated",
+        kv_layout: str = "HND",
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 512,
+        seed: int = 0,
+        listener: PrefillListener | None = None,
+    ):
+        loaded = load_model(model)
+        self.config = EngineConfig(
+            model=loaded.config,
+            cache=CacheConfig(page_size, num_pages, kv_layout),
+            scheduler=SchedulerConfig(role, max_num_seqs, max_num_batched_tokens),
+            device=device,
+            dtype=dtype,
+            tp=tp,
+            seed=seed,
+        )
+        if tp != 1:
+            raise ValueError(f"tp={tp}: tensor parallelism (rank processes) is not built yet; use tp=1")
+        torch.manual_seed(seed)
+        self.tokenizer = loaded.tokenizer
+        dev = torch.device(device)
+        shard = Shard.of(loaded.config)
+        self.model = Model(loaded.config, loaded.weights, dev, self.config.torch_dtype, shard)
+        self.kv_cache = allocate_kv_cache(
+            loaded.config, self.config.cache, shard.num_kv_heads, dev, self.config.torch_dtype
+        )
+        self.allocator = PageAllocator(num_pages, page_size)
+        self.scheduler = Scheduler(self.config.scheduler, self.allocator)
+        self.runner = ModelRunner(self.model, self.kv_cache, page_size, kv_layout)
+        self.listener = listener
+        self.counter = make_layer_counter(loaded.config.num_layers, dev) if role == "prefill" else None
+        self.seqs: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+
+    # ---- requests -------------------------------------------------------------------------------
+
+    def make_sequence(
+        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
+    ) -> Sequence:
+        """Tokenize and check a request (raises ValueError naming the problem)."""
+        params = params or SamplingParams()
+        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        context = self.config.model.max_position
+        if not prompt_ids:
+            raise ValueError("prompt is empty")
+        if len(prompt_ids) >= context:
+            raise ValueError(
+                f"prompt has {len(prompt_ids)} tokens; the context holds {context} "
+                f"(model.max_position), leaving no room to generate"
+            )
+        if request_id in self.seqs:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        need = self.allocator.pages_for(min(len(prompt_ids) + params.max_tokens, context))
+        if need > self.allocator.num_pages:
+            raise ValueError(
+                f"num_pages={self.allocator.num_pages} is too few for one request: this one needs "
+                f"{need} pages of {self.allocator.page_size} tokens"
+            )
+        return Sequence(request_id, prompt_ids, params, prompt=prompt if isinstance(prompt, str) else None)
+
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
+        seq = self.make_sequence(prompt, params, request_id)
+        self.seqs[seq.request_id] = seq
+        if self.scheduler.role == "prefill" and len(seq.prompt_ids) == 1:
+            self._prefilled(seq, None)  # nothing to compute: the decode side runs the only token
+        else:
+            self.scheduler.add(seq)
+        return seq.request_id
+
+    def abort(self, request_id: str, error: str | None = None) -> None:
+        """End a request now (finish_reason 'abort', or 'error' with a message) and free its pages."""
+        seq = self.seqs.get(request_id)
+        if seq is None or seq.finished:
+            return
+        self.scheduler.remove(seq)
+        self._finish(seq, "error" if error else "abort", error)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def output(self, request_id: str) -> RequestOutput:
+        return RequestOutput.of(self.seqs[request_id])
+
+    # ---- stepping --------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; return the outputs of the sequences it advanced (finished ones included)."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        if self.listener is not None:
+            self.listener.on_batch(batch, self.counter)
+        out = self.runner.run(batch, self.counter)
+        tokens = sample(
+            out.logits,
+            [c.seq.params for c in batch.chunks if c.samples],
+            [c.seq.generator for c in batch.chunks if c.samples],
+        )
+        now, sampled = time.perf_counter(), iter(tokens)
+        for i, chunk in enumerate(batch.chunks):
+            seq = chunk.seq
+            seq.num_computed = chunk.end
+            if chunk.samples:
+                self._append_token(seq, next(sampled), now)
+            elif self.scheduler.role == "prefill" and seq.num_computed == self.scheduler.target(seq):
+                self.scheduler.remove(seq, free_pages=False)
+                self._prefilled(seq, out.last_hidden[i])
+        return [RequestOutput.of(c.seq) for c in batch.chunks]
+
+    def generate(
+        self,
+        prompts: list[str | list[int]] | str,
+        params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion (continuous batching); outputs in prompt order."""
+        prompts = [prompts] if isinstance(prompts, str) else prompts
+        params = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        seqs = [self.make_sequence(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        ids = [self.add_request(s.prompt_ids, s.params, s.request_id) for s in seqs]
+        for s in seqs:
+            self.seqs[s.request_id].prompt = s.prompt
+        while self.has_unfinished():
+            self.step()
+        return [self.output(i) for i in ids]
+
+    def apply_chat_template(self, messages: list[dict] | str) -> str:
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        return self.tokenizer.apply_chat_template(messages)
+
+    # ---- disaggregation hooks ----------------------------------------------------------------------
+
+    def reserve(
+        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
+    ) -> Sequence:
+        """Decode role: pin pages for the KV of all but the last prompt token, for a prefill worker."""
+        seq = self.make_sequence(prompt, params, request_id)
+        self.seqs[seq.request_id] = seq
+        self.allocator.grow(seq.request_id, len(seq.prompt_ids) - 1)
+        self.allocator.pin(seq.request_id)
+        return seq
+
+    def admit_prefilled(self, request_id: str) -> None:
+        """Decode role: every write has landed; the pages now belong to the running request."""
+        self.allocator.unpin(request_id)
+        self.scheduler.admit_prefilled(self.seqs[request_id])
+
+    def release(self, request_id: str) -> None:
+        """Prefill role: the KV has been sent; free the request's pages."""
+        self.allocator.free(request_id)
+
+    # ---- internals -------------------------------------------------------------------------------------
+
+    def _prefilled(self, seq: Sequence, last_hidden: torch.Tensor | None) -> None:
+        seq.status, seq.finish_reason = Status.FINISHED, "prefilled"
+        if self.listener is not None:
+            self.listener.on_prefilled(seq, last_hidden)
+
+    def _append_token(self, seq: Sequence, token: int, now: float) -> None:
+        seq.output_ids.append(token)
+        seq.token_times.append(now)
+        p, model = seq.params, self.config.model
+        seq.text = self.tokenizer.decode(seq.output_ids)
+        stop_at = min((i for i in (seq.text.find(s) for s in p.stop) if i >= 0), default=-1)
+        if stop_at >= 0:
+            seq.text = seq.text[:stop_at]
+            reason = "stop"
+        elif not p.ignore_eos and token in model.eos_token_ids:
+            reason = "stop"
+        elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= model.max_position:
+            reason = "length"
+        else:
+            return
+        self.scheduler.remove(seq)
+        self._finish(seq, reason)
+
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        seq.status, seq.finish_reason, seq.error = Status.FINISHED, reason, error

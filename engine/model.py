@@ -1,0 +1,183 @@
+"""A Llama-family decoder over a paged KV cache, running on pdkernels.ops.
+
+Tokens of all sequences in a step are packed into one ragged batch [T] (no padding). Each layer appends
+its K/V to the paged cache, attends over it (decode or extend attention), and runs the output
+projection that bumps the layer counter. With tensor parallelism each rank holds a head shard and a
+slice of the MLP; the lead rank's counter is the one the messenger polls.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+from engine.config import ModelConfig
+from pdkernels import ops
+
+
+@dataclass
+class BatchMeta:
+    """Where a step's tokens go: FlashInfer-style page table plus per-token request/position."""
+
+    positions: Tensor  # [T] int32, position of each token in its sequence
+    batch_indices: Tensor  # [T] int32, sequence of each token
+    qo_indptr: Tensor  # [B + 1] int32, tokens of sequence b are qo_indptr[b]:qo_indptr[b+1]
+    kv_indptr: Tensor  # [B + 1] int32
+    kv_indices: Tensor  # int32 page ids
+    kv_last_page_len: Tensor  # [B] int32, after this step's append
+    all_decode: bool  # one token per sequence: decode attention
+    counter: Tensor | None = None  # [2, layers] int32 layer counter (prefill role, lead rank)
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This rank's slice of the heads and the MLP."""
+
+    rank: int
+    size: int
+    q_heads: tuple[int, int]  # [start, end) of q heads
+    kv_heads: tuple[int, int]  # [start, end) of kv heads (replicated when kv_heads < tp)
+    mlp: tuple[int, int]
+
+    @staticmethod
+    def of(config: ModelConfig, rank: int = 0, size: int = 1) -> Shard:
+        hq = config.num_heads // size
+        if config.num_kv_heads >= size:
+            hkv = config.num_kv_heads // size
+            kv = (rank * hkv, (rank + 1) * hkv)
+        else:  # replicated: the kv head that this rank's q heads read
+            head = rank * hq // (config.num_heads // config.num_kv_heads)
+            kv = (head, head + 1)
+        f = config.intermediate_size // size
+        return Shard(rank, size, (rank * hq, (rank + 1) * hq), kv, (rank * f, (rank + 1) * f))
+
+    @property
+    def num_q_heads(self) -> int:
+        return self.q_heads[1] - self.q_heads[0]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.kv_heads[1] - self.kv_heads[0]
+
+
+def rope_inv_freq(config: ModelConfig) -> Tensor:
+    inv_freq = 1.0 / config.rope_theta ** (
+        torch.arange(0, config.head_dim, 2, dtype=torch.float64) / config.head_dim
+    )
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type", scaling.get("type")) == "llama3":  # Llama 3.1 long-context frequency scaling
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = ((old_len / wavelen) - low) / (high - low)
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        inv_freq = torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+    return inv_freq.float()
+
+
+class Model:
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, Tensor],
+        device: torch.device,
+        dtype: torch.dtype,
+        shard: Shard | None = None,
+    ):
+        self.config, self.device, self.dtype = config, device, dtype
+        self.shard = shard or Shard.of(config)
+        self.layers = [self._load_layer(weights, i) for i in range(config.num_layers)]
+        self.embed = weights["model.embed_tokens.weight"].to(device, dtype)
+        self.norm = weights["model.norm.weight"].to(device, dtype)
+        self.lm_head = self.embed if config.tie_embeddings else weights["lm_head.weight"].to(device, dtype)
+        positions = torch.arange(config.max_position, dtype=torch.float32)
+        freqs = torch.outer(positions, rope_inv_freq(config))  # [max_pos, D/2]
+        self.cos, self.sin = freqs.cos().to(device), freqs.sin().to(device)
+
+    def _load_layer(self, weights: dict[str, Tensor], i: int) -> dict[str, Tensor]:
+        p, s, d = f"model.layers.{i}.", self.shard, self.config.head_dim
+
+        def rows(name, lo, hi):
+            return weights[p + name][lo:hi]
+
+        q = rows("self_attn.q_proj.weight", s.q_heads[0] * d, s.q_heads[1] * d)
+        k = rows("self_attn.k_proj.weight", s.kv_heads[0] * d, s.kv_heads[1] * d)
+        v = rows("self_attn.v_proj.weight", s.kv_heads[0] * d, s.kv_heads[1] * d)
+        layer = {
+            "input_norm": weights[p + "input_layernorm.weight"],
+            "post_norm": weights[p + "post_attention_layernorm.weight"],
+            "qkv": torch.cat([q, k, v]),  # one GEMM for q, k and v
+            "o": weights[p + "self_attn.o_proj.weight"][:, s.q_heads[0] * d : s.q_heads[1] * d],
+            "gate_up": torch.cat([rows("mlp.gate_proj.weight", *s.mlp), rows("mlp.up_proj.weight", *s.mlp)]),
+            "down": weights[p + "mlp.down_proj.weight"][:, s.mlp[0] : s.mlp[1]],
+        }
+        if self.config.qk_norm:
+            layer["q_norm"] = weights[p + "self_attn.q_norm.weight"]
+            layer["k_norm"] = weights[p + "self_attn.k_norm.weight"]
+        return {k: w.to(self.device, self.dtype).contiguous() for k, w in layer.items()}
+
+    def rms_norm(self, x: Tensor, w: Tensor) -> Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)).to(x.dtype) * w
+
+    def rope(self, x: Tensor, positions: Tensor) -> Tensor:
+        """x [T, H, D]: rotate the two halves of each head (Hugging Face's layout)."""
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
+        sin = self.sin[positions].unsqueeze(1)
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+    def linear(self, x: Tensor, w: Tensor) -> Tensor:
+        return ops.linear(x, w) if x.shape[0] <= 64 else F.linear(x, w)
+
+    def all_reduce(self, x: Tensor) -> Tensor:
+        if self.shard.size > 1:
+            dist.all_reduce(x)
+        return x
+
+    def attention(self, layer: dict, i: int, x: Tensor, meta: BatchMeta, kv_cache: Tensor) -> Tensor:
+        s, d = self.shard, self.config.head_dim
+        qkv = self.linear(x, layer["qkv"])
+        q, k, v = qkv.split([s.num_q_heads * d, s.num_kv_heads * d, s.num_kv_heads * d], dim=-1)
+        q, k, v = q.view(-1, s.num_q_heads, d), k.view(-1, s.num_kv_heads, d), v.view(-1, s.num_kv_heads, d)
+        if self.config.qk_norm:
+            q, k = self.rms_norm(q, layer["q_norm"]), self.rms_norm(k, layer["k_norm"])
+        q, k = self.rope(q, meta.positions), self.rope(k, meta.positions)
+        cache = kv_cache[i]
+        tables = (meta.kv_indices, meta.kv_indptr, meta.kv_last_page_len)
+        ops.kv_append(k, v, meta.batch_indices, meta.positions, cache, *tables, validate=False)
+        if meta.all_decode:
+            o = ops.decode_attention(
+                q, cache, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len, validate=False
+            )
+        else:
+            o = ops.extend_attention(
+                q,
+                meta.qo_indptr,
+                cache,
+                meta.kv_indptr,
+                meta.kv_indices,
+                meta.kv_last_page_len,
+                validate=False,
+            )
+        counter = meta.counter if s.rank == 0 else None
+        return self.all_reduce(ops.out_proj(o.reshape(x.shape[0], -1), layer["o"], counter=counter, layer=i))
+
+    def forward(self, input_ids: Tensor, meta: BatchMeta, kv_cache: Tensor) -> Tensor:
+        """input_ids [T] -> final hidden states [T, hidden]; kv_cache [layers, pages, 2, Hkv, P, D]."""
+        x = self.embed[input_ids]
+        for i, layer in enumerate(self.layers):
+            x = x + self.attention(layer, i, self.rms_norm(x, layer["input_norm"]), meta, kv_cache)
+            gate, up = self.linear(self.rms_norm(x, layer["post_norm"]), layer["gate_up"]).chunk(2, dim=-1)
+            x = x + self.all_reduce(self.linear(F.silu(gate) * up, layer["down"]))
+        return self.rms_norm(x, self.norm)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """hidden [n, hidden] -> fp32 logits [n, vocab]."""
+        return F.linear(hidden, self.lm_head).float()

@@ -1,0 +1,67 @@
+"""Runs one scheduled batch through the model: builds the page-table tensors, calls forward, picks rows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from engine.model import BatchMeta, Model
+from engine.scheduler import Batch
+from pdkernels._paging import check_page_table
+
+
+@dataclass
+class StepOutput:
+    logits: Tensor  # [number of sampling chunks, vocab] fp32, in chunk order
+    last_hidden: Tensor  # [chunks, hidden]: the hidden state at each chunk's last token
+
+
+class ModelRunner:
+    def __init__(self, model: Model, kv_cache: Tensor, page_size: int, kv_layout: str = "HND"):
+        self.model, self.kv_cache, self.page_size, self.kv_layout = model, kv_cache, page_size, kv_layout
+
+    def meta(self, batch: Batch, counter: Tensor | None = None) -> tuple[Tensor, BatchMeta]:
+        """input_ids [T] and the BatchMeta of a batch (checked once here; the layers skip the checks)."""
+        ids, positions, batch_indices, qo, kv_indptr, kv_indices, last = [], [], [], [0], [0], [], []
+        for b, c in enumerate(batch.chunks):
+            ids += c.seq.all_ids[c.start : c.end]
+            positions += range(c.start, c.end)
+            batch_indices += [b] * c.num_tokens
+            qo.append(qo[-1] + c.num_tokens)
+            kv_indices += c.pages
+            kv_indptr.append(len(kv_indices))
+            last.append(c.end - (len(c.pages) - 1) * self.page_size)
+        dev = self.kv_cache.device
+
+        def i32(x):
+            return torch.tensor(x, dtype=torch.int32, device=dev)
+
+        meta = BatchMeta(
+            positions=i32(positions),
+            batch_indices=i32(batch_indices),
+            qo_indptr=i32(qo),
+            kv_indptr=i32(kv_indptr),
+            kv_indices=i32(kv_indices),
+            kv_last_page_len=i32(last),
+            all_decode=all(c.num_tokens == 1 for c in batch.chunks),
+            counter=counter,
+        )
+        check_page_table(
+            meta.kv_indptr,
+            meta.kv_indices,
+            meta.kv_last_page_len,
+            self.kv_cache.shape[1],
+            self.page_size,
+            dev,
+        )
+        return torch.tensor(ids, dtype=torch.long, device=dev), meta
+
+    @torch.inference_mode()
+    def run(self, batch: Batch, counter: Tensor | None = None) -> StepOutput:
+        input_ids, meta = self.meta(batch, counter)
+        hidden = self.model.forward(input_ids, meta, self.kv_cache)
+        last = meta.qo_indptr[1:].long() - 1
+        sampling = last[[i for i, c in enumerate(batch.chunks) if c.samples]]
+        return StepOutput(self.model.logits(hidden[sampling]), hidden[last])

@@ -1,0 +1,73 @@
+"""Tokenizers: byte-level BPE rebuilt from GGUF metadata, or a Hugging Face tokenizer.json; chat templates."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jinja2
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+GGUF_CONTROL = 3  # llama.cpp token type of special (control) tokens
+
+
+class TextTokenizer:
+    """encode/decode plus the chat template, over a `tokenizers.Tokenizer`."""
+
+    def __init__(self, tokenizer: Tokenizer, chat_template: str | None = None, bos_token: str | None = None):
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.bos_token = bos_token
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise ValueError("this model has no chat template; pass plain prompts (chat=False)")
+        template = jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(self.chat_template)
+        return template.render(
+            messages=messages, add_generation_prompt=add_generation_prompt, bos_token=self.bos_token or ""
+        )
+
+
+def from_gguf_fields(fields: dict) -> TextTokenizer:
+    """Rebuild a GPT-2-style byte-level BPE from GGUF's tokenizer.ggml.* fields."""
+    kind = fields.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(f"tokenizer.ggml.model must be 'gpt2' (byte-level BPE), got {kind!r}")
+    tokens = fields["tokenizer.ggml.tokens"]
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
+    tok = Tokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
+    # llama.cpp's "smollm" pre-tokenizer: digits one at a time, then the GPT-2 byte-level split
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    types = fields.get("tokenizer.ggml.token_type", [])
+    tok.add_special_tokens([tokens[i] for i, t in enumerate(types) if t == GGUF_CONTROL])
+    bos = fields.get("tokenizer.ggml.bos_token_id")
+    return TextTokenizer(tok, fields.get("tokenizer.chat_template"), tokens[bos] if bos is not None else None)
+
+
+def from_hf_dir(path: Path) -> TextTokenizer:
+    """tokenizer.json (+ the chat template from tokenizer_config.json, when present)."""
+    file = path / "tokenizer.json"
+    if not file.exists():
+        raise FileNotFoundError(f"no tokenizer.json in {path}")
+    template, bos = None, None
+    config = path / "tokenizer_config.json"
+    if config.exists():
+        cfg = json.loads(config.read_text())
+        template, bos = cfg.get("chat_template"), cfg.get("bos_token")
+        if isinstance(bos, dict):
+            bos = bos.get("content")
+    return TextTokenizer(Tokenizer.from_file(str(file)), template, bos)

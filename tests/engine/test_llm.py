@@ -1,0 +1,149 @@
+import random
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from pdkernels import ops
+
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+def _prompts(n, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 49000) for _ in range(rng.choice([1, 2, 5, 17, 33, 50, 70]))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def alone():
+    """Greedy tokens of each prompt run by itself, the reference for every batching below."""
+    llm = LLM("tiny-random", num_pages=64, page_size=4)
+    ops.set_backend("torch")
+    return [llm.generate([p], GREEDY)[0].token_ids for p in _prompts(16)]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"page_size": 4, "num_pages": 512},  # everything at once
+        {
+            "page_size": 16,
+            "num_pages": 512,
+            "max_num_batched_tokens": 24,
+        },  # chunked prefill mixed with decode
+        {"page_size": 4, "num_pages": 40, "max_num_batched_tokens": 64, "max_num_seqs": 6},  # preemption
+    ],
+)
+def test_concurrent_requests_match_one_at_a_time(alone, kwargs):
+    llm = LLM("tiny-random", **kwargs)
+    outs = llm.generate(_prompts(16), GREEDY)
+    assert [o.token_ids for o in outs] == alone
+    assert all(o.finish_reason == "length" and len(o.token_times) == 12 for o in outs)
+    assert llm.allocator.num_free == kwargs["num_pages"]
+    if kwargs["num_pages"] == 40:
+        assert llm.scheduler.num_preemptions > 0  # the case exercises recompute after preemption
+
+
+def test_prefill_then_decode_on_copied_pages(alone):
+    """Prefill role computes prompt[:-1]; its pages, copied into a decode worker, finish the request."""
+    prefill = LLM("tiny-random", role="prefill", page_size=4, num_pages=256, max_num_batched_tokens=32)
+    decode = LLM("tiny-random", role="decode", page_size=4, num_pages=300)
+    prompts = _prompts(16)
+    ids = [prefill.add_request(p, GREEDY) for p in prompts]
+    while prefill.has_unfinished():
+        outs = prefill.step()
+        assert all(not o.token_ids for o in outs)  # prefill never samples
+    for rid, prompt in zip(ids, prompts, strict=True):
+        assert prefill.output(rid).finish_reason == "prefilled"
+        seq = decode.reserve(prompt, GREEDY, request_id=rid)
+        src, dst = prefill.allocator.pages(rid), decode.allocator.pages(rid)
+        assert len(src) == len(dst) and decode.allocator.is_pinned(rid)
+        decode.kv_cache[:, dst] = prefill.kv_cache[:, src]
+        prefill.release(rid)
+        decode.admit_prefilled(seq.request_id)
+    assert prefill.allocator.num_free == 256
+    while decode.has_unfinished():
+        decode.step()
+    assert [decode.output(rid).token_ids for rid in ids] == alone
+    assert decode.allocator.num_free == 300
+
+
+def test_prefill_role_bumps_each_layer_once_per_pass():
+    llm = LLM("tiny-random", role="prefill", page_size=4, num_pages=64)
+    llm.add_request(list(range(5, 40)), GREEDY)
+    passes = 0
+    while llm.has_unfinished():
+        llm.step()
+        passes += 1
+    assert llm.counter.tolist() == [[passes] * 4, [0] * 4]
+
+
+def test_random_stops_and_aborts_leave_no_page_behind():
+    llm = LLM("tiny-random", page_size=4, num_pages=200, max_num_seqs=8, max_num_batched_tokens=48)
+    rng = random.Random(3)
+    ids = []
+    for i, prompt in enumerate(_prompts(100, seed=1)):
+        params = SamplingParams(
+            max_tokens=rng.randint(1, 20),
+            temperature=rng.choice([0.0, 0.8]),
+            seed=i,
+            stop=rng.choice([(), ("e",), ("the", "a")]),
+        )
+        ids.append(llm.add_request(prompt, params))
+    steps = 0
+    while llm.has_unfinished():
+        llm.step()
+        steps += 1
+        if steps % 3 == 0:
+            llm.abort(rng.choice(ids))
+    outs = [llm.output(i) for i in ids]
+    assert {o.finish_reason for o in outs} >= {"abort", "length"}
+    assert all(o.finished for o in outs)
+    assert llm.allocator.num_free == 200
+
+
+def test_text_prompts_stop_strings_and_streaming_times():
+    llm = LLM("tiny-random", page_size=4, num_pages=64)
+    out = llm.generate("Hello there", SamplingParams(max_tokens=20, ignore_eos=True))[0]
+    assert out.text and len(out.token_ids) == 20 and out.ttft > 0 and out.tpot > 0
+    stop = out.text[len(out.text) // 2 :][:3]
+    cut = llm.generate("Hello there", SamplingParams(max_tokens=20, ignore_eos=True, stop=(stop,)))[0]
+    assert cut.finish_reason == "stop" and stop not in cut.text and out.text.startswith(cut.text)
+
+
+def test_triton_kernels_give_the_same_tokens(alone):
+    """The same model on the Triton kernels (interpreter) as on the torch references."""
+    ops.set_backend("auto")  # the interpreter is on in tests: Triton
+    llm = LLM("tiny-random", page_size=4, num_pages=64, dtype="float32")
+    outs = llm.generate(_prompts(3), SamplingParams(max_tokens=3, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [a[:3] for a in alone[:3]]
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: LLM("gpt-17"), "model must be one of"),
+        (lambda: LLM("/nonexistent/model.gguf"), "does not exist"),
+        (lambda: LLM("tiny-random", tp=3), "tp=3 must divide"),
+        (lambda: LLM("tiny-random", role="router"), "role must be one of"),
+        (lambda: LLM("tiny-random", dtype="int8"), "dtype must be one of"),
+        (lambda: LLM("tiny-random", kv_layout="HDN"), "kv_layout must be one of"),
+    ],
+)
+def test_bad_engine_config(make, message):
+    with pytest.raises((ValueError, FileNotFoundError), match=message):
+        make()
+
+
+def test_bad_requests():
+    llm = LLM("tiny-random", page_size=4, num_pages=8)
+    with pytest.raises(ValueError, match="context holds 2048"):
+        llm.add_request(list(range(3000)))
+    with pytest.raises(ValueError, match="too few for one request"):
+        llm.add_request(list(range(30)), SamplingParams(max_tokens=10))
+    with pytest.raises(ValueError, match="max_tokens must be >= 1"):
+        llm.generate("hi", SamplingParams(max_tokens=0))
+    with pytest.raises(ValueError, match="prompt is empty"):
+        llm.add_request([])
+    assert llm.allocator.num_free == 8 and not llm.has_unfinished()
+    torch.testing.assert_close(llm.kv_cache, torch.zeros_like(llm.kv_cache))

@@ -1,0 +1,103 @@
+"""Greedy tokens equal transformers' on the same weights (transformers is a test-only dependency)."""
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.weights import smollm2_gguf_path
+
+transformers = pytest.importorskip("transformers")
+PROMPTS = [
+    "The quick brown fox",
+    "def fibonacci(n):",
+    "Paris is the capital of",
+    "1, 2, 3, 4,",
+    "Once upon a time, in a land far away,",
+]
+
+
+def _hf_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
+    ids = torch.tensor([prompt_ids])
+    out = model.generate(
+        ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    return out[0, ids.shape[1] :].tolist()
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return LLM("smollm2-135m", num_pages=128)
+
+
+def test_smollm2_matches_transformers_llama(smollm2):
+    path = smollm2_gguf_path()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    )
+    assert type(hf).__name__ == "LlamaForCausalLM"
+    prompts = PROMPTS[:4] + [smollm2.apply_chat_template("Tell me a joke.")]
+    outs = smollm2.generate(prompts, SamplingParams(max_tokens=32, ignore_eos=True))
+    for out in outs:
+        assert out.token_ids == _hf_greedy(hf, out.prompt_token_ids, 32), out.prompt
+
+
+def test_smollm2_tokenizer_matches_transformers(smollm2):
+    path = smollm2_gguf_path()
+    hf_tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    texts = PROMPTS + [
+        "Numbers 12345 and 3.14159, ünïcödé, emoji 🙂, tabs\tand\nnewlines  double  spaces",
+        "<|im_start|>user\nHi<|im_end|>\n",
+    ]
+    for text in texts:
+        ids = smollm2.tokenizer.encode(text)
+        assert ids == hf_tok(text, add_special_tokens=False).input_ids, text
+        assert smollm2.tokenizer.decode(ids, skip_special_tokens=False) == text
+    chat = smollm2.apply_chat_template("Hi")
+    assert chat == hf_tok.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert smollm2.generate(chat, SamplingParams(max_tokens=8))[0].text.strip()  # an answer, in words
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_hf_directory_matches_transformers(tmp_path, arch):
+    """A tiny random Llama (GQA, untied) or Qwen3 (q/k norm) in safetensors loads and decodes the same."""
+    common = dict(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        rope_theta=10000.0,
+    )
+    if arch == "llama":
+        config = transformers.LlamaConfig(**common)
+        model = transformers.LlamaForCausalLM(config)
+    else:
+        config = transformers.Qwen3Config(head_dim=16, **common)
+        model = transformers.Qwen3ForCausalLM(config)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2 if p.dim() > 1 else 0.1).add_(1.0 if p.dim() == 1 else 0.0)
+    model.save_pretrained(tmp_path)
+    LLM("tiny-random").tokenizer.tokenizer.save(str(tmp_path / "tokenizer.json"))
+    llm = LLM(str(tmp_path), page_size=4, num_pages=64)
+    assert llm.config.model.qk_norm == (arch == "qwen3")
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=10, ignore_eos=True))
+    for out in outs:
+        assert out.token_ids == _hf_greedy(model.eval(), out.prompt_token_ids, 10), out.prompt
+
+
+def test_hf_directory_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        LLM(str(tmp_path))
+    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        LLM(str(tmp_path))
+    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
+    with pytest.raises(ValueError, match="architectures must be one of"):
+        LLM(str(tmp_path))
