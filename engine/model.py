@@ -126,29 +126,29 @@ class Model:
         xf = x.float()
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)).to(x.dtype) * w
 
-    def rope(self, x: Tensor, positions: Tensor) -> Tensor:
-        """x [T, H, D]: rotate the two halves of each head (Hugging Face's layout)."""
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
-        sin = self.sin[positions].unsqueeze(1)
+    def rope(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """x [T, H, D], cos/sin [T, 1, D/2]: rotate the two halves of each head (Hugging Face's layout)."""
         x1, x2 = x.float().chunk(2, dim=-1)
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
     def linear(self, x: Tensor, w: Tensor) -> Tensor:
-        return ops.linear(x, w) if x.shape[0] <= 64 else F.linear(x, w)
+        return ops.linear(x, w, validate=False) if x.shape[0] <= 64 else F.linear(x, w)
 
     def all_reduce(self, x: Tensor) -> Tensor:
         if self.shard.size > 1:
             dist.all_reduce(x)
         return x
 
-    def attention(self, layer: dict, i: int, x: Tensor, meta: BatchMeta, kv_cache: Tensor) -> Tensor:
+    def attention(
+        self, layer: dict, i: int, x: Tensor, meta: BatchMeta, kv_cache: Tensor, rope: tuple
+    ) -> Tensor:
         s, d = self.shard, self.config.head_dim
-        qkv = self.linear(x, layer["qkv"])
-        q, k, v = qkv.split([s.num_q_heads * d, s.num_kv_heads * d, s.num_kv_heads * d], dim=-1)
-        q, k, v = q.view(-1, s.num_q_heads, d), k.view(-1, s.num_kv_heads, d), v.view(-1, s.num_kv_heads, d)
+        qkv = self.linear(x, layer["qkv"]).view(x.shape[0], -1, d)  # [T, Hq + 2 Hkv, D]
+        qk, v = qkv[:, : s.num_q_heads + s.num_kv_heads], qkv[:, s.num_q_heads + s.num_kv_heads :]
         if self.config.qk_norm:
-            q, k = self.rms_norm(q, layer["q_norm"]), self.rms_norm(k, layer["k_norm"])
-        q, k = self.rope(q, meta.positions), self.rope(k, meta.positions)
+            q, k = qk.split([s.num_q_heads, s.num_kv_heads], dim=1)
+            qk = torch.cat([self.rms_norm(q, layer["q_norm"]), self.rms_norm(k, layer["k_norm"])], dim=1)
+        q, k = self.rope(qk, *rope).split([s.num_q_heads, s.num_kv_heads], dim=1)
         cache = kv_cache[i]
         tables = (meta.kv_indices, meta.kv_indptr, meta.kv_last_page_len)
         ops.kv_append(k, v, meta.batch_indices, meta.positions, cache, *tables, validate=False)
@@ -167,13 +167,16 @@ class Model:
                 validate=False,
             )
         counter = meta.counter if s.rank == 0 else None
-        return self.all_reduce(ops.out_proj(o.reshape(x.shape[0], -1), layer["o"], counter=counter, layer=i))
+        return self.all_reduce(
+            ops.out_proj(o.reshape(x.shape[0], -1), layer["o"], counter=counter, layer=i, validate=False)
+        )
 
     def forward(self, input_ids: Tensor, meta: BatchMeta, kv_cache: Tensor) -> Tensor:
         """input_ids [T] -> final hidden states [T, hidden]; kv_cache [layers, pages, 2, Hkv, P, D]."""
         x = self.embed[input_ids]
+        rope = self.cos[meta.positions].unsqueeze(1), self.sin[meta.positions].unsqueeze(1)  # [T, 1, D/2]
         for i, layer in enumerate(self.layers):
-            x = x + self.attention(layer, i, self.rms_norm(x, layer["input_norm"]), meta, kv_cache)
+            x = x + self.attention(layer, i, self.rms_norm(x, layer["input_norm"]), meta, kv_cache, rope)
             gate, up = self.linear(self.rms_norm(x, layer["post_norm"]), layer["gate_up"]).chunk(2, dim=-1)
             x = x + self.all_reduce(self.linear(F.silu(gate) * up, layer["down"]))
         return self.rms_norm(x, self.norm)

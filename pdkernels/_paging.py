@@ -154,10 +154,16 @@ def page_entry_of(
     return page, pos % page_size
 
 
-def gather_kv(cache: Tensor, kv_layout: str, page_ids: Tensor, length: int) -> Tensor:
-    """The first `length` tokens stored in `page_ids`, as [length, H, D]."""
-    pages = token_major(cache, kv_layout)[page_ids.long()]  # [n, P, H, D]
-    return pages.reshape(-1, *pages.shape[2:])[:length]
+def gather_pages(cache: Tensor, kv_layout: str, page_table: Tensor) -> Tensor:
+    """Whole pages of a 4-D K or V cache, head-major: page_table [B, n] -> [B, H, n * P, D].
+
+    Copies pages as blocks (cheap for HND, where a page is [H, P, D]); token t of row b is at [b, :, t].
+    """
+    pages = cache[page_table.long()]  # [B, n, H, P, D] (HND) or [B, n, P, H, D] (NHD)
+    batch, n = page_table.shape
+    if kv_layout == "HND":
+        return pages.transpose(1, 2).reshape(batch, pages.shape[2], -1, pages.shape[-1])
+    return pages.reshape(batch, -1, pages.shape[3], pages.shape[-1]).transpose(1, 2)
 
 
 def batch_indices_positions(append_indptr: Tensor, seq_lens: Tensor) -> tuple[Tensor, Tensor]:

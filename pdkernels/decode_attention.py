@@ -14,12 +14,21 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from pdkernels._paging import INTERPRET, cache_geometry, cache_strides, next_pow2, require, split_kv_cache
+from pdkernels._paging import (
+    INTERPRET,
+    cache_geometry,
+    cache_strides,
+    gather_pages,
+    next_pow2,
+    require,
+    seq_lens_from_page_table,
+    split_kv_cache,
+)
 from pdkernels.extend_attention import (
     LOG2E,
     check_attention_inputs,
     check_out,
-    extend_attention_ref,
+    grouped_attention_ref,
     load_kv_block,
 )
 
@@ -300,17 +309,20 @@ def decode_attention_ref(
     sm_scale: float | None = None,
     return_lse: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """Reference: extend attention with one query per sequence (the last position, so causal is moot)."""
-    qo_indptr = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
-    return extend_attention_ref(
-        q,
-        qo_indptr,
-        paged_kv_cache,
-        kv_indptr,
-        kv_indices,
-        kv_last_page_len,
-        kv_layout,
-        causal=False,
-        sm_scale=sm_scale,
-        return_lse=return_lse,
-    )
+    """Reference: every sequence's K/V gathered into one padded batch, one masked softmax for all."""
+    k_cache, v_cache = split_kv_cache(paged_kv_cache, kv_layout)
+    page_size = cache_geometry(k_cache, kv_layout)[2]
+    seq_lens = seq_lens_from_page_table(kv_indptr, kv_last_page_len, page_size)
+    max_len = int(seq_lens.max()) if seq_lens.numel() else 0
+    num_pages = kv_indptr[1:] - kv_indptr[:-1]  # [B]
+    cols = torch.arange(-(-max_len // page_size), device=q.device)
+    has = cols[None, :] < num_pages[:, None]  # [B, max pages]
+    slots = (kv_indptr[:-1, None].long() + cols[None, :]).clamp(max=max(kv_indices.numel() - 1, 0))
+    page_table = torch.where(has, kv_indices.long()[slots], 0)
+    k = gather_pages(k_cache, kv_layout, page_table)[:, :, :max_len]  # [B, Hkv, L, D]
+    v = gather_pages(v_cache, kv_layout, page_table)[:, :, :max_len]
+    keep = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None]  # [B, L]
+    sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    out, lse = grouped_attention_ref(q[:, None], k, v, keep[:, None], sm_scale, return_lse)
+    out = out[:, 0].to(q.dtype)
+    return (out, lse[:, 0]) if return_lse else out

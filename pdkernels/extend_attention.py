@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -23,7 +24,7 @@ from pdkernels._paging import (
     cache_strides,
     check_page_table,
     check_tensor,
-    gather_kv,
+    gather_pages,
     next_pow2,
     require,
     split_kv_cache,
@@ -304,6 +305,41 @@ def extend_attention(
     return (out, lse) if return_lse else out
 
 
+def grouped_attention_ref(
+    q: Tensor, k: Tensor, v: Tensor, keep: Tensor, sm_scale: float, return_lse: bool = False
+) -> tuple[Tensor, Tensor | None]:
+    """Softmax attention with GQA, in plain torch.
+
+    q [B, n, Hq, D]; k, v [B, Hkv, L, D] (head-major, as gather_pages returns); keep [B, n, L] bool.
+    Returns out [B, n, Hq, D] (zeros where a query keeps nothing) and, with return_lse, the natural-log
+    LSE [B, n, Hq] fp32. Mostly torch's fused SDPA (the engine's CPU path); with the LSE, the scores
+    are formed explicitly in fp32, grouping each kv head's query heads (no K/V repeat).
+    """
+    # SDPA is the faster CPU path except for bf16 single-query rows (measured on AVX-512 cores: 2.7 ms
+    # against 0.7 ms for 32 decode rows), where the explicit path below wins.
+    if not return_lse and (q.shape[1] > 1 or q.dtype != torch.bfloat16):
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k, v, attn_mask=keep[:, None], scale=sm_scale, enable_gqa=True
+        )
+        return out.transpose(1, 2), None
+    batch, n, num_heads, head_dim = q.shape
+    num_kv_heads, group = k.shape[1], num_heads // k.shape[1]
+    # rows of one kv head: its `group` query heads x n queries
+    qg = q.float().view(batch, n, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    qg = qg.reshape(batch, num_kv_heads, group * n, head_dim)
+    rows_keep = (
+        keep[:, None, None].expand(batch, 1, group, n, keep.shape[-1]).reshape(batch, 1, group * n, -1)
+    )
+    scores = (qg @ k.float().transpose(-1, -2) * sm_scale).masked_fill(~rows_keep, float("-inf"))
+    lse = scores.logsumexp(-1)  # [B, Hkv, g * n]
+    probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)  # a query with nothing to keep: all zeros
+    out = (probs @ v.float()).view(batch, num_kv_heads, group, n, head_dim)
+    return (
+        out.permute(0, 3, 1, 2, 4).reshape(batch, n, num_heads, head_dim),
+        lse.view(batch, num_kv_heads, group, n).permute(0, 3, 1, 2).reshape(batch, n, num_heads),
+    )
+
+
 def extend_attention_ref(
     q: Tensor,
     qo_indptr: Tensor,
@@ -316,32 +352,32 @@ def extend_attention_ref(
     sm_scale: float | None = None,
     return_lse: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """Reference: gather each request's K/V, fp32 softmax with the causal offset, one request at a time."""
+    """Reference: gather each request's K/V and attend with the causal offset, one request at a time."""
     k_cache, v_cache = split_kv_cache(paged_kv_cache, kv_layout)
     page_size = cache_geometry(k_cache, kv_layout)[2]
     num_tokens, num_heads, head_dim = q.shape
     sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
-    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.full((num_tokens, num_heads), float("-inf"), device=q.device)
-    indptr, qo = kv_indptr.tolist(), qo_indptr.tolist()
+    indptr, qo, last = kv_indptr.tolist(), qo_indptr.tolist(), kv_last_page_len.tolist()
     for b in range(len(indptr) - 1):
         pages = kv_indices[indptr[b] : indptr[b + 1]]
-        seq_len = (len(pages) - 1) * page_size + int(kv_last_page_len[b]) if len(pages) else 0
-        q_b = q[qo[b] : qo[b + 1]].float()  # [n, Hq, D]
-        if q_b.shape[0] == 0 or seq_len == 0:
+        seq_len = (len(pages) - 1) * page_size + last[b] if len(pages) else 0
+        n = qo[b + 1] - qo[b]
+        if n == 0 or seq_len == 0:
             continue
-        group = num_heads // cache_geometry(k_cache, kv_layout)[1]
-        k = (
-            gather_kv(k_cache, kv_layout, pages, seq_len).float().repeat_interleave(group, dim=1)
-        )  # [L, Hq, D]
-        v = gather_kv(v_cache, kv_layout, pages, seq_len).float().repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q_b, k) * sm_scale  # [Hq, n, L]
-        if causal:
-            q_pos = seq_len - q_b.shape[0] + torch.arange(q_b.shape[0], device=q.device)
-            scores = scores.masked_fill(
-                torch.arange(seq_len, device=q.device)[None, :] > q_pos[:, None], float("-inf")
+        k = gather_pages(k_cache, kv_layout, pages[None])[:, :, :seq_len]  # [1, Hkv, L, D]
+        v = gather_pages(v_cache, kv_layout, pages[None])[:, :, :seq_len]
+        keep = torch.ones(n, seq_len, dtype=torch.bool, device=q.device)
+        if causal:  # query i sits at position seq_len - n + i
+            keep = (
+                torch.arange(seq_len, device=q.device)[None, :]
+                <= (seq_len - n + torch.arange(n, device=q.device))[:, None]
             )
-        out[qo[b] : qo[b + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
-        lse[qo[b] : qo[b + 1]] = scores.logsumexp(-1).t()
-    out = out.to(q.dtype)
+        out_b, lse_b = grouped_attention_ref(
+            q[None, qo[b] : qo[b + 1]], k, v, keep[None], sm_scale, return_lse
+        )
+        out[qo[b] : qo[b + 1]] = out_b[0]
+        if return_lse:
+            lse[qo[b] : qo[b + 1]] = lse_b[0]
     return (out, lse) if return_lse else out

@@ -133,20 +133,24 @@ def kv_append_mla(
     (_kv.kv_append_mla_ref if kind == "torch" else _flashinfer().kv_append_mla)(*args)
 
 
-def linear(x, w, out=None):
+def linear(x, w, out=None, validate: bool = True):
     """y = x @ w^T for decode-sized x [M, K] (split-K GEMM); see pdkernels.splitk_gemm."""
+    if validate:
+        _gemm.check_linear(x, w, out)
     if resolve("splitk_gemm", x.device) == "triton":
-        return _gemm.splitk_gemm(x, w, out=out)
-    return _gemm.splitk_gemm_ref(x, w, out=_gemm.check_linear(x, w, out))
+        return _gemm.splitk_gemm(x, w, out=out, validate=False)
+    return _gemm.splitk_gemm_ref(x, w, out=out)
 
 
-def out_proj(x, w, out=None, counter=None, layer: int = 0):
+def out_proj(x, w, out=None, counter=None, layer: int = 0, validate: bool = True):
     """Attention output projection that bumps counter[0, layer] once; see pdkernels.out_proj."""
+    if validate:
+        _gemm.check_linear(x, w, out)
+        if counter is not None:
+            _op.check_counter(counter, layer, x.device)
     if resolve("out_proj", x.device) == "triton":
-        return _op.out_proj(x, w, out=out, counter=counter, layer=layer)
-    if counter is not None:
-        _op.check_counter(counter, layer, x.device)
-    return _op.out_proj_ref(x, w, out=_gemm.check_linear(x, w, out), counter=counter, layer=layer)
+        return _op.out_proj(x, w, out=out, counter=counter, layer=layer, validate=False)
+    return _op.out_proj_ref(x, w, out=out, counter=counter, layer=layer)
 
 
 def decode_attention(

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from pdkernels._paging import INTERPRET, check_tensor, next_pow2, require
 
-__all__ = ["splitk_gemm", "splitk_gemm_ref", "gemm_tile", "gemm_meta"]
+__all__ = ["splitk_gemm", "splitk_gemm_ref", "gemm_tile", "gemm_meta", "check_linear"]
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -132,19 +132,21 @@ def gemm_meta(x: Tensor) -> dict:
     return dict(UPCAST=INTERPRET and x.dtype == torch.bfloat16, IEEE=x.dtype == torch.float32)
 
 
-def check_linear(x: Tensor, w: Tensor, out: Tensor | None) -> Tensor:
-    """Check x [M, K] and w [N, K]; return out (allocated when None) as [M, N] in x's dtype."""
+def check_linear(x: Tensor, w: Tensor, out: Tensor | None) -> None:
+    """Check x [M, K], w [N, K] and, when given, out [M, N] in x's dtype."""
     check_tensor("x", x, 2, DTYPES)
     check_tensor("w", w, 2, (x.dtype,), x.device)
     require(x.shape[1] == w.shape[1], f"x is [M, K={x.shape[1]}] but w is [N, K={w.shape[1]}]: K must match")
-    if out is None:
-        return torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
-    check_tensor("out", out, 2, (x.dtype,), x.device)
-    require(
-        tuple(out.shape) == (x.shape[0], w.shape[0]),
-        f"out must be [M, N] = {(x.shape[0], w.shape[0])}, got {tuple(out.shape)}",
-    )
-    return out
+    if out is not None:
+        check_tensor("out", out, 2, (x.dtype,), x.device)
+        require(
+            tuple(out.shape) == (x.shape[0], w.shape[0]),
+            f"out must be [M, N] = {(x.shape[0], w.shape[0])}, got {tuple(out.shape)}",
+        )
+
+
+def new_out(x: Tensor, w: Tensor, out: Tensor | None) -> Tensor:
+    return torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device) if out is None else out
 
 
 def default_split_k(
@@ -163,12 +165,15 @@ def splitk_gemm(
     split_k: int | None = None,
     block_n: int = 64,
     block_k: int = 128,
+    validate: bool = True,
 ) -> Tensor:
     """y = x @ w^T. x [M, K], w [N, K] (nn.Linear layout), fp16/bf16/fp32; returns (or fills) out [M, N].
 
     split_k: number of K-slices (default: from the SM count); the reduction is deterministic.
     """
-    out = check_linear(x, w, out)
+    if validate:
+        check_linear(x, w, out)
+    out = new_out(x, w, out)
     require(split_k is None or split_k >= 1, f"split_k must be >= 1 or None, got {split_k}")
     (m, k), n = x.shape, w.shape[0]
     if m == 0 or n == 0:
@@ -208,8 +213,8 @@ def splitk_gemm(
 
 
 def splitk_gemm_ref(x: Tensor, w: Tensor, out: Tensor | None = None) -> Tensor:
-    """Reference: fp32 accumulation, cast to x's dtype."""
-    y = (x.float() @ w.float().t()).to(x.dtype)
-    if out is None:
-        return y
-    return out.copy_(y)
+    """Reference: torch's GEMM in x's dtype (fp32 accumulation: oneDNN on the CPU, cuBLAS on GPU).
+
+    It is also the CPU path of pdkernels.ops, so it must not upcast the weight (that costs a copy of it).
+    """
+    return torch.mm(x, w.t(), out=out)

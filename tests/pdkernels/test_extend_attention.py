@@ -87,3 +87,16 @@ def test_extend_attention_rejects_bad_input():
         extend_attention(q, _qo_indptr([1, 1, 1]), *tables)
     with pytest.raises(ValueError, match="qo_indptr dtype"):
         extend_attention(q, _qo_indptr([1, 1, 2]).float(), *tables)
+
+
+@pytest.mark.parametrize("dtype", list(TOL))
+def test_reference_paths_agree(dtype):
+    """The reference's fused path (SDPA, no LSE) and its explicit fp32 path give the same output."""
+    case = make_paged_cache([0, *SEQ_LENS], KV_HEADS, HEAD_DIM, 4, "HND", dtype=dtype)
+    qo_indptr = _qo_indptr([0, *Q_LENS["chunk"]])
+    q = torch.randn(int(qo_indptr[-1]), KV_HEADS * 3, HEAD_DIM).to(dtype)
+    tables = (case.cache, case.kv_indptr, case.kv_indices, case.kv_last_page_len)
+    fused = extend_attention_ref(q, qo_indptr, *tables)
+    explicit, _ = extend_attention_ref(q, qo_indptr, *tables, return_lse=True)
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(fused, explicit, atol=atol, rtol=rtol)
