@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import weakref
 from typing import Protocol
 
 import torch
@@ -21,6 +22,7 @@ from engine.runner import ModelRunner
 from engine.sampler import sample
 from engine.scheduler import Batch, Scheduler
 from engine.sequence import RequestOutput, SamplingParams, Sequence, Status
+from engine.tp import TPGroup
 from engine.weights import load_model
 from pdkernels.out_proj import make_layer_counter
 
@@ -60,23 +62,41 @@ class LLM:
             tp=tp,
             seed=seed,
         )
-        if tp != 1:
-            raise ValueError(f"tp={tp}: tensor parallelism (rank processes) is not built yet; use tp=1")
         torch.manual_seed(seed)
         self.tokenizer = loaded.tokenizer
         dev = torch.device(device)
-        shard = Shard.of(loaded.config)
+        shard = Shard.of(loaded.config, 0, tp)
+        self.tp_group = TPGroup(model, self.config) if tp > 1 else None
+        if self.tp_group is not None:
+            self._finalizer = weakref.finalize(self, self.tp_group.close)
         self.model = Model(loaded.config, loaded.weights, dev, self.config.torch_dtype, shard)
-        self.kv_cache = allocate_kv_cache(
+        kv_cache = allocate_kv_cache(
             loaded.config, self.config.cache, shard.num_kv_heads, dev, self.config.torch_dtype
         )
+        self.kv_cache = kv_cache.share_memory_() if tp > 1 and dev.type == "cpu" else kv_cache
         self.allocator = PageAllocator(num_pages, page_size)
         self.scheduler = Scheduler(self.config.scheduler, self.allocator)
-        self.runner = ModelRunner(self.model, self.kv_cache, page_size, kv_layout)
+        self.runner = ModelRunner(self.model, self.kv_cache, page_size, kv_layout, self.tp_group)
         self.listener = listener
         self.counter = make_layer_counter(loaded.config.num_layers, dev) if role == "prefill" else None
         self.seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
+
+    @property
+    def kv_caches(self) -> list[torch.Tensor]:
+        """Every TP rank's KV cache, mapped into this (the lead) process; rank order."""
+        return [self.kv_cache] + (self.tp_group.kv_caches if self.tp_group else [])
+
+    def close(self) -> None:
+        """Stop the TP rank processes (also done when the LLM is garbage-collected or at exit)."""
+        if self.tp_group is not None:
+            self._finalizer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ---- requests -------------------------------------------------------------------------------
 

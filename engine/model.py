@@ -135,8 +135,15 @@ class Model:
         return ops.linear(x, w, validate=False) if x.shape[0] <= 64 else F.linear(x, w)
 
     def all_reduce(self, x: Tensor) -> Tensor:
-        if self.shard.size > 1:
-            dist.all_reduce(x)
+        if self.shard.size == 1:
+            return x
+        if (
+            x.dtype == torch.bfloat16 and x.device.type == "cpu"
+        ):  # gloo sums fp32; so do GPUs' bf16 reductions
+            y = x.float()
+            dist.all_reduce(y)
+            return x.copy_(y)
+        dist.all_reduce(x)
         return x
 
     def attention(

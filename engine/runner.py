@@ -19,8 +19,9 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: Model, kv_cache: Tensor, page_size: int, kv_layout: str = "HND"):
+    def __init__(self, model: Model, kv_cache: Tensor, page_size: int, kv_layout: str = "HND", tp_group=None):
         self.model, self.kv_cache, self.page_size, self.kv_layout = model, kv_cache, page_size, kv_layout
+        self.tp_group = tp_group  # ranks 1..N-1 mirror each forward pass
 
     def meta(self, batch: Batch, counter: Tensor | None = None) -> tuple[Tensor, BatchMeta]:
         """input_ids [T] and the BatchMeta of a batch (checked once here; the layers skip the checks)."""
@@ -61,6 +62,8 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: Batch, counter: Tensor | None = None) -> StepOutput:
         input_ids, meta = self.meta(batch, counter)
+        if self.tp_group is not None:
+            self.tp_group.step(input_ids, meta)
         hidden = self.model.forward(input_ids, meta, self.kv_cache)
         last = meta.qo_indptr[1:].long() - 1
         sampling = last[[i for i, c in enumerate(batch.chunks) if c.samples]]

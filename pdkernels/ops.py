@@ -31,6 +31,10 @@ def set_backend(name: str) -> None:
     _backend = name
 
 
+def get_backend() -> str:
+    return _backend
+
+
 def resolve(op: str, device: torch.device) -> str:
     """The backend that runs `op` on `device` under the current setting: 'triton', 'torch' or 'flashinfer'."""
     require(_backend in BACKENDS, f"PDKERNELS_BACKEND must be one of {BACKENDS}, got {_backend!r}")

@@ -18,7 +18,6 @@ def _prompts(n, seed=0):
 def alone():
     """Greedy tokens of each prompt run by itself, the reference for every batching below."""
     llm = LLM("tiny-random", num_pages=64, page_size=4)
-    ops.set_backend("torch")
     return [llm.generate([p], GREEDY)[0].token_ids for p in _prompts(16)]
 
 
@@ -114,8 +113,12 @@ def test_text_prompts_stop_strings_and_streaming_times():
 def test_triton_kernels_give_the_same_tokens(alone):
     """The same model on the Triton kernels (interpreter) as on the torch references."""
     ops.set_backend("auto")  # the interpreter is on in tests: Triton
-    llm = LLM("tiny-random", page_size=4, num_pages=64, dtype="float32")
-    outs = llm.generate(_prompts(3), SamplingParams(max_tokens=3, ignore_eos=True))
+    try:
+        llm = LLM("tiny-random", page_size=4, num_pages=64, dtype="float32")
+        outs = llm.generate(_prompts(3), SamplingParams(max_tokens=3, ignore_eos=True))
+        assert ops.resolve("decode_attention", llm.kv_cache.device) == "triton"
+    finally:
+        ops.set_backend("torch")
     assert [o.token_ids for o in outs] == [a[:3] for a in alone[:3]]
 
 
@@ -147,3 +150,21 @@ def test_bad_requests():
         llm.add_request([])
     assert llm.allocator.num_free == 8 and not llm.has_unfinished()
     torch.testing.assert_close(llm.kv_cache, torch.zeros_like(llm.kv_cache))
+
+
+def test_tp_that_fits_neither_sharding_nor_replication():
+    from engine.config import EngineConfig, ModelConfig
+
+    model = ModelConfig(
+        name="m",
+        vocab_size=10,
+        hidden_size=96,
+        intermediate_size=96,
+        num_layers=1,
+        num_heads=12,
+        num_kv_heads=8,
+        head_dim=8,
+    )
+    with pytest.raises(ValueError, match="must divide the 8 kv heads or be a multiple of them"):
+        EngineConfig(model=model, tp=3)
+    EngineConfig(model=model, tp=4)  # 8 kv heads sharded 2 per rank
