@@ -162,9 +162,9 @@ def test_tp_that_fits_neither_sharding_nor_replication():
         intermediate_size=96,
         num_layers=1,
         num_heads=12,
-        num_kv_heads=8,
+        num_kv_heads=4,
         head_dim=8,
     )
-    with pytest.raises(ValueError, match="must divide the 8 kv heads or be a multiple of them"):
-        EngineConfig(model=model, tp=3)
-    EngineConfig(model=model, tp=4)  # 8 kv heads sharded 2 per rank
+    with pytest.raises(ValueError, match="must divide the 4 kv heads or be a multiple of them"):
+        EngineConfig(model=model, tp=6)  # 12 q heads split 2 per rank, but 4 kv heads neither split nor replicate
+    EngineConfig(model=model, tp=2)  # 2 kv heads per rank
