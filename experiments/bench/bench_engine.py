@@ -19,6 +19,7 @@ from engine.weights import smollm2_gguf_path
 
 PROMPT_LEN, NEW_TOKENS, BATCHES = 128, 32, [1, 8, 32]
 DTYPE = os.environ.get("PDKERNELS_BENCH_DTYPE", "bfloat16")  # both sides run in this dtype
+ROUNDS = int(os.environ.get("PDKERNELS_BENCH_ROUNDS", "2"))
 RESULTS: dict[tuple[str, int], dict] = {}
 
 
@@ -94,7 +95,9 @@ def test_generate(benchmark, models, provider, batch):
     fn = run_engine if provider == "pdkernels" else run_hf
     prompts = _prompts(batch)
     fn(model, prompts[:1, :16])  # warm up
-    prefill_s, decode_s = benchmark.pedantic(fn, args=(model, prompts), rounds=1, iterations=1)
+    runs = []
+    benchmark.pedantic(lambda: runs.append(fn(model, prompts)), rounds=ROUNDS, iterations=1)
+    prefill_s, decode_s = min(r[0] for r in runs), min(r[1] for r in runs)  # best of the rounds: VM noise
     figures = {
         "prefill_tok_s": batch * PROMPT_LEN / prefill_s,
         "decode_tok_s": batch * (NEW_TOKENS - 1) / decode_s,
