@@ -166,5 +166,6 @@ def test_tp_that_fits_neither_sharding_nor_replication():
         head_dim=8,
     )
     with pytest.raises(ValueError, match="must divide the 4 kv heads or be a multiple of them"):
-        EngineConfig(model=model, tp=6)  # 12 q heads split 2 per rank, but 4 kv heads neither split nor replicate
+        # 12 q heads split 2 per rank, but 4 kv heads neither split nor replicate over 6 ranks
+        EngineConfig(model=model, tp=6)
     EngineConfig(model=model, tp=2)  # 2 kv heads per rank

@@ -1,0 +1,177 @@
+"""Which bytes go where: the KV page writes between a prefill worker and a decode worker (no I/O).
+
+Both sides keep, per TP rank, one KV region ``[layers, pages, 2, H_local, P, D]`` (HND; see
+engine.kv_cache). In HND one head range of one page's K (or V) is a single contiguous run, so a page
+moves as one write per (source rank, destination rank) head overlap, and K and V merge into one write
+when both ranks hold the same heads. Ranks hold heads ``[r * H / tp, (r + 1) * H / tp)`` when
+``H >= tp``; with fewer heads than ranks (or an MLA latent cache, H = 1) each head is replicated on
+``tp / H`` ranks, and a destination replica takes its pages from every source replica in turn
+(a seeded rotation, so all source ranks and their NICs send).
+
+Writes are planned per page and never merged across pages, so the count for a whole request is the
+sum of the counts for any split of its pages into chunks: the decode side computes it once, the
+prefill side plans each chunk's completed pages as they become ready.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import NamedTuple
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """One worker's KV geometry, exchanged in the handshake."""
+
+    tp: int
+    num_kv_heads: int  # of the model (1 for an MLA latent cache)
+    num_layers: int
+    num_pages: int  # per rank region
+    page_size: int
+    head_dim: int
+    itemsize: int  # bytes per element
+    dtype: str = "bfloat16"
+    kv_layout: str = "HND"
+
+    def __post_init__(self):
+        for name in ("tp", "num_kv_heads", "num_layers", "num_pages", "page_size", "head_dim", "itemsize"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ShardSpec.{name} must be >= 1, got {getattr(self, name)}")
+        if self.kv_layout != "HND":
+            raise ValueError(
+                f"KV transfer needs kv_layout 'HND' (a page's head range is one run), got {self.kv_layout!r}"
+            )
+        if self.num_kv_heads % self.tp and self.tp % self.num_kv_heads:
+            raise ValueError(
+                f"tp={self.tp} must divide num_kv_heads={self.num_kv_heads} or be a multiple of it"
+            )
+
+    @property
+    def heads_per_rank(self) -> int:
+        return max(1, self.num_kv_heads // self.tp)
+
+    def first_head(self, rank: int) -> int:
+        """Global id of the first kv head that rank holds."""
+        if self.num_kv_heads >= self.tp:
+            return rank * self.heads_per_rank
+        return rank * self.num_kv_heads // self.tp
+
+    def holders(self, head: int) -> list[int]:
+        """Ranks that hold a global kv head (one when sharded, tp / H when replicated)."""
+        if self.num_kv_heads >= self.tp:
+            return [head // self.heads_per_rank]
+        per = self.tp // self.num_kv_heads
+        return list(range(head * per, (head + 1) * per))
+
+    @property
+    def run_bytes(self) -> int:
+        """Bytes of one head's K (or V) in one page."""
+        return self.page_size * self.head_dim * self.itemsize
+
+    @property
+    def region_bytes(self) -> int:
+        return self.num_layers * self.num_pages * 2 * self.heads_per_rank * self.run_bytes
+
+    def offset(self, layer: int, page: int, kv: int, local_head: int) -> int:
+        """Byte offset of (layer, page, K=0/V=1, local head) in a rank's region."""
+        return (
+            ((layer * self.num_pages + page) * 2 + kv) * self.heads_per_rank + local_head
+        ) * self.run_bytes
+
+
+class Write(NamedTuple):
+    layer: int
+    src_rank: int
+    src_offset: int
+    dst_rank: int
+    dst_offset: int
+    nbytes: int
+
+
+def check_compatible(src: ShardSpec, dst: ShardSpec) -> None:
+    for name in ("num_kv_heads", "num_layers", "page_size", "head_dim", "itemsize", "dtype"):
+        a, b = getattr(src, name), getattr(dst, name)
+        if a != b:
+            raise ValueError(f"prefill and decode disagree on {name}: {a!r} vs {b!r}; both sides must match")
+
+
+def plan_writes(
+    src: ShardSpec,
+    dst: ShardSpec,
+    src_pages: list[int],
+    dst_pages: list[int],
+    first_page_index: int = 0,
+    layers: range | None = None,
+    seed: int = 0,
+) -> list[Write]:
+    """Every write that copies src_pages[i] (prefill) into dst_pages[i] (decode) for the given layers.
+
+    first_page_index: position of src_pages[0] in the request's page list (it picks the source replica
+    in turn, so planning chunk by chunk equals planning the whole request). seed: the request's seed.
+    """
+    check_compatible(src, dst)
+    if len(src_pages) != len(dst_pages):
+        raise ValueError(f"{len(src_pages)} source pages for {len(dst_pages)} destination pages")
+    for name, pages, spec in (("source", src_pages, src), ("destination", dst_pages, dst)):
+        bad = [p for p in pages if not 0 <= p < spec.num_pages]
+        if bad:
+            raise ValueError(f"{name} page ids {bad[:4]} outside [0, {spec.num_pages})")
+    layers = layers if layers is not None else range(src.num_layers)
+    runs = _head_runs(src, dst, seed)
+    writes = []
+    for layer in layers:
+        for i, (sp, dp) in enumerate(zip(src_pages, dst_pages, strict=True)):
+            for dst_rank, head0, nheads, choices in runs:
+                src_rank = choices[(first_page_index + i) % len(choices)]
+                sh, dh = head0 - src.first_head(src_rank), head0 - dst.first_head(dst_rank)
+                if nheads == src.heads_per_rank == dst.heads_per_rank:  # K and V adjacent on both sides
+                    writes.append(
+                        Write(
+                            layer,
+                            src_rank,
+                            src.offset(layer, sp, 0, 0),
+                            dst_rank,
+                            dst.offset(layer, dp, 0, 0),
+                            2 * nheads * src.run_bytes,
+                        )
+                    )
+                    continue
+                for kv in (0, 1):
+                    writes.append(
+                        Write(
+                            layer,
+                            src_rank,
+                            src.offset(layer, sp, kv, sh),
+                            dst_rank,
+                            dst.offset(layer, dp, kv, dh),
+                            nheads * src.run_bytes,
+                        )
+                    )
+    return writes
+
+
+def _head_runs(src: ShardSpec, dst: ShardSpec, seed: int) -> list[tuple[int, int, int, list[int]]]:
+    """(dst_rank, first global head, heads, source ranks to rotate over): maximal runs of heads that a
+    destination rank holds and the same source ranks hold."""
+    rng = random.Random(seed)
+    runs = []
+    for dst_rank in range(dst.tp):
+        head, end = dst.first_head(dst_rank), dst.first_head(dst_rank) + dst.heads_per_rank
+        while head < end:
+            holders = src.holders(head)
+            stop = head + 1
+            while stop < end and src.holders(stop) == holders:
+                stop += 1
+            k = rng.randrange(len(holders))  # where this destination starts its rotation
+            runs.append((dst_rank, head, stop - head, holders[k:] + holders[:k]))
+            head = stop
+    return runs
+
+
+def expected_writes(writes: list[Write], dst_tp: int) -> list[int]:
+    """How many writes each destination rank receives."""
+    counts = [0] * dst_tp
+    for w in writes:
+        counts[w.dst_rank] += 1
+    return counts
