@@ -20,6 +20,6 @@ setup(
         # transformers (+ accelerate for its GGUF loader) is the reference the engine is checked against
         "test": ["pytest", "pytest-benchmark", "hypothesis", "transformers", "accelerate", "ruff"],
         "gpu": ["flashinfer-python", "cuda-python"],
-        "nixl": ["nixl-cu12==1.5.1"],
+        "nixl": ["nixl-cu12==1.5.1"],  # lists torch unpinned: install torch==2.13.0 first
     },
 )

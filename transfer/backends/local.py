@@ -1,0 +1,70 @@
+"""In-process copies behind the Backend interface, for single-process tests of the messenger logic."""
+
+from __future__ import annotations
+
+import pickle
+import threading
+from collections import deque
+
+import torch
+from torch import Tensor
+
+from transfer.backends.base import Backend, TransferError, WriteOp
+
+_AGENTS: dict[str, LocalBackend] = {}  # every live local agent of this process, by name
+_LOCK = threading.Lock()
+
+
+class LocalBackend(Backend):
+    def __init__(self, name: str):
+        with _LOCK:
+            if name in _AGENTS:
+                raise ValueError(f"a local transfer agent named {name!r} already exists")
+            _AGENTS[name] = self
+        self.name = name
+        self.regions: list[Tensor] = []
+        self._inbox: deque[tuple[str, bytes]] = deque()
+        self._peers: set[str] = set()
+
+    def register(self, regions: list[Tensor]) -> None:
+        self.regions += [r.view(-1).view(torch.uint8) for r in regions]
+
+    def metadata(self) -> bytes:
+        return pickle.dumps({"name": self.name})
+
+    def connect(self, peer_metadata: bytes) -> str:
+        peer = pickle.loads(peer_metadata)["name"]
+        if peer not in _AGENTS:
+            raise TransferError(f"no local transfer agent named {peer!r}")
+        self._peers.add(peer)
+        return peer
+
+    def post(self, peer: str, ops: list[WriteOp], notif: bytes) -> object:
+        target = _AGENTS.get(peer) if peer in self._peers else None
+        if target is None:
+            raise TransferError(f"peer {peer!r} is not connected")
+        self.check_ops(ops, [r.numel() for r in self.regions], [r.numel() for r in target.regions])
+        for op in ops:
+            dst = target.regions[op.remote_region][op.remote_offset : op.remote_offset + op.nbytes]
+            dst.copy_(self.regions[op.local_region][op.local_offset : op.local_offset + op.nbytes])
+        target._inbox.append((self.name, notif))
+        return "DONE"
+
+    def state(self, handle: object) -> str:
+        return "DONE"
+
+    def release(self, handle: object) -> None:
+        pass
+
+    def notifications(self) -> list[tuple[str, bytes]]:
+        out = []
+        while self._inbox:
+            out.append(self._inbox.popleft())
+        return out
+
+    def disconnect(self, peer: str) -> None:
+        self._peers.discard(peer)
+
+    def close(self) -> None:
+        with _LOCK:
+            _AGENTS.pop(self.name, None)
