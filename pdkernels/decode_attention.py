@@ -26,10 +26,10 @@ from pdkernels._paging import (
 )
 from pdkernels.extend_attention import (
     LOG2E,
+    attend_block,
     check_attention_inputs,
     check_out,
     grouped_attention_ref,
-    load_kv_block,
 )
 
 __all__ = ["decode_attention", "decode_attention_ref"]
@@ -98,21 +98,13 @@ def _decode_split_kernel(
     for start in range(lo, hi, BLOCK_N):  # every block holds at least one valid token
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < hi
-        k = load_kv_block(
+        m_i, l_i, acc = attend_block(
+            q,
+            m_i,
+            l_i,
+            acc,
+            mask_n[None, :],
             k_cache_ptr,
-            kv_indices_ptr,
-            page_lo,
-            kv_head,
-            offs_n,
-            mask_n,
-            offs_d,
-            head_dim,
-            page_size,
-            stride_kc_page,
-            stride_kc_h,
-            stride_kc_p,
-        )
-        v = load_kv_block(
             v_cache_ptr,
             kv_indices_ptr,
             page_lo,
@@ -122,20 +114,15 @@ def _decode_split_kernel(
             offs_d,
             head_dim,
             page_size,
+            qk_scale,
+            stride_kc_page,
+            stride_kc_h,
+            stride_kc_p,
             stride_vc_page,
             stride_vc_h,
             stride_vc_p,
+            UPCAST,
         )
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.where(mask_n[None, :], tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))  # log2 units
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = o_part_ptr + b * stride_op_b + heads[:, None] * stride_op_h + split * stride_op_s + offs_d[None, :]
     tl.store(o, acc / l_safe[:, None], mask=mask_g[:, None] & mask_d[None, :])

@@ -30,7 +30,12 @@ from pdkernels._paging import (
     split_kv_cache,
 )
 
-__all__ = ["extend_attention", "extend_attention_ref", "check_attention_inputs", "check_extend_attention"]
+__all__ = [
+    "extend_attention",
+    "extend_attention_ref",
+    "check_attention_inputs",
+    "check_extend_attention",
+]
 
 LOG2E = 1.4426950408889634
 
@@ -56,6 +61,74 @@ def load_kv_block(
     return tl.load(
         rows[:, None] + offs_d[None, :], mask=mask_n[:, None] & (offs_d[None, :] < head_dim), other=0.0
     )
+
+
+@triton.jit
+def attend_block(
+    q,
+    m_i,
+    l_i,
+    acc,
+    keep,
+    k_cache_ptr,
+    v_cache_ptr,
+    kv_indices_ptr,
+    page_lo,
+    kv_head,
+    offs_n,
+    mask_n,
+    offs_d,
+    head_dim,
+    page_size,
+    qk_scale,
+    stride_kc_page,
+    stride_kc_h,
+    stride_kc_p,
+    stride_vc_page,
+    stride_vc_h,
+    stride_vc_p,
+    UPCAST: tl.constexpr,
+):
+    """One online-softmax step over the keys offs_n: returns the updated (max, sum, acc), log2 units."""
+    k = load_kv_block(
+        k_cache_ptr,
+        kv_indices_ptr,
+        page_lo,
+        kv_head,
+        offs_n,
+        mask_n,
+        offs_d,
+        head_dim,
+        page_size,
+        stride_kc_page,
+        stride_kc_h,
+        stride_kc_p,
+    )
+    v = load_kv_block(
+        v_cache_ptr,
+        kv_indices_ptr,
+        page_lo,
+        kv_head,
+        offs_n,
+        mask_n,
+        offs_d,
+        head_dim,
+        page_size,
+        stride_vc_page,
+        stride_vc_h,
+        stride_vc_p,
+    )
+    if UPCAST:  # the interpreter's bf16 arithmetic is wrong
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    s = tl.where(keep, tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))  # [rows, BLOCK_N]
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing to attend to yet
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -123,21 +196,16 @@ def _extend_attention_kernel(
         for start in range(0, kv_hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             mask_n = offs_n < kv_hi
-            k = load_kv_block(
+            keep = mask_n[None, :]
+            if CAUSAL:
+                keep = keep & (offs_n[None, :] <= q_pos[:, None])
+            m_i, l_i, acc = attend_block(
+                q,
+                m_i,
+                l_i,
+                acc,
+                keep,
                 k_cache_ptr,
-                kv_indices_ptr,
-                page_lo,
-                kv_head,
-                offs_n,
-                mask_n,
-                offs_d,
-                head_dim,
-                page_size,
-                stride_kc_page,
-                stride_kc_h,
-                stride_kc_p,
-            )
-            v = load_kv_block(
                 v_cache_ptr,
                 kv_indices_ptr,
                 page_lo,
@@ -147,25 +215,15 @@ def _extend_attention_kernel(
                 offs_d,
                 head_dim,
                 page_size,
+                qk_scale,
+                stride_kc_page,
+                stride_kc_h,
+                stride_kc_p,
                 stride_vc_page,
                 stride_vc_h,
                 stride_vc_p,
+                UPCAST,
             )
-            if UPCAST:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-            s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
-            keep = mask_n[None, :]
-            if CAUSAL:
-                keep = keep & (offs_n[None, :] <= q_pos[:, None])
-            s = tl.where(keep, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing to attend to yet
-            p = tl.exp2(s - m_safe[:, None])
-            alpha = tl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = o_ptr + (q_lo + offs_m[:, None]).to(tl.int64) * stride_o_t + head * stride_o_h + offs_d[None, :]
     tl.store(
