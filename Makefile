@@ -27,7 +27,7 @@ test-all: $(STAMP)
 	$(PYTEST) -q
 
 bench: $(STAMP)
-	$(PYTEST) experiments/bench -q -p no:cacheprovider --benchmark-enable --benchmark-only \
+	$(PYTEST) experiments/bench -q -p no:cacheprovider --benchmark-enable \
 		--benchmark-columns=min,median,max,rounds --benchmark-sort=name
 
 bench-gpu: $(STAMP)
