@@ -128,7 +128,9 @@ class LLM:
     def add_request(
         self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
     ) -> str:
-        seq = self.make_sequence(prompt, params, request_id)
+        return self._submit(self.make_sequence(prompt, params, request_id))
+
+    def _submit(self, seq: Sequence) -> str:
         self.seqs[seq.request_id] = seq
         if self.scheduler.role == "prefill" and len(seq.prompt_ids) == 1:
             self._prefilled(seq, None)  # nothing to compute: the decode side runs the only token
@@ -186,10 +188,8 @@ class LLM:
         params = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        seqs = [self.make_sequence(p, sp) for p, sp in zip(prompts, params, strict=True)]
-        ids = [self.add_request(s.prompt_ids, s.params, s.request_id) for s in seqs]
-        for s in seqs:
-            self.seqs[s.request_id].prompt = s.prompt
+        seqs = [self.make_sequence(p, sp) for p, sp in zip(prompts, params, strict=True)]  # all checked first
+        ids = [self._submit(s) for s in seqs]
         while self.has_unfinished():
             self.step()
         return [self.output(i) for i in ids]
