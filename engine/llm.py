@@ -1,9 +1,10 @@
 """The engine's API: LLM(model=...).generate(prompts, SamplingParams(...)), plus the role hooks.
 
-Roles (see scheduler.py): ``colocated`` serves whole requests; ``prefill`` computes prompt KV (all but
-the last token), never samples, tells its listener each batch before the forward pass, and keeps a
-request's pages until ``release``; ``decode`` additionally ``reserve``s pinned pages for a remote
-prefill and ``admit_prefilled`` starts decoding once they are filled.
+Roles (see scheduler.py): ``colocated`` serves whole requests; ``prefill`` computes the KV of the
+tokens it is given (a prompt without its last token), never samples, tells its listener each batch
+before the forward pass, and keeps a request's pages until ``release``; ``decode`` additionally
+``reserve``s pinned pages for that KV and ``admit_prefilled`` starts decoding once they are filled,
+running the last prompt token as the first decode step.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class PrefillListener(Protocol):
 
     def on_batch(self, batch: Batch, counter: torch.Tensor) -> None: ...  # before the forward pass
 
-    def on_prefilled(self, seq: Sequence, last_hidden: torch.Tensor) -> None: ...  # KV of prompt[:-1] done
+    def on_prefilled(self, seq: Sequence, last_hidden: torch.Tensor) -> None: ...  # all its KV computed
 
 
 class LLM:
@@ -132,10 +133,7 @@ class LLM:
 
     def _submit(self, seq: Sequence) -> str:
         self.seqs[seq.request_id] = seq
-        if self.scheduler.role == "prefill" and len(seq.prompt_ids) == 1:
-            self._prefilled(seq, None)  # nothing to compute: the decode side runs the only token
-        else:
-            self.scheduler.add(seq)
+        self.scheduler.add(seq)
         return seq.request_id
 
     def abort(self, request_id: str, error: str | None = None) -> None:
@@ -216,13 +214,23 @@ class LLM:
         self.allocator.unpin(request_id)
         self.scheduler.admit_prefilled(self.seqs[request_id])
 
+    def stop(self, request_id: str, error: str | None = None) -> None:
+        """End a request now (finish_reason 'abort', or 'error') but keep its pages until `release`: a
+        transfer may still be reading or writing them."""
+        seq = self.seqs.get(request_id)
+        if seq is None or seq.finished:
+            return
+        self.scheduler.remove(seq, free_pages=False)
+        self._finish(seq, "error" if error else "abort", error)
+
     def release(self, request_id: str) -> None:
-        """Prefill role: the KV has been sent; free the request's pages."""
+        """The request's KV is no longer moving (sent, or its transfer ended): unpin and free its pages."""
+        self.allocator.unpin(request_id)
         self.allocator.free(request_id)
 
     # ---- internals -------------------------------------------------------------------------------------
 
-    def _prefilled(self, seq: Sequence, last_hidden: torch.Tensor | None) -> None:
+    def _prefilled(self, seq: Sequence, last_hidden: torch.Tensor) -> None:
         seq.status, seq.finish_reason = Status.FINISHED, "prefilled"
         if self.listener is not None:
             self.listener.on_prefilled(seq, last_hidden)

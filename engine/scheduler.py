@@ -3,8 +3,9 @@
 Each step takes the running sequences' decode tokens first, then prefill chunks (continuing ones, then
 new ones) under a token budget: the Sarathi/vLLM mix of prefill and decode in one pass.
 - colocated: a sequence computes all of its tokens and samples after the last one.
-- prefill: a sequence computes its prompt except the last token and never samples; then it is
-  "prefilled", keeps its pages, and the listener (the messenger) takes over.
+- prefill: a sequence computes every token it is given and never samples; then it is "prefilled",
+  keeps its pages, and the listener (the messenger) takes over. Disaggregation hands it the prompt
+  without its last token, which the decode worker runs as its first step.
 - decode: like colocated, and also admits sequences whose prompt KV (all but the last token) is
   already in its pages; their first step runs the last prompt token and samples the first output.
 Out of pages, a decode token preempts the newest unpinned sequence (its KV is recomputed later);
@@ -55,8 +56,8 @@ class Scheduler:
         return self.config.role
 
     def target(self, seq: Sequence) -> int:
-        """Tokens whose KV this worker computes for seq (prefill stops before the last prompt token)."""
-        return len(seq.prompt_ids) - 1 if self.role == "prefill" else seq.num_tokens
+        """Tokens whose KV this worker computes for seq."""
+        return len(seq.prompt_ids) if self.role == "prefill" else seq.num_tokens
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)

@@ -9,6 +9,20 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def model_backend(request):
+    """Engine and transfer tests run models on the torch references (the interpreter would take minutes);
+    kernel tests call the kernels directly, and one engine test opts back into Triton."""
+    if request.module.__name__.startswith("tests.pdkernels"):
+        yield
+        return
+    from pdkernels import ops
+
+    ops.set_backend("torch")
+    yield
+    ops.set_backend("auto")
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
