@@ -202,11 +202,13 @@ class LLM:
     def reserve(
         self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
     ) -> Sequence:
-        """Decode role: pin pages for the KV of all but the last prompt token, for a prefill worker."""
+        """Decode role: pin pages for the KV of all but the last prompt token, for a prefill worker.
+
+        Raises engine.kv_cache.OutOfPages (taking nothing) when too few pages are free right now."""
         seq = self.make_sequence(prompt, params, request_id)
-        self.seqs[seq.request_id] = seq
         self.allocator.grow(seq.request_id, len(seq.prompt_ids) - 1)
         self.allocator.pin(seq.request_id)
+        self.seqs[seq.request_id] = seq
         return seq
 
     def admit_prefilled(self, request_id: str) -> None:

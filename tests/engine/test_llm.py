@@ -177,3 +177,15 @@ def test_tp_that_fits_neither_sharding_nor_replication():
         # 12 q heads split 2 per rank, but 4 kv heads neither split nor replicate over 6 ranks
         EngineConfig(model=model, tp=6)
     EngineConfig(model=model, tp=2)  # 2 kv heads per rank
+
+
+def test_reserve_out_of_pages_takes_nothing():
+    from engine.kv_cache import OutOfPages
+
+    llm = LLM("tiny-random", role="decode", page_size=4, num_pages=8)
+    llm.reserve(list(range(5, 25)), SamplingParams(max_tokens=4), request_id="a")  # 19 tokens: 5 pages
+    with pytest.raises(OutOfPages):
+        llm.reserve(list(range(5, 25)), SamplingParams(max_tokens=4), request_id="b")
+    assert "b" not in llm.seqs and llm.allocator.num_free == 3
+    llm.release("a")
+    assert llm.allocator.num_free == 8
