@@ -15,6 +15,7 @@ setup(
         "tokenizers",
         "safetensors",
         "jinja2",  # chat templates
+        "pyzmq",  # control channel between workers
     ],
     extras_require={
         # transformers (+ accelerate for its GGUF loader) is the reference the engine is checked against

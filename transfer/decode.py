@@ -56,9 +56,10 @@ class DecodeMessenger:
         hidden_size: int,
         context_slots: int = 64,
         deadline_s: float = 30.0,
+        peer_timeout_s: float = 10.0,
     ):
         self.engine, self.backend, self.spec, self.channel = engine, backend, spec, channel
-        self.prefill_spec, self.deadline_s = prefill_spec, deadline_s
+        self.prefill_spec, self.deadline_s, self.peer_timeout_s = prefill_spec, deadline_s, peer_timeout_s
         self.context = torch.zeros(context_slots, hidden_size, dtype=torch.float32)  # written by prefill
         backend.register(list(kv_regions) + [self.context])
         self._metadata = backend.metadata()
@@ -107,6 +108,8 @@ class DecodeMessenger:
                     self.engine.fail(msg.request_id, msg.error or "prefill ended the request")
                 self.engine.free(msg.request_id)
                 self._free_slots.append(p.slot)
+        if self.pending and self.channel.peer_silent_for() > self.peer_timeout_s:
+            self._peer_died()
         admitted, now = [], time.monotonic()
         for rid, p in list(self.pending.items()):
             if p.failed is None and p.received == p.expected:
@@ -123,6 +126,16 @@ class DecodeMessenger:
                     f"({p.received}/{p.expected} writes landed)",
                 )
         return admitted
+
+    def _peer_died(self) -> None:
+        """The prefill worker stopped answering: it sends nothing more, so every page can be freed now."""
+        reason = f"prefill worker silent for over {self.peer_timeout_s} s"
+        for rid, p in list(self.pending.items()):
+            if p.failed is None:
+                self.engine.fail(rid, reason)
+            self.engine.free(rid)
+            self._free_slots.append(p.slot)
+            del self.pending[rid]
 
     def _fail(self, request_id: str, p: _Pending, reason: str) -> None:
         """End the request now; its pages stay pinned until the prefill side's Ended."""

@@ -107,6 +107,7 @@ class PrefillMessenger:
 
     def poll(self) -> None:
         """Take new requests and aborts; free the pages of requests whose writes have all finished."""
+        self.channel.heartbeat()
         for msg in self.channel.receive():
             if isinstance(msg, PrefillRequest):
                 self._accept(msg)

@@ -27,6 +27,13 @@ class PrefillRequest:
 
 
 @dataclass(frozen=True)
+class Hello:
+    """Prefill -> decode, once connected: its shard geometry (the decode side plans with it)."""
+
+    spec: ShardSpec
+
+
+@dataclass(frozen=True)
 class Abort:
     """Decode -> prefill: stop this request. The prefill side answers Ended once nothing is in flight."""
 
@@ -59,6 +66,12 @@ class Endpoint:
 
     def send(self, msg) -> None:
         self.outbox.put(msg)
+
+    def heartbeat(self) -> None:
+        pass  # both ends live in one process
+
+    def peer_silent_for(self) -> float:
+        return 0.0
 
     def receive(self) -> list:
         out = []
