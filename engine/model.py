@@ -173,10 +173,15 @@ class Model:
                 meta.kv_last_page_len,
                 validate=False,
             )
-        counter = meta.counter if s.rank == 0 else None
-        return self.all_reduce(
-            ops.out_proj(o.reshape(x.shape[0], -1), layer["o"], counter=counter, layer=i, validate=False)
-        )
+        o = o.reshape(x.shape[0], -1)
+        if s.size == 1:  # the projection's last tile bumps the layer counter (kernel-side, graph-safe)
+            return ops.out_proj(o, layer["o"], counter=meta.counter, layer=i, validate=False)
+        # With TP the lead may only count layer i once every rank has appended its KV shard: the
+        # all-reduce returns after all ranks reached it, so the bump comes after it (stream-ordered on GPU).
+        y = self.all_reduce(ops.out_proj(o, layer["o"], validate=False))
+        if s.rank == 0 and meta.counter is not None:
+            meta.counter[0, i] += 1
+        return y
 
     def forward(self, input_ids: Tensor, meta: BatchMeta, kv_cache: Tensor) -> Tensor:
         """input_ids [T] -> final hidden states [T, hidden]; kv_cache [layers, pages, 2, Hkv, P, D]."""

@@ -4,6 +4,7 @@ import random
 import time
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from engine.sequence import Status
@@ -218,3 +219,84 @@ def test_layers_stream_while_the_forward_pass_runs():
         pm.close()
         pm.backend.close()
         dm.backend.close()
+
+
+def _full_heads(caches, spec, pages):
+    """[layers, pages, 2, all kv heads, P, D] assembled from each head's first holder rank."""
+    parts = []
+    for head in range(spec.num_kv_heads):
+        rank = spec.holders(head)[0]
+        parts.append(caches[rank][:, pages, :, head - spec.first_head(rank)])
+    return torch.stack(parts, dim=3)
+
+
+@pytest.mark.parametrize("prefill_tp, decode_tp", [(2, 1), (1, 2), (4, 1)])  # tp 4 > 2 kv heads: replicated
+def test_mismatched_tp_through_the_messenger(prefill_tp, decode_tp):
+    """Each side's TP ranks keep their own KV shard (mapped into the lead); the plan cuts and joins pages,
+    and every decode rank receives exactly the bytes the prefill ranks computed."""
+    prompts = _prompts(4, seed=2)
+    expected = [
+        o.token_ids for o in LLM("tiny-random", page_size=4, num_pages=PAGES).generate(prompts, GREEDY)
+    ]
+    prefill = LLM(
+        "tiny-random", tp=prefill_tp, role="prefill", page_size=4, num_pages=PAGES, max_num_batched_tokens=24
+    )
+    decode = LLM("tiny-random", tp=decode_tp, role="decode", page_size=4, num_pages=PAGES)
+    sent, landed = {}, {}
+
+    class Source(PrefillSide):
+        def release(self, request_id):  # what the prefill ranks computed, before the pages go back
+            sent[request_id] = _full_heads(prefill.kv_caches, _spec(prefill), self.pages(request_id))
+            super().release(request_id)
+
+    class Sink(DecodeSide):
+        def admit(self, request_id):  # what landed, before decoding appends to the pages
+            landed[request_id] = _full_heads(
+                decode.kv_caches, _spec(decode), decode.allocator.pages(request_id)
+            )
+            super().admit(request_id)
+
+    decode_end, prefill_end = local_channel()
+    tag = f"{prefill_tp}{decode_tp}"
+    pm = PrefillMessenger(
+        Source(prefill),
+        make_backend("local", f"p-tp{tag}"),
+        _spec(prefill),
+        prefill_end,
+        prefill.kv_caches,
+        prefill.counter,
+        prefill.config.model.hidden_size,
+    )
+    prefill.listener = pm
+    dm = DecodeMessenger(
+        Sink(decode),
+        make_backend("local", f"d-tp{tag}"),
+        _spec(decode),
+        decode_end,
+        _spec(prefill),
+        decode.kv_caches,
+        decode.config.model.hidden_size,
+        deadline_s=60,
+    )
+    try:
+        ids = [f"r{i}" for i in range(len(prompts))]
+        for rid, prompt in zip(ids, prompts, strict=True):
+            dm.submit(rid, prompt)
+        _run(prefill, decode, pm, dm, ids)
+        multi = [rid for rid, p in zip(ids, prompts, strict=True) if len(p) > 1]
+        assert sorted(sent) == sorted(multi)  # one-token prompts never reach the prefill worker
+        for rid in multi:
+            if prefill_tp <= 2:  # one holder per head: the bytes must be the ones it computed
+                assert torch.equal(landed[rid], sent[rid]), rid
+            else:  # replicas on ranks with different thread counts round differently; pages rotate over them
+                torch.testing.assert_close(landed[rid], sent[rid], atol=1e-5, rtol=1e-5)
+        if prefill_tp <= 2:  # a 4-way all-reduce sums in another order and flips a greedy near-tie here
+            assert [decode.output(rid).token_ids for rid in ids] == expected
+        assert all(decode.output(rid).finish_reason == "length" for rid in ids)
+        assert prefill.allocator.num_free == PAGES and decode.allocator.num_free == PAGES
+    finally:
+        pm.close()
+        pm.backend.close()
+        dm.backend.close()
+        prefill.close()
+        decode.close()
