@@ -67,37 +67,53 @@ def _spec(llm):
     )
 
 
-@pytest.fixture
-def pair(request):
-    names = f"p-{request.node.name}", f"d-{request.node.name}"
-    prefill = LLM("tiny-random", role="prefill", page_size=4, num_pages=PAGES, max_num_batched_tokens=24)
-    decode = LLM("tiny-random", role="decode", page_size=4, num_pages=PAGES)
-    decode_end, prefill_end = local_channel()
-    hidden = prefill.config.model.hidden_size
+def _prefill_messenger(side, backend, channel):
+    """A PrefillMessenger over side.llm's KV regions and layer counter, installed as its listener."""
+    llm = side.llm
     pm = PrefillMessenger(
-        PrefillSide(prefill),
-        make_backend("local", names[0]),
-        _spec(prefill),
-        prefill_end,
-        prefill.kv_caches,
-        prefill.counter,
-        hidden,
+        side, backend, _spec(llm), channel, llm.kv_caches, llm.counter, llm.config.model.hidden_size
     )
-    prefill.listener = pm
-    dm = DecodeMessenger(
-        DecodeSide(decode),
-        make_backend("local", names[1]),
-        _spec(decode),
-        decode_end,
-        _spec(prefill),
-        decode.kv_caches,
-        hidden,
-        deadline_s=5.0,
+    llm.listener = pm
+    return pm
+
+
+def _decode_messenger(side, backend, channel, prefill_spec, **kwargs):
+    llm = side.llm
+    return DecodeMessenger(
+        side,
+        backend,
+        _spec(llm),
+        channel,
+        prefill_spec,
+        llm.kv_caches,
+        llm.config.model.hidden_size,
+        **kwargs,
     )
-    yield prefill, decode, pm, dm
+
+
+def _local_pair(prefill, decode, tag, source=PrefillSide, sink=DecodeSide, deadline_s=60.0):
+    """Both messenger halves in this process: local backend, in-process control queues."""
+    decode_end, prefill_end = local_channel()
+    pm = _prefill_messenger(source(prefill), make_backend("local", f"p-{tag}"), prefill_end)
+    dm = _decode_messenger(
+        sink(decode), make_backend("local", f"d-{tag}"), decode_end, _spec(prefill), deadline_s=deadline_s
+    )
+    return pm, dm
+
+
+def _close(pm, dm):
     pm.close()
     pm.backend.close()
     dm.backend.close()
+
+
+@pytest.fixture
+def pair(request):
+    prefill = LLM("tiny-random", role="prefill", page_size=4, num_pages=PAGES, max_num_batched_tokens=24)
+    decode = LLM("tiny-random", role="decode", page_size=4, num_pages=PAGES)
+    pm, dm = _local_pair(prefill, decode, request.node.name)
+    yield prefill, decode, pm, dm
+    _close(pm, dm)
 
 
 def _run(prefill, decode, pm, dm, ids, prefill_polls=True, max_iters=5000):
@@ -171,27 +187,7 @@ def test_layers_stream_while_the_forward_pass_runs():
     """SmolLM2 (30 layers): layer 0's pages are posted before the pass that computed them has finished."""
     prefill = LLM("smollm2-135m", role="prefill", num_pages=64, max_num_batched_tokens=512)
     decode = LLM("smollm2-135m", role="decode", num_pages=64)
-    decode_end, prefill_end = local_channel()
-    pm = PrefillMessenger(
-        PrefillSide(prefill),
-        make_backend("local", "p-stream"),
-        _spec(prefill),
-        prefill_end,
-        prefill.kv_caches,
-        prefill.counter,
-        prefill.config.model.hidden_size,
-    )
-    prefill.listener = pm
-    dm = DecodeMessenger(
-        DecodeSide(decode),
-        make_backend("local", "d-stream"),
-        _spec(decode),
-        decode_end,
-        _spec(prefill),
-        decode.kv_caches,
-        decode.config.model.hidden_size,
-        deadline_s=120,
-    )
+    pm, dm = _local_pair(prefill, decode, "stream", deadline_s=120)
     passes = []
     run = prefill.runner.run
 
@@ -216,9 +212,7 @@ def test_layers_stream_while_the_forward_pass_runs():
         assert start < first_layer < end, "layer 0 was posted only after the forward pass ended"
         assert first_layer < last_layer
     finally:
-        pm.close()
-        pm.backend.close()
-        dm.backend.close()
+        _close(pm, dm)
 
 
 def _full_heads(caches, spec, pages):
@@ -256,28 +250,7 @@ def test_mismatched_tp_through_the_messenger(prefill_tp, decode_tp):
             )
             super().admit(request_id)
 
-    decode_end, prefill_end = local_channel()
-    tag = f"{prefill_tp}{decode_tp}"
-    pm = PrefillMessenger(
-        Source(prefill),
-        make_backend("local", f"p-tp{tag}"),
-        _spec(prefill),
-        prefill_end,
-        prefill.kv_caches,
-        prefill.counter,
-        prefill.config.model.hidden_size,
-    )
-    prefill.listener = pm
-    dm = DecodeMessenger(
-        Sink(decode),
-        make_backend("local", f"d-tp{tag}"),
-        _spec(decode),
-        decode_end,
-        _spec(prefill),
-        decode.kv_caches,
-        decode.config.model.hidden_size,
-        deadline_s=60,
-    )
+    pm, dm = _local_pair(prefill, decode, f"tp{prefill_tp}{decode_tp}", source=Source, sink=Sink)
     try:
         ids = [f"r{i}" for i in range(len(prompts))]
         for rid, prompt in zip(ids, prompts, strict=True):
@@ -295,8 +268,6 @@ def test_mismatched_tp_through_the_messenger(prefill_tp, decode_tp):
         assert all(decode.output(rid).finish_reason == "length" for rid in ids)
         assert prefill.allocator.num_free == PAGES and decode.allocator.num_free == PAGES
     finally:
-        pm.close()
-        pm.backend.close()
-        dm.backend.close()
+        _close(pm, dm)
         prefill.close()
         decode.close()

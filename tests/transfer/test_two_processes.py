@@ -8,9 +8,16 @@ import time
 import pytest
 
 from engine import LLM
-from tests.transfer.test_messenger import GREEDY, DecodeSide, PrefillSide, _prompts, _spec
+from tests.transfer.test_messenger import (
+    GREEDY,
+    DecodeSide,
+    PrefillSide,
+    _decode_messenger,
+    _prefill_messenger,
+    _prompts,
+    _spec,
+)
 from transfer.backends import make_backend
-from transfer.decode import DecodeMessenger
 from transfer.protocol import Hello
 
 pytest.importorskip("nixl_cu12")
@@ -22,21 +29,11 @@ def _prefill_worker(address: str, budget: int):
     """A prefill worker process: its own engine, NIXL agent and messenger, serving until killed."""
     from pdkernels import ops
     from transfer.channel import ZmqEndpoint
-    from transfer.prefill import PrefillMessenger
 
     ops.set_backend("torch")
     prefill = LLM("tiny-random", role="prefill", page_size=4, num_pages=PAGES, max_num_batched_tokens=budget)
     channel = ZmqEndpoint(address, bind=False)
-    pm = PrefillMessenger(
-        PrefillSide(prefill),
-        make_backend("nixl", f"prefill-{os.getpid()}"),
-        _spec(prefill),
-        channel,
-        prefill.kv_caches,
-        prefill.counter,
-        prefill.config.model.hidden_size,
-    )
-    prefill.listener = pm
+    pm = _prefill_messenger(PrefillSide(prefill), make_backend("nixl", f"prefill-{os.getpid()}"), channel)
     channel.send(Hello(_spec(prefill)))
     while os.getppid() != 1:
         pm.poll()
@@ -64,14 +61,11 @@ def decode_pair():
         assert time.monotonic() < give_up and proc.is_alive(), "the prefill worker did not start"
         time.sleep(0.01)
     decode = LLM("tiny-random", role="decode", page_size=4, num_pages=PAGES)
-    dm = DecodeMessenger(
+    dm = _decode_messenger(
         DecodeSide(decode),
         make_backend("nixl", f"decode-{os.getpid()}"),
-        _spec(decode),
         channel,
         hello[0].spec,
-        decode.kv_caches,
-        decode.config.model.hidden_size,
         deadline_s=60,
         peer_timeout_s=2.0,
     )
