@@ -216,6 +216,14 @@ class LLM:
         self.allocator.unpin(request_id)
         self.scheduler.admit_prefilled(self.seqs[request_id])
 
+    def prefill_locally(self, request_id: str) -> None:
+        """Decode role: compute a reserved request's prompt here instead (a short prompt under conditional
+        disaggregation, or a failed transfer); it keeps whatever pages it holds, unpinned."""
+        seq = self.seqs[request_id]
+        self.allocator.unpin(request_id)
+        seq.num_computed, seq.status = 0, Status.WAITING
+        self.scheduler.add(seq)
+
     def stop(self, request_id: str, error: str | None = None) -> None:
         """End a request now (finish_reason 'abort', or 'error') but keep its pages until `release`: a
         transfer may still be reading or writing them."""

@@ -52,7 +52,9 @@ def build_rank(model_name: str, config: EngineConfig, rank: int) -> tuple[Model,
     return model, kv_cache.share_memory_() if device.type == "cpu" else kv_cache
 
 
-def _rank_main(rank: int, model_name: str, config: EngineConfig, port: int, conn, backend: str) -> None:
+def _rank_main(
+    rank: int, model_name: str, config: EngineConfig, port: int, conn, backend: str, lead: int
+) -> None:
     """Ranks 1..N-1: build the shard, hand the lead the KV cache, then mirror each step until told to stop."""
     try:
         torch.set_num_threads(1)
@@ -62,7 +64,7 @@ def _rank_main(rank: int, model_name: str, config: EngineConfig, port: int, conn
         init_rank(rank, config.tp, port, config.device)
         while True:
             if not conn.poll(1.0):
-                if os.getppid() == 1:  # the lead died: nobody will send another step
+                if os.getppid() != lead:  # the lead died (reparented): nobody will send another step
                     return
                 continue
             msg = conn.recv()
@@ -88,7 +90,7 @@ class TPGroup:
         self.conns, self.procs = [], []
         for rank in range(1, self.size):
             lead_end, rank_end = ctx.Pipe()
-            args = (rank, model_name, config, port, rank_end, ops.get_backend())
+            args = (rank, model_name, config, port, rank_end, ops.get_backend(), os.getpid())
             proc = ctx.Process(target=_rank_main, args=args, daemon=True)
             proc.start()
             self.conns.append(lead_end)

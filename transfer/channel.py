@@ -16,6 +16,9 @@ _PING = b"ping"
 
 
 class ZmqEndpoint:
+    """One end of a PAIR socket. The end that speaks first should connect: messages sent to a bound end
+    before its peer connects cannot be queued (send waits up to its timeout), a connecting end's can."""
+
     def __init__(self, address: str, bind: bool):
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.PAIR)
@@ -24,6 +27,7 @@ class ZmqEndpoint:
             self._sock.bind(address)
         else:
             self._sock.connect(address)
+        self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)  # with the port chosen for ":0"
         self._last_seen = time.monotonic()
         self._last_ping = 0.0
 

@@ -1,11 +1,15 @@
 """The decode side of the KV messenger: reserve pages, ask a prefill worker, count what lands, release.
 
-`submit` pins pages for the prompt's KV (all but its last token) and sends a PrefillRequest. Every post
-from the prefill side ends with a notification that says how many writes it carried; the request is
-handed to the decode scheduler only when the count reaches what the plan says plus the context write.
-A request that fails (abort, deadline, an error reported by the prefill side) ends at once with an
-error, but its pages stay pinned until the prefill side confirms that nothing more is in flight
-(Ended), so a late write can never land in a page that another request owns.
+`submit` pins pages for the prompt's KV (all but its last token) and sends a PrefillRequest to one of
+the prefill workers added with `add_peer`. Every post from the prefill side ends with a notification
+that says how many writes it carried; the request is handed to the decode scheduler only when the
+count reaches what the plan says plus the context write.
+
+A request that fails (abort, a stage deadline, an error reported by the prefill side, a silent peer)
+ends at once with an error, or with `on_transfer_failure: recompute` is prefilled locally instead. Its
+pages stay pinned until nothing can still land in them: the prefill side's Ended says so, or its
+process is known to be gone. A peer that is only silent (hung, not dead) keeps its requests' pages
+quarantined until it either answers or dies, so a late write can never land in another request's page.
 """
 
 from __future__ import annotations
@@ -19,14 +23,15 @@ import torch
 from torch import Tensor
 
 from transfer.backends import Backend
-from transfer.plan import ShardSpec, plan_writes
-from transfer.protocol import Abort, Ended, Endpoint, PrefillRequest, parse_notif
+from transfer.config import TransferConfig
+from transfer.plan import ShardSpec, plan_array
+from transfer.protocol import Abort, Accepted, Ended, Hello, PrefillRequest, parse_notif
 
 
 class DecodeEngine(Protocol):
     def reserve(
-        self, request_id: str, prompt_ids: list[int]
-    ) -> list[int]: ...  # pinned pages for prompt[:-1]
+        self, request_id: str, prompt_ids: list[int], params: object
+    ) -> list[int]: ...  # pinned pages for prompt[:-1]; params: the engine's own (sampling) parameters
 
     def admit(self, request_id: str) -> None: ...  # every write landed: start decoding
 
@@ -34,14 +39,41 @@ class DecodeEngine(Protocol):
 
     def free(self, request_id: str) -> None: ...  # unpin and free its pages
 
+    def recompute(self, request_id: str) -> None: ...  # its pages are safe again: prefill it here
+
+
+@dataclass
+class _Peer:
+    name: str
+    channel: object  # transfer.protocol.Endpoint or transfer.channel.ZmqEndpoint
+    hello: Hello
+    lost: bool = False  # silent past peer_timeout_s: its requests have failed
+
+
+@dataclass
+class Timing:
+    """When each stage of a transfer happened (time.perf_counter: one clock for every process here)."""
+
+    sent: float
+    accepted: float | None = None
+    first_landed: float | None = None
+    landed: float | None = None  # the last write counted: the request is released to the scheduler
+    writes: int = 0
+    nbytes: int = 0
+
 
 @dataclass
 class _Pending:
+    peer: _Peer
     expected: int
-    deadline: float
+    nbytes: int
     slot: int
+    sent_at: float  # time.monotonic, for deadlines
+    prompt_tokens: int
+    timing: Timing
+    accepted_at: float | None = None
     received: int = 0
-    failed: str | None = None  # set once the request has failed; pages wait for Ended
+    failed: str | None = None  # set once the request has failed; pages wait for Ended or the peer's death
 
 
 class DecodeMessenger:
@@ -50,44 +82,65 @@ class DecodeMessenger:
         engine: DecodeEngine,
         backend: Backend,
         spec: ShardSpec,
-        channel: Endpoint,
-        prefill_spec: ShardSpec,
         kv_regions: list[Tensor],
         hidden_size: int,
-        context_slots: int = 64,
-        deadline_s: float = 30.0,
-        peer_timeout_s: float = 10.0,
+        config: TransferConfig | None = None,
     ):
-        self.engine, self.backend, self.spec, self.channel = engine, backend, spec, channel
-        self.prefill_spec, self.deadline_s, self.peer_timeout_s = prefill_spec, deadline_s, peer_timeout_s
-        self.context = torch.zeros(context_slots, hidden_size, dtype=torch.float32)  # written by prefill
-        backend.register(list(kv_regions) + [self.context])
+        self.engine, self.backend, self.spec = engine, backend, spec
+        self.config = config or TransferConfig()
+        self.context = torch.zeros(self.config.context_slots, hidden_size, dtype=torch.float32)
+        backend.register(list(kv_regions) + [self.context])  # the context buffer: written by prefill
         self._metadata = backend.metadata()
-        self._free_slots = list(range(context_slots))
+        self._free_slots = list(range(self.config.context_slots))
+        self.peers: dict[str, _Peer] = {}
         self.pending: dict[str, _Pending] = {}
         self.contexts: dict[str, Tensor] = {}  # last prefilled hidden state of each admitted request
+        self.timings: dict[str, Timing] = {}  # of every admitted request
         self._seeds = itertools.count()
 
-    def submit(self, request_id: str, prompt_ids: list[int]) -> None:
-        """Reserve pages and ask the prefill worker for the KV of prompt_ids[:-1]."""
-        pages = self.engine.reserve(request_id, prompt_ids)
+    def add_peer(self, name: str, channel, hello: Hello) -> None:
+        """A prefill worker reachable over channel, whose Hello (shard spec, host, pid) arrived."""
+        self.peers[name] = _Peer(name, channel, hello)
+
+    def outstanding_tokens(self, peer: str) -> int:
+        """Prompt tokens sent to peer and not yet landed (the router's load figure)."""
+        return sum(p.prompt_tokens for p in self.pending.values() if p.peer.name == peer and not p.failed)
+
+    def submit(
+        self, request_id: str, prompt_ids: list[int], params: object = None, peer: str | None = None
+    ) -> None:
+        """Reserve pages and ask a prefill worker (the least loaded if not named) for prompt_ids[:-1].
+
+        Raises what engine.reserve raises (out of pages, a bad request) with nothing taken."""
+        if peer is None:
+            live = [n for n, p in self.peers.items() if not p.lost] or list(self.peers)
+            peer = min(live, key=self.outstanding_tokens)
+        target = self.peers[peer]
+        pages = self.engine.reserve(request_id, prompt_ids, params)
         if len(prompt_ids) == 1:  # nothing to prefill: decode runs the only token
             self.engine.admit(request_id)
             return
         if not self._free_slots:
-            self.engine.fail(request_id, "decode worker has no free context slot")
+            self.engine.fail(request_id, "decode worker has no free context slot (transfer.context_slots)")
             self.engine.free(request_id)
             return
         seed = next(self._seeds)
         # counts do not depend on which source pages are used: plan against placeholder ids
-        expected = (
-            len(plan_writes(self.prefill_spec, self.spec, list(range(len(pages))), pages, seed=seed)) + 1
-        )
+        placeholder = list(range(len(pages)))
+        writes = plan_array(target.hello.spec, self.spec, placeholder, pages, seed=seed)
+        nbytes = int(writes[:, 5].sum()) + self.context[0].numel() * self.context.element_size()
         slot = self._free_slots.pop()
-        self.pending[request_id] = _Pending(expected, time.monotonic() + self.deadline_s, slot)
-        self.channel.send(
-            PrefillRequest(request_id, list(prompt_ids[:-1]), pages, self.spec, self._metadata, slot, seed)
+        timing = Timing(time.perf_counter(), writes=len(writes) + 1, nbytes=nbytes)
+        self.pending[request_id] = _Pending(
+            target, len(writes) + 1, nbytes, slot, time.monotonic(), len(prompt_ids) - 1, timing
         )
+        request = PrefillRequest(
+            request_id, list(prompt_ids[:-1]), pages, self.spec, self._metadata, slot, seed
+        )
+        try:
+            target.channel.send(request)
+        except TimeoutError as e:
+            self._fail(request_id, self.pending[request_id], f"could not reach prefill worker {peer}: {e}")
 
     def abort(self, request_id: str, reason: str = "aborted by the decode worker") -> None:
         p = self.pending.get(request_id)
@@ -95,50 +148,93 @@ class DecodeMessenger:
             self._fail(request_id, p, reason)
 
     def poll(self) -> list[str]:
-        """Count landed writes, handle Ended and deadlines; returns the request ids admitted now."""
+        """Count landed writes, handle control messages and deadlines; returns the ids admitted now."""
         for _, msg in self.backend.notifications():
             kind, rid, writes = parse_notif(msg)
             p = self.pending.get(rid)
             if p is not None and p.failed is None:
                 p.received += writes
-        for msg in self.channel.receive():
-            if isinstance(msg, Ended) and msg.request_id in self.pending:
-                p = self.pending.pop(msg.request_id)
-                if p.failed is None:  # the prefill side failed it
-                    self.engine.fail(msg.request_id, msg.error or "prefill ended the request")
-                self.engine.free(msg.request_id)
-                self._free_slots.append(p.slot)
-        if self.pending and self.channel.peer_silent_for() > self.peer_timeout_s:
-            self._peer_died()
+                p.timing.first_landed = p.timing.first_landed or time.perf_counter()
+        for peer in self.peers.values():
+            for msg in peer.channel.receive():
+                if isinstance(msg, Accepted) and msg.request_id in self.pending:
+                    p = self.pending[msg.request_id]
+                    p.accepted_at, p.timing.accepted = time.monotonic(), time.perf_counter()
+                elif isinstance(msg, Ended) and msg.request_id in self.pending:
+                    p = self.pending[msg.request_id]
+                    if p.failed is None:  # the prefill side failed it
+                        self._fail(msg.request_id, p, msg.error or "prefill ended the request", notify=False)
+                    self._pages_safe(msg.request_id)
+            self._check_peer(peer)
         admitted, now = [], time.monotonic()
         for rid, p in list(self.pending.items()):
-            if p.failed is None and p.received == p.expected:
+            if p.failed is not None:
+                continue
+            if p.received == p.expected:
                 del self.pending[rid]
                 self.contexts[rid] = self.context[p.slot].clone()
                 self._free_slots.append(p.slot)
+                p.timing.landed = time.perf_counter()
+                self.timings[rid] = p.timing
                 self.engine.admit(rid)
                 admitted.append(rid)
-            elif p.failed is None and now > p.deadline:
-                self._fail(
-                    rid,
-                    p,
-                    f"transfer deadline of {self.deadline_s} s passed "
-                    f"({p.received}/{p.expected} writes landed)",
-                )
+            elif reason := self._late(p, now):
+                self._fail(rid, p, f"{reason} ({p.received}/{p.expected} writes landed)")
         return admitted
 
-    def _peer_died(self) -> None:
-        """The prefill worker stopped answering: it sends nothing more, so every page can be freed now."""
-        reason = f"prefill worker silent for over {self.peer_timeout_s} s"
-        for rid, p in list(self.pending.items()):
-            if p.failed is None:
-                self.engine.fail(rid, reason)
-            self.engine.free(rid)
-            self._free_slots.append(p.slot)
-            del self.pending[rid]
+    def _late(self, p: _Pending, now: float) -> str | None:
+        c = self.config
+        if p.accepted_at is None and now > p.sent_at + c.handshake_timeout_s:
+            return f"{p.peer.name} did not accept within handshake_timeout_s={c.handshake_timeout_s}"
+        if p.accepted_at is not None and not p.received and now > p.accepted_at + c.first_layer_timeout_s:
+            return f"no KV landed within first_layer_timeout_s={c.first_layer_timeout_s}"
+        if now > p.sent_at + c.completion_timeout_s:
+            return f"transfer not complete within completion_timeout_s={c.completion_timeout_s}"
+        return None
 
-    def _fail(self, request_id: str, p: _Pending, reason: str) -> None:
-        """End the request now; its pages stay pinned until the prefill side's Ended."""
+    def _check_peer(self, peer: _Peer) -> None:
+        """A silent peer fails its requests; once its process is known gone their pages are safe."""
+        mine = [rid for rid, p in self.pending.items() if p.peer is peer]
+        if not mine:
+            return
+        silent = peer.channel.peer_silent_for() > self.config.peer_timeout_s
+        if silent and not peer.lost:
+            peer.lost = True
+            reason = f"prefill worker {peer.name} silent for over peer_timeout_s={self.config.peer_timeout_s}"
+            for rid in mine:
+                if self.pending[rid].failed is None:
+                    self._fail(rid, self.pending[rid], reason)
+        elif not silent:
+            peer.lost = False
+        if peer.lost and peer.hello.peer_alive() is False:
+            for rid in mine:
+                self._pages_safe(rid)
+
+    def peer_dead(self, name: str) -> None:
+        """Whoever started the peer knows it has exited: nothing more can land from it."""
+        peer = self.peers[name]
+        peer.lost = True
+        for rid, p in list(self.pending.items()):
+            if p.peer is peer:
+                if p.failed is None:
+                    self._fail(rid, p, f"prefill worker {name} exited", notify=False)
+                self._pages_safe(rid)
+
+    def _fail(self, request_id: str, p: _Pending, reason: str, notify: bool = True) -> None:
+        """End the request (or mark it for local recompute); its pages stay until they are safe."""
         p.failed = reason
-        self.engine.fail(request_id, reason)
-        self.channel.send(Abort(request_id, reason))
+        if self.config.on_transfer_failure == "fail":
+            self.engine.fail(request_id, reason)
+        if notify:
+            try:  # a hung peer may never read it; its silence is handled by _check_peer
+                p.peer.channel.send(Abort(request_id, reason), timeout_s=0.1)
+            except TimeoutError:
+                pass
+
+    def _pages_safe(self, request_id: str) -> None:
+        p = self.pending.pop(request_id)
+        self._free_slots.append(p.slot)
+        if self.config.on_transfer_failure == "recompute":
+            self.engine.recompute(request_id)
+        else:
+            self.engine.free(request_id)

@@ -19,6 +19,8 @@ import random
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class ShardSpec:
@@ -109,46 +111,59 @@ def plan_writes(
 
     first_page_index: position of src_pages[0] in the request's page list (it picks the source replica
     in turn, so planning chunk by chunk equals planning the whole request). seed: the request's seed.
+    Ordered by layer, then page, then destination rank and head run, then K before V.
     """
+    rows = plan_array(src, dst, src_pages, dst_pages, first_page_index, layers, seed)
+    return [Write(*row) for row in rows.tolist()]
+
+
+def plan_array(
+    src: ShardSpec,
+    dst: ShardSpec,
+    src_pages: list[int],
+    dst_pages: list[int],
+    first_page_index: int = 0,
+    layers: range | None = None,
+    seed: int = 0,
+) -> np.ndarray:
+    """plan_writes as an int64 array [writes, 6] of (layer, src_rank, src_offset, dst_rank, dst_offset,
+    nbytes), built without a Python loop over layers or pages (the messenger plans on its hot path)."""
     check_compatible(src, dst)
     if len(src_pages) != len(dst_pages):
         raise ValueError(f"{len(src_pages)} source pages for {len(dst_pages)} destination pages")
-    for name, pages, spec in (("source", src_pages, src), ("destination", dst_pages, dst)):
-        bad = [p for p in pages if not 0 <= p < spec.num_pages]
-        if bad:
-            raise ValueError(f"{name} page ids {bad[:4]} outside [0, {spec.num_pages})")
-    layers = layers if layers is not None else range(src.num_layers)
-    runs = _head_runs(src, dst, seed)
-    writes = []
-    for layer in layers:
-        for i, (sp, dp) in enumerate(zip(src_pages, dst_pages, strict=True)):
-            for dst_rank, head0, nheads, choices in runs:
-                src_rank = choices[(first_page_index + i) % len(choices)]
-                sh, dh = head0 - src.first_head(src_rank), head0 - dst.first_head(dst_rank)
-                if nheads == src.heads_per_rank == dst.heads_per_rank:  # K and V adjacent on both sides
-                    writes.append(
-                        Write(
-                            layer,
-                            src_rank,
-                            src.offset(layer, sp, 0, 0),
-                            dst_rank,
-                            dst.offset(layer, dp, 0, 0),
-                            2 * nheads * src.run_bytes,
-                        )
-                    )
-                    continue
-                for kv in (0, 1):
-                    writes.append(
-                        Write(
-                            layer,
-                            src_rank,
-                            src.offset(layer, sp, kv, sh),
-                            dst_rank,
-                            dst.offset(layer, dp, kv, dh),
-                            nheads * src.run_bytes,
-                        )
-                    )
-    return writes
+    sp, dp = np.asarray(src_pages, dtype=np.int64), np.asarray(dst_pages, dtype=np.int64)
+    for name, pages, spec in (("source", sp, src), ("destination", dp, dst)):
+        bad = pages[(pages < 0) | (pages >= spec.num_pages)]
+        if len(bad):
+            raise ValueError(f"{name} page ids {bad[:4].tolist()} outside [0, {spec.num_pages})")
+    layers = np.asarray(layers if layers is not None else range(src.num_layers), dtype=np.int64)
+    index = first_page_index + np.arange(len(sp))
+    src_first = np.asarray([src.first_head(r) for r in range(src.tp)], dtype=np.int64)
+    per_page = []  # [pages, rows, 5] per head run: (src_rank, src_offset, dst_rank, dst_offset, nbytes)
+    for dst_rank, head0, nheads, choices in _head_runs(src, dst, seed):
+        src_rank = np.asarray(choices, dtype=np.int64)[index % len(choices)]
+        sh, dh = head0 - src_first[src_rank], head0 - dst.first_head(dst_rank)
+        whole = nheads == src.heads_per_rank == dst.heads_per_rank  # K and V adjacent on both sides
+        for kv in (0,) if whole else (0, 1):
+            per_page.append(
+                np.stack(
+                    [
+                        src_rank,
+                        ((sp * 2 + kv) * src.heads_per_rank + sh) * src.run_bytes,
+                        np.full_like(sp, dst_rank),
+                        ((dp * 2 + kv) * dst.heads_per_rank + dh) * dst.run_bytes,
+                        np.full_like(sp, (2 if whole else 1) * nheads * src.run_bytes),
+                    ],
+                    axis=1,
+                )
+            )
+    one_layer = np.stack(per_page, axis=1).reshape(-1, 5)  # page-major, then run and K/V
+    out = np.empty((len(layers), len(one_layer), 6), dtype=np.int64)
+    out[:, :, 0] = layers[:, None]
+    out[:, :, 1:] = one_layer
+    out[:, :, 2] += layers[:, None] * (src.region_bytes // src.num_layers)
+    out[:, :, 4] += layers[:, None] * (dst.region_bytes // dst.num_layers)
+    return out.reshape(-1, 6)
 
 
 def _head_runs(src: ShardSpec, dst: ShardSpec, seed: int) -> list[tuple[int, int, int, list[int]]]:

@@ -16,12 +16,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from transfer.backends import Backend, TransferError, WriteOp
-from transfer.plan import ShardSpec, plan_writes
-from transfer.protocol import Abort, Ended, Endpoint, PrefillRequest, notif
+from transfer.config import TransferConfig
+from transfer.plan import ShardSpec, plan_array
+from transfer.protocol import Abort, Accepted, Ended, Hello, PrefillRequest, notif
 
 
 class PrefillEngine(Protocol):
@@ -37,10 +39,12 @@ class PrefillEngine(Protocol):
 @dataclass
 class _Transfer:
     req: PrefillRequest
-    peer: str
+    peer: str  # the backend's name for the decode worker's agent
+    channel: object  # its control channel
     sent_pages: int = 0  # pages [0, sent_pages) are posted (or queued to be)
     in_flight: list = field(default_factory=list)  # backend handles, owned by the sender thread
     context_posted: bool = False
+    done_at: float | None = None  # perf_counter when every write had finished
     aborted: str | None = None
     error: str | None = None
 
@@ -51,25 +55,25 @@ class PrefillMessenger:
         engine: PrefillEngine,
         backend: Backend,
         spec: ShardSpec,
-        channel: Endpoint,
         kv_regions: list[Tensor],
         counter: Tensor,
         hidden_size: int,
-        context_slots: int = 64,
-        layer_timeout_s: float = 30.0,
+        config: TransferConfig | None = None,
     ):
-        self.engine, self.backend, self.spec, self.channel = engine, backend, spec, channel
-        self.counter, self.layer_timeout_s = counter, layer_timeout_s
-        self.context = torch.zeros(
-            context_slots, hidden_size, dtype=torch.float32
-        )  # staging for context writes
+        self.engine, self.backend, self.spec, self.counter = engine, backend, spec, counter
+        self.config = config or TransferConfig()
+        self.layer_timeout_s = self.config.layer_timeout_s
+        slots = self.config.context_slots
+        self.context = torch.zeros(slots, hidden_size, dtype=torch.float32)  # staging for context writes
         backend.register(list(kv_regions) + [self.context])
-        self._free_slots = list(range(context_slots))
+        self.channels: list = []  # one control channel per decode worker
+        self._free_slots = list(range(slots))
         self._slots: dict[str, int] = {}
         self.transfers: dict[str, _Transfer] = {}
         self._peers: dict[bytes, str] = {}
         self._passes = 0
         self.post_log: list[tuple[str, int, float]] = []  # (request, layer, perf_counter) of each KV post
+        self.done_log: dict[str, float] = {}  # request -> perf_counter when its last write finished
         self._jobs: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -105,16 +109,33 @@ class PrefillMessenger:
 
     # ---- control (the engine's thread) ----------------------------------------------------------------
 
+    def add_peer(self, channel) -> None:
+        """Serve a decode worker over channel; it learns this worker's shard spec from the Hello."""
+        self.channels.append(channel)
+        channel.send(Hello(self.spec))
+
+    def abort(self, request_id: str, reason: str) -> None:
+        """Stop a request from this side: no post for it starts after this; Ended tells the decode side."""
+        t = self.transfers.get(request_id)
+        if t is None:
+            return
+        with self._lock:
+            t.aborted = t.aborted or reason
+        self.engine.stop(request_id)
+
     def poll(self) -> None:
         """Take new requests and aborts; free the pages of requests whose writes have all finished."""
-        self.channel.heartbeat()
-        for msg in self.channel.receive():
-            if isinstance(msg, PrefillRequest):
-                self._accept(msg)
-            elif isinstance(msg, Abort) and msg.request_id in self.transfers:
-                with self._lock:  # no post for it starts after this
-                    self.transfers[msg.request_id].aborted = msg.reason
-                self.engine.stop(msg.request_id)
+        for channel in self.channels:
+            channel.heartbeat()
+            for msg in channel.receive():
+                if isinstance(msg, PrefillRequest):
+                    self._accept(msg, channel)
+                elif isinstance(msg, Abort):
+                    self.abort(msg.request_id, msg.reason)
+            if channel.peer_silent_for() > self.config.peer_timeout_s:
+                for t in list(self.transfers.values()):
+                    if t.channel is channel:
+                        self.abort(t.req.request_id, "decode worker silent")
         with self._lock:
             done = [
                 t
@@ -125,22 +146,35 @@ class PrefillMessenger:
                 del self.transfers[t.req.request_id]
         for t in done:
             rid = t.req.request_id
+            if t.done_at is not None:
+                self.done_log[rid] = t.done_at
             self.engine.stop(rid)  # a failed transfer stops its computation too
             self.engine.release(rid)
             self._free_slots.append(self._slots.pop(rid))
             if t.aborted or t.error:
-                self.channel.send(Ended(rid, t.error or f"aborted: {t.aborted}"))
+                self._tell(t.channel, Ended(rid, t.error or f"aborted: {t.aborted}"))
 
-    def _accept(self, req: PrefillRequest) -> None:
+    def _tell(self, channel, msg) -> None:
+        try:
+            channel.send(msg, timeout_s=0.1)
+        except TimeoutError:  # a decode worker that takes nothing is silent, and handled as such
+            pass
+
+    def _accept(self, req: PrefillRequest, channel) -> None:
         if not self._free_slots:
-            self.channel.send(Ended(req.request_id, "prefill worker has no free context slot"))
+            self._tell(channel, Ended(req.request_id, "prefill worker has no free context slot"))
             return
-        if req.dst_metadata not in self._peers:
-            self._peers[req.dst_metadata] = self.backend.connect(req.dst_metadata)
+        try:
+            if req.dst_metadata not in self._peers:
+                self._peers[req.dst_metadata] = self.backend.connect(req.dst_metadata)
+            self.engine.start(req.request_id, req.prompt_ids)
+        except (TransferError, ValueError) as e:
+            self._tell(channel, Ended(req.request_id, f"prefill worker refused the request: {e}"))
+            return
         self._slots[req.request_id] = self._free_slots.pop()
         with self._lock:
-            self.transfers[req.request_id] = _Transfer(req, self._peers[req.dst_metadata])
-        self.engine.start(req.request_id, req.prompt_ids)
+            self.transfers[req.request_id] = _Transfer(req, self._peers[req.dst_metadata], channel)
+        self._tell(channel, Accepted(req.request_id))
 
     def close(self) -> None:
         self._stop.set()
@@ -162,40 +196,45 @@ class PrefillMessenger:
             self._reap()
 
     def _send_layers(self, target: int, items: list) -> None:
-        for layer in range(self.spec.num_layers):
+        """Post each layer's writes for every item as soon as counter[0, layer] reaches the pass."""
+        by_layer = [[] for _ in range(self.spec.num_layers)]  # [(transfer, ops [n, 5])] per layer
+        for t, i0, i1, pages in items:
+            req = t.req
+            rows = plan_array(  # layer-major: each layer's writes are one slice
+                self.spec,
+                req.dst_spec,
+                pages[i0:i1],
+                req.dst_pages[i0:i1],
+                first_page_index=i0,
+                seed=req.seed,
+            )
+            for layer, layer_rows in enumerate(np.split(rows[:, 1:], self.spec.num_layers)):
+                by_layer[layer].append((t, layer_rows))
+        layer, num_layers = 0, self.spec.num_layers
+        while layer < num_layers:
             deadline = time.monotonic() + self.layer_timeout_s
-            while (
-                int(self.counter[0, layer]) < target
-            ):  # the kernel bumps it once the layer's tiles are stored
+            while int(self.counter[0, layer]) < target:  # the kernel bumps it once the layer is stored
                 if time.monotonic() > deadline:
-                    for t, *_ in items:
-                        t.error = f"layer {layer} not done within {self.layer_timeout_s} s"
+                    for t, _ in by_layer[layer]:
+                        t.error = f"layer {layer} not done within layer_timeout_s={self.layer_timeout_s}"
                     return
-                time.sleep(0)
-            for t, i0, i1, pages in items:
-                self._post_pages(t, layer, i0, i1, pages)
-
-    def _post_pages(self, t: _Transfer, layer: int, i0: int, i1: int, pages: list[int]) -> None:
-        req = t.req
-        writes = plan_writes(
-            self.spec,
-            req.dst_spec,
-            pages[i0:i1],
-            req.dst_pages[i0:i1],
-            first_page_index=i0,
-            layers=range(layer, layer + 1),
-            seed=req.seed,
-        )
-        ops = [WriteOp(w.src_rank, w.src_offset, w.dst_rank, w.dst_offset, w.nbytes) for w in writes]
-        if self._post(t, ops, notif("kv", req.request_id, len(ops))):
-            self.post_log.append((req.request_id, layer, time.perf_counter()))
+                self._reap()  # drives earlier layers' writes and their notifications meanwhile
+            ready = layer + 1  # every layer already done goes in the same post: fewer, larger posts
+            while ready < num_layers and int(self.counter[0, ready]) >= target:
+                ready += 1
+            for i, (t, _) in enumerate(by_layer[layer]):
+                ops = np.concatenate([by_layer[done][i][1] for done in range(layer, ready)])
+                if self._post(t, ops, notif("kv", t.req.request_id, len(ops))):
+                    now = time.perf_counter()
+                    self.post_log += [(t.req.request_id, done, now) for done in range(layer, ready)]
+            layer = ready
 
     def _send_context(self, t: _Transfer, slot: int) -> None:
         row = self.context.shape[1] * 4
         op = WriteOp(self.spec.tp, slot * row, t.req.dst_spec.tp, t.req.context_slot * row, row)
         t.context_posted = self._post(t, [op], notif("ctx", t.req.request_id, 1))
 
-    def _post(self, t: _Transfer, ops: list[WriteOp], message: bytes) -> bool:
+    def _post(self, t: _Transfer, ops, message: bytes) -> bool:
         """Post unless the transfer was aborted or failed (checked under the lock that poll frees under)."""
         with self._lock:
             if t.aborted or t.error:
@@ -208,16 +247,19 @@ class PrefillMessenger:
         return True
 
     def _reap(self) -> None:
-        """Poll in-flight posts (this also sends their notifications) and drop the finished ones."""
+        """Poll in-flight posts oldest first (this also sends their notifications) and drop finished ones;
+        a transfer's posts finish in order, so its first unfinished one ends the scan."""
         with self._lock:
-            transfers = list(self.transfers.values())
+            transfers = [t for t in self.transfers.values() if t.in_flight]
         for t in transfers:
             for handle in list(t.in_flight):
                 state = self.backend.state(handle)
                 if state == "PROC":
-                    continue
+                    break
                 if state == "ERR":
                     t.error = "a KV write failed"
                 self.backend.release(handle)
                 with self._lock:
                     t.in_flight.remove(handle)
+                    if not t.in_flight and t.context_posted:
+                        t.done_at = time.perf_counter()  # the last write (the context) has landed

@@ -7,8 +7,11 @@ bytes travel over the transfer backend, and every post carries the notification
 
 from __future__ import annotations
 
+import os
 import queue
-from dataclasses import dataclass
+import socket
+import time
+from dataclasses import dataclass, field
 
 from transfer.plan import ShardSpec
 
@@ -28,9 +31,35 @@ class PrefillRequest:
 
 @dataclass(frozen=True)
 class Hello:
-    """Prefill -> decode, once connected: its shard geometry (the decode side plans with it)."""
+    """Prefill -> decode, once connected: its shard geometry (the decode side plans with it), and where it
+    runs, so that a silent peer on the same host can be told dead (its pages freed) from merely hung."""
 
     spec: ShardSpec
+    host: str = field(default_factory=socket.gethostname)
+    pid: int = field(default_factory=os.getpid)
+
+    def peer_alive(self) -> bool | None:
+        """False once the process is gone (or a zombie); None when it runs on another host."""
+        if self.host != socket.gethostname():
+            return None
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        try:  # killed but not yet reaped by its parent
+            with open(f"/proc/{self.pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return True
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """Prefill -> decode: the request is queued there (ends the handshake stage)."""
+
+    request_id: str
 
 
 @dataclass(frozen=True)
@@ -64,7 +93,7 @@ class Endpoint:
     def __init__(self, outbox: queue.Queue, inbox: queue.Queue):
         self.outbox, self.inbox = outbox, inbox
 
-    def send(self, msg) -> None:
+    def send(self, msg, timeout_s: float = 10.0) -> None:
         self.outbox.put(msg)
 
     def heartbeat(self) -> None:
@@ -86,3 +115,15 @@ def local_channel() -> tuple[Endpoint, Endpoint]:
     """(decode end, prefill end) of an in-process control channel."""
     to_prefill, to_decode = queue.Queue(), queue.Queue()
     return Endpoint(to_prefill, to_decode), Endpoint(to_decode, to_prefill)
+
+
+def wait_hello(channel, timeout_s: float, alive=lambda: True) -> Hello:
+    """The first Hello on channel; TimeoutError after timeout_s or once alive() turns false."""
+    give_up = time.monotonic() + timeout_s
+    while True:
+        for msg in channel.receive():
+            if isinstance(msg, Hello):
+                return msg
+        if time.monotonic() > give_up or not alive():
+            raise TimeoutError(f"no Hello from the prefill worker within {timeout_s} s")
+        time.sleep(0.01)

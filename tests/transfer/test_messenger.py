@@ -2,102 +2,30 @@
 
 import random
 import time
+from dataclasses import replace
 
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.disagg import DecodeSide, PrefillSide, decode_messenger, prefill_messenger, shard_spec
 from engine.sequence import Status
 from transfer.backends import make_backend
-from transfer.decode import DecodeMessenger
-from transfer.plan import ShardSpec
-from transfer.prefill import PrefillMessenger
-from transfer.protocol import local_channel
+from transfer.config import TransferConfig
+from transfer.protocol import local_channel, wait_hello
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 PAGES = 128
 
 
-class PrefillSide:  # engine.LLM in the prefill role, as the messenger sees it
-    def __init__(self, llm):
-        self.llm = llm
-
-    def start(self, request_id, prompt_ids):
-        self.llm.add_request(prompt_ids, SamplingParams(max_tokens=1), request_id=request_id)
-
-    def pages(self, request_id):
-        return self.llm.allocator.pages(request_id)
-
-    def stop(self, request_id):
-        self.llm.stop(request_id)
-
-    def release(self, request_id):
-        self.llm.release(request_id)
-
-
-class DecodeSide:
-    def __init__(self, llm):
-        self.llm = llm
-
-    def reserve(self, request_id, prompt_ids):
-        self.llm.reserve(prompt_ids, GREEDY, request_id=request_id)
-        return self.llm.allocator.pages(request_id)
-
-    def admit(self, request_id):
-        self.llm.admit_prefilled(request_id)
-
-    def fail(self, request_id, error):
-        self.llm.stop(request_id, error)
-
-    def free(self, request_id):
-        self.llm.release(request_id)
-
-
-def _spec(llm):
-    m, c = llm.config.model, llm.config.cache
-    return ShardSpec(
-        tp=llm.config.tp,
-        num_kv_heads=m.num_kv_heads,
-        num_layers=m.num_layers,
-        num_pages=c.num_pages,
-        page_size=c.page_size,
-        head_dim=m.head_dim,
-        itemsize=llm.kv_cache.element_size(),
-        dtype=llm.config.dtype,
-    )
-
-
-def _prefill_messenger(side, backend, channel):
-    """A PrefillMessenger over side.llm's KV regions and layer counter, installed as its listener."""
-    llm = side.llm
-    pm = PrefillMessenger(
-        side, backend, _spec(llm), channel, llm.kv_caches, llm.counter, llm.config.model.hidden_size
-    )
-    llm.listener = pm
-    return pm
-
-
-def _decode_messenger(side, backend, channel, prefill_spec, **kwargs):
-    llm = side.llm
-    return DecodeMessenger(
-        side,
-        backend,
-        _spec(llm),
-        channel,
-        prefill_spec,
-        llm.kv_caches,
-        llm.config.model.hidden_size,
-        **kwargs,
-    )
-
-
-def _local_pair(prefill, decode, tag, source=PrefillSide, sink=DecodeSide, deadline_s=60.0):
+def _local_pair(prefill, decode, tag, source=PrefillSide, sink=DecodeSide, **config):
     """Both messenger halves in this process: local backend, in-process control queues."""
+    config = TransferConfig(backend="local", **config)
     decode_end, prefill_end = local_channel()
-    pm = _prefill_messenger(source(prefill), make_backend("local", f"p-{tag}"), prefill_end)
-    dm = _decode_messenger(
-        sink(decode), make_backend("local", f"d-{tag}"), decode_end, _spec(prefill), deadline_s=deadline_s
-    )
+    pm = prefill_messenger(prefill, make_backend("local", f"p-{tag}"), config, side=source)
+    pm.add_peer(prefill_end)
+    dm = decode_messenger(decode, make_backend("local", f"d-{tag}"), config, side=sink)
+    dm.add_peer("prefill-0", decode_end, wait_hello(decode_end, timeout_s=1))
     return pm, dm
 
 
@@ -143,7 +71,7 @@ def test_disaggregated_tokens_equal_colocated(pair):
     ]
     ids = [f"r{i}" for i in range(len(prompts))]
     for rid, prompt in zip(ids, prompts, strict=True):
-        dm.submit(rid, prompt)
+        dm.submit(rid, prompt, GREEDY)
     _run(prefill, decode, pm, dm, ids)
     assert [decode.output(rid).token_ids for rid in ids] == expected
     assert prefill.allocator.num_free == PAGES and decode.allocator.num_free == PAGES
@@ -153,8 +81,8 @@ def test_disaggregated_tokens_equal_colocated(pair):
 
 def test_abort_from_decode_mid_transfer_frees_both_sides(pair):
     prefill, decode, pm, dm = pair
-    dm.submit("long", list(range(100, 160)))  # 59 tokens: three 24-token chunks
-    dm.submit("short", list(range(200, 210)))
+    dm.submit("long", list(range(100, 160)), GREEDY)  # 59 tokens: three 24-token chunks
+    dm.submit("short", list(range(200, 210)), GREEDY)
     pm.poll()
     prefill.step()  # the first chunk is computed (and partly sent)
     dm.abort("long")
@@ -165,29 +93,110 @@ def test_abort_from_decode_mid_transfer_frees_both_sides(pair):
     assert prefill.allocator.num_free == PAGES and decode.allocator.num_free == PAGES
 
 
-def test_deadline_fails_the_request_but_holds_pages_until_the_prefill_side_answers(pair):
+@pytest.mark.parametrize(
+    "stage, prefill_progress",
+    [("handshake_timeout_s", 0), ("first_layer_timeout_s", 1), ("completion_timeout_s", 2)],
+)
+def test_each_stage_deadline_fails_the_request_but_holds_pages_until_the_prefill_side_answers(
+    pair, stage, prefill_progress
+):
+    """The prefill worker stalls after 0 (never reads), 1 (accepts, computes nothing) or 2 (one chunk sent)
+    steps; the stage's deadline fails the request, and its pages wait for the prefill side's answer."""
     prefill, decode, pm, dm = pair
-    dm.deadline_s = 0.05
-    dm.submit("stuck", list(range(100, 140)))
+    dm.config = replace(dm.config, **{stage: 0.05})
+    dm.submit("stuck", list(range(100, 160)), GREEDY)  # three 24-token chunks
+    if prefill_progress >= 1:
+        pm.poll()
+    if prefill_progress >= 2:
+        prefill.step()
+        time.sleep(0.05)  # the sender thread posts the chunk's pages
     give_up = time.monotonic() + 10
-    while decode.seqs["stuck"].status is not Status.FINISHED:  # the prefill worker is silent
+    while decode.seqs["stuck"].status is not Status.FINISHED:
         dm.poll()
         assert time.monotonic() < give_up
-    assert decode.output("stuck").finish_reason == "error" and "deadline" in decode.output("stuck").error
+    out = decode.output("stuck")
+    assert out.finish_reason == "error" and stage in out.error, out.error
+    assert (dm.pending["stuck"].received > 0) == (prefill_progress == 2)
     assert decode.allocator.num_free < PAGES  # pinned until the prefill side confirms nothing is in flight
     _run(prefill, decode, pm, dm, ["stuck"])  # the prefill worker wakes up, sees the abort, answers
     assert prefill.allocator.num_free == PAGES and decode.allocator.num_free == PAGES
-    dm.deadline_s = 60.0
-    dm.submit("later", list(range(300, 320)))  # the pair still works
+    dm.config = replace(dm.config, **{stage: 60.0})
+    dm.submit("later", list(range(300, 320)), GREEDY)  # the pair still works
     _run(prefill, decode, pm, dm, ["later"])
     assert decode.output("later").finish_reason == "length"
+
+
+def test_abort_from_prefill_mid_transfer_frees_both_sides(pair):
+    prefill, decode, pm, dm = pair
+    dm.submit("long", list(range(100, 160)), GREEDY)
+    dm.submit("short", list(range(200, 210)), GREEDY)
+    pm.poll()
+    prefill.step()
+    pm.abort("long", "prefill worker draining")
+    _run(prefill, decode, pm, dm, ["long", "short"])
+    long, short = decode.output("long"), decode.output("short")
+    assert long.finish_reason == "error" and "draining" in long.error and not long.token_ids
+    assert short.finish_reason == "length"
+    assert prefill.allocator.num_free == PAGES and decode.allocator.num_free == PAGES
+
+
+def test_a_silent_but_living_prefill_worker_keeps_its_pages_quarantined(pair):
+    """Silence fails the request, but the hung peer may still write: its pages wait until it answers."""
+    prefill, decode, pm, dm = pair
+    dm.submit("r", list(range(100, 160)), GREEDY)
+    pm.poll()
+    prefill.step()
+    (peer,) = dm.peers.values()
+    peer.channel.peer_silent_for = lambda: 60.0  # as if no heartbeat came for a minute
+    dm.poll()
+    out = decode.output("r")
+    assert out.finish_reason == "error" and "silent" in out.error
+    for _ in range(3):
+        dm.poll()
+    assert decode.allocator.num_free < PAGES  # its process is alive (it is this one): pages stay pinned
+    del peer.channel.peer_silent_for
+    _run(prefill, decode, pm, dm, ["r"])  # it resumes, reads the Abort, answers Ended
+    assert prefill.allocator.num_free == PAGES and decode.allocator.num_free == PAGES
+
+
+def test_recompute_policy_prefills_a_failed_transfer_locally():
+    """on_transfer_failure=recompute: aborted or refused transfers still finish, with the same tokens."""
+    prompts = [list(range(100, 160)), list(range(200, 230)), list(range(300, 340))]
+    expected = [
+        o.token_ids for o in LLM("tiny-random", page_size=4, num_pages=PAGES).generate(prompts, GREEDY)
+    ]
+    prefill = LLM("tiny-random", role="prefill", page_size=4, num_pages=PAGES, max_num_batched_tokens=24)
+    decode = LLM("tiny-random", role="decode", page_size=4, num_pages=PAGES)
+    pm, dm = _local_pair(prefill, decode, "recompute", on_transfer_failure="recompute")
+    try:
+        for i, prompt in enumerate(prompts):
+            dm.submit(f"r{i}", prompt, GREEDY)
+        pm.poll()
+        prefill.step()
+        dm.abort("r0", "decode side changed its mind")  # mid-transfer
+        pm.abort("r1", "prefill worker draining")  # from the other side
+        _run(prefill, decode, pm, dm, ["r0", "r1", "r2"])
+        assert [decode.output(f"r{i}").token_ids for i in range(3)] == expected
+        assert all(decode.output(f"r{i}").finish_reason == "length" for i in range(3))
+        assert prefill.allocator.num_free == PAGES and decode.allocator.num_free == PAGES
+    finally:
+        _close(pm, dm)
+
+
+def test_transfer_config_rejects_bad_values():
+    with pytest.raises(ValueError, match=r"on_transfer_failure must be one of \('fail', 'recompute'\)"):
+        TransferConfig(on_transfer_failure="retry")
+    with pytest.raises(ValueError, match="handshake_timeout_s must be a number of seconds > 0"):
+        TransferConfig(handshake_timeout_s=0)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        TransferConfig(backend="tcp")
 
 
 def test_layers_stream_while_the_forward_pass_runs():
     """SmolLM2 (30 layers): layer 0's pages are posted before the pass that computed them has finished."""
     prefill = LLM("smollm2-135m", role="prefill", num_pages=64, max_num_batched_tokens=512)
     decode = LLM("smollm2-135m", role="decode", num_pages=64)
-    pm, dm = _local_pair(prefill, decode, "stream", deadline_s=120)
+    pm, dm = _local_pair(prefill, decode, "stream")
     passes = []
     run = prefill.runner.run
 
@@ -199,7 +208,7 @@ def test_layers_stream_while_the_forward_pass_runs():
 
     prefill.runner.run = timed_run
     try:
-        dm.submit("r", list(range(1000, 1300)))  # 299 tokens prefilled in one pass
+        dm.submit("r", list(range(1000, 1300)), GREEDY)  # 299 tokens prefilled in one pass
         _run(prefill, decode, pm, dm, ["r"])
         assert decode.output("r").finish_reason == "length"
         ((start, end),) = passes
@@ -240,13 +249,13 @@ def test_mismatched_tp_through_the_messenger(prefill_tp, decode_tp):
 
     class Source(PrefillSide):
         def release(self, request_id):  # what the prefill ranks computed, before the pages go back
-            sent[request_id] = _full_heads(prefill.kv_caches, _spec(prefill), self.pages(request_id))
+            sent[request_id] = _full_heads(prefill.kv_caches, shard_spec(prefill), self.pages(request_id))
             super().release(request_id)
 
     class Sink(DecodeSide):
         def admit(self, request_id):  # what landed, before decoding appends to the pages
             landed[request_id] = _full_heads(
-                decode.kv_caches, _spec(decode), decode.allocator.pages(request_id)
+                decode.kv_caches, shard_spec(decode), decode.allocator.pages(request_id)
             )
             super().admit(request_id)
 
@@ -254,7 +263,7 @@ def test_mismatched_tp_through_the_messenger(prefill_tp, decode_tp):
     try:
         ids = [f"r{i}" for i in range(len(prompts))]
         for rid, prompt in zip(ids, prompts, strict=True):
-            dm.submit(rid, prompt)
+            dm.submit(rid, prompt, GREEDY)
         _run(prefill, decode, pm, dm, ids)
         multi = [rid for rid, p in zip(ids, prompts, strict=True) if len(p) > 1]
         assert sorted(sent) == sorted(multi)  # one-token prompts never reach the prefill worker

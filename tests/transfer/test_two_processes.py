@@ -1,79 +1,116 @@
 """The messenger across two real processes: NIXL (UCX on loopback) for KV, pyzmq for control."""
 
+import contextlib
 import multiprocessing as mp
 import os
+import queue
 import socket
 import time
 
 import pytest
+import torch
 
 from engine import LLM
-from tests.transfer.test_messenger import (
-    GREEDY,
-    DecodeSide,
-    PrefillSide,
-    _decode_messenger,
-    _prefill_messenger,
-    _prompts,
-    _spec,
-)
+from engine.disagg import DecodeSide, PrefillSide, decode_messenger, prefill_messenger, shard_spec
+from tests.transfer.test_messenger import GREEDY, _full_heads, _prompts
 from transfer.backends import make_backend
-from transfer.protocol import Hello
+from transfer.config import TransferConfig
+from transfer.protocol import wait_hello
 
 pytest.importorskip("nixl_cu12")
 pytest.importorskip("zmq")
 PAGES = 128
 
 
-def _prefill_worker(address: str, budget: int):
-    """A prefill worker process: its own engine, NIXL agent and messenger, serving until killed."""
+def _prefill_worker(address, model, tp, page_size, num_pages, budget, parent, sent):
+    """A prefill worker process: its own engine (and TP ranks), NIXL agent and messenger, until its parent
+    goes. `sent` receives ("kv", request, the KV it computed) just before the pages are freed, and
+    ("pass", start, end) for each forward pass."""
     from pdkernels import ops
     from transfer.channel import ZmqEndpoint
 
     ops.set_backend("torch")
-    prefill = LLM("tiny-random", role="prefill", page_size=4, num_pages=PAGES, max_num_batched_tokens=budget)
-    channel = ZmqEndpoint(address, bind=False)
-    pm = _prefill_messenger(PrefillSide(prefill), make_backend("nixl", f"prefill-{os.getpid()}"), channel)
-    channel.send(Hello(_spec(prefill)))
-    while os.getppid() != 1:
+    torch.set_num_threads(1)
+    llm = LLM(
+        model, tp=tp, role="prefill", page_size=page_size, num_pages=num_pages, max_num_batched_tokens=budget
+    )
+
+    class Source(PrefillSide):
+        def release(self, request_id):
+            sent.put(("kv", request_id, _full_heads(llm.kv_caches, shard_spec(llm), self.pages(request_id))))
+            super().release(request_id)
+
+    run = llm.runner.run
+
+    def timed_run(batch, counter=None):  # each forward pass's start and end, on the machine-wide clock
+        start = time.perf_counter()
+        out = run(batch, counter)
+        sent.put(("pass", start, time.perf_counter()))
+        return out
+
+    llm.runner.run = timed_run
+
+    pm = prefill_messenger(llm, make_backend("nixl", f"prefill-{os.getpid()}"), side=Source)
+    pm.add_peer(ZmqEndpoint(address, bind=False))
+    while os.getppid() == parent:
         pm.poll()
-        if prefill.has_unfinished():
-            prefill.step()
+        if llm.has_unfinished():
+            llm.step()
         else:
             time.sleep(0.001)
+    llm.close()
 
 
-@pytest.fixture
-def decode_pair():
+@contextlib.contextmanager
+def disaggregated(
+    prefill_tp=1,
+    decode_tp=1,
+    model="tiny-random",
+    page_size=4,
+    num_pages=PAGES,
+    budget=16,
+    sink=DecodeSide,
+    peer_timeout_s=2.0,
+):
+    """A prefill worker process and, here, a decode engine with its messenger, wired over NIXL + pyzmq."""
     from transfer.channel import ZmqEndpoint
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     channel = ZmqEndpoint(f"tcp://127.0.0.1:{port}", bind=True)
-    proc = mp.get_context("spawn").Process(
-        target=_prefill_worker, args=(f"tcp://127.0.0.1:{port}", 16), daemon=True
-    )
+    ctx = mp.get_context("spawn")
+    sent = ctx.Queue()
+    args = (f"tcp://127.0.0.1:{port}", model, prefill_tp, page_size, num_pages, budget, os.getpid(), sent)
+    proc = ctx.Process(target=_prefill_worker, args=args)  # not a daemon: it starts its own TP ranks
     proc.start()
-    hello, give_up = [], time.monotonic() + 120
-    while not hello:
-        hello = [m for m in channel.receive() if isinstance(m, Hello)]
-        assert time.monotonic() < give_up and proc.is_alive(), "the prefill worker did not start"
-        time.sleep(0.01)
-    decode = LLM("tiny-random", role="decode", page_size=4, num_pages=PAGES)
-    dm = _decode_messenger(
-        DecodeSide(decode),
-        make_backend("nixl", f"decode-{os.getpid()}"),
-        channel,
-        hello[0].spec,
-        deadline_s=60,
-        peer_timeout_s=2.0,
-    )
-    yield decode, dm, proc
-    proc.kill()
-    proc.join(timeout=10)
-    dm.backend.close()
-    channel.close()
+    decode = dm = None
+    try:
+        hello = wait_hello(channel, timeout_s=300, alive=proc.is_alive)
+        decode = LLM(model, tp=decode_tp, role="decode", page_size=page_size, num_pages=num_pages)
+        config = TransferConfig(peer_timeout_s=peer_timeout_s)
+        dm = decode_messenger(decode, make_backend("nixl", f"decode-{os.getpid()}"), config, side=sink)
+        dm.add_peer("prefill-0", channel, hello)
+        yield decode, dm, proc, sent
+    finally:
+        proc.kill()
+        proc.join(timeout=10)
+        if dm is not None:
+            dm.backend.close()
+        if decode is not None:
+            decode.close()
+        channel.close()
+
+
+def _drain(sent, kv_entries):
+    """Every entry of the worker's queue, waiting until kv_entries ("kv", ...) ones have come."""
+    got = []
+    with contextlib.suppress(queue.Empty):
+        while sum(g[0] == "kv" for g in got) < kv_entries:
+            got.append(sent.get(timeout=30))
+        while True:
+            got.append(sent.get(timeout=0.5))
+    return got
 
 
 def _drive(decode, dm, ids, give_up_s=120):
@@ -85,30 +122,74 @@ def _drive(decode, dm, ids, give_up_s=120):
         assert time.monotonic() < give_up, "requests did not finish"
 
 
-def test_two_process_disaggregation_matches_colocated(decode_pair):
-    decode, dm, _ = decode_pair
+@pytest.mark.parametrize(
+    "prefill_tp, decode_tp", [(1, 1), (2, 1), (1, 2), (4, 2)]
+)  # tiny-random has 2 kv heads: prefill TP 4 holds them replicated
+def test_two_process_disaggregation_moves_the_computed_bytes(prefill_tp, decode_tp):
     prompts = _prompts(6, seed=4)
     expected = [
         o.token_ids for o in LLM("tiny-random", page_size=4, num_pages=PAGES).generate(prompts, GREEDY)
     ]
-    ids = [f"r{i}" for i in range(len(prompts))]
-    for rid, prompt in zip(ids, prompts, strict=True):
-        dm.submit(rid, prompt)
-    _drive(decode, dm, ids)
-    assert [decode.output(rid).token_ids for rid in ids] == expected
-    assert decode.allocator.num_free == PAGES
+    landed = {}
+
+    class Sink(DecodeSide):
+        def admit(self, request_id):  # what landed, before decoding appends to the pages
+            llm = self.llm
+            landed[request_id] = _full_heads(llm.kv_caches, shard_spec(llm), llm.allocator.pages(request_id))
+            super().admit(request_id)
+
+    with disaggregated(prefill_tp, decode_tp, sink=Sink) as (decode, dm, _, sent):
+        ids = [f"r{i}" for i in range(len(prompts))]
+        for rid, prompt in zip(ids, prompts, strict=True):
+            dm.submit(rid, prompt, GREEDY)
+        _drive(decode, dm, ids)
+        computed = {rid: kv for kind, rid, kv in _drain(sent, len(landed)) if kind == "kv"}
+        multi = [rid for rid, p in zip(ids, prompts, strict=True) if len(p) > 1]
+        assert sorted(landed) == sorted(computed) == sorted(multi)
+        for rid in multi:
+            if prefill_tp <= 2:  # one holder per head: exactly the bytes the prefill ranks computed
+                assert torch.equal(landed[rid], computed[rid]), rid
+            else:  # replicas computed on different ranks may round differently; pages rotate over them
+                torch.testing.assert_close(landed[rid], computed[rid], atol=1e-5, rtol=1e-5)
+        if prefill_tp <= 2:  # a 4-way all-reduce sums in another order and may flip a greedy near-tie
+            assert [decode.output(rid).token_ids for rid in ids] == expected
+        assert all(decode.output(rid).finish_reason == "length" for rid in ids)
+        assert decode.allocator.num_free == PAGES
 
 
-def test_killed_prefill_worker_fails_its_requests_and_frees_pages(decode_pair):
-    decode, dm, proc = decode_pair
-    dm.submit("long", list(range(100, 400)))  # 299 tokens in 16-token chunks: many passes
-    give_up = time.monotonic() + 120
-    while not dm.pending["long"].received:  # some layers of some pages have landed
-        dm.poll()
-        assert time.monotonic() < give_up
-    proc.kill()
-    proc.join(timeout=10)
-    _drive(decode, dm, ["long"], give_up_s=30)
-    out = decode.output("long")
-    assert out.finish_reason == "error" and "silent" in out.error and not out.token_ids
-    assert decode.allocator.num_free == PAGES
+def test_killed_prefill_worker_fails_its_requests_and_frees_pages():
+    with disaggregated() as (decode, dm, proc, _):
+        dm.submit("long", list(range(100, 400)), GREEDY)  # 299 tokens in 16-token chunks: many passes
+        give_up = time.monotonic() + 120
+        while not dm.pending["long"].received:  # some layers of some pages have landed
+            dm.poll()
+            assert time.monotonic() < give_up
+        proc.kill()
+        proc.join(timeout=10)
+        _drive(decode, dm, ["long"], give_up_s=30)
+        out = decode.output("long")
+        assert out.finish_reason == "error" and "silent" in out.error and not out.token_ids
+        assert decode.allocator.num_free == PAGES
+
+
+def test_smollm2_across_two_processes_streams_layers_and_matches_colocated():
+    """SmolLM2 (30 layers) over NIXL: tokens equal colocated, and the first write lands on the decode side
+    while the prefill worker's forward pass that computed it is still running."""
+    prompts = [list(range(1000, 1300)), list(range(2000, 2100))]
+    expected = [o.token_ids for o in LLM("smollm2-135m", num_pages=64).generate(prompts, GREEDY)]
+    # heartbeats go out between forward passes: the timeout must outlast the longest pass
+    smollm2 = dict(model="smollm2-135m", page_size=16, num_pages=64, budget=512, peer_timeout_s=30)
+    with disaggregated(**smollm2) as (decode, dm, _, sent):
+        ids = ["r0", "r1"]
+        for rid, prompt in zip(ids, prompts, strict=True):
+            dm.submit(rid, prompt, GREEDY)
+        _drive(decode, dm, ids, give_up_s=300)
+        assert [decode.output(rid).token_ids for rid in ids] == expected
+        passes = [(start, end) for kind, start, end in _drain(sent, 2) if kind == "pass"]
+        (start, end), timing = passes[0], dm.timings["r0"]  # one 399-token pass holds both prompts
+        print(
+            f"prefill pass {1e3 * (end - start):.0f} ms; first write landed at "
+            f"+{1e3 * (timing.first_landed - start):.0f} ms, "
+            f"released at +{1e3 * (timing.landed - start):.0f} ms"
+        )
+        assert start < timing.first_landed < end, "nothing landed before the forward pass ended"

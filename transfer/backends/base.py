@@ -5,6 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import NamedTuple
 
+import numpy as np
 from torch import Tensor
 
 
@@ -16,6 +17,12 @@ class WriteOp(NamedTuple):
     remote_region: int
     remote_offset: int
     nbytes: int
+
+
+def as_ops(ops) -> np.ndarray:
+    """Writes as an int64 array [n, 5] in WriteOp's column order (a list of WriteOp, or such an array)."""
+    arr = np.asarray(ops, dtype=np.int64)
+    return arr.reshape(-1, 5)
 
 
 class TransferError(RuntimeError):
@@ -40,8 +47,9 @@ class Backend(ABC):
         """Make a peer reachable; returns its name (what `post` takes)."""
 
     @abstractmethod
-    def post(self, peer: str, ops: list[WriteOp], notif: bytes) -> object:
-        """Start writing ops to peer; the peer gets `notif` once all of them have landed. Returns a handle."""
+    def post(self, peer: str, ops, notif: bytes) -> object:
+        """Start writing ops (a list of WriteOp, or an int64 array [n, 5] of their fields) to peer; the peer
+        gets `notif` once all of them have landed. Returns a handle."""
 
     @abstractmethod
     def state(self, handle: object) -> str:
@@ -60,16 +68,16 @@ class Backend(ABC):
     @abstractmethod
     def close(self) -> None: ...
 
-    def check_ops(self, ops: list[WriteOp], local_sizes: list[int], remote_sizes: list[int]) -> None:
+    def check_ops(self, ops: np.ndarray, local_sizes: list[int], remote_sizes: list[int]) -> None:
         """Refuse a write outside a registered region (a remote one would corrupt another request)."""
-        for op in ops:
-            if not (0 <= op.local_region < len(local_sizes) and 0 <= op.remote_region < len(remote_sizes)):
-                raise TransferError(f"write {op} names a region that is not registered")
-            if (
-                op.nbytes <= 0
-                or op.local_offset < 0
-                or op.remote_offset < 0
-                or op.local_offset + op.nbytes > local_sizes[op.local_region]
-                or op.remote_offset + op.nbytes > remote_sizes[op.remote_region]
-            ):
-                raise TransferError(f"write {op} falls outside its registered regions")
+        lr, lo, rr, ro, n = ops.T
+        regions_ok = (lr >= 0) & (lr < len(local_sizes)) & (rr >= 0) & (rr < len(remote_sizes))
+        if not regions_ok.all():
+            bad = WriteOp(*ops[np.argmin(regions_ok)].tolist())
+            raise TransferError(f"write {bad} names a region that is not registered")
+        local_end = np.asarray(local_sizes, dtype=np.int64)[lr]
+        remote_end = np.asarray(remote_sizes, dtype=np.int64)[rr]
+        ok = (n > 0) & (lo >= 0) & (ro >= 0) & (lo + n <= local_end) & (ro + n <= remote_end)
+        if not ok.all():
+            bad = WriteOp(*ops[np.argmin(ok)].tolist())
+            raise TransferError(f"write {bad} falls outside its registered regions")

@@ -9,7 +9,7 @@ from collections import deque
 import torch
 from torch import Tensor
 
-from transfer.backends.base import Backend, TransferError, WriteOp
+from transfer.backends.base import Backend, TransferError, as_ops
 
 _AGENTS: dict[str, LocalBackend] = {}  # every live local agent of this process, by name
 _LOCK = threading.Lock()
@@ -39,14 +39,15 @@ class LocalBackend(Backend):
         self._peers.add(peer)
         return peer
 
-    def post(self, peer: str, ops: list[WriteOp], notif: bytes) -> object:
+    def post(self, peer: str, ops, notif: bytes) -> object:
         target = _AGENTS.get(peer) if peer in self._peers else None
         if target is None:
             raise TransferError(f"peer {peer!r} is not connected")
+        ops = as_ops(ops)
         self.check_ops(ops, [r.numel() for r in self.regions], [r.numel() for r in target.regions])
-        for op in ops:
-            dst = target.regions[op.remote_region][op.remote_offset : op.remote_offset + op.nbytes]
-            dst.copy_(self.regions[op.local_region][op.local_offset : op.local_offset + op.nbytes])
+        for local_region, local_offset, remote_region, remote_offset, nbytes in ops.tolist():
+            dst = target.regions[remote_region][remote_offset : remote_offset + nbytes]
+            dst.copy_(self.regions[local_region][local_offset : local_offset + nbytes])
         target._inbox.append((self.name, notif))
         return "DONE"
 

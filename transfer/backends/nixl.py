@@ -12,7 +12,7 @@ import pickle
 import numpy as np
 from torch import Tensor
 
-from transfer.backends.base import Backend, TransferError, WriteOp
+from transfer.backends.base import Backend, TransferError, as_ops
 
 # Set before UCX loads: without it, a process that created a UCX backend crashes at exit here.
 os.environ.setdefault("UCX_MODULES", "^ib")
@@ -62,18 +62,20 @@ class NixlBackend(Backend):
         self._peers[peer] = md["regions"]
         return peer
 
-    def _descs(self, regions: list[tuple[int, int, int]], places):
-        """NIXL descriptors for (region, offset, nbytes) places in the given regions."""
-        rows = [(regions[r][0] + offset, nbytes, regions[r][2]) for r, offset, nbytes in places]
-        return self.agent.get_xfer_descs(np.array(rows, dtype=np.uint64), self.mem_type)
+    def _descs(self, regions: list[tuple[int, int, int]], region, offset, nbytes):
+        """NIXL descriptors (address, bytes, device) for byte ranges of the given regions (arrays)."""
+        table = np.asarray(regions, dtype=np.int64).reshape(-1, 3)[region]
+        rows = np.stack([table[:, 0] + offset, nbytes, table[:, 2]], axis=1).astype(np.uint64)
+        return self.agent.get_xfer_descs(rows, self.mem_type)
 
-    def post(self, peer: str, ops: list[WriteOp], notif: bytes) -> object:
+    def post(self, peer: str, ops, notif: bytes) -> object:
         remote = self._peers.get(peer)
         if remote is None:
             raise TransferError(f"peer {peer!r} is not connected")
+        ops = as_ops(ops)
         self.check_ops(ops, [r[1] for r in self.regions], [r[1] for r in remote])
-        local = self._descs(self.regions, [(op.local_region, op.local_offset, op.nbytes) for op in ops])
-        far = self._descs(remote, [(op.remote_region, op.remote_offset, op.nbytes) for op in ops])
+        local = self._descs(self.regions, ops[:, 0], ops[:, 1], ops[:, 4])
+        far = self._descs(remote, ops[:, 2], ops[:, 3], ops[:, 4])
         handle = self.agent.initialize_xfer("WRITE", local, far, peer, notif)
         if self.agent.transfer(handle) == "ERR":
             self.agent.release_xfer_handle(handle)

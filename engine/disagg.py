@@ -1,0 +1,92 @@
+"""An LLM as either half of the KV messenger: the few callbacks the transfer layer needs, and the wiring.
+
+The transfer layer never imports the engine; these adapters give it an engine in the prefill role
+(start, pages, stop, release) or the decode role (reserve, admit, fail, free, recompute).
+"""
+
+from __future__ import annotations
+
+from engine.llm import LLM
+from engine.sequence import SamplingParams
+from transfer.backends import Backend
+from transfer.config import TransferConfig
+from transfer.decode import DecodeMessenger
+from transfer.plan import ShardSpec
+from transfer.prefill import PrefillMessenger
+
+
+def shard_spec(llm: LLM) -> ShardSpec:
+    """The geometry of llm's KV cache as the transfer plan sees it."""
+    m, c = llm.config.model, llm.config.cache
+    return ShardSpec(
+        tp=llm.config.tp,
+        num_kv_heads=m.num_kv_heads,
+        num_layers=m.num_layers,
+        num_pages=c.num_pages,
+        page_size=c.page_size,
+        head_dim=m.head_dim,
+        itemsize=llm.kv_cache.element_size(),
+        dtype=llm.config.dtype,
+        kv_layout=c.kv_layout,
+    )
+
+
+class PrefillSide:
+    """An LLM in the prefill role, as the prefill messenger drives it."""
+
+    def __init__(self, llm: LLM):
+        self.llm = llm
+
+    def start(self, request_id: str, prompt_ids: list[int]) -> None:
+        self.llm.add_request(prompt_ids, SamplingParams(max_tokens=1), request_id=request_id)
+
+    def pages(self, request_id: str) -> list[int]:
+        return self.llm.allocator.pages(request_id)
+
+    def stop(self, request_id: str) -> None:
+        self.llm.stop(request_id)
+
+    def release(self, request_id: str) -> None:
+        self.llm.release(request_id)
+
+
+class DecodeSide:
+    """An LLM in the decode role, as the decode messenger drives it."""
+
+    def __init__(self, llm: LLM):
+        self.llm = llm
+
+    def reserve(self, request_id: str, prompt_ids: list[int], params: SamplingParams | None) -> list[int]:
+        self.llm.reserve(prompt_ids, params, request_id=request_id)
+        return self.llm.allocator.pages(request_id)
+
+    def admit(self, request_id: str) -> None:
+        self.llm.admit_prefilled(request_id)
+
+    def fail(self, request_id: str, error: str) -> None:
+        self.llm.stop(request_id, error)
+
+    def free(self, request_id: str) -> None:
+        self.llm.release(request_id)
+
+    def recompute(self, request_id: str) -> None:
+        self.llm.prefill_locally(request_id)
+
+
+def prefill_messenger(
+    llm: LLM, backend: Backend, config: TransferConfig | None = None, side: type = PrefillSide
+) -> PrefillMessenger:
+    """A PrefillMessenger over llm's KV regions (every TP rank's) and layer counter, as its listener."""
+    pm = PrefillMessenger(
+        side(llm), backend, shard_spec(llm), llm.kv_caches, llm.counter, llm.config.model.hidden_size, config
+    )
+    llm.listener = pm
+    return pm
+
+
+def decode_messenger(
+    llm: LLM, backend: Backend, config: TransferConfig | None = None, side: type = DecodeSide
+) -> DecodeMessenger:
+    return DecodeMessenger(
+        side(llm), backend, shard_spec(llm), llm.kv_caches, llm.config.model.hidden_size, config
+    )

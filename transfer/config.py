@@ -1,0 +1,43 @@
+"""The transfer layer's settings: which engine, how long each stage of a request may take, what failing does.
+
+Every wait in the messenger is bounded by one of these. The hydra config (`conf/transfer/`) maps onto
+this dataclass one to one; a wrong value fails here, naming the field and what it allows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+BACKENDS = ("nixl", "local")
+NIXL_ENGINES = ("UCX", "LIBFABRIC")
+FAILURE_POLICIES = ("fail", "recompute")
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    backend: str = "nixl"  # nixl (real transfers, across processes) | local (in-process copies, tests)
+    nixl_engine: str = "UCX"  # UCX: loopback, ConnectX, InfiniBand | LIBFABRIC: EFA
+    handshake_timeout_s: float = 10.0  # PrefillRequest sent -> the prefill worker accepted it
+    first_layer_timeout_s: float = 60.0  # accepted -> the first write landed (queueing there counts)
+    completion_timeout_s: float = 300.0  # PrefillRequest sent -> every write landed
+    layer_timeout_s: float = 60.0  # prefill side: a forward pass's layer must be done within this
+    peer_timeout_s: float = 10.0  # silent (no heartbeat) this long: lost. Heartbeats go out between forward
+    # passes, so this must outlast the longest pass of either worker
+    on_transfer_failure: str = "fail"  # fail: end the request with the error | recompute: prefill it locally
+    context_slots: int = 64  # requests in flight per decode worker (rows of its context buffer)
+
+    def __post_init__(self):
+        choices = {
+            "backend": BACKENDS,
+            "nixl_engine": NIXL_ENGINES,
+            "on_transfer_failure": FAILURE_POLICIES,
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"transfer.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name.endswith("_s") and not (isinstance(value, int | float) and value > 0):
+                raise ValueError(f"transfer.{f.name} must be a number of seconds > 0, got {value!r}")
+        if not (isinstance(self.context_slots, int) and self.context_slots > 0):
+            raise ValueError(f"transfer.context_slots must be an integer > 0, got {self.context_slots!r}")
