@@ -1,4 +1,4 @@
-# make run:  set up .venv and run the main job (for now the CPU kernel benchmark suite)
+# make run:  set up .venv and run the main job: colocated against 1P1D on SmolLM2 (experiment=compare)
 # make test: set up .venv and run the test suite (CPU; Triton kernels under the interpreter)
 PYTHON ?= python3
 VENV := .venv
@@ -18,7 +18,8 @@ $(STAMP): setup.py pyproject.toml
 	$(BIN)/pip install -q -e '.[test,nixl]' --config-settings editable_mode=compat  # a .pth: new packages import at once
 	touch $(STAMP)
 
-run: bench
+run: $(STAMP)
+	$(BIN)/python -m experiments.run experiment=compare
 
 test: $(STAMP)
 	$(PYTEST) -m "not slow" -q

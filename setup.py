@@ -16,6 +16,10 @@ setup(
         "safetensors",
         "jinja2",  # chat templates
         "pyzmq",  # control channel between workers
+        "hydra-core",  # the experiment CLI (experiments/run.py)
+        "hydra-joblib-launcher",  # parallel sweeps
+        "matplotlib",
+        "tqdm",
     ],
     extras_require={
         # transformers (+ accelerate for its GGUF loader) is the reference the engine is checked against

@@ -81,6 +81,7 @@ class LLM:
         self.listener = listener
         self.counter = make_layer_counter(loaded.config.num_layers, dev) if role == "prefill" else None
         self.seqs: dict[str, Sequence] = {}
+        self.last_batch: Batch | None = None  # what the latest step ran
         self._ids = itertools.count()
 
     @property
@@ -154,7 +155,7 @@ class LLM:
 
     def step(self) -> list[RequestOutput]:
         """Run one batch; return the outputs of the sequences it advanced (finished ones included)."""
-        batch = self.scheduler.schedule()
+        batch = self.last_batch = self.scheduler.schedule()
         if batch is None:
             return []
         if self.listener is not None:

@@ -14,6 +14,7 @@ a new prefill waits.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -90,6 +91,7 @@ class Scheduler:
                 break  # wait for pages
             self.waiting.popleft()
             seq.status = Status.RUNNING
+            seq.scheduled_time = seq.scheduled_time or time.perf_counter()
             self.running.append(seq)
             batch.chunks.append(self._chunk(seq, n))
             budget -= n

@@ -52,6 +52,7 @@ class Sequence:
     num_computed: int = 0  # tokens whose KV is in the cache
     status: Status = Status.WAITING
     arrival_time: float = field(default_factory=time.perf_counter)
+    scheduled_time: float | None = None  # first put in a batch (queueing ends)
     token_times: list[float] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None  # stop | length | abort | error

@@ -55,6 +55,7 @@ class Timing:
     """When each stage of a transfer happened (time.perf_counter: one clock for every process here)."""
 
     sent: float
+    peer: str = ""  # the prefill worker
     accepted: float | None = None
     first_landed: float | None = None
     landed: float | None = None  # the last write counted: the request is released to the scheduler
@@ -120,6 +121,13 @@ class DecodeMessenger:
         if len(prompt_ids) == 1:  # nothing to prefill: decode runs the only token
             self.engine.admit(request_id)
             return
+        if target.lost:  # nothing was sent: the pages are safe at once
+            if self.config.on_transfer_failure == "fail":
+                self.engine.fail(request_id, f"no live prefill worker ({peer} is lost)")
+                self.engine.free(request_id)
+            else:
+                self.engine.recompute(request_id)
+            return
         if not self._free_slots:
             self.engine.fail(request_id, "decode worker has no free context slot (transfer.context_slots)")
             self.engine.free(request_id)
@@ -130,7 +138,7 @@ class DecodeMessenger:
         writes = plan_array(target.hello.spec, self.spec, placeholder, pages, seed=seed)
         nbytes = int(writes[:, 5].sum()) + self.context[0].numel() * self.context.element_size()
         slot = self._free_slots.pop()
-        timing = Timing(time.perf_counter(), writes=len(writes) + 1, nbytes=nbytes)
+        timing = Timing(time.perf_counter(), peer, writes=len(writes) + 1, nbytes=nbytes)
         self.pending[request_id] = _Pending(
             target, len(writes) + 1, nbytes, slot, time.monotonic(), len(prompt_ids) - 1, timing
         )

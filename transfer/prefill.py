@@ -26,6 +26,9 @@ from transfer.plan import ShardSpec, plan_array
 from transfer.protocol import Abort, Accepted, Ended, Hello, PrefillRequest, notif
 
 
+POLL_S = 5e-4  # the sender thread's wait between looks at the layer counter
+
+
 class PrefillEngine(Protocol):
     def start(self, request_id: str, prompt_ids: list[int]) -> None: ...  # compute these tokens' KV
 
@@ -219,6 +222,7 @@ class PrefillMessenger:
                         t.error = f"layer {layer} not done within layer_timeout_s={self.layer_timeout_s}"
                     return
                 self._reap()  # drives earlier layers' writes and their notifications meanwhile
+                time.sleep(POLL_S)  # never spin: on a worker pinned to few cores it would steal the pass's
             ready = layer + 1  # every layer already done goes in the same post: fewer, larger posts
             while ready < num_layers and int(self.counter[0, ready]) >= target:
                 ready += 1

@@ -1,0 +1,203 @@
+"""The experiment config, checked and turned into dataclasses in one place, before any process starts.
+
+`from_cfg` takes the composed hydra config (conf/config.yaml) and returns a RunConfig; every wrong value
+fails here with a ValueError naming the key, the value and what is allowed (`check_fits_model` adds the
+checks that need the model: TP against its heads). Nothing below experiments/
+imports hydra: workers get these dataclasses.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+
+from transfer.config import TransferConfig
+
+ARRIVALS = ("poisson", "concurrency")
+LENGTH_KINDS = ("fixed", "uniform", "lognormal")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _fail(key: str, value, allowed: str) -> None:
+    raise ValueError(f"{key}={value!r} is not allowed: {allowed}")
+
+
+def _positive(key: str, value, integer: bool = False) -> None:
+    ok = isinstance(value, int) if integer else isinstance(value, int | float)
+    if isinstance(value, bool) or not ok or not value > 0:
+        _fail(key, value, f"must be {'an integer' if integer else 'a number'} > 0")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str  # smollm2-135m | tiny-random[-kv4|-kv8] | a Hugging Face model directory
+    dtype: str = "bfloat16"
+    page_size: int = 16
+    num_pages: int = 512  # per worker
+    max_num_seqs: int = 64
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            _fail("model.dtype", self.dtype, f"one of {DTYPES}")
+        for key in ("page_size", "num_pages", "max_num_seqs"):
+            _positive(f"model.{key}", getattr(self, key), integer=True)
+
+
+@dataclass(frozen=True)
+class DeploymentConfig:
+    name: str
+    kind: str = "colocated"  # colocated | disaggregated
+    num_workers: int = 1  # colocated engines
+    num_prefill: int = 0
+    num_decode: int = 0
+    tp: int = 1  # colocated workers
+    prefill_tp: int = 1
+    decode_tp: int = 1
+    threads_per_worker: int = 1  # torch threads per process (each TP rank gets one)
+    chunk_size: int = 512  # prefill tokens per forward pass (chunked prefill budget)
+    local_prefill_max_tokens: int = 0  # prompts at most this long are prefilled on the decode worker
+
+    def __post_init__(self):
+        if self.kind not in ("colocated", "disaggregated"):
+            _fail(f"deployment.{self.name}.kind", self.kind, "one of ('colocated', 'disaggregated')")
+        counts = ("num_workers",) if self.kind == "colocated" else ("num_prefill", "num_decode")
+        for key in counts + ("tp", "prefill_tp", "decode_tp", "threads_per_worker", "chunk_size"):
+            _positive(f"deployment.{key}", getattr(self, key), integer=True)
+        if not isinstance(self.local_prefill_max_tokens, int) or self.local_prefill_max_tokens < 0:
+            _fail("deployment.local_prefill_max_tokens", self.local_prefill_max_tokens, "an integer >= 0")
+
+    @property
+    def processes(self) -> int:
+        """Worker processes including TP ranks (what the cores are shared by)."""
+        if self.kind == "colocated":
+            return self.num_workers * self.tp
+        return self.num_prefill * self.prefill_tp + self.num_decode * self.decode_tp
+
+
+@dataclass(frozen=True)
+class LengthDist:
+    kind: str = "fixed"  # fixed: value | uniform: [low, high] | lognormal: mean (tokens), sigma
+    value: int = 128
+    low: int = 1
+    high: int = 128
+    mean: float = 128.0
+    sigma: float = 0.5
+
+    def check(self, key: str) -> None:
+        if self.kind not in LENGTH_KINDS:
+            _fail(f"{key}.kind", self.kind, f"one of {LENGTH_KINDS}")
+        if self.kind == "fixed":
+            _positive(f"{key}.value", self.value, integer=True)
+        elif self.kind == "uniform":
+            _positive(f"{key}.low", self.low, integer=True)
+            if not isinstance(self.high, int) or self.high < self.low:
+                _fail(f"{key}.high", self.high, f"an integer >= {key}.low ({self.low})")
+        else:
+            _positive(f"{key}.mean", self.mean)
+            _positive(f"{key}.sigma", self.sigma)
+
+
+@dataclass(frozen=True)
+class WorkloadConfig:
+    arrival: str = "poisson"  # poisson: `rate` requests/s | concurrency: `concurrency` requests in flight
+    rate: float = 1.0
+    concurrency: int = 1
+    num_requests: int = 20
+    prompt_len: LengthDist = field(default_factory=LengthDist)
+    output_len: LengthDist = field(default_factory=lambda: LengthDist(value=32))
+    prompts_file: str | None = None  # one prompt per line (text), replaces random prompt tokens
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.arrival not in ARRIVALS:
+            _fail("workload.arrival", self.arrival, f"one of {ARRIVALS}")
+        if self.arrival == "poisson":
+            _positive("workload.rate", self.rate)
+        else:
+            _positive("workload.concurrency", self.concurrency, integer=True)
+        _positive("workload.num_requests", self.num_requests, integer=True)
+        self.prompt_len.check("workload.prompt_len")
+        self.output_len.check("workload.output_len")
+        if self.prompts_file is not None and not os.path.isfile(self.prompts_file):
+            _fail("workload.prompts_file", self.prompts_file, "an existing file (one prompt per line)")
+
+
+@dataclass(frozen=True)
+class SloConfig:
+    ttft_s: float = 1.0
+    tpot_s: float = 0.1
+    attainment: float = 90.0  # percent of requests that must meet both
+
+    def __post_init__(self):
+        _positive("slo.ttft_s", self.ttft_s)
+        _positive("slo.tpot_s", self.tpot_s)
+        if not (isinstance(self.attainment, int | float) and 0 < self.attainment <= 100):
+            _fail("slo.attainment", self.attainment, "a percentage in (0, 100]")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: ModelSpec
+    deployments: tuple[DeploymentConfig, ...]
+    workload: WorkloadConfig
+    slo: SloConfig
+    transfer: TransferConfig
+    run_timeout_s: float = 600.0  # the whole run; requests not finished by then are recorded as errors
+    start_timeout_s: float = 300.0  # every worker up and connected
+    plots: bool = True
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _dataclass(cls, key: str, values) -> object:
+    values = dict(values or {})
+    known = set(cls.__dataclass_fields__)
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"{key} has unknown key(s) {unknown}; allowed: {sorted(known)}")
+    return cls(**values)
+
+
+def from_cfg(cfg) -> RunConfig:
+    """The composed hydra config (a DictConfig or a plain dict) -> a checked RunConfig."""
+    try:
+        from omegaconf import OmegaConf
+
+        cfg = OmegaConf.to_container(cfg, resolve=True) if not isinstance(cfg, dict) else cfg
+    except ImportError:  # a plain dict
+        pass
+    model = _dataclass(ModelSpec, "model", cfg.get("model"))
+    deployments = cfg.get("deployments") or [cfg.get("deployment")]
+    deployments = tuple(_dataclass(DeploymentConfig, "deployment", d) for d in deployments)
+    w = dict(cfg.get("workload") or {})
+    for key in ("prompt_len", "output_len"):
+        if key in w:
+            w[key] = _dataclass(LengthDist, f"workload.{key}", w[key])
+    workload = _dataclass(WorkloadConfig, "workload", w)
+    slo = _dataclass(SloConfig, "slo", cfg.get("slo"))
+    transfer = _dataclass(TransferConfig, "transfer", cfg.get("transfer"))
+    run = {k: cfg[k] for k in ("run_timeout_s", "start_timeout_s", "plots") if k in cfg}
+    return RunConfig(model, deployments, workload, slo, transfer, **run)
+
+
+def check_fits_model(config: RunConfig):
+    """Load the model once (also what the driver tokenizes with) and check every TP degree against it,
+    through the engine's own EngineConfig checks. Returns the loaded model."""
+    from engine.config import EngineConfig
+    from engine.weights import load_model
+
+    try:
+        loaded = load_model(config.model.name)
+    except (ValueError, FileNotFoundError) as e:
+        raise ValueError(f"model.name={config.model.name!r}: {e}") from e
+    for d in config.deployments:
+        keys = ("tp",) if d.kind == "colocated" else ("prefill_tp", "decode_tp")
+        for key in keys:
+            try:
+                EngineConfig(model=loaded.config, tp=getattr(d, key), dtype=config.model.dtype)
+            except ValueError as e:
+                raise ValueError(
+                    f"deployment {d.name}: {key}={getattr(d, key)} does not fit {loaded.config.name}: {e}"
+                ) from e
+    return loaded

@@ -1,0 +1,252 @@
+"""The driver: one process per worker (each starts its own TP ranks); routes requests, collects results.
+
+It is also the router: each request goes to the decode (or colocated) worker with the fewest requests
+in flight, and that worker's messenger picks the prefill worker with the fewest outstanding prompt
+tokens. Requests arrive on the workload's schedule (Poisson) or keep a fixed number in flight. A worker
+that dies mid-run is noticed: a dead prefill worker is reported to every decode worker (its in-flight
+requests fail at once, their pages are freed); a dead decode worker's requests are recorded as errors.
+Whatever happens (an error, Ctrl-C), every child process is stopped before `run_deployment` returns.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+from experiments.config import DeploymentConfig, RunConfig
+from experiments.worker import (
+    Failed,
+    PeerDead,
+    Ready,
+    Result,
+    Stop,
+    Submit,
+    Timeline,
+    WorkerSpec,
+    worker_main,
+)
+from experiments.workload import Request
+
+
+@dataclass
+class DeploymentRun:
+    deployment: DeploymentConfig
+    requests: list[Request]
+    sent: dict[str, float] = field(default_factory=dict)  # perf_counter when each request was routed
+    results: dict[str, Result] = field(default_factory=dict)
+    timelines: list[Timeline] = field(default_factory=list)
+    events: list[tuple[float, str]] = field(default_factory=list)  # (perf_counter, what happened)
+    start: float = 0.0
+    end: float = 0.0
+
+
+def worker_specs(config: RunConfig, d: DeploymentConfig, driver: str, ipc_dir: str) -> list[WorkerSpec]:
+    """Every worker of a deployment, with its peers and its cores (threads x TP each, round robin)."""
+    ncpu = len(os.sched_getaffinity(0))
+    next_core = 0
+
+    def cores(tp: int) -> tuple[int, ...]:
+        nonlocal next_core
+        n = d.threads_per_worker * tp
+        out = tuple((next_core + k) % ncpu for k in range(n))
+        next_core += n
+        return out
+
+    common = dict(model=config.model, deployment=d, transfer=config.transfer, driver_address=driver)
+    if d.kind == "colocated":
+        return [
+            WorkerSpec(f"colocated-{i}", "colocated", tp=d.tp, cores=cores(d.tp), seed=i, **common)
+            for i in range(d.num_workers)
+        ]
+    prefill = [f"prefill-{i}" for i in range(d.num_prefill)]
+    decode = [f"decode-{i}" for i in range(d.num_decode)]
+
+    def address(dn: str, pn: str) -> str:
+        return f"ipc://{ipc_dir}/{dn}-{pn}"
+
+    specs = [
+        WorkerSpec(
+            p,
+            "prefill",
+            tp=d.prefill_tp,
+            cores=cores(d.prefill_tp),
+            peers=tuple((dn, address(dn, p)) for dn in decode),
+            **common,
+        )
+        for p in prefill
+    ]
+    specs += [
+        WorkerSpec(
+            dn,
+            "decode",
+            tp=d.decode_tp,
+            cores=cores(d.decode_tp),
+            peers=tuple((p, address(dn, p)) for p in prefill),
+            **common,
+        )
+        for dn in decode
+    ]
+    return specs
+
+
+def run_deployment(
+    config: RunConfig, d: DeploymentConfig, requests: list[Request], progress: bool = True, hooks=None
+) -> DeploymentRun:
+    """Start the deployment's workers, run every request through them, stop them; returns what happened.
+
+    hooks: an optional callable(run, procs) called every loop turn (tests use it to kill a worker)."""
+    import zmq
+
+    run = DeploymentRun(d, requests)
+    ipc_dir = tempfile.mkdtemp(prefix="pdk-")
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    driver_address = f"ipc://{ipc_dir}/driver"
+    sock.bind(driver_address)
+    specs = worker_specs(config, d, driver_address, ipc_dir)
+    mpctx = mp.get_context("spawn")
+    procs = {s.name: mpctx.Process(target=worker_main, args=(s,), name=s.name) for s in specs}
+    roles = {s.name: s.role for s in specs}
+    try:
+        for p in procs.values():
+            p.start()  # not daemons: a worker with TP > 1 starts its own rank processes
+        _await_ready(sock, procs, config.start_timeout_s)
+        _serve(run, config, sock, procs, roles, progress, hooks)
+    finally:
+        _stop_all(run, sock, procs)
+        sock.close()
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+    return run
+
+
+def _recv(sock) -> list[tuple[str, object]]:
+    import zmq
+
+    out = []
+    while sock.poll(0, zmq.POLLIN):
+        ident, data = sock.recv_multipart()
+        out.append((ident.decode(), pickle.loads(data)))
+    return out
+
+
+def _send(sock, name: str, msg) -> bool:
+    import zmq
+
+    try:
+        sock.send_multipart([name.encode(), pickle.dumps(msg)], zmq.NOBLOCK)
+        return True
+    except zmq.ZMQError:  # the worker is gone (ROUTER_MANDATORY) or not taking messages
+        return False
+
+
+def _await_ready(sock, procs, timeout_s: float) -> None:
+    ready, give_up = set(), time.monotonic() + timeout_s
+    while len(ready) < len(procs):
+        sock.poll(100)
+        for name, msg in _recv(sock):
+            if isinstance(msg, Failed):
+                raise RuntimeError(f"worker {name} failed to start:\n{msg.error}")
+            if isinstance(msg, Ready):
+                ready.add(name)
+        dead = [n for n, p in procs.items() if not p.is_alive()]
+        if dead:
+            raise RuntimeError(
+                f"worker(s) {dead} exited while starting (codes {[procs[n].exitcode for n in dead]})"
+            )
+        if time.monotonic() > give_up:
+            raise TimeoutError(
+                f"workers {sorted(set(procs) - ready)} not ready within start_timeout_s={timeout_s}"
+            )
+
+
+def _serve(run: DeploymentRun, config: RunConfig, sock, procs, roles, progress: bool, hooks) -> None:
+    from tqdm import tqdm
+
+    w = config.workload
+    frontends = [n for n, r in roles.items() if r != "prefill"]  # where requests go
+    in_flight = {n: set() for n in frontends}
+    dead: set[str] = set()
+    queue = list(run.requests)  # in arrival order
+    bar = tqdm(total=len(queue), desc=run.deployment.name, disable=not progress, unit="req")
+    run.start = time.perf_counter()
+    give_up = time.monotonic() + config.run_timeout_s
+    try:
+        while len(run.results) < len(run.requests):
+            now = time.perf_counter()
+            busy = sum(len(s) for s in in_flight.values())
+            while queue and (
+                (w.arrival == "poisson" and run.start + queue[0].arrival_s <= now)
+                or (w.arrival == "concurrency" and busy < w.concurrency)
+            ):
+                req = queue.pop(0)
+                live = [n for n in frontends if n not in dead]
+                run.sent[req.request_id] = time.perf_counter()
+                if not live:
+                    run.results[req.request_id] = _error(req.request_id, "no live worker to take it", now)
+                    bar.update()
+                    continue
+                target = min(live, key=lambda n: len(in_flight[n]))
+                in_flight[target].add(req.request_id)
+                _send(sock, target, Submit(req.request_id, req.prompt_ids, req.max_tokens))
+                busy += 1
+            sock.poll(1)
+            for name, msg in _recv(sock):
+                if isinstance(msg, Result):
+                    in_flight[name].discard(msg.request_id)
+                    run.results[msg.request_id] = msg
+                    bar.update()
+                elif isinstance(msg, Failed):
+                    raise RuntimeError(f"worker {name} failed:\n{msg.error}")
+            for name, proc in procs.items():
+                if name not in dead and not proc.is_alive():
+                    dead.add(name)
+                    run.events.append((time.perf_counter(), f"{name} exited (code {proc.exitcode})"))
+                    if roles[name] == "prefill":
+                        for dn in frontends:
+                            _send(sock, dn, PeerDead(name))
+                    else:
+                        for rid in in_flight.pop(name, set()):
+                            run.results[rid] = _error(rid, f"worker {name} exited", time.perf_counter())
+                            bar.update()
+                        frontends.remove(name)
+            if hooks is not None:
+                hooks(run, procs)
+            if time.monotonic() > give_up:
+                for rid in {r.request_id for r in run.requests} - set(run.results):
+                    run.results[rid] = _error(
+                        rid, f"not finished within run_timeout_s={config.run_timeout_s}", 0.0
+                    )
+                break
+    finally:
+        run.end = time.perf_counter()
+        bar.close()
+
+
+def _error(request_id: str, error: str, now: float) -> Result:
+    return Result(request_id, "", [], now, None, [], "error", error)
+
+
+def _stop_all(run: DeploymentRun, sock, procs) -> None:
+    """Ask every live worker to stop (collecting its timeline), then make sure none is left running."""
+    live = [n for n, p in procs.items() if p.is_alive() and _send(sock, n, Stop())]
+    give_up = time.monotonic() + 10
+    while live and time.monotonic() < give_up:
+        sock.poll(50)
+        for name, msg in _recv(sock):
+            if isinstance(msg, Timeline):
+                run.timelines.append(msg)
+                live = [n for n in live if n != name]
+            elif isinstance(msg, Result) and msg.request_id not in run.results:
+                run.results[msg.request_id] = msg
+    for p in procs.values():
+        p.join(timeout=10 if p.is_alive() else 0)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5)

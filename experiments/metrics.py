@@ -1,0 +1,200 @@
+"""Per-request metrics, per-run summaries, SLO attainment and goodput; the run folder's files.
+
+results.json, schema "pdkernels.results/1" (stable: fields may be added, never renamed or removed):
+
+- "schema", "config" (the checked RunConfig), "runs": one entry per deployment (and rate) run.
+- run: "deployment", "rate" (req/s, or null under fixed concurrency), "concurrency", "summary",
+  "requests", "events" ([seconds since start, what happened]: a worker exiting), "timelines" (per
+  worker: name, role, steps [start, end, prefill tokens, decode tokens]).
+- summary: "num_requests", "completed", "errors", "duration_s", "throughput_rps",
+  "output_tokens_per_s"; for each of "ttft_s", "tpot_s", "itl_s", "e2e_s", "queue_s", "transfer_s" a
+  {"p50", "p90", "p99", "mean", "n"}; "transfer_bytes", "remote_prefills", "local_prefills", "slo"
+  ({"ttft_s", "tpot_s", "attainment"}), "attainment_pct", "meets_slo", "goodput_rps".
+- request: "request_id", "worker", "prefill" (local | remote), "prefill_worker", "prompt_tokens",
+  "output_tokens", "arrival_s", "queue_s", "ttft_s", "tpot_s", "e2e_s", "itl_s" (list),
+  "output_ids", "transfer_bytes", "transfer_s", "finish_reason", "error", "meets_slo".
+
+Times are seconds; arrival_s counts from the run's start; queue_s ends when the first forward pass
+that computes the request's tokens starts (for a remote prefill: when its first KV write lands); a
+request that failed has ttft_s etc. null and never meets the SLO. goodput_rps is the run's rate when its
+attainment meets the SLO target, else 0 (a sweep or `goodput_search` over rates turns that into the
+highest such rate).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from experiments.config import RunConfig, SloConfig
+from experiments.driver import DeploymentRun
+
+SCHEMA = "pdkernels.results/1"
+CSV_FIELDS = (
+    "request_id", "worker", "prefill", "prefill_worker", "prompt_tokens", "output_tokens", "arrival_s",
+    "queue_s", "ttft_s", "tpot_s", "e2e_s", "transfer_bytes", "transfer_s", "finish_reason", "error",
+    "meets_slo",
+)  # fmt: skip
+
+
+def request_rows(run: DeploymentRun, slo: SloConfig) -> list[dict]:
+    rows = []
+    for req in run.requests:
+        res, sent = run.results.get(req.request_id), run.sent.get(req.request_id)
+        ok = res is not None and res.error is None and res.token_times and sent is not None
+        times = res.token_times if ok else []
+        ttft = times[0] - sent if ok else None
+        tpot = (times[-1] - times[0]) / (len(times) - 1) if ok and len(times) > 1 else (0.0 if ok else None)
+        row = {
+            "request_id": req.request_id,
+            "worker": res.worker if res else None,
+            "prefill": res.prefill if res else None,
+            "prefill_worker": res.prefill_worker if res else None,
+            "prompt_tokens": len(req.prompt_ids),
+            "output_tokens": len(res.output_ids) if res else 0,
+            "arrival_s": (sent - run.start) if sent is not None else None,
+            "queue_s": (res.scheduled - sent) if ok and res.scheduled is not None else None,
+            "ttft_s": ttft,
+            "tpot_s": tpot,
+            "e2e_s": times[-1] - sent if ok else None,
+            "itl_s": np.diff(times).tolist() if ok else [],
+            "output_ids": list(res.output_ids) if res else [],
+            "transfer_bytes": res.transfer_bytes if res else 0,
+            "transfer_s": res.transfer_s if res else None,
+            "finish_reason": res.finish_reason if res else "error",
+            "error": (res.error if res else "no result") if not ok else None,
+        }
+        row["meets_slo"] = bool(ok and ttft <= slo.ttft_s and tpot <= slo.tpot_s)
+        rows.append(row)
+    return rows
+
+
+def percentiles(values: list[float]) -> dict:
+    vals = [v for v in values if v is not None and math.isfinite(v)]
+    if not vals:
+        return {"p50": None, "p90": None, "p99": None, "mean": None, "n": 0}
+    p50, p90, p99 = np.percentile(vals, [50, 90, 99])
+    return {
+        "p50": float(p50),
+        "p90": float(p90),
+        "p99": float(p99),
+        "mean": float(np.mean(vals)),
+        "n": len(vals),
+    }
+
+
+def summarize(run: DeploymentRun, rows: list[dict], slo: SloConfig, rate: float | None) -> dict:
+    done = [r for r in rows if r["error"] is None]
+    duration = max(run.end - run.start, 1e-9)
+    attainment = 100.0 * sum(r["meets_slo"] for r in rows) / max(len(rows), 1)
+    meets = attainment >= slo.attainment
+    return {
+        "num_requests": len(rows),
+        "completed": len(done),
+        "errors": len(rows) - len(done),
+        "duration_s": duration,
+        "throughput_rps": len(done) / duration,
+        "output_tokens_per_s": sum(r["output_tokens"] for r in done) / duration,
+        **{
+            k: percentiles([r[k] for r in done])
+            for k in ("ttft_s", "tpot_s", "e2e_s", "queue_s", "transfer_s")
+        },
+        "itl_s": percentiles([x for r in done for x in r["itl_s"]]),
+        "transfer_bytes": sum(r["transfer_bytes"] for r in rows),
+        "remote_prefills": sum(r["prefill"] == "remote" for r in rows),
+        "local_prefills": sum(r["prefill"] == "local" for r in rows),
+        "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s, "attainment": slo.attainment},
+        "attainment_pct": attainment,
+        "meets_slo": meets,
+        "goodput_rps": (rate if meets and rate is not None else 0.0),
+    }
+
+
+def run_record(run: DeploymentRun, config: RunConfig, rate: float | None) -> dict:
+    rows = request_rows(run, config.slo)
+    w = config.workload
+    return {
+        "deployment": run.deployment.name,
+        "rate": rate,
+        "concurrency": w.concurrency if w.arrival == "concurrency" else None,
+        "summary": summarize(run, rows, config.slo, rate),
+        "requests": rows,
+        "events": [[t - run.start, what] for t, what in run.events],
+        "timelines": [
+            {
+                "name": t.name,
+                "role": t.role,
+                "steps": [[s - run.start, e - run.start, p, d] for s, e, p, d in t.steps],
+            }
+            for t in run.timelines
+        ],
+    }
+
+
+def write_results(out_dir: Path, config: RunConfig, records: list[dict]) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "results.json"
+    path.write_text(json.dumps({"schema": SCHEMA, "config": config.to_dict(), "runs": records}, indent=1))
+    for rec in records:
+        name = rec["deployment"] + (
+            f"-rate{rec['rate']:g}" if rec["rate"] is not None and len(records) > 1 else ""
+        )
+        with open(out_dir / f"requests-{name}.csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, CSV_FIELDS, extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(rec["requests"])
+    return path
+
+
+def _ms(stats: dict, key: str) -> str:
+    v = stats.get(key)
+    return "-" if v is None else f"{1e3 * v:.0f}"
+
+
+def table(records: list[dict]) -> str:
+    """The side-by-side summary printed at the end of a run (times in ms)."""
+    cols = [r["deployment"] + (f" @{r['rate']:g}/s" if r["rate"] is not None else "") for r in records]
+    s = [r["summary"] for r in records]
+    lines = [
+        ("requests (ok/all)", [f"{x['completed']}/{x['num_requests']}" for x in s]),
+        (
+            "TTFT p50 / p90 / p99 ms",
+            [f"{_ms(x['ttft_s'], 'p50')} / {_ms(x['ttft_s'], 'p90')} / {_ms(x['ttft_s'], 'p99')}" for x in s],
+        ),
+        (
+            "TPOT p50 / p90 / p99 ms",
+            [f"{_ms(x['tpot_s'], 'p50')} / {_ms(x['tpot_s'], 'p90')} / {_ms(x['tpot_s'], 'p99')}" for x in s],
+        ),
+        ("ITL p50 / p99 ms", [f"{_ms(x['itl_s'], 'p50')} / {_ms(x['itl_s'], 'p99')}" for x in s]),
+        ("E2E p50 / p90 ms", [f"{_ms(x['e2e_s'], 'p50')} / {_ms(x['e2e_s'], 'p90')}" for x in s]),
+        ("queue p50 ms", [_ms(x["queue_s"], "p50") for x in s]),
+        ("transfer p50 ms", [_ms(x["transfer_s"], "p50") for x in s]),
+        ("KV moved MiB", [f"{x['transfer_bytes'] / 2**20:.1f}" for x in s]),
+        ("throughput req/s", [f"{x['throughput_rps']:.2f}" for x in s]),
+        ("output tok/s", [f"{x['output_tokens_per_s']:.1f}" for x in s]),
+        ("SLO attainment %", [f"{x['attainment_pct']:.0f}" for x in s]),
+        ("goodput req/s", [f"{x['goodput_rps']:g}" for x in s]),
+    ]
+    w0 = max(len(k) for k, _ in lines)
+    widths = [max(len(c), *(len(v[i]) for _, v in lines)) for i, c in enumerate(cols)]
+    out = [" | ".join([" " * w0] + [c.rjust(w) for c, w in zip(cols, widths, strict=True)])]
+    out.append("-+-".join(["-" * w0] + ["-" * w for w in widths]))
+    out += [
+        " | ".join([k.ljust(w0)] + [x.rjust(w) for x, w in zip(v, widths, strict=True)]) for k, v in lines
+    ]
+    return "\n".join(out)
+
+
+def goodput(records: list[dict]) -> dict:
+    """Per deployment, the highest rate whose run met the SLO attainment target (0 if none did)."""
+    out: dict[str, float] = {}
+    for r in records:
+        if r["rate"] is None:
+            continue
+        best = out.get(r["deployment"], 0.0)
+        out[r["deployment"]] = max(best, r["rate"]) if r["summary"]["meets_slo"] else best
+    return out

@@ -1,0 +1,70 @@
+"""The main job: python -m experiments.run [overrides] (what `make run` calls with experiment=compare).
+
+Composes conf/config.yaml, checks it (experiments.config), generates the workload once, runs every
+deployment on it (each at every rate of goodput_search.rates, if any), and writes the run folder:
+config.yaml (hydra's .hydra/), results.json (schema in experiments/metrics.py), one CSV of requests
+per run, plots, and the side-by-side table on stdout.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from experiments.config import check_fits_model, from_cfg
+
+
+def run(cfg: DictConfig, out_dir: Path, progress: bool = True, hooks=None) -> list[dict]:
+    from experiments import metrics, plots
+    from experiments.driver import run_deployment
+    from experiments.workload import make_requests
+
+    config = from_cfg(cfg)
+    loaded = check_fits_model(config)
+    m = loaded.config
+    tokenizer, vocab, max_position = loaded.tokenizer, m.vocab_size, m.max_position
+    del loaded  # the workers load their own weights
+    rates = list(cfg.get("goodput_search", {}).get("rates") or [])
+    for r in rates:
+        if not (isinstance(r, int | float) and r > 0):
+            raise ValueError(f"goodput_search.rates holds {r!r}: every rate must be a number > 0")
+    if rates and config.workload.arrival != "poisson":
+        raise ValueError("goodput_search.rates needs workload.arrival=poisson")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    records = []
+    for rate in rates or [config.workload.rate if config.workload.arrival == "poisson" else None]:
+        workload = replace(config.workload, rate=rate) if rate is not None else config.workload
+        requests = make_requests(workload, tokenizer, vocab, max_position)
+        run_config = replace(config, workload=workload)
+        for d in config.deployments:
+            result = run_deployment(run_config, d, requests, progress=progress, hooks=hooks)
+            records.append(metrics.run_record(result, run_config, rate))
+    path = metrics.write_results(out_dir, config, records)
+    print()
+    print(metrics.table(records))
+    if rates:
+        print("goodput (req/s):", json.dumps(metrics.goodput(records)))
+    if config.plots:
+        plots.all_plots(records, records[0]["summary"]["slo"], out_dir)
+    print(f"\nrun folder: {out_dir} ({path.name}, CSVs, plots)")
+    return records
+
+
+@hydra.main(version_base=None, config_path="../conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    try:
+        run(cfg, Path(HydraConfig.get().runtime.output_dir))
+    except ValueError as e:  # a bad config: say what is wrong, no traceback
+        print(f"config error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

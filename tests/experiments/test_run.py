@@ -1,0 +1,165 @@
+"""The main job end to end: real worker processes, NIXL between prefill and decode, hydra configs."""
+
+import json
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from experiments.config import from_cfg
+from experiments.run import run
+
+CONF = str(Path(__file__).resolve().parents[2] / "conf")
+TINY = [
+    "model=tiny-random",
+    "workload.num_requests=6",
+    "workload.arrival=concurrency",
+    "workload.concurrency=3",
+]
+TINY += ["workload.prompt_len.kind=uniform", "workload.prompt_len.low=2", "workload.prompt_len.high=40"]
+TINY += ["workload.output_len.value=8", "plots=false", "start_timeout_s=120", "run_timeout_s=180"]
+
+pytest.importorskip("nixl_cu12")
+
+
+def _cfg(overrides):
+    with initialize_config_dir(config_dir=CONF, version_base=None):
+        return compose("config", overrides=overrides)
+
+
+def _outputs(record):
+    return {r["request_id"]: r["output_ids"] for r in record["requests"]}
+
+
+def test_greedy_outputs_are_identical_colocated_1p1d_and_tp_1_to_2(tmp_path):
+    deployments = (
+        "deployments=[{name: colocated, kind: colocated, num_workers: 1},"
+        "{name: 1p1d, kind: disaggregated, num_prefill: 1, num_decode: 1},"
+        "{name: 1p1d-tp1-2, kind: disaggregated, num_prefill: 1, num_decode: 1, decode_tp: 2}]"
+    )
+    records = run(_cfg([*TINY, deployments]), tmp_path, progress=False)
+    assert [r["deployment"] for r in records] == ["colocated", "1p1d", "1p1d-tp1-2"]
+    for rec in records:
+        s = rec["summary"]
+        assert s["completed"] == 6 and s["errors"] == 0, rec["requests"]
+        assert all(len(ids) == 8 for ids in _outputs(rec).values())
+    assert _outputs(records[0]) == _outputs(records[1]) == _outputs(records[2])
+    remote = records[1]["requests"]
+    assert all(r["prefill"] == "remote" and r["transfer_bytes"] > 0 and r["transfer_s"] > 0 for r in remote)
+    assert records[0]["summary"]["transfer_bytes"] == 0
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["schema"] == "pdkernels.results/1" and len(saved["runs"]) == 3
+    header = (tmp_path / "requests-1p1d.csv").read_text().splitlines()[0]
+    assert header.startswith("request_id,worker,prefill,prefill_worker,prompt_tokens")
+    assert not mp.active_children()  # every worker process is gone
+
+
+def test_conditional_disaggregation_prefills_short_prompts_on_the_decode_worker(tmp_path):
+    overrides = [*TINY, "deployment=1p1d", "deployment.local_prefill_max_tokens=20"]
+    (rec,) = run(_cfg(overrides), tmp_path, progress=False)
+    for r in rec["requests"]:
+        assert r["error"] is None
+        assert r["prefill"] == ("local" if r["prompt_tokens"] <= 20 else "remote"), r
+
+
+def test_killed_prefill_worker_ends_its_requests_with_errors_and_the_run_finishes(tmp_path):
+    overrides = [*TINY, "deployment=1p1d", "workload.num_requests=10", "workload.prompt_len.kind=fixed"]
+    overrides += ["workload.prompt_len.value=60", "deployment.chunk_size=8"]  # prefills take many passes
+    killed = []
+
+    def kill_prefill_after_first_result(run_state, procs):
+        if run_state.results and not killed:
+            procs["prefill-0"].kill()
+            killed.append(True)
+
+    (rec,) = run(_cfg(overrides), tmp_path, progress=False, hooks=kill_prefill_after_first_result)
+    s = rec["summary"]
+    assert killed and s["num_requests"] == 10 and s["errors"] > 0 and s["completed"] >= 1
+    errors = [r["error"] for r in rec["requests"] if r["error"]]
+    assert all("prefill-0" in e for e in errors), errors
+    assert any("prefill-0 exited" in what for _, what in rec["events"])
+    assert json.loads((tmp_path / "results.json").read_text())["runs"][0]["summary"]["errors"] == s["errors"]
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("deployment.decode_tp=3", "decode_tp=3 does not fit tiny-random"),
+        ("slo.ttft_s=0", "slo.ttft_s=0 is not allowed: must be a number > 0"),
+        ("workload.rate=-1", "workload.rate=-1 is not allowed: must be a number > 0"),
+        (
+            "workload.prompts_file=/nonexistent/prompts.txt",
+            "workload.prompts_file='/nonexistent/prompts.txt'",
+        ),
+        ("transfer.on_transfer_failure=retry", "on_transfer_failure must be one of ('fail', 'recompute')"),
+        (
+            "workload.arrival=burst",
+            "workload.arrival='burst' is not allowed: one of ('poisson', 'concurrency')",
+        ),
+    ],
+)
+def test_bad_configs_fail_before_any_process_starts(tmp_path, override, message):
+    with pytest.raises(ValueError) as err:
+        run(_cfg(["model=tiny-random", "deployment=1p1d", override]), tmp_path, progress=False)
+    assert message in str(err.value)
+    assert not mp.active_children()
+
+
+def _cli(args, cwd):
+    env = dict(os.environ, PYTHONPATH=str(Path(CONF).parent))
+    return subprocess.run(
+        [sys.executable, "-m", "experiments.run", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=env,
+        timeout=600,
+    )
+
+
+def test_unknown_deployment_is_refused_by_the_cli(tmp_path):
+    out = _cli(["deployment=3p9d", f"hydra.run.dir={tmp_path}"], tmp_path)
+    assert out.returncode != 0
+    assert "deployment/3p9d" in out.stderr and "1p1d" in out.stderr  # hydra lists the options
+
+
+def test_a_sweep_over_two_rates_gives_two_run_folders_and_a_goodput(tmp_path):
+    args = ["-m", *TINY, "deployment=colocated", "workload.arrival=poisson", "workload.rate=2,4"]
+    args += ["slo.ttft_s=5", "slo.tpot_s=1", f"hydra.sweep.dir={tmp_path}"]
+    out = _cli(args, tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    folders = sorted(p.parent.name for p in tmp_path.glob("*/results.json"))
+    assert folders == ["0", "1"]
+    rates = sorted(
+        json.loads((tmp_path / f / "results.json").read_text())["runs"][0]["rate"] for f in folders
+    )
+    assert rates == [2.0, 4.0]
+    goodput = json.loads((tmp_path / "goodput.json").read_text())["goodput_rps"]
+    assert goodput["colocated"] == 4.0  # a tiny model meets a loose SLO at both rates
+    assert "goodput (req/s)" in out.stdout
+
+
+def test_config_maps_to_dataclasses():
+    config = from_cfg(_cfg(["experiment=compare"]))
+    assert [d.name for d in config.deployments] == ["colocated", "1p1d"]
+    assert config.workload.arrival == "concurrency" and config.workload.num_requests == 20
+    assert config.transfer.backend == "nixl" and config.model.name == "smollm2-135m"
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_outputs_are_identical_colocated_and_1p1d(tmp_path):
+    overrides = ["model=smollm2-135m", "model.dtype=float32", "plots=false", "workload.num_requests=4"]
+    overrides += ["workload.arrival=concurrency", "workload.concurrency=2", "workload.output_len.value=8"]
+    overrides += ["workload.prompt_len.value=64", "transfer.peer_timeout_s=60"]
+    overrides += [
+        "deployments=[{name: colocated, kind: colocated, num_workers: 1},"
+        "{name: 1p1d, kind: disaggregated, num_prefill: 1, num_decode: 1},"
+        "{name: 1p1d-tp1-3, kind: disaggregated, num_prefill: 1, num_decode: 1, decode_tp: 3}]"
+    ]
+    records = run(_cfg(overrides), tmp_path, progress=False)
+    assert all(r["summary"]["completed"] == 4 for r in records)
+    assert _outputs(records[0]) == _outputs(records[1]) == _outputs(records[2])
