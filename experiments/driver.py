@@ -111,6 +111,9 @@ def run_deployment(
     driver_address = f"ipc://{ipc_dir}/driver"
     sock.bind(driver_address)
     specs = worker_specs(config, d, driver_address, ipc_dir)
+    if mp.get_start_method(allow_none=True) not in (None, "spawn", "fork", "forkserver"):
+        # inside a joblib (loky) sweep job: spawned children would look for a 'loky' context and fail
+        mp.set_start_method("spawn", force=True)
     mpctx = mp.get_context("spawn")
     procs = {s.name: mpctx.Process(target=worker_main, args=(s,), name=s.name) for s in specs}
     roles = {s.name: s.role for s in specs}

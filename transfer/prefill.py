@@ -25,7 +25,6 @@ from transfer.config import TransferConfig
 from transfer.plan import ShardSpec, plan_array
 from transfer.protocol import Abort, Accepted, Ended, Hello, PrefillRequest, notif
 
-
 POLL_S = 5e-4  # the sender thread's wait between looks at the layer counter
 
 

@@ -127,8 +127,9 @@ def test_unknown_deployment_is_refused_by_the_cli(tmp_path):
     assert "deployment/3p9d" in out.stderr and "1p1d" in out.stderr  # hydra lists the options
 
 
-def test_a_sweep_over_two_rates_gives_two_run_folders_and_a_goodput(tmp_path):
-    args = ["-m", *TINY, "deployment=colocated", "workload.arrival=poisson", "workload.rate=2,4"]
+@pytest.mark.parametrize("launcher", [[], ["experiment=rate_sweep"]], ids=["basic", "joblib"])
+def test_a_sweep_over_two_rates_gives_two_run_folders_and_a_goodput(tmp_path, launcher):
+    args = ["-m", *TINY, *launcher, "deployment=colocated", "workload.arrival=poisson", "workload.rate=2,4"]
     args += ["slo.ttft_s=5", "slo.tpot_s=1", f"hydra.sweep.dir={tmp_path}"]
     out = _cli(args, tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
