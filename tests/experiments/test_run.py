@@ -164,3 +164,29 @@ def test_smollm2_greedy_outputs_are_identical_colocated_and_1p1d(tmp_path):
     records = run(_cfg(overrides), tmp_path, progress=False)
     assert all(r["summary"]["completed"] == 4 for r in records)
     assert _outputs(records[0]) == _outputs(records[1]) == _outputs(records[2])
+
+
+def test_an_exception_mid_run_stops_every_worker_process(tmp_path):
+    def fail_after_first_result(run_state, procs):
+        if run_state.results:
+            raise RuntimeError("boom")
+
+    overrides = [*TINY, "deployment=1p1d", "deployment.decode_tp=2"]  # the decode worker has a rank process
+    with pytest.raises(RuntimeError, match="boom"):
+        run(_cfg(overrides), tmp_path, progress=False, hooks=fail_after_first_result)
+    assert not mp.active_children()
+    ps = subprocess.run(["ps", "-eo", "ppid,pid,args"], capture_output=True, text=True).stdout
+    assert not [
+        line for line in ps.splitlines() if "spawn_main" in line and str(os.getpid()) in line.split()[:1]
+    ]
+
+
+def test_goodput_search_runs_each_rate_and_reports_the_highest_that_meets_the_slo(tmp_path):
+    overrides = [*TINY, "deployment=colocated", "workload.arrival=poisson", "goodput_search.rates=[2,4]"]
+    overrides += ["slo.ttft_s=5", "slo.tpot_s=1", "workload.num_requests=4"]
+    records = run(_cfg(overrides), tmp_path, progress=False)
+    assert [r["rate"] for r in records] == [2, 4]
+    from experiments.metrics import goodput
+
+    assert goodput(records) == {"colocated": 4}
+    assert all(r["summary"]["goodput_rps"] == r["rate"] for r in records)
