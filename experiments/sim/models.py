@@ -1,0 +1,93 @@
+"""Model presets for the cost model: shapes from each model's published config (config.json)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SimModel:
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int  # GQA; for MLA the latent is one shared "head" (see kv_lora_rank)
+    head_dim: int
+    intermediate: int  # dense MLP width (gate/up/down)
+    vocab: int
+    experts: int = 0  # MoE: routed experts per layer (0: dense)
+    active_experts: int = 0
+    shared_experts: int = 0
+    expert_intermediate: int = 0
+    dense_layers: int = 0  # MoE models whose first layers are dense
+    kv_lora_rank: int = 0  # MLA: latent width cached per token (plus rope_dim)
+    rope_dim: int = 0
+    q_lora_rank: int = 0
+    gated_mlp: bool = True  # SwiGLU: 3 matrices; OPT: 2
+    tied_embeddings: bool = False  # the LM head is the embedding matrix
+    bytes_per_param: int = 2
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of KV cache one token adds, over all layers."""
+        per_layer = (self.kv_lora_rank + self.rope_dim) if self.mla else 2 * self.kv_heads * self.head_dim
+        return self.layers * per_layer * self.bytes_per_param
+
+    def attn_params(self) -> int:
+        """Attention projection weights of one layer."""
+        h, d = self.hidden, self.head_dim
+        if self.mla:
+            q_out = self.heads * (d + self.rope_dim)
+            q = h * self.q_lora_rank + self.q_lora_rank * q_out if self.q_lora_rank else h * q_out
+            kv = h * (self.kv_lora_rank + self.rope_dim) + self.kv_lora_rank * self.heads * 2 * d
+            return q + kv + self.heads * d * h
+        return h * self.heads * d + 2 * h * self.kv_heads * d + self.heads * d * h
+
+    def mlp_params(self, width: int) -> int:
+        return (3 if self.gated_mlp else 2) * self.hidden * width
+
+    def layer_params(self, layer: int, active: bool) -> int:
+        """Weights of one layer; active=True counts only the experts a token uses."""
+        if not self.experts or layer < self.dense_layers:
+            return self.attn_params() + self.mlp_params(self.intermediate)
+        experts = (self.active_experts if active else self.experts) + self.shared_experts
+        return self.attn_params() + experts * self.mlp_params(self.expert_intermediate)
+
+    def params(self, active: bool = False) -> int:
+        embeddings = (1 if self.tied_embeddings else 2) * self.vocab * self.hidden
+        return sum(self.layer_params(i, active) for i in range(self.layers)) + embeddings
+
+
+MODELS = {
+    # facebook/opt-13b: 40 layers, 5120 wide, 40 heads (MHA), ReLU MLP 20480, vocab 50272
+    "opt-13b": SimModel(
+        "opt-13b", 40, 5120, 40, 40, 128, 20480, 50272, gated_mlp=False, tied_embeddings=True
+    ),
+    # meta-llama/Meta-Llama-3-8B
+    "llama-3-8b": SimModel("llama-3-8b", 32, 4096, 32, 8, 128, 14336, 128256),
+    # meta-llama/Meta-Llama-3-70B
+    "llama-3-70b": SimModel("llama-3-70b", 80, 8192, 64, 8, 128, 28672, 128256),
+    # Qwen/Qwen3-Coder-480B-A35B-Instruct: 62 layers, 96 q heads, 8 kv heads, 160 experts, 8 active
+    "qwen3-coder-480b-a35b": SimModel(
+        "qwen3-coder-480b-a35b", 62, 6144, 96, 8, 128, 8192, 151936,
+        experts=160, active_experts=8, expert_intermediate=2560,
+    ),
+    # deepseek-ai/DeepSeek-R1: 61 layers (3 dense), MLA (kv_lora 512 + rope 64, q_lora 1536),
+    # 256 routed experts (8 active) + 1 shared, expert width 2048, dense width 18432
+    "deepseek-r1": SimModel(
+        "deepseek-r1", 61, 7168, 128, 1, 128, 18432, 129280,
+        experts=256, active_experts=8, shared_experts=1, expert_intermediate=2048, dense_layers=3,
+        kv_lora_rank=512, rope_dim=64, q_lora_rank=1536,
+    ),
+    # HuggingFaceTB/SmolLM2-135M: 30 layers, 576 wide, 9 heads, 3 kv heads, tied embeddings
+    "smollm2-135m": SimModel("smollm2-135m", 30, 576, 9, 3, 64, 1536, 49152, tied_embeddings=True),
+}  # fmt: skip
+
+
+def sim_model(name: str) -> SimModel:
+    if name not in MODELS:
+        raise ValueError(f"sim model must be one of {sorted(MODELS)}, got {name!r}")
+    return MODELS[name]

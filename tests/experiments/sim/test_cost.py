@@ -1,0 +1,101 @@
+"""The cost model's arithmetic on hand-computed cases (round numbers, efficiencies of 1)."""
+
+import pytest
+
+from experiments.sim.cost import CostModel, Efficiency, transfer_time
+from experiments.sim.hardware import HARDWARE, Hardware, hardware
+from experiments.sim.models import MODELS, SimModel, sim_model
+
+# 2 layers, hidden 8, 2 heads of 4 (MHA), MLP 16 (SwiGLU), vocab 10, 1 byte per parameter
+TOY = SimModel(
+    "toy", layers=2, hidden=8, heads=2, kv_heads=2, head_dim=4, intermediate=16, vocab=10, bytes_per_param=1
+)
+# 1000 FLOP/s, 100 B/s HBM, NVLink 10 B/s, NIC 5 B/s
+HW = Hardware("toy", flops=1000, hbm_bw=100, hbm_bytes=1e6, nvlink_bw=10, nic_bw=5)
+PERFECT = Efficiency(linear=1, attention=1, memory=1, comm=1)
+
+
+def test_parameter_and_kv_counts_by_hand():
+    # per layer: q 8x8 + k,v 2x(8x8) + o 8x8 = 256; MLP 3 x 8 x 16 = 384 -> 640;
+    # two layers 1280; embedding + head 160
+    assert TOY.attn_params() == 256 and TOY.layer_params(0, active=False) == 640
+    assert TOY.params() == 1280 + 160
+    assert TOY.kv_bytes_per_token() == 2 * 2 * 2 * 4  # layers x K,V x heads x dim x 1 byte
+
+
+def test_presets_match_the_published_sizes():
+    sizes = {name: m.params() / 1e9 for name, m in MODELS.items()}
+    assert sizes["llama-3-8b"] == pytest.approx(8.03, abs=0.01)
+    assert sizes["llama-3-70b"] == pytest.approx(70.6, abs=0.1)
+    assert sizes["opt-13b"] == pytest.approx(12.85, abs=0.02)
+    assert sizes["qwen3-coder-480b-a35b"] == pytest.approx(480, abs=1)
+    assert MODELS["qwen3-coder-480b-a35b"].params(active=True) / 1e9 == pytest.approx(35, abs=1)
+    assert sizes["deepseek-r1"] == pytest.approx(671, abs=1)
+    assert MODELS["deepseek-r1"].params(active=True) / 1e9 == pytest.approx(37, abs=1)
+    assert MODELS["deepseek-r1"].kv_bytes_per_token() == 61 * 576 * 2  # MLA latent + rope key, bf16
+    assert HARDWARE["h200"].hbm_bw == 4.8e12 and HARDWARE["a100-80gb"].flops == 312e12
+
+
+def test_decode_of_one_token_is_bound_by_reading_the_weights():
+    cm = CostModel(TOY, HW, eff=PERFECT)
+    # linear: 1280 bytes / 100 B/s = 12.8 s (FLOPs 2 x 1280 = 2560 -> 2.56 s: memory-bound)
+    assert cm.linear_time(1) == pytest.approx(12.8)
+    # attention over 9 cached + 1 new: KV bytes 10 x 32 = 320 -> 3.2 s
+    assert cm.attention_time(1, 9) == pytest.approx(3.2)
+    # LM head: 80 bytes -> 0.8 s
+    assert cm.decode_time([9]) == pytest.approx(12.8 + 3.2 + 0.8)
+
+
+def test_a_long_prefill_is_bound_by_flops():
+    cm = CostModel(TOY, HW, eff=PERFECT)
+    # 1000 tokens: linear FLOPs 2 x 1000 x 1280 = 2.56e6 -> 2560 s (bytes 12.8 s)
+    assert cm.linear_time(1000) == pytest.approx(2560)
+    # causal pairs 1000 x 1001 / 2 = 500500; FLOPs 2 x pairs x heads 2 x (4 + 4) x layers 2
+    assert cm.attention_time(1000, 0) == pytest.approx(2 * 500500 * 2 * 8 * 2 / 1000)
+
+
+def test_tp_splits_the_work_and_adds_two_all_reduces_per_layer():
+    one, two = CostModel(TOY, HW, eff=PERFECT), CostModel(TOY, HW, tp=2, eff=PERFECT)
+    assert two.linear_time(1000) == pytest.approx(one.linear_time(1000) / 2)
+    # 10 tokens x 8 wide x 1 byte = 80 bytes; ring: 2 x (2-1)/2 x 80 / 10 B/s = 8 s; 2 per layer x 2 layers
+    assert two.allreduce_time(10) == pytest.approx(32)
+    assert one.allreduce_time(10) == 0
+
+
+def test_moe_reads_only_the_experts_its_tokens_touch():
+    moe = SimModel(
+        "moe", 1, 8, 2, 2, 4, 16, 10, experts=4, active_experts=1, expert_intermediate=16, bytes_per_param=1
+    )
+    cm = CostModel(moe, HW, eff=PERFECT)
+    # one token touches 1 of 4 experts: 256 attention + 384 expert bytes
+    assert cm._weights_touched(0, 1) == pytest.approx(640)
+    # many tokens touch all four
+    assert cm._weights_touched(0, 10_000) == pytest.approx(256 + 4 * 384)
+
+
+def test_kv_per_rank_sharded_replicated_and_mla():
+    assert CostModel(TOY, HW, tp=2).kv_bytes_per_token_per_rank() == 16
+    gqa = SimModel("gqa", 1, 8, 4, 1, 2, 16, 10, bytes_per_param=1)  # one kv head, TP 4: replicated
+    assert CostModel(gqa, HW, tp=4).kv_bytes_per_token_per_rank() == gqa.kv_bytes_per_token()
+    r1 = MODELS["deepseek-r1"]
+    assert CostModel(r1, HARDWARE["h200"], tp=8).kv_bytes_per_token_per_rank() == r1.kv_bytes_per_token()
+
+
+def test_layerwise_transfer_hides_behind_the_prefill():
+    # 100 bytes over 2 NICs of 5 B/s: 10 s request-level
+    assert transfer_time(100, HW, links=2, eff=PERFECT) == pytest.approx(10)
+    # streamed over 10 layers of a 20 s prefill: 18 s of compute follow layer 0; only the last layer shows
+    assert transfer_time(100, HW, 2, PERFECT, prefill_s=20, layers=10) == pytest.approx(1)
+    # a 5 s prefill hides 4.5 s of it
+    assert transfer_time(100, HW, 2, PERFECT, prefill_s=5, layers=10) == pytest.approx(5.5)
+
+
+def test_bad_names_and_values_are_refused():
+    with pytest.raises(ValueError, match="hardware must be one of"):
+        hardware("tpu")
+    with pytest.raises(ValueError, match="sim model must be one of"):
+        sim_model("gpt-5")
+    with pytest.raises(ValueError, match="efficiency.memory must be in"):
+        Efficiency(memory=0)
+    with pytest.raises(ValueError, match="tp=3 must be >= 1 and divide the 2 heads"):
+        CostModel(TOY, HW, tp=3)
