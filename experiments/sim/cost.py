@@ -14,6 +14,7 @@ The efficiency factors (fractions of peak) are what calibration fits; the defaul
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from experiments.sim.hardware import Hardware
 from experiments.sim.models import SimModel
@@ -58,12 +59,30 @@ class CostModel:
             return m.kv_bytes_per_token()
         return m.kv_bytes_per_token() / min(self.tp, m.kv_heads)  # fewer kv heads than ranks: one each
 
+    @cached_property
+    def _active_params(self) -> int:
+        return sum(self.model.layer_params(i, active=True) for i in range(self.model.layers))
+
     def linear_time(self, tokens: int) -> float:
         """Projections and MLPs of every layer for `tokens` tokens (weights read once)."""
-        m = self.model
-        flops = 2 * tokens * sum(m.layer_params(i, active=True) for i in range(m.layers))
-        nbytes = sum(self._weights_touched(i, tokens) for i in range(m.layers)) * m.bytes_per_param
+        flops = 2 * tokens * self._active_params
+        nbytes = self._weight_bytes(tokens)
         return _roof(flops / self.tp, nbytes / self.tp, self.hw, self.eff.linear, self.eff)
+
+    def _weight_bytes(self, tokens: int) -> float:
+        m = self.model
+        if not m.experts:
+            return self._dense_weight_bytes
+        moe = m.layers - m.dense_layers
+        dense = m.dense_layers * m.layer_params(0, active=False)
+        return (dense + moe * self._weights_touched(m.layers - 1, tokens)) * m.bytes_per_param
+
+    @cached_property
+    def _dense_weight_bytes(self) -> float:
+        return (
+            sum(self.model.layer_params(i, active=False) for i in range(self.model.layers))
+            * self.model.bytes_per_param
+        )
 
     def _weights_touched(self, layer: int, tokens: int) -> float:
         m = self.model

@@ -1,0 +1,248 @@
+"""Discrete-event simulation of colocated and xPyD serving over the cost model.
+
+Instances are simulated step by step: each step's duration comes from CostModel.step_time for what the
+instance's scheduler put in it, and requests that arrive (or whose KV lands) during a step join at the
+next step boundary. A colocated instance runs continuous batching, with chunked prefill (decode tokens
+first, then prefill chunks under a token budget, as engine/scheduler.py) or without (whole-prompt
+prefill steps first, as vLLM v0). A prefill instance batches whole prompts FCFS under the budget; a
+request then moves its KV to the least-loaded decode instance (request-level, or layer-streamed where
+only what compute cannot hide shows) and decodes there. KV capacity is what HBM holds after the
+weights; a request is admitted only when its whole KV (prompt + output) fits.
+
+Output per request: arrival, first-token time and the time of each later token, from which the same
+metrics as the real runs follow (experiments/metrics.py's percentiles and SLO rules).
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from experiments.sim.cost import CostModel, transfer_time
+
+
+@dataclass
+class SimRequest:
+    rid: int
+    arrival: float
+    prompt: int
+    output: int
+    first_token: float | None = None
+    done: float | None = None
+    computed: int = 0  # prompt tokens whose KV exists
+    generated: int = 0  # output tokens sampled
+
+    @property
+    def ttft(self) -> float:
+        return self.first_token - self.arrival
+
+    @property
+    def tpot(self) -> float:
+        return (self.done - self.first_token) / (self.output - 1) if self.output > 1 else 0.0
+
+
+@dataclass
+class Instance:
+    cost: CostModel
+    budget: int = 2048  # tokens per step
+    max_seqs: int = 256
+    chunked: bool = True
+    kv_fraction: float = 0.9  # of the HBM left after weights
+    waiting: list = field(default_factory=list)
+    running: list = field(default_factory=list)
+    busy_until: float = 0.0
+    kv_used: float = 0.0
+
+    @property
+    def kv_capacity_tokens(self) -> float:
+        m, hw = self.cost.model, self.cost.hw
+        free = hw.hbm_bytes - m.params() * m.bytes_per_param / self.cost.tp
+        return max(free, 0) * self.kv_fraction / self.cost.kv_bytes_per_token_per_rank()
+
+    def load(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+
+def _admit(inst: Instance, need: int) -> bool:
+    if inst.kv_used + need > inst.kv_capacity_tokens and inst.running:
+        return False
+    inst.kv_used += need
+    return True
+
+
+def _colocated_step(inst: Instance, now: float) -> tuple[float, list]:
+    """Schedule one step; returns (duration, [(request, kind)]) with kind 'prefill_done' | 'token'."""
+    budget = inst.budget
+    decode = [r for r in inst.running if r.computed == r.prompt][: inst.max_seqs]
+    chunks, events = [], []
+    if inst.chunked or not inst.waiting and not any(r.computed < r.prompt for r in inst.running):
+        budget -= len(decode)
+    else:
+        decode = []  # a whole-prompt prefill step runs alone
+    for r in [r for r in inst.running if r.computed < r.prompt]:
+        if budget <= 0:
+            break
+        n = min(r.prompt - r.computed, budget if inst.chunked else r.prompt)
+        chunks.append((r, n))
+        budget -= n
+    while inst.waiting and budget > 0 and len(inst.running) < inst.max_seqs:
+        r = inst.waiting[0]
+        if not inst.chunked and r.prompt > budget and chunks:
+            break
+        if not _admit(inst, r.prompt + r.output):
+            break
+        inst.waiting.pop(0)
+        inst.running.append(r)
+        n = min(r.prompt, budget) if inst.chunked else r.prompt
+        chunks.append((r, n))
+        budget -= n
+    if not chunks and not decode:
+        return 0.0, []
+    sampled = len(decode) + sum(1 for r, n in chunks if r.computed + n == r.prompt)
+    dt = inst.cost.step_time(
+        [(n, r.computed) for r, n in chunks], [r.prompt + r.generated for r in decode], sampled
+    )
+    for r, n in chunks:
+        r.computed += n
+        if r.computed == r.prompt:
+            events.append((r, "prefill_done"))
+    events += [(r, "token") for r in decode]
+    return dt, events
+
+
+def simulate_colocated(instances: list[Instance], requests: list[SimRequest]) -> list[SimRequest]:
+    """Requests go to the instance with the fewest requests; each samples its first token after its
+    prompt's last chunk and one token per later step."""
+    return _run(instances, [], requests, first_token_on="prefill")
+
+
+def simulate_disaggregated(
+    prefill: list[Instance],
+    decode: list[Instance],
+    requests: list[SimRequest],
+    layerwise: bool = True,
+    first_token_on: str = "prefill",
+) -> list[SimRequest]:
+    """xPyD: prefill instances compute prompts, the KV moves, decode instances generate.
+
+    first_token_on: 'prefill' (the prefill instance samples the first token, as DistServe and vLLM) or
+    'decode' (it runs the last prompt token, as this project's speculative-decoding-safe hand-off)."""
+    if first_token_on not in ("prefill", "decode"):
+        raise ValueError(f"first_token_on must be one of ('prefill', 'decode'), got {first_token_on!r}")
+    return _run(prefill, decode, requests, first_token_on, layerwise)
+
+
+def _run(front, back, requests, first_token_on, layerwise=True) -> list[SimRequest]:
+    """The event loop. front: colocated or prefill instances; back: decode instances (or none)."""
+    disagg = bool(back)
+    instances = front + back
+    heap: list = []  # (time, seq, kind, payload)
+    seq = 0
+
+    def push(t, kind, payload):
+        nonlocal seq
+        heapq.heappush(heap, (t, seq, kind, payload))
+        seq += 1
+
+    for r in requests:
+        push(r.arrival, "arrive", r)
+    idle = {id(i): True for i in instances}
+
+    def kick(inst, now):
+        if idle[id(inst)]:
+            idle[id(inst)] = False
+            push(now, "step", inst)
+
+    while heap:
+        now, _, kind, payload = heapq.heappop(heap)
+        if kind == "arrive":
+            inst = min(front, key=Instance.load)
+            inst.waiting.append(payload)
+            kick(inst, now)
+        elif kind == "land":  # KV arrived at a decode instance
+            inst, r = payload
+            if not _admit(inst, r.prompt + r.output):
+                inst.waiting.append(r)
+            else:
+                inst.running.append(r)
+            kick(inst, now)
+        elif kind == "step":
+            inst = payload
+            if disagg and inst in back:
+                _admit_waiting_decode(inst)
+                dt, events = _decode_step(inst)
+            else:
+                dt, events = _colocated_step(inst, now)
+            if dt == 0.0:
+                idle[id(inst)] = True
+                continue
+            end = now + dt
+            for r, what in events:
+                if what == "prefill_done":
+                    if not disagg:
+                        r.first_token, r.generated = end, 1
+                        _maybe_finish(inst, r, end)
+                        continue
+                    inst.running.remove(r)
+                    inst.kv_used -= r.prompt + r.output
+                    if first_token_on == "prefill":
+                        r.first_token, r.generated = end, 1
+                    if r.generated >= r.output:
+                        r.done = end
+                        continue
+                    target = min(back, key=Instance.load)
+                    kv = r.prompt * inst.cost.model.kv_bytes_per_token()
+                    links = min(inst.cost.tp, target.cost.tp)
+                    layers = inst.cost.model.layers if layerwise else 1
+                    x = transfer_time(kv, inst.cost.hw, links, inst.cost.eff, prefill_s=dt, layers=layers)
+                    push(end + x, "land", (target, r))
+                else:  # a token
+                    r.generated += 1
+                    if r.first_token is None:
+                        r.first_token = end
+                    _maybe_finish(inst, r, end)
+            push(end, "step", inst)
+    return requests
+
+
+def _maybe_finish(inst: Instance, r: SimRequest, t: float) -> None:
+    if r.generated >= r.output:
+        r.done = t
+        inst.running.remove(r)
+        inst.kv_used -= r.prompt + r.output
+
+
+def _admit_waiting_decode(inst: Instance) -> None:
+    while (
+        inst.waiting
+        and len(inst.running) < inst.max_seqs
+        and _admit(inst, inst.waiting[0].prompt + inst.waiting[0].output)
+    ):
+        inst.running.append(inst.waiting.pop(0))
+
+
+def _decode_step(inst: Instance) -> tuple[float, list]:
+    batch = inst.running[: inst.max_seqs]
+    if not batch:
+        return 0.0, []
+    dt = inst.cost.decode_time([r.prompt + r.generated for r in batch])
+    return dt, [(r, "token") for r in batch]
+
+
+def poisson_requests(rate: float, n: int, prompt: int | np.ndarray, output: int | np.ndarray, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    arrivals = np.cumsum(rng.exponential(1.0 / rate, n))
+    prompts = np.broadcast_to(prompt, n)
+    outputs = np.broadcast_to(output, n)
+    return [SimRequest(i, float(arrivals[i]), int(prompts[i]), int(outputs[i])) for i in range(n)]
+
+
+def attainment(requests: list[SimRequest], ttft_s: float | None, tpot_s: float | None) -> float:
+    """Percent of requests meeting the SLOs given (None: not checked)."""
+    ok = [
+        r.done is not None and (ttft_s is None or r.ttft <= ttft_s) and (tpot_s is None or r.tpot <= tpot_s)
+        for r in requests
+    ]
+    return 100.0 * sum(ok) / len(ok)

@@ -1,0 +1,104 @@
+"""The event loop on tiny traces whose answers follow by hand from a cost model with round step times."""
+
+import time
+
+import pytest
+
+from experiments.sim.cost import CostModel, Efficiency
+from experiments.sim.hardware import Hardware, hardware
+from experiments.sim.models import SimModel, sim_model
+from experiments.sim.simulate import (
+    Instance,
+    SimRequest,
+    attainment,
+    poisson_requests,
+    simulate_colocated,
+    simulate_disaggregated,
+)
+
+TOY = SimModel(
+    "toy", 2, hidden=8, heads=2, kv_heads=2, head_dim=4, intermediate=16, vocab=10, bytes_per_param=1
+)
+HW = Hardware("toy", flops=1e3, hbm_bw=1e2, hbm_bytes=1e9, nvlink_bw=10, nic_bw=5)
+
+
+class Steps(CostModel):
+    """A step takes 1 s plus 0.1 s per prefill token; decode steps take 1 s whatever the batch."""
+
+    def step_time(self, chunks, decode_kv_lens, sampled=None):
+        return 1.0 + 0.1 * sum(n for n, _ in chunks) if chunks or decode_kv_lens else 0.0
+
+    def decode_time(self, kv_lens):
+        return 1.0
+
+
+def _cost():
+    return Steps(TOY, HW, eff=Efficiency(comm=1))
+
+
+def test_one_request_colocated():
+    (r,) = simulate_colocated([Instance(_cost())], [SimRequest(0, 0.0, prompt=10, output=4)])
+    assert r.first_token == pytest.approx(2.0)  # one prefill step of 10 tokens: 1 + 1 s
+    assert r.done == pytest.approx(5.0)  # three decode steps of 1 s
+    assert r.ttft == pytest.approx(2.0) and r.tpot == pytest.approx(1.0)
+
+
+def test_chunked_prefill_splits_a_prompt_and_mixes_it_with_decodes():
+    reqs = [SimRequest(0, 0.0, prompt=4, output=3), SimRequest(1, 0.0, prompt=10, output=2)]
+    simulate_colocated([Instance(_cost(), budget=8)], reqs)
+    # step 1 (t 0 -> 1.8): r0's 4 tokens + 4 of r1's; step 2 (-> 3.4): r0 decodes + r1's last 6 tokens;
+    # step 3 (-> 4.4): both decode; r0 is done (3 tokens), r1 too (2 tokens)
+    assert reqs[0].first_token == pytest.approx(1.8) and reqs[1].first_token == pytest.approx(3.4)
+    assert reqs[0].done == pytest.approx(4.4) and reqs[1].done == pytest.approx(4.4)
+
+
+def test_without_chunking_a_prefill_step_runs_alone():
+    reqs = [SimRequest(0, 0.0, prompt=10, output=3), SimRequest(1, 0.5, prompt=10, output=1)]
+    simulate_colocated([Instance(_cost(), chunked=False)], reqs)
+    # r0: prefill 0 -> 2; r1 arrived meanwhile: its prefill runs alone 2 -> 4; r0 decodes 4 -> 5 -> 6
+    assert reqs[0].first_token == pytest.approx(2.0) and reqs[1].first_token == pytest.approx(4.0)
+    assert reqs[1].done == pytest.approx(4.0) and reqs[0].done == pytest.approx(6.0)
+
+
+def test_disaggregated_request_prefills_moves_its_kv_and_decodes():
+    r = SimRequest(0, 0.0, prompt=10, output=3)
+    simulate_disaggregated([Instance(_cost())], [Instance(_cost())], [r], layerwise=False)
+    # prefill 0 -> 2 (first token); KV 10 tokens x 32 B = 320 B over one 5 B/s link: 64 s; two decode steps
+    assert r.first_token == pytest.approx(2.0) and r.done == pytest.approx(2 + 64 + 2)
+    streamed = SimRequest(0, 0.0, prompt=10, output=3)
+    simulate_disaggregated([Instance(_cost())], [Instance(_cost())], [streamed], layerwise=True)
+    # 2 layers over a 2 s pass: 1 s of compute follows layer 0, so 63 s of the 64 show
+    assert streamed.done == pytest.approx(2 + 63 + 2)
+
+
+def test_first_token_on_decode_adds_a_decode_step():
+    r = SimRequest(0, 0.0, prompt=10, output=3)
+    simulate_disaggregated(
+        [Instance(_cost())], [Instance(_cost())], [r], layerwise=False, first_token_on="decode"
+    )
+    assert r.first_token == pytest.approx(2 + 64 + 1) and r.done == pytest.approx(2 + 64 + 3)
+
+
+def test_the_transfer_gap_counts_in_tpot_when_prefill_samples_and_attainment_checks_both_slos():
+    reqs = [SimRequest(i, 0.0, prompt=1, output=2) for i in range(4)]
+    simulate_disaggregated([Instance(_cost())], [Instance(_cost()), Instance(_cost())], reqs, layerwise=False)
+    # one prefill step of 4 tokens: 1.4 s; 32 B of KV each over 5 B/s: 6.4 s; one decode step: 1 s
+    assert all(r.first_token == pytest.approx(1.4) and r.done == pytest.approx(8.8) for r in reqs)
+    assert attainment(reqs, ttft_s=None, tpot_s=7.5) == 100.0
+    assert attainment(reqs, ttft_s=None, tpot_s=7.3) == 0.0
+    assert attainment(reqs, ttft_s=1.0, tpot_s=None) == 0.0
+
+
+def test_ten_thousand_requests_simulate_quickly():
+    """The speed goal is 10,000 requests in under 5 s on one core; this only checks they all finish
+    (timing assertions do not belong in tests: see the README's simulator section for the figure)."""
+    reqs = poisson_requests(3.0, 10_000, 512, 64)
+    start = time.perf_counter()
+    simulate_colocated([Instance(CostModel(sim_model("opt-13b"), hardware("a100-80gb")))], reqs)
+    print(f"10,000 requests in {time.perf_counter() - start:.2f} s")
+    assert all(r.done is not None and r.done >= r.first_token >= r.arrival for r in reqs)
+
+
+def test_bad_first_token_place_is_refused():
+    with pytest.raises(ValueError, match="first_token_on must be one of"):
+        simulate_disaggregated([Instance(_cost())], [Instance(_cost())], [], first_token_on="router")
