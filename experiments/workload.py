@@ -13,7 +13,7 @@ from experiments.config import LengthDist, WorkloadConfig
 class Request:
     request_id: str
     arrival_s: float  # offset from the start of the run (poisson); 0 under fixed concurrency
-    prompt_ids: list[int]
+    prompt_ids: list[int] | range  # a range stands in for a simulated request's prompt
     max_tokens: int
 
 
@@ -26,6 +26,24 @@ def sample_lengths(dist: LengthDist, n: int, rng: np.random.Generator, cap: int)
         mu = np.log(dist.mean) - dist.sigma**2 / 2
         out = np.rint(rng.lognormal(mu, dist.sigma, n))
     return [int(x) for x in np.clip(out, 1, cap)]
+
+
+def draw(workload: WorkloadConfig, max_position: int) -> tuple[np.ndarray, list[int], list[int]]:
+    """Arrival offsets, prompt lengths and output lengths (the simulator's workload; random prompts)."""
+    rng = np.random.default_rng(workload.seed)
+    n = workload.num_requests
+    outputs = sample_lengths(workload.output_len, n, rng, cap=max_position // 2)
+    prompts = sample_lengths(workload.prompt_len, n, rng, cap=max_position // 2)
+    prompts = [min(p, max_position - o - 1) for p, o in zip(prompts, outputs, strict=True)]
+    return _arrivals(workload, rng), prompts, outputs
+
+
+def _arrivals(workload: WorkloadConfig, rng: np.random.Generator) -> np.ndarray:
+    n = workload.num_requests
+    if workload.arrival != "poisson":
+        return np.zeros(n)
+    arrivals = np.cumsum(rng.exponential(1.0 / workload.rate, n))
+    return arrivals - arrivals[0]  # the first request arrives at once
 
 
 def make_requests(workload: WorkloadConfig, tokenizer, vocab_size: int, max_position: int) -> list[Request]:
@@ -43,9 +61,5 @@ def make_requests(workload: WorkloadConfig, tokenizer, vocab_size: int, max_posi
         lengths = sample_lengths(workload.prompt_len, n, rng, cap=max_position // 2)
         prompts = [rng.integers(3, vocab_size, k).tolist() for k in lengths]
     prompts = [p[: max_position - o - 1] for p, o in zip(prompts, outputs, strict=True)]
-    if workload.arrival == "poisson":
-        arrivals = np.cumsum(rng.exponential(1.0 / workload.rate, n)) - 0.0
-        arrivals -= arrivals[0]  # the first request arrives at once
-    else:
-        arrivals = np.zeros(n)
+    arrivals = _arrivals(workload, rng)
     return [Request(f"req-{i}", float(arrivals[i]), prompts[i], outputs[i]) for i in range(n)]

@@ -33,6 +33,7 @@ class SimRequest:
     done: float | None = None
     computed: int = 0  # prompt tokens whose KV exists
     generated: int = 0  # output tokens sampled
+    token_times: list = field(default_factory=list)
 
     @property
     def ttft(self) -> float:
@@ -183,12 +184,14 @@ def _run(front, back, requests, first_token_on, layerwise=True) -> list[SimReque
                 if what == "prefill_done":
                     if not disagg:
                         r.first_token, r.generated = end, 1
+                        r.token_times.append(end)
                         _maybe_finish(inst, r, end)
                         continue
                     inst.running.remove(r)
                     inst.kv_used -= r.prompt + r.output
                     if first_token_on == "prefill":
                         r.first_token, r.generated = end, 1
+                        r.token_times.append(end)
                     if r.generated >= r.output:
                         r.done = end
                         continue
@@ -200,6 +203,7 @@ def _run(front, back, requests, first_token_on, layerwise=True) -> list[SimReque
                     push(end + x, "land", (target, r))
                 else:  # a token
                     r.generated += 1
+                    r.token_times.append(end)
                     if r.first_token is None:
                         r.first_token = end
                     _maybe_finish(inst, r, end)

@@ -1,0 +1,131 @@
+"""python -m experiments.sim.run: simulate deployments on a workload, write the real runs' results.json.
+
+Composes conf/sim.yaml (deployment/, workload/, slo/ as the real runs; hardware/ presets; a sim model
+preset; efficiency factors). Each deployment's instances get TP-sized GPUs: colocated workers, prefill
+and decode workers alike. Simulated times become the same per-request rows, summaries and plots as
+measured ones (experiments/metrics.py), so the two can be read side by side.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from experiments.config import (
+    DeploymentConfig,
+    LengthDist,
+    ModelSpec,
+    RunConfig,
+    SloConfig,
+    WorkloadConfig,
+    _dataclass,
+)
+from experiments.driver import DeploymentRun
+from experiments.sim.cost import CostModel, Efficiency
+from experiments.sim.hardware import hardware
+from experiments.sim.models import sim_model
+from experiments.sim.simulate import Instance, SimRequest, simulate_colocated, simulate_disaggregated
+from experiments.worker import Result
+from experiments.workload import Request, draw
+from transfer.config import TransferConfig
+
+MAX_POSITION = 1 << 20
+
+
+def simulate_deployment(
+    d: DeploymentConfig,
+    workload: WorkloadConfig,
+    model,
+    hw,
+    eff: Efficiency,
+    first_token_on: str = "prefill",
+    layerwise: bool = True,
+    chunked: bool = True,
+) -> DeploymentRun:
+    arrivals, prompts, outputs = draw(workload, MAX_POSITION)
+    reqs = [SimRequest(i, float(arrivals[i]), prompts[i], outputs[i]) for i in range(len(prompts))]
+
+    def inst(tp: int, chunk: bool) -> Instance:
+        return Instance(CostModel(model, hw, tp, eff), budget=d.chunk_size, chunked=chunk)
+
+    if d.kind == "colocated":
+        simulate_colocated([inst(d.tp, chunked) for _ in range(d.num_workers)], reqs)
+    else:
+        prefill = [inst(d.prefill_tp, False) for _ in range(d.num_prefill)]
+        decode = [inst(d.decode_tp, True) for _ in range(d.num_decode)]
+        simulate_disaggregated(prefill, decode, reqs, layerwise=layerwise, first_token_on=first_token_on)
+    run = DeploymentRun(d, [Request(f"req-{r.rid}", r.arrival, range(r.prompt), r.output) for r in reqs])
+    run.start, run.end = 0.0, max((r.done or r.arrival) for r in reqs)
+    for r in reqs:
+        rid = f"req-{r.rid}"
+        run.sent[rid] = r.arrival
+        error = None if r.done is not None else "not finished in the simulation"
+        remote = d.kind == "disaggregated"
+        run.results[rid] = Result(
+            rid, "sim", [0] * r.generated, r.arrival, None, r.token_times, "length" if not error else "error",
+            error, prefill="remote" if remote else "local",
+            transfer_bytes=r.prompt * model.kv_bytes_per_token() if remote else 0,
+        )  # fmt: skip
+    return run
+
+
+def run_sim(cfg: DictConfig, out_dir: Path) -> list[dict]:
+    from experiments import metrics, plots
+
+    c = OmegaConf.to_container(cfg, resolve=True)
+    model, hw = sim_model(c["sim_model"]), hardware(c["hardware"]["name"])
+    eff = _dataclass(Efficiency, "efficiency", c.get("efficiency"))
+    if c.get("first_token_on") not in ("prefill", "decode"):
+        raise ValueError(
+            f"first_token_on={c.get('first_token_on')!r} is not allowed: one of ('prefill', 'decode')"
+        )
+    deployments = tuple(
+        _dataclass(DeploymentConfig, "deployment", d) for d in (c.get("deployments") or [c["deployment"]])
+    )
+    w = dict(c["workload"])
+    for key in ("prompt_len", "output_len"):
+        w[key] = _dataclass(LengthDist, f"workload.{key}", w[key])
+    workload = _dataclass(WorkloadConfig, "workload", w)
+    if workload.arrival != "poisson" or workload.prompts_file:
+        raise ValueError("the simulator needs workload.arrival=poisson and random prompts (no prompts_file)")
+    slo = _dataclass(SloConfig, "slo", c.get("slo"))
+    config = RunConfig(
+        ModelSpec(model.name), deployments, workload, slo, TransferConfig(), plots=bool(c.get("plots"))
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    rates = list((c.get("goodput_search") or {}).get("rates") or []) or [workload.rate]
+    records = []
+    for rate in rates:
+        run_config = replace(config, workload=replace(workload, rate=rate))
+        for d in deployments:
+            run = simulate_deployment(
+                d, run_config.workload, model, hw, eff, c["first_token_on"], c.get("layerwise", True),
+                c.get("chunked_prefill", True),
+            )  # fmt: skip
+            records.append(metrics.run_record(run, run_config, rate))
+    path = metrics.write_results(out_dir, config, records)
+    print(f"\nsimulated: {model.name} on {hw.name} ({hw.source} figures)\n")
+    print(metrics.table(records))
+    if config.plots:
+        plots.all_plots(records, records[0]["summary"]["slo"], out_dir)
+    print(f"\nrun folder: {out_dir} ({path.name}, CSVs, plots)")
+    return records
+
+
+@hydra.main(version_base=None, config_path="../../conf", config_name="sim")
+def main(cfg: DictConfig) -> None:
+    try:
+        run_sim(cfg, Path(HydraConfig.get().runtime.output_dir))
+    except ValueError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

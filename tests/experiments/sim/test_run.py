@@ -1,0 +1,44 @@
+"""The simulator's hydra entry writes the real runs' results.json schema."""
+
+import json
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from experiments.sim.run import run_sim
+
+CONF = str(Path(__file__).resolve().parents[3] / "conf")
+
+
+def _cfg(overrides):
+    with initialize_config_dir(config_dir=CONF, version_base=None):
+        return compose("sim", overrides=overrides)
+
+
+def test_simulated_runs_write_the_same_results_schema_as_real_ones(tmp_path):
+    overrides = ["sim_model=llama-3-8b", "hardware=h100", "workload.num_requests=300", "workload.rate=4"]
+    overrides += ["plots=false", "goodput_search.rates=[2,8]"]
+    overrides += [
+        "deployments=[{name: colocated, kind: colocated, num_workers: 2},{name: 1p1d, kind: disaggregated, num_prefill: 1, num_decode: 1}]"
+    ]  # noqa: E501
+    records = run_sim(_cfg(overrides), tmp_path)
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["schema"] == "pdkernels.results/1" and len(saved["runs"]) == 4
+    run = saved["runs"][0]
+    assert set(run) >= {"deployment", "rate", "summary", "requests", "events"}
+    assert set(run["summary"]) >= {"ttft_s", "tpot_s", "itl_s", "e2e_s", "attainment_pct", "goodput_rps"}
+    assert all(r["summary"]["completed"] == 300 for r in records)
+    one = run["requests"][0]
+    assert one["prompt_tokens"] == 128 and one["output_tokens"] == 32 and one["ttft_s"] > 0
+    disagg = [r for r in records if r["deployment"] == "1p1d"]
+    assert all(
+        r["summary"]["transfer_bytes"] == 300 * 128 * 131072 for r in disagg
+    )  # Llama-3-8B: 128 KiB/token
+
+
+def test_the_simulator_refuses_what_it_cannot_model(tmp_path):
+    with pytest.raises(ValueError, match="needs workload.arrival=poisson"):
+        run_sim(_cfg(["workload.arrival=concurrency"]), tmp_path)
+    with pytest.raises(ValueError, match="sim model must be one of"):
+        run_sim(_cfg(["sim_model=gpt-5"]), tmp_path)
