@@ -20,8 +20,9 @@ def test_simulated_runs_write_the_same_results_schema_as_real_ones(tmp_path):
     overrides = ["sim_model=llama-3-8b", "hardware=h100", "workload.num_requests=300", "workload.rate=4"]
     overrides += ["plots=false", "goodput_search.rates=[2,8]"]
     overrides += [
-        "deployments=[{name: colocated, kind: colocated, num_workers: 2},{name: 1p1d, kind: disaggregated, num_prefill: 1, num_decode: 1}]"
-    ]  # noqa: E501
+        "deployments=[{name: colocated, kind: colocated, num_workers: 2},"
+        "{name: 1p1d, kind: disaggregated, num_prefill: 1, num_decode: 1}]"
+    ]
     records = run_sim(_cfg(overrides), tmp_path)
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["schema"] == "pdkernels.results/1" and len(saved["runs"]) == 4
