@@ -27,7 +27,7 @@ from experiments.config import (
 )
 from experiments.driver import DeploymentRun
 from experiments.sim.cost import CostModel, Efficiency
-from experiments.sim.hardware import hardware
+from experiments.sim.hardware import Hardware, hardware
 from experiments.sim.models import sim_model
 from experiments.sim.simulate import Instance, SimRequest, simulate_colocated, simulate_disaggregated
 from experiments.worker import Result
@@ -35,6 +35,11 @@ from experiments.workload import Request, draw
 from transfer.config import TransferConfig
 
 MAX_POSITION = 1 << 20
+
+
+def hardware_of(cfg: dict) -> Hardware:
+    """conf/hardware/: a preset by name, or a machine's measured figures in full."""
+    return hardware(cfg["name"]) if set(cfg) == {"name"} else _dataclass(Hardware, "hardware", cfg)
 
 
 def simulate_deployment(
@@ -78,7 +83,7 @@ def run_sim(cfg: DictConfig, out_dir: Path) -> list[dict]:
     from experiments import metrics, plots
 
     c = OmegaConf.to_container(cfg, resolve=True)
-    model, hw = sim_model(c["sim_model"]), hardware(c["hardware"]["name"])
+    model, hw = sim_model(c["sim_model"]), hardware_of(c["hardware"])
     eff = _dataclass(Efficiency, "efficiency", c.get("efficiency"))
     if c.get("first_token_on") not in ("prefill", "decode"):
         raise ValueError(

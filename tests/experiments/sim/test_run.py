@@ -43,3 +43,31 @@ def test_the_simulator_refuses_what_it_cannot_model(tmp_path):
         run_sim(_cfg(["workload.arrival=concurrency"]), tmp_path)
     with pytest.raises(ValueError, match="sim model must be one of"):
         run_sim(_cfg(["sim_model=gpt-5"]), tmp_path)
+
+
+def test_compare_real_against_a_simulated_run_of_the_same_config_shows_no_error(tmp_path, capsys):
+    """The comparison's plumbing: simulate with the measured-CPU preset, then compare that run folder
+    with the simulator on the same settings: every latency must agree."""
+    from experiments.sim import compare_real
+
+    overrides = [
+        "sim_model=smollm2-135m",
+        "hardware=cpu-this-machine",
+        "first_token_on=decode",
+        "plots=false",
+    ]
+    overrides += ["efficiency.linear=0.75", "efficiency.attention=0.75", "efficiency.memory=0.2"]
+    overrides += [
+        "efficiency.step_overhead_s=0.0009",
+        "workload.num_requests=30",
+        "goodput_search.rates=[0.5,2]",
+    ]
+    overrides += [
+        "deployments=[{name: colocated, kind: colocated, num_workers: 2},"
+        "{name: 1p1d, kind: disaggregated, num_prefill: 1, num_decode: 1}]"
+    ]
+    run_sim(_cfg(overrides), tmp_path)
+    capsys.readouterr()
+    assert compare_real.main([str(tmp_path / "results.json")]) == 0
+    out = capsys.readouterr().out
+    assert "mean |error| 0%, worst 0%" in out and out.count("TTFT p90") == 4
