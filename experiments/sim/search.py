@@ -1,7 +1,8 @@
 """Placement search: for a GPU budget and SLOs, the xPyD ratio and TP per side with the highest goodput
 per GPU (colocated placements compete too).
 
-    python -m experiments.sim.search --model llama-3-8b --hardware h100 --gpus 8 --prompt 512 --output 64
+    python -m experiments.sim.search sim_model=llama-3-8b hardware=h100 gpus=8 prompt=512 output=64
+    python -m experiments.sim.search -m gpus=4,8 hardware=h100,h200      # a sweep: one search.json each
 
 Goodput of a placement is the highest Poisson rate whose SLO attainment meets the target (bisection;
 attainment falls as the rate grows), divided by the GPUs it uses.
@@ -9,13 +10,16 @@ attainment falls as the rate grows), divided by the GPUs it uses.
 
 from __future__ import annotations
 
-import argparse
+import json
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
 
 from experiments.sim.cost import CostModel, Efficiency
-from experiments.sim.hardware import hardware
 from experiments.sim.models import sim_model
 from experiments.sim.simulate import (
     Instance,
@@ -96,29 +100,41 @@ def search(make_cost: Callable[[int], CostModel], gpus: int, tps=(1, 2, 4, 8), p
     return sorted(scored, key=lambda s: -s[0])
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="llama-3-8b")
-    ap.add_argument("--hardware", default="h100")
-    ap.add_argument("--gpus", type=int, default=4)
-    ap.add_argument("--prompt", type=int, default=512)
-    ap.add_argument("--output", type=int, default=64)
-    ap.add_argument("--ttft", type=float, default=0.4)
-    ap.add_argument("--tpot", type=float, default=0.04)
-    ap.add_argument("--requests", type=int, default=500)
-    ap.add_argument("--top", type=int, default=5)
-    args = ap.parse_args(argv)
-    model, hw = sim_model(args.model), hardware(args.hardware)
+def run_search(cfg, out_dir: Path) -> list[tuple[float, Placement]]:
+    from omegaconf import OmegaConf
+
+    from experiments.config import SloConfig, _dataclass
+    from experiments.sim.run import hardware_of
+
+    c = OmegaConf.to_container(cfg, resolve=True)
+    model, hw = sim_model(c["sim_model"]), hardware_of(c["hardware"])
+    eff = _dataclass(Efficiency, "efficiency", c["efficiency"])
+    slo = _dataclass(SloConfig, "slo", c["slo"])
+    for key in ("gpus", "prompt", "output", "requests"):
+        if not (isinstance(c[key], int) and c[key] > 0):
+            raise ValueError(f"{key}={c[key]!r} is not allowed: must be an integer > 0")
     best = search(
-        lambda tp: CostModel(model, hw, tp, Efficiency()), args.gpus, prompt=args.prompt, output=args.output,
-        ttft=args.ttft, tpot=args.tpot, n=args.requests,
+        lambda tp: CostModel(model, hw, tp, eff), c["gpus"], tuple(c["tps"]), c["prompt"], c["output"],
+        slo.ttft_s, slo.tpot_s, slo.attainment, c["requests"],
     )  # fmt: skip
-    print(f"{model.name} on up to {args.gpus} x {hw.name}, {args.prompt} in / {args.output} out, "
-          f"SLO P90 TTFT {args.ttft} s, TPOT {args.tpot} s")  # fmt: skip
-    for goodput, p in best[: args.top]:
+    print(f"{model.name} on up to {c['gpus']} x {hw.name}, {c['prompt']} in / {c['output']} out, "
+          f"SLO P90 TTFT {slo.ttft_s} s, TPOT {slo.tpot_s} s")  # fmt: skip
+    for goodput, p in best[: c["top"]]:
         print(f"{goodput:8.2f} req/s per GPU  {p}  ({p.gpus} GPUs)")
-    return 0
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = [{"goodput_per_gpu": g, "placement": str(p), **asdict(p), "gpus": p.gpus} for g, p in best]
+    (out_dir / "search.json").write_text(json.dumps({"config": c, "placements": rows}, indent=1))
+    return best
+
+
+@hydra.main(version_base=None, config_path="../../conf", config_name="search")
+def main(cfg) -> None:
+    try:
+        run_search(cfg, Path(HydraConfig.get().runtime.output_dir))
+    except ValueError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -43,3 +43,32 @@ def test_a_tight_tpot_slo_favours_disaggregation():
     assert top == Placement("disaggregated", 1, 1, 1, 1) and top_goodput > 0
     (colocated,) = [g for g, p in best if p.kind == "colocated"]
     assert top_goodput > 2 * colocated
+
+
+def test_the_search_runs_as_a_hydra_sweep(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    args = [
+        "-m",
+        "gpus=1,2",
+        "tps=[1]",
+        "requests=100",
+        "sim_model=smollm2-135m",
+        f"hydra.sweep.dir={tmp_path}",
+    ]
+    out = subprocess.run(
+        [sys.executable, "-m", "experiments.sim.search", *args], capture_output=True, text=True, cwd=root,
+        env=dict(os.environ, PYTHONPATH=str(root)), timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    found = {f: json.loads((tmp_path / f / "search.json").read_text()) for f in ("0", "1")}
+    assert found["0"]["config"]["gpus"] == 1 and found["1"]["config"]["gpus"] == 2
+    assert [p["placement"] for p in found["0"]["placements"]] == ["1x colocated TP1"]  # one GPU: nothing else
+    assert len(found["1"]["placements"]) == 2 and all(
+        p["goodput_per_gpu"] > 0 for p in found["1"]["placements"]
+    )
