@@ -150,6 +150,21 @@ class RunConfig:
         return asdict(self)
 
 
+def run_job(fn, cfg) -> None:
+    """Run fn(cfg, the hydra job's output folder); a bad config (ValueError) exits 2 with its message
+    and no traceback. Every hydra entry point (experiments.run, sim.run, sim.search) goes through it."""
+    import sys
+    from pathlib import Path
+
+    from hydra.core.hydra_config import HydraConfig
+
+    try:
+        fn(cfg, Path(HydraConfig.get().runtime.output_dir))
+    except ValueError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
 def _dataclass(cls, key: str, values) -> object:
     values = dict(values or {})
     known = set(cls.__dataclass_fields__)

@@ -9,15 +9,13 @@ per run, plots, and the side-by-side table on stdout.
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import hydra
-from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.config import check_fits_model, from_cfg
+from experiments.config import check_fits_model, from_cfg, run_job
 
 
 def run(cfg: DictConfig, out_dir: Path, progress: bool = True, hooks=None) -> list[dict]:
@@ -59,11 +57,7 @@ def run(cfg: DictConfig, out_dir: Path, progress: bool = True, hooks=None) -> li
 
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    try:
-        run(cfg, Path(HydraConfig.get().runtime.output_dir))
-    except ValueError as e:  # a bad config: say what is wrong, no traceback
-        print(f"config error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run_job(run, cfg)
 
 
 if __name__ == "__main__":

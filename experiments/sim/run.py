@@ -8,12 +8,10 @@ measured ones (experiments/metrics.py), so the two can be read side by side.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import hydra
-from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.config import (
@@ -24,6 +22,7 @@ from experiments.config import (
     SloConfig,
     WorkloadConfig,
     _dataclass,
+    run_job,
 )
 from experiments.driver import DeploymentRun
 from experiments.sim.cost import CostModel, Efficiency
@@ -125,11 +124,7 @@ def run_sim(cfg: DictConfig, out_dir: Path) -> list[dict]:
 
 @hydra.main(version_base=None, config_path="../../conf", config_name="sim")
 def main(cfg: DictConfig) -> None:
-    try:
-        run_sim(cfg, Path(HydraConfig.get().runtime.output_dir))
-    except ValueError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run_job(run_sim, cfg)
 
 
 if __name__ == "__main__":

@@ -11,14 +11,13 @@ attainment falls as the rate grows), divided by the GPUs it uses.
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import hydra
-from hydra.core.hydra_config import HydraConfig
 
+from experiments.config import SloConfig, _dataclass, run_job
 from experiments.sim.cost import CostModel, Efficiency
 from experiments.sim.models import sim_model
 from experiments.sim.simulate import (
@@ -103,7 +102,6 @@ def search(make_cost: Callable[[int], CostModel], gpus: int, tps=(1, 2, 4, 8), p
 def run_search(cfg, out_dir: Path) -> list[tuple[float, Placement]]:
     from omegaconf import OmegaConf
 
-    from experiments.config import SloConfig, _dataclass
     from experiments.sim.run import hardware_of
 
     c = OmegaConf.to_container(cfg, resolve=True)
@@ -129,11 +127,7 @@ def run_search(cfg, out_dir: Path) -> list[tuple[float, Placement]]:
 
 @hydra.main(version_base=None, config_path="../../conf", config_name="search")
 def main(cfg) -> None:
-    try:
-        run_search(cfg, Path(HydraConfig.get().runtime.output_dir))
-    except ValueError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run_job(run_search, cfg)
 
 
 if __name__ == "__main__":
