@@ -17,8 +17,8 @@ from pathlib import Path
 
 import yaml
 
-from experiments.config import DeploymentConfig, LengthDist, WorkloadConfig
-from experiments.metrics import percentiles
+from experiments.config import DeploymentConfig, LengthDist, SloConfig, WorkloadConfig
+from experiments.metrics import request_rows, summarize
 from experiments.sim.cost import Efficiency
 from experiments.sim.models import sim_model
 from experiments.sim.run import hardware_of, simulate_deployment
@@ -42,6 +42,7 @@ def main(argv=None) -> int:
     w = dict(cfg["workload"])
     w["prompt_len"], w["output_len"] = LengthDist(**w["prompt_len"]), LengthDist(**w["output_len"])
     deployments = {d["name"]: DeploymentConfig(**d) for d in cfg["deployments"]}
+    slo = SloConfig(**cfg["slo"])
     print(f"{model.name} on {hw.name} ({hw.source}); efficiency linear {eff.linear}, memory {eff.memory}, "
           f"overhead {args.overhead_ms} ms")  # fmt: skip
     print(f"{'run':<22}{'metric':<10}{'measured ms':>12}{'sim ms':>9}{'error':>8}")
@@ -50,10 +51,7 @@ def main(argv=None) -> int:
         workload = WorkloadConfig(**{**w, "rate": rec["rate"]})
         d = deployments[rec["deployment"]]
         sim = simulate_deployment(d, workload, model, hw, eff, first_token_on="decode", chunked=True)
-        rows = {r: sim.results[r] for r in sim.results}
-        ttft = [rows[r].token_times[0] - sim.sent[r] for r in rows if rows[r].token_times]
-        tpot = [(t[-1] - t[0]) / (len(t) - 1) for t in (rows[r].token_times for r in rows) if len(t) > 1]
-        simulated = {"ttft_s": percentiles(ttft), "tpot_s": percentiles(tpot)}
+        simulated = summarize(sim, request_rows(sim, slo), slo, rec["rate"])
         for key in ("ttft_s", "tpot_s"):
             for q in ("p50", "p90"):
                 real, ours = rec["summary"][key][q], simulated[key][q]
