@@ -19,31 +19,15 @@ import sys
 from experiments.sim.cost import CostModel, Efficiency
 from experiments.sim.hardware import hardware
 from experiments.sim.models import sim_model
+from experiments.sim.search import max_rate
 from experiments.sim.simulate import (
     Instance,
-    attainment,
-    poisson_requests,
     simulate_colocated,
     simulate_disaggregated,
 )
 
 PAPER = {"colocated": 1.6, "prefill-only": 5.6, "decode-only": 10.0, "2P1D": 3.3}
 TTFT, TPOT, TARGET = 0.4, 0.04, 90.0
-
-
-def max_rate(run, ttft, tpot, n: int, hi: float = 64.0, tol: float = 0.02) -> float:
-    """Highest Poisson rate whose attainment meets TARGET (bisection; attainment falls with rate)."""
-
-    def ok(rate: float) -> bool:
-        reqs = poisson_requests(rate, n, 512, 64, seed=1)
-        run(reqs)
-        return attainment(reqs, ttft, tpot) >= TARGET
-
-    lo = 0.0
-    while hi - lo > tol * max(lo, 0.1):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
-    return lo
 
 
 def main(argv=None) -> int:
@@ -66,11 +50,11 @@ def main(argv=None) -> int:
 
     n = args.requests
     ours = {
-        "colocated": max_rate(lambda r: simulate_colocated([inst()], r), TTFT, TPOT, n),
+        "colocated": max_rate(lambda r: simulate_colocated([inst()], r), n, 512, 64, TTFT, TPOT, TARGET),
         # one prefill GPU judged on TTFT alone; one decode GPU (fed by ample prefill) on TPOT alone
-        "prefill-only": max_rate(disagg(1, 1), TTFT, None, n),
-        "decode-only": max_rate(disagg(8, 1), None, TPOT, n),
-        "2P1D": max_rate(disagg(2, 1), TTFT, TPOT, n) / 3,
+        "prefill-only": max_rate(disagg(1, 1), n, 512, 64, TTFT, None, TARGET),
+        "decode-only": max_rate(disagg(8, 1), n, 512, 64, None, TPOT, TARGET),
+        "2P1D": max_rate(disagg(2, 1), n, 512, 64, TTFT, TPOT, TARGET) / 3,
     }
     print(f"OPT-13B, A100-80GB (datasheet), 512 in / 64 out, SLO P90 TTFT {TTFT} s, TPOT {TPOT} s, n={n}")
     print(f"efficiency: linear {eff.linear}, attention {eff.attention}, memory {eff.memory}")
