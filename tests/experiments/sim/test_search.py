@@ -1,22 +1,9 @@
-from experiments.sim.cost import CostModel
 from experiments.sim.hardware import Hardware
-from experiments.sim.models import SimModel
 from experiments.sim.search import Placement, placements, search
+from tests.experiments.sim.toys import TOY, fixed_steps
 
-TOY = SimModel(
-    "toy", 2, hidden=8, heads=4, kv_heads=4, head_dim=2, intermediate=16, vocab=10, bytes_per_param=1
-)
 HW = Hardware("toy", flops=1e3, hbm_bw=1e2, hbm_bytes=1e9, nvlink_bw=1e9, nic_bw=1e9)
-
-
-class PrefillHeavy(CostModel):
-    """Decode steps take 10 ms whatever the batch; each prefill token adds 1 ms (100 tokens: 0.1 s)."""
-
-    def step_time(self, chunks, decode_kv_lens, sampled=None):
-        return 0.01 + 0.001 * sum(n for n, _ in chunks) if chunks or decode_kv_lens else 0.0
-
-    def decode_time(self, kv_lens):
-        return 0.01
+PrefillHeavy = fixed_steps(0.01, 0.001)  # decode steps 10 ms; a 100-token prompt adds 0.1 s
 
 
 def test_placements_respect_the_budget_and_the_heads():

@@ -6,7 +6,7 @@ import pytest
 
 from experiments.sim.cost import CostModel, Efficiency
 from experiments.sim.hardware import Hardware, hardware
-from experiments.sim.models import SimModel, sim_model
+from experiments.sim.models import sim_model
 from experiments.sim.simulate import (
     Instance,
     SimRequest,
@@ -15,21 +15,10 @@ from experiments.sim.simulate import (
     simulate_colocated,
     simulate_disaggregated,
 )
+from tests.experiments.sim.toys import TOY, fixed_steps
 
-TOY = SimModel(
-    "toy", 2, hidden=8, heads=2, kv_heads=2, head_dim=4, intermediate=16, vocab=10, bytes_per_param=1
-)
 HW = Hardware("toy", flops=1e3, hbm_bw=1e2, hbm_bytes=1e9, nvlink_bw=10, nic_bw=5)
-
-
-class Steps(CostModel):
-    """A step takes 1 s plus 0.1 s per prefill token; decode steps take 1 s whatever the batch."""
-
-    def step_time(self, chunks, decode_kv_lens, sampled=None):
-        return 1.0 + 0.1 * sum(n for n, _ in chunks) if chunks or decode_kv_lens else 0.0
-
-    def decode_time(self, kv_lens):
-        return 1.0
+Steps = fixed_steps(1.0, 0.1)  # a step takes 1 s plus 0.1 s per prefill token; decode steps 1 s
 
 
 def _cost():
