@@ -1,30 +1,37 @@
 """Fit the cost model's efficiency factors to step times measured on the real engine here.
 
     python -m experiments.sim.calibrate [--model smollm2-135m] [--threads 1]
+    python -m experiments.sim.calibrate --from-run RUN/results.json [--hardware cpu-this-machine]
 
 1. Measure this machine as the cost model sees a device, with the worker's thread count: bf16 matmul
    FLOP/s and memory copy bandwidth (a Hardware preset with source "measured here").
 2. Time real forward passes of the engine: prefills of several prompt lengths and decode steps of
-   several batch sizes (best of a few).
+   several batch sizes (best of a few). Or, with --from-run, take the steps a real serving run timed
+   inside its workers (results.json "timelines": the same model, workload and deployment, with the
+   worker loop, the messenger's thread and the other processes around it), the median of each shape.
 3. Fit linear/attention efficiency, memory efficiency and a fixed per-step overhead by least squares on
    the relative error (a grid; the roofline's max() rules out a closed form), and print each point's
-   measured and fitted time.
-The fitted factors go into conf/sim.yaml's `efficiency` (with `hardware` set to this machine's preset)
-to simulate the real deployments.
+   measured and fitted time. From a run with a disaggregated deployment, also the hand-off: how long a
+   request takes from arriving to its prefill starting on the prefill worker (the decode worker and the
+   messenger's PrefillRequest in between), the median over its requests.
+The fitted factors go into conf/sim.yaml's `efficiency` (with `hardware` set to this machine's preset),
+the hand-off into `handoff_s`, to simulate the real deployments.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from experiments.sim.cost import CostModel, Efficiency
-from experiments.sim.hardware import Hardware
+from experiments.sim.hardware import Hardware, load_hardware
 from experiments.sim.models import sim_model
 
 
@@ -34,31 +41,129 @@ class Point:
     size: int  # prompt tokens, or decode batch size
     kv: int  # decode: KV length per sequence
     seconds: float
+    decode: int = 0  # prefill: decode sequences in the same step (a mixed step)
+
+    @property
+    def seqs(self) -> int:
+        """Sequences in the step."""
+        return 1 + self.decode if self.kind == "prefill" else self.size
+
+    def label(self) -> str:
+        if self.kind == "prefill":
+            return f"prefill {self.size}" + (f" + decode {self.decode}" if self.decode else "")
+        return f"decode {self.size} x kv {self.kv}"
 
 
 def predict(cost: CostModel, p: Point) -> float:
     if p.kind == "prefill":
-        return cost.prefill_time([p.size])
+        return cost.step_time([(p.size, 0)], [p.kv] * p.decode, sampled=1 + p.decode)
     return cost.decode_time([p.kv] * p.size)
+
+
+def points_from_run(saved: dict, roles=("colocated", "decode", "prefill")) -> tuple[list[Point], list[str]]:
+    """The steps a real run's TP-1 workers of the given roles timed, grouped by shape (prefill tokens,
+    decode batch), the median of each; decode KV length is the requests' mean prompt plus half their
+    mean output. Returns the points and what was left out."""
+    reqs = [r for rec in saved["runs"] for r in rec["requests"]]
+    kv = int(np.mean([r["prompt_tokens"] + r["output_tokens"] / 2 for r in reqs]))
+    deployments = {d["name"]: d for d in saved["config"]["deployments"]}
+    shapes: dict[tuple[int, int], list[float]] = {}
+    skipped = []
+    for rec in saved["runs"]:
+        d = deployments[rec["deployment"]]
+        for t in rec["timelines"]:
+            if t["role"] not in roles:
+                continue
+            tp = d["tp"] if t["role"] == "colocated" else d[f"{t['role']}_tp"]
+            if tp != 1:
+                skipped.append(f"{rec['deployment']}/{t['name']} (TP {tp})")
+                continue
+            for start, end, prefill, decode in t["steps"]:
+                shapes.setdefault((prefill, decode), []).append(end - start)
+    points = []
+    for (prefill, decode), secs in sorted(shapes.items()):
+        med = float(np.median(secs))
+        if prefill:
+            points.append(Point("prefill", prefill, kv, med, decode=decode))
+        else:
+            points.append(Point("decode", decode, kv, med))
+    return points, skipped
+
+
+def calibrate_from_run(saved: dict, hw: Hardware) -> dict:
+    """Fit the efficiency to the colocated and decode workers' steps; then how much longer the prefill
+    workers' steps take than that model says (median ratio: on a CPU the messenger's thread and the
+    NIXL posts share the prefill worker's core); and the hand-off."""
+    model = sim_model(saved["config"]["model"]["name"])
+    points, skipped = points_from_run(saved, roles=("colocated", "decode"))
+    if not points:
+        raise ValueError(f"no steps of TP-1 colocated or decode workers to fit (left out: {skipped})")
+    eff, err = fit(model, hw, points)
+    cost = CostModel(model, hw, 1, eff)
+    prefill_points, more = points_from_run(saved, roles=("prefill",))
+    ratios = [p.seconds / predict(cost, p) for p in prefill_points]
+    return {
+        "model": model,
+        "efficiency": eff,
+        "rms": err**0.5,
+        "points": points,
+        "prefill_points": prefill_points,
+        "prefill_slowdown": float(np.median(ratios)) if ratios else 1.0,
+        "handoff_s": handoff_from_run(saved),
+        "skipped": skipped + more,
+    }
+
+
+def handoff_from_run(saved: dict) -> float | None:
+    """Median time from a remotely prefilled request's arrival to the start of the first step of its
+    prefill worker at or after it (exact when requests do not overlap, as under concurrency 1)."""
+    gaps = []
+    for rec in saved["runs"]:
+        steps = {
+            t["name"]: sorted(s[0] for s in t["steps"] if s[2] > 0)
+            for t in rec["timelines"]
+            if t["role"] == "prefill"
+        }
+        for r in rec["requests"]:
+            starts = steps.get(r.get("prefill_worker") or "", [])
+            later = [s for s in starts if s >= r["arrival_s"]]
+            if r["prefill"] == "remote" and later:
+                gaps.append(later[0] - r["arrival_s"])
+    return float(np.median(gaps)) if gaps else None
 
 
 def fit(model, hw: Hardware, points: list[Point], tp: int = 1) -> tuple[Efficiency, float]:
     """Efficiency minimising the mean squared relative error over points; returns it and that error.
 
-    A grid over the linear (= attention) and memory efficiencies; for each, the best step overhead has
-    a closed form: minimising sum(((pred + oh - meas) / meas)^2) gives oh = sum((meas - pred) / meas^2)
-    / sum(1 / meas^2), kept >= 0."""
+    A grid over the linear (= attention) and memory efficiencies; for each, the best step overhead a and
+    per-sequence overhead b are a weighted linear least squares (weights 1 / measured^2, the relative
+    error): minimise sum(((pred + a + b x seqs - meas) / meas)^2) with a, b >= 0."""
     meas = np.array([p.seconds for p in points])
-    w = 1 / meas**2
+    seqs = np.array([p.seqs for p in points], dtype=float)
+    sw = 1 / meas
     best = (np.inf, None)
     for lin, mem in itertools.product(np.linspace(0.05, 1.0, 20), np.linspace(0.05, 1.0, 20)):
         base = Efficiency(linear=float(lin), attention=float(lin), memory=float(mem))
         preds = np.array([predict(CostModel(model, hw, tp, base), p) for p in points])
-        oh = max(0.0, float(np.sum((meas - preds) * w) / np.sum(w)))
-        err = float(np.mean((preds + oh - meas) ** 2 * w))
+        a, b = _overheads(meas - preds, seqs, sw)
+        err = float(np.mean(((preds + a + b * seqs - meas) * sw) ** 2))
         if err < best[0]:
-            best = (err, Efficiency(float(lin), float(lin), float(mem), step_overhead_s=oh))
+            best = (err, Efficiency(float(lin), float(lin), float(mem), step_overhead_s=a, seq_overhead_s=b))
     return best[1], best[0]
+
+
+def _overheads(resid: np.ndarray, seqs: np.ndarray, sw: np.ndarray) -> tuple[float, float]:
+    """Non-negative (a, b) minimising sum(((a + b x seqs - resid) x sw)^2): the unconstrained solution
+    if both are >= 0, else the better of a alone and b alone (each clamped at 0)."""
+    cols = np.stack([sw, seqs * sw], axis=1)
+    (a, b), *_ = np.linalg.lstsq(cols, resid * sw, rcond=None)
+    if a >= 0 and b >= 0:
+        return float(a), float(b)
+    only_a = max(0.0, float(np.sum(resid * sw**2) / np.sum(sw**2)))
+    only_b = max(0.0, float(np.sum(resid * seqs * sw**2) / np.sum((seqs * sw) ** 2)))
+    cost_a = np.sum(((only_a - resid) * sw) ** 2)
+    cost_b = np.sum(((only_b * seqs - resid) * sw) ** 2)
+    return (only_a, 0.0) if cost_a <= cost_b else (0.0, only_b)
 
 
 def measure_hardware(threads: int) -> Hardware:
@@ -124,25 +229,44 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--from-run", type=Path, help="a real run's results.json: fit its workers' steps")
+    ap.add_argument("--hardware", default="cpu-this-machine", help="with --from-run: a conf/hardware/ file")
     args = ap.parse_args(argv)
-    hw = measure_hardware(args.threads)
-    print(
-        f"this machine, {args.threads} thread(s): {hw.flops / 1e9:.0f} GFLOP/s bf16 matmul, "
-        f"{hw.hbm_bw / 1e9:.1f} GB/s copy"
-    )
-    points = measure_engine(args.model, args.threads)
-    model = sim_model(args.model)
-    eff, err = fit(model, hw, points)
+    if args.from_run:
+        hw = load_hardware(args.hardware)
+        cal = calibrate_from_run(json.loads(args.from_run.read_text()), hw)
+        model, eff, err, points = cal["model"], cal["efficiency"], cal["rms"] ** 2, cal["points"]
+        print(f"{args.from_run}: {len(points)} step shapes of colocated and decode workers"
+              + (f" (left out: {', '.join(cal['skipped'])})" if cal["skipped"] else ""))  # fmt: skip
+    else:
+        hw = measure_hardware(args.threads)
+        print(
+            f"this machine, {args.threads} thread(s): {hw.flops / 1e9:.0f} GFLOP/s bf16 matmul, "
+            f"{hw.hbm_bw / 1e9:.1f} GB/s copy"
+        )
+        points = measure_engine(args.model, args.threads)
+        model = sim_model(args.model)
+        eff, err = fit(model, hw, points)
     print(
         f"fitted: linear/attention {eff.linear:.2f}, memory {eff.memory:.2f}, step overhead "
-        f"{1e3 * eff.step_overhead_s:.1f} ms (rms relative error {100 * err**0.5:.1f}%)"
+        f"{1e3 * eff.step_overhead_s:.1f} ms, per-sequence overhead {1e3 * eff.seq_overhead_s:.2f} ms "
+        f"(rms relative error {100 * err**0.5:.1f}%)"
     )
     cost = CostModel(model, hw, 1, eff)
-    print(f"{'step':<16}{'measured ms':>12}{'model ms':>10}{'error':>8}")
+    print(f"{'step':<26}{'measured ms':>12}{'model ms':>10}{'error':>8}")
     for p in points:
         pred = predict(cost, p)
-        label = f"{p.kind} {p.size}" + (f" x kv {p.kv}" if p.kind == "decode" else "")
-        print(f"{label:<16}{1e3 * p.seconds:>12.1f}{1e3 * pred:>10.1f}{100 * (pred / p.seconds - 1):>7.0f}%")
+        print(
+            f"{p.label():<26}{1e3 * p.seconds:>12.1f}{1e3 * pred:>10.1f}{100 * (pred / p.seconds - 1):>7.0f}%"
+        )
+    if args.from_run:
+        for p in cal["prefill_points"]:
+            print(f"prefill worker: {p.label():<18}{1e3 * p.seconds:>10.1f} ms measured, "
+                  f"{1e3 * predict(cost, p):.1f} ms modelled")  # fmt: skip
+        print(f"prefill worker slowdown (median measured / modelled): {cal['prefill_slowdown']:.2f}")
+        if cal["handoff_s"] is not None:
+            print(f"hand-off (arrival -> its prefill starts on the prefill worker), median: "
+                  f"{1e3 * cal['handoff_s']:.1f} ms")  # fmt: skip
     return 0
 
 

@@ -8,6 +8,14 @@ Each op class of a step takes max(FLOPs / (peak x efficiency), bytes / (HBM band
 - LM head: only for the tokens that sample;
 - TP communication: two ring all-reduces of the step's activations per layer over NVLink.
 Everything divides over TP ranks (weights, heads, KV; replicated MLA latents do not shrink with TP).
+
+An instance may also run attention data-parallel (dp > 1, as SGLang's and vLLM's DP attention for
+DeepSeek): its tp x dp ranks each hold their own sequences and KV, the attention side (projections,
+dense layers, LM head) is replicated over the dp groups, and the routed and shared experts are spread
+over all ranks (expert parallel), with an all-to-all dispatch and combine of each MoE layer's tokens over
+NVLink (bandwidth only; no latency term, no expert load imbalance). A step's time is one rank's, the
+batch split evenly over the dp groups.
+
 The efficiency factors (fractions of peak) are what calibration fits; the defaults are round guesses.
 """
 
@@ -27,13 +35,15 @@ class Efficiency:
     memory: float = 0.8  # of HBM bandwidth reached by memory-bound kernels
     comm: float = 0.7  # of NVLink / NIC bandwidth reached by collectives and transfers
     step_overhead_s: float = 0.0  # fixed cost per step (launches, scheduling)
+    seq_overhead_s: float = 0.0  # fixed cost per sequence in a step (per-sequence work outside the roofline)
 
     def __post_init__(self):
         for key in ("linear", "attention", "memory", "comm"):
             if not 0 < getattr(self, key) <= 1:
                 raise ValueError(f"efficiency.{key} must be in (0, 1], got {getattr(self, key)!r}")
-        if self.step_overhead_s < 0:
-            raise ValueError(f"efficiency.step_overhead_s must be >= 0, got {self.step_overhead_s!r}")
+        for key in ("step_overhead_s", "seq_overhead_s"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"efficiency.{key} must be >= 0, got {getattr(self, key)!r}")
 
 
 def _roof(flops: float, nbytes: float, hw: Hardware, eff_flops: float, eff: Efficiency) -> float:
@@ -46,10 +56,17 @@ class CostModel:
     hw: Hardware
     tp: int = 1
     eff: Efficiency = Efficiency()
+    dp: int = 1  # attention data-parallel groups (experts expert-parallel over tp x dp ranks)
 
     def __post_init__(self):
         if self.tp < 1 or self.model.heads % self.tp:
             raise ValueError(f"tp={self.tp} must be >= 1 and divide the {self.model.heads} heads")
+        if self.dp < 1:
+            raise ValueError(f"dp={self.dp} must be >= 1")
+
+    @property
+    def ranks(self) -> int:
+        return self.tp * self.dp
 
     # ---- pieces ----------------------------------------------------------------------------------
 
@@ -60,40 +77,49 @@ class CostModel:
         return m.kv_bytes_per_token() / min(self.tp, m.kv_heads)  # fewer kv heads than ranks: one each
 
     @cached_property
-    def _active_params(self) -> int:
-        return sum(self.model.layer_params(i, active=True) for i in range(self.model.layers))
+    def _params(self) -> tuple[float, float, float]:
+        """(attention-side weights, of which active per token, routed+shared experts' active weights
+        per token): the attention side is the projections of every layer and the dense layers' MLPs."""
+        m = self.model
+        total = sum(m.layer_params(i, active=False) for i in range(m.layers))
+        active = sum(m.layer_params(i, active=True) for i in range(m.layers))
+        moe = m.layers - m.dense_layers if m.experts else 0
+        experts_active = moe * self._expert_params(m.active_experts)
+        return total - moe * self._expert_params(m.experts), active - experts_active, experts_active
+
+    def _expert_params(self, routed: float) -> float:
+        """One MoE layer's routed (`routed` of them) and shared experts' weights (0 for dense models)."""
+        m = self.model
+        return (routed + m.shared_experts) * m.mlp_params(m.expert_intermediate) if m.experts else 0.0
+
+    def weights_read(self, tokens: float) -> float:
+        """Bytes of weights a step over `tokens` tokens reads, over all ranks: the attention side, and of
+        each MoE layer the expected distinct routed experts among tokens x active uniform picks."""
+        m = self.model
+        moe = m.layers - m.dense_layers if m.experts else 0
+        touched = m.experts * (1 - (1 - m.active_experts / m.experts) ** tokens) if m.experts else 0
+        return (self._params[0] + moe * self._expert_params(touched)) * m.bytes_per_param
+
+    def weight_bytes_per_rank(self) -> float:
+        """What one rank holds: the attention side and embeddings sharded by TP, experts over all ranks."""
+        m = self.model
+        experts = (m.layers - m.dense_layers) * self._expert_params(m.experts) if m.experts else 0
+        embeddings = (1 if m.tied_embeddings else 2) * m.vocab * m.hidden
+        return ((self._params[0] + embeddings) / self.tp + experts / self.ranks) * m.bytes_per_param
 
     def linear_time(self, tokens: int) -> float:
-        """Projections and MLPs of every layer for `tokens` tokens (weights read once)."""
-        flops = 2 * tokens * self._active_params
-        nbytes = self._weight_bytes(tokens)
-        return _roof(flops / self.tp, nbytes / self.tp, self.hw, self.eff.linear, self.eff)
-
-    def _weight_bytes(self, tokens: int) -> float:
+        """Projections and MLPs of every layer for `tokens` tokens (weights read once). With dp > 1 a
+        rank runs the attention side for its 1/dp of the tokens and its share of every token's experts."""
         m = self.model
-        if not m.experts:
-            return self._dense_weight_bytes
-        moe = m.layers - m.dense_layers
-        dense = m.dense_layers * m.layer_params(0, active=False)
-        return (dense + moe * self._weights_touched(m.layers - 1, tokens)) * m.bytes_per_param
-
-    @cached_property
-    def _dense_weight_bytes(self) -> float:
-        return (
-            sum(self.model.layer_params(i, active=False) for i in range(self.model.layers))
-            * self.model.bytes_per_param
-        )
-
-    def _weights_touched(self, layer: int, tokens: int) -> float:
-        m = self.model
-        if not m.experts or layer < m.dense_layers:
-            return m.layer_params(layer, active=False)
-        # expected distinct routed experts among tokens x active_experts uniform picks
-        distinct = m.experts * (1 - (1 - m.active_experts / m.experts) ** tokens)
-        return m.attn_params() + (distinct + m.shared_experts) * m.mlp_params(m.expert_intermediate)
+        side, side_active, experts_active = self._params
+        experts_read = self.weights_read(tokens) - side * m.bytes_per_param
+        flops = 2 * (tokens / self.dp) * side_active / self.tp + 2 * tokens * experts_active / self.ranks
+        nbytes = side * m.bytes_per_param / self.tp + experts_read / self.ranks
+        return _roof(flops, nbytes, self.hw, self.eff.linear, self.eff)
 
     def attention_time(self, new_tokens: int, prefix: int) -> float:
-        """Causal attention of new_tokens tokens after prefix cached ones (decode: new_tokens=1)."""
+        """Causal attention of new_tokens tokens after prefix cached ones (decode: new_tokens=1), on
+        the rank that holds the sequence."""
         m = self.model
         qk_dim = m.head_dim + (m.rope_dim if m.mla else 0)
         pairs = new_tokens * prefix + new_tokens * (new_tokens + 1) / 2  # (query, key) pairs, causal
@@ -101,9 +127,16 @@ class CostModel:
         nbytes = (prefix + new_tokens) * self.kv_bytes_per_token_per_rank()
         return _roof(flops, nbytes, self.hw, self.eff.attention, self.eff)
 
+    def decode_attention_time(self, kv_lens: list[int]) -> float:
+        """Attention of one new token for each sequence. FLOPs and bytes are both proportional to each
+        sequence's KV length + 1, so the sum of rooflines is one roofline of the total."""
+        if not kv_lens:
+            return 0.0
+        return self.attention_time(1, sum(kv_lens) + len(kv_lens) - 1)
+
     def lm_head_time(self, sampled: int) -> float:
         m = self.model
-        flops = 2 * sampled * m.vocab * m.hidden / self.tp
+        flops = 2 * (sampled / self.dp) * m.vocab * m.hidden / self.tp
         nbytes = m.vocab * m.hidden * m.bytes_per_param / self.tp if sampled else 0
         return _roof(flops, nbytes, self.hw, self.eff.linear, self.eff)
 
@@ -111,9 +144,19 @@ class CostModel:
         """Two ring all-reduces of the activations per layer."""
         if self.tp == 1:
             return 0.0
-        nbytes = tokens * self.model.hidden * self.model.bytes_per_param
+        nbytes = tokens / self.dp * self.model.hidden * self.model.activation_bytes
         one = 2 * (self.tp - 1) / self.tp * nbytes / (self.hw.nvlink_bw * self.eff.comm)
         return 2 * self.model.layers * one
+
+    def alltoall_time(self, tokens: int) -> float:
+        """Expert parallel over dp groups: each MoE layer sends every token's hidden state to the ranks
+        of its active experts and back (dispatch and combine); a rank sends its 1/dp of the tokens."""
+        m = self.model
+        if self.dp == 1 or not m.experts:
+            return 0.0
+        nbytes = tokens / self.dp * m.active_experts * m.hidden * m.activation_bytes
+        one = (self.ranks - 1) / self.ranks * nbytes / (self.hw.nvlink_bw * self.eff.comm)
+        return 2 * (m.layers - m.dense_layers) * one
 
     # ---- steps -----------------------------------------------------------------------------------
 
@@ -125,15 +168,17 @@ class CostModel:
         tokens = sum(n for n, _ in chunks) + len(decode_kv_lens)
         if tokens == 0:
             return 0.0
-        attn = sum(self.attention_time(n, p) for n, p in chunks)
-        attn += sum(self.attention_time(1, k) for k in decode_kv_lens)
+        attn = sum(self.attention_time(n, p) for n, p in chunks) + self.decode_attention_time(decode_kv_lens)
+        attn /= self.dp  # the sequences spread over the dp groups
         sampled = len(decode_kv_lens) if sampled is None else sampled
         return (
             self.linear_time(tokens)
             + attn
             + self.lm_head_time(sampled)
             + self.allreduce_time(tokens)
+            + self.alltoall_time(tokens)
             + self.eff.step_overhead_s
+            + self.eff.seq_overhead_s * (len(chunks) + len(decode_kv_lens)) / self.dp
         )
 
     def prefill_time(self, prompt_lens: list[int]) -> float:

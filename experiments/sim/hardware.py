@@ -4,7 +4,11 @@ sparsity), marked as such: the cost model's efficiency factors turn peaks into w
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
+import yaml
+
+CONF_HARDWARE = Path(__file__).resolve().parents[2] / "conf" / "hardware"
 GB = 1e9
 TFLOPS = 1e12
 
@@ -42,3 +46,19 @@ def hardware(name: str) -> Hardware:
     if name not in HARDWARE:
         raise ValueError(f"hardware must be one of {sorted(HARDWARE)}, got {name!r}")
     return HARDWARE[name]
+
+
+def hardware_of(cfg: dict) -> Hardware:
+    """conf/hardware/: a preset by name, or a machine's measured figures in full."""
+    from experiments.config import _dataclass
+
+    return hardware(cfg["name"]) if set(cfg) == {"name"} else _dataclass(Hardware, "hardware", cfg)
+
+
+def load_hardware(name: str) -> Hardware:
+    """conf/hardware/NAME.yaml."""
+    path = CONF_HARDWARE / f"{name}.yaml"
+    if not path.exists():
+        choices = sorted(p.stem for p in CONF_HARDWARE.glob("*.yaml"))
+        raise ValueError(f"hardware must be one of {choices}, got {name!r}")
+    return hardware_of(yaml.safe_load(path.read_text()))

@@ -25,16 +25,22 @@ class SimModel:
     q_lora_rank: int = 0
     gated_mlp: bool = True  # SwiGLU: 3 matrices; OPT: 2
     tied_embeddings: bool = False  # the LM head is the embedding matrix
-    bytes_per_param: int = 2
+    bytes_per_param: int = 2  # weights
+    kv_bytes_per_elem: int | None = None  # the KV cache's dtype (None: as the weights)
 
     @property
     def mla(self) -> bool:
         return self.kv_lora_rank > 0
 
+    @property
+    def activation_bytes(self) -> int:
+        """Activations (collectives' payload) share the KV cache's dtype."""
+        return self.kv_bytes_per_elem or self.bytes_per_param
+
     def kv_bytes_per_token(self) -> int:
         """Bytes of KV cache one token adds, over all layers."""
         per_layer = (self.kv_lora_rank + self.rope_dim) if self.mla else 2 * self.kv_heads * self.head_dim
-        return self.layers * per_layer * self.bytes_per_param
+        return self.layers * per_layer * self.activation_bytes
 
     def attn_params(self) -> int:
         """Attention projection weights of one layer."""
@@ -76,11 +82,12 @@ MODELS = {
         experts=160, active_experts=8, expert_intermediate=2560,
     ),
     # deepseek-ai/DeepSeek-R1: 61 layers (3 dense), MLA (kv_lora 512 + rope 64, q_lora 1536),
-    # 256 routed experts (8 active) + 1 shared, expert width 2048, dense width 18432
+    # 256 routed experts (8 active) + 1 shared, expert width 2048, dense width 18432; weights in FP8 as
+    # released (block-scaled e4m3), KV cache in bf16
     "deepseek-r1": SimModel(
         "deepseek-r1", 61, 7168, 128, 1, 128, 18432, 129280,
         experts=256, active_experts=8, shared_experts=1, expert_intermediate=2048, dense_layers=3,
-        kv_lora_rank=512, rope_dim=64, q_lora_rank=1536,
+        kv_lora_rank=512, rope_dim=64, q_lora_rank=1536, bytes_per_param=1, kv_bytes_per_elem=2,
     ),
     # HuggingFaceTB/SmolLM2-135M: 30 layers, 576 wide, 9 heads, 3 kv heads, tied embeddings
     "smollm2-135m": SimModel("smollm2-135m", 30, 576, 9, 3, 64, 1536, 49152, tied_embeddings=True),

@@ -26,7 +26,7 @@ from experiments.config import (
 )
 from experiments.driver import DeploymentRun
 from experiments.sim.cost import CostModel, Efficiency
-from experiments.sim.hardware import Hardware, hardware
+from experiments.sim.hardware import hardware_of
 from experiments.sim.models import sim_model
 from experiments.sim.simulate import Instance, SimRequest, simulate_colocated, simulate_disaggregated
 from experiments.worker import Result
@@ -34,11 +34,6 @@ from experiments.workload import Request, draw
 from transfer.config import TransferConfig
 
 MAX_POSITION = 1 << 20
-
-
-def hardware_of(cfg: dict) -> Hardware:
-    """conf/hardware/: a preset by name, or a machine's measured figures in full."""
-    return hardware(cfg["name"]) if set(cfg) == {"name"} else _dataclass(Hardware, "hardware", cfg)
 
 
 def simulate_deployment(
@@ -50,19 +45,24 @@ def simulate_deployment(
     first_token_on: str = "prefill",
     layerwise: bool = True,
     chunked: bool = True,
+    prefill_slowdown: float = 1.0,
+    trace: tuple | None = None,
+    router: str = "prefill",
 ) -> DeploymentRun:
-    arrivals, prompts, outputs = draw(workload, MAX_POSITION)
+    """trace: (arrival offsets, prompt lengths, output lengths) to replay instead of drawing the
+    workload's (a measured run's own requests)."""
+    arrivals, prompts, outputs = trace if trace is not None else draw(workload, MAX_POSITION)
     reqs = [SimRequest(i, float(arrivals[i]), prompts[i], outputs[i]) for i in range(len(prompts))]
 
-    def inst(tp: int, chunk: bool) -> Instance:
-        return Instance(CostModel(model, hw, tp, eff), budget=d.chunk_size, chunked=chunk)
+    def inst(tp: int, chunk: bool, slowdown: float = 1.0) -> Instance:
+        return Instance(CostModel(model, hw, tp, eff), budget=d.chunk_size, chunked=chunk, slowdown=slowdown)
 
     if d.kind == "colocated":
         simulate_colocated([inst(d.tp, chunked) for _ in range(d.num_workers)], reqs)
     else:
-        prefill = [inst(d.prefill_tp, False) for _ in range(d.num_prefill)]
+        prefill = [inst(d.prefill_tp, False, prefill_slowdown) for _ in range(d.num_prefill)]
         decode = [inst(d.decode_tp, True) for _ in range(d.num_decode)]
-        simulate_disaggregated(prefill, decode, reqs, layerwise=layerwise, first_token_on=first_token_on)
+        simulate_disaggregated(prefill, decode, reqs, layerwise, first_token_on, router)
     run = DeploymentRun(d, [Request(f"req-{r.rid}", r.arrival, range(r.prompt), r.output) for r in reqs])
     run.start, run.end = 0.0, max((r.done or r.arrival) for r in reqs)
     for r in reqs:
@@ -84,6 +84,11 @@ def run_sim(cfg: DictConfig, out_dir: Path) -> list[dict]:
     c = OmegaConf.to_container(cfg, resolve=True)
     model, hw = sim_model(c["sim_model"]), hardware_of(c["hardware"])
     eff = _dataclass(Efficiency, "efficiency", c.get("efficiency"))
+    slowdown = c.get("prefill_slowdown", 1.0)
+    if not isinstance(slowdown, (int, float)) or slowdown < 1:
+        raise ValueError(f"prefill_slowdown={slowdown!r} is not allowed: a number >= 1")
+    if c.get("router", "prefill") not in ("prefill", "decode"):
+        raise ValueError(f"router={c.get('router')!r} is not allowed: one of ('prefill', 'decode')")
     if c.get("first_token_on") not in ("prefill", "decode"):
         raise ValueError(
             f"first_token_on={c.get('first_token_on')!r} is not allowed: one of ('prefill', 'decode')"
@@ -110,7 +115,7 @@ def run_sim(cfg: DictConfig, out_dir: Path) -> list[dict]:
         for d in deployments:
             run = simulate_deployment(
                 d, run_config.workload, model, hw, eff, c["first_token_on"], c.get("layerwise", True),
-                c.get("chunked_prefill", True),
+                c.get("chunked_prefill", True), slowdown, router=c.get("router", "prefill"),
             )  # fmt: skip
             records.append(metrics.run_record(run, run_config, rate))
     path = metrics.write_results(out_dir, config, records)

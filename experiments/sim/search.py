@@ -102,7 +102,7 @@ def search(make_cost: Callable[[int], CostModel], gpus: int, tps=(1, 2, 4, 8), p
 def run_search(cfg, out_dir: Path) -> list[tuple[float, Placement]]:
     from omegaconf import OmegaConf
 
-    from experiments.sim.run import hardware_of
+    from experiments.sim.hardware import hardware_of
 
     c = OmegaConf.to_container(cfg, resolve=True)
     model, hw = sim_model(c["sim_model"]), hardware_of(c["hardware"])

@@ -44,13 +44,14 @@ class SimRequest:
         return (self.done - self.first_token) / (self.output - 1) if self.output > 1 else 0.0
 
 
-@dataclass
+@dataclass(eq=False)  # identity: two idle instances of one config are still two
 class Instance:
     cost: CostModel
     budget: int = 2048  # tokens per step
     max_seqs: int = 256
     chunked: bool = True
     kv_fraction: float = 0.9  # of the HBM left after weights
+    slowdown: float = 1.0  # every step takes this many times the cost model's (measured work beside it)
     waiting: list = field(default_factory=list)
     running: list = field(default_factory=list)
     busy_until: float = 0.0
@@ -58,9 +59,8 @@ class Instance:
 
     @property
     def kv_capacity_tokens(self) -> float:
-        m, hw = self.cost.model, self.cost.hw
-        free = hw.hbm_bytes - m.params() * m.bytes_per_param / self.cost.tp
-        return max(free, 0) * self.kv_fraction / self.cost.kv_bytes_per_token_per_rank()
+        free = self.cost.hw.hbm_bytes - self.cost.weight_bytes_per_rank()
+        return self.cost.dp * max(free, 0) * self.kv_fraction / self.cost.kv_bytes_per_token_per_rank()
 
     def load(self) -> int:
         return len(self.waiting) + len(self.running)
@@ -125,17 +125,24 @@ def simulate_disaggregated(
     requests: list[SimRequest],
     layerwise: bool = True,
     first_token_on: str = "prefill",
+    router: str = "prefill",
 ) -> list[SimRequest]:
     """xPyD: prefill instances compute prompts, the KV moves, decode instances generate.
 
     first_token_on: 'prefill' (the prefill instance samples the first token, as DistServe and vLLM) or
-    'decode' (it runs the last prompt token, as this project's speculative-decoding-safe hand-off)."""
+    'decode' (it runs the last prompt token, as this project's speculative-decoding-safe hand-off).
+    router: where a request goes first. 'prefill': to the least-loaded prefill instance, its decode
+    instance chosen when the KV leaves (DistServe). 'decode': to the least-loaded decode instance, which
+    forwards it to a prefill instance between its steps, so a request arriving mid-step waits for the
+    step to end (this project's workers, and Dynamo's)."""
     if first_token_on not in ("prefill", "decode"):
         raise ValueError(f"first_token_on must be one of ('prefill', 'decode'), got {first_token_on!r}")
-    return _run(prefill, decode, requests, first_token_on, layerwise)
+    if router not in ("prefill", "decode"):
+        raise ValueError(f"router must be one of ('prefill', 'decode'), got {router!r}")
+    return _run(prefill, decode, requests, first_token_on, layerwise, router)
 
 
-def _run(front, back, requests, first_token_on, layerwise=True) -> list[SimRequest]:
+def _run(front, back, requests, first_token_on, layerwise=True, router="prefill") -> list[SimRequest]:
     """The event loop. front: colocated or prefill instances; back: decode instances (or none)."""
     disagg = bool(back)
     instances = front + back
@@ -150,6 +157,9 @@ def _run(front, back, requests, first_token_on, layerwise=True) -> list[SimReque
     for r in requests:
         push(r.arrival, "arrive", r)
     idle = {id(i): True for i in instances}
+    inbox = {id(i): [] for i in back}  # router='decode': requests a busy decode instance has yet to forward
+    home = {}  # rid -> the decode instance a request was routed to (router='decode')
+    homed = {id(i): 0 for i in back}  # requests routed to a decode instance and not landed yet
 
     def kick(inst, now):
         if idle[id(inst)]:
@@ -158,12 +168,22 @@ def _run(front, back, requests, first_token_on, layerwise=True) -> list[SimReque
 
     while heap:
         now, _, kind, payload = heapq.heappop(heap)
-        if kind == "arrive":
+        if kind == "arrive" and disagg and router == "decode":
+            target = min(back, key=lambda i: i.load() + homed[id(i)])  # the least in flight
+            home[payload.rid] = target
+            homed[id(target)] += 1
+            if idle[id(target)]:
+                push(now, "forward", payload)
+            else:
+                inbox[id(target)].append(payload)
+        elif kind in ("arrive", "forward"):
             inst = min(front, key=Instance.load)
             inst.waiting.append(payload)
             kick(inst, now)
         elif kind == "land":  # KV arrived at a decode instance
             inst, r = payload
+            if router == "decode":
+                homed[id(inst)] -= 1
             if not _admit(inst, r.prompt + r.output):
                 inst.waiting.append(r)
             else:
@@ -172,6 +192,9 @@ def _run(front, back, requests, first_token_on, layerwise=True) -> list[SimReque
         elif kind == "step":
             inst = payload
             if disagg and inst in back:
+                for r in inbox[id(inst)]:  # forwarded between steps
+                    push(now, "forward", r)
+                inbox[id(inst)].clear()
                 _admit_waiting_decode(inst)
                 dt, events = _decode_step(inst)
             else:
@@ -179,6 +202,7 @@ def _run(front, back, requests, first_token_on, layerwise=True) -> list[SimReque
             if dt == 0.0:
                 idle[id(inst)] = True
                 continue
+            dt *= inst.slowdown
             end = now + dt
             for r, what in events:
                 if what == "prefill_done":
@@ -195,7 +219,7 @@ def _run(front, back, requests, first_token_on, layerwise=True) -> list[SimReque
                     if r.generated >= r.output:
                         r.done = end
                         continue
-                    target = min(back, key=Instance.load)
+                    target = home.pop(r.rid) if router == "decode" else min(back, key=Instance.load)
                     kv = r.prompt * inst.cost.model.kv_bytes_per_token()
                     links = min(inst.cost.tp, target.cost.tp)
                     layers = inst.cost.model.layers if layerwise else 1

@@ -1,6 +1,6 @@
 import pytest
 
-from experiments.sim.calibrate import Point, fit, predict
+from experiments.sim.calibrate import Point, calibrate_from_run, fit, predict
 from experiments.sim.cost import CostModel, Efficiency
 from experiments.sim.hardware import Hardware
 from experiments.sim.models import sim_model
@@ -26,3 +26,51 @@ def test_fit_recovers_the_factors_that_generated_the_times():
     assert err < 1e-3
     assert got.linear == pytest.approx(0.6, abs=0.05) and got.memory == pytest.approx(0.8, abs=0.05)
     assert got.step_overhead_s == pytest.approx(0.02, rel=0.15)
+
+
+def test_fit_recovers_a_per_sequence_overhead():
+    model = sim_model("smollm2-135m")
+    truth = Efficiency(linear=0.6, attention=0.6, memory=0.8, step_overhead_s=0.02, seq_overhead_s=0.004)
+    cost = CostModel(model, CPU, 1, truth)
+    shapes = [Point("prefill", 128, 144, 0.0), Point("prefill", 128, 144, 0.0, decode=3)]
+    shapes += [Point("decode", b, 144, 0.0) for b in (1, 2, 4, 8)]
+    points = [Point(p.kind, p.size, p.kv, predict(cost, p), p.decode) for p in shapes]
+    got, err = fit(model, CPU, points)
+    assert err < 1e-3
+    assert got.seq_overhead_s == pytest.approx(0.004, rel=0.15)
+
+
+def test_calibration_from_a_runs_timelines():
+    """A made-up run whose workers' steps follow a known cost model, the prefill worker's 1.5x slower,
+    each prefill starting 5 ms after its request arrives."""
+    model = sim_model("smollm2-135m")
+    cost = CostModel(model, CPU, 1, Efficiency(linear=0.6, attention=0.6, memory=0.8, seq_overhead_s=0.004))
+
+    def t(prefill, decode):  # KV 128 + 32 / 2 = 144
+        p = Point("prefill", prefill, 144, 0, decode) if prefill else Point("decode", decode, 144, 0)
+        return predict(cost, p)
+
+    colocated = [[0, t(128, 0), 128, 0]] + [[0, t(0, b), 0, b] for b in (1, 2, 4)]
+    decode = [[0, t(0, b), 0, b] for b in (1, 3, 8)]
+    prefill = [[a + 0.005, a + 0.005 + 1.5 * t(127, 0), 127, 0] for a in (1.0, 3.0)]
+    req = {"prompt_tokens": 128, "output_tokens": 32, "prefill": "remote", "prefill_worker": "prefill-0"}
+    saved = {
+        "config": {
+            "model": {"name": "smollm2-135m"},
+            "deployments": [
+                {"name": "colocated", "kind": "colocated", "tp": 1, "prefill_tp": 1, "decode_tp": 1},
+                {"name": "1p1d", "kind": "disaggregated", "tp": 1, "prefill_tp": 1, "decode_tp": 1},
+            ],
+        },
+        "runs": [
+            {"deployment": "colocated", "requests": [], "timelines": [
+                {"name": "colocated-0", "role": "colocated", "steps": colocated}]},
+            {"deployment": "1p1d", "requests": [dict(req, arrival_s=a) for a in (1.0, 3.0)], "timelines": [
+                {"name": "decode-0", "role": "decode", "steps": decode},
+                {"name": "prefill-0", "role": "prefill", "steps": prefill}]},
+        ],
+    }  # fmt: skip
+    cal = calibrate_from_run(saved, CPU)
+    assert cal["rms"] < 0.03
+    assert cal["prefill_slowdown"] == pytest.approx(1.5, rel=0.05)
+    assert cal["handoff_s"] == pytest.approx(0.005)

@@ -68,9 +68,9 @@ def test_moe_reads_only_the_experts_its_tokens_touch():
     )
     cm = CostModel(moe, HW, eff=PERFECT)
     # one token touches 1 of 4 experts: 256 attention + 384 expert bytes
-    assert cm._weights_touched(0, 1) == pytest.approx(640)
+    assert cm.weights_read(1) == pytest.approx(640)
     # many tokens touch all four
-    assert cm._weights_touched(0, 10_000) == pytest.approx(256 + 4 * 384)
+    assert cm.weights_read(10_000) == pytest.approx(256 + 4 * 384)
 
 
 def test_kv_per_rank_sharded_replicated_and_mla():
@@ -97,5 +97,50 @@ def test_bad_names_and_values_are_refused():
         sim_model("gpt-5")
     with pytest.raises(ValueError, match="efficiency.memory must be in"):
         Efficiency(memory=0)
+    with pytest.raises(ValueError, match="efficiency.seq_overhead_s must be >= 0"):
+        Efficiency(seq_overhead_s=-1)
+    with pytest.raises(ValueError, match="dp=0 must be >= 1"):
+        CostModel(TOY, HW, dp=0)
     with pytest.raises(ValueError, match="tp=3 must be >= 1 and divide the 2 heads"):
         CostModel(TOY, HW, tp=3)
+
+
+MOE = SimModel(
+    "moe", 1, 8, 2, 2, 4, 16, 10, experts=4, active_experts=1, expert_intermediate=16, bytes_per_param=1
+)
+
+
+def test_dp_attention_replicates_the_attention_side_and_spreads_the_experts():
+    """One layer: attention 256 weights, four experts of 384 (one active); embeddings 160; 10,000 tokens
+    touch every expert."""
+    one, dp2 = CostModel(MOE, HW, eff=PERFECT), CostModel(MOE, HW, eff=PERFECT, dp=2)
+    # dp 1: FLOPs 2 x 10,000 x (256 + 384) = 12.8e6 -> 12,800 s
+    assert one.linear_time(10_000) == pytest.approx(12_800)
+    # dp 2: each rank runs attention for 5,000 tokens and half of all tokens' expert FLOPs:
+    # 2 x 5,000 x 256 + 2 x 10,000 x 384 / 2 = 6.4e6 -> 6,400 s
+    assert dp2.linear_time(10_000) == pytest.approx(6_400)
+    # one token: bytes-bound; attention side 256 read in full, its one expert over 2 ranks: 256 + 192
+    assert dp2.linear_time(1) == pytest.approx((256 + 384 / 2) / 100)
+    # a rank holds the attention side and embeddings (416) and half the experts (768)
+    assert one.weight_bytes_per_rank() == 416 + 1536 and dp2.weight_bytes_per_rank() == 416 + 768
+    # all-to-all: a rank sends its 5 of 10 tokens x 1 expert x 8 wide x 1 byte = 40 B, half of it off-rank,
+    # at 10 B/s: 2 s; dispatch and combine in the one MoE layer: 4 s
+    assert dp2.alltoall_time(10) == pytest.approx(4) and one.alltoall_time(10) == 0
+    # attention of a decode batch splits over the dp groups
+    assert dp2.step_time([], [3, 5]) - dp2.decode_attention_time([3, 5]) / 2 == pytest.approx(
+        dp2.linear_time(2) + dp2.lm_head_time(2) + dp2.alltoall_time(2)
+    )
+
+
+def test_decode_attention_of_a_batch_is_the_sum_of_its_sequences():
+    cm = CostModel(TOY, HW, eff=PERFECT)
+    assert cm.decode_attention_time([3, 5, 40]) == pytest.approx(
+        sum(cm.attention_time(1, k) for k in (3, 5, 40))
+    )
+    assert cm.decode_attention_time([]) == 0
+
+
+def test_per_sequence_overhead_counts_every_chunk_and_decode_sequence():
+    base = CostModel(TOY, HW, eff=PERFECT)
+    slow = CostModel(TOY, HW, eff=Efficiency(1, 1, 1, 1, step_overhead_s=2, seq_overhead_s=0.5))
+    assert slow.step_time([(4, 0)], [3, 5]) == pytest.approx(base.step_time([(4, 0)], [3, 5]) + 2 + 3 * 0.5)

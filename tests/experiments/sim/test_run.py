@@ -43,6 +43,10 @@ def test_the_simulator_refuses_what_it_cannot_model(tmp_path):
         run_sim(_cfg(["workload.arrival=concurrency"]), tmp_path)
     with pytest.raises(ValueError, match="sim model must be one of"):
         run_sim(_cfg(["sim_model=gpt-5"]), tmp_path)
+    with pytest.raises(ValueError, match=r"router='random' is not allowed: one of \('prefill', 'decode'\)"):
+        run_sim(_cfg(["router=random"]), tmp_path)
+    with pytest.raises(ValueError, match="prefill_slowdown=0.5 is not allowed"):
+        run_sim(_cfg(["prefill_slowdown=0.5"]), tmp_path)
 
 
 def test_compare_real_against_a_simulated_run_of_the_same_config_shows_no_error(tmp_path, capsys):
@@ -54,6 +58,7 @@ def test_compare_real_against_a_simulated_run_of_the_same_config_shows_no_error(
         "sim_model=smollm2-135m",
         "hardware=cpu-this-machine",
         "first_token_on=decode",
+        "router=decode",
         "plots=false",
     ]
     overrides += ["efficiency.linear=0.75", "efficiency.attention=0.75", "efficiency.memory=0.2"]
@@ -68,6 +73,7 @@ def test_compare_real_against_a_simulated_run_of_the_same_config_shows_no_error(
     ]
     run_sim(_cfg(overrides), tmp_path)
     capsys.readouterr()
-    assert compare_real.main([str(tmp_path / "results.json")]) == 0
+    factors = ["--linear", "0.75", "--memory", "0.2", "--overhead-ms", "0.9"]
+    assert compare_real.main([str(tmp_path / "results.json"), *factors]) == 0
     out = capsys.readouterr().out
     assert "mean |error| 0%, worst 0%" in out and out.count("TTFT p90") == 4

@@ -91,3 +91,22 @@ def test_ten_thousand_requests_simulate_quickly():
 def test_bad_first_token_place_is_refused():
     with pytest.raises(ValueError, match="first_token_on must be one of"):
         simulate_disaggregated([Instance(_cost())], [Instance(_cost())], [], first_token_on="router")
+
+
+def test_a_request_routed_through_a_busy_decode_instance_waits_for_its_step():
+    """A: prefill 0-2, KV 2-66, decode steps 66-67-68-69. B arrives at 66.5, mid-step: through the decode
+    instance it reaches the prefill instance at 67 (prefill 67-69, KV lands at 133, first token 134);
+    straight to the prefill instance it lands at 132.5, the decode instance idle: first token 133.5."""
+    for router, first in (("decode", 134.0), ("prefill", 133.5)):
+        a, b = SimRequest(0, 0.0, prompt=10, output=3), SimRequest(1, 66.5, prompt=10, output=3)
+        simulate_disaggregated(
+            [Instance(_cost())], [Instance(_cost())], [a, b], False, first_token_on="decode", router=router
+        )
+        assert a.first_token == pytest.approx(67.0) and b.first_token == pytest.approx(first), router
+    with pytest.raises(ValueError, match="router must be one of"):
+        simulate_disaggregated([Instance(_cost())], [Instance(_cost())], [], router="random")
+
+
+def test_an_instance_slowdown_stretches_its_steps():
+    (r,) = simulate_colocated([Instance(_cost(), slowdown=1.5)], [SimRequest(0, 0.0, prompt=10, output=2)])
+    assert r.first_token == pytest.approx(3.0) and r.done == pytest.approx(4.5)
