@@ -1,0 +1,155 @@
+"""A large MoE on 8-GPU nodes: mixed prefill-decode nodes against one prefill node feeding decode nodes,
+with the decode side TP-sharded or data-parallel, in the simulator.
+
+    python -m experiments.repro.moe_study [--model deepseek-r1] [--hardware h200] [--prompt 1024]
+        [--output 256] [--requests 3000] [--decode-nodes 1,2,3] [--step-overhead-ms 10]
+
+Every instance is one node (hardware.devices_per_node GPUs):
+- TP8: every layer sharded over the node's 8 GPUs. With MLA the one latent KV head cannot be split, so
+  each GPU holds every sequence's KV (and reads it every step).
+- DP8: attention data-parallel (each GPU its own sequences and their KV), experts expert-parallel over
+  the 8 GPUs with an all-to-all per MoE layer (as SGLang's and vLLM's DP attention + EP for DeepSeek).
+Placements: one mixed node (colocated, chunked prefill; N mixed nodes behind a least-loaded router
+serve about N times its rate), and 1 prefill node (TP8, whole prompts) + N decode nodes; the request
+goes to the prefill node first and its KV streams to a decode node layer by layer over the NICs.
+
+For each placement and SLO tier, the highest Poisson rate meeting the tier at 90% attainment (P90 TTFT,
+P90 TPOT), and at that rate: per-user decode tokens/s (1 / P50 TPOT), P50 / P90 TTFT, output tokens/s
+per GPU, and QPS per decode node (per node for mixed placements). Prefill node counts are fixed at one,
+so a row's rate is capped by that node's prefill throughput once decode nodes are plentiful.
+
+Not modelled: expert load imbalance, all-to-all latency (bandwidth only), speculative decoding, MTP,
+prefix caching, FP8 GEMM peaks (the linear roofline uses the bf16 datasheet peak). The efficiency
+factors are the cost model's defaults, not fitted to a GPU, plus a fixed cost per step (--step-overhead-ms,
+an assumption standing for kernel launches, routing and collective latencies, which the roofline
+lacks: alone it puts a TP8 decode step of one sequence at about 1.2 ms). Read the ratios between
+placements more than the absolute figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+
+from experiments.sim.cost import CostModel, Efficiency
+from experiments.sim.hardware import hardware
+from experiments.sim.models import sim_model
+from experiments.sim.search import max_rate
+from experiments.sim.simulate import (
+    Instance,
+    poisson_requests,
+    simulate_colocated,
+    simulate_disaggregated,
+)
+
+# per-user decode speed tiers: P90 TPOT 20 ms (50 tok/s per user) and 50 ms (20 tok/s), P90 TTFT 2 s
+TIERS = {"50 tok/s/user": (2.0, 0.020), "20 tok/s/user": (2.0, 0.050)}
+TARGET = 90.0
+CHUNK = 8192  # prefill tokens per step (chunked prefill budget of mixed nodes, whole prompts on prefill)
+
+
+@dataclass(frozen=True)
+class Setup:
+    name: str
+    mixed: int  # mixed nodes (0: disaggregated)
+    decode: int  # decode nodes
+    decode_dp: bool  # the decode side (or the mixed nodes) run DP attention + EP
+
+    @property
+    def nodes(self) -> int:
+        return self.mixed or 1 + self.decode
+
+
+def setups(decode_nodes: list[int]) -> list[Setup]:
+    out = []
+    for dp in (False, True):
+        side = "DP8" if dp else "TP8"
+        out += [Setup(f"1 mixed {side}", 1, 0, dp)]
+        out += [Setup(f"1P TP8 + {n}D {side}", 0, n, dp) for n in decode_nodes]
+    return out
+
+
+def runner(s: Setup, model, hw, eff: Efficiency):
+    g = hw.devices_per_node
+
+    def node(dp: bool, chunked: bool = True) -> Instance:
+        cost = CostModel(model, hw, 1, eff, dp=g) if dp else CostModel(model, hw, g, eff)
+        return Instance(cost, budget=CHUNK, max_seqs=4096, chunked=chunked)
+
+    if s.mixed:
+        return lambda reqs: simulate_colocated([node(s.decode_dp) for _ in range(s.mixed)], reqs)
+    return lambda reqs: simulate_disaggregated(
+        [node(False, chunked=False)], [node(s.decode_dp) for _ in range(s.decode)], reqs
+    )
+
+
+def measure(s: Setup, model, hw, eff, n, prompt, output, ttft, tpot) -> dict:
+    run = runner(s, model, hw, eff)
+    rate = max_rate(run, n, prompt, output, ttft, tpot, TARGET, tol=0.05)
+    row = {"setup": s.name, "rate": rate}
+    if rate <= 0:
+        return row
+    reqs = poisson_requests(rate, n, prompt, output, seed=1)
+    run(reqs)
+    done = [r for r in reqs if r.done is not None]
+    tpots = np.array([r.tpot for r in done])
+    ttfts = np.array([r.ttft for r in done])
+    span = max(r.done for r in done) - min(r.arrival for r in reqs)
+    gpus = s.nodes * hw.devices_per_node
+    row.update(
+        user_tok_s=1 / np.percentile(tpots, 50),
+        ttft_p50=np.percentile(ttfts, 50),
+        ttft_p90=np.percentile(ttfts, 90),
+        tok_s_gpu=sum(r.output for r in done) / span / gpus,
+        qps_node=rate / (s.mixed or s.decode),
+    )
+    return row
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="deepseek-r1")
+    p.add_argument("--hardware", default="h200")
+    p.add_argument("--prompt", type=int, default=1024)
+    p.add_argument("--output", type=int, default=256)
+    p.add_argument("--requests", type=int, default=3000)
+    p.add_argument("--decode-nodes", default="1,2,3")
+    p.add_argument("--step-overhead-ms", type=float, default=10.0, help="fixed cost per step (assumption)")
+    args = p.parse_args(argv)
+    model, hw = sim_model(args.model), hardware(args.hardware)
+    try:
+        decode_nodes = sorted({int(x) for x in args.decode_nodes.split(",")})
+    except ValueError:
+        decode_nodes = []
+    if not decode_nodes or min(decode_nodes) < 1:
+        p.error(f"--decode-nodes must be comma-separated integers >= 1, got {args.decode_nodes!r}")
+    eff = Efficiency(step_overhead_s=args.step_overhead_ms / 1e3)
+    weights = model.params() * model.bytes_per_param / 1e9
+    node_gb = hw.hbm_bytes * hw.devices_per_node / 1e9
+    if weights >= node_gb:
+        p.error(f"{model.name} needs {weights:.0f} GB of weights; a node of {hw.devices_per_node} x "
+                f"{hw.name} holds {node_gb:.0f} GB")  # fmt: skip
+    print(f"{model.name} ({weights:.0f} GB of weights) on nodes of {hw.devices_per_node} x {hw.name} "
+          f"(datasheet peaks, default efficiencies, {args.step_overhead_ms:g} ms a step); {args.prompt} in / "
+          f"{args.output} out, Poisson, "
+          f"{args.requests} requests a point; goodput at {TARGET:g}% within P90 TTFT / TPOT")  # fmt: skip
+    for tier, (ttft, tpot) in TIERS.items():
+        print(f"\n{tier}: P90 TTFT <= {ttft} s, P90 TPOT <= {1e3 * tpot:.0f} ms")
+        print(f"{'placement':<22}{'nodes':>6}{'req/s':>8}{'QPS/decode node':>17}{'user tok/s':>12}"
+              f"{'TTFT p50/p90 s':>16}{'tok/s/GPU':>11}")  # fmt: skip
+        for s in setups(decode_nodes):
+            row = measure(s, model, hw, eff, args.requests, args.prompt, args.output, ttft, tpot)
+            if row["rate"] <= 0:
+                print(f"{s.name:<22}{s.nodes:>6}{'-':>8}  (misses the tier at any rate)")
+                continue
+            print(f"{s.name:<22}{s.nodes:>6}{row['rate']:>8.2f}{row['qps_node']:>17.2f}"
+                  f"{row['user_tok_s']:>12.1f}{row['ttft_p50']:>8.2f} /{row['ttft_p90']:>5.2f}"
+                  f"{row['tok_s_gpu']:>11.0f}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
