@@ -6,8 +6,10 @@ next step boundary. A colocated instance runs continuous batching, with chunked 
 first, then prefill chunks under a token budget, as engine/scheduler.py) or without (whole-prompt
 prefill steps first, as vLLM v0). A prefill instance batches whole prompts FCFS under the budget; a
 request then moves its KV to the least-loaded decode instance (request-level, or layer-streamed where
-only what compute cannot hide shows) and decodes there. KV capacity is what HBM holds after the
-weights; a request is admitted only when its whole KV (prompt + output) fits.
+only what compute cannot hide shows) and decodes there. With router='decode' a request first goes to
+the decode instance with the fewest in flight, which forwards it to a prefill instance between its
+steps, and its KV comes back to that instance. KV capacity is what HBM holds after the weights; a
+request is admitted only when its whole KV (prompt + output) fits.
 
 Output per request: arrival, first-token time and the time of each later token, from which the same
 metrics as the real runs follow (experiments/metrics.py's percentiles and SLO rules).
@@ -216,10 +218,12 @@ def _run(front, back, requests, first_token_on, layerwise=True, router="prefill"
                     if first_token_on == "prefill":
                         r.first_token, r.generated = end, 1
                         r.token_times.append(end)
-                    if r.generated >= r.output:
-                        r.done = end
-                        continue
                     target = home.pop(r.rid) if router == "decode" else min(back, key=Instance.load)
+                    if r.generated >= r.output:  # one token, sampled on the prefill side: no decode
+                        r.done = end
+                        if router == "decode":
+                            homed[id(target)] -= 1
+                        continue
                     kv = r.prompt * inst.cost.model.kv_bytes_per_token()
                     links = min(inst.cost.tp, target.cost.tp)
                     layers = inst.cost.model.layers if layerwise else 1

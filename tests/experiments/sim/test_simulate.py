@@ -110,3 +110,14 @@ def test_a_request_routed_through_a_busy_decode_instance_waits_for_its_step():
 def test_an_instance_slowdown_stretches_its_steps():
     (r,) = simulate_colocated([Instance(_cost(), slowdown=1.5)], [SimRequest(0, 0.0, prompt=10, output=2)])
     assert r.first_token == pytest.approx(3.0) and r.done == pytest.approx(4.5)
+
+
+def test_routing_through_decode_finishes_every_request_including_prefill_only_ones():
+    """Through two decode instances: four requests that decode one more token, and one whose only token
+    the prefill side samples (it never reaches its decode instance)."""
+    dec = [Instance(_cost()), Instance(_cost())]
+    reqs = [SimRequest(i, 0.0, prompt=1, output=2) for i in range(4)]
+    reqs.append(SimRequest(4, 0.0, prompt=1, output=1))
+    simulate_disaggregated([Instance(_cost())], dec, reqs, layerwise=False, router="decode")
+    assert all(r.done is not None for r in reqs)
+    assert reqs[4].done == pytest.approx(reqs[4].first_token)
