@@ -29,19 +29,23 @@ def sample_lengths(dist: LengthDist, n: int, rng: np.random.Generator, cap: int)
 
 
 def draw(workload: WorkloadConfig, max_position: int) -> tuple[np.ndarray, list[int], list[int]]:
-    """Arrival offsets, prompt lengths and output lengths (the simulator's workload; random prompts)."""
+    """Arrival offsets, prompt lengths and output lengths (the simulator's workload; random prompts):
+    the same as make_requests gives for the config."""
     rng = np.random.default_rng(workload.seed)
     n = workload.num_requests
     outputs = sample_lengths(workload.output_len, n, rng, cap=max_position // 2)
     prompts = sample_lengths(workload.prompt_len, n, rng, cap=max_position // 2)
     prompts = [min(p, max_position - o - 1) for p, o in zip(prompts, outputs, strict=True)]
-    return _arrivals(workload, rng), prompts, outputs
+    return _arrivals(workload), prompts, outputs
 
 
-def _arrivals(workload: WorkloadConfig, rng: np.random.Generator) -> np.ndarray:
+def _arrivals(workload: WorkloadConfig) -> np.ndarray:
+    """Arrival offsets from a stream of their own, so the simulator's draw and a real run's requests
+    (which also draw prompt token ids) arrive at the same times."""
     n = workload.num_requests
     if workload.arrival != "poisson":
         return np.zeros(n)
+    rng = np.random.default_rng([workload.seed, 1])
     arrivals = np.cumsum(rng.exponential(1.0 / workload.rate, n))
     return arrivals - arrivals[0]  # the first request arrives at once
 
@@ -61,5 +65,5 @@ def make_requests(workload: WorkloadConfig, tokenizer, vocab_size: int, max_posi
         lengths = sample_lengths(workload.prompt_len, n, rng, cap=max_position // 2)
         prompts = [rng.integers(3, vocab_size, k).tolist() for k in lengths]
     prompts = [p[: max_position - o - 1] for p, o in zip(prompts, outputs, strict=True)]
-    arrivals = _arrivals(workload, rng)
+    arrivals = _arrivals(workload)
     return [Request(f"req-{i}", float(arrivals[i]), prompts[i], outputs[i]) for i in range(n)]
