@@ -12,12 +12,28 @@ def test_placements_respect_the_budget_and_the_heads():
     assert Placement("disaggregated", 2, 1, 1, 2) in ps and Placement("colocated", 2, 0, 2, 2) in ps
 
 
+def test_placements_with_dp_attention_count_every_gpu():
+    ps = placements(4, (1, 2), heads=4, dps=(1, 2))
+    assert all(p.gpus <= 4 for p in ps)
+    dp = Placement("disaggregated", 1, 1, 1, 1, 1, 2)  # a TP1 prefill instance and a TP1 x DP2 decode one
+    assert dp in ps and dp.gpus == 3 and str(dp) == "1P(TP1) 1D(TP1 DP2)"
+    assert Placement("colocated", 1, 0, 2, 2, 2, 2) in ps  # one instance, TP2 x DP2
+    assert not any(p.prefill_dp > 1 or p.decode_dp > 1 for p in placements(4, (1, 2), heads=4))
+
+
+def test_the_search_skips_instances_that_cannot_hold_the_weights():
+    """TOY has 1,440 one-byte weights; a GPU of 1,000 bytes holds them only split over 2 ranks."""
+    small = Hardware("small", flops=1e3, hbm_bw=1e2, hbm_bytes=1000, nvlink_bw=1e9, nic_bw=1e9)
+    best = search(lambda tp, dp: PrefillHeavy(TOY, small, tp), gpus=2, tps=(1, 2), prompt=10, output=2, n=20)
+    assert [str(p) for _, p in best] == ["1x colocated TP2"]
+
+
 def test_a_tight_tpot_slo_favours_disaggregation():
     """Colocated decode steps stall behind other requests' 0.1 s prefills (P90 TPOT under 20 ms holds
     only while requests rarely overlap); a decode-only instance always steps in 10 ms, and one prefill
     instance clears 10 prompts a second. The best placement of 2 GPUs must be 1P1D."""
     best = search(
-        lambda tp: PrefillHeavy(TOY, HW, tp),
+        lambda tp, dp: PrefillHeavy(TOY, HW, tp, dp=dp),
         gpus=2,
         tps=(1,),
         prompt=100,
