@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST := $(BIN)/python -m pytest
 
-.PHONY: run test test-all bench bench-gpu lint clean
+.PHONY: run test test-all bench bench-gpu repro lint clean
 
 $(STAMP): setup.py pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,11 @@ bench: $(STAMP)
 
 bench-gpu: $(STAMP)
 	$(BIN)/python -m experiments.bench.gpu --out bench_results/$$(date +%Y%m%d-%H%M%S)
+
+# the simulator's paper reproductions (about 5 minutes on one core): DistServe's example, the MoE study
+repro: $(STAMP)
+	$(BIN)/python -m experiments.repro.distserve
+	$(BIN)/python -m experiments.repro.moe_study
 
 lint: $(STAMP)
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
