@@ -198,3 +198,21 @@ def goodput(records: list[dict]) -> dict:
         best = out.get(r["deployment"], 0.0)
         out[r["deployment"]] = max(best, r["rate"]) if r["summary"]["meets_slo"] else best
     return out
+
+
+def report(
+    out_dir: Path, config: RunConfig, records: list[dict], heading: str = "", sweep: bool = False
+) -> Path:
+    """The end of a run, measured or simulated: results.json and the CSVs, the side-by-side table after
+    `heading` (and the goodput line over a rate sweep), the plots, where it all went."""
+    from experiments import plots
+
+    path = write_results(out_dir, config, records)
+    print(heading)
+    print(table(records))
+    if sweep:
+        print("goodput (req/s):", json.dumps(goodput(records)))
+    if config.plots:
+        plots.all_plots(records, records[0]["summary"]["slo"], out_dir)
+    print(f"\nrun folder: {out_dir} ({path.name}, CSVs, plots)")
+    return path

@@ -8,7 +8,6 @@ per run, plots, and the side-by-side table on stdout.
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from experiments.config import check_fits_model, from_cfg, run_job
 
 
 def run(cfg: DictConfig, out_dir: Path, progress: bool = True, hooks=None) -> list[dict]:
-    from experiments import metrics, plots
+    from experiments import metrics
     from experiments.driver import run_deployment
     from experiments.workload import make_requests
 
@@ -44,14 +43,7 @@ def run(cfg: DictConfig, out_dir: Path, progress: bool = True, hooks=None) -> li
         for d in config.deployments:
             result = run_deployment(run_config, d, requests, progress=progress, hooks=hooks)
             records.append(metrics.run_record(result, run_config, rate))
-    path = metrics.write_results(out_dir, config, records)
-    print()
-    print(metrics.table(records))
-    if rates:
-        print("goodput (req/s):", json.dumps(metrics.goodput(records)))
-    if config.plots:
-        plots.all_plots(records, records[0]["summary"]["slo"], out_dir)
-    print(f"\nrun folder: {out_dir} ({path.name}, CSVs, plots)")
+    metrics.report(out_dir, config, records, sweep=bool(rates))
     return records
 
 

@@ -79,7 +79,7 @@ def simulate_deployment(
 
 
 def run_sim(cfg: DictConfig, out_dir: Path) -> list[dict]:
-    from experiments import metrics, plots
+    from experiments import metrics
 
     c = OmegaConf.to_container(cfg, resolve=True)
     model, hw = sim_model(c["sim_model"]), hardware_of(c["hardware"])
@@ -118,12 +118,9 @@ def run_sim(cfg: DictConfig, out_dir: Path) -> list[dict]:
                 c.get("chunked_prefill", True), slowdown, router=c.get("router", "prefill"),
             )  # fmt: skip
             records.append(metrics.run_record(run, run_config, rate))
-    path = metrics.write_results(out_dir, config, records)
-    print(f"\nsimulated: {model.name} on {hw.name} ({hw.source} figures)\n")
-    print(metrics.table(records))
-    if config.plots:
-        plots.all_plots(records, records[0]["summary"]["slo"], out_dir)
-    print(f"\nrun folder: {out_dir} ({path.name}, CSVs, plots)")
+    metrics.report(
+        out_dir, config, records, heading=f"\nsimulated: {model.name} on {hw.name} ({hw.source} figures)\n"
+    )
     return records
 
 
