@@ -83,9 +83,8 @@ class CostModel:
         m = self.model
         total = sum(m.layer_params(i, active=False) for i in range(m.layers))
         active = sum(m.layer_params(i, active=True) for i in range(m.layers))
-        moe = m.layers - m.dense_layers if m.experts else 0
-        experts_active = moe * self._expert_params(m.active_experts)
-        return total - moe * self._expert_params(m.experts), active - experts_active, experts_active
+        experts_active = m.moe_layers * self._expert_params(m.active_experts)
+        return total - m.moe_layers * self._expert_params(m.experts), active - experts_active, experts_active
 
     def _expert_params(self, routed: float) -> float:
         """One MoE layer's routed (`routed` of them) and shared experts' weights (0 for dense models)."""
@@ -96,14 +95,13 @@ class CostModel:
         """Bytes of weights a step over `tokens` tokens reads, over all ranks: the attention side, and of
         each MoE layer the expected distinct routed experts among tokens x active uniform picks."""
         m = self.model
-        moe = m.layers - m.dense_layers if m.experts else 0
         touched = m.experts * (1 - (1 - m.active_experts / m.experts) ** tokens) if m.experts else 0
-        return (self._params[0] + moe * self._expert_params(touched)) * m.bytes_per_param
+        return (self._params[0] + m.moe_layers * self._expert_params(touched)) * m.bytes_per_param
 
     def weight_bytes_per_rank(self) -> float:
         """What one rank holds: the attention side and embeddings sharded by TP, experts over all ranks."""
         m = self.model
-        experts = (m.layers - m.dense_layers) * self._expert_params(m.experts) if m.experts else 0
+        experts = m.moe_layers * self._expert_params(m.experts)
         embeddings = (1 if m.tied_embeddings else 2) * m.vocab * m.hidden
         return ((self._params[0] + embeddings) / self.tp + experts / self.ranks) * m.bytes_per_param
 
@@ -156,7 +154,7 @@ class CostModel:
             return 0.0
         nbytes = tokens / self.dp * m.active_experts * m.hidden * m.activation_bytes
         one = (self.ranks - 1) / self.ranks * nbytes / (self.hw.nvlink_bw * self.eff.comm)
-        return 2 * (m.layers - m.dense_layers) * one
+        return 2 * m.moe_layers * one
 
     # ---- steps -----------------------------------------------------------------------------------
 

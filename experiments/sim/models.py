@@ -33,6 +33,11 @@ class SimModel:
         return self.kv_lora_rank > 0
 
     @property
+    def moe_layers(self) -> int:
+        """Layers with experts (0 for a dense model)."""
+        return self.layers - self.dense_layers if self.experts else 0
+
+    @property
     def activation_bytes(self) -> int:
         """Activations (collectives' payload) share the KV cache's dtype."""
         return self.kv_bytes_per_elem or self.bytes_per_param

@@ -56,7 +56,6 @@ class Instance:
     slowdown: float = 1.0  # every step takes this many times the cost model's (measured work beside it)
     waiting: list = field(default_factory=list)
     running: list = field(default_factory=list)
-    busy_until: float = 0.0
     kv_used: float = 0.0
 
     @property
