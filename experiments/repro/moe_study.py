@@ -32,8 +32,7 @@ import argparse
 import sys
 from dataclasses import dataclass
 
-import numpy as np
-
+from experiments.metrics import percentiles
 from experiments.sim.cost import CostModel, Efficiency
 from experiments.sim.hardware import hardware
 from experiments.sim.models import sim_model
@@ -95,14 +94,13 @@ def measure(s: Setup, model, hw, eff, n, prompt, output, ttft, tpot) -> dict:
     reqs = poisson_requests(rate, n, prompt, output, seed=1)
     run(reqs)
     done = [r for r in reqs if r.done is not None]
-    tpots = np.array([r.tpot for r in done])
-    ttfts = np.array([r.ttft for r in done])
+    tpot, ttft = percentiles([r.tpot for r in done]), percentiles([r.ttft for r in done])
     span = max(r.done for r in done) - min(r.arrival for r in reqs)
     gpus = s.nodes * hw.devices_per_node
     row.update(
-        user_tok_s=1 / np.percentile(tpots, 50),
-        ttft_p50=np.percentile(ttfts, 50),
-        ttft_p90=np.percentile(ttfts, 90),
+        user_tok_s=1 / tpot["p50"],
+        ttft_p50=ttft["p50"],
+        ttft_p90=ttft["p90"],
         tok_s_gpu=sum(r.output for r in done) / span / gpus,
         qps_node=rate / (s.mixed or s.decode),
     )
