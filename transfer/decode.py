@@ -66,8 +66,6 @@ class Timing:
 @dataclass
 class _Pending:
     peer: _Peer
-    expected: int
-    nbytes: int
     slot: int
     sent_at: float  # time.monotonic, for deadlines
     prompt_tokens: int
@@ -75,6 +73,11 @@ class _Pending:
     accepted_at: float | None = None
     received: int = 0
     failed: str | None = None  # set once the request has failed; pages wait for Ended or the peer's death
+
+    @property
+    def expected(self) -> int:
+        """Writes to count before release: the plan's and the context write."""
+        return self.timing.writes
 
 
 class DecodeMessenger:
@@ -139,9 +142,7 @@ class DecodeMessenger:
         nbytes = int(writes[:, 5].sum()) + self.context[0].numel() * self.context.element_size()
         slot = self._free_slots.pop()
         timing = Timing(time.perf_counter(), peer, writes=len(writes) + 1, nbytes=nbytes)
-        self.pending[request_id] = _Pending(
-            target, len(writes) + 1, nbytes, slot, time.monotonic(), len(prompt_ids) - 1, timing
-        )
+        self.pending[request_id] = _Pending(target, slot, time.monotonic(), len(prompt_ids) - 1, timing)
         request = PrefillRequest(
             request_id, list(prompt_ids[:-1]), pages, self.spec, self._metadata, slot, seed
         )
