@@ -64,7 +64,6 @@ class PrefillMessenger:
     ):
         self.engine, self.backend, self.spec, self.counter = engine, backend, spec, counter
         self.config = config or TransferConfig()
-        self.layer_timeout_s = self.config.layer_timeout_s
         slots = self.config.context_slots
         self.context = torch.zeros(slots, hidden_size, dtype=torch.float32)  # staging for context writes
         backend.register(list(kv_regions) + [self.context])
@@ -214,11 +213,13 @@ class PrefillMessenger:
                 by_layer[layer].append((t, layer_rows))
         layer, num_layers = 0, self.spec.num_layers
         while layer < num_layers:
-            deadline = time.monotonic() + self.layer_timeout_s
+            deadline = time.monotonic() + self.config.layer_timeout_s
             while int(self.counter[0, layer]) < target:  # the kernel bumps it once the layer is stored
                 if time.monotonic() > deadline:
                     for t, _ in by_layer[layer]:
-                        t.error = f"layer {layer} not done within layer_timeout_s={self.layer_timeout_s}"
+                        t.error = (
+                            f"layer {layer} not done within layer_timeout_s={self.config.layer_timeout_s}"
+                        )
                     return
                 self._reap()  # drives earlier layers' writes and their notifications meanwhile
                 time.sleep(POLL_S)  # never spin: on a worker pinned to few cores it would steal the pass's
