@@ -183,17 +183,29 @@ def from_cfg(cfg) -> RunConfig:
     except ImportError:  # a plain dict
         pass
     model = _dataclass(ModelSpec, "model", cfg.get("model"))
-    deployments = cfg.get("deployments") or [cfg.get("deployment")]
-    deployments = tuple(_dataclass(DeploymentConfig, "deployment", d) for d in deployments)
+    transfer = _dataclass(TransferConfig, "transfer", cfg.get("transfer"))
+    run = {k: cfg[k] for k in ("run_timeout_s", "start_timeout_s", "plots") if k in cfg}
+    return RunConfig(model, deployments_of(cfg), workload_of(cfg), slo_of(cfg), transfer, **run)
+
+
+def deployments_of(cfg: dict) -> tuple[DeploymentConfig, ...]:
+    """`deployments` (a list), else the one `deployment`, checked. Also the simulator's."""
+    return tuple(
+        _dataclass(DeploymentConfig, "deployment", d)
+        for d in (cfg.get("deployments") or [cfg.get("deployment")])
+    )
+
+
+def workload_of(cfg: dict) -> WorkloadConfig:
     w = dict(cfg.get("workload") or {})
     for key in ("prompt_len", "output_len"):
         if key in w:
             w[key] = _dataclass(LengthDist, f"workload.{key}", w[key])
-    workload = _dataclass(WorkloadConfig, "workload", w)
-    slo = _dataclass(SloConfig, "slo", cfg.get("slo"))
-    transfer = _dataclass(TransferConfig, "transfer", cfg.get("transfer"))
-    run = {k: cfg[k] for k in ("run_timeout_s", "start_timeout_s", "plots") if k in cfg}
-    return RunConfig(model, deployments, workload, slo, transfer, **run)
+    return _dataclass(WorkloadConfig, "workload", w)
+
+
+def slo_of(cfg: dict) -> SloConfig:
+    return _dataclass(SloConfig, "slo", cfg.get("slo"))
 
 
 def check_fits_model(config: RunConfig):

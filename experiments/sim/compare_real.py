@@ -17,9 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
-from experiments.config import DeploymentConfig, LengthDist, SloConfig, WorkloadConfig
+from experiments.config import from_cfg
 from experiments.metrics import request_rows, summarize
 from experiments.sim.calibrate import calibrate_from_run
 from experiments.sim.cost import Efficiency
@@ -40,7 +41,6 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-slowdown", type=float, default=1.0)
     args = ap.parse_args(argv)
     saved = json.loads(args.results.read_text())
-    cfg = saved["config"]
     hw = load_hardware(args.hardware)
     if args.linear is not None:
         eff = Efficiency(args.linear, args.linear, args.memory, step_overhead_s=args.overhead_ms / 1e3,
@@ -50,18 +50,16 @@ def main(argv=None) -> int:
         source = args.calibrate_from or args.results
         cal = calibrate_from_run(json.loads(Path(source).read_text()), hw)
         eff, slowdown = cal["efficiency"], cal["prefill_slowdown"]
-    model = sim_model(cfg["model"]["name"])
-    w = dict(cfg["workload"])
-    w["prompt_len"], w["output_len"] = LengthDist(**w["prompt_len"]), LengthDist(**w["output_len"])
-    deployments = {d["name"]: DeploymentConfig(**d) for d in cfg["deployments"]}
-    slo = SloConfig(**cfg["slo"])
+    config = from_cfg(saved["config"])
+    model, slo = sim_model(config.model.name), config.slo
+    deployments = {d.name: d for d in config.deployments}
     print(f"{model.name} on {hw.name} ({hw.source}); factors ({source}): linear {eff.linear:.2f}, "
           f"memory {eff.memory:.2f}, overhead {1e3 * eff.step_overhead_s:.1f} ms a step + "
           f"{1e3 * eff.seq_overhead_s:.2f} ms a sequence, prefill slowdown {slowdown:.2f}")  # fmt: skip
     print(f"{'run':<22}{'metric':<10}{'measured ms':>12}{'sim ms':>9}{'error':>8}")
     errors = []
     for rec in saved["runs"]:
-        workload = WorkloadConfig(**{**w, "rate": rec["rate"]})
+        workload = replace(config.workload, rate=rec["rate"])
         d = deployments[rec["deployment"]]
         reqs = sorted(rec["requests"], key=lambda r: r["arrival_s"])
         trace = tuple([r[k] for r in reqs] for k in ("arrival_s", "prompt_tokens", "output_tokens"))

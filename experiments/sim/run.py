@@ -16,13 +16,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from experiments.config import (
     DeploymentConfig,
-    LengthDist,
     ModelSpec,
     RunConfig,
-    SloConfig,
     WorkloadConfig,
     _dataclass,
+    deployments_of,
     run_job,
+    slo_of,
+    workload_of,
 )
 from experiments.driver import DeploymentRun
 from experiments.sim.cost import CostModel, Efficiency
@@ -93,16 +94,9 @@ def run_sim(cfg: DictConfig, out_dir: Path) -> list[dict]:
         raise ValueError(
             f"first_token_on={c.get('first_token_on')!r} is not allowed: one of ('prefill', 'decode')"
         )
-    deployments = tuple(
-        _dataclass(DeploymentConfig, "deployment", d) for d in (c.get("deployments") or [c["deployment"]])
-    )
-    w = dict(c["workload"])
-    for key in ("prompt_len", "output_len"):
-        w[key] = _dataclass(LengthDist, f"workload.{key}", w[key])
-    workload = _dataclass(WorkloadConfig, "workload", w)
+    deployments, workload, slo = deployments_of(c), workload_of(c), slo_of(c)
     if workload.arrival != "poisson" or workload.prompts_file:
         raise ValueError("the simulator needs workload.arrival=poisson and random prompts (no prompts_file)")
-    slo = _dataclass(SloConfig, "slo", c.get("slo"))
     config = RunConfig(
         ModelSpec(model.name), deployments, workload, slo, TransferConfig(), plots=bool(c.get("plots"))
     )
