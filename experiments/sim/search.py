@@ -18,7 +18,7 @@ from pathlib import Path
 
 import hydra
 
-from experiments.config import SloConfig, _dataclass, run_job
+from experiments.config import _dataclass, run_job, slo_of
 from experiments.sim.cost import CostModel, Efficiency
 from experiments.sim.models import sim_model
 from experiments.sim.simulate import (
@@ -129,7 +129,7 @@ def run_search(cfg, out_dir: Path) -> list[tuple[float, Placement]]:
     c = OmegaConf.to_container(cfg, resolve=True)
     model, hw = sim_model(c["sim_model"]), hardware_of(c["hardware"])
     eff = _dataclass(Efficiency, "efficiency", c["efficiency"])
-    slo = _dataclass(SloConfig, "slo", c["slo"])
+    slo = slo_of(c)
     for key in ("gpus", "prompt", "output", "requests"):
         if not (isinstance(c[key], int) and c[key] > 0):
             raise ValueError(f"{key}={c[key]!r} is not allowed: must be an integer > 0")
