@@ -15,7 +15,8 @@ setup(
         "tokenizers",
         "safetensors",
         "jinja2",  # chat templates
-        "pyzmq",  # control channel between workers
+        "pyzmq",  # control channel between workers (CURVE-authenticated)
+        "msgspec",  # the typed wire format of every socket (transfer/wire.py)
         "hydra-core",  # the experiment CLI (experiments/run.py)
         "hydra-joblib-launcher",  # parallel sweeps
         "matplotlib",

@@ -9,7 +9,8 @@ its messenger) can read and write every rank's pages. Only the lead samples and 
 from __future__ import annotations
 
 import os
-import socket
+import shutil
+import tempfile
 import time
 import traceback
 from dataclasses import replace
@@ -29,16 +30,13 @@ START_TIMEOUT_S = 300  # loading SmolLM2 takes seconds per rank; this bounds a r
 COLLECTIVE_TIMEOUT = timedelta(seconds=120)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def init_rank(rank: int, size: int, port: int, device: str) -> None:
+def init_rank(rank: int, size: int, rendezvous: str, device: str) -> None:
+    """Join the group through a file store in the lead's private directory (no listening socket); gloo's
+    own connections stay on loopback unless GLOO_SOCKET_IFNAME names another interface."""
     backend = "nccl" if device.startswith("cuda") else "gloo"
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group(
-        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT
+        backend, init_method=f"file://{rendezvous}", rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT
     )
 
 
@@ -53,7 +51,7 @@ def build_rank(model_name: str, config: EngineConfig, rank: int) -> tuple[Model,
 
 
 def _rank_main(
-    rank: int, model_name: str, config: EngineConfig, port: int, conn, backend: str, lead: int
+    rank: int, model_name: str, config: EngineConfig, rendezvous: str, conn, backend: str, lead: int
 ) -> None:
     """Ranks 1..N-1: build the shard, hand the lead the KV cache, then mirror each step until told to stop."""
     try:
@@ -61,7 +59,7 @@ def _rank_main(
         ops.set_backend(backend)  # the lead's choice, not this process's environment
         model, kv_cache = build_rank(model_name, config, rank)
         conn.send(("ready", kv_cache))  # before the rendezvous, so the lead learns of load failures at once
-        init_rank(rank, config.tp, port, config.device)
+        init_rank(rank, config.tp, rendezvous, config.device)
         while True:
             if not conn.poll(1.0):
                 if os.getppid() != lead:  # the lead died (reparented): nobody will send another step
@@ -85,18 +83,19 @@ class TPGroup:
 
     def __init__(self, model_name: str, config: EngineConfig):
         self.size = config.tp
-        port = _free_port()
+        self._dir = tempfile.mkdtemp(prefix="pdk-tp-")  # mode 0700
+        rendezvous = os.path.join(self._dir, "rendezvous")
         ctx = mp.get_context("spawn")
         self.conns, self.procs = [], []
         for rank in range(1, self.size):
             lead_end, rank_end = ctx.Pipe()
-            args = (rank, model_name, config, port, rank_end, ops.get_backend(), os.getpid())
+            args = (rank, model_name, config, rendezvous, rank_end, ops.get_backend(), os.getpid())
             proc = ctx.Process(target=_rank_main, args=args, daemon=True)
             proc.start()
             self.conns.append(lead_end)
             self.procs.append(proc)
         self.kv_caches = [self._await_ready(rank) for rank in range(1, self.size)]
-        init_rank(0, self.size, port, config.device)
+        init_rank(0, self.size, rendezvous, config.device)
 
     def _await_ready(self, rank: int) -> torch.Tensor:
         conn, proc = self.conns[rank - 1], self.procs[rank - 1]
@@ -138,3 +137,4 @@ class TPGroup:
         self.procs, self.conns = [], []
         if dist.is_initialized():
             dist.destroy_process_group()
+        shutil.rmtree(self._dir, ignore_errors=True)

@@ -6,31 +6,44 @@ tokens. Requests arrive on the workload's schedule (Poisson) or keep a fixed num
 that dies mid-run is noticed: a dead prefill worker is reported to every decode worker (its in-flight
 requests fail at once, their pages are freed); a dead decode worker's requests are recorded as errors.
 Whatever happens (an error, Ctrl-C), every child process is stopped before `run_deployment` returns.
+
+The driver makes the deployment's keyring (transfer.auth) and binds one ROUTER socket that accepts only
+its workers' keys; a message counts only when its ZMQ identity is the worker its key belongs to. Control
+sockets live in a private directory (`ipc://`, the default) or bind to `transfer.control_host`
+(`tcp://`), always behind CURVE.
 """
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import os
-import pickle
 import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
 
 from experiments.config import DeploymentConfig, RunConfig
-from experiments.worker import (
+from experiments.messages import (
+    Connect,
     Failed,
+    Listening,
     PeerDead,
     Ready,
     Result,
     Stop,
     Submit,
     Timeline,
-    WorkerSpec,
-    worker_main,
+    driver_codec,
 )
+from experiments.worker import WorkerSpec, worker_main
 from experiments.workload import Request
+from transfer.auth import Credentials, keyring
+from transfer.config import TransferConfig
+from transfer.wire import MAX_MESSAGE_BYTES, WireError
+
+log = logging.getLogger(__name__)
+_CODEC = driver_codec()
 
 
 @dataclass
@@ -45,8 +58,16 @@ class DeploymentRun:
     end: float = 0.0
 
 
-def worker_specs(config: RunConfig, d: DeploymentConfig, driver: str, ipc_dir: str) -> list[WorkerSpec]:
-    """Every worker of a deployment, with its peers and its cores (threads x TP each, round robin)."""
+def worker_names(d: DeploymentConfig) -> list[str]:
+    if d.kind == "colocated":
+        return [f"colocated-{i}" for i in range(d.num_workers)]
+    return [f"prefill-{i}" for i in range(d.num_prefill)] + [f"decode-{i}" for i in range(d.num_decode)]
+
+
+def worker_specs(
+    config: RunConfig, d: DeploymentConfig, driver: str, run_dir: str, keys: dict[str, Credentials]
+) -> list[WorkerSpec]:
+    """Every worker of a deployment, with its peers, keys and cores (threads x TP each, round robin)."""
     ncpu = len(os.sched_getaffinity(0))
     next_core = 0
 
@@ -57,40 +78,21 @@ def worker_specs(config: RunConfig, d: DeploymentConfig, driver: str, ipc_dir: s
         next_core += n
         return out
 
-    common = dict(model=config.model, deployment=d, transfer=config.transfer, driver_address=driver)
-    if d.kind == "colocated":
-        return [
-            WorkerSpec(f"colocated-{i}", "colocated", tp=d.tp, cores=cores(d.tp), seed=i, **common)
-            for i in range(d.num_workers)
-        ]
-    prefill = [f"prefill-{i}" for i in range(d.num_prefill)]
-    decode = [f"decode-{i}" for i in range(d.num_decode)]
-
-    def address(dn: str, pn: str) -> str:
-        return f"ipc://{ipc_dir}/{dn}-{pn}"
-
-    specs = [
-        WorkerSpec(
-            p,
-            "prefill",
-            tp=d.prefill_tp,
-            cores=cores(d.prefill_tp),
-            peers=tuple((dn, address(dn, p)) for dn in decode),
-            **common,
+    names = worker_names(d)
+    prefill = tuple(n for n in names if n.startswith("prefill-"))
+    decode = tuple(n for n in names if n.startswith("decode-"))
+    common = dict(
+        model=config.model, deployment=d, transfer=config.transfer, driver_address=driver, run_dir=run_dir
+    )
+    specs = []
+    for name in names:
+        role = name.split("-")[0]
+        tp = {"colocated": d.tp, "prefill": d.prefill_tp, "decode": d.decode_tp}[role]
+        peers = {"colocated": (), "prefill": decode, "decode": prefill}[role]
+        seed = int(name.split("-")[1]) if role == "colocated" else 0
+        specs.append(
+            WorkerSpec(name, role, creds=keys[name], peers=peers, tp=tp, cores=cores(tp), seed=seed, **common)
         )
-        for p in prefill
-    ]
-    specs += [
-        WorkerSpec(
-            dn,
-            "decode",
-            tp=d.decode_tp,
-            cores=cores(d.decode_tp),
-            peers=tuple((p, address(dn, p)) for p in prefill),
-            **common,
-        )
-        for dn in decode
-    ]
     return specs
 
 
@@ -103,14 +105,11 @@ def run_deployment(
     import zmq
 
     run = DeploymentRun(d, requests)
-    ipc_dir = tempfile.mkdtemp(prefix="pdk-")
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    driver_address = f"ipc://{ipc_dir}/driver"
-    sock.bind(driver_address)
-    specs = worker_specs(config, d, driver_address, ipc_dir)
+    run_dir = tempfile.mkdtemp(prefix="pdk-")  # mode 0700: only this user reaches its sockets
+    keys = keyring(["driver"] + worker_names(d))
+    sock = driver_socket(keys, run_dir, config.transfer)
+    driver_address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    specs = worker_specs(config, d, driver_address, run_dir, keys)
     if mp.get_start_method(allow_none=True) not in (None, "spawn", "fork", "forkserver"):
         # inside a joblib (loky) sweep job: spawned children would look for a 'loky' context and fail
         mp.set_start_method("spawn", force=True)
@@ -120,22 +119,49 @@ def run_deployment(
     try:
         for p in procs.values():
             p.start()  # not daemons: a worker with TP > 1 starts its own rank processes
-        _await_ready(sock, procs, config.start_timeout_s)
+        _await_ready(sock, procs, roles, config.start_timeout_s)
         _serve(run, config, sock, procs, roles, progress, hooks)
     finally:
         _stop_all(run, sock, procs)
         sock.close()
-        shutil.rmtree(ipc_dir, ignore_errors=True)
+        shutil.rmtree(run_dir, ignore_errors=True)
     return run
 
 
-def _recv(sock) -> list[tuple[str, object]]:
+def driver_socket(keys: dict[str, Credentials], run_dir: str, transfer: TransferConfig):
+    """The driver's ROUTER socket, bound and accepting only the keyring's workers."""
     import zmq
+
+    from transfer.auth import serve
+
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+    serve(sock, keys["driver"], f"driver:{run_dir}", [n for n in keys if n != "driver"])
+    t = transfer
+    sock.bind(f"ipc://{run_dir}/driver" if t.control_transport == "ipc" else f"tcp://{t.control_host}:0")
+    return sock
+
+
+def _recv(sock) -> list[tuple[str, object]]:
+    """(worker, message) for every valid message waiting; a frame whose identity is not the worker its
+    key belongs to, or that does not decode, is dropped and logged."""
+    import zmq
+
+    from transfer.auth import sender
 
     out = []
     while sock.poll(0, zmq.POLLIN):
-        ident, data = sock.recv_multipart()
-        out.append((ident.decode(), pickle.loads(data)))
+        frames = sock.recv_multipart(copy=False)
+        name = frames[0].bytes.decode(errors="replace")
+        if len(frames) != 2 or sender(frames[1]) != name:
+            log.warning("dropped a message whose identity %r is not its sender's", name)
+            continue
+        try:
+            out.append((name, _CODEC.decode(frames[1].bytes)))
+        except WireError as e:
+            log.warning("from %s: %s", name, e)
     return out
 
 
@@ -143,14 +169,16 @@ def _send(sock, name: str, msg) -> bool:
     import zmq
 
     try:
-        sock.send_multipart([name.encode(), pickle.dumps(msg)], zmq.NOBLOCK)
+        sock.send_multipart([name.encode(), _CODEC.encode(msg)], zmq.NOBLOCK)
         return True
     except zmq.ZMQError:  # the worker is gone (ROUTER_MANDATORY) or not taking messages
         return False
 
 
-def _await_ready(sock, procs, timeout_s: float) -> None:
-    ready, give_up = set(), time.monotonic() + timeout_s
+def _await_ready(sock, procs, roles, timeout_s: float) -> None:
+    """Every worker Ready; once every decode worker listens, tell each prefill worker where."""
+    ready, listening, give_up = set(), {}, time.monotonic() + timeout_s
+    decode = [n for n, r in roles.items() if r == "decode"]
     while len(ready) < len(procs):
         sock.poll(100)
         for name, msg in _recv(sock):
@@ -158,6 +186,11 @@ def _await_ready(sock, procs, timeout_s: float) -> None:
                 raise RuntimeError(f"worker {name} failed to start:\n{msg.error}")
             if isinstance(msg, Ready):
                 ready.add(name)
+            elif isinstance(msg, Listening) and roles[name] == "decode":
+                listening[name] = msg.addresses
+                if len(listening) == len(decode):
+                    for p in (n for n, r in roles.items() if r == "prefill"):
+                        _send(sock, p, Connect({dn: listening[dn].get(p, "") for dn in decode}))
         dead = [n for n, p in procs.items() if not p.is_alive()]
         if dead:
             raise RuntimeError(

@@ -1,24 +1,42 @@
 """One serving worker process (colocated, prefill or decode), started and driven by experiments.driver.
 
-Each worker talks to the driver over a pyzmq DEALER socket (its name as identity): it says Ready once
-its engine (and TP ranks, and every messenger peer) is up, takes Submit and PeerDead, answers each
-request with a Result, and sends its per-step timeline on Stop. Prefill and decode workers also run
-the KV messenger: a decode worker binds one PAIR socket per prefill worker; each prefill worker
-connects to every decode worker and announces itself with a Hello. A worker exits when told to, or
-when its parent (the driver) is gone.
+Each worker talks to the driver over a pyzmq DEALER socket (its name as identity, its CURVE key as
+proof: transfer.auth), in the typed messages of experiments.messages. It says Listening once its engine
+is up (a decode worker with the control addresses it bound, one authenticated PAIR socket per prefill
+worker), then Ready once every messenger peer is connected (a prefill worker connects to the addresses
+the driver forwards in Connect and announces itself with a Hello). It takes Submit and PeerDead,
+answers each request with a Result (a bad request too: with its error), and sends its per-step
+timeline on Stop. A worker exits when told to, or when its parent (the driver) is gone.
 """
 
 from __future__ import annotations
 
+import logging
 import os
-import pickle
 import time
 import traceback
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from experiments.config import DeploymentConfig, ModelSpec
+from experiments.messages import (
+    Connect,
+    Failed,
+    Listening,
+    PeerDead,
+    Ready,
+    Result,
+    Stop,
+    Submit,
+    Timeline,
+    worker_codec,
+)
+from transfer.auth import Credentials
 from transfer.config import TransferConfig
+from transfer.wire import MAX_MESSAGE_BYTES, WireError
+
+log = logging.getLogger(__name__)
+HELLO_TIMEOUT_S = 300.0  # a decode worker waits this long for each prefill worker's Hello
 
 
 @dataclass(frozen=True)
@@ -29,76 +47,32 @@ class WorkerSpec:
     deployment: DeploymentConfig
     transfer: TransferConfig
     driver_address: str
-    peers: tuple[tuple[str, str], ...] = ()  # (peer worker name, PAIR address) for the messenger
+    creds: Credentials  # this worker's keys and the deployment's directory
+    run_dir: str  # private (0700) directory for its ipc:// sockets
+    peers: tuple[str, ...] = ()  # the messenger's peer workers
     cores: tuple[int, ...] = ()  # CPU affinity (empty: leave as is)
     tp: int = 1
     seed: int = 0
 
 
-@dataclass(frozen=True)
-class Ready:
-    name: str
-
-
-@dataclass(frozen=True)
-class Submit:
-    request_id: str
-    prompt_ids: list[int]
-    max_tokens: int
-
-
-@dataclass(frozen=True)
-class PeerDead:
-    name: str
-
-
-@dataclass(frozen=True)
-class Stop:
-    pass
-
-
-@dataclass
-class Result:
-    request_id: str
-    worker: str
-    output_ids: list[int]
-    received: float  # perf_counter when the worker took the request
-    scheduled: float | None  # first in a batch on this worker (local prefill or decode)
-    token_times: list[float]
-    finish_reason: str | None
-    error: str | None
-    prefill: str = "local"  # local | remote
-    prefill_worker: str | None = None
-    transfer_bytes: int = 0
-    transfer_s: float | None = None  # PrefillRequest sent -> every write landed
-
-
-@dataclass
-class Timeline:
-    name: str
-    role: str
-    steps: list = field(default_factory=list)  # (start, end, prefill tokens, decode tokens)
-
-
-@dataclass(frozen=True)
-class Failed:
-    name: str
-    error: str
-
-
 def worker_main(spec: WorkerSpec) -> None:
     import zmq
 
+    from transfer.auth import connect_as
+
+    codec = worker_codec()
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, spec.name.encode())
     sock.setsockopt(zmq.LINGER, 1000)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+    connect_as(sock, spec.creds, "driver")
     sock.connect(spec.driver_address)
     try:
         Worker(spec, sock).serve()
     except KeyboardInterrupt:
         pass
     except Exception:
-        sock.send(pickle.dumps(Failed(spec.name, traceback.format_exc())))
+        sock.send(codec.encode(Failed(spec.name, traceback.format_exc())))
     finally:
         sock.close()
 
@@ -111,6 +85,7 @@ class Worker:
         from pdkernels import ops
 
         self.spec, self.sock, self.parent = spec, sock, os.getppid()
+        self.codec = worker_codec()
         if spec.cores:
             os.sched_setaffinity(0, spec.cores)
         torch.set_num_threads(spec.deployment.threads_per_worker)
@@ -138,32 +113,67 @@ class Worker:
         from engine.disagg import decode_messenger, prefill_messenger
         from transfer.backends import make_backend
         from transfer.channel import ZmqEndpoint
-        from transfer.protocol import wait_hello
+        from transfer.protocol import decode_codec, prefill_codec, wait_hello
 
-        t = self.spec.transfer
-        backend = make_backend(t.backend, f"{self.spec.name}-{os.getpid()}", engine=t.nixl_engine)
-        if self.spec.role == "prefill":
+        spec, t = self.spec, self.spec.transfer
+        name = f"{spec.name}-{os.getpid()}"
+        kwargs = dict(engine=t.nixl_engine, devices=t.nixl_devices) if t.backend == "nixl" else {}
+        backend = make_backend(t.backend, name, **kwargs)
+        if spec.role == "prefill":
             self.pm = prefill_messenger(self.llm, backend, t)
-            for _, address in self.spec.peers:
-                self.pm.add_peer(ZmqEndpoint(address, bind=False))
+            self._send(Listening(spec.name, {}))
+            for peer, address in self._await_connect().items():
+                self.pm.add_peer(ZmqEndpoint(address, False, spec.creds, peer, prefill_codec()))
             return
         self.dm = decode_messenger(self.llm, backend, t)
-        for name, address in self.spec.peers:
-            channel = ZmqEndpoint(address, bind=True)
-            hello = wait_hello(channel, timeout_s=300, alive=lambda: os.getppid() == self.parent)
-            self.dm.add_peer(name, channel, hello)
+        channels = {}
+        for peer in spec.peers:
+            address = (
+                f"ipc://{spec.run_dir}/{spec.name}-{peer}"
+                if t.control_transport == "ipc"
+                else f"tcp://{t.control_host}:0"
+            )
+            channels[peer] = ZmqEndpoint(address, True, spec.creds, peer, decode_codec())
+        self._send(Listening(spec.name, {p: c.address for p, c in channels.items()}))
+        for peer, channel in channels.items():
+            alive = lambda: os.getppid() == self.parent  # noqa: E731
+            self.dm.add_peer(peer, channel, wait_hello(channel, timeout_s=HELLO_TIMEOUT_S, alive=alive))
+            log.info("%s: prefill worker %s connected", spec.name, peer)
+
+    def _await_connect(self) -> dict[str, str]:
+        """The decode workers' addresses, from the driver's Connect."""
+        import zmq
+
+        give_up = time.monotonic() + HELLO_TIMEOUT_S
+        while time.monotonic() < give_up and os.getppid() == self.parent:
+            if self.sock.poll(100, zmq.POLLIN):
+                msg = self._recv()
+                if isinstance(msg, Connect):
+                    return msg.addresses
+        raise TimeoutError(f"{self.spec.name}: no Connect from the driver within {HELLO_TIMEOUT_S} s")
+
+    def _send(self, msg) -> None:
+        self.sock.send(self.codec.encode(msg))
+
+    def _recv(self):
+        """The next message from the driver, or None for one that does not decode (dropped, logged)."""
+        try:
+            return self.codec.decode(self.sock.recv())
+        except WireError as e:
+            log.warning("%s: %s", self.spec.name, e)
+            return None
 
     def serve(self) -> None:
         import zmq
 
-        self.sock.send(pickle.dumps(Ready(self.spec.name)))
+        self._send(Ready(self.spec.name))
         while os.getppid() == self.parent:
             busy = self.llm.has_unfinished() or self.backlog or (self.dm and self.dm.pending)
             if self.sock.poll(0 if busy or self.pm else 1, zmq.POLLIN):
                 while self.sock.poll(0, zmq.POLLIN):
-                    msg = pickle.loads(self.sock.recv())
+                    msg = self._recv()
                     if isinstance(msg, Stop):
-                        self.sock.send(pickle.dumps(self.timeline))
+                        self._send(self.timeline)
                         return
                     self._handle(msg)
             if self.pm is not None:
@@ -183,13 +193,22 @@ class Worker:
         if isinstance(msg, PeerDead) and self.dm is not None:
             self.dm.peer_dead(msg.name)
         elif isinstance(msg, Submit):
-            self.live[msg.request_id] = time.perf_counter()
-            params = SamplingParams(max_tokens=msg.max_tokens, ignore_eos=True)
+            received = time.perf_counter()
             d = self.spec.deployment
-            if self.dm is None or len(msg.prompt_ids) <= d.local_prefill_max_tokens:
-                self.llm.add_request(msg.prompt_ids, params, request_id=msg.request_id)
-            else:
-                self.backlog.append((msg, params))
+            try:  # a bad request fails alone, with its error
+                params = SamplingParams(max_tokens=msg.max_tokens, ignore_eos=True)
+                if msg.request_id in self.live:
+                    raise ValueError(f"request_id {msg.request_id!r} is already in flight here")
+                if self.dm is None or len(msg.prompt_ids) <= d.local_prefill_max_tokens:
+                    self.llm.add_request(msg.prompt_ids, params, request_id=msg.request_id)
+                else:
+                    self.llm.make_sequence(msg.prompt_ids, params, msg.request_id)  # check it now
+                    self.backlog.append((msg, params))
+            except (ValueError, TypeError) as e:
+                log.warning("%s: refused request %s: %s", self.spec.name, msg.request_id, e)
+                self._send(Result(msg.request_id, self.spec.name, [], received, None, [], "error", str(e)))
+                return
+            self.live[msg.request_id] = received
 
     def _drain_backlog(self) -> None:
         from engine.kv_cache import OutOfPages
@@ -200,6 +219,11 @@ class Worker:
                 self.dm.submit(msg.request_id, msg.prompt_ids, params)
             except OutOfPages:
                 return  # pages come back as running requests finish
+            except (ValueError, TypeError) as e:  # the plan or the engine refused it: it fails alone
+                self.live.pop(msg.request_id, None)
+                self._send(
+                    Result(msg.request_id, self.spec.name, [], time.perf_counter(), None, [], "error", str(e))
+                )
             self.backlog.popleft()
 
     def _step(self) -> None:
@@ -225,7 +249,7 @@ class Worker:
                 seq.finish_reason,
                 seq.error,
             )
-            timing = self.dm.timings.pop(rid, None) if self.dm is not None else None
+            timing = self.dm.timings.get(rid) if self.dm is not None else None
             if timing is not None:
                 result.prefill, result.transfer_bytes = "remote", timing.nbytes
                 result.transfer_s = timing.landed - timing.sent
@@ -233,5 +257,7 @@ class Worker:
                 result.prefill_worker = timing.peer
             elif self.dm is not None and len(seq.prompt_ids) > self.spec.deployment.local_prefill_max_tokens:
                 result.prefill = "remote"  # its transfer failed (or it was recomputed here)
-            self.sock.send(pickle.dumps(result))
+            self._send(result)
             del self.llm.seqs[rid]
+            if self.dm is not None:
+                self.dm.forget(rid)

@@ -11,12 +11,16 @@ from dataclasses import dataclass, fields
 BACKENDS = ("nixl", "local")
 NIXL_ENGINES = ("UCX", "LIBFABRIC")
 FAILURE_POLICIES = ("fail", "recompute")
+CONTROL_TRANSPORTS = ("ipc", "tcp")
 
 
 @dataclass(frozen=True)
 class TransferConfig:
     backend: str = "nixl"  # nixl (real transfers, across processes) | local (in-process copies, tests)
     nixl_engine: str = "UCX"  # UCX: loopback, ConnectX, InfiniBand | LIBFABRIC: EFA
+    nixl_devices: str = "lo"  # network devices UCX may use (UCX_NET_DEVICES, e.g. mlx5_0:1,eth0) | all
+    control_transport: str = "ipc"  # ipc: sockets in the run's private directory (one host) | tcp
+    control_host: str = "127.0.0.1"  # the interface tcp control sockets bind to
     handshake_timeout_s: float = 10.0  # PrefillRequest sent -> the prefill worker accepted it
     first_layer_timeout_s: float = 60.0  # accepted -> the first write landed (queueing there counts)
     completion_timeout_s: float = 300.0  # PrefillRequest sent -> every write landed
@@ -31,6 +35,7 @@ class TransferConfig:
             "backend": BACKENDS,
             "nixl_engine": NIXL_ENGINES,
             "on_transfer_failure": FAILURE_POLICIES,
+            "control_transport": CONTROL_TRANSPORTS,
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -39,5 +44,8 @@ class TransferConfig:
             value = getattr(self, f.name)
             if f.name.endswith("_s") and not (isinstance(value, int | float) and value > 0):
                 raise ValueError(f"transfer.{f.name} must be a number of seconds > 0, got {value!r}")
+        for name in ("nixl_devices", "control_host"):
+            if not (isinstance(getattr(self, name), str) and getattr(self, name)):
+                raise ValueError(f"transfer.{name} must be a non-empty string, got {getattr(self, name)!r}")
         if not (isinstance(self.context_slots, int) and self.context_slots > 0):
             raise ValueError(f"transfer.context_slots must be an integer > 0, got {self.context_slots!r}")

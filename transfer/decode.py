@@ -10,13 +10,19 @@ ends at once with an error, or with `on_transfer_failure: recompute` is prefille
 pages stay pinned until nothing can still land in them: the prefill side's Ended says so, or its
 process is known to be gone. A peer that is only silent (hung, not dead) keeps its requests' pages
 quarantined until it either answers or dies, so a late write can never land in another request's page.
+
+Messages count only from the peer that owns the request: Accepted and Ended from its control channel,
+write notifications from its transfer agent (named in its Hello), each post's notification once.
+Anything else is dropped and counted in `dropped`.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -26,6 +32,8 @@ from transfer.backends import Backend
 from transfer.config import TransferConfig
 from transfer.plan import ShardSpec, plan_array
 from transfer.protocol import Abort, Accepted, Ended, Hello, PrefillRequest, parse_notif
+
+log = logging.getLogger(__name__)
 
 
 class DecodeEngine(Protocol):
@@ -72,6 +80,7 @@ class _Pending:
     timing: Timing
     accepted_at: float | None = None
     received: int = 0
+    posts: set[int] = field(default_factory=set)  # post numbers counted (a duplicate counts once)
     failed: str | None = None  # set once the request has failed; pages wait for Ended or the peer's death
 
     @property
@@ -98,8 +107,10 @@ class DecodeMessenger:
         self._free_slots = list(range(self.config.context_slots))
         self.peers: dict[str, _Peer] = {}
         self.pending: dict[str, _Pending] = {}
-        self.contexts: dict[str, Tensor] = {}  # last prefilled hidden state of each admitted request
-        self.timings: dict[str, Timing] = {}  # of every admitted request
+        # last prefilled hidden state and transfer timing of each admitted request, until `forget`
+        self.contexts: dict[str, Tensor] = {}
+        self.timings: dict[str, Timing] = {}
+        self.dropped: Counter[str] = Counter()  # messages not counted, by why
         self._seeds = itertools.count()
 
     def add_peer(self, name: str, channel, hello: Hello) -> None:
@@ -120,6 +131,10 @@ class DecodeMessenger:
             live = [n for n, p in self.peers.items() if not p.lost] or list(self.peers)
             peer = min(live, key=self.outstanding_tokens)
         target = self.peers[peer]
+        if len(prompt_ids) > 1:  # plan before anything is taken: a plan that raises leaves nothing behind
+            # counts do not depend on which pages are used: plan against placeholder ids
+            placeholder = list(range(-(-(len(prompt_ids) - 1) // self.spec.page_size)))
+            writes = plan_array(target.hello.spec, self.spec, placeholder, placeholder)
         pages = self.engine.reserve(request_id, prompt_ids, params)
         if len(prompt_ids) == 1:  # nothing to prefill: decode runs the only token
             self.engine.admit(request_id)
@@ -136,20 +151,21 @@ class DecodeMessenger:
             self.engine.free(request_id)
             return
         seed = next(self._seeds)
-        # counts do not depend on which source pages are used: plan against placeholder ids
-        placeholder = list(range(len(pages)))
-        writes = plan_array(target.hello.spec, self.spec, placeholder, pages, seed=seed)
         nbytes = int(writes[:, 5].sum()) + self.context[0].numel() * self.context.element_size()
         slot = self._free_slots.pop()
         timing = Timing(time.perf_counter(), peer, writes=len(writes) + 1, nbytes=nbytes)
-        self.pending[request_id] = _Pending(target, slot, time.monotonic(), len(prompt_ids) - 1, timing)
+        pending = _Pending(target, slot, time.monotonic(), len(prompt_ids) - 1, timing)
+        self.pending[request_id] = pending
         request = PrefillRequest(
             request_id, list(prompt_ids[:-1]), pages, self.spec, self._metadata, slot, seed
         )
         try:
             target.channel.send(request)
-        except TimeoutError as e:
-            self._fail(request_id, self.pending[request_id], f"could not reach prefill worker {peer}: {e}")
+        except TimeoutError as e:  # nothing was sent: nothing can land, the pages are safe at once
+            pending.failed = f"could not reach prefill worker {peer}: {e}"
+            if self.config.on_transfer_failure == "fail":
+                self.engine.fail(request_id, pending.failed)
+            self._pages_safe(request_id)
 
     def abort(self, request_id: str, reason: str = "aborted by the decode worker") -> None:
         p = self.pending.get(request_id)
@@ -158,19 +174,16 @@ class DecodeMessenger:
 
     def poll(self) -> list[str]:
         """Count landed writes, handle control messages and deadlines; returns the ids admitted now."""
-        for _, msg in self.backend.notifications():
-            kind, rid, writes = parse_notif(msg)
-            p = self.pending.get(rid)
-            if p is not None and p.failed is None:
-                p.received += writes
-                p.timing.first_landed = p.timing.first_landed or time.perf_counter()
+        for agent, msg in self.backend.notifications():
+            self._count(agent, msg)
         for peer in self.peers.values():
             for msg in peer.channel.receive():
-                if isinstance(msg, Accepted) and msg.request_id in self.pending:
-                    p = self.pending[msg.request_id]
+                p = self.pending.get(msg.request_id) if isinstance(msg, Accepted | Ended) else None
+                if p is None or p.peer is not peer:
+                    self.dropped["control message for a request the peer does not own"] += 1
+                elif isinstance(msg, Accepted):
                     p.accepted_at, p.timing.accepted = time.monotonic(), time.perf_counter()
-                elif isinstance(msg, Ended) and msg.request_id in self.pending:
-                    p = self.pending[msg.request_id]
+                else:
                     if p.failed is None:  # the prefill side failed it
                         self._fail(msg.request_id, p, msg.error or "prefill ended the request", notify=False)
                     self._pages_safe(msg.request_id)
@@ -190,6 +203,30 @@ class DecodeMessenger:
             elif reason := self._late(p, now):
                 self._fail(rid, p, f"{reason} ({p.received}/{p.expected} writes landed)")
         return admitted
+
+    def _count(self, agent: str, msg: bytes) -> None:
+        """Count a post's writes: only from the owning peer's agent, each post once, never past the plan."""
+        try:
+            _, rid, post, writes = parse_notif(msg)
+        except ValueError:
+            self.dropped["malformed notification"] += 1
+            return
+        p = self.pending.get(rid)
+        if p is None or p.failed is not None:
+            self.dropped["notification for no live transfer"] += 1
+        elif agent != p.peer.hello.agent:
+            self.dropped["notification from an agent that does not own the request"] += 1
+        elif post in p.posts or p.received + writes > p.expected:
+            self.dropped["duplicate or excess notification"] += 1
+        else:
+            p.posts.add(post)
+            p.received += writes
+            p.timing.first_landed = p.timing.first_landed or time.perf_counter()
+
+    def forget(self, request_id: str) -> None:
+        """Drop what was kept of an admitted request (its context and timing) once its caller is done."""
+        self.contexts.pop(request_id, None)
+        self.timings.pop(request_id, None)
 
     def _late(self, p: _Pending, now: float) -> str | None:
         c = self.config

@@ -6,13 +6,20 @@ writes for the batch the moment counter[0, l] reaches that pass, while the forwa
 later layers. A page is posted once, when it is full (or, at the end, when it is the last page), so no
 page is ever written twice. All backend calls happen on the sender thread; the engine's thread only
 reads flags in `poll`, which also frees finished requests' pages and answers aborts.
+
+A request is checked and planned when it is accepted (token ids, page ids, shard specs, every write
+inside the registered regions); a bad one is refused with an Ended and touches nothing. On the sender
+thread each job is guarded: an error fails the requests of that job, never the thread. Only the decode
+worker that sent a request may abort it, and every Abort is answered.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -25,7 +32,9 @@ from transfer.config import TransferConfig
 from transfer.plan import ShardSpec, plan_array
 from transfer.protocol import Abort, Accepted, Ended, Hello, PrefillRequest, notif
 
+log = logging.getLogger(__name__)
 POLL_S = 5e-4  # the sender thread's wait between looks at the layer counter
+LOG_LIMIT = 4096  # entries kept in post_log / done_log (diagnostics, not per-request state)
 
 
 class PrefillEngine(Protocol):
@@ -45,6 +54,7 @@ class _Transfer:
     channel: object  # its control channel
     sent_pages: int = 0  # pages [0, sent_pages) are posted (or queued to be)
     in_flight: list = field(default_factory=list)  # backend handles, owned by the sender thread
+    posts: int = 0  # posts made, numbering each notification
     context_posted: bool = False
     done_at: float | None = None  # perf_counter when every write had finished
     aborted: str | None = None
@@ -73,8 +83,10 @@ class PrefillMessenger:
         self.transfers: dict[str, _Transfer] = {}
         self._peers: dict[bytes, str] = {}
         self._passes = 0
-        self.post_log: list[tuple[str, int, float]] = []  # (request, layer, perf_counter) of each KV post
-        self.done_log: dict[str, float] = {}  # request -> perf_counter when its last write finished
+        # the latest (request, layer, perf_counter) of KV posts, and (request, perf_counter) of last writes
+        self.post_log: deque[tuple[str, int, float]] = deque(maxlen=LOG_LIMIT)
+        self.done_log: deque[tuple[str, float]] = deque(maxlen=LOG_LIMIT)
+        self.refused = 0  # requests refused at the boundary
         self._jobs: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -113,7 +125,7 @@ class PrefillMessenger:
     def add_peer(self, channel) -> None:
         """Serve a decode worker over channel; it learns this worker's shard spec from the Hello."""
         self.channels.append(channel)
-        channel.send(Hello(self.spec))
+        channel.send(Hello.of(self.spec, self.backend.name))
 
     def abort(self, request_id: str, reason: str) -> None:
         """Stop a request from this side: no post for it starts after this; Ended tells the decode side."""
@@ -132,7 +144,7 @@ class PrefillMessenger:
                 if isinstance(msg, PrefillRequest):
                     self._accept(msg, channel)
                 elif isinstance(msg, Abort):
-                    self.abort(msg.request_id, msg.reason)
+                    self._on_abort(msg, channel)
             if channel.peer_silent_for() > self.config.peer_timeout_s:
                 for t in list(self.transfers.values()):
                     if t.channel is channel:
@@ -148,7 +160,7 @@ class PrefillMessenger:
         for t in done:
             rid = t.req.request_id
             if t.done_at is not None:
-                self.done_log[rid] = t.done_at
+                self.done_log.append((rid, t.done_at))
             self.engine.stop(rid)  # a failed transfer stops its computation too
             self.engine.release(rid)
             self._free_slots.append(self._slots.pop(rid))
@@ -161,21 +173,55 @@ class PrefillMessenger:
         except TimeoutError:  # a decode worker that takes nothing is silent, and handled as such
             pass
 
+    def _on_abort(self, msg: Abort, channel) -> None:
+        """Only the decode worker that sent a request may abort it; one this side does not hold (finished,
+        refused, never seen) is answered at once, so the decode side never waits for an Ended."""
+        t = self.transfers.get(msg.request_id)
+        if t is None:
+            self._tell(channel, Ended(msg.request_id, f"aborted: {msg.reason} (not held here)"))
+        elif t.channel is channel:
+            self.abort(msg.request_id, msg.reason)
+        else:
+            log.warning("ignored an Abort of %s from a decode worker that does not own it", msg.request_id)
+
     def _accept(self, req: PrefillRequest, channel) -> None:
-        if not self._free_slots:
-            self._tell(channel, Ended(req.request_id, "prefill worker has no free context slot"))
-            return
+        """Check and plan the request, then queue it; a bad one is refused and touches nothing."""
         try:
-            if req.dst_metadata not in self._peers:
-                self._peers[req.dst_metadata] = self.backend.connect(req.dst_metadata)
-            self.engine.start(req.request_id, req.prompt_ids)
-        except (TransferError, ValueError) as e:
+            if req.request_id in self.transfers:
+                raise ValueError(f"request {req.request_id!r} is already being prefilled here")
+            if not self._free_slots:
+                raise ValueError("no free context slot (transfer.context_slots)")
+            peer = self._connect(req.dst_metadata)
+            self._check_plan(req, peer)
+            self.engine.start(req.request_id, req.prompt_ids)  # checks the token ids
+        except Exception as e:  # whatever a peer sent, it fails its own request only
+            self.refused += 1
+            log.warning("refused request %s: %s", req.request_id, e)
             self._tell(channel, Ended(req.request_id, f"prefill worker refused the request: {e}"))
             return
         self._slots[req.request_id] = self._free_slots.pop()
         with self._lock:
-            self.transfers[req.request_id] = _Transfer(req, self._peers[req.dst_metadata], channel)
+            self.transfers[req.request_id] = _Transfer(req, peer, channel)
         self._tell(channel, Accepted(req.request_id))
+
+    def _connect(self, metadata: bytes) -> str:
+        if metadata not in self._peers:
+            self._peers[metadata] = self.backend.connect(metadata)
+        return self._peers[metadata]
+
+    def _check_plan(self, req: PrefillRequest, peer: str) -> None:
+        """Plan the whole request against placeholder source pages: the specs must be compatible, the page
+        ids in range, and every write (the context one too) inside the regions both sides registered."""
+        n = len(req.dst_pages)
+        if n > self.spec.num_pages:
+            raise ValueError(f"the prompt needs {n} pages; this worker's cache holds {self.spec.num_pages}")
+        rows = plan_array(self.spec, req.dst_spec, list(range(n)), req.dst_pages, seed=req.seed)
+        self.backend.check(peer, rows[:, 1:])
+        self.backend.check(peer, [self._context_op(req, 0)])
+
+    def _context_op(self, req: PrefillRequest, slot: int) -> WriteOp:
+        row = self.context.shape[1] * self.context.element_size()
+        return WriteOp(self.spec.tp, slot * row, req.dst_spec.tp, req.context_slot * row, row)
 
     def close(self) -> None:
         self._stop.set()
@@ -188,13 +234,25 @@ class PrefillMessenger:
             try:
                 job = self._jobs.get(timeout=0.001)
             except queue.Empty:
+                job = None
+            try:
+                if job is None:
+                    pass
+                elif job[0] == "kv":
+                    self._send_layers(job[1], job[2])
+                else:
+                    self._send_context(job[1], job[2])
                 self._reap()
-                continue
-            if job[0] == "kv":
-                self._send_layers(job[1], job[2])
-            else:
-                self._send_context(job[1], job[2])
-            self._reap()
+            except Exception as e:  # one bad job fails its own requests, never the thread
+                log.exception("sender thread: a job failed")
+                for t in self._job_transfers(job):
+                    t.error = t.error or f"KV sender failed: {e!r}"
+
+    def _job_transfers(self, job) -> list[_Transfer]:
+        if job is None:  # failed while reaping: fail whatever is in flight
+            with self._lock:
+                return [t for t in self.transfers.values() if t.in_flight]
+        return [item[0] for item in job[2]] if job[0] == "kv" else [job[1]]
 
     def _send_layers(self, target: int, items: list) -> None:
         """Post each layer's writes for every item as soon as counter[0, layer] reaches the pass."""
@@ -228,26 +286,26 @@ class PrefillMessenger:
                 ready += 1
             for i, (t, _) in enumerate(by_layer[layer]):
                 ops = np.concatenate([by_layer[done][i][1] for done in range(layer, ready)])
-                if self._post(t, ops, notif("kv", t.req.request_id, len(ops))):
+                if self._post(t, ops, "kv"):
                     now = time.perf_counter()
                     self.post_log += [(t.req.request_id, done, now) for done in range(layer, ready)]
             layer = ready
 
     def _send_context(self, t: _Transfer, slot: int) -> None:
-        row = self.context.shape[1] * 4
-        op = WriteOp(self.spec.tp, slot * row, t.req.dst_spec.tp, t.req.context_slot * row, row)
-        t.context_posted = self._post(t, [op], notif("ctx", t.req.request_id, 1))
+        t.context_posted = self._post(t, [self._context_op(t.req, slot)], "ctx")
 
-    def _post(self, t: _Transfer, ops, message: bytes) -> bool:
+    def _post(self, t: _Transfer, ops, kind: str) -> bool:
         """Post unless the transfer was aborted or failed (checked under the lock that poll frees under)."""
         with self._lock:
             if t.aborted or t.error:
                 return False
+            message = notif(kind, t.req.request_id, t.posts, len(ops))
             try:
                 t.in_flight.append(self.backend.post(t.peer, ops, message))
             except TransferError as e:
                 t.error = str(e)
                 return False
+            t.posts += 1
         return True
 
     def _reap(self) -> None:
@@ -257,12 +315,18 @@ class PrefillMessenger:
             transfers = [t for t in self.transfers.values() if t.in_flight]
         for t in transfers:
             for handle in list(t.in_flight):
-                state = self.backend.state(handle)
+                try:
+                    state = self.backend.state(handle)
+                except TransferError as e:
+                    state, t.error = "ERR", str(e)
                 if state == "PROC":
                     break
                 if state == "ERR":
-                    t.error = "a KV write failed"
-                self.backend.release(handle)
+                    t.error = t.error or "a KV write failed"
+                try:
+                    self.backend.release(handle)
+                except TransferError:
+                    pass
                 with self._lock:
                     t.in_flight.remove(handle)
                     if not t.in_flight and t.context_posted:

@@ -7,17 +7,41 @@ bytes travel over the transfer backend, and every post carries the notification
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import socket
 import time
-from dataclasses import dataclass, field
+from functools import cache
 
+from transfer.auth import PROTOCOL_VERSION
 from transfer.plan import ShardSpec
+from transfer.wire import Codec, Message, WireError
+
+log = logging.getLogger(__name__)
+
+MAX_PROMPT_TOKENS = 1 << 22
 
 
-@dataclass(frozen=True)
-class PrefillRequest:
+def check_request_id(request_id: str) -> None:
+    if not 0 < len(request_id) <= 256:
+        raise ValueError(f"request_id must be 1 to 256 characters, got {len(request_id)}")
+
+
+@cache
+def _machine() -> str:
+    """This process's host as liveness needs it: hostname, boot and pid namespace (containers on one host
+    share a hostname, and a pid means nothing outside its namespace)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        pidns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        boot, pidns = "", 0
+    return f"{socket.gethostname()}/{boot}/{pidns}"
+
+
+class PrefillRequest(Message):
     """Decode -> prefill: compute the KV of these tokens and write it into these pages."""
 
     request_id: str
@@ -28,19 +52,45 @@ class PrefillRequest:
     context_slot: int  # row of the decode side's context buffer that receives the last hidden state
     seed: int  # picks source replicas in the plan; both sides plan with it
 
+    def __post_init__(self):
+        check_request_id(self.request_id)
+        if not 0 < len(self.prompt_ids) <= MAX_PROMPT_TOKENS:
+            raise ValueError(
+                f"prompt_ids must hold 1 to {MAX_PROMPT_TOKENS} tokens, got {len(self.prompt_ids)}"
+            )
+        need = -(-len(self.prompt_ids) // self.dst_spec.page_size)
+        if len(self.dst_pages) != need:
+            raise ValueError(
+                f"dst_pages holds {len(self.dst_pages)} pages; {len(self.prompt_ids)} tokens at page_size "
+                f"{self.dst_spec.page_size} need {need}"
+            )
+        if any(not 0 <= p < self.dst_spec.num_pages for p in self.dst_pages):
+            raise ValueError(f"dst_pages must be in [0, {self.dst_spec.num_pages}) (the decode cache)")
+        if len(set(self.dst_pages)) != len(self.dst_pages):
+            raise ValueError("dst_pages names a page twice")
+        if self.context_slot < 0 or not 0 <= self.seed < 1 << 63:
+            raise ValueError("context_slot must be >= 0 and seed in [0, 2**63)")
 
-@dataclass(frozen=True)
-class Hello:
-    """Prefill -> decode, once connected: its shard geometry (the decode side plans with it), and where it
-    runs, so that a silent peer on the same host can be told dead (its pages freed) from merely hung."""
+
+class Hello(Message):
+    """Prefill -> decode, once connected: its shard geometry (the decode side plans with it), its transfer
+    agent's name (the only sender whose notifications count), and where it runs, so that a silent peer on
+    the same machine can be told dead (its pages freed) from merely hung."""
 
     spec: ShardSpec
-    host: str = field(default_factory=socket.gethostname)
-    pid: int = field(default_factory=os.getpid)
+    agent: str = ""
+    version: int = PROTOCOL_VERSION
+    machine: str = ""
+    pid: int = 0
+
+    @staticmethod
+    def of(spec: ShardSpec, agent: str) -> Hello:
+        return Hello(spec, agent, PROTOCOL_VERSION, _machine(), os.getpid())
 
     def peer_alive(self) -> bool | None:
-        """False once the process is gone (or a zombie); None when it runs on another host."""
-        if self.host != socket.gethostname():
+        """False once the process is gone (or a zombie); None when it runs on another machine (or in
+        another pid namespace), where this process cannot tell."""
+        if not self.machine or self.machine != _machine() or self.pid <= 0:
             return None
         try:
             os.kill(self.pid, 0)
@@ -55,46 +105,65 @@ class Hello:
             return True
 
 
-@dataclass(frozen=True)
-class Accepted:
+class Accepted(Message):
     """Prefill -> decode: the request is queued there (ends the handshake stage)."""
 
     request_id: str
 
 
-@dataclass(frozen=True)
-class Abort:
-    """Decode -> prefill: stop this request. The prefill side answers Ended once nothing is in flight."""
+class Abort(Message):
+    """Decode -> prefill: stop this request. The prefill side answers Ended once nothing is in flight,
+    and at once for a request it does not hold (finished, refused or never seen)."""
 
     request_id: str
     reason: str
 
 
-@dataclass(frozen=True)
-class Ended:
+class Ended(Message):
     """Prefill -> decode: nothing more will be written for this request."""
 
     request_id: str
     error: str | None
 
 
-def notif(kind: str, request_id: str, writes: int) -> bytes:
-    return f"{kind}|{request_id}|{writes}".encode()
+TO_PREFILL = (PrefillRequest, Abort)  # what a prefill worker's channel decodes
+TO_DECODE = (Hello, Accepted, Ended)
 
 
-def parse_notif(msg: bytes) -> tuple[str, str, int]:
-    kind, request_id, writes = msg.decode().rsplit("|", 2)
-    return kind, request_id, int(writes)
+def prefill_codec() -> Codec:
+    return Codec(*TO_PREFILL)
+
+
+def decode_codec() -> Codec:
+    return Codec(*TO_DECODE)
+
+
+def notif(kind: str, request_id: str, post: int, writes: int) -> bytes:
+    """The notification that ends a post: the request's post number (so a duplicate counts once) and how
+    many writes it carried."""
+    return f"{kind}|{request_id}|{post}|{writes}".encode()
+
+
+def parse_notif(msg: bytes) -> tuple[str, str, int, int]:
+    """(kind, request id, post, writes) of a notification; ValueError for anything else."""
+    try:
+        kind, request_id, post, writes = msg.decode().rsplit("|", 3)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"not a transfer notification: {msg[:64]!r}") from e
+    if kind not in ("kv", "ctx") or not (post.isdigit() and writes.isdigit()) or len(request_id) > 256:
+        raise ValueError(f"not a transfer notification: {msg[:64]!r}")
+    return kind, request_id, int(post), int(writes)
 
 
 class Endpoint:
-    """One end of an in-process control channel (tests and single-process runs)."""
+    """One end of an in-process control channel (tests and single-process runs). Messages cross as bytes
+    through the same codec as over a socket, so what a test injects is decoded as a real peer's would be."""
 
-    def __init__(self, outbox: queue.Queue, inbox: queue.Queue):
-        self.outbox, self.inbox = outbox, inbox
+    def __init__(self, outbox: queue.Queue, inbox: queue.Queue, codec: Codec):
+        self.outbox, self.inbox, self.codec = outbox, inbox, codec
 
     def send(self, msg, timeout_s: float = 10.0) -> None:
-        self.outbox.put(msg)
+        self.outbox.put(self.codec.encode(msg))
 
     def heartbeat(self) -> None:
         pass  # both ends live in one process
@@ -106,23 +175,33 @@ class Endpoint:
         out = []
         while True:
             try:
-                out.append(self.inbox.get_nowait())
+                data = self.inbox.get_nowait()
             except queue.Empty:
                 return out
+            try:
+                out.append(self.codec.decode(data))
+            except WireError as e:
+                log.warning("control channel: %s", e)
 
 
 def local_channel() -> tuple[Endpoint, Endpoint]:
     """(decode end, prefill end) of an in-process control channel."""
     to_prefill, to_decode = queue.Queue(), queue.Queue()
-    return Endpoint(to_prefill, to_decode), Endpoint(to_decode, to_prefill)
+    return Endpoint(to_prefill, to_decode, decode_codec()), Endpoint(to_decode, to_prefill, prefill_codec())
 
 
 def wait_hello(channel, timeout_s: float, alive=lambda: True) -> Hello:
-    """The first Hello on channel; TimeoutError after timeout_s or once alive() turns false."""
+    """The first Hello on channel; TimeoutError after timeout_s or once alive() turns false, ValueError
+    for a peer that speaks another protocol version."""
     give_up = time.monotonic() + timeout_s
     while True:
         for msg in channel.receive():
             if isinstance(msg, Hello):
+                if msg.version != PROTOCOL_VERSION:
+                    raise ValueError(
+                        f"the prefill worker speaks protocol version {msg.version}; this one speaks "
+                        f"{PROTOCOL_VERSION}: run one version of pdkernels on both"
+                    )
                 return msg
         if time.monotonic() > give_up or not alive():
             raise TimeoutError(f"no Hello from the prefill worker within {timeout_s} s")

@@ -155,17 +155,17 @@ class _Pages:
         pass
 
 
-def _messenger_decode(page_bytes, commands, results):
+def _messenger_decode(page_bytes, creds, commands, results):
     """The decode process: a DecodeMessenger over a KV region; each command is a request to run."""
     from transfer.backends import make_backend
     from transfer.channel import ZmqEndpoint
     from transfer.decode import DecodeMessenger
-    from transfer.protocol import wait_hello
+    from transfer.protocol import decode_codec, wait_hello
 
     spec, engine = _spec(page_bytes), _Pages()
     backend = make_backend("nixl", f"bench-md-{os.getpid()}")
     dm = DecodeMessenger(engine, backend, spec, [torch.zeros(spec.region_bytes, dtype=torch.uint8)], HIDDEN)
-    channel = ZmqEndpoint("tcp://127.0.0.1:0", bind=True)
+    channel = ZmqEndpoint("tcp://127.0.0.1:0", True, creds, "prefill", decode_codec())
     results.put(channel.address)
     dm.add_peer("prefill", channel, wait_hello(channel, timeout_s=120))
     results.put("ready")
@@ -196,16 +196,21 @@ class _Source:
 def messenger_pair(request):
     """(page bytes, prefill messenger here, counter, commands, results) with the decode side in a process."""
     pytest.importorskip("nixl_cu12")
+    from transfer.auth import keyring
     from transfer.backends import make_backend
     from transfer.channel import ZmqEndpoint
     from transfer.prefill import PrefillMessenger
+    from transfer.protocol import prefill_codec
 
     page_bytes, spec = request.param, _spec(request.param)
+    keys = keyring(["decode", "prefill"])
     ctx = mp.get_context("spawn")
     commands, results = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=_messenger_decode, args=(page_bytes, commands, results), daemon=True)
+    args = (page_bytes, keys["decode"], commands, results)
+    proc = ctx.Process(target=_messenger_decode, args=args, daemon=True)
     proc.start()
-    channel = ZmqEndpoint(results.get(timeout=120), bind=False)  # the side that sends Hello connects
+    # the side that sends Hello connects
+    channel = ZmqEndpoint(results.get(timeout=120), False, keys["prefill"], "decode", prefill_codec())
     counter = torch.zeros(2, LAYERS, dtype=torch.int32)
     region = torch.randint(0, 256, (spec.region_bytes,), dtype=torch.uint8)
     backend = make_backend("nixl", f"bench-mp-{os.getpid()}")
@@ -259,7 +264,7 @@ def _messenger_round(pm, counter, commands, results, layer_gap_s: float) -> tupl
         assert time.monotonic() < give_up
     got, timing, error = results.get(timeout=60)
     assert got == rid and error is None, error
-    return timing.landed - first, timing.landed - last, timing.landed - pm.done_log[rid]
+    return timing.landed - first, timing.landed - last, timing.landed - dict(pm.done_log)[rid]
 
 
 @pytest.mark.benchmark(group="transfer")

@@ -26,11 +26,11 @@ from experiments.config import (
     workload_of,
 )
 from experiments.driver import DeploymentRun
+from experiments.messages import Result
 from experiments.sim.cost import CostModel, Efficiency
 from experiments.sim.hardware import hardware_of
 from experiments.sim.models import sim_model
 from experiments.sim.simulate import Instance, SimRequest, simulate_colocated, simulate_disaggregated
-from experiments.worker import Result
 from experiments.workload import Request, draw
 from transfer.config import TransferConfig
 

@@ -4,7 +4,6 @@ import contextlib
 import multiprocessing as mp
 import os
 import queue
-import socket
 import time
 
 import pytest
@@ -22,12 +21,13 @@ pytest.importorskip("zmq")
 PAGES = 128
 
 
-def _prefill_worker(address, model, tp, page_size, num_pages, budget, parent, sent):
+def _prefill_worker(address, creds, model, tp, page_size, num_pages, budget, parent, sent):
     """A prefill worker process: its own engine (and TP ranks), NIXL agent and messenger, until its parent
     goes. `sent` receives ("kv", request, the KV it computed) just before the pages are freed, and
     ("pass", start, end) for each forward pass."""
     from pdkernels import ops
     from transfer.channel import ZmqEndpoint
+    from transfer.protocol import prefill_codec
 
     ops.set_backend("torch")
     torch.set_num_threads(1)
@@ -51,7 +51,7 @@ def _prefill_worker(address, model, tp, page_size, num_pages, budget, parent, se
     llm.runner.run = timed_run
 
     pm = prefill_messenger(llm, make_backend("nixl", f"prefill-{os.getpid()}"), side=Source)
-    pm.add_peer(ZmqEndpoint(address, bind=False))
+    pm.add_peer(ZmqEndpoint(address, False, creds, "decode-0", prefill_codec()))
     while os.getppid() == parent:
         pm.poll()
         if llm.has_unfinished():
@@ -73,15 +73,25 @@ def disaggregated(
     peer_timeout_s=2.0,
 ):
     """A prefill worker process and, here, a decode engine with its messenger, wired over NIXL + pyzmq."""
+    from transfer.auth import keyring
     from transfer.channel import ZmqEndpoint
+    from transfer.protocol import decode_codec
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    channel = ZmqEndpoint(f"tcp://127.0.0.1:{port}", bind=True)
+    keys = keyring(["decode-0", "prefill-0"])
+    channel = ZmqEndpoint("tcp://127.0.0.1:0", True, keys["decode-0"], "prefill-0", decode_codec())
     ctx = mp.get_context("spawn")
     sent = ctx.Queue()
-    args = (f"tcp://127.0.0.1:{port}", model, prefill_tp, page_size, num_pages, budget, os.getpid(), sent)
+    args = (
+        channel.address,
+        keys["prefill-0"],
+        model,
+        prefill_tp,
+        page_size,
+        num_pages,
+        budget,
+        os.getpid(),
+        sent,
+    )
     proc = ctx.Process(target=_prefill_worker, args=args)  # not a daemon: it starts its own TP ranks
     proc.start()
     decode = dm = None

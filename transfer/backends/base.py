@@ -68,6 +68,14 @@ class Backend(ABC):
     @abstractmethod
     def close(self) -> None: ...
 
+    @abstractmethod
+    def region_sizes(self, peer: str) -> tuple[list[int], list[int]]:
+        """Bytes of each region registered here, and at peer (TransferError if peer is not connected)."""
+
+    def check(self, peer: str, ops) -> None:
+        """Refuse (TransferError) writes to peer that would fall outside a registered region."""
+        self.check_ops(as_ops(ops), *self.region_sizes(peer))
+
     def check_ops(self, ops: np.ndarray, local_sizes: list[int], remote_sizes: list[int]) -> None:
         """Refuse a write outside a registered region (a remote one would corrupt another request)."""
         lr, lo, rr, ro, n = ops.T

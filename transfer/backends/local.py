@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pickle
 import threading
 from collections import deque
 
@@ -10,6 +9,14 @@ import torch
 from torch import Tensor
 
 from transfer.backends.base import Backend, TransferError, as_ops
+from transfer.wire import Codec, Message, WireError
+
+
+class LocalMetadata(Message):
+    name: str
+
+
+_CODEC = Codec(LocalMetadata)
 
 _AGENTS: dict[str, LocalBackend] = {}  # every live local agent of this process, by name
 _LOCK = threading.Lock()
@@ -30,21 +37,28 @@ class LocalBackend(Backend):
         self.regions += [r.view(-1).view(torch.uint8) for r in regions]
 
     def metadata(self) -> bytes:
-        return pickle.dumps({"name": self.name})
+        return _CODEC.encode(LocalMetadata(self.name))
 
     def connect(self, peer_metadata: bytes) -> str:
-        peer = pickle.loads(peer_metadata)["name"]
+        try:
+            peer = _CODEC.decode(peer_metadata).name
+        except WireError as e:
+            raise TransferError(f"peer metadata refused: {e}") from e
         if peer not in _AGENTS:
             raise TransferError(f"no local transfer agent named {peer!r}")
         self._peers.add(peer)
         return peer
 
-    def post(self, peer: str, ops, notif: bytes) -> object:
+    def region_sizes(self, peer: str) -> tuple[list[int], list[int]]:
         target = _AGENTS.get(peer) if peer in self._peers else None
         if target is None:
             raise TransferError(f"peer {peer!r} is not connected")
+        return [r.numel() for r in self.regions], [r.numel() for r in target.regions]
+
+    def post(self, peer: str, ops, notif: bytes) -> object:
         ops = as_ops(ops)
-        self.check_ops(ops, [r.numel() for r in self.regions], [r.numel() for r in target.regions])
+        self.check(peer, ops)
+        target = _AGENTS[peer]
         for local_region, local_offset, remote_region, remote_offset, nbytes in ops.tolist():
             dst = target.regions[remote_region][remote_offset : remote_offset + nbytes]
             dst.copy_(self.regions[local_region][local_offset : local_offset + nbytes])

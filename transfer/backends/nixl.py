@@ -7,16 +7,34 @@ UCX covers loopback, ConnectX and InfiniBand; LIBFABRIC covers EFA. Progress is 
 from __future__ import annotations
 
 import os
-import pickle
 
 import numpy as np
 from torch import Tensor
 
 from transfer.backends.base import Backend, TransferError, as_ops
+from transfer.wire import Codec, Message
 
 # Set before UCX loads: without it, a process that created a UCX backend crashes at exit here.
 os.environ.setdefault("UCX_MODULES", "^ib")
 ENGINES = ("UCX", "LIBFABRIC")
+MEM_TYPES = ("DRAM", "VRAM")
+
+
+class NixlMetadata(Message):
+    """What a peer needs to write into this agent: NIXL's own agent blob and the registered regions."""
+
+    agent: bytes  # nixl_agent.get_agent_metadata(), handed to the peer's NIXL as is
+    regions: list[tuple[int, int, int]]  # (address, bytes, device id) of each registered region
+    mem_type: str
+
+    def __post_init__(self):
+        if self.mem_type not in MEM_TYPES:
+            raise ValueError(f"mem_type must be one of {MEM_TYPES}, got {self.mem_type!r}")
+        if not self.agent or any(n <= 0 or a < 0 or d < 0 for a, n, d in self.regions):
+            raise ValueError("agent metadata is empty or a region has a negative address or no bytes")
+
+
+_CODEC = Codec(NixlMetadata)
 
 
 def _nixl():
@@ -28,9 +46,13 @@ def _nixl():
 
 
 class NixlBackend(Backend):
-    def __init__(self, name: str, engine: str = "UCX"):
+    def __init__(self, name: str, engine: str = "UCX", devices: str = "lo"):
+        """devices: the network devices UCX may use (UCX_NET_DEVICES; 'lo' keeps it on loopback, 'all'
+        lets it choose). Read once per process, when its first agent starts UCX."""
         if engine not in ENGINES:
             raise ValueError(f"NIXL engine must be one of {ENGINES}, got {engine!r}")
+        if devices != "all":
+            os.environ.setdefault("UCX_NET_DEVICES", devices)
         api = _nixl()
         self.name, self.engine = name, engine
         self.agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False, backends=[engine]))
@@ -51,15 +73,16 @@ class NixlBackend(Backend):
         self.regions += [(r.data_ptr(), r.numel() * r.element_size(), r.device.index or 0) for r in regions]
 
     def metadata(self) -> bytes:
-        return pickle.dumps(
-            {"agent": self.agent.get_agent_metadata(), "regions": self.regions, "mem_type": self.mem_type}
-        )
+        return _CODEC.encode(NixlMetadata(self.agent.get_agent_metadata(), self.regions, self.mem_type))
 
     def connect(self, peer_metadata: bytes) -> str:
-        md = pickle.loads(peer_metadata)
-        peer = self.agent.add_remote_agent(md["agent"])
+        try:
+            md = _CODEC.decode(peer_metadata)
+            peer = self.agent.add_remote_agent(md.agent)
+        except Exception as e:  # a malformed blob (WireError) or NIXL refusing the agent in it
+            raise TransferError(f"peer metadata refused: {e}") from e
         peer = peer.decode() if isinstance(peer, bytes) else peer
-        self._peers[peer] = md["regions"]
+        self._peers[peer] = md.regions
         return peer
 
     def _descs(self, regions: list[tuple[int, int, int]], region, offset, nbytes):
@@ -68,22 +91,33 @@ class NixlBackend(Backend):
         rows = np.stack([table[:, 0] + offset, nbytes, table[:, 2]], axis=1).astype(np.uint64)
         return self.agent.get_xfer_descs(rows, self.mem_type)
 
-    def post(self, peer: str, ops, notif: bytes) -> object:
+    def region_sizes(self, peer: str) -> tuple[list[int], list[int]]:
         remote = self._peers.get(peer)
         if remote is None:
             raise TransferError(f"peer {peer!r} is not connected")
+        return [r[1] for r in self.regions], [r[1] for r in remote]
+
+    def post(self, peer: str, ops, notif: bytes) -> object:
         ops = as_ops(ops)
-        self.check_ops(ops, [r[1] for r in self.regions], [r[1] for r in remote])
+        self.check(peer, ops)
+        remote = self._peers[peer]
         local = self._descs(self.regions, ops[:, 0], ops[:, 1], ops[:, 4])
         far = self._descs(remote, ops[:, 2], ops[:, 3], ops[:, 4])
-        handle = self.agent.initialize_xfer("WRITE", local, far, peer, notif)
-        if self.agent.transfer(handle) == "ERR":
+        try:
+            handle = self.agent.initialize_xfer("WRITE", local, far, peer, notif)
+            state = self.agent.transfer(handle)
+        except Exception as e:  # nixl's own errors become this request's transfer error
+            raise TransferError(f"NIXL refused a write of {len(ops)} ops to {peer!r}: {e}") from e
+        if state == "ERR":
             self.agent.release_xfer_handle(handle)
             raise TransferError(f"NIXL refused a write of {len(ops)} ops to {peer!r}")
         return handle
 
     def state(self, handle: object) -> str:
-        return self.agent.check_xfer_state(handle)
+        try:
+            return self.agent.check_xfer_state(handle)
+        except Exception as e:
+            raise TransferError(f"NIXL lost track of a write: {e}") from e
 
     def release(self, handle: object) -> None:
         self.agent.release_xfer_handle(handle)

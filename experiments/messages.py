@@ -1,0 +1,79 @@
+"""What crosses between the driver and its workers: typed messages (transfer.wire), one decoder per side.
+
+Worker -> driver: Listening (the control addresses a decode worker bound), Ready, Result, Timeline,
+Failed. Driver -> worker: Connect (where a prefill worker finds its decode peers), Submit, PeerDead,
+Stop. The simulator builds Results too; it imports these, not process code.
+"""
+
+from __future__ import annotations
+
+from transfer.protocol import MAX_PROMPT_TOKENS, check_request_id
+from transfer.wire import Codec, Message
+
+
+class Listening(Message):
+    name: str
+    addresses: dict[str, str]  # prefill worker -> the address this decode worker bound for it
+
+
+class Connect(Message):
+    addresses: dict[str, str]  # decode worker -> the address it bound for this prefill worker
+
+
+class Ready(Message):
+    name: str
+
+
+class Submit(Message):
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+
+    def __post_init__(self):
+        check_request_id(self.request_id)
+        if not 0 < len(self.prompt_ids) <= MAX_PROMPT_TOKENS:
+            raise ValueError(f"prompt_ids must hold 1 to {MAX_PROMPT_TOKENS} tokens")
+
+
+class PeerDead(Message):
+    name: str
+
+
+class Stop(Message):
+    pass
+
+
+class Result(Message):
+    request_id: str
+    worker: str
+    output_ids: list[int]
+    received: float  # perf_counter when the worker took the request
+    scheduled: float | None  # first in a batch on this worker (local prefill or decode)
+    token_times: list[float]
+    finish_reason: str | None
+    error: str | None
+    prefill: str = "local"  # local | remote
+    prefill_worker: str | None = None
+    transfer_bytes: int = 0
+    transfer_s: float | None = None  # PrefillRequest sent -> every write landed
+
+
+class Timeline(Message):
+    name: str
+    role: str
+    steps: list[tuple[float, float, int, int]] = []  # (start, end, prefill tokens, decode tokens)
+
+
+class Failed(Message):
+    name: str
+    error: str
+
+
+def driver_codec() -> Codec:
+    """What the driver decodes (from its workers)."""
+    return Codec(Listening, Ready, Result, Timeline, Failed)
+
+
+def worker_codec() -> Codec:
+    """What a worker decodes (from the driver)."""
+    return Codec(Connect, Submit, PeerDead, Stop)
