@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST := $(BIN)/python -m pytest
 
-.PHONY: run test test-all bench bench-gpu repro lint clean
+.PHONY: run test test-all soak bench bench-gpu repro lint clean
 
 $(STAMP): setup.py pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,10 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	$(PYTEST) -q
+
+# 10,000 requests through a real 1P1D pair with aborts and prefill restarts (marked slow; minutes)
+soak: $(STAMP)
+	$(PYTEST) tests/transfer/test_soak.py -m slow -q -s
 
 bench: $(STAMP)
 	$(PYTEST) experiments/bench -q -p no:cacheprovider --benchmark-enable \

@@ -48,6 +48,7 @@ class PrefillSide:
 
     def release(self, request_id: str) -> None:
         self.llm.release(request_id)
+        self.llm.forget(request_id)  # stopped or prefilled by now: nothing more is kept of it
 
 
 class DecodeSide:

@@ -10,6 +10,7 @@ running the last prompt token as the first decode step.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 import weakref
 from typing import Protocol
@@ -22,10 +23,12 @@ from engine.model import Model, Shard
 from engine.runner import ModelRunner
 from engine.sampler import sample
 from engine.scheduler import Batch, Scheduler
-from engine.sequence import RequestOutput, SamplingParams, Sequence, Status
+from engine.sequence import RequestOutput, SamplingParams, Sequence, Status, check_token_ids
 from engine.tp import TPGroup
 from engine.weights import load_model
 from pdkernels.out_proj import make_layer_counter
+
+log = logging.getLogger(__name__)
 
 
 class PrefillListener(Protocol):
@@ -34,6 +37,8 @@ class PrefillListener(Protocol):
     def on_batch(self, batch: Batch, counter: torch.Tensor) -> None: ...  # before the forward pass
 
     def on_prefilled(self, seq: Sequence, last_hidden: torch.Tensor) -> None: ...  # all its KV computed
+
+    def on_failed(self, seq: Sequence, error: str) -> None: ...  # its step raised: no KV will come
 
 
 class LLM:
@@ -105,10 +110,17 @@ class LLM:
     def make_sequence(
         self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
     ) -> Sequence:
-        """Tokenize and check a request (raises ValueError naming the problem)."""
-        params = params or SamplingParams()
-        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        """Tokenize and check a request (raises ValueError or TypeError naming the problem)."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        vocab = self.config.model.vocab_size
+        prompt_ids = (
+            self.tokenizer.encode(prompt) if isinstance(prompt, str) else check_token_ids(prompt, vocab)
+        )
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if not isinstance(request_id, str) or not request_id:
+            raise TypeError(f"request_id must be a non-empty string, got {request_id!r}")
         context = self.config.model.max_position
         if not prompt_ids:
             raise ValueError("prompt is empty")
@@ -118,7 +130,7 @@ class LLM:
                 f"(model.max_position), leaving no room to generate"
             )
         if request_id in self.seqs:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+            raise ValueError(f"request_id {request_id!r} is already in use (until forget)")
         need = self.allocator.pages_for(min(len(prompt_ids) + params.max_tokens, context))
         if need > self.allocator.num_pages:
             raise ValueError(
@@ -145,6 +157,12 @@ class LLM:
         self.scheduler.remove(seq)
         self._finish(seq, "error" if error else "abort", error)
 
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request's record (its id can then be used again)."""
+        seq = self.seqs.get(request_id)
+        if seq is not None and seq.finished:
+            del self.seqs[request_id]
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
@@ -158,14 +176,20 @@ class LLM:
         batch = self.last_batch = self.scheduler.schedule()
         if batch is None:
             return []
-        if self.listener is not None:
-            self.listener.on_batch(batch, self.counter)
-        out = self.runner.run(batch, self.counter)
-        tokens = sample(
-            out.logits,
-            [c.seq.params for c in batch.chunks if c.samples],
-            [c.seq.generator for c in batch.chunks if c.samples],
-        )
+        try:
+            if self.listener is not None:
+                self.listener.on_batch(batch, self.counter)
+            out = self.runner.run(batch, self.counter)
+            tokens = sample(
+                out.logits,
+                [c.seq.params for c in batch.chunks if c.samples],
+                [c.seq.generator for c in batch.chunks if c.samples],
+            )
+        except Exception as e:  # the step's sequences fail with the error; the engine serves on
+            log.exception("a step failed; its %d sequences end with the error", len(batch.chunks))
+            for chunk in batch.chunks:
+                self._fail(chunk.seq, f"engine step failed: {e!r}")
+            return [RequestOutput.of(c.seq) for c in batch.chunks]
         now, sampled = time.perf_counter(), iter(tokens)
         for i, chunk in enumerate(batch.chunks):
             seq = chunk.seq
@@ -263,6 +287,13 @@ class LLM:
             return
         self.scheduler.remove(seq)
         self._finish(seq, reason)
+
+    def _fail(self, seq: Sequence, error: str) -> None:
+        prefill = self.scheduler.role == "prefill"
+        self.scheduler.remove(seq, free_pages=not prefill)  # a prefill request's pages wait for release
+        self._finish(seq, "error", error)
+        if prefill and self.listener is not None:
+            self.listener.on_failed(seq, error)
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         seq.status, seq.finish_reason, seq.error = Status.FINISHED, reason, error

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from enum import Enum
@@ -20,20 +21,54 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        _integer("max_tokens", self.max_tokens, 1, "an integer >= 1")
+        _number("temperature", self.temperature)
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        _number("top_p", self.top_p)
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 turns it off), got {self.top_k}")
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
+        _integer("top_k", self.top_k, 0, "an integer >= 0 (0 turns it off)")
+        if self.seed is not None:
+            _integer("seed", self.seed, 0, "None or an integer in [0, 2**63)", 1 << 63)
+        stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, list | tuple) or not all(isinstance(s, str) and s for s in stop):
+            raise TypeError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        object.__setattr__(self, "stop", tuple(stop))
+        if not isinstance(self.ignore_eos, bool):
+            raise TypeError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _integer(name: str, value, low: int, allowed: str, high: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be {allowed}, got {value!r}")
+    if value < low or (high is not None and value >= high):
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+def _number(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+
+
+def check_token_ids(prompt_ids, vocab_size: int) -> list[int]:
+    """prompt_ids as a list of ints in [0, vocab_size); TypeError/ValueError naming the first bad one."""
+    if not isinstance(prompt_ids, list | tuple):
+        raise TypeError(f"prompt must be a string or a list of token ids, got {type(prompt_ids).__name__}")
+    for i, t in enumerate(prompt_ids):
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise TypeError(f"prompt token ids must be ints; prompt[{i}] is {t!r}")
+        if not 0 <= t < vocab_size:
+            raise ValueError(
+                f"prompt token ids must be in [0, {vocab_size}) (the vocabulary); prompt[{i}] is {t}"
+            )
+    return list(prompt_ids)
 
 
 class Status(Enum):

@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 
 import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 GGUF_CONTROL = 3  # llama.cpp token type of special (control) tokens
@@ -30,12 +32,30 @@ class TextTokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render the model's chat template. The template comes from a model file, so it is untrusted: it runs
+        in jinja2's immutable sandbox (as in transformers), and whatever it raises becomes a ValueError."""
         if not self.chat_template:
             raise ValueError("this model has no chat template; pass plain prompts (chat=False)")
-        template = jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(self.chat_template)
-        return template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt, bos_token=self.bos_token or ""
-        )
+        try:
+            template = _sandbox().from_string(self.chat_template)
+            return template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt, bos_token=self.bos_token or ""
+            )
+        except jinja2.TemplateError as e:
+            raise ValueError(f"the model's chat template failed: {type(e).__name__}: {e}") from e
+
+
+def _raise_exception(message: str):
+    raise jinja2.TemplateError(message)
+
+
+def _sandbox() -> ImmutableSandboxedEnvironment:
+    """The environment transformers renders chat templates in: sandboxed, immutable, loop controls."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.globals["raise_exception"] = _raise_exception
+    return env
 
 
 def from_gguf_fields(fields: dict) -> TextTokenizer:

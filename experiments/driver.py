@@ -56,6 +56,7 @@ class DeploymentRun:
     events: list[tuple[float, str]] = field(default_factory=list)  # (perf_counter, what happened)
     start: float = 0.0
     end: float = 0.0
+    interrupted: bool = False  # stopped by SIGTERM or Ctrl-C: unfinished requests are recorded as errors
 
 
 def worker_names(d: DeploymentConfig) -> list[str]:
@@ -255,14 +256,21 @@ def _serve(run: DeploymentRun, config: RunConfig, sock, procs, roles, progress: 
             if hooks is not None:
                 hooks(run, procs)
             if time.monotonic() > give_up:
-                for rid in {r.request_id for r in run.requests} - set(run.results):
-                    run.results[rid] = _error(
-                        rid, f"not finished within run_timeout_s={config.run_timeout_s}", 0.0
-                    )
+                _unfinished(run, f"not finished within run_timeout_s={config.run_timeout_s}")
                 break
+    except (
+        KeyboardInterrupt
+    ):  # SIGTERM (experiments.run turns it into this) or Ctrl-C: keep what was measured
+        run.interrupted = True
+        _unfinished(run, "interrupted (SIGTERM or Ctrl-C)")
     finally:
         run.end = time.perf_counter()
         bar.close()
+
+
+def _unfinished(run: DeploymentRun, error: str) -> None:
+    for rid in {r.request_id for r in run.requests} - set(run.results):
+        run.results[rid] = _error(rid, error, 0.0)
 
 
 def _error(request_id: str, error: str, now: float) -> Result:

@@ -24,8 +24,10 @@ highest such rate).
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -136,18 +138,28 @@ def run_record(run: DeploymentRun, config: RunConfig, rate: float | None) -> dic
 
 
 def write_results(out_dir: Path, config: RunConfig, records: list[dict]) -> Path:
+    """results.json and one CSV per run, each written whole or not at all (a temporary file, renamed):
+    called after every deployment, so an interrupted run keeps what it measured."""
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "results.json"
-    path.write_text(json.dumps({"schema": SCHEMA, "config": config.to_dict(), "runs": records}, indent=1))
+    _atomic(path, json.dumps({"schema": SCHEMA, "config": config.to_dict(), "runs": records}, indent=1))
     for rec in records:
         name = rec["deployment"] + (
             f"-rate{rec['rate']:g}" if rec["rate"] is not None and len(records) > 1 else ""
         )
-        with open(out_dir / f"requests-{name}.csv", "w", newline="") as f:
-            writer = csv.DictWriter(f, CSV_FIELDS, extrasaction="ignore")
-            writer.writeheader()
-            writer.writerows(rec["requests"])
+        text = io.StringIO(newline="")
+        writer = csv.DictWriter(text, CSV_FIELDS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rec["requests"])
+        _atomic(out_dir / f"requests-{name}.csv", text.getvalue())
     return path
+
+
+def _atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", newline="") as f:
+        f.write(text)
+    os.replace(tmp, path)
 
 
 def _ms(stats: dict, key: str) -> str:

@@ -8,6 +8,9 @@ per run, plots, and the side-by-side table on stdout.
 
 from __future__ import annotations
 
+import signal
+import sys
+import threading
 from dataclasses import replace
 from pathlib import Path
 
@@ -35,16 +38,42 @@ def run(cfg: DictConfig, out_dir: Path, progress: bool = True, hooks=None) -> li
         raise ValueError("goodput_search.rates needs workload.arrival=poisson")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
-    records = []
-    for rate in rates or [config.workload.rate if config.workload.arrival == "poisson" else None]:
-        workload = replace(config.workload, rate=rate) if rate is not None else config.workload
-        requests = make_requests(workload, tokenizer, vocab, max_position)
-        run_config = replace(config, workload=workload)
-        for d in config.deployments:
-            result = run_deployment(run_config, d, requests, progress=progress, hooks=hooks)
-            records.append(metrics.run_record(result, run_config, rate))
+    records, interrupted = [], False
+    with _sigterm_interrupts():
+        for rate in rates or [config.workload.rate if config.workload.arrival == "poisson" else None]:
+            workload = replace(config.workload, rate=rate) if rate is not None else config.workload
+            requests = make_requests(workload, tokenizer, vocab, max_position)
+            run_config = replace(config, workload=workload)
+            for d in config.deployments:
+                result = run_deployment(run_config, d, requests, progress=progress, hooks=hooks)
+                records.append(metrics.run_record(result, run_config, rate))
+                metrics.write_results(out_dir, config, records)  # an interrupted run keeps what it measured
+                if interrupted := result.interrupted:
+                    break
+            if interrupted:
+                break
     metrics.report(out_dir, config, records, sweep=bool(rates))
+    if interrupted:
+        print(f"interrupted: wrote the {len(records)} run(s) measured so far", file=sys.stderr)
+        raise SystemExit(130)
     return records
+
+
+class _sigterm_interrupts:
+    """Within the block, SIGTERM raises KeyboardInterrupt as Ctrl-C does (the main thread only)."""
+
+    def __enter__(self):
+        self.previous = None
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGTERM, self._raise)
+
+    @staticmethod
+    def _raise(signum, frame):
+        raise KeyboardInterrupt
+
+    def __exit__(self, *exc):
+        if self.previous is not None:
+            signal.signal(signal.SIGTERM, self.previous)
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="config")

@@ -31,7 +31,7 @@ from torch import Tensor
 from transfer.backends import Backend
 from transfer.config import TransferConfig
 from transfer.plan import ShardSpec, plan_array
-from transfer.protocol import Abort, Accepted, Ended, Hello, PrefillRequest, parse_notif
+from transfer.protocol import Abort, Accepted, Ended, Hello, Notif, PrefillRequest
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +73,7 @@ class Timing:
 
 @dataclass
 class _Pending:
+    seq: int  # this request's number (transfer.protocol.PrefillRequest.seq)
     peer: _Peer
     slot: int
     sent_at: float  # time.monotonic, for deadlines
@@ -111,7 +112,9 @@ class DecodeMessenger:
         self.contexts: dict[str, Tensor] = {}
         self.timings: dict[str, Timing] = {}
         self.dropped: Counter[str] = Counter()  # messages not counted, by why
-        self._seeds = itertools.count()
+        # request numbers keep growing across restarts of this worker: a prefill worker drops stale ones
+        self._seqs = itertools.count(time.time_ns())
+        self.clock = time.monotonic  # for deadlines (tests drive their own)
 
     def add_peer(self, name: str, channel, hello: Hello) -> None:
         """A prefill worker reachable over channel, whose Hello (shard spec, host, pid) arrived."""
@@ -150,14 +153,14 @@ class DecodeMessenger:
             self.engine.fail(request_id, "decode worker has no free context slot (transfer.context_slots)")
             self.engine.free(request_id)
             return
-        seed = next(self._seeds)
+        seq = next(self._seqs)
         nbytes = int(writes[:, 5].sum()) + self.context[0].numel() * self.context.element_size()
         slot = self._free_slots.pop()
         timing = Timing(time.perf_counter(), peer, writes=len(writes) + 1, nbytes=nbytes)
-        pending = _Pending(target, slot, time.monotonic(), len(prompt_ids) - 1, timing)
+        pending = _Pending(seq, target, slot, self.clock(), len(prompt_ids) - 1, timing)
         self.pending[request_id] = pending
         request = PrefillRequest(
-            request_id, list(prompt_ids[:-1]), pages, self.spec, self._metadata, slot, seed
+            request_id, list(prompt_ids[:-1]), pages, self.spec, self._metadata, slot, seq
         )
         try:
             target.channel.send(request)
@@ -179,16 +182,16 @@ class DecodeMessenger:
         for peer in self.peers.values():
             for msg in peer.channel.receive():
                 p = self.pending.get(msg.request_id) if isinstance(msg, Accepted | Ended) else None
-                if p is None or p.peer is not peer:
+                if p is None or p.peer is not peer or p.seq != msg.seq:
                     self.dropped["control message for a request the peer does not own"] += 1
                 elif isinstance(msg, Accepted):
-                    p.accepted_at, p.timing.accepted = time.monotonic(), time.perf_counter()
+                    p.accepted_at, p.timing.accepted = self.clock(), time.perf_counter()
                 else:
                     if p.failed is None:  # the prefill side failed it
                         self._fail(msg.request_id, p, msg.error or "prefill ended the request", notify=False)
                     self._pages_safe(msg.request_id)
             self._check_peer(peer)
-        admitted, now = [], time.monotonic()
+        admitted, now = [], self.clock()
         for rid, p in list(self.pending.items()):
             if p.failed is not None:
                 continue
@@ -207,12 +210,12 @@ class DecodeMessenger:
     def _count(self, agent: str, msg: bytes) -> None:
         """Count a post's writes: only from the owning peer's agent, each post once, never past the plan."""
         try:
-            _, rid, post, writes = parse_notif(msg)
+            _, rid, seq, post, writes = Notif.parse(msg)
         except ValueError:
             self.dropped["malformed notification"] += 1
             return
         p = self.pending.get(rid)
-        if p is None or p.failed is not None:
+        if p is None or p.failed is not None or p.seq != seq:
             self.dropped["notification for no live transfer"] += 1
         elif agent != p.peer.hello.agent:
             self.dropped["notification from an agent that does not own the request"] += 1
@@ -273,7 +276,7 @@ class DecodeMessenger:
             self.engine.fail(request_id, reason)
         if notify:
             try:  # a hung peer may never read it; its silence is handled by _check_peer
-                p.peer.channel.send(Abort(request_id, reason), timeout_s=0.1)
+                p.peer.channel.send(Abort(request_id, p.seq, reason), timeout_s=0.1)
             except TimeoutError:
                 pass
 

@@ -30,7 +30,7 @@ from torch import Tensor
 from transfer.backends import Backend, TransferError, WriteOp
 from transfer.config import TransferConfig
 from transfer.plan import ShardSpec, plan_array
-from transfer.protocol import Abort, Accepted, Ended, Hello, PrefillRequest, notif
+from transfer.protocol import Abort, Accepted, Ended, Hello, Notif, PrefillRequest
 
 log = logging.getLogger(__name__)
 POLL_S = 5e-4  # the sender thread's wait between looks at the layer counter
@@ -87,6 +87,7 @@ class PrefillMessenger:
         self.post_log: deque[tuple[str, int, float]] = deque(maxlen=LOG_LIMIT)
         self.done_log: deque[tuple[str, float]] = deque(maxlen=LOG_LIMIT)
         self.refused = 0  # requests refused at the boundary
+        self._last_seq: dict[int, int] = {}  # id(channel) -> newest request seq taken from it
         self._jobs: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -119,6 +120,13 @@ class PrefillMessenger:
         slot = self._slots[seq.request_id]
         self.context[slot] = last_hidden.float()
         self._jobs.put(("ctx", t, slot))
+
+    def on_failed(self, seq, error: str) -> None:
+        """The engine failed the request (its step raised): it fails here, and Ended tells the decode side."""
+        t = self.transfers.get(seq.request_id)
+        if t is not None:
+            with self._lock:
+                t.error = t.error or error
 
     # ---- control (the engine's thread) ----------------------------------------------------------------
 
@@ -165,7 +173,7 @@ class PrefillMessenger:
             self.engine.release(rid)
             self._free_slots.append(self._slots.pop(rid))
             if t.aborted or t.error:
-                self._tell(t.channel, Ended(rid, t.error or f"aborted: {t.aborted}"))
+                self._tell(t.channel, Ended(rid, t.req.seq, t.error or f"aborted: {t.aborted}"))
 
     def _tell(self, channel, msg) -> None:
         try:
@@ -175,17 +183,24 @@ class PrefillMessenger:
 
     def _on_abort(self, msg: Abort, channel) -> None:
         """Only the decode worker that sent a request may abort it; one this side does not hold (finished,
-        refused, never seen) is answered at once, so the decode side never waits for an Ended."""
+        refused, never seen) is answered at once, so the decode side never waits for an Ended, and the
+        request itself, should it still arrive (a reordered channel), is dropped."""
         t = self.transfers.get(msg.request_id)
-        if t is None:
-            self._tell(channel, Ended(msg.request_id, f"aborted: {msg.reason} (not held here)"))
-        elif t.channel is channel:
+        if t is not None and t.channel is channel and t.req.seq == msg.seq:
             self.abort(msg.request_id, msg.reason)
+        elif t is None or t.req.seq != msg.seq:
+            self._last_seq[id(channel)] = max(self._last_seq.get(id(channel), -1), msg.seq)
+            self._tell(channel, Ended(msg.request_id, msg.seq, f"aborted: {msg.reason} (not held here)"))
         else:
             log.warning("ignored an Abort of %s from a decode worker that does not own it", msg.request_id)
 
     def _accept(self, req: PrefillRequest, channel) -> None:
-        """Check and plan the request, then queue it; a bad one is refused and touches nothing."""
+        """Check and plan the request, then queue it; a bad one is refused and touches nothing. A request
+        no newer than the last one from its channel (a duplicate, or one already aborted) is dropped."""
+        if req.seq <= self._last_seq.get(id(channel), -1):
+            log.warning("dropped request %s: seq %d is stale on its channel", req.request_id, req.seq)
+            return
+        self._last_seq[id(channel)] = req.seq
         try:
             if req.request_id in self.transfers:
                 raise ValueError(f"request {req.request_id!r} is already being prefilled here")
@@ -197,12 +212,12 @@ class PrefillMessenger:
         except Exception as e:  # whatever a peer sent, it fails its own request only
             self.refused += 1
             log.warning("refused request %s: %s", req.request_id, e)
-            self._tell(channel, Ended(req.request_id, f"prefill worker refused the request: {e}"))
+            self._tell(channel, Ended(req.request_id, req.seq, f"prefill worker refused the request: {e}"))
             return
         self._slots[req.request_id] = self._free_slots.pop()
         with self._lock:
             self.transfers[req.request_id] = _Transfer(req, peer, channel)
-        self._tell(channel, Accepted(req.request_id))
+        self._tell(channel, Accepted(req.request_id, req.seq))
 
     def _connect(self, metadata: bytes) -> str:
         if metadata not in self._peers:
@@ -215,7 +230,7 @@ class PrefillMessenger:
         n = len(req.dst_pages)
         if n > self.spec.num_pages:
             raise ValueError(f"the prompt needs {n} pages; this worker's cache holds {self.spec.num_pages}")
-        rows = plan_array(self.spec, req.dst_spec, list(range(n)), req.dst_pages, seed=req.seed)
+        rows = plan_array(self.spec, req.dst_spec, list(range(n)), req.dst_pages, seed=req.seq)
         self.backend.check(peer, rows[:, 1:])
         self.backend.check(peer, [self._context_op(req, 0)])
 
@@ -265,7 +280,7 @@ class PrefillMessenger:
                 pages[i0:i1],
                 req.dst_pages[i0:i1],
                 first_page_index=i0,
-                seed=req.seed,
+                seed=req.seq,
             )
             for layer, layer_rows in enumerate(np.split(rows[:, 1:], self.spec.num_layers)):
                 by_layer[layer].append((t, layer_rows))
@@ -273,7 +288,7 @@ class PrefillMessenger:
         while layer < num_layers:
             deadline = time.monotonic() + self.config.layer_timeout_s
             while int(self.counter[0, layer]) < target:  # the kernel bumps it once the layer is stored
-                if time.monotonic() > deadline:
+                if time.monotonic() > deadline or self._stop.is_set():
                     for t, _ in by_layer[layer]:
                         t.error = (
                             f"layer {layer} not done within layer_timeout_s={self.config.layer_timeout_s}"
@@ -299,7 +314,7 @@ class PrefillMessenger:
         with self._lock:
             if t.aborted or t.error:
                 return False
-            message = notif(kind, t.req.request_id, t.posts, len(ops))
+            message = Notif(kind, t.req.request_id, t.req.seq, t.posts, len(ops)).encode()
             try:
                 t.in_flight.append(self.backend.post(t.peer, ops, message))
             except TransferError as e:

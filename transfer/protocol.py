@@ -13,6 +13,7 @@ import queue
 import socket
 import time
 from functools import cache
+from typing import NamedTuple
 
 from transfer.auth import PROTOCOL_VERSION
 from transfer.plan import ShardSpec
@@ -50,7 +51,10 @@ class PrefillRequest(Message):
     dst_spec: ShardSpec
     dst_metadata: bytes  # the decode backend's metadata (agent and registered regions)
     context_slot: int  # row of the decode side's context buffer that receives the last hidden state
-    seed: int  # picks source replicas in the plan; both sides plan with it
+    seq: int  # the decode worker's number for this request, larger than any it sent before: every reply
+    # and notification carries it, so a stale or duplicated message never counts for a later request of
+    # the same id, and a request that arrives after its own Abort is dropped. Also seeds the plan's
+    # replica rotation (both sides plan with it)
 
     def __post_init__(self):
         check_request_id(self.request_id)
@@ -68,8 +72,8 @@ class PrefillRequest(Message):
             raise ValueError(f"dst_pages must be in [0, {self.dst_spec.num_pages}) (the decode cache)")
         if len(set(self.dst_pages)) != len(self.dst_pages):
             raise ValueError("dst_pages names a page twice")
-        if self.context_slot < 0 or not 0 <= self.seed < 1 << 63:
-            raise ValueError("context_slot must be >= 0 and seed in [0, 2**63)")
+        if self.context_slot < 0 or not 0 <= self.seq < 1 << 63:
+            raise ValueError("context_slot must be >= 0 and seq in [0, 2**63)")
 
 
 class Hello(Message):
@@ -109,6 +113,7 @@ class Accepted(Message):
     """Prefill -> decode: the request is queued there (ends the handshake stage)."""
 
     request_id: str
+    seq: int
 
 
 class Abort(Message):
@@ -116,6 +121,7 @@ class Abort(Message):
     and at once for a request it does not hold (finished, refused or never seen)."""
 
     request_id: str
+    seq: int
     reason: str
 
 
@@ -123,6 +129,7 @@ class Ended(Message):
     """Prefill -> decode: nothing more will be written for this request."""
 
     request_id: str
+    seq: int
     error: str | None
 
 
@@ -138,21 +145,30 @@ def decode_codec() -> Codec:
     return Codec(*TO_DECODE)
 
 
-def notif(kind: str, request_id: str, post: int, writes: int) -> bytes:
-    """The notification that ends a post: the request's post number (so a duplicate counts once) and how
-    many writes it carried."""
-    return f"{kind}|{request_id}|{post}|{writes}".encode()
+class Notif(NamedTuple):
+    """What ends each post: whose request (id and seq), the post's number within it (so a duplicate
+    counts once) and how many writes it carried."""
 
+    kind: str  # kv | ctx
+    request_id: str
+    seq: int
+    post: int
+    writes: int
 
-def parse_notif(msg: bytes) -> tuple[str, str, int, int]:
-    """(kind, request id, post, writes) of a notification; ValueError for anything else."""
-    try:
-        kind, request_id, post, writes = msg.decode().rsplit("|", 3)
-    except (UnicodeDecodeError, ValueError) as e:
-        raise ValueError(f"not a transfer notification: {msg[:64]!r}") from e
-    if kind not in ("kv", "ctx") or not (post.isdigit() and writes.isdigit()) or len(request_id) > 256:
-        raise ValueError(f"not a transfer notification: {msg[:64]!r}")
-    return kind, request_id, int(post), int(writes)
+    def encode(self) -> bytes:
+        return f"{self.kind}|{self.request_id}|{self.seq}|{self.post}|{self.writes}".encode()
+
+    @staticmethod
+    def parse(msg: bytes) -> Notif:
+        """ValueError for anything that is not a notification."""
+        try:
+            kind, request_id, *numbers = msg.decode().rsplit("|", 4)
+        except UnicodeDecodeError as e:
+            raise ValueError(f"not a transfer notification: {msg[:64]!r}") from e
+        if kind not in ("kv", "ctx") or len(numbers) != 3 or not all(n.isdigit() for n in numbers):
+            raise ValueError(f"not a transfer notification: {msg[:64]!r}")
+        check_request_id(request_id)
+        return Notif(kind, request_id, *map(int, numbers))
 
 
 class Endpoint:

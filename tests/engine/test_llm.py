@@ -152,12 +152,80 @@ def test_bad_requests():
         llm.add_request(list(range(3000)))
     with pytest.raises(ValueError, match="too few for one request"):
         llm.add_request(list(range(30)), SamplingParams(max_tokens=10))
-    with pytest.raises(ValueError, match="max_tokens must be >= 1"):
+    with pytest.raises(ValueError, match="max_tokens must be an integer >= 1"):
         llm.generate("hi", SamplingParams(max_tokens=0))
     with pytest.raises(ValueError, match="prompt is empty"):
         llm.add_request([])
     assert llm.allocator.num_free == 8 and not llm.has_unfinished()
     torch.testing.assert_close(llm.kv_cache, torch.zeros_like(llm.kv_cache))
+
+
+VOCAB = 49152  # tiny-random's vocabulary
+
+
+@pytest.mark.parametrize(
+    "prompt, params, error, field",
+    [
+        ([1, VOCAB], {}, ValueError, r"prompt\[1\] is 49152"),
+        ([2**63], {}, ValueError, r"prompt\[0\]"),
+        ([-1], {}, ValueError, r"prompt\[0\]"),
+        ([1.0, 2], {}, TypeError, r"prompt\[0\] is 1.0"),
+        ([True], {}, TypeError, r"prompt\[0\]"),
+        (["a", "b"], {}, TypeError, r"prompt\[0\]"),
+        (b"hello", {}, TypeError, "prompt must be a string or a list of token ids"),
+        ([1], {"temperature": float("nan")}, ValueError, "temperature must be finite"),
+        ([1], {"temperature": -1}, ValueError, "temperature must be >= 0"),
+        ([1], {"top_p": float("inf")}, ValueError, "top_p must be finite"),
+        ([1], {"top_p": 0}, ValueError, "top_p must be in"),
+        ([1], {"top_k": -1}, ValueError, "top_k must be an integer >= 0"),
+        ([1], {"top_k": 2.5}, TypeError, "top_k must be"),
+        ([1], {"max_tokens": 1.5}, TypeError, "max_tokens must be"),
+        ([1], {"max_tokens": True}, TypeError, "max_tokens must be"),
+        ([1], {"seed": 2**63}, ValueError, "seed must be"),
+        ([1], {"seed": "7"}, TypeError, "seed must be"),
+        ([1], {"stop": [1, 2]}, TypeError, "stop must be"),
+        ([1], {"stop": ""}, TypeError, "stop must be"),
+        ([1], {"ignore_eos": "yes"}, TypeError, "ignore_eos must be"),
+    ],
+)
+def test_bad_input_names_the_field_and_the_engine_keeps_serving(prompt, params, error, field):
+    llm = LLM("tiny-random", page_size=4, num_pages=16)
+    with pytest.raises(error, match=field):
+        llm.generate([prompt], SamplingParams(**params))
+    assert llm.allocator.num_free == 16 and not llm.has_unfinished()
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True, stop=None))[0]
+    assert len(out.token_ids) == 3 and llm.allocator.num_free == 16
+
+
+def test_a_step_that_raises_fails_its_sequences_and_frees_their_pages():
+    llm = LLM("tiny-random", page_size=4, num_pages=16)
+    run, calls = llm.runner.run, []
+
+    def broken(batch, counter=None):
+        calls.append(1)
+        if len(calls) == 2:  # the second step: both requests are running by then
+            raise RuntimeError("injected")
+        return run(batch, counter)
+
+    llm.runner.run = broken
+    outs = llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert [o.finish_reason for o in outs] == ["error", "error"]
+    assert all("injected" in o.error for o in outs) and llm.allocator.num_free == 16
+    again = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))[0]
+    assert again.finish_reason == "length" and llm.allocator.num_free == 16
+
+
+def test_a_finished_request_id_can_be_used_again_once_forgotten():
+    llm = LLM("tiny-random", page_size=4, num_pages=16)
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    llm.add_request([5, 6], params, request_id="r")
+    with pytest.raises(ValueError, match="already in use"):
+        llm.add_request([5, 6], params, request_id="r")
+    while llm.has_unfinished():
+        llm.step()
+    llm.forget("r")
+    assert "r" not in llm.seqs
+    llm.add_request([5, 6], params, request_id="r")
 
 
 def test_tp_that_fits_neither_sharding_nor_replication():

@@ -190,3 +190,57 @@ def test_goodput_search_runs_each_rate_and_reports_the_highest_that_meets_the_sl
 
     assert goodput(records) == {"colocated": 4}
     assert all(r["summary"]["goodput_rps"] == r["rate"] for r in records)
+
+
+def test_sigterm_stops_the_job_keeps_what_it_measured_and_leaves_nothing_behind(tmp_path):
+    import signal
+    import tempfile
+    import time
+
+    before = set(Path(tempfile.gettempdir()).glob("pdk-*"))
+    deployments = (
+        "deployments=[{name: colocated, kind: colocated, num_workers: 1},"
+        "{name: 1p1d, kind: disaggregated, num_prefill: 1, num_decode: 1}]"
+    )
+    args = [*TINY, deployments, "workload.num_requests=400", "workload.output_len.value=64"]
+    env = dict(os.environ, PYTHONPATH=str(Path(CONF).parent))
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "experiments.run", *args, f"hydra.run.dir={out}"]
+    job = subprocess.Popen(
+        cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    give_up = time.monotonic() + 300
+    while not (out / "results.json").exists():  # written once the first deployment is done
+        assert job.poll() is None and time.monotonic() < give_up, job.communicate()[1][-3000:]
+        time.sleep(0.2)
+    time.sleep(3)  # the second deployment is under way
+    workers = _descendants(job.pid)
+    assert workers  # the 1p1d workers are running
+    job.send_signal(signal.SIGTERM)
+    _, stderr = job.communicate(timeout=60)
+    assert job.returncode == 130, stderr[-3000:]
+    runs = json.loads((out / "results.json").read_text())["runs"]
+    assert [r["deployment"] for r in runs] == ["colocated", "1p1d"]
+    assert runs[0]["summary"]["completed"] == 400
+    interrupted = [r for r in runs[1]["requests"] if r["error"] and "interrupted" in r["error"]]
+    assert interrupted and len(interrupted) < 400
+    time.sleep(1)
+    assert not [pid for pid in workers if Path(f"/proc/{pid}").exists()]  # every worker process is gone
+    assert set(Path(tempfile.gettempdir()).glob("pdk-*")) == before  # the run's private dirs are gone
+    assert not list(out.glob(".*.tmp"))
+
+
+def _descendants(pid: int) -> list[int]:
+    rows = [
+        line.split()
+        for line in subprocess.run(
+            ["ps", "-eo", "ppid,pid"], capture_output=True, text=True
+        ).stdout.splitlines()[1:]
+    ]
+    out, frontier = [], [pid]
+    while frontier:
+        parent = frontier.pop()
+        kids = [int(p) for pp, p in rows if int(pp) == parent]
+        out += kids
+        frontier += kids
+    return out

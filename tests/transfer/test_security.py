@@ -83,22 +83,22 @@ def test_member_sending_pickle_is_dropped_and_counted(bound, tmp_path):
     marker = tmp_path / "pwned"
     peer = ZmqEndpoint(end.address, False, keys["prefill-0"], "decode-0", prefill_codec())
     peer._sock.send(pickle.dumps(_Boom(marker)))  # a member's key does not make pickle welcome
-    peer.send(Accepted("r0"))
+    peer.send(Accepted("r0", 1))
     got = _receive_for(end)
-    assert got == [Accepted("r0")] and end.codec.dropped == 1 and not marker.exists()
+    assert got == [Accepted("r0", 1)] and end.codec.dropped == 1 and not marker.exists()
     peer.close()
 
 
 def test_a_channel_decodes_only_its_direction(bound):
     keys, end = bound
     peer = ZmqEndpoint(end.address, False, keys["prefill-0"], "decode-0", prefill_codec())
-    peer.send(Ended("r0", None))
-    peer._sock.send(prefill_codec().encode(Accepted("x")))  # fine: decode side accepts Accepted
+    peer.send(Ended("r0", 1, None))
+    peer._sock.send(prefill_codec().encode(Accepted("x", 2)))  # fine: decode side accepts Accepted
     from transfer.protocol import Abort
 
-    peer._sock.send(decode_codec().encode(Abort("r0", "x")))  # a prefill-bound message: refused here
+    peer._sock.send(decode_codec().encode(Abort("r0", 1, "x")))  # a prefill-bound message: refused here
     got = _receive_for(end)
-    assert got == [Ended("r0", None), Accepted("x")] and end.codec.dropped == 1
+    assert got == [Ended("r0", 1, None), Accepted("x", 2)] and end.codec.dropped == 1
     peer.close()
 
 

@@ -1,0 +1,37 @@
+"""Chat templates come from model files: they render in a sandbox that runs nothing."""
+
+import pytest
+from tokenizers import Tokenizer, models
+
+from engine.tokenizer import TextTokenizer
+
+EVIL = [
+    "{{ cycler.__init__.__globals__.os.popen('touch MARKER').read() }}",
+    "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+    "{% set x = messages.append({'role': 'x'}) %}{{ messages }}",  # the immutable sandbox: no mutation
+    "{{ raise_exception('bad role') }}",
+]
+
+
+def _tok(template):
+    return TextTokenizer(Tokenizer(models.BPE()), template)
+
+
+@pytest.mark.parametrize("template", EVIL)
+def test_an_evil_chat_template_runs_nothing(template, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(ValueError, match="chat template failed"):
+        _tok(template.replace("MARKER", str(tmp_path / "pwned"))).apply_chat_template(messages)
+    assert not (tmp_path / "pwned").exists() and messages == [{"role": "user", "content": "hi"}]
+
+
+def test_templates_use_loop_controls_like_transformers():
+    template = (
+        "{% for m in messages %}{% if m.role == 'system' %}{% continue %}{% endif %}"
+        "<{{ m.content }}>{% endfor %}"
+    )
+    out = _tok(template).apply_chat_template(
+        [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    )
+    assert out == "<u>"
