@@ -24,7 +24,7 @@ from engine.runner import ModelRunner
 from engine.sampler import sample
 from engine.scheduler import Batch, Scheduler
 from engine.sequence import RequestOutput, SamplingParams, Sequence, Status, check_token_ids
-from engine.tp import TPGroup
+from engine.tp import RankDied, TPGroup
 from engine.weights import load_model
 from pdkernels.out_proj import make_layer_counter
 
@@ -185,6 +185,8 @@ class LLM:
                 [c.seq.params for c in batch.chunks if c.samples],
                 [c.seq.generator for c in batch.chunks if c.samples],
             )
+        except RankDied:  # not this step's fault: the engine itself is gone, and its caller must know
+            raise
         except Exception as e:  # the step's sequences fail with the error; the engine serves on
             log.exception("a step failed; its %d sequences end with the error", len(batch.chunks))
             for chunk in batch.chunks:

@@ -78,6 +78,10 @@ def _rank_main(
             dist.destroy_process_group()
 
 
+class RankDied(RuntimeError):
+    """A TP rank process has exited: this engine cannot run another step."""
+
+
 class TPGroup:
     """The lead's handle on ranks 1..N-1 (spawned processes)."""
 
@@ -120,7 +124,7 @@ class TPGroup:
         msg = (input_ids, replace(meta, counter=None))  # only the lead counts layers
         for rank, (conn, proc) in enumerate(zip(self.conns, self.procs, strict=True), start=1):
             if not proc.is_alive():
-                raise RuntimeError(f"TP rank {rank} has exited (code {proc.exitcode})")
+                raise RankDied(f"TP rank {rank} has exited (code {proc.exitcode})")
             conn.send(msg)
 
     def close(self) -> None:

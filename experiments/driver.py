@@ -122,6 +122,9 @@ def run_deployment(
             p.start()  # not daemons: a worker with TP > 1 starts its own rank processes
         _await_ready(sock, procs, roles, config.start_timeout_s)
         _serve(run, config, sock, procs, roles, progress, hooks)
+    except KeyboardInterrupt:  # SIGTERM (experiments.run raises it) or Ctrl-C: keep what was measured
+        run.interrupted = True
+        _unfinished(run, "interrupted (SIGTERM or Ctrl-C)")
     finally:
         _stop_all(run, sock, procs)
         sock.close()

@@ -9,4 +9,4 @@ def test_cli_streams_a_completion(capsys):
 
 def test_cli_reports_bad_input(capsys):
     assert main(["--model", "tiny-random", "--prompt", "Hello", "--max-tokens", "0"]) == 2
-    assert "max_tokens must be >= 1" in capsys.readouterr().err
+    assert "max_tokens must be an integer >= 1" in capsys.readouterr().err

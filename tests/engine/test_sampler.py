@@ -31,10 +31,10 @@ def test_temperature_spreads_the_draws():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"max_tokens": 0}, "max_tokens must be >= 1"),
+        ({"max_tokens": 0}, "max_tokens must be an integer >= 1"),
         ({"temperature": -1}, "temperature must be >= 0"),
         ({"top_p": 0}, "top_p must be in"),
-        ({"top_k": -1}, "top_k must be >= 0"),
+        ({"top_k": -1}, "top_k must be an integer >= 0"),
     ],
 )
 def test_bad_sampling_params(kwargs, message):
