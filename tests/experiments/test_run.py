@@ -58,6 +58,20 @@ def test_greedy_outputs_are_identical_colocated_1p1d_and_tp_1_to_2(tmp_path):
     assert not mp.active_children()  # every worker process is gone
 
 
+def test_control_plane_over_tcp_with_curve(tmp_path):
+    """control_transport=tcp: every control socket binds to control_host behind CURVE (what a deployment
+    across machines needs); the run gives the same greedy tokens as over ipc."""
+    runs = {
+        transport: run(
+            _cfg([*TINY, "deployment=1p1d", f"transfer.control_transport={transport}"]),
+            tmp_path / transport,
+            progress=False,
+        )[0]
+        for transport in ("ipc", "tcp")
+    }
+    assert runs["tcp"]["summary"]["completed"] == 6 and _outputs(runs["tcp"]) == _outputs(runs["ipc"])
+
+
 def test_conditional_disaggregation_prefills_short_prompts_on_the_decode_worker(tmp_path):
     overrides = [*TINY, "deployment=1p1d", "deployment.local_prefill_max_tokens=20"]
     (rec,) = run(_cfg(overrides), tmp_path, progress=False)

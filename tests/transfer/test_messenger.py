@@ -280,3 +280,29 @@ def test_mismatched_tp_through_the_messenger(prefill_tp, decode_tp):
         _close(pm, dm)
         prefill.close()
         decode.close()
+
+
+def test_a_send_timeout_frees_the_pages_at_once(pair):
+    """Nothing was sent, so nothing can land: the pages need no quarantine."""
+    prefill, decode, pm, dm = pair
+    (peer,) = dm.peers.values()
+
+    def refuse(msg, timeout_s=10.0):
+        raise TimeoutError("the peer took nothing")
+
+    peer.channel.send = refuse
+    dm.submit("r", list(range(100, 140)), GREEDY)
+    out = decode.output("r")
+    assert out.finish_reason == "error" and "could not reach" in out.error
+    assert decode.allocator.num_free == PAGES and not dm.pending and len(dm._free_slots) == 64
+
+
+def test_a_plan_that_raises_takes_nothing(pair):
+    from transfer.protocol import Hello
+
+    prefill, decode, pm, dm = pair
+    (peer,) = dm.peers.values()
+    peer.hello = Hello.of(replace(peer.hello.spec, num_layers=3), "elsewhere")  # a worker that does not fit
+    with pytest.raises(ValueError, match="disagree on num_layers"):
+        dm.submit("r", list(range(100, 140)), GREEDY)
+    assert decode.allocator.num_free == PAGES and "r" not in decode.seqs and not dm.pending

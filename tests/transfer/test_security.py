@@ -139,3 +139,30 @@ def test_driver_drops_a_worker_that_claims_another_identity(tmp_path):
     for w in workers:
         w.close()
     sock.close()
+
+
+def test_driver_socket_runs_no_pickle_from_a_stranger_or_a_member(tmp_path):
+    from experiments.driver import _recv, driver_socket
+    from transfer.config import TransferConfig
+
+    keys = keyring(["driver", "decode-0"])
+    sock = driver_socket(keys, str(tmp_path), TransferConfig())
+    address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    marker = tmp_path / "pwned"
+    ctx = zmq.Context.instance()
+    stranger, member = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    for s, name in ((stranger, "decode-0"), (member, "decode-0")):
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.IDENTITY, name.encode())
+    auth.connect_as(member, keys["decode-0"], "driver")
+    stranger.connect(address)
+    member.connect(address)
+    stranger.send(pickle.dumps(_Boom(marker)))
+    member.send(pickle.dumps(_Boom(marker)))
+    got, give_up = [], time.monotonic() + 1
+    while time.monotonic() < give_up:
+        sock.poll(50)
+        got += _recv(sock)
+    assert got == [] and not marker.exists()
+    for s in (stranger, member, sock):
+        s.close()
