@@ -205,10 +205,14 @@ class Worker:
                     self.llm.make_sequence(msg.prompt_ids, params, msg.request_id)  # check it now
                     self.backlog.append((msg, params))
             except (ValueError, TypeError) as e:
-                log.warning("%s: refused request %s: %s", self.spec.name, msg.request_id, e)
-                self._send(Result(msg.request_id, self.spec.name, [], received, None, [], "error", str(e)))
+                self._refuse(msg.request_id, received, e)
                 return
             self.live[msg.request_id] = received
+
+    def _refuse(self, request_id: str, received: float, error: Exception) -> None:
+        """A request this worker cannot take ends alone, its error in its Result."""
+        log.warning("%s: refused request %s: %s", self.spec.name, request_id, error)
+        self._send(Result(request_id, self.spec.name, [], received, None, [], "error", str(error)))
 
     def _drain_backlog(self) -> None:
         from engine.kv_cache import OutOfPages
@@ -219,11 +223,8 @@ class Worker:
                 self.dm.submit(msg.request_id, msg.prompt_ids, params)
             except OutOfPages:
                 return  # pages come back as running requests finish
-            except (ValueError, TypeError) as e:  # the plan or the engine refused it: it fails alone
-                self.live.pop(msg.request_id, None)
-                self._send(
-                    Result(msg.request_id, self.spec.name, [], time.perf_counter(), None, [], "error", str(e))
-                )
+            except (ValueError, TypeError) as e:  # the plan or the engine refused it
+                self._refuse(msg.request_id, self.live.pop(msg.request_id), e)
             self.backlog.popleft()
 
     def _step(self) -> None:

@@ -20,8 +20,6 @@ from zmq.auth.thread import ThreadAuthenticator
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 2  # in every Hello; peers of another version are refused
-
 
 @dataclass(frozen=True)
 class Credentials:

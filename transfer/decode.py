@@ -19,7 +19,6 @@ Anything else is dropped and counted in `dropped`.
 from __future__ import annotations
 
 import itertools
-import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -32,8 +31,6 @@ from transfer.backends import Backend
 from transfer.config import TransferConfig
 from transfer.plan import ShardSpec, plan_array
 from transfer.protocol import Abort, Accepted, Ended, Hello, Notif, PrefillRequest
-
-log = logging.getLogger(__name__)
 
 
 class DecodeEngine(Protocol):

@@ -15,12 +15,12 @@ import time
 from functools import cache
 from typing import NamedTuple
 
-from transfer.auth import PROTOCOL_VERSION
 from transfer.plan import ShardSpec
 from transfer.wire import Codec, Message, WireError
 
 log = logging.getLogger(__name__)
 
+PROTOCOL_VERSION = 2  # in every Hello; a peer of another version is refused
 MAX_PROMPT_TOKENS = 1 << 22
 
 

@@ -166,3 +166,12 @@ def test_driver_socket_runs_no_pickle_from_a_stranger_or_a_member(tmp_path):
     assert got == [] and not marker.exists()
     for s in (stranger, member, sock):
         s.close()
+
+
+def test_a_peer_of_another_protocol_version_is_refused():
+    from transfer.protocol import PROTOCOL_VERSION, local_channel, wait_hello
+
+    decode_end, prefill_end = local_channel()
+    prefill_end.send(Hello(SPEC, "agent", PROTOCOL_VERSION - 1))
+    with pytest.raises(ValueError, match="protocol version"):
+        wait_hello(decode_end, timeout_s=1)
