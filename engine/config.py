@@ -114,6 +114,11 @@ class EngineConfig:
             self.device == "cpu" or self.device.startswith("cuda"),
             f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}",
         )
+        _check(
+            not self.device.startswith("cuda") or torch.cuda.is_available(),
+            f"device={self.device!r} but this machine has no CUDA device (torch.cuda.is_available() is "
+            "False): use device='cpu'",
+        )
         _check(self.tp >= 1, f"tp must be >= 1, got {self.tp}")
         m = self.model
         _check(m.num_heads % self.tp == 0, f"tp={self.tp} must divide the {m.num_heads} attention heads")

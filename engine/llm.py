@@ -137,7 +137,9 @@ class LLM:
                 f"num_pages={self.allocator.num_pages} is too few for one request: this one needs "
                 f"{need} pages of {self.allocator.page_size} tokens"
             )
-        return Sequence(request_id, prompt_ids, params, prompt=prompt if isinstance(prompt, str) else None)
+        seq = Sequence(request_id, prompt_ids, params, prompt=prompt if isinstance(prompt, str) else None)
+        seq.detokenizer = self.tokenizer.stream()
+        return seq
 
     def add_request(
         self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
@@ -219,6 +221,16 @@ class LLM:
             self.step()
         return [self.output(i) for i in ids]
 
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """generate() on one conversation ([{"role", "content"}, ...]) or a list of them, each rendered
+        with the model's chat template (as vLLM's LLM.chat)."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        return self.generate([self.apply_chat_template(c) for c in conversations], params)
+
     def apply_chat_template(self, messages: list[dict] | str) -> str:
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
@@ -276,8 +288,12 @@ class LLM:
         seq.output_ids.append(token)
         seq.token_times.append(now)
         p, model = seq.params, self.config.model
-        seq.text = self.tokenizer.decode(seq.output_ids)
-        stop_at = min((i for i in (seq.text.find(s) for s in p.stop) if i >= 0), default=-1)
+        grown = len(seq.text)
+        seq.text += seq.detokenizer.step(token)
+        # a stop string can only end in the new text: look from where it could start
+        stop_at = min(
+            (i for i in (seq.text.find(s, max(0, grown - len(s) + 1)) for s in p.stop) if i >= 0), default=-1
+        )
         if stop_at >= 0:
             seq.text = seq.text[:stop_at]
             reason = "stop"

@@ -93,6 +93,7 @@ class Sequence:
     finish_reason: str | None = None  # stop | length | abort | error
     error: str | None = None
     generator: torch.Generator | None = None
+    detokenizer: object | None = None  # engine.tokenizer.TextStream: text grows one token at a time
 
     def __post_init__(self):
         if self.params.seed is not None:
@@ -112,6 +113,16 @@ class Sequence:
 
 
 @dataclass
+class CompletionOutput:
+    """One completion of a request, as vLLM shapes it (`RequestOutput.outputs[0]`)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -123,6 +134,11 @@ class RequestOutput:
     error: str | None
     arrival_time: float
     token_times: list[float]  # perf_counter time of each output token
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """vLLM's shape: the one completion (n = 1) as `outputs[0]`."""
+        return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason)]
 
     @property
     def ttft(self) -> float | None:

@@ -9,6 +9,7 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers.decoders import DecodeStream
 
 GGUF_CONTROL = 3  # llama.cpp token type of special (control) tokens
 
@@ -31,6 +32,11 @@ class TextTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def stream(self, skip_special_tokens: bool = True) -> TextStream:
+        """An incremental detokenizer: feed it ids one at a time (O(1) each); a character that spans
+        several tokens (an emoji in byte-level BPE) comes out whole, once its last byte arrives."""
+        return TextStream(self.tokenizer, DecodeStream(skip_special_tokens=skip_special_tokens))
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render the model's chat template. The template comes from a model file, so it is untrusted: it runs
         in jinja2's immutable sandbox (as in transformers), and whatever it raises becomes a ValueError."""
@@ -43,6 +49,15 @@ class TextTokenizer:
             )
         except jinja2.TemplateError as e:
             raise ValueError(f"the model's chat template failed: {type(e).__name__}: {e}") from e
+
+
+class TextStream:
+    def __init__(self, tokenizer: Tokenizer, stream: DecodeStream):
+        self._tokenizer, self._stream = tokenizer, stream
+
+    def step(self, token_id: int) -> str:
+        """The text this token completes ('' while a character is still partial)."""
+        return self._stream.step(self._tokenizer, token_id) or ""
 
 
 def _raise_exception(message: str):

@@ -257,3 +257,21 @@ def test_reserve_out_of_pages_takes_nothing():
     assert "b" not in llm.seqs and llm.allocator.num_free == 3
     llm.release("a")
     assert llm.allocator.num_free == 8
+
+
+def test_vllm_shaped_outputs_and_chat():
+    llm = LLM("smollm2-135m", num_pages=64)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    messages = [{"role": "user", "content": "Say hi."}]
+    (out,) = llm.chat(messages, params)
+    (ref,) = llm.generate([llm.apply_chat_template(messages)], params)
+    assert out.outputs[0].token_ids == ref.token_ids and out.outputs[0].text == ref.text
+    assert out.outputs[0].finish_reason == "length" and out.outputs[0].index == 0
+    assert out.text == llm.tokenizer.decode(out.token_ids)  # the streamed text is the decoded text
+    assert [o.token_ids for o in llm.chat([messages, messages], params)] == [ref.token_ids] * 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_cuda_without_cuda_is_a_clear_error():
+    with pytest.raises(ValueError, match="no CUDA device"):
+        LLM("tiny-random", device="cuda")

@@ -35,3 +35,15 @@ def test_templates_use_loop_controls_like_transformers():
         [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
     )
     assert out == "<u>"
+
+
+def test_streamed_text_is_the_decoded_text_and_multibyte_characters_arrive_whole():
+    from engine.weights import load_model
+
+    tok = load_model("smollm2-135m").tokenizer
+    text = "héllo 😀 wörld"
+    ids = tok.encode(text)
+    stream = tok.stream()
+    pieces = [stream.step(i) for i in ids]
+    assert "".join(pieces) == tok.decode(ids) == text
+    assert " 😀" in pieces and not any("\ufffd" in p for p in pieces)  # whole, once its last byte came
