@@ -23,7 +23,16 @@ from engine.kv_cache import OutOfPages
 from tests.transfer.test_messenger import _full_heads
 from transfer.backends.local import LocalBackend
 from transfer.config import TransferConfig
-from transfer.protocol import Accepted, Ended, Endpoint, Notif, decode_codec, prefill_codec, wait_hello
+from transfer.protocol import (
+    Accepted,
+    Ended,
+    Endpoint,
+    Hello,
+    Notif,
+    decode_codec,
+    prefill_codec,
+    wait_hello,
+)
 
 PAGES, SLOTS = 96, 8
 PARAMS = SamplingParams(max_tokens=3, ignore_eos=True)
@@ -47,33 +56,28 @@ class _Wire:
         self.items.append(data)
 
 
-class _Recorder:
-    def __init__(self):
-        self.calls: Counter = Counter()  # (hook, request) -> times
-
-
 class FaultyPair(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.now = 0.0
         self.decode = LLM("tiny-random", role="decode", page_size=4, num_pages=PAGES, max_num_seqs=8)
-        self.rec, self.violations = _Recorder(), []
+        self.calls, self.violations = Counter(), []  # (hook, request) -> times; writes that broke the rule
         self.sent, self.landed = {}, {}  # request -> KV the prefill side computed / the decode side got
-        decode, rec, landed = self.decode, self.rec, self.landed
+        decode, calls, landed = self.decode, self.calls, self.landed
 
         class Sink(DecodeSide):
             def admit(self, request_id):
-                rec.calls["admit", request_id] += 1
+                calls["admit", request_id] += 1
                 pages = decode.allocator.pages(request_id)
                 landed[request_id] = _full_heads(decode.kv_caches, shard_spec(decode), pages).clone()
                 super().admit(request_id)
 
             def fail(self, request_id, error):
-                rec.calls["fail", request_id] += 1
+                calls["fail", request_id] += 1
                 super().fail(request_id, error)
 
             def free(self, request_id):
-                rec.calls["free", request_id] += 1
+                calls["free", request_id] += 1
                 super().free(request_id)
 
         self.dm = decode_messenger(decode, LocalBackend(f"d{next(_names)}"), CONFIG, side=Sink)
@@ -87,8 +91,6 @@ class FaultyPair(RuleBasedStateMachine):
 
     def _hello_end(self, agent):
         """A channel end that holds one Hello of agent (the spoofing peer's)."""
-        from transfer.protocol import Hello
-
         end = Endpoint(_Wire(), queue.Queue(), decode_codec())
         end.inbox.put(prefill_codec().encode(Hello.of(shard_spec(self.decode), agent)))
         return end
@@ -275,8 +277,8 @@ class FaultyPair(RuleBasedStateMachine):
     @invariant()
     def every_request_ends_at_most_once(self):
         for rid in self.submitted:
-            ends = self.rec.calls["admit", rid] + self.rec.calls["fail", rid]
-            assert ends <= 1 and self.rec.calls["free", rid] <= self.rec.calls["fail", rid], rid
+            ends = self.calls["admit", rid] + self.calls["fail", rid]
+            assert ends <= 1 and self.calls["free", rid] <= self.calls["fail", rid], rid
 
     def _settle(self):
         """Let the sender thread post what the step queued (the checks hold under any interleaving)."""
@@ -312,7 +314,7 @@ class FaultyPair(RuleBasedStateMachine):
                 assert not self.pm.transfers and self.prefill.allocator.num_free == PAGES
                 assert len(self.pm._free_slots) == CONFIG.context_slots
             for rid in self.submitted:
-                admitted, failed = self.rec.calls["admit", rid], self.rec.calls["fail", rid]
+                admitted, failed = self.calls["admit", rid], self.calls["fail", rid]
                 out = self.decode.seqs.get(rid)
                 assert admitted + failed == 1 and out is not None and out.finished, rid
                 if admitted and rid in self.sent:  # the bytes it was released with are the ones computed
@@ -364,12 +366,12 @@ def _scenario(fault):
 
 def test_a_spoofed_ended_frees_nothing_mid_transfer():
     m = _scenario(lambda m: (m.spoof(_Draw("r0"), ended=True), m.decode_steps()))
-    assert m.rec.calls["admit", "r0"] == 1 and m.decode.seqs["r0"].finish_reason == "length"
+    assert m.calls["admit", "r0"] == 1 and m.decode.seqs["r0"].finish_reason == "length"
 
 
 def test_a_spoofed_notification_counts_nothing():
     m = _scenario(lambda m: (m.spoof(_Draw("r0"), ended=False), m.decode_steps()))
-    assert m.rec.calls["admit", "r0"] == 1 and sum(m.dm.dropped.values()) >= 1
+    assert m.calls["admit", "r0"] == 1 and sum(m.dm.dropped.values()) >= 1
 
 
 def test_notifications_that_arrive_twice_count_once():
@@ -379,7 +381,7 @@ def test_notifications_that_arrive_twice_count_once():
         m.decode_steps()
 
     m = _scenario(twice)
-    assert m.rec.calls["admit", "r0"] == 1
+    assert m.calls["admit", "r0"] == 1
 
 
 def test_a_duplicated_prefill_request_is_not_taken_twice():
@@ -389,7 +391,7 @@ def test_a_duplicated_prefill_request_is_not_taken_twice():
         m.prefill_steps()
 
     m = _scenario(duplicate)
-    assert m.rec.calls["admit", "r0"] == m.rec.calls["admit", "r1"] == 1
+    assert m.calls["admit", "r0"] == m.calls["admit", "r1"] == 1
 
 
 def test_an_abort_waits_for_writes_in_flight():
@@ -398,4 +400,4 @@ def test_an_abort_waits_for_writes_in_flight():
         m.decode_steps()
 
     m = _scenario(abort)
-    assert m.rec.calls["fail", "r0"] == 1 and m.rec.calls["free", "r0"] == 1
+    assert m.calls["fail", "r0"] == 1 and m.calls["free", "r0"] == 1
