@@ -306,3 +306,24 @@ def test_a_plan_that_raises_takes_nothing(pair):
     with pytest.raises(ValueError, match="disagree on num_layers"):
         dm.submit("r", list(range(100, 140)), GREEDY)
     assert decode.allocator.num_free == PAGES and "r" not in decode.seqs and not dm.pending
+
+
+def test_an_unexpected_error_on_the_sender_thread_fails_its_request_not_the_thread(pair):
+    """A backend that raises something other than TransferError (a NIXL bug, say) mid-post."""
+    prefill, decode, pm, dm = pair
+    post = pm.backend.post
+
+    def broken(peer, ops, notif):
+        if b"|bad|" in notif:
+            raise RuntimeError("injected")
+        return post(peer, ops, notif)
+
+    pm.backend.post = broken
+    dm.submit("bad", list(range(100, 140)), GREEDY)
+    _run(prefill, decode, pm, dm, ["bad"])
+    out = decode.output("bad")
+    assert out.finish_reason == "error" and "injected" in out.error and pm._thread.is_alive()
+    dm.submit("good", list(range(200, 240)), GREEDY)
+    _run(prefill, decode, pm, dm, ["good"])
+    assert decode.output("good").finish_reason == "length"
+    assert prefill.allocator.num_free == PAGES and decode.allocator.num_free == PAGES
