@@ -401,3 +401,28 @@ def test_an_abort_waits_for_writes_in_flight():
 
     m = _scenario(abort)
     assert m.calls["fail", "r0"] == 1 and m.calls["free", "r0"] == 1
+
+
+def test_an_abort_after_the_prefill_side_finished_is_answered():
+    """The prefill side has sent everything and forgotten the request, the decode side has not counted it
+    yet (its notifications are lost) and aborts: the Abort is answered, so the pages come back."""
+    m = FaultyPair()
+    try:
+        m.submit(length=20, seed=5)
+        m._deliver_all()
+        m.prefill_steps()
+        m._land()
+        for _ in range(100):  # the sender thread reaps the landed posts, then poll forgets the request
+            m.prefill_steps()
+            if not m.pm.transfers:
+                break
+        assert not m.pm.transfers
+        m.dm.backend._inbox.clear()
+        m.decode_aborts(_Draw("r0"))
+        for _ in range(3):
+            m._deliver_all()
+            m.prefill_steps()
+            m.decode_steps()
+        assert not m.dm.pending and m.calls["fail", "r0"] == m.calls["free", "r0"] == 1
+    finally:
+        m.teardown()
