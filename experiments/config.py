@@ -16,6 +16,7 @@ from transfer.config import TransferConfig
 ARRIVALS = ("poisson", "concurrency")
 LENGTH_KINDS = ("fixed", "uniform", "lognormal")
 DTYPES = ("float32", "bfloat16", "float16")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
 def _fail(key: str, value, allowed: str) -> None:
@@ -145,6 +146,11 @@ class RunConfig:
     run_timeout_s: float = 600.0  # the whole run; requests not finished by then are recorded as errors
     start_timeout_s: float = 300.0  # every worker up and connected
     plots: bool = True
+    log_level: str = "INFO"  # of the run folder's logs/ (driver.log, one file per worker)
+
+    def __post_init__(self):
+        if self.log_level not in LOG_LEVELS:
+            _fail("log_level", self.log_level, f"one of {LOG_LEVELS}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -184,7 +190,7 @@ def from_cfg(cfg) -> RunConfig:
         pass
     model = _dataclass(ModelSpec, "model", cfg.get("model"))
     transfer = _dataclass(TransferConfig, "transfer", cfg.get("transfer"))
-    run = {k: cfg[k] for k in ("run_timeout_s", "start_timeout_s", "plots") if k in cfg}
+    run = {k: cfg[k] for k in ("run_timeout_s", "start_timeout_s", "plots", "log_level") if k in cfg}
     return RunConfig(model, deployments_of(cfg), workload_of(cfg), slo_of(cfg), transfer, **run)
 
 

@@ -21,7 +21,8 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from experiments.config import DeploymentConfig, RunConfig
 from experiments.messages import (
@@ -98,11 +99,17 @@ def worker_specs(
 
 
 def run_deployment(
-    config: RunConfig, d: DeploymentConfig, requests: list[Request], progress: bool = True, hooks=None
+    config: RunConfig,
+    d: DeploymentConfig,
+    requests: list[Request],
+    progress: bool = True,
+    hooks=None,
+    log_dir: Path | None = None,
 ) -> DeploymentRun:
     """Start the deployment's workers, run every request through them, stop them; returns what happened.
 
-    hooks: an optional callable(run, procs) called every loop turn (tests use it to kill a worker)."""
+    hooks: an optional callable(run, procs) called every loop turn (tests use it to kill a worker).
+    log_dir: where each worker writes <name>.log (None: workers do not log to files)."""
     import zmq
 
     run = DeploymentRun(d, requests)
@@ -111,6 +118,11 @@ def run_deployment(
     sock = driver_socket(keys, run_dir, config.transfer)
     driver_address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
     specs = worker_specs(config, d, driver_address, run_dir, keys)
+    if log_dir is not None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        specs = [
+            replace(s, log_file=str(log_dir / f"{s.name}.log"), log_level=config.log_level) for s in specs
+        ]
     if mp.get_start_method(allow_none=True) not in (None, "spawn", "fork", "forkserver"):
         # inside a joblib (loky) sweep job: spawned children would look for a 'loky' context and fail
         mp.set_start_method("spawn", force=True)
@@ -248,6 +260,7 @@ def _serve(run: DeploymentRun, config: RunConfig, sock, procs, roles, progress: 
                 if name not in dead and not proc.is_alive():
                     dead.add(name)
                     run.events.append((time.perf_counter(), f"{name} exited (code {proc.exitcode})"))
+                    log.warning("worker %s exited (code %s)", name, proc.exitcode)
                     if roles[name] == "prefill":
                         for dn in frontends:
                             _send(sock, dn, PeerDead(name))

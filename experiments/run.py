@@ -8,6 +8,7 @@ per run, plots, and the side-by-side table on stdout.
 
 from __future__ import annotations
 
+import logging
 import signal
 import sys
 import threading
@@ -39,13 +40,16 @@ def run(cfg: DictConfig, out_dir: Path, progress: bool = True, hooks=None) -> li
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
     records, interrupted = [], False
+    logging.getLogger().setLevel(config.log_level)  # the driver's log: hydra's <run folder>/run.log
     with _sigterm_interrupts():
         for rate in rates or [config.workload.rate if config.workload.arrival == "poisson" else None]:
             workload = replace(config.workload, rate=rate) if rate is not None else config.workload
             requests = make_requests(workload, tokenizer, vocab, max_position)
             run_config = replace(config, workload=workload)
             for d in config.deployments:
-                result = run_deployment(run_config, d, requests, progress=progress, hooks=hooks)
+                result = run_deployment(
+                    run_config, d, requests, progress=progress, hooks=hooks, log_dir=out_dir / "logs" / d.name
+                )
                 records.append(metrics.run_record(result, run_config, rate))
                 metrics.write_results(out_dir, config, records)  # an interrupted run keeps what it measured
                 if interrupted := result.interrupted:

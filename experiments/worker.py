@@ -53,6 +53,8 @@ class WorkerSpec:
     cores: tuple[int, ...] = ()  # CPU affinity (empty: leave as is)
     tp: int = 1
     seed: int = 0
+    log_file: str | None = None  # this worker's log (the run folder's logs/<name>.log)
+    log_level: str = "INFO"
 
 
 def worker_main(spec: WorkerSpec) -> None:
@@ -60,6 +62,12 @@ def worker_main(spec: WorkerSpec) -> None:
 
     from transfer.auth import connect_as
 
+    if spec.log_file is not None:
+        logging.basicConfig(
+            filename=spec.log_file,
+            level=spec.log_level,
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        )
     codec = worker_codec()
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, spec.name.encode())
@@ -72,6 +80,7 @@ def worker_main(spec: WorkerSpec) -> None:
     except KeyboardInterrupt:
         pass
     except Exception:
+        log.exception("%s failed", spec.name)
         sock.send(codec.encode(Failed(spec.name, traceback.format_exc())))
     finally:
         sock.close()
@@ -167,6 +176,7 @@ class Worker:
         import zmq
 
         self._send(Ready(self.spec.name))
+        log.info("%s up: %s worker, tp %d, pid %d", self.spec.name, self.spec.role, self.spec.tp, os.getpid())
         while os.getppid() == self.parent:
             busy = self.llm.has_unfinished() or self.backlog or (self.dm and self.dm.pending)
             if self.sock.poll(0 if busy or self.pm else 1, zmq.POLLIN):
@@ -174,6 +184,7 @@ class Worker:
                     msg = self._recv()
                     if isinstance(msg, Stop):
                         self._send(self.timeline)
+                        log.info("%s stopped by the driver", self.spec.name)
                         return
                     self._handle(msg)
             if self.pm is not None:
@@ -191,6 +202,7 @@ class Worker:
         from engine import SamplingParams
 
         if isinstance(msg, PeerDead) and self.dm is not None:
+            log.warning("%s: prefill worker %s died; its requests end", self.spec.name, msg.name)
             self.dm.peer_dead(msg.name)
         elif isinstance(msg, Submit):
             received = time.perf_counter()
@@ -258,6 +270,8 @@ class Worker:
                 result.prefill_worker = timing.peer
             elif self.dm is not None and len(seq.prompt_ids) > self.spec.deployment.local_prefill_max_tokens:
                 result.prefill = "remote"  # its transfer failed (or it was recomputed here)
+            if seq.error is not None:
+                log.warning("%s: request %s failed: %s", self.spec.name, rid, seq.error)
             self._send(result)
             del self.llm.seqs[rid]
             if self.dm is not None:

@@ -70,6 +70,10 @@ def test_control_plane_over_tcp_with_curve(tmp_path):
         for transport in ("ipc", "tcp")
     }
     assert runs["tcp"]["summary"]["completed"] == 6 and _outputs(runs["tcp"]) == _outputs(runs["ipc"])
+    for name in ("prefill-0", "decode-0"):  # and each worker logs to its own file in the run folder
+        text = (tmp_path / "tcp" / "logs" / "1p1d" / f"{name}.log").read_text()
+        assert f"{name} up: {name.split('-')[0]} worker" in text and f"{name} stopped by the driver" in text
+    assert "prefill worker prefill-0 connected" in (tmp_path / "tcp/logs/1p1d/decode-0.log").read_text()
 
 
 def test_conditional_disaggregation_prefills_short_prompts_on_the_decode_worker(tmp_path):
@@ -114,6 +118,8 @@ def test_killed_prefill_worker_ends_its_requests_with_errors_and_the_run_finishe
             "workload.arrival=burst",
             "workload.arrival='burst' is not allowed: one of ('poisson', 'concurrency')",
         ),
+        ("log_level=LOUD", "log_level='LOUD' is not allowed: one of ('DEBUG', 'INFO', 'WARNING', 'ERROR')"),
+        ("transfer.control_transport=udp", "control_transport must be one of ('ipc', 'tcp')"),
     ],
 )
 def test_bad_configs_fail_before_any_process_starts(tmp_path, override, message):
