@@ -165,10 +165,23 @@ def run_job(fn, cfg) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     try:
+        _check_overrides(cfg, HydraConfig.get().overrides.task)
         fn(cfg, Path(HydraConfig.get().runtime.output_dir))
     except ValueError as e:
         print(f"config error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+def _check_overrides(cfg, overrides) -> None:
+    """Refuse a `deployment` override that would be silently ignored: `deployments` (set by
+    experiment=compare, say) lists what runs."""
+    keys = [o.split("=", 1)[0].lstrip("+~") for o in overrides]
+    if cfg.get("deployments") and any(k == "deployment" or k.startswith("deployment.") for k in keys):
+        names = [d.get("name") for d in cfg.get("deployments")]
+        raise ValueError(
+            f"deployment is ignored here: `deployments` lists the deployments to run ({names}, set by the "
+            "experiment); drop the experiment, or override `deployments` instead"
+        )
 
 
 def _dataclass(cls, key: str, values) -> object:

@@ -141,6 +141,12 @@ def _cli(args, cwd):
     )
 
 
+def test_a_deployment_that_an_experiment_would_ignore_is_refused(tmp_path):
+    out = _cli(["experiment=compare", "deployment=2p1d", f"hydra.run.dir={tmp_path}"], tmp_path)
+    assert out.returncode == 2 and "deployment is ignored here" in out.stderr, out.stderr[-2000:]
+    assert "['colocated', '1p1d']" in out.stderr
+
+
 def test_unknown_deployment_is_refused_by_the_cli(tmp_path):
     out = _cli(["deployment=3p9d", f"hydra.run.dir={tmp_path}"], tmp_path)
     assert out.returncode != 0
