@@ -307,10 +307,11 @@ class LLM:
         self._finish(seq, reason)
 
     def _fail(self, seq: Sequence, error: str) -> None:
-        prefill = self.scheduler.role == "prefill"
-        self.scheduler.remove(seq, free_pages=not prefill)  # a prefill request's pages wait for release
-        self._finish(seq, "error", error)
-        if prefill and self.listener is not None:
+        if self.scheduler.role != "prefill":
+            self.abort(seq.request_id, error)
+            return
+        self.stop(seq.request_id, error)  # a prefill request's pages wait for the messenger's release
+        if self.listener is not None:
             self.listener.on_failed(seq, error)
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:

@@ -7,7 +7,7 @@ Stop. The simulator builds Results too; it imports these, not process code.
 
 from __future__ import annotations
 
-from transfer.protocol import MAX_PROMPT_TOKENS, check_request_id
+from transfer.protocol import check_request
 from transfer.wire import Codec, Message
 
 
@@ -30,9 +30,7 @@ class Submit(Message):
     max_tokens: int
 
     def __post_init__(self):
-        check_request_id(self.request_id)
-        if not 0 < len(self.prompt_ids) <= MAX_PROMPT_TOKENS:
-            raise ValueError(f"prompt_ids must hold 1 to {MAX_PROMPT_TOKENS} tokens")
+        check_request(self.request_id, self.prompt_ids)
 
 
 class PeerDead(Message):

@@ -144,8 +144,11 @@ class Worker:
             )
             channels[peer] = ZmqEndpoint(address, True, spec.creds, peer, decode_codec())
         self._send(Listening(spec.name, {p: c.address for p, c in channels.items()}))
+
+        def alive() -> bool:
+            return os.getppid() == self.parent
+
         for peer, channel in channels.items():
-            alive = lambda: os.getppid() == self.parent  # noqa: E731
             self.dm.add_peer(peer, channel, wait_hello(channel, timeout_s=HELLO_TIMEOUT_S, alive=alive))
             log.info("%s: prefill worker %s connected", spec.name, peer)
 

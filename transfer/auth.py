@@ -48,8 +48,8 @@ def keyring(names: list[str]) -> dict[str, Credentials]:
 class _Allow:
     """The ZAP callback of one domain: only these members' keys."""
 
-    def __init__(self, domain: str, allowed: dict[bytes, str]):
-        self.domain, self.allowed = domain, allowed
+    def __init__(self, allowed: dict[bytes, str]):
+        self.allowed = allowed
 
     def callback(self, domain: str, key: bytes) -> bool:
         if key in self.allowed:
@@ -87,7 +87,7 @@ def serve(sock: zmq.Socket, creds: Credentials, domain: str, allowed: list[str])
     auth = _authenticator(sock.context)
     keys = {creds.public_of(n): n for n in allowed}
     auth.names.update(keys)
-    auth.configure_curve_callback(domain, _Allow(domain, keys))
+    auth.configure_curve_callback(domain, _Allow(keys))
     sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)  # no ZAP answer for the domain: refuse, never allow
     sock.zap_domain = domain.encode()
     sock.curve_server = True

@@ -29,6 +29,13 @@ def check_request_id(request_id: str) -> None:
         raise ValueError(f"request_id must be 1 to 256 characters, got {len(request_id)}")
 
 
+def check_request(request_id: str, prompt_ids: list[int]) -> None:
+    """What every message that carries a request checks of it (the engine checks the ids themselves)."""
+    check_request_id(request_id)
+    if not 0 < len(prompt_ids) <= MAX_PROMPT_TOKENS:
+        raise ValueError(f"prompt_ids must hold 1 to {MAX_PROMPT_TOKENS} tokens, got {len(prompt_ids)}")
+
+
 @cache
 def _machine() -> str:
     """This process's host as liveness needs it: hostname, boot and pid namespace (containers on one host
@@ -57,11 +64,7 @@ class PrefillRequest(Message):
     # replica rotation (both sides plan with it)
 
     def __post_init__(self):
-        check_request_id(self.request_id)
-        if not 0 < len(self.prompt_ids) <= MAX_PROMPT_TOKENS:
-            raise ValueError(
-                f"prompt_ids must hold 1 to {MAX_PROMPT_TOKENS} tokens, got {len(self.prompt_ids)}"
-            )
+        check_request(self.request_id, self.prompt_ids)
         need = -(-len(self.prompt_ids) // self.dst_spec.page_size)
         if len(self.dst_pages) != need:
             raise ValueError(
