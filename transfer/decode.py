@@ -162,9 +162,7 @@ class DecodeMessenger:
         try:
             target.channel.send(request)
         except TimeoutError as e:  # nothing was sent: nothing can land, the pages are safe at once
-            pending.failed = f"could not reach prefill worker {peer}: {e}"
-            if self.config.on_transfer_failure == "fail":
-                self.engine.fail(request_id, pending.failed)
+            self._fail(request_id, pending, f"could not reach prefill worker {peer}: {e}", notify=False)
             self._pages_safe(request_id)
 
     def abort(self, request_id: str, reason: str = "aborted by the decode worker") -> None:
