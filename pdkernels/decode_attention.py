@@ -3,6 +3,12 @@
 Phase 1 runs one program per (sequence, kv head, split): all ``Hq // Hkv`` query heads of the group
 share each K/V block they load (padded to 16 rows for tl.dot). Each program writes a partial output and
 its log-sum-exp; phase 2 merges the splits. Bytes: the K/V of every sequence once.
+
+Splits are per sequence and decided at run time (one compiled kernel for every batch and length, as SGLang
+and vLLM do): the launch sets a split length from the batch's total tokens (a shape: no device sync) so
+that the whole batch makes about four programs per SM, and each sequence takes as many splits of that
+length as it needs, at most MAX_SPLITS. A long sequence among short ones gets many
+splits, a short one a single split.
 """
 
 from __future__ import annotations
@@ -30,9 +36,24 @@ from pdkernels.extend_attention import (
     check_attention_inputs,
     check_out,
     grouped_attention_ref,
+    num_stages,
 )
+from pdkernels.splitk_gemm import sm_count
 
 __all__ = ["decode_attention", "decode_attention_ref"]
+
+
+@triton.jit
+def _seq_splits(
+    kv_indptr_ptr, kv_last_page_len_ptr, b, page_size, num_splits, split_len, BLOCK_N: tl.constexpr
+):
+    """(page_lo, seq_len, tokens a split, splits used) of sequence b: split_len tokens a split, or fewer
+    longer ones when the grid has too few; a sequence with no tokens uses none."""
+    page_lo = tl.load(kv_indptr_ptr + b)
+    num_pages = tl.load(kv_indptr_ptr + b + 1) - page_lo
+    seq_len = tl.where(num_pages > 0, (num_pages - 1) * page_size + tl.load(kv_last_page_len_ptr + b), 0)
+    per_split = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, split_len)
+    return page_lo, seq_len, per_split, tl.cdiv(seq_len, per_split)
 
 
 @triton.jit
@@ -51,6 +72,7 @@ def _decode_split_kernel(
     group_size,
     head_dim,
     page_size,
+    split_len,
     # strides
     stride_q_b,
     stride_q_h,
@@ -66,17 +88,92 @@ def _decode_split_kernel(
     stride_vc_h,
     stride_vc_p,
     # meta
-    NUM_SPLITS: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    page_lo = tl.load(kv_indptr_ptr + b)
-    num_pages = tl.load(kv_indptr_ptr + b + 1) - page_lo
-    seq_len = tl.where(num_pages > 0, (num_pages - 1) * page_size + tl.load(kv_last_page_len_ptr + b), 0)
-    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    page_lo, seq_len, per_split, used = _seq_splits(
+        kv_indptr_ptr, kv_last_page_len_ptr, b, page_size, tl.num_programs(2), split_len, BLOCK_N
+    )
+    if split < used:  # a split past the sequence's end writes nothing: the merge reads `used` splits
+        _decode_split(
+            q_ptr,
+            k_cache_ptr,
+            v_cache_ptr,
+            o_part_ptr,
+            lse_part_ptr,
+            kv_indices_ptr,
+            qk_scale,
+            group_size,
+            head_dim,
+            page_size,
+            stride_q_b,
+            stride_q_h,
+            stride_op_b,
+            stride_op_h,
+            stride_op_s,
+            stride_lp_b,
+            stride_lp_h,
+            stride_kc_page,
+            stride_kc_h,
+            stride_kc_p,
+            stride_vc_page,
+            stride_vc_h,
+            stride_vc_p,
+            b,
+            kv_head,
+            split,
+            page_lo,
+            seq_len,
+            per_split,
+            BLOCK_G,
+            BLOCK_N,
+            BLOCK_D,
+            UPCAST,
+            IEEE,
+        )
+
+
+@triton.jit
+def _decode_split(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    o_part_ptr,
+    lse_part_ptr,
+    kv_indices_ptr,
+    qk_scale,
+    group_size,
+    head_dim,
+    page_size,
+    stride_q_b,
+    stride_q_h,
+    stride_op_b,
+    stride_op_h,
+    stride_op_s,
+    stride_lp_b,
+    stride_lp_h,
+    stride_kc_page,
+    stride_kc_h,
+    stride_kc_p,
+    stride_vc_page,
+    stride_vc_h,
+    stride_vc_p,
+    b,
+    kv_head,
+    split,
+    page_lo,
+    seq_len,
+    per_split,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     lo = split * per_split
     hi = tl.minimum(lo + per_split, seq_len)
 
@@ -122,6 +219,7 @@ def _decode_split_kernel(
             stride_vc_h,
             stride_vc_p,
             UPCAST,
+            IEEE,
         )
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = o_part_ptr + b * stride_op_b + heads[:, None] * stride_op_h + split * stride_op_s + offs_d[None, :]
@@ -136,7 +234,12 @@ def _decode_merge_kernel(
     lse_part_ptr,
     o_ptr,
     lse_ptr,
+    kv_indptr_ptr,
+    kv_last_page_len_ptr,
     head_dim,
+    page_size,
+    num_splits,
+    split_len,
     stride_op_b,
     stride_op_h,
     stride_op_s,
@@ -145,15 +248,18 @@ def _decode_merge_kernel(
     stride_o_b,
     stride_o_h,
     stride_lse_b,
-    NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    SPLIT_BLOCK_N: tl.constexpr,
     HAS_LSE: tl.constexpr,
 ):
     b, head = tl.program_id(0), tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_s = offs_s < NUM_SPLITS
+    _, _, _, used = _seq_splits(
+        kv_indptr_ptr, kv_last_page_len_ptr, b, page_size, num_splits, split_len, SPLIT_BLOCK_N
+    )
+    mask_s = offs_s < used
     lse = tl.load(
         lse_part_ptr + b * stride_lp_b + head * stride_lp_h + offs_s, mask=mask_s, other=float("-inf")
     )
@@ -180,14 +286,20 @@ def _decode_merge_kernel(
         )
 
 
-def default_num_splits(
-    batch: int, num_kv_heads: int, avg_len: float, block_n: int, device: torch.device
-) -> int:
-    """About two programs per SM, no split shorter than one block (no device sync: uses shapes only)."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    return max(
-        1, min(triton.cdiv(2 * sms, max(1, batch * num_kv_heads)), triton.cdiv(int(avg_len), block_n), 64)
-    )
+MAX_SPLITS = 32  # the merge kernel's compile-time width
+MIN_SPLIT_TOKENS = 256  # no split shorter (a short sequence stays whole)
+
+
+def split_plan(
+    total_tokens: int, max_seq_len: int | None, num_kv_heads: int, block_n: int, device: torch.device
+) -> tuple[int, int]:
+    """(splits in the grid, tokens a split): about four programs per SM over the batch's total tokens
+    (an upper bound read off the page table's shape), no split under MIN_SPLIT_TOKENS; the grid covers
+    the longest sequence (max_seq_len, else the total)."""
+    per_program = triton.cdiv(total_tokens * num_kv_heads, 4 * sm_count(device))
+    split_len = max(MIN_SPLIT_TOKENS, triton.cdiv(per_program, block_n) * block_n)
+    longest = total_tokens if max_seq_len is None else min(max_seq_len, total_tokens)
+    return max(1, min(MAX_SPLITS, triton.cdiv(longest, split_len))), split_len
 
 
 def decode_attention(
@@ -201,6 +313,7 @@ def decode_attention(
     out: Tensor | None = None,
     return_lse: bool = False,
     num_splits: int | None = None,
+    max_seq_len: int | None = None,
     validate: bool = True,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention of one query per sequence, q [B, Hq, D], over its paged K/V (Hq a multiple of Hkv).
@@ -209,6 +322,8 @@ def decode_attention(
     table as FlashInfer's (kv_indptr [B + 1], kv_indices, kv_last_page_len [B]). Returns out [B, Hq, D]
     in q's dtype (written into `out` when given) and, with return_lse, the natural-log LSE [B, Hq] fp32.
     A sequence with no tokens gets zeros and LSE -inf. validate=False skips the host-side checks.
+    max_seq_len (the longest sequence, when the caller knows it on the host) bounds the splits launched;
+    without it the bound is the page table's total.
     """
     if validate:
         k_cache, v_cache, seq_lens = check_attention_inputs(
@@ -217,7 +332,10 @@ def decode_attention(
         require(
             seq_lens.numel() == q.shape[0], f"q has {q.shape[0]} sequences, the page table {seq_lens.numel()}"
         )
-        require(num_splits is None or num_splits >= 1, f"num_splits must be >= 1 or None, got {num_splits}")
+        require(
+            num_splits is None or 1 <= num_splits <= MAX_SPLITS,
+            f"num_splits must lie in [1, {MAX_SPLITS}] or be None, got {num_splits}",
+        )
     else:
         k_cache, v_cache = split_kv_cache(paged_kv_cache, kv_layout)
     batch, num_heads, head_dim = q.shape
@@ -228,9 +346,12 @@ def decode_attention(
         return (out, lse) if return_lse else out
     block_n = 64
     group = num_heads // num_kv_heads
-    num_splits = num_splits or default_num_splits(
-        batch, num_kv_heads, kv_indices.numel() * page_size / batch, block_n, q.device
-    )
+    if num_splits is None:
+        num_splits, split_len = split_plan(
+            kv_indices.numel() * page_size, max_seq_len, num_kv_heads, block_n, q.device
+        )
+    else:  # asked for: every sequence long enough is cut into num_splits
+        split_len = block_n
     o_part = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     lse_part = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
     sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
@@ -248,6 +369,7 @@ def decode_attention(
         group,
         head_dim,
         page_size,
+        split_len,
         q.stride(0),
         q.stride(1),
         o_part.stride(0),
@@ -257,11 +379,12 @@ def decode_attention(
         lse_part.stride(1),
         *cache_strides(k_cache, kv_layout),
         *cache_strides(v_cache, kv_layout),
-        NUM_SPLITS=num_splits,
         BLOCK_G=max(16, next_pow2(group)),
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         UPCAST=INTERPRET and q.dtype == torch.bfloat16,
+        IEEE=q.dtype == torch.float32,
+        num_stages=num_stages(block_d),
     )
     lse_arg = lse if lse is not None else lse_part
     _decode_merge_kernel[(batch, num_heads)](
@@ -269,7 +392,12 @@ def decode_attention(
         lse_part,
         out,
         lse_arg,
+        kv_indptr,
+        kv_last_page_len,
         head_dim,
+        page_size,
+        num_splits,
+        split_len,
         o_part.stride(0),
         o_part.stride(1),
         o_part.stride(2),
@@ -278,9 +406,9 @@ def decode_attention(
         out.stride(0),
         out.stride(1),
         lse_arg.stride(0),
-        NUM_SPLITS=num_splits,
-        BLOCK_S=next_pow2(num_splits),
+        BLOCK_S=MAX_SPLITS,
         BLOCK_D=block_d,
+        SPLIT_BLOCK_N=block_n,
         HAS_LSE=return_lse,
     )
     return (out, lse) if return_lse else out

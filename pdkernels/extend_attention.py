@@ -40,6 +40,12 @@ __all__ = [
 LOG2E = 1.4426950408889634
 
 
+def num_stages(block_d: int) -> int:
+    """Software-pipelining depth whose K/V buffers fit in shared memory: 3 up to head_dim 128, 2 above
+    (a 256-wide head with three stages of 64-row K and V tiles overflows Hopper's 227 KiB)."""
+    return 3 if block_d <= 128 else 2
+
+
 @triton.jit
 def load_kv_block(
     cache_ptr,
@@ -88,6 +94,7 @@ def attend_block(
     stride_vc_h,
     stride_vc_p,
     UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     """One online-softmax step over the keys offs_n: returns the updated (max, sum, acc), log2 units."""
     k = load_kv_block(
@@ -121,13 +128,20 @@ def attend_block(
     if UPCAST:  # the interpreter's bf16 arithmetic is wrong
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-    s = tl.where(keep, tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))  # [rows, BLOCK_N]
+    if IEEE:  # fp32 inputs: full precision (tl.dot's default on CUDA is TF32)
+        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        qk = tl.dot(q, tl.trans(k))
+    s = tl.where(keep, qk * qk_scale, float("-inf"))  # [rows, BLOCK_N]
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing to attend to yet
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, l_i, acc
 
 
@@ -166,6 +180,7 @@ def _extend_attention_kernel(
     BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr,
     UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
     HAS_LSE: tl.constexpr,
 ):
     pid_m, head, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -223,6 +238,7 @@ def _extend_attention_kernel(
                 stride_vc_h,
                 stride_vc_p,
                 UPCAST,
+                IEEE,
             )
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = o_ptr + (q_lo + offs_m[:, None]).to(tl.int64) * stride_o_t + head * stride_o_h + offs_d[None, :]
@@ -358,7 +374,9 @@ def extend_attention(
             BLOCK_D=max(16, next_pow2(head_dim)),
             CAUSAL=causal,
             UPCAST=INTERPRET and q.dtype == torch.bfloat16,
+            IEEE=q.dtype == torch.float32,
             HAS_LSE=return_lse,
+            num_stages=num_stages(max(16, next_pow2(head_dim))),
         )
     return (out, lse) if return_lse else out
 

@@ -2,7 +2,8 @@
 
 Backends: ``triton`` (our kernels: on CUDA tensors, or on CPU under TRITON_INTERPRET=1), ``torch`` (the
 plain references), ``flashinfer`` (CUDA only, for the appends and the attentions; the GEMMs stay
-Triton). ``auto`` takes triton where it can run and torch otherwise. Choose with ``set_backend`` or the
+Triton). ``auto`` takes triton on CUDA tensors and torch on CPU tensors (the interpreter is for testing
+the kernels: ask for ``triton`` to use it). Choose with ``set_backend`` or the
 environment variable PDKERNELS_BACKEND. Every backend gets the same input checks (``validate=False``
 skips them where a launcher allows it, e.g. during CUDA-graph capture).
 """
@@ -39,7 +40,7 @@ def resolve(op: str, device: torch.device) -> str:
     """The backend that runs `op` on `device` under the current setting: 'triton', 'torch' or 'flashinfer'."""
     require(_backend in BACKENDS, f"PDKERNELS_BACKEND must be one of {BACKENDS}, got {_backend!r}")
     triton_ok = device.type == "cuda" or INTERPRET
-    if _backend == "torch" or (_backend == "auto" and not triton_ok):
+    if _backend == "torch" or (_backend == "auto" and device.type != "cuda"):
         return "torch"
     if _backend == "flashinfer" and op in FLASHINFER_OPS:
         from pdkernels import flashinfer_ops
@@ -167,14 +168,20 @@ def decode_attention(
     sm_scale: float | None = None,
     out=None,
     return_lse: bool = False,
+    max_seq_len: int | None = None,
     validate: bool = True,
 ):
-    """See pdkernels.decode_attention.decode_attention."""
+    """See pdkernels.decode_attention.decode_attention (max_seq_len from the host bounds its splits)."""
     args = (q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, kv_layout)
     kind = resolve("decode_attention", q.device)
     if kind == "triton":
         return _dec.decode_attention(
-            *args, sm_scale=sm_scale, out=out, return_lse=return_lse, validate=validate
+            *args,
+            sm_scale=sm_scale,
+            out=out,
+            return_lse=return_lse,
+            max_seq_len=max_seq_len,
+            validate=validate,
         )
     if validate:
         _ext.check_attention_inputs(*args)
@@ -195,14 +202,15 @@ def extend_attention(
     sm_scale: float | None = None,
     out=None,
     return_lse: bool = False,
+    max_q_len: int | None = None,
     validate: bool = True,
 ):
-    """See pdkernels.extend_attention.extend_attention."""
+    """See pdkernels.extend_attention.extend_attention (max_q_len from the host saves a device sync)."""
     args = (q, qo_indptr, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, kv_layout)
     kind = resolve("extend_attention", q.device)
     kwargs = {"causal": causal, "sm_scale": sm_scale, "return_lse": return_lse}
     if kind == "triton":
-        return _ext.extend_attention(*args, out=out, validate=validate, **kwargs)
+        return _ext.extend_attention(*args, out=out, max_q_len=max_q_len, validate=validate, **kwargs)
     if validate:
         _ext.check_extend_attention(*args)
     if kind == "flashinfer":

@@ -8,6 +8,8 @@ FLOPs: 2*M*N*K. Bytes: N*K*w.itemsize (weight) + M*K + M*N (activations), weight
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -15,7 +17,7 @@ from torch import Tensor
 
 from pdkernels._paging import INTERPRET, check_tensor, next_pow2, require
 
-__all__ = ["splitk_gemm", "splitk_gemm_ref", "gemm_tile", "gemm_meta", "check_linear"]
+__all__ = ["splitk_gemm", "splitk_gemm_ref", "gemm_tile", "gemm_meta", "check_linear", "splitk_partials"]
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -66,7 +68,7 @@ def gemm_tile(
 
 
 @triton.jit
-def _splitk_gemm_kernel(
+def splitk_partials(
     x_ptr,
     w_ptr,
     ws_ptr,
@@ -149,11 +151,25 @@ def new_out(x: Tensor, w: Tensor, out: Tensor | None) -> Tensor:
     return torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device) if out is None else out
 
 
+@functools.lru_cache(maxsize=16)
+def _sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (cached: no driver call per launch); 4 on the CPU."""
+    return (
+        _sms(device.index if device.index is not None else torch.cuda.current_device())
+        if device.type == "cuda"
+        else 4
+    )
+
+
 def default_split_k(
     m: int, n: int, k: int, block_m: int, block_n: int, block_k: int, device: torch.device
 ) -> int:
     """Enough K-slices to give every SM about two programs, none shorter than one BLOCK_K."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    sms = sm_count(device)
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     return max(1, min(triton.cdiv(2 * sms, tiles), triton.cdiv(k, block_k)))
 
@@ -175,6 +191,7 @@ def splitk_gemm(
         check_linear(x, w, out)
     out = new_out(x, w, out)
     require(split_k is None or split_k >= 1, f"split_k must be >= 1 or None, got {split_k}")
+    require(min(block_n, block_k) >= 16, f"block sizes must be >= 16 (tl.dot), got {(block_n, block_k)}")
     (m, k), n = x.shape, w.shape[0]
     if m == 0 or n == 0:
         return out
@@ -186,7 +203,7 @@ def splitk_gemm(
     split_k = triton.cdiv(k, k_per_split)
     ws = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)
-    _splitk_gemm_kernel[grid](
+    splitk_partials[grid](
         x,
         w,
         ws,

@@ -43,6 +43,22 @@ def test_decode_attention_split_counts(num_splits):
     torch.testing.assert_close(out, decode_attention_ref(q, *_tables(case)), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("max_seq_len", [None, 700])
+def test_a_long_sequence_among_short_ones_gets_its_own_splits(max_seq_len):
+    """The default plan splits by tokens: the 700-token sequence takes several splits, the short ones one,
+    and the splits past each sequence's end are never read by the merge (they write nothing)."""
+    from pdkernels.decode_attention import MIN_SPLIT_TOKENS, split_plan
+
+    lens = [1, 700, 5, 0]
+    grid, split_len = split_plan(sum(lens), max_seq_len, KV_HEADS, 64, torch.device("cpu"))
+    assert split_len == MIN_SPLIT_TOKENS and grid == 3  # 700 tokens: three splits of 256
+    case, q = _case(16, "HND", torch.float32, 4, seq_lens=lens)
+    out, lse = decode_attention(q, *_tables(case), return_lse=True, max_seq_len=max_seq_len)
+    ref, ref_lse = decode_attention_ref(q, *_tables(case), return_lse=True)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse[:3], ref_lse[:3], atol=1e-4, rtol=1e-4)
+
+
 def test_decode_attention_out_scale_and_empty_sequence():
     case, q = _case(16, "HND", torch.float16, 3, seq_lens=[0, 33, 5])
     out = torch.full_like(q, float("nan"))
