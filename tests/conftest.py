@@ -1,19 +1,27 @@
-"""Run Triton kernels under the interpreter when no GPU is present; must happen before kernels import."""
+"""Two kinds of test run, chosen by PDKERNELS_TEST_COMPILED before any kernel module is imported.
+
+- Default (`make test`, any machine): every Triton kernel runs under the interpreter on CPU tensors, and
+  tests marked `gpu` are skipped. The same tests pass on a machine with or without CUDA.
+- PDKERNELS_TEST_COMPILED=1 (`make test-gpu`, `make gpu-check`): only the tests marked `gpu` run, with the
+  kernels compiled for the CUDA device and CUDA tensors. Without CUDA they are skipped.
+"""
 
 import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
+COMPILED = os.environ.get("PDKERNELS_TEST_COMPILED") == "1"
+if not COMPILED:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True, scope="module")
 def model_backend(request):
     """Engine and transfer tests run models on the torch references (the interpreter would take minutes);
-    kernel tests call the kernels directly, and one engine test opts back into Triton."""
-    if request.module.__name__.startswith("tests.pdkernels"):
+    kernel tests call the kernels directly, and one engine test opts back into Triton. Compiled runs keep
+    `auto`: Triton on CUDA tensors."""
+    if COMPILED or request.module.__name__.startswith("tests.pdkernels"):
         yield
         return
     from pdkernels import ops
@@ -24,9 +32,16 @@ def model_backend(request):
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
+    if COMPILED:
+        cpu_only = pytest.mark.skip(reason="a CPU-tensor test: run by `make test` (interpreter)")
+        no_cuda = pytest.mark.skip(reason="needs a CUDA device")
+        for item in items:
+            if "gpu" not in item.keywords:
+                item.add_marker(cpu_only)
+            elif not torch.cuda.is_available():
+                item.add_marker(no_cuda)
         return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
+    compiled = pytest.mark.skip(reason="compiled kernels on CUDA: run by `make test-gpu` / `make gpu-check`")
     for item in items:
         if "gpu" in item.keywords:
-            item.add_marker(skip)
+            item.add_marker(compiled)
