@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from engine.llm import LLM
 from engine.sequence import SamplingParams
+from pdkernels.out_proj import host_view
 from transfer.backends import Backend
 from transfer.config import TransferConfig
 from transfer.decode import DecodeMessenger
@@ -79,7 +80,13 @@ def prefill_messenger(
 ) -> PrefillMessenger:
     """A PrefillMessenger over llm's KV regions (every TP rank's) and layer counter, as its listener."""
     pm = PrefillMessenger(
-        side(llm), backend, shard_spec(llm), llm.kv_caches, llm.counter, llm.config.model.hidden_size, config
+        side(llm),
+        backend,
+        shard_spec(llm),
+        llm.kv_caches,
+        host_view(llm.counter),  # read while the pass runs, not after it (pinned, mapped on CUDA)
+        llm.config.model.hidden_size,
+        config,
     )
     llm.listener = pm
     return pm

@@ -18,6 +18,7 @@ from typing import Protocol
 import torch
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.graphs import DecodeGraphs
 from engine.kv_cache import PageAllocator, allocate_kv_cache
 from engine.model import Model, Shard
 from engine.runner import ModelRunner
@@ -57,7 +58,10 @@ class LLM:
         max_num_batched_tokens: int = 512,
         seed: int = 0,
         listener: PrefillListener | None = None,
+        cuda_graphs: bool | None = None,
     ):
+        """cuda_graphs: replay decode steps as CUDA graphs (engine.graphs); None: on CUDA with tp 1 outside
+        the prefill role (which never decodes). One page is kept back as the padding rows' scratch page."""
         loaded = load_model(model)
         self.config = EngineConfig(
             model=loaded.config,
@@ -80,9 +84,21 @@ class LLM:
             loaded.config, self.config.cache, shard.num_kv_heads, dev, self.config.torch_dtype
         )
         self.kv_cache = kv_cache.share_memory_() if tp > 1 and dev.type == "cpu" else kv_cache
-        self.allocator = PageAllocator(num_pages, page_size)
+        if cuda_graphs is None:
+            cuda_graphs = dev.type == "cuda" and tp == 1 and role != "prefill"
+        if cuda_graphs and (dev.type != "cuda" or tp != 1 or num_pages < 2):
+            raise ValueError(
+                "cuda_graphs=True needs device='cuda', tp=1 and num_pages >= 2; got "
+                f"device={device!r}, tp={tp}, num_pages={num_pages}"
+            )
+        # with graphs, the last page is the padding rows' scratch page: never allocated
+        self.allocator = PageAllocator(num_pages - 1 if cuda_graphs else num_pages, page_size)
         self.scheduler = Scheduler(self.config.scheduler, self.allocator)
         self.runner = ModelRunner(self.model, self.kv_cache, page_size, kv_layout, self.tp_group)
+        if cuda_graphs:
+            self.runner.graphs = DecodeGraphs(
+                self.model, self.kv_cache, page_size, num_pages - 1, max_num_seqs
+            )
         self.listener = listener
         self.counter = make_layer_counter(loaded.config.num_layers, dev) if role == "prefill" else None
         self.seqs: dict[str, Sequence] = {}

@@ -32,6 +32,8 @@ class BatchMeta:
     kv_last_page_len: Tensor  # [B] int32, after this step's append
     all_decode: bool  # one token per sequence: decode attention
     counter: Tensor | None = None  # [2, layers] int32 layer counter (prefill role, lead rank)
+    max_q_len: int | None = None  # the longest chunk, known on the host (the kernels need no sync for it)
+    max_kv_len: int | None = None  # the longest sequence after this step (bounds decode's KV splits)
 
 
 @dataclass(frozen=True)
@@ -161,7 +163,13 @@ class Model:
         ops.kv_append(k, v, meta.batch_indices, meta.positions, cache, *tables, validate=False)
         if meta.all_decode:
             o = ops.decode_attention(
-                q, cache, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len, validate=False
+                q,
+                cache,
+                meta.kv_indptr,
+                meta.kv_indices,
+                meta.kv_last_page_len,
+                max_seq_len=meta.max_kv_len,
+                validate=False,
             )
         else:
             o = ops.extend_attention(
@@ -171,6 +179,7 @@ class Model:
                 meta.kv_indptr,
                 meta.kv_indices,
                 meta.kv_last_page_len,
+                max_q_len=meta.max_q_len,
                 validate=False,
             )
         o = o.reshape(x.shape[0], -1)

@@ -22,6 +22,7 @@ class ModelRunner:
     def __init__(self, model: Model, kv_cache: Tensor, page_size: int, kv_layout: str = "HND", tp_group=None):
         self.model, self.kv_cache, self.page_size, self.kv_layout = model, kv_cache, page_size, kv_layout
         self.tp_group = tp_group  # ranks 1..N-1 mirror each forward pass
+        self.graphs = None  # engine.graphs.DecodeGraphs: decode steps replayed as CUDA graphs
 
     def meta(self, batch: Batch, counter: Tensor | None = None) -> tuple[Tensor, BatchMeta]:
         """input_ids [T] and the BatchMeta of a batch (checked once here; the layers skip the checks)."""
@@ -48,6 +49,8 @@ class ModelRunner:
             kv_last_page_len=i32(last),
             all_decode=all(c.num_tokens == 1 for c in batch.chunks),
             counter=counter,
+            max_q_len=max((c.num_tokens for c in batch.chunks), default=0),
+            max_kv_len=max((c.end for c in batch.chunks), default=0),
         )
         check_page_table(
             meta.kv_indptr,
@@ -61,6 +64,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: Batch, counter: Tensor | None = None) -> StepOutput:
+        chunks = batch.chunks
+        if (
+            self.graphs is not None
+            and counter is None
+            and all(c.num_tokens == 1 for c in chunks)
+            and self.graphs.bucket(len(chunks)) is not None
+        ):
+            hidden = self.graphs.run(
+                [c.seq.all_ids[c.start] for c in chunks], [c.start for c in chunks], [c.pages for c in chunks]
+            )
+            sampling = [i for i, c in enumerate(chunks) if c.samples]
+            return StepOutput(self.model.logits(hidden[sampling]), hidden.clone())
         input_ids, meta = self.meta(batch, counter)
         if self.tp_group is not None:
             self.tp_group.step(input_ids, meta)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -189,8 +190,10 @@ def load_hf_dir(path: Path) -> LoadedModel:
 
 
 def tiny_random(name: str, num_kv_heads: int, seed: int = 0) -> LoadedModel:
-    """A 4-layer model with seeded random weights and SmolLM2's tokenizer (for fast tests)."""
-    _, fields = _gguf(smollm2_gguf_path())
+    """A 4-layer model with seeded random weights and SmolLM2's tokenizer (for fast tests): from its GGUF,
+    or from the vocab-only GGUF that PDKERNELS_TOKENIZER_GGUF names (scripts/vocab_gguf.py writes one)."""
+    override = os.environ.get("PDKERNELS_TOKENIZER_GGUF")
+    _, fields = _gguf(Path(override) if override else smollm2_gguf_path())
     tokenizer = from_gguf_fields(fields)
     config = ModelConfig(
         name=name,

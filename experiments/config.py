@@ -16,6 +16,8 @@ from transfer.config import TransferConfig
 ARRIVALS = ("poisson", "concurrency")
 LENGTH_KINDS = ("fixed", "uniform", "lognormal")
 DTYPES = ("float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+KERNEL_BACKENDS = ("auto", "triton", "flashinfer", "torch")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
@@ -32,16 +34,43 @@ def _positive(key: str, value, integer: bool = False) -> None:
 @dataclass(frozen=True)
 class ModelSpec:
     name: str  # smollm2-135m | tiny-random[-kv4|-kv8] | a Hugging Face model directory
-    dtype: str = "bfloat16"
+    dtype: str = "bfloat16"  # or auto: bfloat16 on CUDA, float32 on the CPU
     page_size: int = 16
     num_pages: int = 512  # per worker
     max_num_seqs: int = 64
+    device: str = "auto"  # auto: cuda when this machine has it, else cpu
 
     def __post_init__(self):
-        if self.dtype not in DTYPES:
-            _fail("model.dtype", self.dtype, f"one of {DTYPES}")
+        if self.device not in DEVICES:
+            _fail("model.device", self.device, f"one of {DEVICES}")
+        if self.dtype not in DTYPES + ("auto",):
+            _fail("model.dtype", self.dtype, f"one of {DTYPES + ('auto',)}")
         for key in ("page_size", "num_pages", "max_num_seqs"):
             _positive(f"model.{key}", getattr(self, key), integer=True)
+        import torch
+
+        cuda = torch.cuda.is_available()
+        if self.device == "cuda" and not cuda:
+            _fail(
+                "model.device",
+                self.device,
+                "this machine has no CUDA device (torch.cuda.is_available() is False): use cpu or auto",
+            )
+        device = self.device if self.device != "auto" else ("cuda" if cuda else "cpu")
+        object.__setattr__(self, "device", device)  # resolved once, in the driver: workers get the same
+        if self.dtype == "auto":
+            object.__setattr__(self, "dtype", "bfloat16" if device == "cuda" else "float32")
+
+
+@dataclass(frozen=True)
+class KernelsConfig:
+    backend: str = (
+        "auto"  # auto: Triton on CUDA, the torch references on the CPU; or triton | flashinfer | torch
+    )
+
+    def __post_init__(self):
+        if self.backend not in KERNEL_BACKENDS:
+            _fail("kernels.backend", self.backend, f"one of {KERNEL_BACKENDS}")
 
 
 @dataclass(frozen=True)
@@ -143,6 +172,7 @@ class RunConfig:
     workload: WorkloadConfig
     slo: SloConfig
     transfer: TransferConfig
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
     run_timeout_s: float = 600.0  # the whole run; requests not finished by then are recorded as errors
     start_timeout_s: float = 300.0  # every worker up and connected
     plots: bool = True
@@ -203,8 +233,9 @@ def from_cfg(cfg) -> RunConfig:
         pass
     model = _dataclass(ModelSpec, "model", cfg.get("model"))
     transfer = _dataclass(TransferConfig, "transfer", cfg.get("transfer"))
+    kernels = _dataclass(KernelsConfig, "kernels", cfg.get("kernels"))
     run = {k: cfg[k] for k in ("run_timeout_s", "start_timeout_s", "plots", "log_level") if k in cfg}
-    return RunConfig(model, deployments_of(cfg), workload_of(cfg), slo_of(cfg), transfer, **run)
+    return RunConfig(model, deployments_of(cfg), workload_of(cfg), slo_of(cfg), transfer, kernels, **run)
 
 
 def deployments_of(cfg: dict) -> tuple[DeploymentConfig, ...]:
@@ -241,7 +272,12 @@ def check_fits_model(config: RunConfig):
         keys = ("tp",) if d.kind == "colocated" else ("prefill_tp", "decode_tp")
         for key in keys:
             try:
-                EngineConfig(model=loaded.config, tp=getattr(d, key), dtype=config.model.dtype)
+                EngineConfig(
+                    model=loaded.config,
+                    tp=getattr(d, key),
+                    dtype=config.model.dtype,
+                    device=config.model.device,
+                )
             except ValueError as e:
                 raise ValueError(
                     f"deployment {d.name}: {key}={getattr(d, key)} does not fit {loaded.config.name}: {e}"

@@ -84,7 +84,12 @@ def worker_specs(
     prefill = tuple(n for n in names if n.startswith("prefill-"))
     decode = tuple(n for n in names if n.startswith("decode-"))
     common = dict(
-        model=config.model, deployment=d, transfer=config.transfer, driver_address=driver, run_dir=run_dir
+        model=config.model,
+        deployment=d,
+        transfer=config.transfer,
+        kernels=config.kernels,
+        driver_address=driver,
+        run_dir=run_dir,
     )
     specs = []
     for name in names:

@@ -18,7 +18,7 @@ import traceback
 from collections import deque
 from dataclasses import dataclass
 
-from experiments.config import DeploymentConfig, ModelSpec
+from experiments.config import DeploymentConfig, KernelsConfig, ModelSpec
 from experiments.messages import (
     Connect,
     Failed,
@@ -46,6 +46,7 @@ class WorkerSpec:
     model: ModelSpec
     deployment: DeploymentConfig
     transfer: TransferConfig
+    kernels: KernelsConfig
     driver_address: str
     creds: Credentials  # this worker's keys and the deployment's directory
     run_dir: str  # private (0700) directory for its ipc:// sockets
@@ -98,12 +99,13 @@ class Worker:
         if spec.cores:
             os.sched_setaffinity(0, spec.cores)
         torch.set_num_threads(spec.deployment.threads_per_worker)
-        ops.set_backend("torch")
+        ops.set_backend(spec.kernels.backend)  # auto: Triton on CUDA, the torch references on the CPU
         d, m = spec.deployment, spec.model
         self.llm = LLM(
             m.name,
             tp=spec.tp,
             role=spec.role,
+            device=m.device,
             dtype=m.dtype,
             page_size=m.page_size,
             num_pages=m.num_pages,
@@ -179,7 +181,19 @@ class Worker:
         import zmq
 
         self._send(Ready(self.spec.name))
-        log.info("%s up: %s worker, tp %d, pid %d", self.spec.name, self.spec.role, self.spec.tp, os.getpid())
+        from pdkernels import ops
+
+        kv = self.llm.kv_cache
+        log.info(
+            "%s up: %s worker, tp %d, pid %d, %s %s, kernels %s",
+            self.spec.name,
+            self.spec.role,
+            self.spec.tp,
+            os.getpid(),
+            kv.device,
+            self.spec.model.dtype,
+            ops.resolve("decode_attention", kv.device),
+        )
         while os.getppid() == self.parent:
             busy = self.llm.has_unfinished() or self.backlog or (self.dm and self.dm.pending)
             if self.sock.poll(0 if busy or self.pm else 1, zmq.POLLIN):

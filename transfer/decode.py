@@ -99,7 +99,9 @@ class DecodeMessenger:
     ):
         self.engine, self.backend, self.spec = engine, backend, spec
         self.config = config or TransferConfig()
-        self.context = torch.zeros(self.config.context_slots, hidden_size, dtype=torch.float32)
+        self.context = torch.zeros(
+            self.config.context_slots, hidden_size, dtype=torch.float32, device=kv_regions[0].device
+        )
         backend.register(list(kv_regions) + [self.context])  # the context buffer: written by prefill
         self._metadata = backend.metadata()
         self._free_slots = list(range(self.config.context_slots))

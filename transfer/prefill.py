@@ -68,14 +68,15 @@ class PrefillMessenger:
         backend: Backend,
         spec: ShardSpec,
         kv_regions: list[Tensor],
-        counter: Tensor,
+        counter: Tensor,  # polled by the sender thread: host memory (see pdkernels.out_proj.host_view)
         hidden_size: int,
         config: TransferConfig | None = None,
     ):
         self.engine, self.backend, self.spec, self.counter = engine, backend, spec, counter
         self.config = config or TransferConfig()
         slots = self.config.context_slots
-        self.context = torch.zeros(slots, hidden_size, dtype=torch.float32)  # staging for context writes
+        # staging for context writes, beside the KV (one memory type per NIXL agent: DRAM or VRAM)
+        self.context = torch.zeros(slots, hidden_size, dtype=torch.float32, device=kv_regions[0].device)
         backend.register(list(kv_regions) + [self.context])
         self.channels: list = []  # one control channel per decode worker
         self._free_slots = list(range(slots))
@@ -119,7 +120,11 @@ class PrefillMessenger:
             return
         slot = self._slots[seq.request_id]
         self.context[slot] = last_hidden.float()
-        self._jobs.put(("ctx", t, slot))
+        done = None
+        if self.context.is_cuda:  # the copy is queued on the compute stream: post once it has run
+            done = torch.cuda.Event()
+            done.record()
+        self._jobs.put(("ctx", t, slot, done))
 
     def on_failed(self, seq, error: str) -> None:
         """The engine failed the request (its step raised): it fails here, and Ended tells the decode side."""
@@ -256,7 +261,7 @@ class PrefillMessenger:
                 elif job[0] == "kv":
                     self._send_layers(job[1], job[2])
                 else:
-                    self._send_context(job[1], job[2])
+                    self._send_context(*job[1:])
                 self._reap()
             except Exception as e:  # one bad job fails its own requests, never the thread
                 log.exception("sender thread: a job failed")
@@ -306,7 +311,9 @@ class PrefillMessenger:
                     self.post_log += [(t.req.request_id, done, now) for done in range(layer, ready)]
             layer = ready
 
-    def _send_context(self, t: _Transfer, slot: int) -> None:
+    def _send_context(self, t: _Transfer, slot: int, done=None) -> None:
+        if done is not None:
+            done.synchronize()
         t.context_posted = self._post(t, [self._context_op(t.req, slot)], "ctx")
 
     def _post(self, t: _Transfer, ops, kind: str) -> bool:

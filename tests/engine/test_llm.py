@@ -120,7 +120,7 @@ def test_text_prompts_stop_strings_and_streaming_times():
 
 def test_triton_kernels_give_the_same_tokens(alone):
     """The same model on the Triton kernels (interpreter) as on the torch references."""
-    ops.set_backend("auto")  # the interpreter is on in tests: Triton
+    ops.set_backend("triton")  # the interpreter is on in tests
     try:
         llm = LLM("tiny-random", page_size=4, num_pages=64, dtype="float32")
         outs = llm.generate(_prompts(3), SamplingParams(max_tokens=3, ignore_eos=True))

@@ -6,6 +6,7 @@ UCX covers loopback, ConnectX and InfiniBand; LIBFABRIC covers EFA. Progress is 
 
 from __future__ import annotations
 
+import logging
 import os
 
 import numpy as np
@@ -17,6 +18,7 @@ from transfer.wire import Codec, Message
 # Set before UCX loads: without it, a process that created a UCX backend crashes at exit here.
 os.environ.setdefault("UCX_MODULES", "^ib")
 ENGINES = ("UCX", "LIBFABRIC")
+log = logging.getLogger(__name__)
 MEM_TYPES = ("DRAM", "VRAM")
 
 
@@ -37,12 +39,18 @@ class NixlMetadata(Message):
 _CODEC = Codec(NixlMetadata)
 
 
+NIXL_PACKAGES = ("nixl_cu12", "nixl_cu13")  # NIXL's builds for CUDA 12 and 13 (same API)
+
+
 def _nixl():
-    try:
-        from nixl_cu12 import _api
-    except ImportError as e:
-        raise ImportError("the 'nixl' transfer backend needs nixl-cu12: pip install '.[nixl]'") from e
-    return _api
+    import importlib
+
+    for package in NIXL_PACKAGES:
+        try:
+            return importlib.import_module(f"{package}._api")
+        except ImportError:
+            continue
+    raise ImportError("the 'nixl' transfer backend needs nixl-cu12 or nixl-cu13: pip install '.[nixl]'")
 
 
 class NixlBackend(Backend):
@@ -71,6 +79,14 @@ class NixlBackend(Backend):
         self.agent.register_memory(regions)
         self._tensors += regions  # registered memory must outlive the agent's use of it
         self.regions += [(r.data_ptr(), r.numel() * r.element_size(), r.device.index or 0) for r in regions]
+        nbytes = sum(r.numel() * r.element_size() for r in regions)
+        log.info(
+            "%s: registered %d regions, %d bytes of %s with NIXL",
+            self.name,
+            len(regions),
+            nbytes,
+            self.mem_type,
+        )
 
     def metadata(self) -> bytes:
         return _CODEC.encode(NixlMetadata(self.agent.get_agent_metadata(), self.regions, self.mem_type))

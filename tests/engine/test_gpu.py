@@ -1,0 +1,139 @@
+"""The engine on CUDA with the compiled Triton kernels (PDKERNELS_TEST_COMPILED=1: make test-gpu)."""
+
+import random
+import time
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from pdkernels import ops
+from pdkernels.out_proj import host_view
+
+pytestmark = pytest.mark.gpu
+
+
+def _prompts(n, vocab, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.choice([1, 5, 17, 50, 70]))] for _ in range(n)]
+
+
+def _greedy(model: str, device: str, dtype: str, prompts, tokens: int):
+    llm = LLM(model, device=device, dtype=dtype, page_size=16, num_pages=256)
+    assert ops.resolve("decode_attention", llm.kv_cache.device) == ("triton" if device == "cuda" else "torch")
+    start = time.perf_counter()
+    outs = llm.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True))
+    return [o.token_ids for o in outs], time.perf_counter() - start
+
+
+def test_tiny_model_on_triton_kernels_gives_the_cpu_tokens():
+    prompts = _prompts(8, 1000)
+    cpu, _ = _greedy("tiny-random", "cpu", "float32", prompts, 16)
+    gpu, _ = _greedy("tiny-random", "cuda", "float32", prompts, 16)
+    assert gpu == cpu
+
+
+def test_smollm2_greedy_on_gpu_equals_cpu():
+    """SmolLM2-135M in fp32: the compiled kernels against the CPU references (skipped without its GGUF)."""
+    from engine.weights import smollm2_gguf_path
+
+    try:
+        smollm2_gguf_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    llm = LLM("smollm2-135m", device="cpu", page_size=16, num_pages=64)
+    prompts = [llm.tokenizer.encode(t) for t in ("The capital of France is", "def fibonacci(n):", "1, 2, 3,")]
+    cpu, _ = _greedy("smollm2-135m", "cpu", "float32", prompts, 24)
+    gpu, _ = _greedy("smollm2-135m", "cuda", "float32", prompts, 24)
+    assert gpu == cpu
+
+
+def test_prefill_role_counts_layers_in_host_memory():
+    llm = LLM("tiny-random", device="cuda", role="prefill", page_size=16, num_pages=64)
+    host = host_view(llm.counter)
+    assert host.device.type == "cpu" and host.data_ptr() == llm.counter.data_ptr()
+    llm.add_request(list(range(3, 40)), SamplingParams(max_tokens=1), request_id="r")
+    llm.step()
+    torch.cuda.synchronize()
+    assert host[0].tolist() == [1] * llm.config.model.num_layers and host[1].tolist() == [0] * 4
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_graph_replay_gives_the_eager_tokens(dtype):
+    """Decode steps replayed from CUDA graphs (the default on CUDA) against eager steps; batch sizes
+    between buckets (padding rows) included, as requests finish at different lengths."""
+    import time
+
+    prompts = _prompts(11, 1000, seed=3)
+    params = [SamplingParams(max_tokens=4 + 3 * i, ignore_eos=True) for i in range(len(prompts))]
+    times, tokens = {}, {}
+    for graphs in (False, True):
+        llm = LLM("tiny-random", device="cuda", dtype=dtype, page_size=16, num_pages=256, cuda_graphs=graphs)
+        llm.generate(prompts[:2], params[:2])  # warm-up: kernels compiled
+        start = time.perf_counter()
+        tokens[graphs] = [o.token_ids for o in llm.generate(prompts, params)]
+        times[graphs] = time.perf_counter() - start
+        if graphs:
+            assert llm.runner.graphs.replays > 0 and llm.runner.graphs.graphs
+            capture_s = llm.runner.graphs.capture_s
+    assert tokens[True] == tokens[False]
+    from tests.pdkernels.test_gpu import _report
+
+    _report(
+        f"decode_graphs_{dtype}",
+        {
+            "eager_s": round(times[False], 3),
+            "graphs_s": round(times[True], 3),
+            "capture_s": round(capture_s, 2),
+        },
+    )
+
+
+def _vmm_rank(conn):
+    """A 'TP rank': allocates KV memory with CUDA VMM, fills it, exports it, then checks the lead's write."""
+    from multiprocessing.reduction import send_handle
+
+    from engine.vmm import SharedAllocation
+
+    alloc = SharedAllocation(64 << 20)
+    kv = alloc.tensor((1024, 16384), torch.bfloat16)
+    kv.copy_(torch.arange(16384, device="cuda", dtype=torch.float32).to(torch.bfloat16).expand(1024, -1))
+    torch.cuda.synchronize()
+    send_handle(conn, alloc.export_fd(), conn.recv())  # the lead's pid
+    conn.send(alloc.nbytes)
+    conn.recv()  # the lead has written row 0
+    conn.send(bool((kv[0] == -1).all()))
+    conn.recv()
+    alloc.close()
+
+
+def test_a_rank_kv_cache_maps_into_the_lead_through_cuda_vmm():
+    """What TP on GPUs needs for one NIXL agent in the lead: a rank's cache, mapped into the lead process
+    through a POSIX file descriptor (one GPU here: both processes on it)."""
+    import multiprocessing as mp
+    import os
+    from multiprocessing.reduction import recv_handle
+
+    pytest.importorskip("cuda.bindings")
+    from engine.vmm import SharedAllocation
+
+    lead, rank = mp.get_context("spawn").Pipe()
+    proc = mp.get_context("spawn").Process(target=_vmm_rank, args=(rank,))
+    proc.start()
+    try:
+        lead.send(os.getpid())
+        fd = recv_handle(lead)
+        mapped = SharedAllocation(lead.recv(), fd=fd)
+        kv = mapped.tensor((1024, 16384), torch.bfloat16)
+        assert torch.equal(kv[7], torch.arange(16384, device="cuda", dtype=torch.float32).to(torch.bfloat16))
+        kv[0].fill_(-1)
+        torch.cuda.synchronize()
+        lead.send("written")
+        assert lead.recv() is True  # the rank sees the lead's write
+        lead.send("done")
+        proc.join(timeout=30)
+        assert proc.exitcode == 0
+        mapped.close()
+    finally:
+        if proc.is_alive():
+            proc.kill()
