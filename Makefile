@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST := $(BIN)/python -m pytest
 
-.PHONY: run test test-all soak bench bench-gpu repro lint clean
+.PHONY: run test test-all test-gpu gpu-check soak bench bench-gpu repro lint clean
 
 $(STAMP): setup.py pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -35,8 +35,24 @@ bench: $(STAMP)
 	$(PYTEST) experiments/bench -q -p no:cacheprovider --benchmark-enable \
 		--benchmark-columns=min,median,max,rounds --benchmark-sort=name
 
-bench-gpu: $(STAMP)
-	$(BIN)/python -m experiments.bench.gpu --out bench_results/$$(date +%Y%m%d-%H%M%S)
+# The GPU side (a CUDA machine): its own venv with CUDA torch, FlashInfer and NIXL (scripts/gpu_env.sh)
+GPU_VENV := .venv-gpu
+$(GPU_VENV)/.ready: scripts/gpu_env.sh
+	scripts/gpu_env.sh $(GPU_VENV)
+	touch $@
+
+bench-gpu: $(GPU_VENV)/.ready
+	$(GPU_VENV)/bin/python -m experiments.bench.gpu --out bench_results/$$(date +%Y%m%d-%H%M%S)
+
+# the compiled kernels and the engine on CUDA tensors (tests marked gpu)
+test-gpu: $(GPU_VENV)/.ready
+	PDKERNELS_TEST_COMPILED=1 $(GPU_VENV)/bin/python -m pytest -m gpu -q
+
+# one prepared script for the few minutes a GPU is at hand (about 5 minutes on an H200): compiled kernel
+# tests, the engine GPU vs CPU, the kernel benchmark, a 1P1D run over NIXL in VRAM; writes gpu_check.md
+GPU_CHECK_OUT ?= gpu_check/$(shell date +%Y%m%d-%H%M%S)
+gpu-check: $(GPU_VENV)/.ready
+	$(GPU_VENV)/bin/python -m experiments.bench.gpu_check --out $(GPU_CHECK_OUT)
 
 # the simulator's paper reproductions (about 5 minutes on one core): DistServe's example, the MoE study
 repro: $(STAMP)
@@ -47,4 +63,4 @@ lint: $(STAMP)
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .benchmarks
+	rm -rf $(VENV) $(GPU_VENV) *.egg-info .pytest_cache .benchmarks

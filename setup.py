@@ -26,7 +26,12 @@ setup(
     extras_require={
         # transformers (+ accelerate for its GGUF loader) is the reference the engine is checked against
         "test": ["pytest", "pytest-benchmark", "hypothesis", "transformers", "accelerate", "ruff"],
-        "gpu": ["flashinfer-python", "cuda-python"],
-        "nixl": ["nixl-cu12==1.5.1"],  # lists torch unpinned: install torch==2.13.0 first
+        # the GPU side (scripts/gpu_env.sh): FlashInfer with its prebuilt kernels (one version for both),
+        # cuda-python for CUDA VMM (engine/vmm.py)
+        "gpu": ["flashinfer-python==0.6.13", "flashinfer-cubin==0.6.13", "cuda-python>=12.6"],
+        # NIXL's CUDA 12 or CUDA 13 build (transfer/backends/nixl.py takes either); each lists torch
+        # unpinned: install torch first (the Makefile pins the CPU wheel)
+        "nixl": ["nixl-cu12==1.5.1"],
+        "nixl-cu13": ["nixl-cu13==1.5.1"],
     },
 )

@@ -33,6 +33,9 @@ MODELS = [("smollm2-135m", 3, 9, 64), ("llama-3-8b", 8, 32, 128), ("qwen3-coder-
 GEMM_MS = [1, 4, 16, 64]
 GEMM_NK = [(4096, 4096), (8192, 4096), (4096, 8192), (8192, 8192)]
 DECODE_BATCHES = [(8, 32768), (32, 8192), (64, 4096), (256, 1024)]  # (sequences, tokens each)
+SKEWED = [32768] * 4 + [512] * 60  # a batch of 64: four long sequences among short ones
+PREFILL_M = 4096  # out_proj at prefill M (one 4096-token chunk)
+EXTEND_CASES = [(4, 0, 2048), (8, 4096, 512)]  # (requests, cached prefix, new tokens each)
 APPEND_TOKENS = [(256, 1), (8, 1024), (1, 8192)]  # (requests, tokens appended each)
 PAGE_SIZE = 16
 
@@ -67,6 +70,20 @@ def timer(device: str, quick: bool) -> Callable[[Callable[[], object]], float]:
         return statistics.median(samples)
 
     return cpu_timer
+
+
+class Graphed:
+    """A case timed as a CUDA graph replay (triton.testing.do_bench_cudagraph): no launch overhead, as
+    decode steps run. The provider's name says [graph]."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+
+def graph_timer(quick: bool) -> Callable[[Callable[[], object]], float]:
+    import triton.testing
+
+    return lambda fn: triton.testing.do_bench_cudagraph(fn, rep=20 if quick else 100, return_mode="median")
 
 
 def copy_bandwidth(bench, device: str, nbytes: int) -> float:
@@ -125,24 +142,96 @@ def bench_gemms(device, dtype, tiny) -> Iterator[tuple]:
             partial(out_proj, x, w, out=y, counter=counter),
         )
         yield "out_proj", shape, "triton", nbytes, flops, partial(out_proj, x, w, out=y)
+    if device == "cuda" and not tiny:
+        yield from gemm_sweep(device, dtype)
+    for n, k in [] if tiny else [(4096, 4096), (8192, 8192)]:  # prefill M: one pass, no split
+        m = PREFILL_M
+        x = torch.randn(m, k, device=device, dtype=dtype)
+        w = torch.randn(n, k, device=device, dtype=dtype)
+        y = torch.empty(m, n, device=device, dtype=dtype)
+        nbytes, flops = (n * k + m * k + m * n) * x.element_size(), 2 * m * n * k
+        shape, counter = f"M={m} N={n} K={k}", make_layer_counter(1, device)
+        yield "out_proj", shape, "torch.matmul", nbytes, flops, partial(torch.matmul, x, w.t(), out=y)
+        yield (
+            "out_proj",
+            shape,
+            "triton+counter",
+            nbytes,
+            flops,
+            partial(out_proj, x, w, out=y, counter=counter),
+        )
+
+
+def gemm_sweep(device, dtype) -> Iterator[tuple]:
+    """Tile and split choices beside the defaults (provider names them), and graph-timed rows at decode
+    M, to pick the defaults from measurements on the GPU at hand."""
+    from pdkernels.out_proj import out_proj
+    from pdkernels.splitk_gemm import splitk_gemm
+
+    for m, n, k in [(1, 4096, 4096), (16, 4096, 4096), (1, 8192, 8192), (16, 8192, 8192)]:
+        x = torch.randn(m, k, device=device, dtype=dtype)
+        w = torch.randn(n, k, device=device, dtype=dtype)
+        y = torch.empty(m, n, device=device, dtype=dtype)
+        nbytes, flops, shape = (n * k + m * k + m * n) * x.element_size(), 2 * m * n * k, f"M={m} N={n} K={k}"
+        for bn, bk, split in [
+            (32, 128, None),
+            (64, 256, None),
+            (128, 128, None),
+            (64, 128, 8),
+            (64, 128, 16),
+        ]:
+            fn = partial(splitk_gemm, x, w, out=y, block_n=bn, block_k=bk, split_k=split, validate=False)
+            yield "splitk_gemm", shape, f"triton n{bn} k{bk} s{split or 'auto'}", nbytes, flops, fn
+        yield (
+            "splitk_gemm",
+            shape,
+            "triton [graph]",
+            nbytes,
+            flops,
+            Graphed(partial(splitk_gemm, x, w, out=y)),
+        )
+        matmul = Graphed(partial(torch.matmul, x, w.t(), out=y))
+        yield "splitk_gemm", shape, "torch.matmul [graph]", nbytes, flops, matmul
+    m = PREFILL_M
+    x = torch.randn(m, 4096, device=device, dtype=dtype)
+    w = torch.randn(4096, 4096, device=device, dtype=dtype)
+    y = torch.empty(m, 4096, device=device, dtype=dtype)
+    nbytes, flops = (3 * 4096 * 4096) * x.element_size(), 2 * m * 4096 * 4096
+    for bm, bn, bk, warps, stages in [
+        (128, 128, 64, 8, 3),
+        (128, 256, 64, 8, 3),
+        (128, 128, 64, 4, 4),
+        (64, 128, 64, 4, 3),
+    ]:
+        fn = partial(
+            out_proj, x, w, out=y, block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages
+        )
+        yield (
+            "out_proj",
+            f"M={m} N=4096 K=4096",
+            f"triton {bm}x{bn}x{bk} w{warps} s{stages}",
+            nbytes,
+            flops,
+            fn,
+        )
 
 
 def bench_decode(device, dtype, tiny) -> Iterator[tuple]:
     from pdkernels.decode_attention import decode_attention
     from pdkernels.testing import make_paged_cache
 
-    batches = [(2, 64)] if tiny else DECODE_BATCHES
+    batches = [[64, 64]] if tiny else [[t] * b for b, t in DECODE_BATCHES] + [SKEWED]
     models = MODELS[:1] if tiny else MODELS
-    for (name, kv_heads, q_heads, head_dim), (batch, tokens) in ((m, b) for m in models for b in batches):
-        case = make_paged_cache([tokens] * batch, kv_heads, head_dim, PAGE_SIZE, dtype=dtype, device=device)
+    for (name, kv_heads, q_heads, head_dim), lens in ((m, b) for m in models for b in batches):
+        batch, tokens = len(lens), sum(lens)
+        case = make_paged_cache(lens, kv_heads, head_dim, PAGE_SIZE, dtype=dtype, device=device)
         q = torch.randn(batch, q_heads, head_dim, device=device, dtype=dtype)
         out = torch.empty_like(q)
         tables = (case.cache, case.kv_indptr, case.kv_indices, case.kv_last_page_len)
-        nbytes = (
-            2 * batch * tokens * kv_heads * head_dim * q.element_size() + 2 * q.numel() * q.element_size()
-        )
-        flops = 4 * batch * q_heads * tokens * head_dim
-        shape = f"{name} B={batch} L={tokens}"
+        nbytes = 2 * tokens * kv_heads * head_dim * q.element_size() + 2 * q.numel() * q.element_size()
+        flops = 4 * q_heads * tokens * head_dim
+        skewed = len(set(lens)) > 1
+        shape = f"{name} B={batch} " + (f"skewed {max(lens)}/{min(lens)}" if skewed else f"L={lens[0]}")
         ours = partial(decode_attention, q, *tables, out=out, validate=False)
         yield "decode_attention", shape, "triton", nbytes, flops, ours
         fi = _flashinfer()
@@ -167,15 +256,98 @@ def bench_decode(device, dtype, tiny) -> Iterator[tuple]:
             yield "decode_attention", shape, "flashinfer", nbytes, flops, theirs
 
 
+def bench_extend(device, dtype, tiny) -> Iterator[tuple]:
+    from pdkernels.extend_attention import extend_attention
+    from pdkernels.testing import make_paged_cache
+
+    cases = [(2, 16, 16)] if tiny else EXTEND_CASES
+    for (name, kv_heads, q_heads, head_dim), (reqs, prefix, new) in (
+        (m, c) for m in (MODELS[:1] if tiny else MODELS[1:2]) for c in cases
+    ):
+        case = make_paged_cache(
+            [prefix + new] * reqs, kv_heads, head_dim, PAGE_SIZE, dtype=dtype, device=device
+        )
+        qo_indptr = torch.arange(0, reqs + 1, device=device, dtype=torch.int32) * new
+        q = torch.randn(reqs * new, q_heads, head_dim, device=device, dtype=dtype)
+        out = torch.empty_like(q)
+        tables = (case.cache, case.kv_indptr, case.kv_indices, case.kv_last_page_len)
+        nbytes = (
+            (2 * reqs * (prefix + new) * kv_heads + 2 * q.shape[0] * q_heads) * head_dim * q.element_size()
+        )
+        flops = 4 * reqs * q_heads * head_dim * new * (prefix + (new + 1) / 2)  # causal
+        shape = f"{name} {reqs}x(prefix {prefix} + {new})"
+        ours = partial(extend_attention, q, qo_indptr, *tables, out=out, max_q_len=new, validate=False)
+        yield "extend_attention", shape, "triton", nbytes, flops, ours
+        fi = _flashinfer()
+        if fi is not None:
+            wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(
+                torch.zeros(256 << 20, dtype=torch.uint8, device=device), "HND"
+            )
+            wrapper.plan(
+                qo_indptr,
+                case.kv_indptr,
+                case.kv_indices,
+                case.kv_last_page_len,
+                q_heads,
+                kv_heads,
+                head_dim,
+                PAGE_SIZE,
+                causal=True,
+                q_data_type=dtype,
+                kv_data_type=dtype,
+            )
+            yield (
+                "extend_attention",
+                shape,
+                "flashinfer",
+                nbytes,
+                flops,
+                partial(wrapper.run, q, case.cache, out=out),
+            )
+
+
+def bench_mla_append(device, dtype, tiny) -> Iterator[tuple]:
+    from pdkernels.kv_append import kv_append_mla
+    from pdkernels.testing import append_positions, make_paged_cache
+
+    for reqs, tokens in [(2, 8)] if tiny else APPEND_TOKENS:
+        case = make_paged_cache([tokens] * reqs, 1, 1, PAGE_SIZE, device=device)  # the page table only
+        batch_indices, positions = append_positions(case, [tokens] * reqs)
+        pages = case.cache.shape[0]
+        ckv_cache = torch.zeros(pages, PAGE_SIZE, 512, device=device, dtype=dtype)
+        kpe_cache = torch.zeros(pages, PAGE_SIZE, 64, device=device, dtype=dtype)
+        ckv = torch.randn(reqs * tokens, 512, device=device, dtype=dtype)
+        kpe = torch.randn(reqs * tokens, 64, device=device, dtype=dtype)
+        tables = (case.kv_indices, case.kv_indptr, case.kv_last_page_len)
+        nbytes = 2 * (ckv.numel() + kpe.numel()) * ckv.element_size()
+        args = (ckv, kpe, batch_indices, positions, ckv_cache, kpe_cache, *tables)
+        shape = f"deepseek-mla T={reqs}x{tokens}"
+        yield "kv_append_mla", shape, "triton", nbytes, 0, partial(kv_append_mla, *args, validate=False)
+        fi = _flashinfer()
+        if fi is not None:
+            yield (
+                "kv_append_mla",
+                shape,
+                "flashinfer",
+                nbytes,
+                0,
+                partial(fi.page.append_paged_mla_kv_cache, *args),
+            )
+
+
+WITHOUT_FLASHINFER = False  # --without-flashinfer: say so in the table instead of failing
+
+
 def _flashinfer():
     """FlashInfer on CUDA (its absence is an error there: the baselines must not vanish); None on the CPU."""
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() or WITHOUT_FLASHINFER:
         return None
     try:
         import flashinfer
     except ImportError as e:
         raise ImportError(
-            "the GPU suite compares against FlashInfer: pip install '.[gpu]' (make bench-gpu does)"
+            "the GPU suite compares against FlashInfer: pip install '.[gpu]' (make bench-gpu does), or "
+            "pass --without-flashinfer to leave its rows out, said so in the table"
         ) from e
     return flashinfer
 
@@ -184,11 +356,15 @@ GROUPS = {  # each case builder, and the kernels it yields (only the asked-for b
     "kv_append": (bench_kv_append, {"kv_append"}),
     "gemms": (bench_gemms, {"splitk_gemm", "out_proj"}),
     "decode": (bench_decode, {"decode_attention"}),
+    "extend": (bench_extend, {"extend_attention"}),
+    "mla": (bench_mla_append, {"kv_append_mla"}),
 }
+BASELINES = ("torch.matmul", "flashinfer")  # what each row is compared with, same kernel and shape
 
 
 def run_suite(device: str, tiny: bool, quick: bool, only: list[str] | None = None) -> list[Row]:
     bench = timer(device, quick)
+    graph_bench = graph_timer(quick) if device == "cuda" else bench
     dtype = torch.bfloat16 if device == "cuda" else torch.float16
     copies: dict[int, float] = {}  # bytes moved -> GB/s of a copy moving as many
     rows = []
@@ -198,7 +374,7 @@ def run_suite(device: str, tiny: bool, quick: bool, only: list[str] | None = Non
         for kernel, shape, provider, nbytes, flops, fn in group(device, dtype, tiny):
             if only and kernel not in only:
                 continue
-            ms = bench(fn)
+            ms = graph_bench(fn.fn) if isinstance(fn, Graphed) else bench(fn)
             gbps = nbytes / ms / 1e6
             if nbytes not in copies:
                 copies[nbytes] = copy_bandwidth(bench, device, nbytes)
@@ -208,7 +384,7 @@ def run_suite(device: str, tiny: bool, quick: bool, only: list[str] | None = Non
     return rows
 
 
-def write_results(rows: list[Row], out: Path, device_name: str) -> None:
+def write_results(rows: list[Row], out: Path, device_name: str, note: str = "") -> None:
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "kernels.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(asdict(rows[0])))
@@ -216,16 +392,22 @@ def write_results(rows: list[Row], out: Path, device_name: str) -> None:
         writer.writerows(asdict(r) for r in rows)
     lines = [
         f"Device: {device_name}; time: median; % of copy: against a device-to-device copy moving the same "
-        "bytes, measured in this run",
+        "bytes, measured in this run; vs baseline: the baseline's time over this row's (> 1: faster)"
+        + (f"; {note}" if note else ""),
         "",
-        "| kernel | shape | provider | time (us) | GB/s | copy GB/s | % of copy | TFLOP/s |",
-        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |",
+        "| kernel | shape | provider | time (us) | GB/s | copy GB/s | % of copy | TFLOP/s | vs baseline |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
+    base = {(r.kernel, r.shape): r.ms for r in rows if r.provider in BASELINES}
+    graphed = {(r.kernel, r.shape): r.ms for r in rows if r.provider == "torch.matmul [graph]"}
+    base.update({("out_proj", r.shape): r.ms for r in rows if r.provider == "torch.matmul"})
     for r in rows:
         tflops = f"{r.tflops:.1f}" if r.tflops else "-"
+        b = (graphed if r.provider.endswith("[graph]") else base).get((r.kernel, r.shape))
+        vs = f"{b / r.ms:.2f}x" if b and not r.provider.startswith(BASELINES) else "-"
         lines.append(
             f"| {r.kernel} | {r.shape} | {r.provider} | {r.ms * 1e3:.1f} | {r.gbps:.0f} | "
-            f"{r.copy_gbps:.0f} | {r.pct_copy:.0f}% | {tflops} |"
+            f"{r.copy_gbps:.0f} | {r.pct_copy:.0f}% | {tflops} | {vs} |"
         )
     (out / "kernels.md").write_text("\n".join(lines) + "\n")
 
@@ -235,17 +417,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("bench_results"))
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke run)")
     parser.add_argument("--quick", action="store_true", help="fewer timing repetitions")
+    parser.add_argument("--only", nargs="*", choices=sorted(set().union(*(k for _, k in GROUPS.values()))))
     parser.add_argument(
-        "--only", nargs="*", choices=["kv_append", "splitk_gemm", "out_proj", "decode_attention"]
+        "--without-flashinfer", action="store_true", help="leave FlashInfer's rows out (the table says so)"
     )
     args = parser.parse_args(argv)
+    global WITHOUT_FLASHINFER
+    WITHOUT_FLASHINFER = args.without_flashinfer
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and not args.tiny:
         print("full shapes need a CUDA device; pass --tiny on the CPU", file=sys.stderr)
         return 2
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU (Triton interpreter)"
     rows = run_suite(device, args.tiny, args.quick, args.only)
-    write_results(rows, args.out, name)
+    note = "FlashInfer rows left out (--without-flashinfer)" if args.without_flashinfer else ""
+    write_results(rows, args.out, name, note)
     print(f"wrote {args.out / 'kernels.csv'} and {args.out / 'kernels.md'}")
     return 0 if all(math.isfinite(r.ms) for r in rows) else 1
 

@@ -8,7 +8,14 @@ def test_gpu_suite_smoke_run_writes_its_tables(tmp_path):
     assert gpu.main(["--tiny", "--quick", "--out", str(tmp_path)]) == 0
     rows = list(csv.DictReader(open(tmp_path / "kernels.csv")))
     kernels = {r["kernel"] for r in rows}
-    assert kernels == {"kv_append", "splitk_gemm", "out_proj", "decode_attention"}
+    assert kernels == {
+        "kv_append",
+        "kv_append_mla",
+        "splitk_gemm",
+        "out_proj",
+        "decode_attention",
+        "extend_attention",
+    }
     assert all(float(r["ms"]) > 0 and float(r["gbps"]) > 0 for r in rows)
     table = (tmp_path / "kernels.md").read_text()
     assert "device-to-device copy" in table and table.count("\n| ") == len(rows) + 2  # header and separator
@@ -51,3 +58,13 @@ def test_cuda_timing_is_the_median_and_a_missing_flashinfer_stops_the_run(monkey
     monkeypatch.setitem(sys.modules, "flashinfer", None)  # not installed
     with pytest.raises(ImportError, match="compares against FlashInfer"):
         gpu._flashinfer()
+    monkeypatch.setattr(gpu, "WITHOUT_FLASHINFER", True)  # --without-flashinfer: asked for, and said
+    assert gpu._flashinfer() is None
+
+
+def test_without_flashinfer_is_said_in_the_table(tmp_path):
+    assert (
+        gpu.main(["--tiny", "--quick", "--only", "kv_append", "--without-flashinfer", "--out", str(tmp_path)])
+        == 0
+    )
+    assert "FlashInfer rows left out" in (tmp_path / "kernels.md").read_text()

@@ -1,0 +1,229 @@
+"""`make gpu-check`: everything a GPU can prove about pdkernels, in one command of a few minutes.
+
+    python -m experiments.bench.gpu_check --out gpu_check/<stamp>     # in the GPU venv (scripts/gpu_env.sh)
+
+Steps, in order of value, each in its own process with its own time limit (a step that fails or runs out
+of time is recorded and the next one runs):
+
+1. the compiled kernel tests (tests/pdkernels/test_gpu.py, PDKERNELS_TEST_COMPILED=1), among them the layer
+   counter under real concurrency (400 passes x 4 layers at M 1, 64, 4097: counts exact), the counter seen
+   by the host while the pass runs, its bump inside a CUDA graph, and a cache past 2^31 elements;
+2. the engine on the GPU (tests/engine/test_gpu.py): greedy parity with the CPU, decode CUDA graphs against
+   eager steps, the prefill counter in host memory, a rank's KV mapped into another process (CUDA VMM);
+3. the quick kernel benchmark against cuBLAS and FlashInfer (experiments.bench.gpu --quick);
+4. a 1P1D run of the main job on the one GPU, two worker processes, KV over NIXL in VRAM (and the
+   colocated run beside it), with its TTFT and TPOT.
+
+Writes gpu_check.md (one table, then the benchmark's table) and gpu_check.log (every step's output) to
+--out, and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Step:
+    name: str
+    status: str = "not run"  # pass | FAIL | TIMEOUT | skip
+    seconds: float = 0.0
+    figures: str = ""
+    rows: list[tuple[str, str, str]] = field(default_factory=list)  # (what, status, figures) sub-rows
+
+
+def run(cmd: list[str], timeout_s: float, log, env: dict | None = None) -> tuple[int | None, float, str]:
+    """Run cmd from the repository root; (exit code or None on timeout, seconds, output)."""
+    start = time.perf_counter()
+    log.write(f"\n$ {' '.join(cmd)}\n")
+    log.flush()
+    try:
+        done = subprocess.run(
+            cmd,
+            cwd=ROOT,
+            env={**os.environ, **(env or {})},
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            start_new_session=True,  # the main job's workers go with it on a timeout
+        )
+        code, out = done.returncode, done.stdout + done.stderr
+    except subprocess.TimeoutExpired as e:
+        code = None
+        out = (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
+    log.write(out)
+    log.flush()
+    return code, time.perf_counter() - start, out
+
+
+def status_of(code: int | None) -> str:
+    return "TIMEOUT" if code is None else ("pass" if code == 0 else "FAIL")
+
+
+def pytest_step(name: str, paths: list[str], out: Path, log, timeout_s: float) -> Step:
+    step = Step(name)
+    junit = out / f"{name.split()[0]}.xml"
+    cmd = [sys.executable, "-m", "pytest", *paths, "-q", "-p", "no:cacheprovider", f"--junitxml={junit}"]
+    cmd += ["-o", "addopts=", "--timeout=60"] if _has("pytest_timeout") else ["-o", "addopts="]
+    env = {"PDKERNELS_TEST_COMPILED": "1", "PDKERNELS_GPU_REPORT": str(out)}
+    code, step.seconds, output = run(cmd, timeout_s, log, env)
+    step.status = status_of(code)
+    if junit.exists():
+        counts: dict[str, int] = {}
+        for case in ET.parse(junit).getroot().iter("testcase"):
+            kind = next((c.tag for c in case if c.tag in ("failure", "error", "skipped")), "passed")
+            counts[kind] = counts.get(kind, 0) + 1
+            if kind in ("failure", "error"):
+                message = next(c for c in case if c.tag == kind).get("message", "")[:160]
+                step.rows.append((case.get("name"), "FAIL", message.replace("|", "/").replace("\n", " ")))
+        step.figures = ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
+    else:
+        step.figures = output.strip().splitlines()[-1][:200] if output.strip() else "no output"
+    return step
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def bench_step(out: Path, log, timeout_s: float) -> Step:
+    step = Step("kernel benchmark (quick)")
+    cmd = [sys.executable, "-m", "experiments.bench.gpu", "--quick", "--out", str(out)]
+    if not _cuda():
+        cmd += ["--tiny"]  # only to try this script without a GPU
+    if not _has("flashinfer"):
+        cmd.append("--without-flashinfer")
+        step.rows.append(("FlashInfer", "skip", "not installed here: its rows are left out"))
+    code, step.seconds, _ = run(cmd, timeout_s, log)
+    step.status = status_of(code)
+    if (out / "kernels.csv").exists():
+        import csv
+
+        rows = list(csv.DictReader(open(out / "kernels.csv")))
+        step.figures = f"{len(rows)} rows: kernels.md"
+        for kernel, target in [("kv_append", "append % of copy"), ("out_proj", "vs cuBLAS")]:
+            mine = [r for r in rows if r["kernel"] == kernel and r["provider"].startswith("triton")]
+            if kernel == "kv_append" and mine:
+                best = max(mine, key=lambda r: int(r["shape"].split("x")[-1]))
+                step.rows.append((f"{target} ({best['shape']})", "-", f"{float(best['pct_copy']):.0f}%"))
+    return step
+
+
+def deployment_step(out: Path, log, timeout_s: float) -> Step:
+    step = Step("1P1D main job on the GPU (NIXL, VRAM)")
+    run_dir = out / "run"
+    cmd = [
+        sys.executable,
+        "-m",
+        "experiments.run",
+        "experiment=compare",
+        "model=tiny-random",
+        f"model.device={'cuda' if _cuda() else 'cpu'}",  # cpu: only to try this script without a GPU
+        "workload.num_requests=32",
+        "plots=false",
+        "start_timeout_s=60",
+        "run_timeout_s=60",
+        f"hydra.run.dir={run_dir}",
+    ]
+    code, step.seconds, _ = run(cmd, timeout_s, log)
+    step.status = status_of(code)
+    results = run_dir / "results.json"
+    if results.exists():
+        for r in json.loads(results.read_text()).get("runs", []):
+            s = r["summary"]
+            ms = {k: 1e3 * s[k]["p50"] for k in ("ttft_s", "tpot_s") if s.get(k) and s[k].get("n")}
+            ttft, tpot = ms.get("ttft_s", float("nan")), ms.get("tpot_s", float("nan"))
+            step.rows.append(
+                (
+                    r["deployment"],
+                    "pass" if s["errors"] == 0 and s["completed"] == s["num_requests"] else "FAIL",
+                    f"TTFT p50 {ttft:.1f} ms, TPOT p50 {tpot:.2f} ms, {s['completed']}/{s['num_requests']} "
+                    f"completed, {s.get('transfer_bytes', 0)} KV bytes",
+                )
+            )
+    return step
+
+
+def environment() -> str:
+    import torch
+    import triton
+
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"
+    return f"{gpu}; torch {torch.__version__} (CUDA {torch.version.cuda}); triton {triton.__version__}"
+
+
+def table(steps: list[Step], env: str, total_s: float) -> str:
+    lines = [
+        f"`make gpu-check` on {env}; {total_s:.0f} s in all.",
+        "",
+        "| step | status | seconds | figures |",
+        "| --- | --- | ---: | --- |",
+    ]
+    for s in steps:
+        lines.append(f"| {s.name} | {s.status} | {s.seconds:.0f} | {s.figures} |")
+        for what, status, figures in s.rows:
+            lines.append(f"| &nbsp;&nbsp;{what} | {status} | | {figures} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("gpu_check") / time.strftime("%Y%m%d-%H%M%S"))
+    parser.add_argument("--skip", nargs="*", default=[], choices=["kernels", "engine", "bench", "deployment"])
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    env, start, steps = environment(), time.perf_counter(), []
+    print(env, flush=True)
+    with open(args.out / "gpu_check.log", "w") as log:
+        plan = [
+            (
+                "kernels",
+                lambda: pytest_step(
+                    "kernel tests (compiled)", ["tests/pdkernels/test_gpu.py"], args.out, log, 150
+                ),
+            ),
+            (
+                "engine",
+                lambda: pytest_step("engine GPU vs CPU", ["tests/engine/test_gpu.py"], args.out, log, 150),
+            ),
+            ("bench", lambda: bench_step(args.out, log, 110)),
+            ("deployment", lambda: deployment_step(args.out, log, 110)),
+        ]
+        for key, step in plan:
+            if key in args.skip:
+                continue
+            steps.append(step())
+            s = steps[-1]
+            print(f"{s.name}: {s.status} in {s.seconds:.0f} s  {s.figures}", flush=True)
+    figures = sorted(args.out.glob("*.json"))
+    extra = [f"- {p.stem}: `{p.read_text().strip()}`" for p in figures if p.name != "results.json"]
+    md = table(steps, env, time.perf_counter() - start)
+    if extra:
+        md += "\nFigures the tests recorded:\n\n" + "\n".join(extra) + "\n"
+    if (args.out / "kernels.md").exists():
+        md += "\n" + (args.out / "kernels.md").read_text()
+    (args.out / "gpu_check.md").write_text(md)
+    print("\n" + md)
+    return 0 if all(s.status == "pass" for s in steps) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
