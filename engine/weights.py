@@ -22,7 +22,10 @@ from engine.tokenizer import TextTokenizer, from_gguf_fields, from_hf_dir
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_KV_HEADS = {"tiny-random": 2, "tiny-random-kv4": 4, "tiny-random-kv8": 8}
-KNOWN_MODELS = ("smollm2-135m", *TINY_KV_HEADS)
+# seeded random weights at a real model's geometry (Llama-3.2-1B's), for timing where no checkpoint is at
+# hand (an offline GPU): hidden, MLP width, layers, heads, kv heads, head dim
+RANDOM_GEOMETRIES = {"random-llama-1b": (2048, 8192, 16, 32, 8, 64)}
+KNOWN_MODELS = ("smollm2-135m", *TINY_KV_HEADS, *RANDOM_GEOMETRIES)
 HF_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM")
 GGUF_NAMES = {  # llama.cpp tensor name -> Hugging Face name ({} is the layer index)
     "token_embd.weight": "model.embed_tokens.weight",
@@ -53,6 +56,8 @@ def load_model(model: str) -> LoadedModel:
         return load_gguf(smollm2_gguf_path(), name=model)
     if model in TINY_KV_HEADS:
         return tiny_random(model, TINY_KV_HEADS[model])
+    if model in RANDOM_GEOMETRIES:
+        return tiny_random(model, geometry=RANDOM_GEOMETRIES[model])
     path = Path(model)
     if path.suffix == ".gguf":
         if not path.is_file():
@@ -189,21 +194,24 @@ def load_hf_dir(path: Path) -> LoadedModel:
     return LoadedModel(config, weights, from_hf_dir(path))
 
 
-def tiny_random(name: str, num_kv_heads: int, seed: int = 0) -> LoadedModel:
+def tiny_random(
+    name: str, num_kv_heads: int = 2, seed: int = 0, geometry: tuple | None = None
+) -> LoadedModel:
     """A 4-layer model with seeded random weights and SmolLM2's tokenizer (for fast tests): from its GGUF,
     or from the vocab-only GGUF that PDKERNELS_TOKENIZER_GGUF names (scripts/vocab_gguf.py writes one)."""
     override = os.environ.get("PDKERNELS_TOKENIZER_GGUF")
     _, fields = _gguf(Path(override) if override else smollm2_gguf_path())
     tokenizer = from_gguf_fields(fields)
+    hidden, width, layers, heads, num_kv_heads, head_dim = geometry or (128, 256, 4, 8, num_kv_heads, 16)
     config = ModelConfig(
         name=name,
         vocab_size=tokenizer.vocab_size,
-        hidden_size=128,
-        intermediate_size=256,
-        num_layers=4,
-        num_heads=8,
+        hidden_size=hidden,
+        intermediate_size=width,
+        num_layers=layers,
+        num_heads=heads,
         num_kv_heads=num_kv_heads,
-        head_dim=16,
+        head_dim=head_dim,
         rope_theta=10000.0,
         rms_norm_eps=1e-5,
         max_position=2048,

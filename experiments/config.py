@@ -33,7 +33,7 @@ def _positive(key: str, value, integer: bool = False) -> None:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    name: str  # smollm2-135m | tiny-random[-kv4|-kv8] | a Hugging Face model directory
+    name: str  # smollm2-135m | tiny-random[-kv4|-kv8] | random-llama-1b | a Hugging Face model directory
     dtype: str = "bfloat16"  # or auto: bfloat16 on CUDA, float32 on the CPU
     page_size: int = 16
     num_pages: int = 512  # per worker

@@ -11,8 +11,9 @@ of time is recorded and the next one runs):
 2. the engine on the GPU (tests/engine/test_gpu.py): greedy parity with the CPU, decode CUDA graphs against
    eager steps, the prefill counter in host memory, a rank's KV mapped into another process (CUDA VMM);
 3. the quick kernel benchmark against cuBLAS and FlashInfer (experiments.bench.gpu --quick);
-4. a 1P1D run of the main job on the one GPU, two worker processes, KV over NIXL in VRAM (and the
-   colocated run beside it), with its TTFT and TPOT.
+4. experiment=compare on the one GPU at Llama-3.2-1B's geometry (random weights: no checkpoint need be
+   fetched): 1P1D, two worker processes with KV over NIXL in VRAM, beside two colocated workers, with
+   TTFT and TPOT.
 
 Writes gpu_check.md (one table, then the benchmark's table) and gpu_check.log (every step's output) to
 --out, and prints the table.
@@ -135,7 +136,7 @@ def deployment_step(out: Path, log, timeout_s: float) -> Step:
         "-m",
         "experiments.run",
         "experiment=compare",
-        "model=tiny-random",
+        f"model={'random-llama-1b' if _cuda() else 'tiny-random'}",  # Llama-3.2-1B's shape, random weights
         f"model.device={'cuda' if _cuda() else 'cpu'}",  # cpu: only to try this script without a GPU
         "workload.num_requests=32",
         "plots=false",
@@ -205,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                 lambda: pytest_step("engine GPU vs CPU", ["tests/engine/test_gpu.py"], args.out, log, 150),
             ),
             ("bench", lambda: bench_step(args.out, log, 110)),
-            ("deployment", lambda: deployment_step(args.out, log, 110)),
+            ("deployment", lambda: deployment_step(args.out, log, 150)),
         ]
         for key, step in plan:
             if key in args.skip:
