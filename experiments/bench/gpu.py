@@ -165,7 +165,7 @@ def bench_gemms(device, dtype, tiny) -> Iterator[tuple]:
 def gemm_sweep(device, dtype) -> Iterator[tuple]:
     """Tile and split choices beside the defaults (provider names them), and graph-timed rows at decode
     M, to pick the defaults from measurements on the GPU at hand."""
-    from pdkernels.out_proj import out_proj
+    from pdkernels.out_proj import make_layer_counter, out_proj
     from pdkernels.splitk_gemm import splitk_gemm
 
     for m, n, k in [(1, 4096, 4096), (16, 4096, 4096), (1, 8192, 8192), (16, 8192, 8192)]:
@@ -192,6 +192,11 @@ def gemm_sweep(device, dtype) -> Iterator[tuple]:
         )
         matmul = Graphed(partial(torch.matmul, x, w.t(), out=y))
         yield "splitk_gemm", shape, "torch.matmul [graph]", nbytes, flops, matmul
+        yield "out_proj", shape, "torch.matmul [graph]", nbytes, flops, matmul
+        counter = make_layer_counter(1, device)
+        projection = Graphed(partial(out_proj, x, w, out=y, counter=counter, validate=False))
+        yield "out_proj", shape, "triton+counter [graph]", nbytes, flops, projection
+        yield "out_proj", shape, "triton [graph]", nbytes, flops, Graphed(partial(out_proj, x, w, out=y))
     m = PREFILL_M
     x = torch.randn(m, 4096, device=device, dtype=dtype)
     w = torch.randn(4096, 4096, device=device, dtype=dtype)
@@ -218,6 +223,7 @@ def gemm_sweep(device, dtype) -> Iterator[tuple]:
 
 def bench_decode(device, dtype, tiny) -> Iterator[tuple]:
     from pdkernels.decode_attention import decode_attention
+    from pdkernels.splitk_gemm import sm_count
     from pdkernels.testing import make_paged_cache
 
     batches = [[64, 64]] if tiny else [[t] * b for b, t in DECODE_BATCHES] + [SKEWED]
@@ -232,8 +238,16 @@ def bench_decode(device, dtype, tiny) -> Iterator[tuple]:
         flops = 4 * q_heads * tokens * head_dim
         skewed = len(set(lens)) > 1
         shape = f"{name} B={batch} " + (f"skewed {max(lens)}/{min(lens)}" if skewed else f"L={lens[0]}")
-        ours = partial(decode_attention, q, *tables, out=out, validate=False)
+        ours = partial(decode_attention, q, *tables, out=out, max_seq_len=max(lens), validate=False)
         yield "decode_attention", shape, "triton", nbytes, flops, ours
+        if device == "cuda":  # the same kernel, splits cut evenly per sequence (the plan before per-token)
+            even = max(1, min(32, -(-2 * sm_count(q.device) // (batch * kv_heads))))
+            fixed = partial(decode_attention, q, *tables, out=out, num_splits=even, validate=False)
+            yield "decode_attention", shape, f"triton even {even} splits", nbytes, flops, fixed
+            graphed = Graphed(
+                partial(decode_attention, q, *tables, out=out, max_seq_len=max(lens), validate=False)
+            )
+            yield "decode_attention", shape, "triton [graph]", nbytes, flops, graphed
         fi = _flashinfer()
         if fi is not None:
             wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
