@@ -1,9 +1,12 @@
 """Tensor parallelism inside one worker: rank processes that mirror the lead's forward passes.
 
 The lead process (rank 0, the LLM object) schedules, sends each step's inputs to ranks 1..N-1 over a
-pipe, and runs its own shard; the ranks all-reduce over torch.distributed (gloo on CPU, NCCL on GPU).
-Each rank allocates its KV cache in shared memory and hands the lead a mapping of it, so the lead (and
-its messenger) can read and write every rank's pages. Only the lead samples and owns the layer counter.
+pipe, and runs its own shard; the ranks all-reduce over torch.distributed (gloo on CPU, NCCL on GPU;
+PDKERNELS_TP_COLLECTIVES=gloo forces gloo, e.g. for two ranks on one GPU, which NCCL refuses).
+Each rank allocates its KV cache in shared memory (on GPU: a CUDA VMM allocation whose file descriptor
+the lead imports and maps, engine/vmm.py) and hands the lead a mapping of it, so the lead (and its
+messenger, with one NIXL agent) can read and write every rank's pages. Only the lead samples and owns
+the layer counter.
 """
 
 from __future__ import annotations
@@ -33,21 +36,32 @@ COLLECTIVE_TIMEOUT = timedelta(seconds=120)
 def init_rank(rank: int, size: int, rendezvous: str, device: str) -> None:
     """Join the group through a file store in the lead's private directory (no listening socket); gloo's
     own connections stay on loopback unless GLOO_SOCKET_IFNAME names another interface."""
-    backend = "nccl" if device.startswith("cuda") else "gloo"
+    backend = os.environ.get("PDKERNELS_TP_COLLECTIVES") or ("nccl" if device.startswith("cuda") else "gloo")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group(
         backend, init_method=f"file://{rendezvous}", rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT
     )
 
 
-def build_rank(model_name: str, config: EngineConfig, rank: int) -> tuple[Model, torch.Tensor]:
-    """This rank's model shard and KV cache (in shared memory on the CPU)."""
+def build_rank(model_name: str, config: EngineConfig, rank: int):
+    """This rank's model shard, KV cache and, on GPU, the VMM allocation the cache lives in (else None)."""
     loaded = load_model(model_name)
     device = torch.device(config.device)
     shard = Shard.of(loaded.config, rank, config.tp)
     model = Model(loaded.config, loaded.weights, device, config.torch_dtype, shard)
-    kv_cache = allocate_kv_cache(loaded.config, config.cache, shard.num_kv_heads, device, config.torch_dtype)
-    return model, kv_cache.share_memory_() if device.type == "cpu" else kv_cache
+    if device.type == "cpu":
+        kv_cache = allocate_kv_cache(
+            loaded.config, config.cache, shard.num_kv_heads, device, config.torch_dtype
+        )
+        return model, kv_cache.share_memory_(), None
+    from engine.vmm import SharedAllocation
+
+    shape = allocate_kv_cache(
+        loaded.config, config.cache, shard.num_kv_heads, "meta", config.torch_dtype
+    ).shape
+    nbytes = shape.numel() * torch.empty((), dtype=config.torch_dtype).element_size()
+    alloc = SharedAllocation(nbytes, device.index or 0)
+    return model, alloc.tensor(tuple(shape), config.torch_dtype).zero_(), alloc
 
 
 def _rank_main(
@@ -57,8 +71,15 @@ def _rank_main(
     try:
         torch.set_num_threads(1)
         ops.set_backend(backend)  # the lead's choice, not this process's environment
-        model, kv_cache = build_rank(model_name, config, rank)
-        conn.send(("ready", kv_cache))  # before the rendezvous, so the lead learns of load failures at once
+        model, kv_cache, alloc = build_rank(model_name, config, rank)
+        # before the rendezvous, so the lead learns of load failures at once
+        if alloc is None:
+            conn.send(("ready", kv_cache))
+        else:  # the lead maps this allocation: its size and layout, then its descriptor (SCM_RIGHTS)
+            from multiprocessing.reduction import send_handle
+
+            conn.send(("vmm", (alloc.nbytes, tuple(kv_cache.shape), str(kv_cache.dtype))))
+            send_handle(conn, alloc.export_fd(), lead)
         init_rank(rank, config.tp, rendezvous, config.device)
         while True:
             if not conn.poll(1.0):
@@ -68,7 +89,7 @@ def _rank_main(
             msg = conn.recv()
             if msg is None:
                 return
-            input_ids, meta = msg
+            input_ids, meta = _to(msg, kv_cache.device)
             with torch.inference_mode():
                 model.forward(input_ids, meta, kv_cache)
     except Exception:
@@ -76,6 +97,18 @@ def _rank_main(
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _to(msg, device: torch.device):
+    """A step's inputs on this rank's device (on GPU they travel as CPU tensors: no CUDA IPC per step)."""
+    input_ids, meta = msg
+    if device.type == "cpu":
+        return input_ids, meta
+    moved = {f: getattr(meta, f).to(device) for f in META_TENSORS}
+    return input_ids.to(device), replace(meta, **moved)
+
+
+META_TENSORS = ("positions", "batch_indices", "qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len")
 
 
 class RankDied(RuntimeError):
@@ -86,7 +119,8 @@ class TPGroup:
     """The lead's handle on ranks 1..N-1 (spawned processes)."""
 
     def __init__(self, model_name: str, config: EngineConfig):
-        self.size = config.tp
+        self.size, self.device = config.tp, torch.device(config.device)
+        self._allocs = []  # the ranks' VMM allocations mapped here (GPU)
         self._dir = tempfile.mkdtemp(prefix="pdk-tp-")  # mode 0700
         rendezvous = os.path.join(self._dir, "rendezvous")
         ctx = mp.get_context("spawn")
@@ -114,6 +148,17 @@ class TPGroup:
                 )
                 raise RuntimeError(f"TP rank {rank} did not start: it {why}")
         kind, payload = conn.recv()
+        if kind == "vmm":
+            from multiprocessing.reduction import recv_handle
+
+            from engine.vmm import SharedAllocation
+
+            nbytes, shape, dtype = payload
+            fd = recv_handle(conn)
+            alloc = SharedAllocation(nbytes, self.device.index or 0, fd=fd)
+            os.close(fd)
+            self._allocs.append(alloc)
+            return alloc.tensor(shape, getattr(torch, dtype.removeprefix("torch.")))
         if kind != "ready":
             self.close()
             raise RuntimeError(f"TP rank {rank} failed to start:\n{payload}")
@@ -121,7 +166,11 @@ class TPGroup:
 
     def step(self, input_ids: torch.Tensor, meta: BatchMeta) -> None:
         """Send one forward pass to every rank (the lead then runs its own shard)."""
-        msg = (input_ids, replace(meta, counter=None))  # only the lead counts layers
+        meta = replace(meta, counter=None)  # only the lead counts layers
+        if self.device.type == "cuda":
+            input_ids = input_ids.cpu()
+            meta = replace(meta, **{f: getattr(meta, f).cpu() for f in META_TENSORS})
+        msg = (input_ids, meta)
         for rank, (conn, proc) in enumerate(zip(self.conns, self.procs, strict=True), start=1):
             if not proc.is_alive():
                 raise RankDied(f"TP rank {rank} has exited (code {proc.exitcode})")
@@ -139,6 +188,10 @@ class TPGroup:
             if proc.is_alive():
                 proc.kill()
         self.procs, self.conns = [], []
+        self.kv_caches = []
+        for alloc in self._allocs:
+            alloc.close()
+        self._allocs = []
         if dist.is_initialized():
             dist.destroy_process_group()
         shutil.rmtree(self._dir, ignore_errors=True)

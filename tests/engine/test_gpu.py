@@ -137,3 +137,48 @@ def test_a_rank_kv_cache_maps_into_the_lead_through_cuda_vmm():
     finally:
         if proc.is_alive():
             proc.kill()
+
+
+def test_tp2_on_one_gpu_gives_the_tp1_tokens_with_rank_kv_mapped_through_vmm(monkeypatch):
+    """TP 2 on CUDA: rank 1's KV cache is a VMM allocation the lead maps (what one NIXL agent registers).
+    One GPU holds both ranks here, so the collectives run over gloo (NCCL refuses two ranks on one GPU)."""
+    pytest.importorskip("cuda.bindings")
+    monkeypatch.setenv("PDKERNELS_TP_COLLECTIVES", "gloo")
+    prompts = _prompts(4, 1000, seed=5)
+    greedy = SamplingParams(max_tokens=8, ignore_eos=True)
+    one = LLM("tiny-random", device="cuda", dtype="float32", page_size=16, num_pages=64)
+    ref = [o.token_ids for o in one.generate(prompts, greedy)]
+    with LLM("tiny-random", tp=2, device="cuda", dtype="float32", page_size=16, num_pages=64) as llm:
+        got = [o.token_ids for o in llm.generate(prompts, greedy)]
+        lead, rank = llm.kv_caches
+        assert rank.is_cuda and rank.shape == lead.shape and rank.data_ptr() != lead.data_ptr()
+        assert bool(rank.abs().sum() > 0)  # the rank's appends, read through the lead's mapping
+        _nixl_reads_both_ranks(llm.kv_caches)
+    assert got == ref
+
+
+def _nixl_reads_both_ranks(caches):
+    """One NIXL agent registers the lead's cache and the mapped rank's (VRAM) and writes both into
+    another agent's memory (UCX cuda_ipc/cuda_copy on one host)."""
+    import time
+
+    pytest.importorskip("nixl_cu13" if torch.version.cuda.startswith("13") else "nixl_cu12")
+    from transfer.backends import WriteOp, make_backend
+
+    src, dst = make_backend("nixl", "tp-lead"), make_backend("nixl", "reader")
+    regions = [c.view(-1).view(torch.uint8) for c in caches]
+    n = min(r.numel() for r in regions)
+    target = torch.zeros(2 * n, dtype=torch.uint8, device="cuda")
+    src.register(regions)
+    dst.register([target])
+    assert src.mem_type == "VRAM"
+    peer = src.connect(dst.metadata())
+    ops = [WriteOp(0, 0, 0, 0, n), WriteOp(1, 0, 0, n, n)]
+    handle = src.post(peer, ops, b"both")
+    deadline = time.monotonic() + 30
+    while src.state(handle) != "DONE" and time.monotonic() < deadline:
+        dst.notifications()
+    torch.cuda.synchronize()
+    assert torch.equal(target[:n], regions[0][:n]) and torch.equal(target[n:], regions[1][:n])
+    src.close()
+    dst.close()
