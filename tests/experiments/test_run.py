@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 
 from experiments.config import from_cfg
@@ -120,7 +121,14 @@ def test_killed_prefill_worker_ends_its_requests_with_errors_and_the_run_finishe
         ),
         ("log_level=LOUD", "log_level='LOUD' is not allowed: one of ('DEBUG', 'INFO', 'WARNING', 'ERROR')"),
         ("transfer.control_transport=udp", "control_transport must be one of ('ipc', 'tcp')"),
-    ],
+        ("kernels.backend=cutlass", "kernels.backend='cutlass' is not allowed: one of ('auto', 'triton'"),
+        ("model.device=tpu", "model.device='tpu' is not allowed: one of ('auto', 'cpu', 'cuda')"),
+    ]
+    + (
+        []
+        if torch.cuda.is_available()
+        else [("model.device=cuda", "model.device='cuda' is not allowed: this machine has no CUDA device")]
+    ),
 )
 def test_bad_configs_fail_before_any_process_starts(tmp_path, override, message):
     with pytest.raises(ValueError) as err:
@@ -175,6 +183,11 @@ def test_config_maps_to_dataclasses():
     assert [d.name for d in config.deployments] == ["colocated", "1p1d"]
     assert config.workload.arrival == "concurrency" and config.workload.num_requests == 20
     assert config.transfer.backend == "nixl" and config.model.name == "smollm2-135m"
+    assert config.kernels.backend == "auto"
+    cpu = not torch.cuda.is_available()
+    assert config.model.device == ("cpu" if cpu else "cuda")  # auto, resolved once in the driver
+    auto = from_cfg(_cfg(["model=random-llama-1b"])).model
+    assert auto.dtype == ("float32" if cpu else "bfloat16")
 
 
 @pytest.mark.slow
