@@ -22,10 +22,13 @@ setup(
         "hydra-joblib-launcher",  # parallel sweeps
         "matplotlib",
         "tqdm",
+        "fastapi",  # the OpenAI-compatible server (experiments/serve.py), on uvicorn
+        "uvicorn",
+        "prometheus-client",  # its /metrics
     ],
     extras_require={
         # transformers (+ accelerate for its GGUF loader) is the reference the engine is checked against
-        "test": ["pytest", "pytest-benchmark", "hypothesis", "transformers", "accelerate", "ruff"],
+        "test": ["pytest", "pytest-benchmark", "hypothesis", "transformers", "accelerate", "ruff", "openai"],
         # the GPU side (scripts/gpu_env.sh): FlashInfer with its prebuilt kernels (one version for both),
         # cuda-python for CUDA VMM (engine/vmm.py)
         "gpu": ["flashinfer-python==0.6.13", "flashinfer-cubin==0.6.13", "cuda-python>=12.6"],

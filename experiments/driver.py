@@ -103,21 +103,54 @@ def worker_specs(
     return specs
 
 
-def run_deployment(
-    config: RunConfig,
-    d: DeploymentConfig,
-    requests: list[Request],
-    progress: bool = True,
-    hooks=None,
-    log_dir: Path | None = None,
-) -> DeploymentRun:
-    """Start the deployment's workers, run every request through them, stop them; returns what happened.
+@dataclass
+class Fleet:
+    """A deployment's worker processes, started, connected and Ready, and the driver's socket to them."""
 
-    hooks: an optional callable(run, procs) called every loop turn (tests use it to kill a worker).
-    log_dir: where each worker writes <name>.log (None: workers do not log to files)."""
+    sock: object  # zmq ROUTER
+    procs: dict[str, mp.Process]
+    roles: dict[str, str]
+    run_dir: str
+
+    @property
+    def frontends(self) -> list[str]:
+        """Where requests go: decode and colocated workers."""
+        return [n for n, r in self.roles.items() if r != "prefill"]
+
+    def send(self, name: str, msg) -> bool:
+        return _send(self.sock, name, msg)
+
+    def receive(self) -> list[tuple[str, object]]:
+        return _recv(self.sock)
+
+    def stop(self, on_message=None) -> None:
+        """Stop every worker (on_message(name, msg) sees what they send meanwhile: timelines, late
+        results), then make sure none is left running."""
+        try:
+            live = [n for n, p in self.procs.items() if p.is_alive() and self.send(n, Stop())]
+            give_up = time.monotonic() + 10
+            while live and time.monotonic() < give_up:
+                self.sock.poll(50)
+                for name, msg in self.receive():
+                    if on_message is not None:
+                        on_message(name, msg)
+                    if isinstance(msg, Timeline):
+                        live = [n for n in live if n != name]
+            for p in self.procs.values():
+                p.join(timeout=10 if p.is_alive() else 0)
+                if p.is_alive():
+                    p.kill()
+                    p.join(timeout=5)
+        finally:
+            self.sock.close()
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def start_fleet(config: RunConfig, d: DeploymentConfig, log_dir: Path | None = None) -> Fleet:
+    """Start the deployment's workers and wait until every one is Ready (raises, with none left running,
+    if one fails or the start times out). log_dir: where each worker writes <name>.log."""
     import zmq
 
-    run = DeploymentRun(d, requests)
     run_dir = tempfile.mkdtemp(prefix="pdk-")  # mode 0700: only this user reaches its sockets
     keys = keyring(["driver"] + worker_names(d))
     sock = driver_socket(keys, run_dir, config.transfer)
@@ -133,20 +166,49 @@ def run_deployment(
         mp.set_start_method("spawn", force=True)
     mpctx = mp.get_context("spawn")
     procs = {s.name: mpctx.Process(target=worker_main, args=(s,), name=s.name) for s in specs}
-    roles = {s.name: s.role for s in specs}
+    fleet = Fleet(sock, procs, {s.name: s.role for s in specs}, run_dir)
     try:
         for p in procs.values():
             p.start()  # not daemons: a worker with TP > 1 starts its own rank processes
-        _await_ready(sock, procs, roles, config.start_timeout_s)
-        _serve(run, config, sock, procs, roles, progress, hooks)
+        _await_ready(sock, procs, fleet.roles, config.start_timeout_s)
+    except BaseException:
+        fleet.stop()
+        raise
+    return fleet
+
+
+def run_deployment(
+    config: RunConfig,
+    d: DeploymentConfig,
+    requests: list[Request],
+    progress: bool = True,
+    hooks=None,
+    log_dir: Path | None = None,
+) -> DeploymentRun:
+    """Start the deployment's workers, run every request through them, stop them; returns what happened.
+
+    hooks: an optional callable(run, procs) called every loop turn (tests use it to kill a worker).
+    log_dir: where each worker writes <name>.log (None: workers do not log to files)."""
+    run = DeploymentRun(d, requests)
+    fleet = None
+    try:
+        fleet = start_fleet(config, d, log_dir)
+        _serve(run, config, fleet.sock, fleet.procs, fleet.roles, progress, hooks)
     except KeyboardInterrupt:  # SIGTERM (experiments.run raises it) or Ctrl-C: keep what was measured
         run.interrupted = True
         _unfinished(run, "interrupted (SIGTERM or Ctrl-C)")
     finally:
-        _stop_all(run, sock, procs)
-        sock.close()
-        shutil.rmtree(run_dir, ignore_errors=True)
+        if fleet is not None:
+            fleet.stop(lambda name, msg: _late(run, msg))
     return run
+
+
+def _late(run: DeploymentRun, msg) -> None:
+    """What workers send while stopping: their timelines, and results that were already on the way."""
+    if isinstance(msg, Timeline):
+        run.timelines.append(msg)
+    elif isinstance(msg, Result) and msg.request_id not in run.results:
+        run.results[msg.request_id] = msg
 
 
 def driver_socket(keys: dict[str, Credentials], run_dir: str, transfer: TransferConfig):
@@ -296,22 +358,3 @@ def _unfinished(run: DeploymentRun, error: str) -> None:
 
 def _error(request_id: str, error: str, now: float) -> Result:
     return Result(request_id, "", [], now, None, [], "error", error)
-
-
-def _stop_all(run: DeploymentRun, sock, procs) -> None:
-    """Ask every live worker to stop (collecting its timeline), then make sure none is left running."""
-    live = [n for n, p in procs.items() if p.is_alive() and _send(sock, n, Stop())]
-    give_up = time.monotonic() + 10
-    while live and time.monotonic() < give_up:
-        sock.poll(50)
-        for name, msg in _recv(sock):
-            if isinstance(msg, Timeline):
-                run.timelines.append(msg)
-                live = [n for n in live if n != name]
-            elif isinstance(msg, Result) and msg.request_id not in run.results:
-                run.results[msg.request_id] = msg
-    for p in procs.values():
-        p.join(timeout=10 if p.is_alive() else 0)
-        if p.is_alive():
-            p.kill()
-            p.join(timeout=5)

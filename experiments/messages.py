@@ -1,8 +1,9 @@
 """What crosses between the driver and its workers: typed messages (transfer.wire), one decoder per side.
 
-Worker -> driver: Listening (the control addresses a decode worker bound), Ready, Result, Timeline,
-Failed. Driver -> worker: Connect (where a prefill worker finds its decode peers), Submit, PeerDead,
-Stop. The simulator builds Results too; it imports these, not process code.
+Worker -> driver: Listening (the control addresses a decode worker bound), Ready, Progress (the tokens
+and text each step added to streamed requests), Load, Result, Timeline, Failed. Driver -> worker: Connect
+(where a prefill worker finds its decode peers), Submit, Cancel, PeerDead, Stop. The simulator builds
+Results too; it imports these, not process code.
 """
 
 from __future__ import annotations
@@ -25,12 +26,33 @@ class Ready(Message):
 
 
 class Submit(Message):
+    """A request and its sampling parameters (the engine's SamplingParams checks them on arrival)."""
+
     request_id: str
     prompt_ids: list[int]
     max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = []
+    ignore_eos: bool = True  # the main job's workloads fix output lengths
+    stream: bool = False  # send Progress as tokens come
 
     def __post_init__(self):
         check_request(self.request_id, self.prompt_ids)
+
+
+class Cancel(Message):
+    """End a request now (its client went away); its Result still comes, finish_reason abort."""
+
+    request_id: str
+
+
+class Progress(Message):
+    """What one step added to the worker's streamed requests: (request, new token ids, new text)."""
+
+    items: list[tuple[str, list[int], str]]
 
 
 class PeerDead(Message):
@@ -39,6 +61,15 @@ class PeerDead(Message):
 
 class Stop(Message):
     pass
+
+
+class Load(Message):
+    """A worker's state, about twice a second (the server's /metrics)."""
+
+    name: str
+    free_pages: int
+    running: int  # sequences its scheduler runs
+    waiting: int  # sequences queued: its scheduler's, waiting for pages, or for their KV to land
 
 
 class Result(Message):
@@ -54,6 +85,7 @@ class Result(Message):
     prefill_worker: str | None = None
     transfer_bytes: int = 0
     transfer_s: float | None = None  # PrefillRequest sent -> every write landed
+    text: str = ""  # the output detokenized (stop strings cut off)
 
 
 class Timeline(Message):
@@ -69,9 +101,9 @@ class Failed(Message):
 
 def driver_codec() -> Codec:
     """What the driver decodes (from its workers)."""
-    return Codec(Listening, Ready, Result, Timeline, Failed)
+    return Codec(Listening, Ready, Progress, Load, Result, Timeline, Failed)
 
 
 def worker_codec() -> Codec:
     """What a worker decodes (from the driver)."""
-    return Codec(Connect, Submit, PeerDead, Stop)
+    return Codec(Connect, Submit, Cancel, PeerDead, Stop)

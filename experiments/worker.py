@@ -4,9 +4,10 @@ Each worker talks to the driver over a pyzmq DEALER socket (its name as identity
 proof: transfer.auth), in the typed messages of experiments.messages. It says Listening once its engine
 is up (a decode worker with the control addresses it bound, one authenticated PAIR socket per prefill
 worker), then Ready once every messenger peer is connected (a prefill worker connects to the addresses
-the driver forwards in Connect and announces itself with a Hello). It takes Submit and PeerDead,
-answers each request with a Result (a bad request too: with its error), and sends its per-step
-timeline on Stop. A worker exits when told to, or when its parent (the driver) is gone.
+the driver forwards in Connect and announces itself with a Hello). It takes Submit, Cancel and
+PeerDead, sends Progress after each step for requests submitted with stream=True, answers each request
+with a Result (a bad or cancelled request too), and sends its per-step timeline on Stop. A worker exits
+when told to, or when its parent (the driver) is gone.
 """
 
 from __future__ import annotations
@@ -20,10 +21,13 @@ from dataclasses import dataclass
 
 from experiments.config import DeploymentConfig, KernelsConfig, ModelSpec
 from experiments.messages import (
+    Cancel,
     Connect,
     Failed,
     Listening,
+    Load,
     PeerDead,
+    Progress,
     Ready,
     Result,
     Stop,
@@ -36,6 +40,7 @@ from transfer.config import TransferConfig
 from transfer.wire import MAX_MESSAGE_BYTES, WireError
 
 log = logging.getLogger(__name__)
+LOAD_EVERY_S = 0.5
 HELLO_TIMEOUT_S = 300.0  # a decode worker waits this long for each prefill worker's Hello
 
 
@@ -115,6 +120,9 @@ class Worker:
         )
         self.timeline = Timeline(spec.name, spec.role)
         self.live: dict[str, float] = {}  # request -> when it was received
+        self.streamed: dict[str, list[int]] = {}  # streamed request -> [tokens sent, characters sent]
+        self.holdback: dict[str, int] = {}  # characters a stop string could still claim
+        self.load_at = 0.0  # when the last Load went
         self.backlog: deque = deque()  # decode: (Submit, SamplingParams) waiting for free pages
         self.pm = self.dm = None
         if spec.role != "colocated":
@@ -211,9 +219,23 @@ class Worker:
                 self.dm.poll()
             if self.llm.has_unfinished():
                 self._step()
+                if self.streamed:
+                    self._progress()
             elif self.pm is not None:
                 time.sleep(0.0005)
             self._report()
+            if time.monotonic() - self.load_at > LOAD_EVERY_S:
+                self.load_at = time.monotonic()
+                sched = self.llm.scheduler
+                pending = len(self.backlog) + (len(self.dm.pending) if self.dm is not None else 0)
+                self._send(
+                    Load(
+                        self.spec.name,
+                        self.llm.allocator.num_free,
+                        len(sched.running),
+                        len(sched.waiting) + pending,
+                    )
+                )
 
     def _handle(self, msg) -> None:
         from engine import SamplingParams
@@ -221,11 +243,21 @@ class Worker:
         if isinstance(msg, PeerDead) and self.dm is not None:
             log.warning("%s: prefill worker %s died; its requests end", self.spec.name, msg.name)
             self.dm.peer_dead(msg.name)
+        elif isinstance(msg, Cancel):
+            self._cancel(msg.request_id)
         elif isinstance(msg, Submit):
             received = time.perf_counter()
             d = self.spec.deployment
             try:  # a bad request fails alone, with its error
-                params = SamplingParams(max_tokens=msg.max_tokens, ignore_eos=True)
+                params = SamplingParams(
+                    max_tokens=msg.max_tokens,
+                    temperature=msg.temperature,
+                    top_p=msg.top_p,
+                    top_k=msg.top_k,
+                    seed=msg.seed,
+                    stop=tuple(msg.stop),
+                    ignore_eos=msg.ignore_eos,
+                )
                 if msg.request_id in self.live:
                     raise ValueError(f"request_id {msg.request_id!r} is already in flight here")
                 if self.dm is None or len(msg.prompt_ids) <= d.local_prefill_max_tokens:
@@ -237,6 +269,24 @@ class Worker:
                 self._refuse(msg.request_id, received, e)
                 return
             self.live[msg.request_id] = received
+            if msg.stream:
+                self.streamed[msg.request_id] = [0, 0]
+                self.holdback[msg.request_id] = max((len(s) - 1 for s in msg.stop), default=0)
+
+    def _cancel(self, request_id: str) -> None:
+        """The client went away: end the request wherever it is; its Result follows (abort)."""
+        if request_id not in self.live:
+            return
+        waiting = [item for item in self.backlog if item[0].request_id == request_id]
+        if waiting:  # not yet sent to a prefill worker: nothing to undo
+            self.backlog.remove(waiting[0])
+            self.streamed.pop(request_id, None)
+            received = self.live.pop(request_id)
+            self._send(Result(request_id, self.spec.name, [], received, None, [], "abort", None))
+        elif self.dm is not None and request_id in self.dm.pending:
+            self.dm.abort(request_id, "aborted: the client went away")  # its pages free once safe
+        else:
+            self.llm.abort(request_id)
 
     def _refuse(self, request_id: str, received: float, error: Exception) -> None:
         """A request this worker cannot take ends alone, its error in its Result."""
@@ -265,6 +315,20 @@ class Worker:
             decode = sum(1 for c in batch.chunks if c.num_tokens == 1 and c.samples)
             self.timeline.steps.append((start, end, batch.num_tokens - decode, decode))
 
+    def _progress(self) -> None:
+        """Progress for every streamed request that gained tokens this step (text held back by as many
+        characters as a stop string could still claim)."""
+        items = []
+        for rid, sent in self.streamed.items():
+            seq = self.llm.seqs.get(rid)
+            if seq is None or len(seq.output_ids) == sent[0] or seq.finished:
+                continue  # a finished request's last tokens go in its Result
+            upto = max(sent[1], len(seq.text) - self.holdback[rid])
+            items.append((rid, list(seq.output_ids[sent[0] :]), seq.text[sent[1] : upto]))
+            sent[0], sent[1] = len(seq.output_ids), upto
+        if items:
+            self._send(Progress(items))
+
     def _report(self) -> None:
         """Send a Result for every request of this worker's that has finished (decode/colocated)."""
         for rid in [r for r in self.live if self.llm.seqs.get(r) is not None and self.llm.seqs[r].finished]:
@@ -278,7 +342,9 @@ class Worker:
                 list(seq.token_times),
                 seq.finish_reason,
                 seq.error,
+                text=seq.text,
             )
+            self.streamed.pop(rid, None)
             timing = self.dm.timings.get(rid) if self.dm is not None else None
             if timing is not None:
                 result.prefill, result.transfer_bytes = "remote", timing.nbytes

@@ -1,0 +1,235 @@
+"""python -m experiments.serve, driven by the official openai client: colocated and 1P1D on tiny-random."""
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+openai = pytest.importorskip("openai")
+
+from engine import LLM, SamplingParams  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+KEY = "test-key-123"
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,"]
+
+
+def _start(tmp: Path, *overrides: str) -> tuple[subprocess.Popen, str]:
+    args = [sys.executable, "-m", "experiments.serve", "model=tiny-random", "server.port=0", "plots=false"]
+    args += [*overrides, f"hydra.run.dir={tmp}"]
+    proc = subprocess.Popen(
+        args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, text=True
+    )
+    give_up = time.monotonic() + 120
+    while not (tmp / "server.json").exists():
+        if proc.poll() is not None or time.monotonic() > give_up:
+            proc.kill()
+            raise RuntimeError(f"the server did not start:\n{proc.stdout.read()}")
+        time.sleep(0.2)
+    return proc, json.loads((tmp / "server.json").read_text())["url"]
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM; then nothing of its process group may be left (workers, TP ranks)."""
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=60)
+    give_up = time.monotonic() + 15
+    while time.monotonic() < give_up:
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    raise AssertionError("processes of the server's group were still running 15 s after it exited")
+
+
+@pytest.fixture(scope="module", params=["colocated", "1p1d"])
+def server(request, tmp_path_factory):
+    """A server per deployment; the colocated one requires an API key."""
+    overrides = [f"deployment={request.param}"]
+    if request.param == "colocated":
+        overrides.append(f"server.api_key={KEY}")
+    proc, url = _start(tmp_path_factory.mktemp(request.param), *overrides)
+    yield request.param, url
+    _stop(proc)
+
+
+def _client(server, **kw):
+    kind, url = server
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=KEY if kind == "colocated" else "none", **kw)
+
+
+def _async_client(server):
+    kind, url = server
+    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=KEY if kind == "colocated" else "none")
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return LLM("tiny-random", page_size=4, num_pages=256)
+
+
+def test_completions_streamed_and_not_equal_llm_generate(server, reference):
+    client = _client(server)
+    for prompt in PROMPTS:
+        want = reference.generate([prompt], SamplingParams(max_tokens=12))[0]
+        got = client.completions.create(model="tiny-random", prompt=prompt, max_tokens=12, temperature=0)
+        assert got.choices[0].text == want.text and got.choices[0].finish_reason == "length"
+        assert got.usage.completion_tokens == 12 and got.usage.prompt_tokens == len(want.prompt_token_ids)
+        chunks = list(
+            client.completions.create(
+                model="tiny-random",
+                prompt=prompt,
+                max_tokens=12,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
+        assert chunks[-1].usage.completion_tokens == 12 and len(chunks) > 3  # tokens came one by one
+
+
+def test_chat_streamed_and_not_equal_llm_chat(server, reference):
+    client = _client(server)
+    messages = [{"role": "user", "content": "Write a haiku about GPUs."}]
+    want = reference.chat(messages, SamplingParams(max_tokens=10))[0]
+    got = client.chat.completions.create(model="tiny-random", messages=messages, max_tokens=10, temperature=0)
+    assert got.choices[0].message.content == want.text and got.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(
+        model="tiny-random", messages=messages, max_completion_tokens=10, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == want.text
+
+
+def test_stop_strings_and_seeded_sampling(server, reference):
+    client = _client(server)
+    full = client.completions.create(model="tiny-random", prompt=PROMPTS[0], max_tokens=12, temperature=0)
+    text = full.choices[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    for stream in (False, True):
+        kw = dict(model="tiny-random", prompt=PROMPTS[0], max_tokens=12, temperature=0, stop=[stop])
+        out = client.completions.create(**kw, stream=stream)
+        cut = "".join(c.choices[0].text for c in out) if stream else out.choices[0].text
+        assert cut == text[: text.index(stop)] and stop not in cut
+    seeded = [
+        client.completions.create(model="tiny-random", prompt="Once", max_tokens=8, temperature=1.0, seed=7)
+        .choices[0]
+        .text
+        for _ in range(2)
+    ]
+    assert seeded[0] == seeded[1]
+
+
+def test_fifty_concurrent_streams_complete(server):
+    async def one(client, i):
+        stream = await client.completions.create(
+            model="tiny-random", prompt=f"Request {i}:", max_tokens=16, temperature=0, stream=True
+        )
+        pieces = [c async for c in stream]
+        return pieces[-1].choices[0].finish_reason
+
+    async def all_of_them():
+        client = _async_client(server)
+        return await asyncio.gather(*(one(client, i) for i in range(50)))
+
+    assert asyncio.run(all_of_them()) == ["length"] * 50
+
+
+def _metrics(url: str) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
+
+
+def test_a_client_that_disconnects_frees_every_page(server):
+    kind, url = server
+    client = _client(server)
+    stream = client.completions.create(
+        model="tiny-random",
+        prompt="A long story:",
+        max_tokens=1000,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()  # mid-stream: the server cancels the request
+    give_up = time.monotonic() + 20
+    while time.monotonic() < give_up:
+        free = {k[1][0][1]: v for k, v in _metrics(url).items() if k[0] == "pdk_kv_free_pages"}
+        if free and all(v == 256 for v in free.values()) and len(free) == 2:
+            break
+        time.sleep(0.3)
+    assert free == {w: 256 for w in free} and len(free) == 2, free  # both workers: every page back
+    ended = {k[1][0][1]: v for k, v in _metrics(url).items() if k[0] == "pdk_requests_total"}
+    assert ended.get("abort", 0) + ended.get("error", 0) >= 1 and "length" in ended
+
+
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):
+    client = _client(server)
+    ok = dict(model="tiny-random", prompt="Hi", max_tokens=4, temperature=0)
+    bad = [
+        (dict(ok, n=2), "n"),
+        (dict(ok, logprobs=1), "logprobs"),
+        (dict(ok, max_tokens=0), "max_tokens"),
+        (dict(ok, max_tokens=1100), "max_tokens"),  # past the context: 255 pages of 4 tokens
+        (dict(ok, model="gpt-4"), "model"),
+        (dict(ok, temperature=-1), "temperature"),
+        (dict(ok, top_p=0), "top_p"),
+        (dict(ok, extra_body={"best_of": 3}), "best_of"),
+        (dict(ok, extra_body={"max_tokens": "many"}), "max_tokens"),
+    ]
+    for kwargs, param in bad:
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(**kwargs)
+        assert err.value.status_code == 400
+        body = err.value.body
+        assert body["param"] == param and body["type"] == "invalid_request_error" and body["message"], body
+        assert client.completions.create(**ok).choices[0].finish_reason == "length"  # still serving
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(
+            model="tiny-random",
+            messages=[{"role": "user", "content": "hi"}],
+            tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+        )
+    assert err.value.body["param"] == "tools"
+
+
+def test_api_key_is_enforced_when_set(server):
+    kind, url = server
+    if kind != "colocated":
+        pytest.skip("the 1P1D server runs without a key")
+    for key in ("wrong", ""):
+        with pytest.raises(openai.AuthenticationError) as err:
+            openai.OpenAI(base_url=f"{url}/v1", api_key=key or "x", max_retries=0).models.list()
+        assert err.value.status_code == 401 and err.value.body["code"] == "invalid_api_key"
+    assert [m.id for m in _client(server).models.list()] == ["tiny-random"]
+    assert urllib.request.urlopen(f"{url}/health", timeout=10).status == 200
+
+
+def test_metrics_parse_and_count(server):
+    kind, url = server
+    m = _metrics(url)
+    assert m[("pdk_time_to_first_token_seconds_count", ())] > 0
+    assert m[("pdk_requests_in_flight", ())] == 0
+    workers = {k[1][0][1] for k in m if k[0] == "pdk_requests_running"}
+    assert workers == ({"colocated-0", "colocated-1"} if kind == "colocated" else {"prefill-0", "decode-0"})
+    remote = m.get(("pdk_prefills_total", (("where", "remote"),)), 0)
+    assert (remote > 0) == (kind == "1p1d")
+    assert (m[("pdk_kv_transfer_bytes_total", ())] > 0) == (kind == "1p1d")
