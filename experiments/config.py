@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from transfer.config import TransferConfig
 
 ARRIVALS = ("poisson", "concurrency")
+DEPLOYMENT_KINDS = ("colocated", "disaggregated", "endpoint")
 LENGTH_KINDS = ("fixed", "uniform", "lognormal")
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -76,7 +77,7 @@ class KernelsConfig:
 @dataclass(frozen=True)
 class DeploymentConfig:
     name: str
-    kind: str = "colocated"  # colocated | disaggregated
+    kind: str = "colocated"  # colocated | disaggregated | endpoint (an OpenAI-compatible server's URL)
     num_workers: int = 1  # colocated engines
     num_prefill: int = 0
     num_decode: int = 0
@@ -86,10 +87,17 @@ class DeploymentConfig:
     threads_per_worker: int = 1  # torch threads per process (each TP rank gets one)
     chunk_size: int = 512  # prefill tokens per forward pass (chunked prefill budget)
     local_prefill_max_tokens: int = 0  # prompts at most this long are prefilled on the decode worker
+    url: str | None = None  # endpoint: the server's base URL (.../v1), ours or vLLM's or any
+    api_key: str | None = None  # endpoint: its key, if it wants one
+    model: str | None = None  # endpoint: the model id it serves (default: model.name)
 
     def __post_init__(self):
-        if self.kind not in ("colocated", "disaggregated"):
-            _fail(f"deployment.{self.name}.kind", self.kind, "one of ('colocated', 'disaggregated')")
+        if self.kind not in DEPLOYMENT_KINDS:
+            _fail(f"deployment.{self.name}.kind", self.kind, f"one of {DEPLOYMENT_KINDS}")
+        if self.kind == "endpoint":
+            if not isinstance(self.url, str) or not self.url.startswith(("http://", "https://")):
+                _fail(f"deployment.{self.name}.url", self.url, "an http:// or https:// base URL (.../v1)")
+            return
         counts = ("num_workers",) if self.kind == "colocated" else ("num_prefill", "num_decode")
         for key in counts + ("tp", "prefill_tp", "decode_tp", "threads_per_worker", "chunk_size"):
             _positive(f"deployment.{key}", getattr(self, key), integer=True)
@@ -99,6 +107,8 @@ class DeploymentConfig:
     @property
     def processes(self) -> int:
         """Worker processes including TP ranks (what the cores are shared by)."""
+        if self.kind == "endpoint":
+            return 0  # nothing runs here
         if self.kind == "colocated":
             return self.num_workers * self.tp
         return self.num_prefill * self.prefill_tp + self.num_decode * self.decode_tp
@@ -269,6 +279,8 @@ def check_fits_model(config: RunConfig):
     except (ValueError, FileNotFoundError) as e:
         raise ValueError(f"model.name={config.model.name!r}: {e}") from e
     for d in config.deployments:
+        if d.kind == "endpoint":
+            continue  # its server checks its own
         keys = ("tp",) if d.kind == "colocated" else ("prefill_tp", "decode_tp")
         for key in keys:
             try:

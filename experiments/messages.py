@@ -86,6 +86,7 @@ class Result(Message):
     transfer_bytes: int = 0
     transfer_s: float | None = None  # PrefillRequest sent -> every write landed
     text: str = ""  # the output detokenized (stop strings cut off)
+    output_tokens: int | None = None  # how many, where the ids are not known (an endpoint's usage)
 
 
 class Timeline(Message):

@@ -49,15 +49,17 @@ def request_rows(run: DeploymentRun, slo: SloConfig) -> list[dict]:
         res, sent = run.results.get(req.request_id), run.sent.get(req.request_id)
         ok = res is not None and res.error is None and res.token_times and sent is not None
         times = res.token_times if ok else []
+        n_out = (res.output_tokens if res.output_tokens is not None else len(res.output_ids)) if res else 0
         ttft = times[0] - sent if ok else None
-        tpot = (times[-1] - times[0]) / (len(times) - 1) if ok and len(times) > 1 else (0.0 if ok else None)
+        # TPOT leaves out one-token requests (as vLLM does): they have no time per output token
+        tpot = (times[-1] - times[0]) / (n_out - 1) if ok and n_out > 1 else None
         row = {
             "request_id": req.request_id,
             "worker": res.worker if res else None,
             "prefill": res.prefill if res else None,
             "prefill_worker": res.prefill_worker if res else None,
             "prompt_tokens": len(req.prompt_ids),
-            "output_tokens": len(res.output_ids) if res else 0,
+            "output_tokens": n_out,
             "arrival_s": (sent - run.start) if sent is not None else None,
             "queue_s": (res.scheduled - sent) if ok and res.scheduled is not None else None,
             "ttft_s": ttft,
@@ -70,9 +72,49 @@ def request_rows(run: DeploymentRun, slo: SloConfig) -> list[dict]:
             "finish_reason": res.finish_reason if res else "error",
             "error": (res.error if res else "no result") if not ok else None,
         }
-        row["meets_slo"] = bool(ok and ttft <= slo.ttft_s and tpot <= slo.tpot_s)
+        row["meets_slo"] = bool(ok and ttft <= slo.ttft_s and (tpot is None or tpot <= slo.tpot_s))
         rows.append(row)
     return rows
+
+
+def vllm_bench(record: dict, config: RunConfig, model_id: str) -> dict:
+    """One run in the fields of vLLM's `bench serve` result JSON (times in ms). request_goodput counts the
+    requests per second that meet every SLO (vLLM's --goodput), not DistServe's highest rate meeting the
+    attainment target, which results.json keeps as goodput_rps."""
+    import datetime
+
+    rows, s = record["requests"], record["summary"]
+    done = [r for r in rows if r["error"] is None]
+    duration = s["duration_s"]
+    out = {
+        "date": datetime.datetime.now().strftime("%Y%m%d-%H%M%S"),
+        "backend": "openai" if record.get("endpoint") else "pdkernels",
+        "model_id": model_id,
+        "deployment": record["deployment"],
+        "num_prompts": len(rows),
+        "request_rate": record["rate"] if record["rate"] is not None else "inf",
+        "max_concurrency": record["concurrency"],
+        "duration": duration,
+        "completed": len(done),
+        "total_input_tokens": sum(r["prompt_tokens"] for r in done),
+        "total_output_tokens": sum(r["output_tokens"] for r in done),
+        "request_throughput": len(done) / duration,
+        "output_throughput": sum(r["output_tokens"] for r in done) / duration,
+        "total_token_throughput": sum(r["prompt_tokens"] + r["output_tokens"] for r in done) / duration,
+        "request_goodput": sum(r["meets_slo"] for r in rows) / duration,
+    }
+    series = {
+        "ttft_ms": [r["ttft_s"] for r in done],
+        "tpot_ms": [r["tpot_s"] for r in done if r["tpot_s"] is not None],
+        "itl_ms": [x for r in done for x in r["itl_s"]],
+        "e2el_ms": [r["e2e_s"] for r in done],
+    }
+    for name, values in series.items():
+        ms = np.asarray(values, dtype=float) * 1e3
+        for stat, fn in (("mean", np.mean), ("median", np.median), ("std", np.std)):
+            out[f"{stat}_{name}"] = float(fn(ms)) if ms.size else None
+        out[f"p99_{name}"] = float(np.percentile(ms, 99)) if ms.size else None
+    return out
 
 
 def percentiles(values: list[float]) -> dict:
@@ -119,8 +161,14 @@ def summarize(run: DeploymentRun, rows: list[dict], slo: SloConfig, rate: float 
 def run_record(run: DeploymentRun, config: RunConfig, rate: float | None) -> dict:
     rows = request_rows(run, config.slo)
     w = config.workload
+    d = run.deployment
     return {
-        "deployment": run.deployment.name,
+        "deployment": d.name,
+        **(
+            {"endpoint": {"url": d.url, "model": d.model or config.model.name}}
+            if d.kind == "endpoint"
+            else {}
+        ),
         "rate": rate,
         "concurrency": w.concurrency if w.arrival == "concurrency" else None,
         "summary": summarize(run, rows, config.slo, rate),
@@ -152,6 +200,8 @@ def write_results(out_dir: Path, config: RunConfig, records: list[dict]) -> Path
         writer.writeheader()
         writer.writerows(rec["requests"])
         _atomic(out_dir / f"requests-{name}.csv", text.getvalue())
+        bench = vllm_bench(rec, config, rec.get("endpoint", {}).get("model", config.model.name))
+        _atomic(out_dir / f"bench-{name}.json", json.dumps(bench, indent=1))  # vLLM's bench serve fields
     return path
 
 

@@ -24,6 +24,7 @@ from experiments.config import check_fits_model, from_cfg, run_job
 def run(cfg: DictConfig, out_dir: Path, progress: bool = True, hooks=None) -> list[dict]:
     from experiments import metrics
     from experiments.driver import run_deployment
+    from experiments.load import run_endpoint
     from experiments.workload import make_requests
 
     config = from_cfg(cfg)
@@ -47,9 +48,13 @@ def run(cfg: DictConfig, out_dir: Path, progress: bool = True, hooks=None) -> li
             requests = make_requests(workload, tokenizer, vocab, max_position)
             run_config = replace(config, workload=workload)
             for d in config.deployments:
-                result = run_deployment(
-                    run_config, d, requests, progress=progress, hooks=hooks, log_dir=out_dir / "logs" / d.name
-                )
+                if d.kind == "endpoint":  # a running server, by URL: the load client measures it
+                    result = run_endpoint(run_config, d, requests, progress=progress)
+                else:
+                    log_dir = out_dir / "logs" / d.name
+                    result = run_deployment(
+                        run_config, d, requests, progress=progress, hooks=hooks, log_dir=log_dir
+                    )
                 records.append(metrics.run_record(result, run_config, rate))
                 metrics.write_results(out_dir, config, records)  # an interrupted run keeps what it measured
                 if interrupted := result.interrupted:

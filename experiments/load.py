@@ -1,0 +1,93 @@
+"""The load client for any OpenAI-compatible server: a deployment of `kind: endpoint` in the main job.
+
+    python -m experiments.run 'deployments=[{name: vllm, kind: endpoint, url: "http://127.0.0.1:8001/v1",
+        model: HuggingFaceTB/SmolLM2-135M-Instruct}]'
+
+Each request of the workload goes out on the workload's schedule (Poisson arrivals or a fixed number in
+flight) as a streamed completion of its prompt token ids, with `max_tokens`, greedy sampling and
+`ignore_eos` (vLLM's extra, so every server produces the asked-for length), through the official
+`openai` client. The first text chunk's arrival is the first token, each later chunk an inter-token
+gap; the usage chunk gives the output token count. The results are the same Result records the
+in-process driver collects, so an external server's row sits beside ours in one run folder, measured by
+the same client code path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from experiments.config import DeploymentConfig, RunConfig
+from experiments.driver import DeploymentRun
+from experiments.messages import Result
+from experiments.workload import Request
+
+
+def run_endpoint(config: RunConfig, d: DeploymentConfig, requests: list[Request], progress: bool = True):
+    run = DeploymentRun(d, requests)
+    try:
+        asyncio.run(_drive(run, config, d, progress))
+    except KeyboardInterrupt:
+        run.interrupted = True
+    for r in requests:  # never sent (interrupted, timed out)
+        run.results.setdefault(r.request_id, _failed(r.request_id, "not finished", 0.0))
+    return run
+
+
+def _failed(request_id: str, error: str, received: float) -> Result:
+    return Result(request_id, "endpoint", [], received, None, [], "error", error)
+
+
+async def _drive(run: DeploymentRun, config: RunConfig, d: DeploymentConfig, progress: bool) -> None:
+    import openai
+    from tqdm import tqdm
+
+    client = openai.AsyncOpenAI(base_url=d.url, api_key=d.api_key or "none", max_retries=0, timeout=None)
+    model = d.model or config.model.name
+    w = config.workload
+    bar = tqdm(total=len(run.requests), desc=d.name, disable=not progress, unit="req")
+    slots = asyncio.Semaphore(w.concurrency if w.arrival == "concurrency" else len(run.requests) or 1)
+
+    async def one(req: Request) -> None:
+        async with slots:
+            if w.arrival == "poisson":
+                await asyncio.sleep(max(0.0, run.start + req.arrival_s - time.perf_counter()))
+            sent = run.sent[req.request_id] = time.perf_counter()
+            times, text, n, reason = [], [], None, None
+            try:
+                stream = await client.completions.create(
+                    model=model,
+                    prompt=list(req.prompt_ids),
+                    max_tokens=req.max_tokens,
+                    temperature=0.0,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                    extra_body={"ignore_eos": True},
+                )
+                async for chunk in stream:
+                    now = time.perf_counter()
+                    if chunk.usage is not None:
+                        n = chunk.usage.completion_tokens
+                    for choice in chunk.choices:
+                        if choice.text:
+                            times.append(now)
+                            text.append(choice.text)
+                        reason = choice.finish_reason or reason
+                result = Result(
+                    req.request_id, d.name, [], sent, None, times, reason, None, text="".join(text)
+                )
+                result.output_tokens = n if n is not None else len(times)
+            except Exception as e:  # the server refused it or went away: this request fails alone
+                result = _failed(req.request_id, f"{type(e).__name__}: {e}", sent)
+            run.results[req.request_id] = result
+            bar.update()
+
+    run.start = time.perf_counter()
+    try:
+        await asyncio.wait_for(asyncio.gather(*(one(r) for r in run.requests)), config.run_timeout_s)
+    except TimeoutError:
+        pass
+    finally:
+        run.end = time.perf_counter()
+        bar.close()
+        await client.close()
