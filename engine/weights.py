@@ -65,9 +65,29 @@ def load_model(model: str) -> LoadedModel:
         return load_gguf(path, name=path.stem)
     if path.is_dir():
         return load_hf_dir(path)
+    if model.count("/") == 1 and not model.startswith((".", "/")):  # a hub id: from the local cache only
+        return load_hf_dir(cached_hub_model(model))
     raise ValueError(
-        f"model must be one of {KNOWN_MODELS}, a .gguf file or a Hugging Face directory; got {model!r}"
+        f"model must be one of {KNOWN_MODELS}, a .gguf file, a Hugging Face directory or a hub id in the "
+        f"local cache; got {model!r}"
     )
+
+
+def cached_hub_model(repo_id: str) -> Path:
+    """The local snapshot of a Hugging Face hub model (HF_HUB_CACHE). Nothing is downloaded here: model
+    files are fetched by a person (`huggingface-cli download <id>`), not by a serving process."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:  # HF_HUB_CACHE read now, not when huggingface_hub was imported
+        return Path(
+            snapshot_download(repo_id, local_files_only=True, cache_dir=os.environ.get("HF_HUB_CACHE"))
+        )
+    except (LocalEntryNotFoundError, FileNotFoundError, ValueError) as e:
+        raise FileNotFoundError(
+            f"{repo_id!r} is not in the local Hugging Face cache; fetch it first: "
+            f"huggingface-cli download {repo_id}"
+        ) from e
 
 
 def smollm2_gguf_path() -> Path:

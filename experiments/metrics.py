@@ -2,7 +2,8 @@
 
 results.json, schema "pdkernels.results/1" (stable: fields may be added, never renamed or removed):
 
-- "schema", "config" (the checked RunConfig), "runs": one entry per deployment (and rate) run.
+- "schema", "config" (the checked RunConfig), "environment" (git commit, package versions, CPU and GPU
+  models: `environment()`), "runs": one entry per deployment (and rate) run.
 - run: "deployment", "rate" (req/s, or null under fixed concurrency), "concurrency", "summary",
   "requests", "events" ([seconds since start, what happened]: a worker exiting), "timelines" (per
   worker: name, role, steps [start, end, prefill tokens, decode tokens]).
@@ -24,6 +25,7 @@ highest such rate).
 from __future__ import annotations
 
 import csv
+import functools
 import io
 import json
 import math
@@ -190,7 +192,8 @@ def write_results(out_dir: Path, config: RunConfig, records: list[dict]) -> Path
     called after every deployment, so an interrupted run keeps what it measured."""
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "results.json"
-    _atomic(path, json.dumps({"schema": SCHEMA, "config": config.to_dict(), "runs": records}, indent=1))
+    doc = {"schema": SCHEMA, "config": config.to_dict(), "environment": environment(), "runs": records}
+    _atomic(path, json.dumps(doc, indent=1))
     for rec in records:
         name = rec["deployment"] + (
             f"-rate{rec['rate']:g}" if rec["rate"] is not None and len(records) > 1 else ""
@@ -203,6 +206,50 @@ def write_results(out_dir: Path, config: RunConfig, records: list[dict]) -> Path
         bench = vllm_bench(rec, config, rec.get("endpoint", {}).get("model", config.model.name))
         _atomic(out_dir / f"bench-{name}.json", json.dumps(bench, indent=1))  # vLLM's bench serve fields
     return path
+
+
+@functools.lru_cache(maxsize=1)
+def environment() -> dict:
+    """What a run was measured with: the git commit (and whether the tree had changes), the versions of
+    the packages that shape the figures, the CPU and GPU models."""
+    import platform
+    import subprocess
+    from importlib import metadata
+
+    root = Path(__file__).resolve().parents[1]
+
+    def git(*args):
+        try:
+            return subprocess.run(
+                ["git", *args], cwd=root, capture_output=True, text=True, timeout=10
+            ).stdout.strip()
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+
+    versions = {}
+    for package in ("pdkernels", "torch", "triton", "nixl-cu12", "nixl-cu13", "transformers", "numpy"):
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            pass
+    cpu = platform.processor() or None
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    import torch
+
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    return {
+        "git_commit": git("rev-parse", "HEAD"),
+        "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+        "python": platform.python_version(),
+        "versions": versions,
+        "cpu": cpu,
+        "cpus": os.cpu_count(),
+        "gpu": gpu,
+    }
 
 
 def _atomic(path: Path, text: str) -> None:

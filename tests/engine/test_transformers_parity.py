@@ -92,6 +92,33 @@ def test_hf_directory_matches_transformers(tmp_path, arch):
         assert out.token_ids == _hf_greedy(model.eval(), out.prompt_token_ids, 10), out.prompt
 
 
+def test_a_hub_id_loads_from_the_local_cache_only(tmp_path, monkeypatch):
+    """model="org/name" finds the snapshot in HF_HUB_CACHE (laid out as huggingface_hub does); a hub id
+    that is not cached is a clear error, never a download."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    repo = tmp_path / "hub" / "models--pdk--tiny-llama"
+    snapshot = repo / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    config = transformers.LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    transformers.LlamaForCausalLM(config).save_pretrained(snapshot)
+    LLM("tiny-random").tokenizer.tokenizer.save(str(snapshot / "tokenizer.json"))
+    llm = LLM("pdk/tiny-llama", page_size=4, num_pages=32)
+    assert llm.config.model.num_layers == 2
+    with pytest.raises(FileNotFoundError, match="not in the local Hugging Face cache"):
+        LLM("pdk/not-downloaded")
+
+
 def test_hf_directory_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):
         LLM(str(tmp_path))

@@ -264,3 +264,5 @@ def test_the_load_client_measures_a_server_by_url_beside_an_in_process_run(serve
     assert bench["completed"] == 8 and bench["total_output_tokens"] == 48 and bench["max_concurrency"] == 4
     assert bench["median_ttft_ms"] > 0 and bench["p99_itl_ms"] > 0 and bench["model_id"] == "tiny-random"
     assert json.loads((tmp_path / "bench-inproc.json").read_text())["completed"] == 8
+    env = json.loads((tmp_path / "results.json").read_text())["environment"]
+    assert env["versions"]["torch"] and env["cpu"] and len(env["git_commit"] or "x" * 40) == 40
