@@ -13,7 +13,8 @@ from dataclasses import asdict, dataclass, field
 
 from transfer.config import TransferConfig
 
-ARRIVALS = ("poisson", "concurrency")
+ARRIVALS = ("poisson", "concurrency", "trace")
+DATASETS = ("random", "sharegpt", "mooncake")
 DEPLOYMENT_KINDS = ("colocated", "disaggregated", "endpoint")
 LENGTH_KINDS = ("fixed", "uniform", "lognormal")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -147,13 +148,21 @@ class WorkloadConfig:
     output_len: LengthDist = field(default_factory=lambda: LengthDist(value=32))
     prompts_file: str | None = None  # one prompt per line (text), replaces random prompt tokens
     seed: int = 0
+    dataset: str = "random"  # random | sharegpt (ShareGPT JSON) | mooncake (a Mooncake trace, JSONL)
+    dataset_path: str | None = None  # the sharegpt or mooncake file
 
     def __post_init__(self):
         if self.arrival not in ARRIVALS:
             _fail("workload.arrival", self.arrival, f"one of {ARRIVALS}")
+        if self.dataset not in DATASETS:
+            _fail("workload.dataset", self.dataset, f"one of {DATASETS}")
+        if self.dataset != "random" and (self.dataset_path is None or not os.path.isfile(self.dataset_path)):
+            _fail("workload.dataset_path", self.dataset_path, f"an existing {self.dataset} file")
+        if self.arrival == "trace" and self.dataset != "mooncake":
+            _fail("workload.arrival", self.arrival, "trace needs workload.dataset=mooncake (its timestamps)")
         if self.arrival == "poisson":
             _positive("workload.rate", self.rate)
-        else:
+        elif self.arrival == "concurrency":
             _positive("workload.concurrency", self.concurrency, integer=True)
         _positive("workload.num_requests", self.num_requests, integer=True)
         self.prompt_len.check("workload.prompt_len")

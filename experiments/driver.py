@@ -301,7 +301,7 @@ def _serve(run: DeploymentRun, config: RunConfig, sock, procs, roles, progress: 
             now = time.perf_counter()
             busy = sum(len(s) for s in in_flight.values())
             while queue and (
-                (w.arrival == "poisson" and run.start + queue[0].arrival_s <= now)
+                (w.arrival in ("poisson", "trace") and run.start + queue[0].arrival_s <= now)
                 or (w.arrival == "concurrency" and busy < w.concurrency)
             ):
                 req = queue.pop(0)

@@ -50,7 +50,7 @@ async def _drive(run: DeploymentRun, config: RunConfig, d: DeploymentConfig, pro
 
     async def one(req: Request) -> None:
         async with slots:
-            if w.arrival == "poisson":
+            if w.arrival in ("poisson", "trace"):  # on the schedule
                 await asyncio.sleep(max(0.0, run.start + req.arrival_s - time.perf_counter()))
             sent = run.sent[req.request_id] = time.perf_counter()
             times, text, n, reason = [], [], None, None

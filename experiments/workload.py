@@ -1,7 +1,16 @@
-"""Requests of a workload: when each arrives, its prompt tokens and how many tokens it generates."""
+"""Requests of a workload: when each arrives, its prompt tokens and how many tokens it generates.
+
+Datasets: `random` (random token ids, as vLLM's and SGLang's random datasets, or the lines of a
+prompts_file), `sharegpt` (a ShareGPT JSON file: each conversation's first turn is the prompt, the
+token count of the reply is the output length, as vLLM's benchmark samples it) and `mooncake` (a
+Mooncake trace, JSON lines of timestamp in ms, input_length, output_length and hash_ids: the prompt is
+built block by block, 512 tokens per hash id, so requests that share hash ids share a prefix;
+`arrival: trace` replays its timestamps). The simulator draws the same lengths and arrivals.
+"""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,9 +37,28 @@ def sample_lengths(dist: LengthDist, n: int, rng: np.random.Generator, cap: int)
     return [int(x) for x in np.clip(out, 1, cap)]
 
 
-def draw(workload: WorkloadConfig, max_position: int) -> tuple[np.ndarray, list[int], list[int]]:
-    """Arrival offsets, prompt lengths and output lengths (the simulator's workload; random prompts):
-    the same as make_requests gives for the config."""
+def dataset(workload: WorkloadConfig, tokenizer, vocab_size: int, max_position: int):
+    """(prompt ids, output lengths, arrival offsets) of a sharegpt or mooncake workload."""
+    stamps = None
+    if workload.dataset == "sharegpt":
+        prompts, outputs = _sharegpt(workload, tokenizer, max_position)
+    else:
+        prompts, outputs, stamps = _mooncake(workload, vocab_size, max_position)
+    return prompts, outputs, stamps if workload.arrival == "trace" else _arrivals(workload)
+
+
+def draw(
+    workload: WorkloadConfig, max_position: int, tokenizer=None
+) -> tuple[np.ndarray, list[int], list[int]]:
+    """Arrival offsets, prompt lengths and output lengths (the simulator's workload): the same as
+    make_requests gives for the config. A sharegpt workload needs the tokenizer that counts its tokens."""
+    if workload.dataset != "random":
+        if workload.dataset == "sharegpt" and tokenizer is None:
+            from engine.weights import load_model
+
+            tokenizer = load_model("tiny-random").tokenizer  # SmolLM2's
+        prompts, outputs, arrivals = dataset(workload, tokenizer, 1 << 20, max_position)
+        return np.asarray(arrivals), [len(p) for p in prompts], outputs
     rng = np.random.default_rng(workload.seed)
     n = workload.num_requests
     outputs = sample_lengths(workload.output_len, n, rng, cap=max_position // 2)
@@ -50,8 +78,79 @@ def _arrivals(workload: WorkloadConfig) -> np.ndarray:
     return arrivals - arrivals[0]  # the first request arrives at once
 
 
+MOONCAKE_BLOCK = 512  # tokens per hash id in Mooncake's traces
+
+
+def _sharegpt(workload: WorkloadConfig, tokenizer, max_position: int) -> tuple[list[list[int]], list[int]]:
+    """(prompt ids, output lengths) of num_requests conversations, shuffled by the seed; each usable
+    conversation (prompt and reply of at least 4 tokens, prompt at most 1024, both within the context)
+    is used once before any repeats."""
+    with open(workload.dataset_path) as f:
+        data = json.load(f)
+    usable = []
+    for conv in data if isinstance(data, list) else []:
+        turns = conv.get("conversations") if isinstance(conv, dict) else None
+        if not isinstance(turns, list) or len(turns) < 2:
+            continue
+        prompt, reply = (t.get("value") if isinstance(t, dict) else None for t in turns[:2])
+        if not isinstance(prompt, str) or not isinstance(reply, str):
+            continue
+        ids, out = tokenizer.encode(prompt), len(tokenizer.encode(reply))
+        if 4 <= len(ids) <= 1024 and out >= 4 and len(ids) + out < max_position:
+            usable.append((ids, out))
+    if not usable:
+        raise ValueError(
+            f"workload.dataset_path={workload.dataset_path!r} holds no usable ShareGPT conversation"
+        )
+    order = np.random.default_rng(workload.seed).permutation(len(usable))
+    picked = [usable[order[i % len(usable)]] for i in range(workload.num_requests)]
+    return [p for p, _ in picked], [o for _, o in picked]
+
+
+def _mooncake(workload: WorkloadConfig, vocab_size: int, max_position: int):
+    """(prompt ids, output lengths, arrival offsets in s) of the trace's first num_requests lines."""
+    rows = []
+    with open(workload.dataset_path) as f:
+        for line in f:
+            if line.strip():
+                rows.append(json.loads(line))
+            if len(rows) == workload.num_requests:
+                break
+    if len(rows) < workload.num_requests:
+        raise ValueError(
+            f"workload.dataset_path={workload.dataset_path!r} holds {len(rows)} requests; "
+            f"workload.num_requests={workload.num_requests}"
+        )
+    prompts, outputs = [], []
+    for row in rows:
+        out = max(1, min(int(row["output_length"]), max_position // 2))
+        length = max(1, min(int(row["input_length"]), max_position - out - 1))
+        ids: list[int] = []
+        for h in row.get("hash_ids") or []:  # the same hash id, the same block of tokens
+            ids += (
+                np.random.default_rng([workload.seed, int(h)])
+                .integers(3, vocab_size, MOONCAKE_BLOCK)
+                .tolist()
+            )
+            if len(ids) >= length:
+                break
+        if len(ids) < length:
+            ids += (
+                np.random.default_rng([workload.seed, len(prompts), 2])
+                .integers(3, vocab_size, length)
+                .tolist()
+            )
+        prompts.append(ids[:length])
+        outputs.append(out)
+    stamps = np.asarray([float(r["timestamp"]) for r in rows]) / 1e3
+    return prompts, outputs, stamps - stamps[0]
+
+
 def make_requests(workload: WorkloadConfig, tokenizer, vocab_size: int, max_position: int) -> list[Request]:
     """Seeded: the same config gives the same requests in every deployment."""
+    if workload.dataset != "random":
+        prompts, outputs, arrivals = dataset(workload, tokenizer, vocab_size, max_position)
+        return [Request(f"req-{i}", float(arrivals[i]), prompts[i], outputs[i]) for i in range(len(prompts))]
     rng = np.random.default_rng(workload.seed)
     n = workload.num_requests
     outputs = sample_lengths(workload.output_len, n, rng, cap=max_position // 2)

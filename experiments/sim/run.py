@@ -95,8 +95,11 @@ def run_sim(cfg: DictConfig, out_dir: Path) -> list[dict]:
             f"first_token_on={c.get('first_token_on')!r} is not allowed: one of ('prefill', 'decode')"
         )
     deployments, workload, slo = deployments_of(c), workload_of(c), slo_of(c)
-    if workload.arrival != "poisson" or workload.prompts_file:
-        raise ValueError("the simulator needs workload.arrival=poisson and random prompts (no prompts_file)")
+    if workload.arrival not in ("poisson", "trace") or workload.prompts_file:
+        raise ValueError(
+            "the simulator needs workload.arrival=poisson (or trace: a mooncake dataset's timestamps) "
+            "and no prompts_file"
+        )
     config = RunConfig(
         ModelSpec(model.name), deployments, workload, slo, TransferConfig(), plots=bool(c.get("plots"))
     )

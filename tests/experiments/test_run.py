@@ -178,6 +178,14 @@ def test_a_sweep_over_two_rates_gives_two_run_folders_and_a_goodput(tmp_path, la
     assert "goodput (req/s)" in out.stdout
 
 
+def test_a_sharegpt_sample_drives_a_real_run(tmp_path):
+    data = Path(__file__).resolve().parents[1] / "data" / "sharegpt_sample.json"
+    overrides = [*TINY, "deployment=colocated", "workload.dataset=sharegpt", f"workload.dataset_path={data}"]
+    (record,) = run(_cfg(overrides), tmp_path, progress=False)
+    assert record["summary"]["completed"] == 6
+    assert len({r["prompt_tokens"] for r in record["requests"]}) > 3  # the conversations' own lengths
+
+
 def test_config_maps_to_dataclasses():
     config = from_cfg(_cfg(["experiment=compare"]))
     assert [d.name for d in config.deployments] == ["colocated", "1p1d"]

@@ -24,3 +24,64 @@ def test_the_simulator_draws_the_requests_a_real_run_sends():
 def test_fixed_concurrency_requests_all_arrive_at_once():
     reqs = make_requests(WorkloadConfig(arrival="concurrency", num_requests=5), None, 100, 512)
     assert [r.arrival_s for r in reqs] == [0.0] * 5
+
+
+DATA = __import__("pathlib").Path(__file__).resolve().parents[1] / "data"
+
+
+def test_sharegpt_prompts_are_first_turns_and_outputs_the_reply_length():
+    import json
+
+    from engine.weights import load_model
+
+    tok = load_model("tiny-random").tokenizer
+    w = WorkloadConfig(num_requests=12, dataset="sharegpt", dataset_path=str(DATA / "sharegpt_sample.json"))
+    reqs = make_requests(w, tok, tok.vocab_size, 2048)
+    turns = {
+        c["conversations"][0]["value"]: c["conversations"][1]["value"]
+        for c in json.loads((DATA / "sharegpt_sample.json").read_text())
+        if len(c["conversations"]) > 1
+    }
+    usable = {q: a for q, a in turns.items() if len(tok.encode(q)) >= 4 and len(tok.encode(a)) >= 4}
+    assert len(usable) == 8  # "hi" is too short; the one-turn conversation has no reply
+    seen = [tok.decode(r.prompt_ids) for r in reqs]
+    assert set(seen[:8]) == set(usable) and seen[8:] == seen[:4]  # each once, then repeats in order
+    assert all(r.max_tokens == len(tok.encode(usable[tok.decode(r.prompt_ids)])) for r in reqs)
+    arrivals, prompts, outputs = draw(w, 2048, tok)  # the simulator's view of the same requests
+    assert prompts == [len(r.prompt_ids) for r in reqs] and outputs == [r.max_tokens for r in reqs]
+
+
+def test_mooncake_trace_lengths_timestamps_and_shared_prefixes():
+    path = str(DATA / "mooncake_sample.jsonl")
+    w = WorkloadConfig(num_requests=12, dataset="mooncake", dataset_path=path, arrival="trace")
+    reqs = make_requests(w, None, 1000, 4096)
+    rows = [__import__("json").loads(line) for line in open(path)]
+    assert [len(r.prompt_ids) for r in reqs] == [row["input_length"] for row in rows]
+    assert [r.max_tokens for r in reqs] == [row["output_length"] for row in rows]
+    want = [(row["timestamp"] - rows[0]["timestamp"]) / 1e3 for row in rows]
+    assert np.allclose([r.arrival_s for r in reqs], want)
+    # requests 0 and 3 share hash ids 1000, 1001: the same first 1024 tokens; then they differ
+    assert reqs[0].prompt_ids[:1024] == reqs[3].prompt_ids[:1024] != reqs[1].prompt_ids[:1024]
+    assert reqs[0].prompt_ids[1024:1100] != reqs[3].prompt_ids[1024:1100]
+    arrivals, prompts, outputs = draw(w, 4096)
+    assert np.allclose(arrivals, [r.arrival_s for r in reqs]) and outputs == [r.max_tokens for r in reqs]
+
+
+def test_dataset_config_errors_name_the_key(tmp_path):
+    import pytest
+
+    with pytest.raises(ValueError, match="workload.dataset_path=None is not allowed"):
+        WorkloadConfig(dataset="sharegpt")
+    with pytest.raises(ValueError, match="workload.dataset='lmsys' is not allowed"):
+        WorkloadConfig(dataset="lmsys")
+    with pytest.raises(ValueError, match="trace needs workload.dataset=mooncake"):
+        WorkloadConfig(arrival="trace")
+    with pytest.raises(ValueError, match="holds 12 requests"):
+        make_requests(
+            WorkloadConfig(
+                num_requests=50, dataset="mooncake", dataset_path=str(DATA / "mooncake_sample.jsonl")
+            ),
+            None,
+            1000,
+            4096,
+        )

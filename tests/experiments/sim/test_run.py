@@ -77,3 +77,16 @@ def test_compare_real_against_a_simulated_run_of_the_same_config_shows_no_error(
     assert compare_real.main([str(tmp_path / "results.json"), *factors]) == 0
     out = capsys.readouterr().out
     assert "mean |error| 0%, worst 0%" in out and out.count("TTFT p90") == 4
+
+
+def test_a_mooncake_trace_drives_a_simulated_run(tmp_path):
+    """The trace's lengths and timestamps, replayed through the simulator (arrival: trace)."""
+    trace = Path(__file__).resolve().parents[2] / "data" / "mooncake_sample.jsonl"
+    overrides = ["sim_model=llama-3-8b", "hardware=h100", "workload.num_requests=12", "plots=false"]
+    overrides += ["workload.dataset=mooncake", f"workload.dataset_path={trace}", "workload.arrival=trace"]
+    overrides += ["deployments=[{name: 1p1d, kind: disaggregated, num_prefill: 1, num_decode: 1}]"]
+    (record,) = run_sim(_cfg(overrides), tmp_path)
+    rows = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert [r["prompt_tokens"] for r in record["requests"]] == [row["input_length"] for row in rows]
+    assert [r["output_tokens"] for r in record["requests"]] == [row["output_length"] for row in rows]
+    assert record["summary"]["completed"] == 12
