@@ -44,13 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    shown = ""
+    shown, out = "", None
     while llm.has_unfinished():
-        llm.step()
-        text = llm.output(request_id).text
-        print(text[len(shown) :], end="", flush=True)
-        shown = text
-    out = llm.output(request_id)
+        for out in (o for o in llm.step() if o.request_id == request_id):
+            print(out.text[len(shown) :], end="", flush=True)
+            shown = out.text
     print(
         f"\n[{len(out.token_ids)} tokens, finish: {out.finish_reason}, TTFT {out.ttft * 1e3:.0f} ms"
         + (f", TPOT {out.tpot * 1e3:.1f} ms]" if out.tpot else "]"),

@@ -13,6 +13,7 @@ import itertools
 import logging
 import time
 import weakref
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -40,6 +41,16 @@ class PrefillListener(Protocol):
     def on_prefilled(self, seq: Sequence, last_hidden: torch.Tensor) -> None: ...  # all its KV computed
 
     def on_failed(self, seq: Sequence, error: str) -> None: ...  # its step raised: no KV will come
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """One step: when it ran (perf_counter) and how many prompt and decode tokens it computed."""
+
+    start: float
+    end: float
+    prefill_tokens: int
+    decode_tokens: int
 
 
 class LLM:
@@ -101,8 +112,9 @@ class LLM:
             )
         self.listener = listener
         self.counter = make_layer_counter(loaded.config.num_layers, dev) if role == "prefill" else None
-        self.seqs: dict[str, Sequence] = {}
-        self.last_batch: Batch | None = None  # what the latest step ran
+        self.seqs: dict[str, Sequence] = {}  # requests in flight (a finished one until step hands it back)
+        self._ended: dict[str, Sequence] = {}  # finished, not yet handed back by step()
+        self.last_step: StepStats | None = None  # what the latest step ran
         self._ids = itertools.count()
 
     @property
@@ -182,18 +194,35 @@ class LLM:
             del self.seqs[request_id]
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        """Work left for step(): sequences to run, or finished ones it has not handed back yet."""
+        return self.scheduler.has_work() or bool(self._ended)
 
     def output(self, request_id: str) -> RequestOutput:
+        """A request still in flight (step() hands back each finished one once, then forgets it)."""
         return RequestOutput.of(self.seqs[request_id])
 
     # ---- stepping --------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one batch; return the outputs of the sequences it advanced (finished ones included)."""
-        batch = self.last_batch = self.scheduler.schedule()
-        if batch is None:
-            return []
+        """Run one batch; return the outputs of the sequences it advanced and of every request that
+        finished since the last step (aborted, stopped or failed ones too). A finished request is handed
+        back once and then forgotten."""
+        batch = self.scheduler.schedule()
+        if batch is not None:
+            start = time.perf_counter()
+            self._run(batch)
+            decode = sum(1 for c in batch.chunks if c.num_tokens == 1 and c.samples)
+            self.last_step = StepStats(start, time.perf_counter(), batch.num_tokens - decode, decode)
+        seqs = {c.seq.request_id: c.seq for c in batch.chunks} if batch is not None else {}
+        seqs.update(self._ended)
+        self._ended.clear()
+        outputs = [RequestOutput.of(seq) for seq in seqs.values()]
+        for out in outputs:
+            if out.finished and self.seqs.get(out.request_id) is seqs[out.request_id]:
+                del self.seqs[out.request_id]
+        return outputs
+
+    def _run(self, batch: Batch) -> None:
         try:
             if self.listener is not None:
                 self.listener.on_batch(batch, self.counter)
@@ -209,7 +238,7 @@ class LLM:
             log.exception("a step failed; its %d sequences end with the error", len(batch.chunks))
             for chunk in batch.chunks:
                 self._fail(chunk.seq, f"engine step failed: {e!r}")
-            return [RequestOutput.of(c.seq) for c in batch.chunks]
+            return
         now, sampled = time.perf_counter(), iter(tokens)
         for i, chunk in enumerate(batch.chunks):
             seq = chunk.seq
@@ -219,7 +248,6 @@ class LLM:
             elif self.scheduler.role == "prefill" and seq.num_computed == self.scheduler.target(seq):
                 self.scheduler.remove(seq, free_pages=False)
                 self._prefilled(seq, out.last_hidden[i])
-        return [RequestOutput.of(c.seq) for c in batch.chunks]
 
     def generate(
         self,
@@ -233,9 +261,10 @@ class LLM:
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         seqs = [self.make_sequence(p, sp) for p, sp in zip(prompts, params, strict=True)]  # all checked first
         ids = [self._submit(s) for s in seqs]
-        while self.has_unfinished():
-            self.step()
-        return [self.output(i) for i in ids]
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(ids) and self.has_unfinished():
+            done.update((o.request_id, o) for o in self.step() if o.finished and o.request_id in ids)
+        return [done[i] for i in ids]
 
     def chat(
         self,
@@ -332,3 +361,4 @@ class LLM:
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         seq.status, seq.finish_reason, seq.error = Status.FINISHED, reason, error
+        self._ended[seq.request_id] = seq

@@ -134,6 +134,7 @@ class RequestOutput:
     error: str | None
     arrival_time: float
     token_times: list[float]  # perf_counter time of each output token
+    scheduled_time: float | None = None  # its first forward pass
 
     @property
     def outputs(self) -> list[CompletionOutput]:
@@ -162,4 +163,5 @@ class RequestOutput:
             seq.error,
             seq.arrival_time,
             list(seq.token_times),
+            seq.scheduled_time,
         )

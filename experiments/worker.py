@@ -123,6 +123,7 @@ class Worker:
         self.streamed: dict[str, list[int]] = {}  # streamed request -> [tokens sent, characters sent]
         self.holdback: dict[str, int] = {}  # characters a stop string could still claim
         self.load_at = 0.0  # when the last Load went
+        self._last_stats = None  # the engine's latest step already in the timeline
         self.backlog: deque = deque()  # decode: (Submit, SamplingParams) waiting for free pages
         self.pm = self.dm = None
         if spec.role != "colocated":
@@ -219,11 +220,8 @@ class Worker:
                 self.dm.poll()
             if self.llm.has_unfinished():
                 self._step()
-                if self.streamed:
-                    self._progress()
             elif self.pm is not None:
                 time.sleep(0.0005)
-            self._report()
             if time.monotonic() - self.load_at > LOAD_EVERY_S:
                 self.load_at = time.monotonic()
                 sched = self.llm.scheduler
@@ -307,55 +305,61 @@ class Worker:
             self.backlog.popleft()
 
     def _step(self) -> None:
-        start = time.perf_counter()
-        self.llm.step()
-        end = time.perf_counter()
-        batch = self.llm.last_batch
-        if batch is not None:
-            decode = sum(1 for c in batch.chunks if c.num_tokens == 1 and c.samples)
-            self.timeline.steps.append((start, end, batch.num_tokens - decode, decode))
+        """One engine step: its timeline entry, Progress for streamed requests, a Result for each that
+        finished (the engine hands each finished request back once)."""
+        outputs = self.llm.step()
+        stats = self.llm.last_step
+        if stats is not None and stats is not self._last_stats:
+            self._last_stats = stats
+            self.timeline.steps.append((stats.start, stats.end, stats.prefill_tokens, stats.decode_tokens))
+        mine = [o for o in outputs if o.request_id in self.live]
+        if self.streamed:
+            self._progress([o for o in mine if not o.finished and o.request_id in self.streamed])
+        for out in mine:
+            if out.finished:
+                self._report(out)
 
-    def _progress(self) -> None:
-        """Progress for every streamed request that gained tokens this step (text held back by as many
-        characters as a stop string could still claim)."""
+    def _progress(self, outputs) -> None:
+        """Progress for the streamed requests that gained tokens (text held back by as many characters as
+        a stop string could still claim; a finished request's last tokens go in its Result)."""
         items = []
-        for rid, sent in self.streamed.items():
-            seq = self.llm.seqs.get(rid)
-            if seq is None or len(seq.output_ids) == sent[0] or seq.finished:
-                continue  # a finished request's last tokens go in its Result
-            upto = max(sent[1], len(seq.text) - self.holdback[rid])
-            items.append((rid, list(seq.output_ids[sent[0] :]), seq.text[sent[1] : upto]))
-            sent[0], sent[1] = len(seq.output_ids), upto
+        for out in outputs:
+            sent = self.streamed[out.request_id]
+            if len(out.token_ids) == sent[0]:
+                continue
+            upto = max(sent[1], len(out.text) - self.holdback[out.request_id])
+            items.append((out.request_id, out.token_ids[sent[0] :], out.text[sent[1] : upto]))
+            sent[0], sent[1] = len(out.token_ids), upto
         if items:
             self._send(Progress(items))
 
-    def _report(self) -> None:
-        """Send a Result for every request of this worker's that has finished (decode/colocated)."""
-        for rid in [r for r in self.live if self.llm.seqs.get(r) is not None and self.llm.seqs[r].finished]:
-            seq = self.llm.seqs[rid]
-            result = Result(
-                rid,
-                self.spec.name,
-                list(seq.output_ids),
-                self.live.pop(rid),
-                seq.scheduled_time,
-                list(seq.token_times),
-                seq.finish_reason,
-                seq.error,
-                text=seq.text,
-            )
-            self.streamed.pop(rid, None)
-            timing = self.dm.timings.get(rid) if self.dm is not None else None
-            if timing is not None:
-                result.prefill, result.transfer_bytes = "remote", timing.nbytes
-                result.transfer_s = timing.landed - timing.sent
-                result.scheduled = timing.first_landed  # its first KV arriving: prefill has begun
-                result.prefill_worker = timing.peer
-            elif self.dm is not None and len(seq.prompt_ids) > self.spec.deployment.local_prefill_max_tokens:
-                result.prefill = "remote"  # its transfer failed (or it was recomputed here)
-            if seq.error is not None:
-                log.warning("%s: request %s failed: %s", self.spec.name, rid, seq.error)
-            self._send(result)
-            del self.llm.seqs[rid]
-            if self.dm is not None:
-                self.dm.forget(rid)
+    def _report(self, out) -> None:
+        """The Result of a finished request of this worker's (decode/colocated)."""
+        rid = out.request_id
+        result = Result(
+            rid,
+            self.spec.name,
+            out.token_ids,
+            self.live.pop(rid),
+            out.scheduled_time,
+            out.token_times,
+            out.finish_reason,
+            out.error,
+            text=out.text,
+        )
+        self.streamed.pop(rid, None)
+        timing = self.dm.timings.get(rid) if self.dm is not None else None
+        if timing is not None:
+            result.prefill, result.transfer_bytes = "remote", timing.nbytes
+            result.transfer_s = timing.landed - timing.sent
+            result.scheduled = timing.first_landed  # its first KV arriving: prefill has begun
+            result.prefill_worker = timing.peer
+        elif (
+            self.dm is not None and len(out.prompt_token_ids) > self.spec.deployment.local_prefill_max_tokens
+        ):
+            result.prefill = "remote"  # its transfer failed (or it was recomputed here)
+        if out.error is not None:
+            log.warning("%s: request %s failed: %s", self.spec.name, rid, out.error)
+        self._send(result)
+        if self.dm is not None:
+            self.dm.forget(rid)

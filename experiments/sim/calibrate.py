@@ -212,10 +212,12 @@ def measure_engine(
             times.append(time.perf_counter() - t)
         points.append(Point("prefill", n, 0, min(times)))
     for b in batches:
-        for _ in range(b):
+        prompting = {
             llm.add_request(list(range(100, 100 + kv)), SamplingParams(max_tokens=5, ignore_eos=True))
-        while any(len(s.output_ids) == 0 for s in llm.seqs.values() if not s.finished):
-            llm.step()  # the prompts (they sample their first token)
+            for _ in range(b)
+        }
+        while prompting:  # the prompts (they sample their first token)
+            prompting -= {o.request_id for o in llm.step() if o.token_ids}
         times = []
         while llm.has_unfinished():
             t = time.perf_counter()

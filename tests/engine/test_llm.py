@@ -5,6 +5,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from pdkernels import ops
+from tests.kept import keep_outputs
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 
@@ -47,6 +48,7 @@ def test_prefill_then_decode_on_copied_pages(alone):
     """Prefill computes prompt[:-1]; its pages, copied into a decode worker, finish the request."""
     prefill = LLM("tiny-random", role="prefill", page_size=4, num_pages=256, max_num_batched_tokens=32)
     decode = LLM("tiny-random", role="decode", page_size=4, num_pages=300)
+    keep_outputs(prefill), keep_outputs(decode)
     prompts = _prompts(16)
     ids = {
         i: prefill.add_request(p[:-1], GREEDY, request_id=f"r{i}")
@@ -87,6 +89,7 @@ def test_prefill_role_bumps_each_layer_once_per_pass():
 
 def test_random_stops_and_aborts_leave_no_page_behind():
     llm = LLM("tiny-random", page_size=4, num_pages=200, max_num_seqs=8, max_num_batched_tokens=48)
+    keep_outputs(llm)
     rng = random.Random(3)
     ids = []
     for i, prompt in enumerate(_prompts(100, seed=1)):

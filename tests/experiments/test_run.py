@@ -117,7 +117,7 @@ def test_killed_prefill_worker_ends_its_requests_with_errors_and_the_run_finishe
         ("transfer.on_transfer_failure=retry", "on_transfer_failure must be one of ('fail', 'recompute')"),
         (
             "workload.arrival=burst",
-            "workload.arrival='burst' is not allowed: one of ('poisson', 'concurrency')",
+            "workload.arrival='burst' is not allowed: one of ('poisson', 'concurrency', 'trace')",
         ),
         ("log_level=LOUD", "log_level='LOUD' is not allowed: one of ('DEBUG', 'INFO', 'WARNING', 'ERROR')"),
         ("transfer.control_transport=udp", "control_transport must be one of ('ipc', 'tcp')"),

@@ -9,7 +9,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.disagg import DecodeSide, PrefillSide, decode_messenger, prefill_messenger, shard_spec
-from engine.sequence import Status
+from tests.kept import finished, keep_outputs
 from transfer.backends import make_backend
 from transfer.config import TransferConfig
 from transfer.protocol import local_channel, wait_hello
@@ -21,6 +21,7 @@ PAGES = 128
 def _local_pair(prefill, decode, tag, source=PrefillSide, sink=DecodeSide, **config):
     """Both messenger halves in this process: local backend, in-process control queues."""
     config = TransferConfig(backend="local", **config)
+    keep_outputs(prefill), keep_outputs(decode)
     decode_end, prefill_end = local_channel()
     pm = prefill_messenger(prefill, make_backend("local", f"p-{tag}"), config, side=source)
     pm.add_peer(prefill_end)
@@ -53,7 +54,7 @@ def _run(prefill, decode, pm, dm, ids, prefill_polls=True, max_iters=5000):
         dm.poll()
         if decode.has_unfinished():
             decode.step()
-        if all(decode.seqs[i].finished for i in ids) and not dm.pending and not pm.transfers:
+        if all(finished(decode, i) for i in ids) and not dm.pending and not pm.transfers:
             return
     raise AssertionError("requests did not finish")
 
@@ -111,8 +112,9 @@ def test_each_stage_deadline_fails_the_request_but_holds_pages_until_the_prefill
         prefill.step()
         time.sleep(0.05)  # the sender thread posts the chunk's pages
     give_up = time.monotonic() + 10
-    while decode.seqs["stuck"].status is not Status.FINISHED:
+    while not finished(decode, "stuck"):
         dm.poll()
+        decode.step()  # hands the failed request back
         assert time.monotonic() < give_up
     out = decode.output("stuck")
     assert out.finish_reason == "error" and stage in out.error, out.error

@@ -20,6 +20,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from engine import LLM, SamplingParams
 from engine.disagg import DecodeSide, PrefillSide, decode_messenger, prefill_messenger, shard_spec
 from engine.kv_cache import OutOfPages
+from tests.kept import keep_outputs
 from tests.transfer.test_messenger import _full_heads
 from transfer.backends.local import LocalBackend
 from transfer.config import TransferConfig
@@ -61,6 +62,7 @@ class FaultyPair(RuleBasedStateMachine):
         super().__init__()
         self.now = 0.0
         self.decode = LLM("tiny-random", role="decode", page_size=4, num_pages=PAGES, max_num_seqs=8)
+        keep_outputs(self.decode)
         self.calls, self.violations = Counter(), []  # (hook, request) -> times; writes that broke the rule
         self.sent, self.landed = {}, {}  # request -> KV the prefill side computed / the decode side got
         decode, calls, landed = self.decode, self.calls, self.landed
@@ -315,7 +317,7 @@ class FaultyPair(RuleBasedStateMachine):
                 assert len(self.pm._free_slots) == CONFIG.context_slots
             for rid in self.submitted:
                 admitted, failed = self.calls["admit", rid], self.calls["fail", rid]
-                out = self.decode.seqs.get(rid)
+                out = self.decode.kept.get(rid)
                 assert admitted + failed == 1 and out is not None and out.finished, rid
                 if admitted and rid in self.sent:  # the bytes it was released with are the ones computed
                     assert torch.equal(self.landed[rid], self.sent[rid]), rid
@@ -366,7 +368,7 @@ def _scenario(fault):
 
 def test_a_spoofed_ended_frees_nothing_mid_transfer():
     m = _scenario(lambda m: (m.spoof(_Draw("r0"), ended=True), m.decode_steps()))
-    assert m.calls["admit", "r0"] == 1 and m.decode.seqs["r0"].finish_reason == "length"
+    assert m.calls["admit", "r0"] == 1 and m.decode.kept["r0"].finish_reason == "length"
 
 
 def test_a_spoofed_notification_counts_nothing():

@@ -86,6 +86,7 @@ def test_soak_10000_requests_with_aborts_and_prefill_restarts(tmp_path):
     proc, hello = start_prefill(1)
     dm.add_peer("prefill-0", channel, hello)
     live, done, outcomes, restarts, rss = set(), 0, {"length": 0, "error": 0}, 0, []
+    waiting: dict = {}  # finished requests whose transfer has not settled yet
     start, give_up = time.monotonic(), time.monotonic() + 1800
     try:
         while done < total:
@@ -101,11 +102,11 @@ def test_soak_10000_requests_with_aborts_and_prefill_restarts(tmp_path):
             if dm.pending and rng.random() < 0.01:
                 dm.abort(rng.choice(sorted(dm.pending)), "client went away")
             dm.poll()
-            if decode.has_unfinished():
-                decode.step()
-            for rid in [r for r in live if decode.seqs[r].finished and r not in dm.pending]:
-                outcomes[decode.seqs[rid].finish_reason] = outcomes.get(decode.seqs[rid].finish_reason, 0) + 1
-                decode.forget(rid)
+            ended = {o.request_id: o for o in decode.step() if o.finished} if decode.has_unfinished() else {}
+            waiting.update(ended)  # handed back once; its transfer may still have to settle
+            for rid in [r for r in waiting if r not in dm.pending]:
+                reason = waiting.pop(rid).finish_reason
+                outcomes[reason] = outcomes.get(reason, 0) + 1
                 dm.forget(rid)
                 live.discard(rid)
                 done += 1

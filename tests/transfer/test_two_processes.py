@@ -11,6 +11,7 @@ import torch
 
 from engine import LLM
 from engine.disagg import DecodeSide, PrefillSide, decode_messenger, prefill_messenger, shard_spec
+from tests.kept import finished, keep_outputs
 from tests.transfer.test_messenger import GREEDY, _full_heads, _prompts
 from transfer.backends import make_backend
 from transfer.config import TransferConfig
@@ -98,6 +99,7 @@ def disaggregated(
     try:
         hello = wait_hello(channel, timeout_s=300, alive=proc.is_alive)
         decode = LLM(model, tp=decode_tp, role="decode", page_size=page_size, num_pages=num_pages)
+        keep_outputs(decode)
         config = TransferConfig(peer_timeout_s=peer_timeout_s)
         dm = decode_messenger(decode, make_backend("nixl", f"decode-{os.getpid()}"), config, side=sink)
         dm.add_peer("prefill-0", channel, hello)
@@ -125,7 +127,7 @@ def _drain(sent, kv_entries):
 
 def _drive(decode, dm, ids, give_up_s=120):
     give_up = time.monotonic() + give_up_s
-    while not all(decode.seqs[i].finished for i in ids) or dm.pending:
+    while not all(finished(decode, i) for i in ids) or dm.pending:
         dm.poll()
         if decode.has_unfinished():
             decode.step()
