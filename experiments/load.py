@@ -18,8 +18,7 @@ import asyncio
 import time
 
 from experiments.config import DeploymentConfig, RunConfig
-from experiments.driver import DeploymentRun
-from experiments.messages import Result
+from experiments.deploy.messages import DeploymentRun, Result
 from experiments.workload import Request
 
 

@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from experiments.config import RunConfig, SloConfig
-from experiments.driver import DeploymentRun
+from experiments.deploy.messages import DeploymentRun
 
 SCHEMA = "pdkernels.results/1"
 CSV_FIELDS = (

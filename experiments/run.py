@@ -23,7 +23,7 @@ from experiments.config import check_fits_model, from_cfg, run_job
 
 def run(cfg: DictConfig, out_dir: Path, progress: bool = True, hooks=None) -> list[dict]:
     from experiments import metrics
-    from experiments.driver import run_deployment
+    from experiments.deploy.driver import run_deployment
     from experiments.load import run_endpoint
     from experiments.workload import make_requests
 

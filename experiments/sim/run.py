@@ -25,8 +25,7 @@ from experiments.config import (
     slo_of,
     workload_of,
 )
-from experiments.driver import DeploymentRun
-from experiments.messages import Result
+from experiments.deploy.messages import DeploymentRun, Result
 from experiments.sim.cost import CostModel, Efficiency
 from experiments.sim.hardware import hardware_of
 from experiments.sim.models import sim_model

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from engine import LLM
 from engine.disagg import decode_messenger, prefill_messenger
-from experiments.messages import Result, Submit, driver_codec, worker_codec
+from experiments.deploy.messages import Result, Submit, driver_codec, worker_codec
 from transfer.backends import make_backend
 from transfer.backends.local import _CODEC as LOCAL_METADATA
 from transfer.backends.nixl import _CODEC as NIXL_METADATA

@@ -1,7 +1,7 @@
-"""One serving worker process (colocated, prefill or decode), started and driven by experiments.driver.
+"""One serving worker process (colocated, prefill or decode), started and driven by experiments.deploy.driver.
 
 Each worker talks to the driver over a pyzmq DEALER socket (its name as identity, its CURVE key as
-proof: transfer.auth), in the typed messages of experiments.messages. It says Listening once its engine
+proof: transfer.auth), in the typed messages of experiments.deploy.messages. It says Listening once its engine
 is up (a decode worker with the control addresses it bound, one authenticated PAIR socket per prefill
 worker), then Ready once every messenger peer is connected (a prefill worker connects to the addresses
 the driver forwards in Connect and announces itself with a Hello). It takes Submit, Cancel and
@@ -20,7 +20,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from experiments.config import DeploymentConfig, KernelsConfig, ModelSpec
-from experiments.messages import (
+from experiments.deploy.messages import (
     Cancel,
     Connect,
     Failed,

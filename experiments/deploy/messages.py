@@ -3,11 +3,15 @@
 Worker -> driver: Listening (the control addresses a decode worker bound), Ready, Progress (the tokens
 and text each step added to streamed requests), Load, Result, Timeline, Failed. Driver -> worker: Connect
 (where a prefill worker finds its decode peers), Submit, Cancel, PeerDead, Stop. The simulator builds
-Results too; it imports these, not process code.
+Results too; it imports these (and DeploymentRun, the record of a run), not process code.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
+from experiments.config import DeploymentConfig
+from experiments.workload import Request
 from transfer.protocol import check_request
 from transfer.wire import Codec, Message
 
@@ -108,3 +112,19 @@ def driver_codec() -> Codec:
 def worker_codec() -> Codec:
     """What a worker decodes (from the driver)."""
     return Codec(Connect, Submit, Cancel, PeerDead, Stop)
+
+
+@dataclass
+class DeploymentRun:
+    """The record of one deployment's run: what the driver, the load client and the simulator produce
+    and experiments.metrics reads."""
+
+    deployment: DeploymentConfig
+    requests: list[Request]
+    sent: dict[str, float] = field(default_factory=dict)  # perf_counter when each request was routed
+    results: dict[str, Result] = field(default_factory=dict)
+    timelines: list[Timeline] = field(default_factory=list)
+    events: list[tuple[float, str]] = field(default_factory=list)  # (perf_counter, what happened)
+    start: float = 0.0
+    end: float = 0.0
+    interrupted: bool = False  # stopped by SIGTERM or Ctrl-C: unfinished requests are recorded as errors

@@ -6,6 +6,8 @@ tokens. Requests arrive on the workload's schedule (Poisson) or keep a fixed num
 that dies mid-run is noticed: a dead prefill worker is reported to every decode worker (its in-flight
 requests fail at once, their pages are freed); a dead decode worker's requests are recorded as errors.
 Whatever happens (an error, Ctrl-C), every child process is stopped before `run_deployment` returns.
+Requests are streamed: workers send each step's new tokens (Progress) as the HTTP server's clients get
+them, and a request's per-token times are when its tokens reached the driver, not the worker's clock.
 
 The driver makes the deployment's keyring (transfer.auth) and binds one ROUTER socket that accepts only
 its workers' keys; a message counts only when its ZMQ identity is the worker its key belongs to. Control
@@ -21,15 +23,17 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from experiments.config import DeploymentConfig, RunConfig
-from experiments.messages import (
+from experiments.deploy.messages import (
     Connect,
+    DeploymentRun,
     Failed,
     Listening,
     PeerDead,
+    Progress,
     Ready,
     Result,
     Stop,
@@ -37,7 +41,7 @@ from experiments.messages import (
     Timeline,
     driver_codec,
 )
-from experiments.worker import WorkerSpec, worker_main
+from experiments.deploy.worker import WorkerSpec, worker_main
 from experiments.workload import Request
 from transfer.auth import Credentials, keyring
 from transfer.config import TransferConfig
@@ -45,19 +49,6 @@ from transfer.wire import MAX_MESSAGE_BYTES, WireError
 
 log = logging.getLogger(__name__)
 _CODEC = driver_codec()
-
-
-@dataclass
-class DeploymentRun:
-    deployment: DeploymentConfig
-    requests: list[Request]
-    sent: dict[str, float] = field(default_factory=dict)  # perf_counter when each request was routed
-    results: dict[str, Result] = field(default_factory=dict)
-    timelines: list[Timeline] = field(default_factory=list)
-    events: list[tuple[float, str]] = field(default_factory=list)  # (perf_counter, what happened)
-    start: float = 0.0
-    end: float = 0.0
-    interrupted: bool = False  # stopped by SIGTERM or Ctrl-C: unfinished requests are recorded as errors
 
 
 def worker_names(d: DeploymentConfig) -> list[str]:
@@ -293,6 +284,7 @@ def _serve(run: DeploymentRun, config: RunConfig, sock, procs, roles, progress: 
     in_flight = {n: set() for n in frontends}
     dead: set[str] = set()
     queue = list(run.requests)  # in arrival order
+    streamed: dict[str, list[float]] = {}  # request -> when each of its tokens reached the driver
     bar = tqdm(total=len(queue), desc=run.deployment.name, disable=not progress, unit="req")
     run.start = time.perf_counter()
     give_up = time.monotonic() + config.run_timeout_s
@@ -313,12 +305,19 @@ def _serve(run: DeploymentRun, config: RunConfig, sock, procs, roles, progress: 
                     continue
                 target = min(live, key=lambda n: len(in_flight[n]))
                 in_flight[target].add(req.request_id)
-                _send(sock, target, Submit(req.request_id, req.prompt_ids, req.max_tokens))
+                _send(sock, target, Submit(req.request_id, req.prompt_ids, req.max_tokens, stream=True))
                 busy += 1
             sock.poll(1)
             for name, msg in _recv(sock):
-                if isinstance(msg, Result):
+                now = time.perf_counter()
+                if isinstance(msg, Progress):
+                    for rid, ids, _ in msg.items:  # tokens as the router sees them arrive
+                        streamed.setdefault(rid, []).extend([now] * len(ids))
+                elif isinstance(msg, Result):
                     in_flight[name].discard(msg.request_id)
+                    times = streamed.pop(msg.request_id, [])
+                    if msg.error is None:  # the last tokens came with the Result
+                        msg.token_times = times + [now] * (len(msg.output_ids) - len(times))
                     run.results[msg.request_id] = msg
                     bar.update()
                 elif isinstance(msg, Failed):

@@ -1,0 +1,621 @@
+"""The HTTP front (`python -m experiments.serve [group=option] [key=value]`): an OpenAI-compatible
+endpoint over any deployment (colocated, xPyD, any TP), on FastAPI + uvicorn.
+
+It composes the same hydra config as experiments.run (`model/`, `deployment/`, `transfer/`, `kernels`)
+plus `server` (host, port, api_key, served_model_name), starts the deployment's workers through the
+driver (experiments.deploy.driver.start_fleet) and serves:
+
+- POST /v1/completions, POST /v1/chat/completions: streamed (server-sent events) or not; max_tokens
+  (max_completion_tokens for chat), temperature, top_p, seed, stop and vLLM's top_k and ignore_eos.
+  Tokens flow from the decode (or colocated) worker through the driver as they are sampled. A client
+  that goes away mid-stream cancels its request, which frees its pages on both sides.
+- GET /v1/models, GET /health (200 only while every worker is up), GET /metrics (Prometheus text).
+
+Errors have OpenAI's shape ({"error": {"message", "type", "param", "code"}}): 400 for a bad request
+(naming the field), 401 for a missing or wrong API key, 503 once a worker has died. The server keeps
+serving after each. It binds 127.0.0.1 unless server.host says otherwise; Ctrl-C or SIGTERM stop it
+and every worker process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import queue
+import secrets
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from omegaconf import DictConfig
+
+from experiments.config import check_fits_model, from_cfg
+from experiments.deploy.messages import Cancel, Failed, Load, PeerDead, Progress, Result, Submit
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0: any free port (printed)
+    api_key: str | None = None  # when set, every request needs "Authorization: Bearer <key>"
+    served_model_name: str | None = None  # default: the model's name
+
+    def __post_init__(self):
+        if not isinstance(self.port, int) or not 0 <= self.port < 65536:
+            raise ValueError(f"server.port={self.port!r} is not allowed: an integer in [0, 65536)")
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
+            raise ValueError("server.api_key must be a non-empty string or null")
+
+
+# ---- the driver side: one thread owns the workers' socket ---------------------------------------------
+
+
+class Runtime:
+    """A served deployment: its workers (a Fleet), the router, and the thread that talks to them.
+
+    submit() and cancel() may be called from any thread; each request's sink(kind, message) is called
+    on the runtime's thread with ("progress", (token ids, text)) for streamed requests and finally
+    ("result", Result)."""
+
+    def __init__(self, fleet):
+        self.fleet = fleet
+        self.commands: queue.SimpleQueue = queue.SimpleQueue()
+        self.sinks: dict[str, object] = {}
+        self.in_flight = {n: set() for n in fleet.frontends}
+        self.owner: dict[str, str] = {}  # request -> the worker it went to
+        self.dead: set[str] = set()
+        self.load: dict[str, Load] = {}
+        self.results = itertools.count()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="runtime", daemon=True)
+        self._thread.start()
+
+    @property
+    def healthy(self) -> bool:
+        return not self.dead and self._thread.is_alive()
+
+    def submit(self, msg: Submit, sink) -> None:
+        self.commands.put(("submit", msg, sink))
+
+    def cancel(self, request_id: str) -> None:
+        self.commands.put(("cancel", request_id, None))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+        self.fleet.stop()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._turn()
+            except Exception:  # never leave requests hanging: fail them and keep going
+                log.exception("runtime loop")
+                for rid in list(self.sinks):
+                    self._finish(Result(rid, "", [], 0.0, None, [], "error", "internal error in the server"))
+
+    def _turn(self) -> None:
+        while True:
+            try:
+                kind, arg, sink = self.commands.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "submit":
+                self._route(arg, sink)
+            elif arg in self.owner:
+                self.fleet.send(self.owner[arg], Cancel(arg))
+        self.fleet.sock.poll(1)
+        for name, msg in self.fleet.receive():
+            if isinstance(msg, Progress):
+                for rid, ids, text in msg.items:
+                    sink = self.sinks.get(rid)
+                    if sink is not None:
+                        sink("progress", (ids, text))
+            elif isinstance(msg, Result):
+                self._finish(msg)
+            elif isinstance(msg, Load):
+                self.load[name] = msg
+            elif isinstance(msg, Failed):
+                log.error("worker %s failed:\n%s", name, msg.error)
+        for name, proc in self.fleet.procs.items():
+            if name not in self.dead and not proc.is_alive():
+                self.dead.add(name)
+                log.warning("worker %s exited (code %s)", name, proc.exitcode)
+                if self.fleet.roles[name] == "prefill":
+                    for frontend in self.in_flight:
+                        self.fleet.send(frontend, PeerDead(name))
+                for rid in list(self.in_flight.pop(name, set())):
+                    self._finish(Result(rid, name, [], 0.0, None, [], "error", f"worker {name} exited"))
+
+    def _route(self, msg: Submit, sink) -> None:
+        live = [n for n in self.in_flight if n not in self.dead]
+        if not live:
+            sink("result", Result(msg.request_id, "", [], 0.0, None, [], "error", "no live worker"))
+            return
+        target = min(live, key=lambda n: len(self.in_flight[n]))
+        self.sinks[msg.request_id] = sink
+        self.owner[msg.request_id] = target
+        self.in_flight[target].add(msg.request_id)
+        if not self.fleet.send(target, msg):
+            self._finish(
+                Result(msg.request_id, target, [], 0.0, None, [], "error", f"worker {target} is gone")
+            )
+
+    def _finish(self, result: Result) -> None:
+        sink = self.sinks.pop(result.request_id, None)
+        worker = self.owner.pop(result.request_id, None)
+        if worker in self.in_flight:
+            self.in_flight[worker].discard(result.request_id)
+        if sink is not None:
+            sink("result", result)
+
+
+# ---- the HTTP side ------------------------------------------------------------------------------------
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.kind = kind or {400: "invalid_request_error", 401: "authentication_error"}.get(
+            status, "server_error"
+        )
+
+    def body(self) -> dict:
+        code = {401: "invalid_api_key", 503: "service_unavailable"}.get(self.status)
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": code}}
+
+
+COMMON = {
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "ignore_eos",
+    "stream",
+    "stream_options",
+    "n",
+    "user",
+}
+COMPLETION_FIELDS = COMMON | {"prompt", "logprobs", "echo"}
+CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+UNSUPPORTED_UNLESS = {
+    "n": (None, 1),
+    "logprobs": (None, False),
+    "echo": (None, False),
+    "top_logprobs": (None,),
+}
+
+
+def _number(body: dict, key: str, default, low=None, high=None, integer=False, low_open=False):
+    value = body.get(key, default)
+    if value is None:
+        return default
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        raise ApiError(400, f"{key} must be {'an integer' if integer else 'a number'}, got {value!r}", key)
+    if low is not None and (value <= low if low_open else value < low):
+        raise ApiError(400, f"{key} must be {'>' if low_open else '>='} {low}, got {value!r}", key)
+    if high is not None and value > high:
+        raise ApiError(400, f"{key} must be <= {high}, got {value!r}", key)
+    return value
+
+
+@dataclass
+class Parsed:
+    prompt_ids: list[int]
+    submit: Submit
+    stream: bool
+    include_usage: bool
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+class App:
+    """The OpenAI API over a Runtime: request checking, tokenization, streaming, errors and metrics."""
+
+    def __init__(self, runtime: Runtime, tokenizer, model_name: str, max_position: int, api_key: str | None):
+        self.runtime, self.tokenizer, self.model_name = runtime, tokenizer, model_name
+        self.max_position, self.api_key = max_position, api_key
+        self.ids = itertools.count()
+        self.metrics = Metrics(runtime)
+
+    # -- checking requests
+
+    def check_fields(self, body, allowed: set[str]) -> None:
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        for key, value in body.items():
+            if key in UNSUPPORTED_UNLESS:
+                if value not in UNSUPPORTED_UNLESS[key]:
+                    raise ApiError(
+                        400, f"{key}={value!r} is not supported (allowed: {UNSUPPORTED_UNLESS[key]})", key
+                    )
+            elif key not in allowed:
+                raise ApiError(400, f"unsupported field {key!r}; supported: {sorted(allowed)}", key)
+        model = body.get("model")
+        if model != self.model_name:
+            raise ApiError(
+                400, f"model {model!r} is not served here; this server serves {self.model_name!r}", "model"
+            )
+
+    def parse(self, body: dict, chat: bool) -> Parsed:
+        self.check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
+        if chat:
+            prompt_ids = self._chat_prompt(body.get("messages"))
+            max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+            key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+        else:
+            prompt_ids = self._completion_prompt(body.get("prompt"))
+            max_tokens, key = body.get("max_tokens", 16), "max_tokens"
+        room = self.max_position - len(prompt_ids)
+        if room < 1:
+            raise ApiError(
+                400,
+                f"the prompt has {len(prompt_ids)} tokens; this model's context is {self.max_position}",
+                "messages" if chat else "prompt",
+            )
+        max_tokens = room if max_tokens is None else _number({key: max_tokens}, key, None, 1, integer=True)
+        if len(prompt_ids) + max_tokens > self.max_position:
+            raise ApiError(
+                400,
+                f"{key}={max_tokens} with a {len(prompt_ids)}-token prompt exceeds this model's "
+                f"context of {self.max_position} tokens",
+                key,
+            )
+        stop = body.get("stop")
+        stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
+            raise ApiError(400, "stop must be a non-empty string or a list of at most 4 of them", "stop")
+        ignore_eos = body.get("ignore_eos", False)
+        stream = body.get("stream", False)
+        for key2, value in (("ignore_eos", ignore_eos), ("stream", stream)):
+            if not isinstance(value, bool):
+                raise ApiError(400, f"{key2} must be a boolean, got {value!r}", key2)
+        options = body.get("stream_options") or {}
+        if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
+            raise ApiError(400, "stream_options may hold include_usage (a boolean)", "stream_options")
+        seed = body.get("seed")
+        if seed is not None:
+            seed = _number(body, "seed", None, 0, (1 << 63) - 1, integer=True)
+        submit = Submit(
+            f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}",
+            prompt_ids,
+            max_tokens,
+            temperature=float(_number(body, "temperature", 1.0, 0, 2)),
+            top_p=float(_number(body, "top_p", 1.0, 0, 1, low_open=True)),
+            top_k=max(0, _number(body, "top_k", 0, -1, integer=True)),  # vLLM: -1 (or 0) turns it off
+            seed=seed,
+            stop=stop,
+            ignore_eos=ignore_eos,
+            stream=stream,
+        )
+        return Parsed(prompt_ids, submit, stream, bool(options.get("include_usage")))
+
+    def _completion_prompt(self, prompt) -> list[int]:
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ApiError(400, "prompt must not be empty", "prompt")
+            return self.tokenizer.encode(prompt)
+        vocab = self.tokenizer.vocab_size
+        if (
+            isinstance(prompt, list)
+            and prompt
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        ):
+            if not all(0 <= t < vocab for t in prompt):
+                raise ApiError(400, f"prompt token ids must lie in [0, {vocab})", "prompt")
+            return list(prompt)
+        raise ApiError(
+            400, "prompt must be a non-empty string or list of token ids (one prompt per request)", "prompt"
+        )
+
+    def _chat_prompt(self, messages) -> list[int]:
+        if not isinstance(messages, list) or not messages:
+            raise ApiError(400, "messages must be a non-empty list of {role, content}", "messages")
+        for m in messages:
+            if not (
+                isinstance(m, dict)
+                and m.get("role") in ("system", "user", "assistant")
+                and isinstance(m.get("content"), str)
+            ):
+                raise ApiError(
+                    400, "each message must be {role: system|user|assistant, content: string}", "messages"
+                )
+        try:
+            text = self.tokenizer.apply_chat_template(
+                [{"role": m["role"], "content": m["content"]} for m in messages]
+            )
+        except (
+            Exception
+        ) as e:  # the template is the model's (untrusted, sandboxed): its errors are the request's
+            raise ApiError(400, f"the chat template refused these messages: {e}", "messages") from e
+        return self.tokenizer.encode(text)
+
+    # -- running requests
+
+    def start(self, parsed: Parsed, loop: asyncio.AbstractEventLoop) -> asyncio.Queue:
+        if not self.runtime.healthy:
+            raise ApiError(
+                503,
+                f"a worker has died ({sorted(self.runtime.dead)}): the deployment is degraded",
+                kind="service_unavailable",
+            )
+        events: asyncio.Queue = asyncio.Queue()
+
+        def sink(kind, payload):  # on the runtime's thread: metrics count every request, cancelled too
+            if kind == "result":
+                self.metrics.finished(parsed, payload)
+            loop.call_soon_threadsafe(events.put_nowait, (kind, payload))
+
+        self.metrics.started(parsed)
+        self.runtime.submit(parsed.submit, sink)
+        return events
+
+    def finished(self, parsed: Parsed, result: Result) -> None:
+        """Raise the ApiError a failed request answers with."""
+        if result.finish_reason == "error":
+            status = (
+                503 if "exited" in (result.error or "") or "no live worker" in (result.error or "") else 500
+            )
+            raise ApiError(
+                status,
+                f"the request failed: {result.error}",
+                kind="service_unavailable" if status == 503 else "server_error",
+            )
+
+
+def _usage(prompt: int, completion: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _finish_reason(result: Result) -> str:
+    return "length" if result.finish_reason == "length" else "stop"
+
+
+class Metrics:
+    """Prometheus metrics of one server (its own registry)."""
+
+    def __init__(self, runtime: Runtime):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = r = CollectorRegistry()
+        buckets = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+        self.requests = Counter(
+            "pdk_requests", "Finished requests by finish reason", ["finish_reason"], registry=r
+        )
+        self.ttft = Histogram("pdk_time_to_first_token_seconds", "TTFT", buckets=buckets, registry=r)
+        self.tpot = Histogram("pdk_time_per_output_token_seconds", "TPOT", buckets=buckets, registry=r)
+        self.e2e = Histogram(
+            "pdk_e2e_request_latency_seconds", "End-to-end latency", buckets=buckets, registry=r
+        )
+        self.running = Gauge("pdk_requests_running", "Sequences running, per worker", ["worker"], registry=r)
+        self.waiting = Gauge("pdk_requests_waiting", "Sequences queued, per worker", ["worker"], registry=r)
+        self.in_flight = Gauge("pdk_requests_in_flight", "Requests the server is answering", registry=r)
+        self.free_pages = Gauge("pdk_kv_free_pages", "Free KV pages per worker", ["worker"], registry=r)
+        self.kv_bytes = Counter("pdk_kv_transfer_bytes", "KV bytes written prefill -> decode", registry=r)
+        self.transfer_failures = Counter(
+            "pdk_transfer_failures", "Requests whose KV transfer failed", registry=r
+        )
+        self.prefills = Counter("pdk_prefills", "Requests prefilled, by where", ["where"], registry=r)
+        self.runtime = runtime
+        self.sent: dict[str, float] = {}
+
+    def started(self, parsed: Parsed) -> None:
+        self.sent[parsed.submit.request_id] = time.perf_counter()
+        self.in_flight.inc()
+
+    def finished(self, parsed: Parsed, result: Result) -> None:
+        """Latencies from the worker's token times (perf_counter: one clock for every process here)."""
+        rid, now = parsed.submit.request_id, time.perf_counter()
+        sent = self.sent.pop(rid, now)
+        self.in_flight.dec()
+        self.requests.labels(result.finish_reason or "unknown").inc()
+        self.e2e.observe(now - sent)
+        times = result.token_times
+        if times:
+            self.ttft.observe(times[0] - sent)
+            if len(times) > 1:
+                self.tpot.observe((times[-1] - times[0]) / (len(times) - 1))
+        self.kv_bytes.inc(result.transfer_bytes)
+        failed = result.finish_reason == "error" and "transfer" in (result.error or "")
+        if failed and result.prefill == "remote":
+            self.transfer_failures.inc()
+        if result.worker:
+            self.prefills.labels(result.prefill).inc()
+
+    def render(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        for name, load in list(self.runtime.load.items()):
+            self.free_pages.labels(name).set(load.free_pages)
+            self.running.labels(name).set(load.running)
+            self.waiting.labels(name).set(load.waiting)
+        return generate_latest(self.registry)
+
+
+def make_app(state: App) -> FastAPI:
+    api = FastAPI(title="pdkernels", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @api.exception_handler(ApiError)
+    async def _api_error(request: Request, e: ApiError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    def authorize(request: Request) -> None:
+        if state.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {state.api_key}".encode()):
+            raise ApiError(401, "missing or wrong API key (Authorization: Bearer <key>)")
+
+    async def body_of(request: Request) -> dict:
+        try:
+            return json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"the request body is not JSON: {e}") from e
+
+    @api.get("/health")
+    async def health():
+        if not state.runtime.healthy:
+            return JSONResponse({"status": "degraded", "dead": sorted(state.runtime.dead)}, status_code=503)
+        return {"status": "ok"}
+
+    @api.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @api.get("/v1/models")
+    async def models(request: Request):
+        authorize(request)
+        card = {
+            "id": state.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "pdkernels",
+            "max_model_len": state.max_position,
+        }
+        return {"object": "list", "data": [card]}
+
+    async def generate(request: Request, chat: bool):
+        authorize(request)
+        parsed = state.parse(await body_of(request), chat)
+        loop = asyncio.get_running_loop()
+        events = state.start(parsed, loop)
+        if parsed.stream:
+            return StreamingResponse(stream(request, parsed, events, chat), media_type="text/event-stream")
+        try:
+            while True:
+                kind, payload = await events.get()
+                if kind == "result":
+                    break
+        except asyncio.CancelledError:  # the client went away
+            state.runtime.cancel(parsed.submit.request_id)
+            raise
+        state.finished(parsed, payload)
+        return JSONResponse(complete(parsed, payload, chat))
+
+    def complete(parsed: Parsed, result: Result, chat: bool) -> dict:
+        head = {"id": parsed.submit.request_id, "created": parsed.created, "model": state.model_name}
+        usage = _usage(len(parsed.prompt_ids), len(result.output_ids))
+        reason = _finish_reason(result)
+        if chat:
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": result.text},
+                "logprobs": None,
+                "finish_reason": reason,
+            }
+            return {**head, "object": "chat.completion", "choices": [choice], "usage": usage}
+        choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": reason}
+        return {**head, "object": "text_completion", "choices": [choice], "usage": usage}
+
+    async def stream(request: Request, parsed: Parsed, events: asyncio.Queue, chat: bool):
+        head = {
+            "id": parsed.submit.request_id,
+            "created": parsed.created,
+            "model": state.model_name,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+        }
+
+        def chunk(text: str | None, reason: str | None, role: bool = False) -> str:
+            if chat:
+                delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            else:
+                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+            return f"data: {json.dumps({**head, 'choices': [choice]})}\n\n"
+
+        sent_chars, done = 0, False
+        try:
+            if chat:
+                yield chunk(None, None, role=True)
+            while True:
+                kind, payload = await events.get()
+                if kind == "progress":
+                    ids, text = payload
+                    sent_chars += len(text)
+                    if text:
+                        yield chunk(text, None)
+                    continue
+                result: Result = payload
+                done = True
+                try:
+                    state.finished(parsed, result)
+                except ApiError as e:
+                    yield f"data: {json.dumps(e.body())}\n\n"
+                    yield "data: [DONE]\n\n"
+                    return
+                rest = result.text[sent_chars:]
+                yield chunk(rest, _finish_reason(result))
+                if parsed.include_usage:
+                    usage = _usage(len(parsed.prompt_ids), len(result.output_ids))
+                    yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage})}\n\n"
+                yield "data: [DONE]\n\n"
+                return
+        finally:
+            if not done:  # the client went away (the response was cancelled): free its pages
+                state.runtime.cancel(parsed.submit.request_id)
+
+    @api.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, chat=False)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await generate(request, chat=True)
+
+    return api
+
+
+def serve(cfg: DictConfig, out_dir: Path, ready=None) -> None:
+    """Start the deployment and the HTTP server; returns once the server is stopped (Ctrl-C, SIGTERM)."""
+    import uvicorn
+
+    from experiments.deploy.driver import start_fleet
+
+    config = from_cfg(cfg)
+    server = ServerConfig(**dict(cfg.get("server") or {}))
+    if len(config.deployments) != 1:
+        raise ValueError(
+            f"serving takes one deployment; `deployments` lists {[d.name for d in config.deployments]}"
+        )
+    loaded = check_fits_model(config)
+    # the context a request may fill: the model's, and the KV one worker holds (less a CUDA-graph page)
+    pages = config.model.num_pages - 1
+    tokenizer, max_position = (
+        loaded.tokenizer,
+        min(loaded.config.max_position, pages * config.model.page_size),
+    )
+    del loaded
+    logging.getLogger().setLevel(config.log_level)
+    name = server.served_model_name or config.model.name
+    sock = socket.socket(socket.AF_INET6 if ":" in server.host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((server.host, server.port))
+    fleet = start_fleet(config, config.deployments[0], out_dir / "logs")
+    runtime = Runtime(fleet)
+    try:
+        app = make_app(App(runtime, tokenizer, name, max_position, server.api_key))
+        host, port = sock.getsockname()[:2]
+        url = f"http://{host}:{port}"
+        print(f"serving {name} ({config.deployments[0].name}) on {url}", flush=True)
+        (out_dir / "server.json").write_text(json.dumps({"url": url, "model": name}))
+        if ready is not None:
+            ready(url)
+        uvicorn_config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
+        uvicorn.Server(uvicorn_config).run(sockets=[sock])
+    finally:
+        runtime.close()
+        sock.close()
