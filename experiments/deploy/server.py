@@ -12,9 +12,10 @@ driver (experiments.deploy.driver.start_fleet) and serves:
 - GET /v1/models, GET /health (200 only while every worker is up), GET /metrics (Prometheus text).
 
 Errors have OpenAI's shape ({"error": {"message", "type", "param", "code"}}): 400 for a bad request
-(naming the field), 401 for a missing or wrong API key, 503 once a worker has died. The server keeps
-serving after each. It binds 127.0.0.1 unless server.host says otherwise; Ctrl-C or SIGTERM stop it
-and every worker process.
+(naming the field), 401 for a missing or wrong API key, 503 for a request whose worker died under it or
+that no live worker can take. The server keeps serving after each: a degraded deployment with the
+workers it has left (GET /health says 503 meanwhile). It binds 127.0.0.1 unless server.host says
+otherwise; Ctrl-C or SIGTERM stop it and every worker process.
 """
 
 from __future__ import annotations
@@ -80,7 +81,13 @@ class Runtime:
 
     @property
     def healthy(self) -> bool:
+        """Every worker up (GET /health)."""
         return not self.dead and self._thread.is_alive()
+
+    @property
+    def can_serve(self) -> bool:
+        """Some decode or colocated worker is up: a degraded deployment serves with the workers it has."""
+        return self._thread.is_alive() and any(n not in self.dead for n in self.in_flight)
 
     def submit(self, msg: Submit, sink) -> None:
         self.commands.put(("submit", msg, sink))
@@ -347,10 +354,10 @@ class App:
     # -- running requests
 
     def start(self, parsed: Parsed, loop: asyncio.AbstractEventLoop) -> asyncio.Queue:
-        if not self.runtime.healthy:
+        if not self.runtime.can_serve:
             raise ApiError(
                 503,
-                f"a worker has died ({sorted(self.runtime.dead)}): the deployment is degraded",
+                f"no live worker can take requests (exited: {sorted(self.runtime.dead)})",
                 kind="service_unavailable",
             )
         events: asyncio.Queue = asyncio.Queue()
@@ -367,9 +374,8 @@ class App:
     def finished(self, parsed: Parsed, result: Result) -> None:
         """Raise the ApiError a failed request answers with."""
         if result.finish_reason == "error":
-            status = (
-                503 if "exited" in (result.error or "") or "no live worker" in (result.error or "") else 500
-            )
+            gone = any(w in (result.error or "") for w in ("exited", "no live worker", "is gone"))
+            status = 503 if gone else 500  # a worker died under it: the deployment, not the request
             raise ApiError(
                 status,
                 f"the request failed: {result.error}",

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -266,3 +267,48 @@ def test_the_load_client_measures_a_server_by_url_beside_an_in_process_run(serve
     assert json.loads((tmp_path / "bench-inproc.json").read_text())["completed"] == 8
     env = json.loads((tmp_path / "results.json").read_text())["environment"]
     assert env["versions"]["torch"] and env["cpu"] and len(env["git_commit"] or "x" * 40) == 40
+
+
+def test_a_dead_worker_gives_503_and_the_server_serves_with_the_rest(tmp_path):
+    """Kill one of two colocated workers mid-stream: its request ends with a 503 error event, /health
+    turns 503, and the next requests are served by the live worker."""
+    import re
+
+    proc, url = _start(tmp_path, "deployment=colocated", "deployment.num_workers=2")
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        pids = {}
+        for name in ("colocated-0", "colocated-1"):
+            log = (tmp_path / "logs" / f"{name}.log").read_text()
+            pids[name] = int(re.search(r" up: .* pid (\d+)", log).group(1))
+        stream = client.completions.create(
+            model="tiny-random",
+            prompt="Doomed:",
+            max_tokens=1000,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        next(iter(stream))  # it is running on one of the two (the least loaded: colocated-0)
+        os.kill(pids["colocated-0"], signal.SIGKILL)
+        with pytest.raises(openai.APIError) as err:
+            for _ in stream:
+                pass
+        assert "colocated-0 exited" in str(err.value)
+        give_up = time.monotonic() + 10
+        while time.monotonic() < give_up:
+            try:
+                urllib.request.urlopen(f"{url}/health", timeout=10)
+            except urllib.error.HTTPError as e:
+                assert e.code == 503
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError("/health did not turn 503")
+        for _ in range(3):  # served by colocated-1
+            out = client.completions.create(
+                model="tiny-random", prompt="Still here", max_tokens=4, temperature=0
+            )
+            assert out.choices[0].finish_reason == "length"
+    finally:
+        _stop(proc)
