@@ -150,6 +150,7 @@ class WorkloadConfig:
     seed: int = 0
     dataset: str = "random"  # random | sharegpt (ShareGPT JSON) | mooncake (a Mooncake trace, JSONL)
     dataset_path: str | None = None  # the sharegpt or mooncake file
+    trace_scale: float = 1.0  # arrival: trace replays timestamps x this (0.5: twice as fast)
 
     def __post_init__(self):
         if self.arrival not in ARRIVALS:
@@ -158,6 +159,7 @@ class WorkloadConfig:
             _fail("workload.dataset", self.dataset, f"one of {DATASETS}")
         if self.dataset != "random" and (self.dataset_path is None or not os.path.isfile(self.dataset_path)):
             _fail("workload.dataset_path", self.dataset_path, f"an existing {self.dataset} file")
+        _positive("workload.trace_scale", self.trace_scale)
         if self.arrival == "trace" and self.dataset != "mooncake":
             _fail("workload.arrival", self.arrival, "trace needs workload.dataset=mooncake (its timestamps)")
         if self.arrival == "poisson":

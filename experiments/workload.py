@@ -44,7 +44,11 @@ def dataset(workload: WorkloadConfig, tokenizer, vocab_size: int, max_position: 
         prompts, outputs = _sharegpt(workload, tokenizer, max_position)
     else:
         prompts, outputs, stamps = _mooncake(workload, vocab_size, max_position)
-    return prompts, outputs, stamps if workload.arrival == "trace" else _arrivals(workload)
+    return (
+        prompts,
+        outputs,
+        stamps * workload.trace_scale if workload.arrival == "trace" else _arrivals(workload),
+    )
 
 
 def draw(

@@ -190,6 +190,7 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):
         (dict(ok, logprobs=1), "logprobs"),
         (dict(ok, max_tokens=0), "max_tokens"),
         (dict(ok, max_tokens=1100), "max_tokens"),  # past the context: 255 pages of 4 tokens
+        (dict(ok, prompt=[5] * 1100), "prompt"),  # the prompt alone is longer than the context
         (dict(ok, model="gpt-4"), "model"),
         (dict(ok, temperature=-1), "temperature"),
         (dict(ok, top_p=0), "top_p"),

@@ -65,6 +65,8 @@ def test_mooncake_trace_lengths_timestamps_and_shared_prefixes():
     assert reqs[0].prompt_ids[1024:1100] != reqs[3].prompt_ids[1024:1100]
     arrivals, prompts, outputs = draw(w, 4096)
     assert np.allclose(arrivals, [r.arrival_s for r in reqs]) and outputs == [r.max_tokens for r in reqs]
+    faster = make_requests(__import__("dataclasses").replace(w, trace_scale=0.5), None, 1000, 4096)
+    assert np.allclose([r.arrival_s for r in faster], np.asarray(want) / 2)
 
 
 def test_dataset_config_errors_name_the_key(tmp_path):
