@@ -21,7 +21,6 @@ otherwise; Ctrl-C or SIGTERM stop it and every worker process.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import logging
 import queue
@@ -74,7 +73,6 @@ class Runtime:
         self.owner: dict[str, str] = {}  # request -> the worker it went to
         self.dead: set[str] = set()
         self.load: dict[str, Load] = {}
-        self.results = itertools.count()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="runtime", daemon=True)
         self._thread.start()
@@ -234,7 +232,6 @@ class App:
     def __init__(self, runtime: Runtime, tokenizer, model_name: str, max_position: int, api_key: str | None):
         self.runtime, self.tokenizer, self.model_name = runtime, tokenizer, model_name
         self.max_position, self.api_key = max_position, api_key
-        self.ids = itertools.count()
         self.metrics = Metrics(runtime)
 
     # -- checking requests
