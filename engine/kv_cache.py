@@ -61,6 +61,13 @@ class PageAllocator:
         owned.extend(self._free.popleft() for _ in range(max(0, need)))
         return owned
 
+    def shrink(self, request_id: str, num_tokens: int) -> None:
+        """Give back the pages past what num_tokens tokens need (rejected speculative tokens' pages)."""
+        owned = self._owned.get(request_id, [])
+        keep = self.pages_for(num_tokens)
+        while len(owned) > keep:
+            self._free.append(owned.pop())
+
     def free(self, request_id: str) -> None:
         """Return a request's pages (a pinned request must be unpinned first)."""
         if request_id in self._pinned:

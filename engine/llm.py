@@ -23,9 +23,10 @@ from engine.graphs import DecodeGraphs
 from engine.kv_cache import PageAllocator, allocate_kv_cache
 from engine.model import Model, Shard
 from engine.runner import ModelRunner
-from engine.sampler import sample
+from engine.sampler import probabilities, sample
 from engine.scheduler import Batch, Scheduler
 from engine.sequence import RequestOutput, SamplingParams, Sequence, Status, check_token_ids
+from engine.speculative import SpeculativeConfig, ngram_drafts, verify_greedy, verify_sampled
 from engine.tp import RankDied, TPGroup
 from engine.weights import load_model
 from pdkernels.out_proj import make_layer_counter
@@ -70,6 +71,7 @@ class LLM:
         seed: int = 0,
         listener: PrefillListener | None = None,
         cuda_graphs: bool | None = None,
+        speculative_config: dict | SpeculativeConfig | None = None,
     ):
         """cuda_graphs: replay decode steps as CUDA graphs (engine.graphs); None: on CUDA with tp 1 outside
         the prefill role (which never decodes). One page is kept back as the padding rows' scratch page."""
@@ -105,6 +107,13 @@ class LLM:
         # with graphs, the last page is the padding rows' scratch page: never allocated
         self.allocator = PageAllocator(num_pages - 1 if cuda_graphs else num_pages, page_size)
         self.scheduler = Scheduler(self.config.scheduler, self.allocator)
+        # speculative decoding (vLLM's names: {"method": "ngram", "num_speculative_tokens": k, ...})
+        self.speculative = SpeculativeConfig.of(speculative_config)
+        if self.speculative is not None and role != "prefill":
+            s = self.speculative
+            self.scheduler.propose = lambda seq: ngram_drafts(
+                seq.all_ids, s.num_speculative_tokens, s.prompt_lookup_min, s.prompt_lookup_max
+            )
         self.runner = ModelRunner(self.model, self.kv_cache, page_size, kv_layout, self.tp_group)
         if cuda_graphs:
             self.runner.graphs = DecodeGraphs(
@@ -223,15 +232,28 @@ class LLM:
         return outputs
 
     def _run(self, batch: Batch) -> None:
+        sampling = [c for c in batch.chunks if c.samples]
         try:
             if self.listener is not None:
                 self.listener.on_batch(batch, self.counter)
             out = self.runner.run(batch, self.counter)
+            # rows: one per plain sampling chunk; 1 + len(drafts) for a chunk with drafts (last in order)
+            plain, rows, r = [], [], 0
+            for c in sampling:
+                rows.append((r, r + 1 + len(c.drafts)))
+                if not c.drafts:
+                    plain.append(r)
+                r += 1 + len(c.drafts)
             tokens = sample(
-                out.logits,
-                [c.seq.params for c in batch.chunks if c.samples],
-                [c.seq.generator for c in batch.chunks if c.samples],
+                out.logits[plain],
+                [c.seq.params for c in sampling if not c.drafts],
+                [c.seq.generator for c in sampling if not c.drafts],
             )
+            verified = {
+                id(c): self._verify(c, out.logits[lo:hi])
+                for c, (lo, hi) in zip(sampling, rows, strict=True)
+                if c.drafts
+            }
         except RankDied:  # not this step's fault: the engine itself is gone, and its caller must know
             raise
         except Exception as e:  # the step's sequences fail with the error; the engine serves on
@@ -243,11 +265,31 @@ class LLM:
         for i, chunk in enumerate(batch.chunks):
             seq = chunk.seq
             seq.num_computed = chunk.end
-            if chunk.samples:
+            if chunk.samples and chunk.drafts:
+                new, accepted = verified[id(chunk)]
+                seq.num_drafted += len(chunk.drafts)
+                seq.num_accepted += accepted
+                seq.num_verifies += 1
+                seq.num_computed = chunk.end - len(chunk.drafts) + accepted  # rejected drafts' KV: void
+                for token in new:
+                    self._append_token(seq, token, now)
+                    if seq.finished:
+                        break
+                if not seq.finished:  # pages past its length (rejected drafts) go back
+                    self.allocator.shrink(seq.request_id, seq.num_tokens)
+            elif chunk.samples:
                 self._append_token(seq, next(sampled), now)
             elif self.scheduler.role == "prefill" and seq.num_computed == self.scheduler.target(seq):
                 self.scheduler.remove(seq, free_pages=False)
                 self._prefilled(seq, out.last_hidden[i])
+
+    def _verify(self, chunk, logits: torch.Tensor) -> tuple[list[int], int]:
+        """(tokens to append, drafts accepted) of a chunk with drafts, from its 1 + k rows of logits."""
+        p = chunk.seq.params
+        if p.greedy:
+            return verify_greedy(logits, chunk.drafts)
+        probs = torch.stack([probabilities(row, p) for row in logits]).cpu()
+        return verify_sampled(probs, chunk.drafts, chunk.seq.generator)
 
     def generate(
         self,

@@ -14,7 +14,7 @@ from pdkernels._paging import check_page_table
 
 @dataclass
 class StepOutput:
-    logits: Tensor  # [number of sampling chunks, vocab] fp32, in chunk order
+    logits: Tensor  # [rows, vocab] fp32: per sampling chunk its last row (1 + drafts rows with drafts)
     last_hidden: Tensor  # [chunks, hidden]: the hidden state at each chunk's last token
 
 
@@ -28,7 +28,7 @@ class ModelRunner:
         """input_ids [T] and the BatchMeta of a batch (checked once here; the layers skip the checks)."""
         ids, positions, batch_indices, qo, kv_indptr, kv_indices, last = [], [], [], [0], [0], [], []
         for b, c in enumerate(batch.chunks):
-            ids += c.seq.all_ids[c.start : c.end]
+            ids += c.token_ids
             positions += range(c.start, c.end)
             batch_indices += [b] * c.num_tokens
             qo.append(qo[-1] + c.num_tokens)
@@ -81,5 +81,9 @@ class ModelRunner:
             self.tp_group.step(input_ids, meta)
         hidden = self.model.forward(input_ids, meta, self.kv_cache)
         last = meta.qo_indptr[1:].long() - 1
-        sampling = last[[i for i, c in enumerate(batch.chunks) if c.samples]]
-        return StepOutput(self.model.logits(hidden[sampling]), hidden[last])
+        rows, start = [], 0  # a sampling chunk's last row; with drafts, its decode token's and theirs too
+        for c in batch.chunks:
+            if c.samples:
+                rows += range(start + c.num_tokens - 1 - len(c.drafts), start + c.num_tokens)
+            start += c.num_tokens
+        return StepOutput(self.model.logits(hidden[rows]), hidden[last])

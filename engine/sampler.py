@@ -20,6 +20,11 @@ def sample(
 
 
 def _sample_row(logits: Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
+    return int(torch.multinomial(probabilities(logits, p).cpu(), 1, generator=generator))
+
+
+def probabilities(logits: Tensor, p: SamplingParams) -> Tensor:
+    """The distribution a non-greedy request samples from: temperature, then top-k, then top-p."""
     logits = logits / p.temperature
     if p.top_k:
         kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]
@@ -31,4 +36,4 @@ def _sample_row(logits: Tensor, p: SamplingParams, generator: torch.Generator | 
         drop = sorted_probs.cumsum(-1) - sorted_probs >= p.top_p
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+    return probs / probs.sum(-1, keepdim=True)

@@ -30,10 +30,16 @@ class Chunk:
     num_tokens: int
     samples: bool  # the chunk's last token yields the sequence's next token
     pages: list[int]  # the pages that hold positions [0, start + num_tokens)
+    drafts: list[int] = field(default_factory=list)  # speculative tokens after its one decode token
 
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The ids this step computes: the sequence's own, then any drafts."""
+        return self.seq.all_ids[self.start : self.end - len(self.drafts)] + self.drafts
 
 
 @dataclass
@@ -51,6 +57,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.propose = None  # speculative decoding: seq -> draft token ids for its next decode step
 
     @property
     def role(self) -> str:
@@ -81,9 +88,13 @@ class Scheduler:
             if seq.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
             n = min(self.target(seq) - seq.num_computed, budget)
-            if self._make_room(seq, seq.num_computed + n, batch):
-                batch.chunks.append(self._chunk(seq, n))
-                budget -= n
+            decodes = self.target(seq) - seq.num_computed == 1
+            drafts = self._drafts(seq, budget - n) if decodes else []
+            if drafts and not self.allocator.can_grow(seq.request_id, seq.num_computed + 1 + len(drafts)):
+                drafts = []  # no pages to spare for guesses
+            if self._make_room(seq, seq.num_computed + n + len(drafts), batch):
+                batch.chunks.append(self._chunk(seq, n, drafts))
+                budget -= n + len(drafts)
         while self.waiting and budget > 0 and len(batch.chunks) < self.config.max_num_seqs:
             seq = self.waiting[0]
             n = min(self.target(seq) - seq.num_computed, budget)
@@ -97,11 +108,20 @@ class Scheduler:
             budget -= n
         return batch if batch.chunks else None
 
-    def _chunk(self, seq: Sequence, n: int) -> Chunk:
-        pages = self.allocator.grow(seq.request_id, seq.num_computed + n)
+    def _drafts(self, seq: Sequence, room: int) -> list[int]:
+        """Drafts for a decoding sequence: within the step's budget and what it may still generate."""
+        if self.propose is None or room <= 0 or self.role == "prefill":
+            return []
+        left = seq.params.max_tokens - len(seq.output_ids) - 1  # the verify step adds one more itself
+        return self.propose(seq)[: max(0, min(room, left))]
+
+    def _chunk(self, seq: Sequence, n: int, drafts: list[int] | None = None) -> Chunk:
+        drafts = drafts or []
+        total = seq.num_computed + n + len(drafts)
+        pages = self.allocator.grow(seq.request_id, total)
         samples = self.role != "prefill" and seq.num_computed + n == seq.num_tokens
         return Chunk(
-            seq, seq.num_computed, n, samples, pages[: self.allocator.pages_for(seq.num_computed + n)]
+            seq, seq.num_computed, n + len(drafts), samples, pages[: self.allocator.pages_for(total)], drafts
         )
 
     def _make_room(self, seq: Sequence, num_tokens: int, batch: Batch) -> bool:

@@ -94,6 +94,9 @@ class Sequence:
     error: str | None = None
     generator: torch.Generator | None = None
     detokenizer: object | None = None  # engine.tokenizer.TextStream: text grows one token at a time
+    num_drafted: int = 0  # speculative decoding: tokens proposed for it, accepted, and verify steps
+    num_accepted: int = 0
+    num_verifies: int = 0
 
     def __post_init__(self):
         if self.params.seed is not None:
@@ -135,6 +138,9 @@ class RequestOutput:
     arrival_time: float
     token_times: list[float]  # perf_counter time of each output token
     scheduled_time: float | None = None  # its first forward pass
+    num_drafted_tokens: int = 0  # speculative decoding: drafts proposed and accepted, and the steps
+    num_accepted_tokens: int = 0  # that verified them
+    num_verify_steps: int = 0
 
     @property
     def outputs(self) -> list[CompletionOutput]:
@@ -164,4 +170,7 @@ class RequestOutput:
             seq.arrival_time,
             list(seq.token_times),
             seq.scheduled_time,
+            seq.num_drafted,
+            seq.num_accepted,
+            seq.num_verifies,
         )

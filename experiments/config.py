@@ -91,10 +91,20 @@ class DeploymentConfig:
     url: str | None = None  # endpoint: the server's base URL (.../v1), ours or vLLM's or any
     api_key: str | None = None  # endpoint: its key, if it wants one
     model: str | None = None  # endpoint: the model id it serves (default: model.name)
+    # speculative decoding on the decode / colocated workers, vLLM's names:
+    # {method: ngram, num_speculative_tokens: k, prompt_lookup_min: a, prompt_lookup_max: b}
+    speculative: dict | None = None
 
     def __post_init__(self):
         if self.kind not in DEPLOYMENT_KINDS:
             _fail(f"deployment.{self.name}.kind", self.kind, f"one of {DEPLOYMENT_KINDS}")
+        if self.speculative is not None:
+            from engine.speculative import SpeculativeConfig
+
+            try:
+                SpeculativeConfig.of(dict(self.speculative))
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"deployment.{self.name}.speculative: {e}") from e
         if self.kind == "endpoint":
             if not isinstance(self.url, str) or not self.url.startswith(("http://", "https://")):
                 _fail(f"deployment.{self.name}.url", self.url, "an http:// or https:// base URL (.../v1)")

@@ -119,6 +119,18 @@ def vllm_bench(record: dict, config: RunConfig, model_id: str) -> dict:
     return out
 
 
+def _speculation(run: DeploymentRun) -> dict:
+    """Speculative decoding: drafts accepted over drafted, and tokens produced per verify step."""
+    results = [r for r in run.results.values() if r.verify_steps]
+    drafted, accepted = sum(r.drafted for r in results), sum(r.accepted for r in results)
+    steps = sum(r.verify_steps for r in results)
+    return {
+        "spec_drafted": drafted,
+        "spec_acceptance_rate": accepted / drafted if drafted else None,
+        "spec_mean_accepted_length": (accepted + steps) / steps if steps else None,
+    }
+
+
 def percentiles(values: list[float]) -> dict:
     vals = [v for v in values if v is not None and math.isfinite(v)]
     if not vals:
@@ -151,6 +163,7 @@ def summarize(run: DeploymentRun, rows: list[dict], slo: SloConfig, rate: float 
         },
         "itl_s": percentiles([x for r in done for x in r["itl_s"]]),
         "transfer_bytes": sum(r["transfer_bytes"] for r in rows),
+        **_speculation(run),
         "remote_prefills": sum(r["prefill"] == "remote" for r in rows),
         "local_prefills": sum(r["prefill"] == "local" for r in rows),
         "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s, "attainment": slo.attainment},

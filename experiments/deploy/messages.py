@@ -91,6 +91,9 @@ class Result(Message):
     transfer_s: float | None = None  # PrefillRequest sent -> every write landed
     text: str = ""  # the output detokenized (stop strings cut off)
     output_tokens: int | None = None  # how many, where the ids are not known (an endpoint's usage)
+    drafted: int = 0  # speculative decoding: drafts proposed, accepted, verify steps
+    accepted: int = 0
+    verify_steps: int = 0
 
 
 class Timeline(Message):

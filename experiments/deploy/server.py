@@ -413,6 +413,9 @@ class Metrics:
             "pdk_transfer_failures", "Requests whose KV transfer failed", registry=r
         )
         self.prefills = Counter("pdk_prefills", "Requests prefilled, by where", ["where"], registry=r)
+        self.drafted = Counter("pdk_spec_drafted_tokens", "Speculative tokens proposed", registry=r)
+        self.accepted = Counter("pdk_spec_accepted_tokens", "Speculative tokens accepted", registry=r)
+        self.verifies = Counter("pdk_spec_verify_steps", "Steps that verified drafts", registry=r)
         self.runtime = runtime
         self.sent: dict[str, float] = {}
 
@@ -438,6 +441,9 @@ class Metrics:
             self.transfer_failures.inc()
         if result.worker:
             self.prefills.labels(result.prefill).inc()
+        self.drafted.inc(result.drafted)
+        self.accepted.inc(result.accepted)
+        self.verifies.inc(result.verify_steps)
 
     def render(self) -> bytes:
         from prometheus_client import generate_latest

@@ -117,6 +117,7 @@ class Worker:
             max_num_seqs=m.max_num_seqs,
             max_num_batched_tokens=d.chunk_size,
             seed=spec.seed,
+            speculative_config=d.speculative if spec.role != "prefill" else None,
         )
         self.timeline = Timeline(spec.name, spec.role)
         self.live: dict[str, float] = {}  # request -> when it was received
@@ -346,6 +347,9 @@ class Worker:
             out.finish_reason,
             out.error,
             text=out.text,
+            drafted=out.num_drafted_tokens,
+            accepted=out.num_accepted_tokens,
+            verify_steps=out.num_verify_steps,
         )
         self.streamed.pop(rid, None)
         timing = self.dm.timings.get(rid) if self.dm is not None else None

@@ -186,6 +186,21 @@ def test_a_sharegpt_sample_drives_a_real_run(tmp_path):
     assert len({r["prompt_tokens"] for r in record["requests"]}) > 3  # the conversations' own lengths
 
 
+def test_speculation_through_the_main_job_is_lossless_and_reported(tmp_path):
+    spec = "speculative: {method: ngram, num_speculative_tokens: 3}"
+    deployments = (
+        "deployments=[{name: plain, kind: colocated, num_workers: 1},"
+        f"{{name: spec, kind: colocated, num_workers: 1, {spec}}},"
+        f"{{name: spec-1p1d, kind: disaggregated, num_prefill: 1, num_decode: 1, {spec}}}]"
+    )
+    records = run(_cfg([*TINY, "workload.output_len.value=24", deployments]), tmp_path, progress=False)
+    plain, spec_colocated, spec_1p1d = (_outputs(r) for r in records)
+    assert spec_colocated == plain == spec_1p1d
+    s = records[1]["summary"]
+    assert records[0]["summary"]["spec_acceptance_rate"] is None and s["spec_drafted"] > 0
+    assert 0 <= s["spec_acceptance_rate"] <= 1 and s["spec_mean_accepted_length"] >= 1
+
+
 def test_config_maps_to_dataclasses():
     config = from_cfg(_cfg(["experiment=compare"]))
     assert [d.name for d in config.deployments] == ["colocated", "1p1d"]

@@ -329,3 +329,31 @@ def test_an_unexpected_error_on_the_sender_thread_fails_its_request_not_the_thre
     _run(prefill, decode, pm, dm, ["good"])
     assert decode.output("good").finish_reason == "length"
     assert prefill.allocator.num_free == PAGES and decode.allocator.num_free == PAGES
+
+
+def test_speculation_on_the_decode_worker_keeps_1p1d_tokens_lossless():
+    """The decode half drafts (ngram) from the prompt it never computed and the tokens it decodes."""
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], *_prompts(5, seed=4)]
+    expected = [
+        o.token_ids for o in LLM("tiny-random", page_size=4, num_pages=PAGES).generate(prompts, GREEDY)
+    ]
+    prefill = LLM("tiny-random", role="prefill", page_size=4, num_pages=PAGES, max_num_batched_tokens=24)
+    decode = LLM(
+        "tiny-random",
+        role="decode",
+        page_size=4,
+        num_pages=PAGES,
+        speculative_config={"num_speculative_tokens": 3},
+    )
+    pm, dm = _local_pair(prefill, decode, "speculative")
+    try:
+        ids = [f"s{i}" for i in range(len(prompts))]
+        for rid, prompt in zip(ids, prompts, strict=True):
+            dm.submit(rid, prompt, GREEDY)
+        _run(prefill, decode, pm, dm, ids)
+        outs = [decode.output(rid) for rid in ids]
+        assert [o.token_ids for o in outs] == expected
+        assert sum(o.num_accepted_tokens for o in outs) > 0
+        assert decode.allocator.num_free == PAGES and prefill.allocator.num_free == PAGES
+    finally:
+        _close(pm, dm)
