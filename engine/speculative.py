@@ -26,8 +26,8 @@ METHODS = ("ngram",)
 class SpeculativeConfig:
     method: str = "ngram"
     num_speculative_tokens: int = 2
-    prompt_lookup_min: int = 1
-    prompt_lookup_max: int = 3
+    prompt_lookup_min: int = 2  # a one-token match proposes too often on text that does not repeat
+    prompt_lookup_max: int = 4
 
     def __post_init__(self):
         if self.method not in METHODS:
