@@ -28,8 +28,8 @@ from pdkernels.splitk_gemm import (
     gemm_meta,
     gemm_tile,
     new_out,
+    partials,
     splitk_gemm_ref,
-    splitk_partials,
 )
 
 __all__ = ["out_proj", "out_proj_ref", "make_layer_counter", "host_view"]
@@ -282,30 +282,9 @@ def out_proj(
 
 
 def _out_proj_split(x, w, out, counter, layer, block_m, block_n, block_k, split_k) -> Tensor:
-    (m, k), n = x.shape, w.shape[0]
-    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
-    split_k = triton.cdiv(k, k_per_split)
-    ws = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)
-    splitk_partials[grid](
-        x,
-        w,
-        ws,
-        m,
-        n,
-        k_per_split,
-        k,
-        x.stride(0),
-        x.stride(1),
-        w.stride(0),
-        w.stride(1),
-        ws.stride(0),
-        ws.stride(1),
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        **gemm_meta(x),
-    )
+    (m, _), n = x.shape, w.shape[0]
+    ws = partials(x, w, block_m, block_n, block_k, split_k)
+    split_k = ws.shape[0]
     reduce_n = min(1024, next_pow2(n))
     _out_proj_reduce_kernel[(m, triton.cdiv(n, reduce_n))](
         ws,

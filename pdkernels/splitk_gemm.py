@@ -17,7 +17,7 @@ from torch import Tensor
 
 from pdkernels._paging import INTERPRET, check_tensor, next_pow2, require
 
-__all__ = ["splitk_gemm", "splitk_gemm_ref", "gemm_tile", "gemm_meta", "check_linear", "splitk_partials"]
+__all__ = ["splitk_gemm", "splitk_gemm_ref", "gemm_tile", "gemm_meta", "check_linear", "partials"]
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -199,6 +199,18 @@ def splitk_gemm(
         return out.zero_()
     block_m = min(64, max(16, next_pow2(m)))
     split_k = split_k or default_split_k(m, n, k, block_m, block_n, block_k, x.device)
+    ws = partials(x, w, block_m, block_n, block_k, split_k)
+    reduce_n = min(1024, next_pow2(n))
+    _splitk_reduce_kernel[(m, triton.cdiv(n, reduce_n))](
+        ws, out, m, n, ws.shape[0], ws.stride(0), ws.stride(1), out.stride(0), BLOCK_N=reduce_n
+    )
+    return out
+
+
+def partials(x: Tensor, w: Tensor, block_m: int, block_n: int, block_k: int, split_k: int) -> Tensor:
+    """The fp32 partial products [slices, M, N] of x @ w^T over about split_k K-slices of whole blocks
+    (the first phase of splitk_gemm and of out_proj's split-K path)."""
+    (m, k), n = x.shape, w.shape[0]
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     split_k = triton.cdiv(k, k_per_split)
     ws = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
@@ -222,11 +234,7 @@ def splitk_gemm(
         BLOCK_K=block_k,
         **gemm_meta(x),
     )
-    reduce_n = min(1024, next_pow2(n))
-    _splitk_reduce_kernel[(m, triton.cdiv(n, reduce_n))](
-        ws, out, m, n, split_k, ws.stride(0), ws.stride(1), out.stride(0), BLOCK_N=reduce_n
-    )
-    return out
+    return ws
 
 
 def splitk_gemm_ref(x: Tensor, w: Tensor, out: Tensor | None = None) -> Tensor:
