@@ -12,6 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import hydra
+import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.config import (
@@ -48,19 +49,30 @@ def simulate_deployment(
     prefill_slowdown: float = 1.0,
     trace: tuple | None = None,
     router: str = "prefill",
+    spec_acceptance: float = 0.0,
 ) -> DeploymentRun:
     """trace: (arrival offsets, prompt lengths, output lengths) to replay instead of drawing the
     workload's (a measured run's own requests)."""
     arrivals, prompts, outputs = trace if trace is not None else draw(workload, MAX_POSITION)
     reqs = [SimRequest(i, float(arrivals[i]), prompts[i], outputs[i]) for i in range(len(prompts))]
 
-    def inst(tp: int, chunk: bool, slowdown: float = 1.0) -> Instance:
-        return Instance(CostModel(model, hw, tp, eff), budget=d.chunk_size, chunked=chunk, slowdown=slowdown)
+    k = int((d.speculative or {}).get("num_speculative_tokens", 2)) if d.speculative else 0
+
+    def inst(tp: int, chunk: bool, slowdown: float = 1.0, decodes: bool = True) -> Instance:
+        return Instance(
+            CostModel(model, hw, tp, eff),
+            budget=d.chunk_size,
+            chunked=chunk,
+            slowdown=slowdown,
+            spec_k=k if decodes else 0,
+            spec_acceptance=spec_acceptance,
+            rng=np.random.default_rng([workload.seed, 3]),
+        )
 
     if d.kind == "colocated":
         simulate_colocated([inst(d.tp, chunked) for _ in range(d.num_workers)], reqs)
     else:
-        prefill = [inst(d.prefill_tp, False, prefill_slowdown) for _ in range(d.num_prefill)]
+        prefill = [inst(d.prefill_tp, False, prefill_slowdown, decodes=False) for _ in range(d.num_prefill)]
         decode = [inst(d.decode_tp, True) for _ in range(d.num_decode)]
         simulate_disaggregated(prefill, decode, reqs, layerwise, first_token_on, router)
     run = DeploymentRun(d, [Request(f"req-{r.rid}", r.arrival, range(r.prompt), r.output) for r in reqs])
@@ -74,6 +86,7 @@ def simulate_deployment(
             rid, "sim", [0] * r.generated, r.arrival, None, r.token_times, "length" if not error else "error",
             error, prefill="remote" if remote else "local",
             transfer_bytes=r.prompt * model.kv_bytes_per_token() if remote else 0,
+            drafted=r.drafted, accepted=r.accepted, verify_steps=r.verifies,
         )  # fmt: skip
     return run
 
@@ -93,6 +106,9 @@ def run_sim(cfg: DictConfig, out_dir: Path) -> list[dict]:
         raise ValueError(
             f"first_token_on={c.get('first_token_on')!r} is not allowed: one of ('prefill', 'decode')"
         )
+    acceptance = c.get("spec_acceptance", 0.7)
+    if isinstance(acceptance, bool) or not isinstance(acceptance, (int, float)) or not 0 <= acceptance < 1:
+        raise ValueError(f"spec_acceptance={acceptance!r} is not allowed: a number in [0, 1)")
     deployments, workload, slo = deployments_of(c), workload_of(c), slo_of(c)
     if workload.arrival not in ("poisson", "trace") or workload.prompts_file:
         raise ValueError(
@@ -112,6 +128,7 @@ def run_sim(cfg: DictConfig, out_dir: Path) -> list[dict]:
             run = simulate_deployment(
                 d, run_config.workload, model, hw, eff, c["first_token_on"], c.get("layerwise", True),
                 c.get("chunked_prefill", True), slowdown, router=c.get("router", "prefill"),
+                spec_acceptance=acceptance,
             )  # fmt: skip
             records.append(metrics.run_record(run, run_config, rate))
     metrics.report(

@@ -36,6 +36,10 @@ class SimRequest:
     computed: int = 0  # prompt tokens whose KV exists
     generated: int = 0  # output tokens sampled
     token_times: list = field(default_factory=list)
+    drafted: int = 0  # speculative decoding: drafts proposed, accepted, verify steps
+    accepted: int = 0
+    verifies: int = 0
+    drafting: int = 0  # drafts in the step being simulated
 
     @property
     def ttft(self) -> float:
@@ -57,6 +61,9 @@ class Instance:
     waiting: list = field(default_factory=list)
     running: list = field(default_factory=list)
     kv_used: float = 0.0
+    spec_k: int = 0  # speculative decoding: drafts per decode step (0: none)
+    spec_acceptance: float = 0.0  # the chance each draft is accepted, given the ones before it were
+    rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
 
     @property
     def kv_capacity_tokens(self) -> float:
@@ -102,16 +109,47 @@ def _colocated_step(inst: Instance, now: float) -> tuple[float, list]:
         budget -= n
     if not chunks and not decode:
         return 0.0, []
-    sampled = len(decode) + sum(1 for r, n in chunks if r.computed + n == r.prompt)
+    verify, decode, drafts = _verify_chunks(inst, decode)
+    sampled = len(decode) + sum(1 for r, n in chunks if r.computed + n == r.prompt) + drafts
     dt = inst.cost.step_time(
-        [(n, r.computed) for r, n in chunks], [r.prompt + r.generated for r in decode], sampled
+        [(n, r.computed) for r, n in chunks] + verify, [r.prompt + r.generated for r in decode], sampled
     )
     for r, n in chunks:
         r.computed += n
         if r.computed == r.prompt:
             events.append((r, "prefill_done"))
-    events += [(r, "token") for r in decode]
-    return dt, events
+    return dt, events + _decode_events(inst, decode)
+
+
+def _verify_chunks(inst: Instance, decode: list) -> tuple[list, list, int]:
+    """With speculation, each decode sequence's step computes its token and k drafts: (chunks of
+    (k + 1 tokens, KV length) for the cost model, the sequences without drafts, rows sampled)."""
+    if not inst.spec_k:
+        return [], decode, 0
+    chunks, plain, rows = [], [], 0
+    for r in decode:
+        k = min(inst.spec_k, r.output - r.generated - 1)
+        if k <= 0:
+            plain.append(r)
+            continue
+        r.drafting = k
+        chunks.append((k + 1, r.prompt + r.generated))
+        rows += k + 1
+    return chunks, plain, rows
+
+
+def _decode_events(inst: Instance, plain: list) -> list:
+    """('tokens', n) per decoding sequence: 1 without drafts; with k drafts, the accepted prefix (each
+    draft accepted with spec_acceptance while the ones before it were) and the target's next token."""
+    events = [(r, ("tokens", 1)) for r in plain]
+    for r in [r for r in inst.running if r.drafting]:
+        k, r.drafting = r.drafting, 0
+        accepted = 0
+        while accepted < k and inst.rng.random() < inst.spec_acceptance:
+            accepted += 1
+        r.drafted, r.accepted, r.verifies = r.drafted + k, r.accepted + accepted, r.verifies + 1
+        events.append((r, ("tokens", accepted + 1)))
+    return events
 
 
 def simulate_colocated(instances: list[Instance], requests: list[SimRequest]) -> list[SimRequest]:
@@ -228,9 +266,9 @@ def _run(front, back, requests, first_token_on, layerwise=True, router="prefill"
                     layers = inst.cost.model.layers if layerwise else 1
                     x = transfer_time(kv, inst.cost.hw, links, inst.cost.eff, prefill_s=dt, layers=layers)
                     push(end + x, "land", (target, r))
-                else:  # a token
-                    r.generated += 1
-                    r.token_times.append(end)
+                else:  # ("tokens", n): n new tokens
+                    r.generated += what[1]
+                    r.token_times += [end] * what[1]
                     if r.first_token is None:
                         r.first_token = end
                     _maybe_finish(inst, r, end)
@@ -258,8 +296,9 @@ def _decode_step(inst: Instance) -> tuple[float, list]:
     batch = inst.running[: inst.max_seqs]
     if not batch:
         return 0.0, []
-    dt = inst.cost.decode_time([r.prompt + r.generated for r in batch])
-    return dt, [(r, "token") for r in batch]
+    verify, plain, drafts = _verify_chunks(inst, batch)
+    dt = inst.cost.step_time(verify, [r.prompt + r.generated for r in plain], len(plain) + drafts)
+    return dt, _decode_events(inst, plain)
 
 
 def poisson_requests(rate: float, n: int, prompt: int | np.ndarray, output: int | np.ndarray, seed: int = 0):

@@ -90,3 +90,23 @@ def test_a_mooncake_trace_drives_a_simulated_run(tmp_path):
     assert [r["prompt_tokens"] for r in record["requests"]] == [row["input_length"] for row in rows]
     assert [r["output_tokens"] for r in record["requests"]] == [row["output_length"] for row in rows]
     assert record["summary"]["completed"] == 12
+
+
+def test_simulated_speculation_gives_the_expected_tokens_per_verify_step_and_its_cost(tmp_path):
+    """k = 2 drafts accepted with probability 0.8 each: 1 + 0.8 + 0.64 = 2.44 tokens per verify step;
+    decode steps cost more (k + 1 tokens each) but TPOT falls; with acceptance 0 it only costs."""
+    base = ["sim_model=llama-3-8b", "hardware=h100", "workload.num_requests=200", "workload.rate=2"]
+    base += ["plots=false"]
+
+    def run(spec, acceptance):
+        extra = f", speculative: {{method: ngram, num_speculative_tokens: {spec}}}" if spec else ""
+        d = f"deployments=[{{name: d, kind: disaggregated, num_prefill: 1, num_decode: 1{extra}}}]"
+        (rec,) = run_sim(_cfg([*base, d, f"spec_acceptance={acceptance}"]), tmp_path)
+        return rec["summary"]
+
+    plain, spec, useless = run(0, 0.8), run(2, 0.8), run(2, 0.0)
+    assert plain["spec_acceptance_rate"] is None
+    assert abs(spec["spec_acceptance_rate"] - (0.8 + 0.64) / 2) < 0.03
+    assert abs(spec["spec_mean_accepted_length"] - 2.44) < 0.05
+    assert spec["tpot_s"]["p50"] < 0.6 * plain["tpot_s"]["p50"]
+    assert useless["tpot_s"]["p50"] > plain["tpot_s"]["p50"]  # every draft rejected: verify costs only
