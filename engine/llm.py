@@ -51,7 +51,8 @@ class StepStats:
     start: float
     end: float
     prefill_tokens: int
-    decode_tokens: int
+    decode_tokens: int  # decode tokens and their drafts
+    verify_steps: int = 0  # sequences whose drafts this step verified
 
 
 class LLM:
@@ -220,8 +221,10 @@ class LLM:
         if batch is not None:
             start = time.perf_counter()
             self._run(batch)
-            decode = sum(1 for c in batch.chunks if c.num_tokens == 1 and c.samples)
-            self.last_step = StepStats(start, time.perf_counter(), batch.num_tokens - decode, decode)
+            decoding = [c for c in batch.chunks if c.samples and c.num_tokens == 1 + len(c.drafts)]
+            decode = sum(c.num_tokens for c in decoding)
+            verify = sum(1 for c in decoding if c.drafts)
+            self.last_step = StepStats(start, time.perf_counter(), batch.num_tokens - decode, decode, verify)
         seqs = {c.seq.request_id: c.seq for c in batch.chunks} if batch is not None else {}
         seqs.update(self._ended)
         self._ended.clear()

@@ -6,7 +6,7 @@ results.json, schema "pdkernels.results/1" (stable: fields may be added, never r
   models: `environment()`), "runs": one entry per deployment (and rate) run.
 - run: "deployment", "rate" (req/s, or null under fixed concurrency), "concurrency", "summary",
   "requests", "events" ([seconds since start, what happened]: a worker exiting), "timelines" (per
-  worker: name, role, steps [start, end, prefill tokens, decode tokens]).
+  worker: name, role, steps [start, end, prefill tokens, decode tokens, sequences verifying drafts]).
 - summary: "num_requests", "completed", "errors", "duration_s", "throughput_rps",
   "output_tokens_per_s"; for each of "ttft_s", "tpot_s", "itl_s", "e2e_s", "queue_s", "transfer_s" a
   {"p50", "p90", "p99", "mean", "n"}; "transfer_bytes", "remote_prefills", "local_prefills", "slo"
@@ -193,7 +193,7 @@ def run_record(run: DeploymentRun, config: RunConfig, rate: float | None) -> dic
             {
                 "name": t.name,
                 "role": t.role,
-                "steps": [[s - run.start, e - run.start, p, d] for s, e, p, d in t.steps],
+                "steps": [[s - run.start, e - run.start, *rest] for s, e, *rest in t.steps],
             }
             for t in run.timelines
         ],

@@ -56,7 +56,8 @@ def latency_vs_rate(records: list[dict], slo: dict, path: Path) -> None:
 
 
 def timeline(record: dict, path: Path) -> None:
-    """Forward passes over time of one worker per role: prefill-heavy passes dark, decode-only light."""
+    """Forward passes over time of one worker per role: with prefill tokens red, decode only blue,
+    decode steps that verified speculative drafts green."""
     picks, seen = [], set()
     for t in record["timelines"]:
         if t["role"] not in seen:
@@ -66,12 +67,18 @@ def timeline(record: dict, path: Path) -> None:
         return
     fig, ax = plt.subplots(figsize=(10, 1 + 0.6 * len(picks)))
     for row, t in enumerate(picks):
-        prefill = [(s, e - s) for s, e, p, d in t["steps"] if p > 0]
-        decode = [(s, e - s) for s, e, p, d in t["steps"] if p == 0]
+        steps = [(s, e, p, d, rest[0] if rest else 0) for s, e, p, d, *rest in t["steps"]]
+        prefill = [(s, e - s) for s, e, p, d, v in steps if p > 0]
+        decode = [(s, e - s) for s, e, p, d, v in steps if p == 0 and not v]
+        verify = [(s, e - s) for s, e, p, d, v in steps if p == 0 and v]
         ax.broken_barh(
             prefill, (row - 0.35, 0.7), color="tab:red", label="prefill tokens" if row == 0 else None
         )
         ax.broken_barh(decode, (row - 0.35, 0.7), color="tab:blue", label="decode only" if row == 0 else None)
+        if verify:
+            first = not any(h.get_label() == "verify (speculation)" for h in ax.collections)
+            label = "verify (speculation)" if first else None
+            ax.broken_barh(verify, (row - 0.35, 0.7), color="tab:green", label=label)
     ax.set_yticks(range(len(picks)), [t["name"] for t in picks])
     ax.set_xlabel("seconds since the run started")
     ax.set_title(f"forward passes: {record['deployment']}")

@@ -99,7 +99,8 @@ class Result(Message):
 class Timeline(Message):
     name: str
     role: str
-    steps: list[tuple[float, float, int, int]] = []  # (start, end, prefill tokens, decode tokens)
+    # (start, end, prefill tokens, decode tokens with their drafts, sequences verifying drafts)
+    steps: list[tuple[float, float, int, int, int]] = []
 
 
 class Failed(Message):

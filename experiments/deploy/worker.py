@@ -312,7 +312,9 @@ class Worker:
         stats = self.llm.last_step
         if stats is not None and stats is not self._last_stats:
             self._last_stats = stats
-            self.timeline.steps.append((stats.start, stats.end, stats.prefill_tokens, stats.decode_tokens))
+            self.timeline.steps.append(
+                (stats.start, stats.end, stats.prefill_tokens, stats.decode_tokens, stats.verify_steps)
+            )
         mine = [o for o in outputs if o.request_id in self.live]
         if self.streamed:
             self._progress([o for o in mine if not o.finished and o.request_id in self.streamed])

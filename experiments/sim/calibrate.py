@@ -78,7 +78,7 @@ def points_from_run(saved: dict, roles=("colocated", "decode", "prefill")) -> tu
             if tp != 1:
                 skipped.append(f"{rec['deployment']}/{t['name']} (TP {tp})")
                 continue
-            for start, end, prefill, decode in t["steps"]:
+            for start, end, prefill, decode, *_ in t["steps"]:
                 shapes.setdefault((prefill, decode), []).append(end - start)
     points = []
     for (prefill, decode), secs in sorted(shapes.items()):

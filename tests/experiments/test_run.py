@@ -199,6 +199,12 @@ def test_speculation_through_the_main_job_is_lossless_and_reported(tmp_path):
     s = records[1]["summary"]
     assert records[0]["summary"]["spec_acceptance_rate"] is None and s["spec_drafted"] > 0
     assert 0 <= s["spec_acceptance_rate"] <= 1 and s["spec_mean_accepted_length"] >= 1
+    verify_steps = [step[4] for t in records[1]["timelines"] for step in t["steps"]]
+    assert sum(verify_steps) > 0  # the timeline marks the steps that verified drafts
+    from experiments.plots import timeline
+
+    timeline(records[1], tmp_path / "timeline.png")
+    assert (tmp_path / "timeline.png").stat().st_size > 0
 
 
 def test_config_maps_to_dataclasses():
