@@ -128,3 +128,15 @@ def test_speculative_config_is_checked():
         SpeculativeConfig.of({"num_speculative_tokens": 0})
     with pytest.raises(ValueError, match="unknown key"):
         SpeculativeConfig.of({"num_speculative": 2})
+
+
+def test_speculation_with_tensor_parallelism_gives_the_tp1_tokens():
+    """The TP ranks mirror each verify chunk (its drafts are in the step's input ids)."""
+    greedy = SamplingParams(max_tokens=16, ignore_eos=True)
+    plain = LLM("tiny-random", page_size=4, num_pages=64).generate(REPEATING, greedy)
+    with LLM(
+        "tiny-random", tp=2, page_size=4, num_pages=64, speculative_config={"num_speculative_tokens": 3}
+    ) as llm:
+        spec = llm.generate(REPEATING, greedy)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert sum(o.num_accepted_tokens for o in spec) > 0
