@@ -124,12 +124,7 @@ def bench_gemms(device, dtype, tiny) -> Iterator[tuple]:
         (m, n, k) for m in ([1, 16] if tiny else GEMM_MS) for n, k in ([(256, 512)] if tiny else GEMM_NK)
     ]
     for m, n, k in shapes:
-        x = torch.randn(m, k, device=device, dtype=dtype)
-        w = torch.randn(n, k, device=device, dtype=dtype)
-        y = torch.empty(m, n, device=device, dtype=dtype)
-        nbytes = (n * k + m * k + m * n) * x.element_size()
-        flops = 2 * m * n * k
-        shape = f"M={m} N={n} K={k}"
+        x, w, y, nbytes, flops, shape = _gemm_case(m, n, k, device, dtype)
         counter = make_layer_counter(1, device)
         yield "splitk_gemm", shape, "triton", nbytes, flops, partial(splitk_gemm, x, w, out=y)
         yield "splitk_gemm", shape, "torch.matmul", nbytes, flops, partial(torch.matmul, x, w.t(), out=y)
@@ -145,12 +140,8 @@ def bench_gemms(device, dtype, tiny) -> Iterator[tuple]:
     if device == "cuda" and not tiny:
         yield from gemm_sweep(device, dtype)
     for n, k in [] if tiny else [(4096, 4096), (8192, 8192)]:  # prefill M: one pass, no split
-        m = PREFILL_M
-        x = torch.randn(m, k, device=device, dtype=dtype)
-        w = torch.randn(n, k, device=device, dtype=dtype)
-        y = torch.empty(m, n, device=device, dtype=dtype)
-        nbytes, flops = (n * k + m * k + m * n) * x.element_size(), 2 * m * n * k
-        shape, counter = f"M={m} N={n} K={k}", make_layer_counter(1, device)
+        x, w, y, nbytes, flops, shape = _gemm_case(PREFILL_M, n, k, device, dtype)
+        counter = make_layer_counter(1, device)
         yield "out_proj", shape, "torch.matmul", nbytes, flops, partial(torch.matmul, x, w.t(), out=y)
         yield (
             "out_proj",
@@ -162,6 +153,14 @@ def bench_gemms(device, dtype, tiny) -> Iterator[tuple]:
         )
 
 
+def _gemm_case(m: int, n: int, k: int, device, dtype) -> tuple:
+    """x [M, K], w [N, K], out [M, N], the bytes and FLOPs of x @ w^T, and the shape's label."""
+    x = torch.randn(m, k, device=device, dtype=dtype)
+    w = torch.randn(n, k, device=device, dtype=dtype)
+    y = torch.empty(m, n, device=device, dtype=dtype)
+    return x, w, y, (n * k + m * k + m * n) * x.element_size(), 2 * m * n * k, f"M={m} N={n} K={k}"
+
+
 def gemm_sweep(device, dtype) -> Iterator[tuple]:
     """Tile and split choices beside the defaults (provider names them), and graph-timed rows at decode
     M, to pick the defaults from measurements on the GPU at hand."""
@@ -169,10 +168,7 @@ def gemm_sweep(device, dtype) -> Iterator[tuple]:
     from pdkernels.splitk_gemm import splitk_gemm
 
     for m, n, k in [(1, 4096, 4096), (16, 4096, 4096), (1, 8192, 8192), (16, 8192, 8192)]:
-        x = torch.randn(m, k, device=device, dtype=dtype)
-        w = torch.randn(n, k, device=device, dtype=dtype)
-        y = torch.empty(m, n, device=device, dtype=dtype)
-        nbytes, flops, shape = (n * k + m * k + m * n) * x.element_size(), 2 * m * n * k, f"M={m} N={n} K={k}"
+        x, w, y, nbytes, flops, shape = _gemm_case(m, n, k, device, dtype)
         for bn, bk, split in [
             (32, 128, None),
             (64, 256, None),
@@ -197,11 +193,7 @@ def gemm_sweep(device, dtype) -> Iterator[tuple]:
         projection = Graphed(partial(out_proj, x, w, out=y, counter=counter, validate=False))
         yield "out_proj", shape, "triton+counter [graph]", nbytes, flops, projection
         yield "out_proj", shape, "triton [graph]", nbytes, flops, Graphed(partial(out_proj, x, w, out=y))
-    m = PREFILL_M
-    x = torch.randn(m, 4096, device=device, dtype=dtype)
-    w = torch.randn(4096, 4096, device=device, dtype=dtype)
-    y = torch.empty(m, 4096, device=device, dtype=dtype)
-    nbytes, flops = (3 * 4096 * 4096) * x.element_size(), 2 * m * 4096 * 4096
+    x, w, y, nbytes, flops, shape = _gemm_case(PREFILL_M, 4096, 4096, device, dtype)
     for bm, bn, bk, warps, stages in [
         (128, 128, 64, 8, 3),
         (128, 256, 64, 8, 3),
@@ -213,7 +205,7 @@ def gemm_sweep(device, dtype) -> Iterator[tuple]:
         )
         yield (
             "out_proj",
-            f"M={m} N=4096 K=4096",
+            shape,
             f"triton {bm}x{bn}x{bk} w{warps} s{stages}",
             nbytes,
             flops,
