@@ -25,6 +25,7 @@ setup(
         "fastapi",  # the OpenAI-compatible server (experiments/serve.py), on uvicorn
         "uvicorn",
         "prometheus-client",  # its /metrics
+        "ray>=2.60",  # launcher=ray: workers as actors on a Ray cluster (experiments/deploy/launcher.py)
     ],
     extras_require={
         # transformers (+ accelerate for its GGUF loader) is the reference the engine is checked against

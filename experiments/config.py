@@ -9,7 +9,7 @@ imports hydra: workers get these dataclasses.
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from transfer.config import TransferConfig
 
@@ -21,6 +21,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 KERNEL_BACKENDS = ("auto", "triton", "flashinfer", "torch")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+LAUNCHERS = ("local", "ray")
+ROLES = ("colocated", "prefill", "decode")
 
 
 def _fail(key: str, value, allowed: str) -> None:
@@ -197,6 +199,50 @@ class SloConfig:
 
 
 @dataclass(frozen=True)
+class RayConfig:
+    """Where the `ray` launcher finds its cluster and how it places workers (conf/launcher/ray.yaml)."""
+
+    address: str | None = None  # an existing cluster ("auto" or host:port); None: start a local one
+    local_nodes: int = 2  # address None: nodes of the local cluster (127.0.0.1); node 0 takes prefill
+    cpus_per_node: int = 1  # the local cluster's CPUs per node
+    role_resources: dict = field(
+        default_factory=lambda: {"prefill": "pdk_prefill", "decode": "pdk_decode", "colocated": None}
+    )  # role -> the custom resource a node must have to take that role's workers (None: any node)
+    node_ids: dict = field(default_factory=dict)  # worker name -> Ray node id (explicit placement)
+    max_restarts: int = 0  # Ray restarts a dead worker this many times; it re-handshakes
+    start_timeout_s: float = 120.0  # the cluster up and every worker's placement group placed
+
+    def __post_init__(self):
+        if self.address is not None and not (isinstance(self.address, str) and self.address):
+            _fail("ray.address", self.address, 'null (a local cluster), "auto" or the head\'s host:port')
+        if self.address is None:
+            _positive("ray.local_nodes", self.local_nodes, integer=True)
+        _positive("ray.cpus_per_node", self.cpus_per_node, integer=True)
+        _positive("ray.start_timeout_s", self.start_timeout_s)
+        restarts = self.max_restarts
+        if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
+            _fail("ray.max_restarts", self.max_restarts, "an integer >= 0")
+        unknown = sorted(set(self.role_resources) - set(ROLES))
+        if unknown:
+            _fail("ray.role_resources", dict(self.role_resources), f"keys among {ROLES}; got {unknown}")
+        for role, resource in self.role_resources.items():
+            if resource is not None and not (isinstance(resource, str) and resource):
+                _fail(f"ray.role_resources.{role}", resource, "a custom resource name or null (any node)")
+
+
+@dataclass(frozen=True)
+class LauncherConfig:
+    name: str = "local"  # local: processes on this host | ray: actors on a Ray cluster
+    ray: RayConfig | None = None  # the ray launcher's settings
+
+    def __post_init__(self):
+        if self.name not in LAUNCHERS:
+            _fail("launcher", self.name, f"one of {LAUNCHERS}")
+        if self.name == "ray" and self.ray is None:
+            object.__setattr__(self, "ray", RayConfig())
+
+
+@dataclass(frozen=True)
 class RunConfig:
     model: ModelSpec
     deployments: tuple[DeploymentConfig, ...]
@@ -204,6 +250,7 @@ class RunConfig:
     slo: SloConfig
     transfer: TransferConfig
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
     run_timeout_s: float = 600.0  # the whole run; requests not finished by then are recorded as errors
     start_timeout_s: float = 300.0  # every worker up and connected
     plots: bool = True
@@ -265,8 +312,23 @@ def from_cfg(cfg) -> RunConfig:
     model = _dataclass(ModelSpec, "model", cfg.get("model"))
     transfer = _dataclass(TransferConfig, "transfer", cfg.get("transfer"))
     kernels = _dataclass(KernelsConfig, "kernels", cfg.get("kernels"))
+    launcher = launcher_of(cfg)
+    if launcher.name == "ray" and transfer.control_transport == "ipc":
+        # workers on other nodes: the control plane is tcp (CURVE), each worker binding its node's address
+        transfer = replace(transfer, control_transport="tcp")
     run = {k: cfg[k] for k in ("run_timeout_s", "start_timeout_s", "plots", "log_level") if k in cfg}
-    return RunConfig(model, deployments_of(cfg), workload_of(cfg), slo_of(cfg), transfer, kernels, **run)
+    return RunConfig(
+        model, deployments_of(cfg), workload_of(cfg), slo_of(cfg), transfer, kernels, launcher, **run
+    )
+
+
+def launcher_of(cfg: dict) -> LauncherConfig:
+    """`launcher` (a group: {name}, or just its name) and, for ray, the `ray` settings."""
+    launcher = cfg.get("launcher") or {"name": "local"}
+    launcher = {"name": launcher} if isinstance(launcher, str) else dict(launcher)
+    if launcher.get("name") == "ray":
+        launcher["ray"] = _dataclass(RayConfig, "ray", cfg.get("ray"))
+    return _dataclass(LauncherConfig, "launcher", launcher)
 
 
 def deployments_of(cfg: dict) -> tuple[DeploymentConfig, ...]:

@@ -5,7 +5,8 @@ results.json, schema "pdkernels.results/1" (stable: fields may be added, never r
 - "schema", "config" (the checked RunConfig), "environment" (git commit, package versions, CPU and GPU
   models: `environment()`), "runs": one entry per deployment (and rate) run.
 - run: "deployment", "rate" (req/s, or null under fixed concurrency), "concurrency", "summary",
-  "requests", "events" ([seconds since start, what happened]: a worker exiting), "timelines" (per
+  "requests", "events" ([seconds since start, what happened]: a worker exiting), "workers" ([{name,
+  role, node_id, pid}]: where each worker ran; node_id is a Ray node id or this host's name), "timelines" (per
   worker: name, role, steps [start, end, prefill tokens, decode tokens, sequences verifying drafts]).
 - summary: "num_requests", "completed", "errors", "duration_s", "throughput_rps",
   "output_tokens_per_s"; for each of "ttft_s", "tpot_s", "itl_s", "e2e_s", "queue_s", "transfer_s" a
@@ -189,6 +190,7 @@ def run_record(run: DeploymentRun, config: RunConfig, rate: float | None) -> dic
         "summary": summarize(run, rows, config.slo, rate),
         "requests": rows,
         "events": [[t - run.start, what] for t, what in run.events],
+        "workers": run.workers,
         "timelines": [
             {
                 "name": t.name,

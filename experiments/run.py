@@ -38,6 +38,7 @@ def run(cfg: DictConfig, out_dir: Path, progress: bool = True, hooks=None) -> li
             raise ValueError(f"goodput_search.rates holds {r!r}: every rate must be a number > 0")
     if rates and config.workload.arrival != "poisson":
         raise ValueError("goodput_search.rates needs workload.arrival=poisson")
+    first_core = _sweep_cores(config)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
     records, interrupted = [], False
@@ -52,9 +53,7 @@ def run(cfg: DictConfig, out_dir: Path, progress: bool = True, hooks=None) -> li
                     result = run_endpoint(run_config, d, requests, progress=progress)
                 else:
                     log_dir = out_dir / "logs" / d.name
-                    result = run_deployment(
-                        run_config, d, requests, progress=progress, hooks=hooks, log_dir=log_dir
-                    )
+                    result = run_deployment(run_config, d, requests, progress, hooks, log_dir, first_core)
                 records.append(metrics.run_record(result, run_config, rate))
                 metrics.write_results(out_dir, config, records)  # an interrupted run keeps what it measured
                 if interrupted := result.interrupted:
@@ -66,6 +65,38 @@ def run(cfg: DictConfig, out_dir: Path, progress: bool = True, hooks=None) -> li
         print(f"interrupted: wrote the {len(records)} run(s) measured so far", file=sys.stderr)
         raise SystemExit(130)
     return records
+
+
+def _sweep_cores(config) -> int:
+    """Where this job's worker cores start. Jobs of a parallel (joblib) sweep run side by side: each
+    gets its own share of the cores, and a sweep whose jobs cannot each have their own is refused."""
+    import os
+
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return 0
+    hc = HydraConfig.get()
+    n_jobs = int(hc.launcher.get("n_jobs", 1) or 1) if "Joblib" in str(hc.launcher.get("_target_")) else 1
+    ncpu = len(os.sched_getaffinity(0))
+    n_jobs = ncpu if n_jobs < 0 else n_jobs  # joblib: -1 is one job per core
+    if n_jobs <= 1:
+        return 0
+    if config.launcher.name == "ray":
+        if config.launcher.ray.address is None:
+            raise ValueError(
+                f"a parallel sweep (hydra.launcher.n_jobs={n_jobs}) with launcher=ray needs one shared "
+                "cluster: start it (ray start --head) and set ray.address, or sweep with the basic launcher"
+            )
+        return 0  # Ray gives each job's workers their own CPUs
+    per_job = max((d.processes * d.threads_per_worker for d in config.deployments), default=0)
+    if per_job * n_jobs > ncpu:
+        raise ValueError(
+            f"hydra.launcher.n_jobs={n_jobs} parallel jobs x {per_job} cores each need {per_job * n_jobs} "
+            f"cores; this machine gives {ncpu}: parallel runs would measure each other. Lower n_jobs, "
+            "or sweep with the basic launcher (drop experiment=rate_sweep)"
+        )
+    return (hc.job.num % n_jobs) * per_job
 
 
 class _sigterm_interrupts:

@@ -30,7 +30,7 @@ from torch import Tensor
 from transfer.backends import Backend
 from transfer.config import TransferConfig
 from transfer.plan import ShardSpec, plan_array
-from transfer.protocol import Abort, Accepted, Ended, Hello, Notif, PrefillRequest
+from transfer.protocol import PROTOCOL_VERSION, Abort, Accepted, Ended, Hello, Notif, PrefillRequest
 
 
 class DecodeEngine(Protocol):
@@ -133,6 +133,8 @@ class DecodeMessenger:
             live = [n for n, p in self.peers.items() if not p.lost] or list(self.peers)
             peer = min(live, key=self.outstanding_tokens)
         target = self.peers[peer]
+        if not target.lost and target.hello.peer_alive() is False:  # gone (this host can tell)
+            self.peer_dead(peer)
         if len(prompt_ids) > 1:  # plan before anything is taken: a plan that raises leaves nothing behind
             # counts do not depend on which pages are used: plan against placeholder ids
             placeholder = list(range(-(-(len(prompt_ids) - 1) // self.spec.page_size)))
@@ -178,6 +180,9 @@ class DecodeMessenger:
             self._count(agent, msg)
         for peer in self.peers.values():
             for msg in peer.channel.receive():
+                if isinstance(msg, Hello):  # the peer was restarted and handshakes again
+                    self._rejoin(peer, msg)
+                    continue
                 p = self.pending.get(msg.request_id) if isinstance(msg, Accepted | Ended) else None
                 if p is None or p.peer is not peer or p.seq != msg.seq:
                     self.dropped["control message for a request the peer does not own"] += 1
@@ -255,6 +260,16 @@ class DecodeMessenger:
         if peer.lost and peer.hello.peer_alive() is False:
             for rid in mine:
                 self._pages_safe(rid)
+
+    def _rejoin(self, peer: _Peer, hello: Hello) -> None:
+        """A new Hello on a peer's channel: a new process of that worker (same keys). The old one is
+        gone, so its requests fail and their pages are safe; the peer takes requests again."""
+        if hello.version != PROTOCOL_VERSION:
+            self.dropped["Hello of another protocol version"] += 1
+            return
+        if any(p.peer is peer for p in self.pending.values()):
+            self.peer_dead(peer.name)
+        peer.hello, peer.lost = hello, False
 
     def peer_dead(self, name: str) -> None:
         """Whoever started the peer knows it has exited: nothing more can land from it."""

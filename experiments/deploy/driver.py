@@ -18,12 +18,11 @@ sockets live in a private directory (`ipc://`, the default) or bind to `transfer
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from experiments.config import DeploymentConfig, RunConfig
@@ -41,7 +40,7 @@ from experiments.deploy.messages import (
     Timeline,
     driver_codec,
 )
-from experiments.deploy.worker import WorkerSpec, worker_main
+from experiments.deploy.worker import WorkerSpec
 from experiments.workload import Request
 from transfer.auth import Credentials, keyring
 from transfer.config import TransferConfig
@@ -58,16 +57,24 @@ def worker_names(d: DeploymentConfig) -> list[str]:
 
 
 def worker_specs(
-    config: RunConfig, d: DeploymentConfig, driver: str, run_dir: str, keys: dict[str, Credentials]
+    config: RunConfig,
+    d: DeploymentConfig,
+    driver: str,
+    run_dir: str,
+    keys: dict[str, Credentials],
+    first_core: int = 0,
 ) -> list[WorkerSpec]:
-    """Every worker of a deployment, with its peers, keys and cores (threads x TP each, round robin)."""
-    ncpu = len(os.sched_getaffinity(0))
-    next_core = 0
+    """Every worker of a deployment, with its peers, keys and cores (threads x TP each, round robin from
+    first_core; none under the ray launcher, where Ray reserves CPUs on nodes this host cannot see)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    next_core = first_core
 
     def cores(tp: int) -> tuple[int, ...]:
         nonlocal next_core
+        if config.launcher.name == "ray":
+            return ()
         n = d.threads_per_worker * tp
-        out = tuple((next_core + k) % ncpu for k in range(n))
+        out = tuple(cpus[(next_core + k) % len(cpus)] for k in range(n))
         next_core += n
         return out
 
@@ -96,12 +103,19 @@ def worker_specs(
 
 @dataclass
 class Fleet:
-    """A deployment's worker processes, started, connected and Ready, and the driver's socket to them."""
+    """A deployment's workers, started (by its launcher), connected and Ready, and the driver's socket
+    to them. It also notices workers that die, has the launcher restart them where it can, and brings
+    a restarted one back (Connect again, then its Ready)."""
 
     sock: object  # zmq ROUTER
-    procs: dict[str, mp.Process]
+    procs: dict[str, object]  # name -> worker handle (multiprocessing.Process, launcher.RayWorker)
     roles: dict[str, str]
     run_dir: str
+    launcher: object = None
+    start_timeout_s: float = 300.0  # how long a restarted worker may take to come back
+    listening: dict[str, dict[str, str]] = field(default_factory=dict)  # decode worker -> its addresses
+    dead: set[str] = field(default_factory=set)
+    restarting: set[str] = field(default_factory=set)
 
     @property
     def frontends(self) -> list[str]:
@@ -112,7 +126,53 @@ class Fleet:
         return _send(self.sock, name, msg)
 
     def receive(self) -> list[tuple[str, object]]:
-        return _recv(self.sock)
+        """Messages from the workers; the ones that bring a restarted worker back are handled here."""
+        out = []
+        for name, msg in _recv(self.sock):
+            if isinstance(msg, Listening) and self.roles[name] == "decode":
+                self.listening[name] = msg.addresses
+                if len(self.listening) == sum(r == "decode" for r in self.roles.values()):
+                    for p in (n for n, r in self.roles.items() if r == "prefill"):
+                        self._connect(p)
+            elif isinstance(msg, Listening) and name in self.restarting:
+                self._connect(name)
+            elif isinstance(msg, Ready) and name in self.restarting:
+                self.restarting.discard(name)
+                self.dead.discard(name)
+                log.warning("worker %s is back after a restart", name)
+                out.append((name, msg))
+            else:
+                out.append((name, msg))
+        return out
+
+    def _connect(self, prefill: str) -> None:
+        decode = [n for n, r in self.roles.items() if r == "decode"]
+        self.send(prefill, Connect({dn: self.listening[dn].get(prefill, "") for dn in decode}))
+
+    def deaths(self) -> list[tuple[str, int | None]]:
+        """(name, exit code) of the workers found dead since the last call. Each is restarted if its
+        launcher may (it comes back with a Ready that receive() passes on); until then it takes no
+        requests. A dead prefill worker's decode peers are told (PeerDead): they end its requests."""
+        out = []
+        for name, proc in self.procs.items():
+            if name in self.dead or proc.is_alive():
+                continue
+            self.dead.add(name)
+            code, pid = proc.exitcode, proc.pid
+            log.warning("worker %s exited (code %s)", name, code)
+            out.append((name, code))
+            if self.launcher is not None and self.launcher.restart(name, proc):
+                self.restarting.add(name)
+            if self.roles[name] == "prefill":
+                back = self.start_timeout_s if name in self.restarting else 0.0
+                for frontend in self.frontends:
+                    if frontend not in self.dead:
+                        self.send(frontend, PeerDead(name, back, pid or 0))
+        return out
+
+    def workers(self) -> list[dict]:
+        """Every worker: name, role, the node it runs on and its pid (results.json `workers`)."""
+        return [{"name": n, "role": self.roles[n], **self.launcher.where(p)} for n, p in self.procs.items()]
 
     def stop(self, on_message=None) -> None:
         """Stop every worker (on_message(name, msg) sees what they send meanwhile: timelines, late
@@ -134,34 +194,36 @@ class Fleet:
                     p.join(timeout=5)
         finally:
             self.sock.close()
+            if self.launcher is not None:
+                self.launcher.shutdown(self.procs)
             shutil.rmtree(self.run_dir, ignore_errors=True)
 
 
-def start_fleet(config: RunConfig, d: DeploymentConfig, log_dir: Path | None = None) -> Fleet:
-    """Start the deployment's workers and wait until every one is Ready (raises, with none left running,
-    if one fails or the start times out). log_dir: where each worker writes <name>.log."""
+def start_fleet(
+    config: RunConfig, d: DeploymentConfig, log_dir: Path | None = None, first_core: int = 0
+) -> Fleet:
+    """Start the deployment's workers (config.launcher) and wait until every one is Ready (raises, with
+    none left running, if one fails or the start times out). log_dir: where each writes <name>.log;
+    first_core: where its cores start (a parallel sweep job's own share)."""
     import zmq
 
+    from experiments.deploy.launcher import make_launcher
+
+    launcher = make_launcher(config)
     run_dir = tempfile.mkdtemp(prefix="pdk-")  # mode 0700: only this user reaches its sockets
     keys = keyring(["driver"] + worker_names(d))
-    sock = driver_socket(keys, run_dir, config.transfer)
+    sock = driver_socket(keys, run_dir, replace(config.transfer, control_host=launcher.control_host()))
     driver_address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-    specs = worker_specs(config, d, driver_address, run_dir, keys)
+    specs = worker_specs(config, d, driver_address, run_dir, keys, first_core)
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
         specs = [
             replace(s, log_file=str(log_dir / f"{s.name}.log"), log_level=config.log_level) for s in specs
         ]
-    if mp.get_start_method(allow_none=True) not in (None, "spawn", "fork", "forkserver"):
-        # inside a joblib (loky) sweep job: spawned children would look for a 'loky' context and fail
-        mp.set_start_method("spawn", force=True)
-    mpctx = mp.get_context("spawn")
-    procs = {s.name: mpctx.Process(target=worker_main, args=(s,), name=s.name) for s in specs}
-    fleet = Fleet(sock, procs, {s.name: s.role for s in specs}, run_dir)
+    fleet = Fleet(sock, {}, {s.name: s.role for s in specs}, run_dir, launcher, config.start_timeout_s)
     try:
-        for p in procs.values():
-            p.start()  # not daemons: a worker with TP > 1 starts its own rank processes
-        _await_ready(sock, procs, fleet.roles, config.start_timeout_s)
+        fleet.procs = launcher.start(specs)
+        _await_ready(fleet, config.start_timeout_s)
     except BaseException:
         fleet.stop()
         raise
@@ -175,6 +237,7 @@ def run_deployment(
     progress: bool = True,
     hooks=None,
     log_dir: Path | None = None,
+    first_core: int = 0,
 ) -> DeploymentRun:
     """Start the deployment's workers, run every request through them, stop them; returns what happened.
 
@@ -183,13 +246,14 @@ def run_deployment(
     run = DeploymentRun(d, requests)
     fleet = None
     try:
-        fleet = start_fleet(config, d, log_dir)
-        _serve(run, config, fleet.sock, fleet.procs, fleet.roles, progress, hooks)
+        fleet = start_fleet(config, d, log_dir, first_core)
+        _serve(run, config, fleet, progress, hooks)
     except KeyboardInterrupt:  # SIGTERM (experiments.run raises it) or Ctrl-C: keep what was measured
         run.interrupted = True
         _unfinished(run, "interrupted (SIGTERM or Ctrl-C)")
     finally:
         if fleet is not None:
+            run.workers = fleet.workers()
             fleet.stop(lambda name, msg: _late(run, msg))
     return run
 
@@ -249,40 +313,33 @@ def _send(sock, name: str, msg) -> bool:
         return False
 
 
-def _await_ready(sock, procs, roles, timeout_s: float) -> None:
-    """Every worker Ready; once every decode worker listens, tell each prefill worker where."""
-    ready, listening, give_up = set(), {}, time.monotonic() + timeout_s
-    decode = [n for n, r in roles.items() if r == "decode"]
-    while len(ready) < len(procs):
-        sock.poll(100)
-        for name, msg in _recv(sock):
+def _await_ready(fleet: Fleet, timeout_s: float) -> None:
+    """Every worker Ready (fleet.receive tells each prefill worker where its decode peers listen)."""
+    ready, give_up = set(), time.monotonic() + timeout_s
+    while len(ready) < len(fleet.procs):
+        fleet.sock.poll(100)
+        for name, msg in fleet.receive():
             if isinstance(msg, Failed):
                 raise RuntimeError(f"worker {name} failed to start:\n{msg.error}")
             if isinstance(msg, Ready):
                 ready.add(name)
-            elif isinstance(msg, Listening) and roles[name] == "decode":
-                listening[name] = msg.addresses
-                if len(listening) == len(decode):
-                    for p in (n for n, r in roles.items() if r == "prefill"):
-                        _send(sock, p, Connect({dn: listening[dn].get(p, "") for dn in decode}))
-        dead = [n for n, p in procs.items() if not p.is_alive()]
+        dead = [n for n, p in fleet.procs.items() if not p.is_alive()]
         if dead:
             raise RuntimeError(
-                f"worker(s) {dead} exited while starting (codes {[procs[n].exitcode for n in dead]})"
+                f"worker(s) {dead} exited while starting (codes {[fleet.procs[n].exitcode for n in dead]})"
             )
         if time.monotonic() > give_up:
             raise TimeoutError(
-                f"workers {sorted(set(procs) - ready)} not ready within start_timeout_s={timeout_s}"
+                f"workers {sorted(set(fleet.procs) - ready)} not ready within start_timeout_s={timeout_s}"
             )
 
 
-def _serve(run: DeploymentRun, config: RunConfig, sock, procs, roles, progress: bool, hooks) -> None:
+def _serve(run: DeploymentRun, config: RunConfig, fleet: Fleet, progress: bool, hooks) -> None:
     from tqdm import tqdm
 
     w = config.workload
-    frontends = [n for n, r in roles.items() if r != "prefill"]  # where requests go
+    frontends = fleet.frontends  # where requests go
     in_flight = {n: set() for n in frontends}
-    dead: set[str] = set()
     queue = list(run.requests)  # in arrival order
     streamed: dict[str, list[float]] = {}  # request -> when each of its tokens reached the driver
     bar = tqdm(total=len(queue), desc=run.deployment.name, disable=not progress, unit="req")
@@ -297,7 +354,7 @@ def _serve(run: DeploymentRun, config: RunConfig, sock, procs, roles, progress: 
                 or (w.arrival == "concurrency" and busy < w.concurrency)
             ):
                 req = queue.pop(0)
-                live = [n for n in frontends if n not in dead]
+                live = [n for n in frontends if n not in fleet.dead]
                 run.sent[req.request_id] = time.perf_counter()
                 if not live:
                     run.results[req.request_id] = _error(req.request_id, "no live worker to take it", now)
@@ -305,10 +362,10 @@ def _serve(run: DeploymentRun, config: RunConfig, sock, procs, roles, progress: 
                     continue
                 target = min(live, key=lambda n: len(in_flight[n]))
                 in_flight[target].add(req.request_id)
-                _send(sock, target, Submit(req.request_id, req.prompt_ids, req.max_tokens, stream=True))
+                fleet.send(target, Submit(req.request_id, req.prompt_ids, req.max_tokens, stream=True))
                 busy += 1
-            sock.poll(1)
-            for name, msg in _recv(sock):
+            fleet.sock.poll(1)
+            for name, msg in fleet.receive():
                 now = time.perf_counter()
                 if isinstance(msg, Progress):
                     for rid, ids, _ in msg.items:  # tokens as the router sees them arrive
@@ -320,23 +377,21 @@ def _serve(run: DeploymentRun, config: RunConfig, sock, procs, roles, progress: 
                         msg.token_times = times + [now] * (len(msg.output_ids) - len(times))
                     run.results[msg.request_id] = msg
                     bar.update()
+                elif isinstance(msg, Ready):  # a restarted worker is back
+                    run.events.append((now, f"{name} back after a restart"))
                 elif isinstance(msg, Failed):
                     raise RuntimeError(f"worker {name} failed:\n{msg.error}")
-            for name, proc in procs.items():
-                if name not in dead and not proc.is_alive():
-                    dead.add(name)
-                    run.events.append((time.perf_counter(), f"{name} exited (code {proc.exitcode})"))
-                    log.warning("worker %s exited (code %s)", name, proc.exitcode)
-                    if roles[name] == "prefill":
-                        for dn in frontends:
-                            _send(sock, dn, PeerDead(name))
-                    else:
-                        for rid in in_flight.pop(name, set()):
-                            run.results[rid] = _error(rid, f"worker {name} exited", time.perf_counter())
-                            bar.update()
-                        frontends.remove(name)
+            for name, code in fleet.deaths():
+                now = time.perf_counter()
+                again = " (restarting)" if name in fleet.restarting else ""
+                run.events.append((now, f"{name} exited (code {code}){again}"))
+                if fleet.roles[name] != "prefill":
+                    for rid in in_flight[name]:
+                        run.results[rid] = _error(rid, f"worker {name} exited", now)
+                        bar.update()
+                    in_flight[name].clear()
             if hooks is not None:
-                hooks(run, procs)
+                hooks(run, fleet.procs)
             if time.monotonic() > give_up:
                 _unfinished(run, f"not finished within run_timeout_s={config.run_timeout_s}")
                 break

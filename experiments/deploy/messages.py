@@ -60,7 +60,12 @@ class Progress(Message):
 
 
 class PeerDead(Message):
+    """A prefill worker exited: its requests end. back_within_s > 0: it is being restarted, so requests
+    that would have gone to it wait that long for it (when no other prefill worker is up)."""
+
     name: str
+    back_within_s: float = 0.0
+    pid: int = 0  # the process that exited (0: whichever): a restarted one that is already back stays
 
 
 class Stop(Message):
@@ -132,3 +137,4 @@ class DeploymentRun:
     start: float = 0.0
     end: float = 0.0
     interrupted: bool = False  # stopped by SIGTERM or Ctrl-C: unfinished requests are recorded as errors
+    workers: list[dict] = field(default_factory=list)  # {name, role, node_id, pid} of each worker

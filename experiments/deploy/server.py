@@ -36,7 +36,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from omegaconf import DictConfig
 
 from experiments.config import check_fits_model, from_cfg
-from experiments.deploy.messages import Cancel, Failed, Load, PeerDead, Progress, Result, Submit
+from experiments.deploy.messages import Cancel, Failed, Load, Progress, Result, Submit
 
 log = logging.getLogger(__name__)
 
@@ -71,11 +71,15 @@ class Runtime:
         self.sinks: dict[str, object] = {}
         self.in_flight = {n: set() for n in fleet.frontends}
         self.owner: dict[str, str] = {}  # request -> the worker it went to
-        self.dead: set[str] = set()
         self.load: dict[str, Load] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="runtime", daemon=True)
         self._thread.start()
+
+    @property
+    def dead(self) -> set[str]:
+        """Workers down (a restarting one until it is back)."""
+        return self.fleet.dead
 
     @property
     def healthy(self) -> bool:
@@ -130,15 +134,9 @@ class Runtime:
                 self.load[name] = msg
             elif isinstance(msg, Failed):
                 log.error("worker %s failed:\n%s", name, msg.error)
-        for name, proc in self.fleet.procs.items():
-            if name not in self.dead and not proc.is_alive():
-                self.dead.add(name)
-                log.warning("worker %s exited (code %s)", name, proc.exitcode)
-                if self.fleet.roles[name] == "prefill":
-                    for frontend in self.in_flight:
-                        self.fleet.send(frontend, PeerDead(name))
-                for rid in list(self.in_flight.pop(name, set())):
-                    self._finish(Result(rid, name, [], 0.0, None, [], "error", f"worker {name} exited"))
+        for name, _ in self.fleet.deaths():  # a dead prefill worker's decode peers end its requests
+            for rid in list(self.in_flight.get(name, ())):
+                self._finish(Result(rid, name, [], 0.0, None, [], "error", f"worker {name} exited"))
 
     def _route(self, msg: Submit, sink) -> None:
         live = [n for n in self.in_flight if n not in self.dead]

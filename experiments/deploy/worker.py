@@ -69,10 +69,12 @@ def worker_main(spec: WorkerSpec) -> None:
     from transfer.auth import connect_as
 
     if spec.log_file is not None:
+        os.makedirs(os.path.dirname(spec.log_file) or ".", exist_ok=True)  # another node's disk (ray)
         logging.basicConfig(
             filename=spec.log_file,
             level=spec.log_level,
             format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+            force=True,  # a Ray actor's process already has handlers
         )
     codec = worker_codec()
     sock = zmq.Context.instance().socket(zmq.DEALER)
@@ -125,7 +127,8 @@ class Worker:
         self.holdback: dict[str, int] = {}  # characters a stop string could still claim
         self.load_at = 0.0  # when the last Load went
         self._last_stats = None  # the engine's latest step already in the timeline
-        self.backlog: deque = deque()  # decode: (Submit, SamplingParams) waiting for free pages
+        self.backlog: deque = deque()  # decode: (Submit, SamplingParams) waiting for pages or a peer
+        self.returning: dict[str, float] = {}  # restarting prefill worker -> when to stop waiting
         self.pm = self.dm = None
         if spec.role != "colocated":
             self._connect_messenger()
@@ -211,7 +214,13 @@ class Worker:
                     msg = self._recv()
                     if isinstance(msg, Stop):
                         self._send(self.timeline)
-                        log.info("%s stopped by the driver", self.spec.name)
+                        a = self.llm.allocator
+                        log.info(
+                            "%s stopped by the driver (%d of %d pages free)",
+                            self.spec.name,
+                            a.num_free,
+                            a.num_pages,
+                        )
                         return
                     self._handle(msg)
             if self.pm is not None:
@@ -240,8 +249,12 @@ class Worker:
         from engine import SamplingParams
 
         if isinstance(msg, PeerDead) and self.dm is not None:
+            if msg.pid and msg.pid != self.dm.peers[msg.name].hello.pid:
+                return  # about a process of that worker already replaced by a restarted one
             log.warning("%s: prefill worker %s died; its requests end", self.spec.name, msg.name)
             self.dm.peer_dead(msg.name)
+            if msg.back_within_s > 0:
+                self.returning[msg.name] = time.monotonic() + msg.back_within_s
         elif isinstance(msg, Cancel):
             self._cancel(msg.request_id)
         elif isinstance(msg, Submit):
@@ -295,6 +308,10 @@ class Worker:
     def _drain_backlog(self) -> None:
         from engine.kv_cache import OutOfPages
 
+        if all(p.lost for p in self.dm.peers.values()) and any(
+            t > time.monotonic() for t in self.returning.values()
+        ):
+            return  # every prefill worker is down and one is being restarted: wait for it
         while self.backlog:
             msg, params = self.backlog[0]
             try:

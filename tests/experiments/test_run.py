@@ -163,7 +163,8 @@ def test_unknown_deployment_is_refused_by_the_cli(tmp_path):
 
 @pytest.mark.parametrize("launcher", [[], ["experiment=rate_sweep"]], ids=["basic", "joblib"])
 def test_a_sweep_over_two_rates_gives_two_run_folders_and_a_goodput(tmp_path, launcher):
-    args = ["-m", *TINY, *launcher, "deployment=colocated", "workload.arrival=poisson", "workload.rate=2,4"]
+    args = ["-m", *TINY, *launcher, "deployment=colocated", "deployment.num_workers=1"]  # a core per job
+    args += ["workload.arrival=poisson", "workload.rate=2,4"]
     args += ["slo.ttft_s=5", "slo.tpot_s=1", f"hydra.sweep.dir={tmp_path}"]
     out = _cli(args, tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -176,6 +177,16 @@ def test_a_sweep_over_two_rates_gives_two_run_folders_and_a_goodput(tmp_path, la
     goodput = json.loads((tmp_path / "goodput.json").read_text())["goodput_rps"]
     assert goodput["colocated"] == 4.0  # a tiny model meets a loose SLO at both rates
     assert "goodput (req/s)" in out.stdout
+
+
+def test_a_parallel_sweep_whose_jobs_cannot_each_have_their_own_cores_is_refused(tmp_path):
+    n_jobs = len(os.sched_getaffinity(0)) + 1  # one core each: one job too many
+    rates = ",".join(str(r + 1) for r in range(n_jobs))
+    args = ["-m", *TINY, "experiment=rate_sweep", f"hydra.launcher.n_jobs={n_jobs}", "deployment=colocated"]
+    args += ["workload.arrival=poisson", f"workload.rate={rates}", f"hydra.sweep.dir={tmp_path}"]
+    out = _cli(args, tmp_path)
+    assert out.returncode != 0 and f"hydra.launcher.n_jobs={n_jobs} parallel jobs" in out.stderr, out.stderr
+    assert "would measure each other" in out.stderr
 
 
 def test_a_sharegpt_sample_drives_a_real_run(tmp_path):

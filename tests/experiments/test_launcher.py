@@ -1,0 +1,125 @@
+"""The ray launcher on a local two-node Ray cluster (1 CPU each, every address 127.0.0.1): 1P1D with the
+prefill worker on one node and the decode worker on the other, KV over NIXL between them."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+pytest.importorskip("ray")
+pytest.importorskip("nixl_cu12")
+
+from experiments.deploy import launcher  # noqa: E402
+from experiments.run import run  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ["model=tiny-random", "workload.arrival=concurrency", "workload.concurrency=2", "plots=false"]
+TINY += ["workload.prompt_len.kind=uniform", "workload.prompt_len.low=2", "workload.prompt_len.high=40"]
+TINY += ["workload.output_len.value=8", "start_timeout_s=120", "run_timeout_s=180"]
+RAY = ["launcher=ray", "ray.local_nodes=2"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_cluster_then_gone():
+    """The in-process runs share one local cluster; it is shut down after this module."""
+    yield
+    launcher.disconnect()
+
+
+def _cfg(overrides):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        return compose("config", overrides=overrides)
+
+
+def _outputs(record):
+    return {r["request_id"]: r["output_ids"] for r in record["requests"]}
+
+
+def _pages_free_at_stop(log_file: Path) -> tuple[int, int]:
+    found = re.search(r"stopped by the driver \((\d+) of (\d+) pages free\)", log_file.read_text())
+    return int(found[1]), int(found[2])
+
+
+def test_1p1d_across_two_nodes_from_the_command_line_gives_the_colocated_tokens(tmp_path):
+    deployments = (
+        "deployments=[{name: colocated, kind: colocated, num_workers: 1},"
+        "{name: 1p1d, kind: disaggregated, num_prefill: 1, num_decode: 1}]"
+    )
+    args = [sys.executable, "-m", "experiments.run", *TINY, *RAY, "workload.num_requests=6", deployments]
+    done = subprocess.run(
+        [*args, f"hydra.run.dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    colocated, disagg = json.loads((tmp_path / "results.json").read_text())["runs"]
+    assert disagg["summary"]["completed"] == 6 and disagg["summary"]["remote_prefills"] > 0
+    assert _outputs(disagg) == _outputs(colocated)
+    workers = {w["name"]: w for w in disagg["workers"]}
+    assert set(workers) == {"prefill-0", "decode-0"}
+    assert workers["prefill-0"]["node_id"] != workers["decode-0"]["node_id"]  # the roles' two nodes
+    assert all(w["pid"] > 0 and w["role"] == n.split("-")[0] for n, w in workers.items())
+    assert colocated["workers"][0]["node_id"] in {w["node_id"] for w in workers.values()}
+
+
+def test_a_killed_prefill_actor_fails_its_requests_frees_decode_pages_and_comes_back(tmp_path):
+    """SIGKILL the prefill actor after the first result: its in-flight requests end with errors, the
+    decode worker frees their pages, Ray restarts it (max_restarts 1), it re-handshakes, and the requests
+    sent after that are prefilled by it again."""
+    overrides = [*TINY, *RAY, "deployment=1p1d", "ray.max_restarts=1", "workload.num_requests=30"]
+    overrides += ["workload.arrival=poisson", "workload.rate=2", "deployment.chunk_size=8"]  # over ~15 s
+    killed = []
+
+    def kill_prefill_after_first_result(run_state, procs):
+        if run_state.results and not killed:
+            os.kill(procs["prefill-0"].pid, signal.SIGKILL)  # the actor's process: as if it crashed
+            killed.append(len(run_state.results))
+
+    (rec,) = run(_cfg(overrides), tmp_path, progress=False, hooks=kill_prefill_after_first_result)
+    s = rec["summary"]
+    errors = [r["error"] for r in rec["requests"] if r["error"]]
+    assert killed and s["num_requests"] == 30 and errors, rec["events"]
+    assert all("prefill-0" in e for e in errors), errors
+    events = [what for _, what in rec["events"]]
+    assert any("prefill-0 exited" in e and "restarting" in e for e in events), events
+    assert "prefill-0 back after a restart" in events, events
+    back = next(t for t, what in rec["events"] if what == "prefill-0 back after a restart")
+    after = [r for r in rec["requests"] if r["arrival_s"] > back + 1]  # sent once it was back
+    assert after and all(r["error"] is None and r["prefill"] == "remote" for r in after), after
+    free, total = _pages_free_at_stop(tmp_path / "logs" / "1p1d" / "decode-0.log")
+    assert free == total  # every decode page came back, the failed requests' too
+
+
+@pytest.mark.slow
+def test_tp_1_to_2_across_two_nodes_gives_the_colocated_tokens(tmp_path):
+    """Prefill TP 1 on node 0, decode TP 2 on node 1 (2 CPUs each: a new local cluster)."""
+    launcher.disconnect()
+    deployments = (
+        "deployments=[{name: colocated, kind: colocated, num_workers: 1},"
+        "{name: 1p1d-tp1-2, kind: disaggregated, num_prefill: 1, num_decode: 1, decode_tp: 2}]"
+    )
+    overrides = [*TINY, *RAY, "ray.cpus_per_node=2", "workload.num_requests=6", deployments]
+    colocated, disagg = run(_cfg(overrides), tmp_path, progress=False)
+    assert disagg["summary"]["completed"] == 6 and _outputs(disagg) == _outputs(colocated)
+    workers = {w["name"]: w for w in disagg["workers"]}
+    assert workers["prefill-0"]["node_id"] != workers["decode-0"]["node_id"]
+    launcher.disconnect()
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("ray.max_restarts=-1", "ray.max_restarts=-1 is not allowed: an integer >= 0"),
+        ("ray.local_nodes=0", "ray.local_nodes=0 is not allowed: must be an integer > 0"),
+        ("+ray.role_resources.router=x", "keys among ('colocated', 'prefill', 'decode'); got ['router']"),
+        ("+ray.nodes=3", "ray has unknown key(s) ['nodes']"),
+    ],
+)
+def test_bad_ray_settings_fail_before_any_cluster_starts(tmp_path, override, message):
+    with pytest.raises(ValueError) as err:
+        run(_cfg(["model=tiny-random", "launcher=ray", override]), tmp_path, progress=False)
+    assert message in str(err.value)
