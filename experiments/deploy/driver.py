@@ -65,13 +65,14 @@ def worker_specs(
     first_core: int = 0,
 ) -> list[WorkerSpec]:
     """Every worker of a deployment, with its peers, keys and cores (threads x TP each, round robin from
-    first_core; none under the ray launcher, where Ray reserves CPUs on nodes this host cannot see)."""
+    first_core; none on an existing Ray cluster, whose nodes' cores this host cannot see: Ray reserves
+    CPUs there. A local Ray cluster's nodes are this host: its workers are pinned as local ones are)."""
     cpus = sorted(os.sched_getaffinity(0))
     next_core = first_core
 
     def cores(tp: int) -> tuple[int, ...]:
         nonlocal next_core
-        if config.launcher.name == "ray":
+        if config.launcher.name == "ray" and config.launcher.ray.address is not None:
             return ()
         n = d.threads_per_worker * tp
         out = tuple(cpus[(next_core + k) % len(cpus)] for k in range(n))
