@@ -166,8 +166,11 @@ class FaultyPair(RuleBasedStateMachine):
         self.submitted.append(rid)
 
     def _target(self, data) -> str:
-        """A request to disturb: one still in transfer where there is one (where faults can hurt)."""
-        return data.draw(st.sampled_from(sorted(self.dm.pending) or self.submitted))
+        """A request to disturb: one still in transfer where there is one (where faults can hurt). What is
+        still in transfer depends on the sender thread's timing, so the draw is an index of a fixed range
+        (a sampled_from over it would change shape from run to run: hypothesis calls that flaky)."""
+        options = sorted(self.dm.pending) or self.submitted
+        return options[data.draw(st.integers(0, 2**16)) % len(options)]
 
     @precondition(lambda self: self.submitted)
     @rule(data=st.data())
@@ -337,6 +340,8 @@ test_messenger_pair_under_faults = FaultyPair.TestCase
 
 
 class _Draw:
+    """Stands in for hypothesis's data: every draw gives this value (an index: 0 is the only request)."""
+
     def __init__(self, value):
         self.value = value
 
@@ -367,12 +372,12 @@ def _scenario(fault):
 
 
 def test_a_spoofed_ended_frees_nothing_mid_transfer():
-    m = _scenario(lambda m: (m.spoof(_Draw("r0"), ended=True), m.decode_steps()))
+    m = _scenario(lambda m: (m.spoof(_Draw(0), ended=True), m.decode_steps()))
     assert m.calls["admit", "r0"] == 1 and m.decode.kept["r0"].finish_reason == "length"
 
 
 def test_a_spoofed_notification_counts_nothing():
-    m = _scenario(lambda m: (m.spoof(_Draw("r0"), ended=False), m.decode_steps()))
+    m = _scenario(lambda m: (m.spoof(_Draw(0), ended=False), m.decode_steps()))
     assert m.calls["admit", "r0"] == 1 and sum(m.dm.dropped.values()) >= 1
 
 
@@ -398,7 +403,7 @@ def test_a_duplicated_prefill_request_is_not_taken_twice():
 
 def test_an_abort_waits_for_writes_in_flight():
     def abort(m):
-        m.decode_aborts(_Draw("r0"))
+        m.decode_aborts(_Draw(0))
         m.decode_steps()
 
     m = _scenario(abort)
@@ -420,7 +425,7 @@ def test_an_abort_after_the_prefill_side_finished_is_answered():
                 break
         assert not m.pm.transfers
         m.dm.backend._inbox.clear()
-        m.decode_aborts(_Draw("r0"))
+        m.decode_aborts(_Draw(0))
         for _ in range(3):
             m._deliver_all()
             m.prefill_steps()
