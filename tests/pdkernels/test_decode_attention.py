@@ -95,3 +95,28 @@ def test_decode_attention_rejects_bad_input(change, message):
     q, args = change(q, args)
     with pytest.raises(ValueError, match=message):
         decode_attention(q, **args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("page_size", [4, 16])
+@pytest.mark.parametrize("seq_lens", [[50], [64], [1, 17, 50], [16, 0, 33]], ids=str)
+@pytest.mark.parametrize("hint", [False, True])
+def test_the_cpu_path_is_the_reference_in_fewer_passes(seq_lens, page_size, group, dtype, hint):
+    """pdkernels.ops' CPU decode attention (one gather of whole pages, fp32) against the reference: one
+    sequence whose last page is full or not, several, an empty one (zeros), with and without the host's
+    max_seq_len hint."""
+    from pdkernels.decode_attention import decode_attention_cpu
+
+    case, q = _case(page_size, "HND", dtype, group, seq_lens=seq_lens)
+    table = case.kv_indptr, case.kv_indices, case.kv_last_page_len
+    out = decode_attention_cpu(q, case.cache, *table, max_seq_len=max(seq_lens) if hint else None)
+    ref = decode_attention_ref(q, case.cache, *table)
+    assert out.dtype == dtype and out.shape == ref.shape
+    strided = torch.cat([q, q], dim=-1)[..., : q.shape[-1]]  # q as the engine has it: a view of qkv
+    assert torch.equal(
+        decode_attention_cpu(strided, case.cache, *table), decode_attention_cpu(q, case.cache, *table)
+    )
+    torch.testing.assert_close(
+        out.float(), ref.float(), atol=1e-5 if dtype == torch.float32 else 8e-3, rtol=0
+    )
