@@ -249,8 +249,9 @@ class Worker:
         from engine import SamplingParams
 
         if isinstance(msg, PeerDead) and self.dm is not None:
-            if msg.pid and msg.pid != self.dm.peers[msg.name].hello.pid:
-                return  # about a process of that worker already replaced by a restarted one
+            peer = self.dm.peers.get(msg.name)
+            if peer is None or (msg.pid and msg.pid != peer.hello.pid):
+                return  # not a peer, or about a process of it already replaced by a restarted one
             log.warning("%s: prefill worker %s died; its requests end", self.spec.name, msg.name)
             self.dm.peer_dead(msg.name)
             if msg.back_within_s > 0:

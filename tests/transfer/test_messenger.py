@@ -357,3 +357,29 @@ def test_speculation_on_the_decode_worker_keeps_1p1d_tokens_lossless():
         assert decode.allocator.num_free == PAGES and prefill.allocator.num_free == PAGES
     finally:
         _close(pm, dm)
+
+
+def test_a_restarted_prefill_worker_handshakes_again_on_its_channel(pair):
+    """A second Hello on a peer's channel is that worker restarted (the Ray launcher's max_restarts): the
+    old process's request fails with its pages freed, and the new process prefills the next request."""
+    prefill, decode, pm, dm = pair
+    dm.submit("old", list(range(100, 160)), GREEDY)
+    pm.poll()
+    prefill.step()  # part of its prompt is computed and sent when the process dies
+    (channel,) = pm.channels
+    pm.close()
+    pm.backend.close()
+    prefill = LLM("tiny-random", role="prefill", page_size=4, num_pages=PAGES, max_num_batched_tokens=24)
+    keep_outputs(prefill)
+    config = TransferConfig(backend="local")
+    pm = prefill_messenger(prefill, make_backend("local", "p-restarted"), config)
+    pm.add_peer(channel)  # the same channel, from the new process: its Hello
+    dm.poll()
+    assert decode.output("old").finish_reason == "error" and decode.allocator.num_free == PAGES
+    assert not dm.peers["prefill-0"].lost and dm.peers["prefill-0"].hello.agent == "p-restarted"
+    dm.submit("new", list(range(100, 160)), GREEDY)
+    _run(prefill, decode, pm, dm, ["new"])
+    out = decode.output("new")
+    assert out.finish_reason == "length" and len(out.token_ids) == 8
+    assert prefill.allocator.num_free == PAGES and decode.allocator.num_free == PAGES
+    pm.close()
