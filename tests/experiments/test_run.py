@@ -202,11 +202,12 @@ def test_speculation_through_the_main_job_is_lossless_and_reported(tmp_path):
     deployments = (
         "deployments=[{name: plain, kind: colocated, num_workers: 1},"
         f"{{name: spec, kind: colocated, num_workers: 1, {spec}}},"
-        f"{{name: spec-1p1d, kind: disaggregated, num_prefill: 1, num_decode: 1, {spec}}}]"
+        f"{{name: spec-1p1d, kind: disaggregated, num_prefill: 1, num_decode: 1, {spec}}},"
+        f"{{name: spec-tp1-2, kind: disaggregated, num_prefill: 1, num_decode: 1, decode_tp: 2, {spec}}}]"
     )
     records = run(_cfg([*TINY, "workload.output_len.value=24", deployments]), tmp_path, progress=False)
-    plain, spec_colocated, spec_1p1d = (_outputs(r) for r in records)
-    assert spec_colocated == plain == spec_1p1d
+    plain, spec_colocated, spec_1p1d, spec_tp = (_outputs(r) for r in records)
+    assert spec_colocated == plain == spec_1p1d == spec_tp  # TP 1 -> 2 drafting on the decode side too
     s = records[1]["summary"]
     assert records[0]["summary"]["spec_acceptance_rate"] is None and s["spec_drafted"] > 0
     assert 0 <= s["spec_acceptance_rate"] <= 1 and s["spec_mean_accepted_length"] >= 1
