@@ -99,6 +99,8 @@ def worker_specs(
         specs.append(
             WorkerSpec(name, role, creds=keys[name], peers=peers, tp=tp, cores=cores(tp), seed=seed, **common)
         )
+    if config.launcher.name == "ray" and config.launcher.ray.max_restarts > 0:  # prefill workers may return
+        specs = [replace(s, restart_wait_s=config.start_timeout_s) for s in specs]
     return specs
 
 

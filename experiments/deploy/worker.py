@@ -61,6 +61,8 @@ class WorkerSpec:
     seed: int = 0
     log_file: str | None = None  # this worker's log (the run folder's logs/<name>.log)
     log_level: str = "INFO"
+    restart_wait_s: float = 0.0  # decode: how long requests wait for a dead prefill worker that the
+    # launcher may restart (ray.max_restarts), when no other prefill worker is up
 
 
 def worker_main(spec: WorkerSpec) -> None:
@@ -254,8 +256,7 @@ class Worker:
                 return  # not a peer, or about a process of it already replaced by a restarted one
             log.warning("%s: prefill worker %s died; its requests end", self.spec.name, msg.name)
             self.dm.peer_dead(msg.name)
-            if msg.back_within_s > 0:
-                self.returning[msg.name] = time.monotonic() + msg.back_within_s
+            self.returning[msg.name] = time.monotonic() + msg.back_within_s  # 0: not coming back
         elif isinstance(msg, Cancel):
             self._cancel(msg.request_id)
         elif isinstance(msg, Submit):
@@ -306,13 +307,24 @@ class Worker:
         log.warning("%s: refused request %s: %s", self.spec.name, request_id, error)
         self._send(Result(request_id, self.spec.name, [], received, None, [], "error", str(error)))
 
+    def _await_prefill_restart(self) -> bool:
+        """Every prefill worker is down and one may come back (restarted): hold new requests for it.
+        A peer this worker sees gone (lost, or its pid gone on this host) is waited for restart_wait_s
+        from then, or as long as the driver's PeerDead says (0: it is not restarted)."""
+        now, down = time.monotonic(), []
+        for name, peer in self.dm.peers.items():
+            if peer.lost or peer.hello.peer_alive() is False:
+                down.append(name)
+                self.returning.setdefault(name, now + self.spec.restart_wait_s)
+            else:
+                self.returning.pop(name, None)  # up (again): a later death waits afresh
+        return len(down) == len(self.dm.peers) and any(self.returning[n] > now for n in down)
+
     def _drain_backlog(self) -> None:
         from engine.kv_cache import OutOfPages
 
-        if all(p.lost for p in self.dm.peers.values()) and any(
-            t > time.monotonic() for t in self.returning.values()
-        ):
-            return  # every prefill worker is down and one is being restarted: wait for it
+        if self.backlog and self._await_prefill_restart():
+            return
         while self.backlog:
             msg, params = self.backlog[0]
             try:
