@@ -93,7 +93,8 @@ def test_killed_prefill_worker_ends_its_requests_with_errors_and_the_run_finishe
     def kill_prefill_after_first_result(run_state, procs):
         if run_state.results and not killed:
             procs["prefill-0"].kill()
-            killed.append(True)
+            procs["prefill-0"].join()  # dead before the driver's next look: the decode worker, which
+            killed.append(True)  # also sees its pid gone, may fail the rest within that turn
 
     (rec,) = run(_cfg(overrides), tmp_path, progress=False, hooks=kill_prefill_after_first_result)
     s = rec["summary"]
