@@ -5,7 +5,8 @@ so its first step is the prefill of every prompt and later steps are pure decode
 Prefill time: start to the first new token; decode: first to last new token (31 steps). Both models are
 loaded before anything is timed: on this VM a process's resident size alone moves decode speed by 30%.
 Default dtype bfloat16 (the CPU's fast GEMM path, as in vLLM's CPU build); PDKERNELS_BENCH_DTYPE=float32
-compares in fp32.
+compares in fp32. test_main_job_workload adds the main job's own workload (experiments.run, a real worker
+process) at concurrency 1 and 20: `-k main_job` runs it alone.
 """
 
 import os
@@ -104,6 +105,39 @@ def test_generate(benchmark, models, provider, batch):
     }
     benchmark.extra_info.update(figures)
     RESULTS[(provider, batch)] = figures
+
+
+@pytest.mark.benchmark(group="engine-main-job")
+@pytest.mark.parametrize("concurrency", [1, 20])
+def test_main_job_workload(benchmark, tmp_path, concurrency, capsys):
+    """The main job's workload, the one vLLM's CPU build is compared on: experiments.run with one colocated
+    worker process of one thread, 20 requests of 128 random prompt tokens and 32 greedy output tokens, at
+    this concurrency. Reports TTFT and TPOT p50 and output tokens/s as the run folder's summary has them."""
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    from experiments.run import run
+
+    overrides = ["model=smollm2-135m", f"model.dtype={DTYPE}", "deployment=colocated", "plots=false"]
+    overrides += ["deployment.num_workers=1", "deployment.threads_per_worker=1", "workload.num_requests=20"]
+    overrides += ["workload.arrival=concurrency", f"workload.concurrency={concurrency}"]
+    conf = str(Path(__file__).resolve().parents[2] / "conf")
+    with initialize_config_dir(config_dir=conf, version_base=None):
+        cfg = compose("config", overrides=overrides)
+    records = []
+    benchmark.pedantic(lambda: records.append(run(cfg, tmp_path, progress=False)[0]), rounds=1, iterations=1)
+    s = records[-1]["summary"]
+    assert s["completed"] == 20, s
+    figures = {
+        "ttft_p50_ms": s["ttft_s"]["p50"] * 1e3,
+        "tpot_p50_ms": s["tpot_s"]["p50"] * 1e3,
+        "output_tok_s": s["output_tokens_per_s"],
+    }
+    benchmark.extra_info.update(figures)
+    with capsys.disabled():
+        shown = ", ".join(f"{k} {v:.1f}" for k, v in figures.items())
+        print(f"\nmain job, concurrency {concurrency}: {shown}")
 
 
 def test_summary(capsys):
