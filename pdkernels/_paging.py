@@ -154,6 +154,14 @@ def page_entry_of(
     return page, pos % page_size
 
 
+def padded_page_table(kv_indptr: Tensor, kv_indices: Tensor, width: int) -> Tensor:
+    """[B, width] long page ids of each request, padded with page 0 past its last page."""
+    num_pages = kv_indptr[1:] - kv_indptr[:-1]
+    cols = torch.arange(width, device=kv_indices.device)
+    slots = (kv_indptr[:-1, None].long() + cols).clamp(max=max(kv_indices.numel() - 1, 0))
+    return torch.where(cols < num_pages[:, None], kv_indices.long()[slots], 0)
+
+
 def gather_pages(cache: Tensor, kv_layout: str, page_table: Tensor) -> Tensor:
     """Whole pages of a 4-D K or V cache, head-major: page_table [B, n] -> [B, H, n * P, D].
 

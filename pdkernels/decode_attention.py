@@ -26,6 +26,7 @@ from pdkernels._paging import (
     cache_strides,
     gather_pages,
     next_pow2,
+    padded_page_table,
     require,
     seq_lens_from_page_table,
     split_kv_cache,
@@ -429,11 +430,7 @@ def decode_attention_ref(
     page_size = cache_geometry(k_cache, kv_layout)[2]
     seq_lens = seq_lens_from_page_table(kv_indptr, kv_last_page_len, page_size)
     max_len = int(seq_lens.max()) if seq_lens.numel() else 0
-    num_pages = kv_indptr[1:] - kv_indptr[:-1]  # [B]
-    cols = torch.arange(-(-max_len // page_size), device=q.device)
-    has = cols[None, :] < num_pages[:, None]  # [B, max pages]
-    slots = (kv_indptr[:-1, None].long() + cols[None, :]).clamp(max=max(kv_indices.numel() - 1, 0))
-    page_table = torch.where(has, kv_indices.long()[slots], 0)
+    page_table = padded_page_table(kv_indptr, kv_indices, -(-max_len // page_size))  # [B, max pages]
     k = gather_pages(k_cache, kv_layout, page_table)[:, :, :max_len]  # [B, Hkv, L, D]
     v = gather_pages(v_cache, kv_layout, page_table)[:, :, :max_len]
     keep = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None]  # [B, L]
@@ -461,14 +458,14 @@ def decode_attention_cpu(
     batch, num_heads, head_dim = q.shape
     _, _, num_kv_heads, page_size, _ = paged_kv_cache.shape
     group = num_heads // num_kv_heads
-    num_pages = kv_indptr[1:] - kv_indptr[:-1]  # [B]
-    n = -(-max_seq_len // page_size) if max_seq_len is not None else int(num_pages.max()) if batch else 0
+    if max_seq_len is not None:
+        n = -(-max_seq_len // page_size)
+    else:
+        n = int((kv_indptr[1:] - kv_indptr[:-1]).max()) if batch else 0
     if batch == 1 and kv_indices.numel() == n:  # one sequence, its pages in order: the table as is
         table = kv_indices.long()
     else:
-        cols = torch.arange(n, device=q.device)
-        slots = (kv_indptr[:-1, None].long() + cols).clamp(max=max(kv_indices.numel() - 1, 0))
-        table = torch.where(cols < num_pages[:, None], kv_indices.long()[slots], 0).reshape(-1)
+        table = padded_page_table(kv_indptr, kv_indices, n).reshape(-1)
     pages = paged_kv_cache.index_select(0, table).view(batch, n, 2, num_kv_heads, page_size, head_dim)
     kv = torch.empty(2, batch, num_kv_heads, n, page_size, head_dim, device=q.device)
     kv.copy_(pages.permute(2, 0, 3, 1, 4, 5))  # fp32, [K|V, B, Hkv, L, D]

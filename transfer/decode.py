@@ -54,6 +54,10 @@ class _Peer:
     hello: Hello
     lost: bool = False  # silent past peer_timeout_s: its requests have failed
 
+    def down(self) -> bool:
+        """Lost, or its process gone (when it runs on this host, which can tell)."""
+        return self.lost or self.hello.peer_alive() is False
+
 
 @dataclass
 class Timing:
@@ -133,7 +137,7 @@ class DecodeMessenger:
             live = [n for n, p in self.peers.items() if not p.lost] or list(self.peers)
             peer = min(live, key=self.outstanding_tokens)
         target = self.peers[peer]
-        if not target.lost and target.hello.peer_alive() is False:  # gone (this host can tell)
+        if not target.lost and target.down():  # its process is gone: nothing more lands from it
             self.peer_dead(peer)
         if len(prompt_ids) > 1:  # plan before anything is taken: a plan that raises leaves nothing behind
             # counts do not depend on which pages are used: plan against placeholder ids

@@ -160,10 +160,11 @@ def connect(cfg: RayConfig) -> None:
     roles = cfg.role_resources
     cluster = Cluster()
     for i in range(cfg.local_nodes):
-        role = "prefill" if i == 0 and cfg.local_nodes > 1 else "decode"
-        resources = {r: 1000 for r in (roles.get(role), roles.get("colocated")) if r}
-        if cfg.local_nodes == 1:
-            resources = {r: 1000 for r in roles.values() if r}
+        if cfg.local_nodes == 1:  # one node takes every role
+            names = roles.values()
+        else:
+            names = (roles.get("prefill" if i == 0 else "decode"), roles.get("colocated"))
+        resources = {r: 1000 for r in names if r}
         cluster.add_node(
             num_cpus=cfg.cpus_per_node,
             resources=resources,
@@ -233,9 +234,10 @@ class RayLauncher:
                 node_id, pid = ray.get(actor.where.remote(), timeout=self.cfg.start_timeout_s)
                 workers[s.name] = RayWorker(s.name, actor, s, groups.get(s.name), node_id, pid)
         except BaseException:
-            self.shutdown(workers)
-            for g in groups.values():
-                ray.util.remove_placement_group(g)
+            self.shutdown(workers)  # their actors and groups
+            for name, g in groups.items():
+                if name not in workers:
+                    ray.util.remove_placement_group(g)
             raise
         return workers
 

@@ -313,7 +313,7 @@ class Worker:
         from then, or as long as the driver's PeerDead says (0: it is not restarted)."""
         now, down = time.monotonic(), []
         for name, peer in self.dm.peers.items():
-            if peer.lost or peer.hello.peer_alive() is False:
+            if peer.down():
                 down.append(name)
                 self.returning.setdefault(name, now + self.spec.restart_wait_s)
             else:
