@@ -6,6 +6,8 @@ The transfer layer never imports the engine; these adapters give it an engine in
 
 from __future__ import annotations
 
+from torch import Tensor
+
 from engine.llm import LLM
 from engine.sequence import SamplingParams
 from pdkernels.out_proj import host_view
@@ -62,8 +64,8 @@ class DecodeSide:
         self.llm.reserve(prompt_ids, params, request_id=request_id)
         return self.llm.allocator.pages(request_id)
 
-    def admit(self, request_id: str) -> None:
-        self.llm.admit_prefilled(request_id)
+    def admit(self, request_id: str, context: Tensor | None) -> None:
+        self.llm.admit_prefilled(request_id, context)
 
     def fail(self, request_id: str, error: str) -> None:
         self.llm.stop(request_id, error)

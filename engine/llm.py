@@ -22,6 +22,7 @@ from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.graphs import DecodeGraphs
 from engine.kv_cache import PageAllocator, allocate_kv_cache
 from engine.model import Model, Shard
+from engine.mtp import MTPDrafter, load_head_weights
 from engine.runner import ModelRunner
 from engine.sampler import probabilities, sample
 from engine.scheduler import Batch, Scheduler
@@ -108,13 +109,19 @@ class LLM:
         # with graphs, the last page is the padding rows' scratch page: never allocated
         self.allocator = PageAllocator(num_pages - 1 if cuda_graphs else num_pages, page_size)
         self.scheduler = Scheduler(self.config.scheduler, self.allocator)
-        # speculative decoding (vLLM's names: {"method": "ngram", "num_speculative_tokens": k, ...})
+        # speculative decoding (vLLM's names: {"method": "ngram" | "mtp", "num_speculative_tokens": k, ...})
         self.speculative = SpeculativeConfig.of(speculative_config)
+        self.drafter: MTPDrafter | None = None
         if self.speculative is not None and role != "prefill":
             s = self.speculative
-            self.scheduler.propose = lambda seq: ngram_drafts(
-                seq.all_ids, s.num_speculative_tokens, s.prompt_lookup_min, s.prompt_lookup_max
-            )
+            if s.method == "mtp":
+                head = load_head_weights(s.model, loaded.config, loaded.weights, seed)
+                self.drafter = MTPDrafter(self.model, head, s.num_speculative_tokens)
+                self.scheduler.propose = self.drafter.propose
+            else:
+                self.scheduler.propose = lambda seq: ngram_drafts(
+                    seq.all_ids, s.num_speculative_tokens, s.prompt_lookup_min, s.prompt_lookup_max
+                )
         self.runner = ModelRunner(self.model, self.kv_cache, page_size, kv_layout, self.tp_group)
         if cuda_graphs:
             self.runner.graphs = DecodeGraphs(
@@ -186,6 +193,8 @@ class LLM:
 
     def _submit(self, seq: Sequence) -> str:
         self.seqs[seq.request_id] = seq
+        if self.drafter is not None:
+            self.drafter.begin(seq)
         self.scheduler.add(seq)
         return seq.request_id
 
@@ -264,10 +273,14 @@ class LLM:
             for chunk in batch.chunks:
                 self._fail(chunk.seq, f"engine step failed: {e!r}")
             return
-        now, sampled = time.perf_counter(), iter(tokens)
+        now, sampled, row = time.perf_counter(), iter(tokens), 0
         for i, chunk in enumerate(batch.chunks):
             seq = chunk.seq
             seq.num_computed = chunk.end
+            row += chunk.num_tokens
+            if self.drafter is not None:  # the target's hidden states at the positions now confirmed
+                confirmed = chunk.num_tokens - len(chunk.drafts) + verified.get(id(chunk), (0, 0))[1]
+                self.drafter.observe(seq, chunk.start, out.hidden[row - chunk.num_tokens :][:confirmed])
             if chunk.samples and chunk.drafts:
                 new, accepted = verified[id(chunk)]
                 seq.num_drafted += len(chunk.drafts)
@@ -340,10 +353,15 @@ class LLM:
         self.seqs[seq.request_id] = seq
         return seq
 
-    def admit_prefilled(self, request_id: str) -> None:
-        """Decode role: every write has landed; the pages now belong to the running request."""
+    def admit_prefilled(self, request_id: str, context: torch.Tensor | None = None) -> None:
+        """Decode role: every write has landed; the pages now belong to the running request. context: the
+        hidden state of the last prefilled position, which the prefill worker wrote (the MTP head's first
+        input)."""
         self.allocator.unpin(request_id)
-        self.scheduler.admit_prefilled(self.seqs[request_id])
+        seq = self.seqs[request_id]
+        if self.drafter is not None:
+            self.drafter.begin(seq, context)
+        self.scheduler.admit_prefilled(seq)
 
     def prefill_locally(self, request_id: str) -> None:
         """Decode role: compute a reserved request's prompt here instead (a short prompt under conditional

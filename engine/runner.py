@@ -16,6 +16,7 @@ from pdkernels._paging import check_page_table
 class StepOutput:
     logits: Tensor  # [rows, vocab] fp32: per sampling chunk its last row (1 + drafts rows with drafts)
     last_hidden: Tensor  # [chunks, hidden]: the hidden state at each chunk's last token
+    hidden: Tensor  # [tokens, hidden]: every row's final hidden state (the MTP draft head reads them)
 
 
 class ModelRunner:
@@ -75,7 +76,8 @@ class ModelRunner:
                 [c.seq.all_ids[c.start] for c in chunks], [c.start for c in chunks], [c.pages for c in chunks]
             )
             sampling = [i for i, c in enumerate(chunks) if c.samples]
-            return StepOutput(self.model.logits(hidden[sampling]), hidden.clone())
+            hidden = hidden.clone()
+            return StepOutput(self.model.logits(hidden[sampling]), hidden, hidden)
         input_ids, meta = self.meta(batch, counter)
         if self.tp_group is not None:
             self.tp_group.step(input_ids, meta)
@@ -86,4 +88,4 @@ class ModelRunner:
             if c.samples:
                 rows += range(start + c.num_tokens - 1 - len(c.drafts), start + c.num_tokens)
             start += c.num_tokens
-        return StepOutput(self.model.logits(hidden[rows]), hidden[last])
+        return StepOutput(self.model.logits(hidden[rows]), hidden[last], hidden)

@@ -97,6 +97,7 @@ class Sequence:
     num_drafted: int = 0  # speculative decoding: tokens proposed for it, accepted, and verify steps
     num_accepted: int = 0
     num_verifies: int = 0
+    draft: object | None = None  # the draft head's state for this request (engine.mtp.HeadState)
 
     def __post_init__(self):
         if self.params.seed is not None:

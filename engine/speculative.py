@@ -8,8 +8,10 @@ probability q(d) is accepted with probability min(1, p(d) / q(d)); a rejected on
 of max(0, p - q) normalized). The KV of rejected positions stays in the cache as garbage that the next
 step overwrites; the pages past the sequence's length go back to the allocator.
 
-Proposers: `ngram` (prompt lookup: the tokens that followed the latest earlier occurrence of the
-context's last n tokens, n from prompt_lookup_max down to prompt_lookup_min), with vLLM's config names.
+Proposers, with vLLM's config names: `ngram` (prompt lookup: the tokens that followed the latest earlier
+occurrence of the context's last n tokens, n from prompt_lookup_max down to prompt_lookup_min) and `mtp`
+(a DeepSeek-style multi-token-prediction head fed by the target's hidden states: engine/mtp.py; `model`
+names its weights).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "mtp")
 
 
 @dataclass(frozen=True)
@@ -28,10 +30,16 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 2
     prompt_lookup_min: int = 2  # a one-token match proposes too often on text that does not repeat
     prompt_lookup_max: int = 4
+    model: str | None = None  # mtp: None (the target checkpoint's MTP layer), "random" or a .safetensors
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"speculative_config.method must be one of {METHODS}, got {self.method!r}")
+        if self.model is not None and (self.method != "mtp" or not isinstance(self.model, str)):
+            raise ValueError(
+                f"speculative_config.model is the mtp head's weights (None, 'random' or a .safetensors "
+                f"path) and only for method 'mtp'; got {self.model!r} with method {self.method!r}"
+            )
         for key in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -38,7 +38,9 @@ class DecodeEngine(Protocol):
         self, request_id: str, prompt_ids: list[int], params: object
     ) -> list[int]: ...  # pinned pages for prompt[:-1]; params: the engine's own (sampling) parameters
 
-    def admit(self, request_id: str) -> None: ...  # every write landed: start decoding
+    def admit(
+        self, request_id: str, context: Tensor | None
+    ) -> None: ...  # every write landed: start decoding; context: the last prefilled hidden state
 
     def fail(self, request_id: str, error: str) -> None: ...  # end the request with an error (pages stay)
 
@@ -111,8 +113,7 @@ class DecodeMessenger:
         self._free_slots = list(range(self.config.context_slots))
         self.peers: dict[str, _Peer] = {}
         self.pending: dict[str, _Pending] = {}
-        # last prefilled hidden state and transfer timing of each admitted request, until `forget`
-        self.contexts: dict[str, Tensor] = {}
+        # transfer timing of each admitted request, until `forget` (its context goes to the engine)
         self.timings: dict[str, Timing] = {}
         self.dropped: Counter[str] = Counter()  # messages not counted, by why
         # request numbers keep growing across restarts of this worker: a prefill worker drops stale ones
@@ -145,7 +146,7 @@ class DecodeMessenger:
             writes = plan_array(target.hello.spec, self.spec, placeholder, placeholder)
         pages = self.engine.reserve(request_id, prompt_ids, params)
         if len(prompt_ids) == 1:  # nothing to prefill: decode runs the only token
-            self.engine.admit(request_id)
+            self.engine.admit(request_id, None)
             return
         if target.lost:  # nothing was sent: the pages are safe at once
             if self.config.on_transfer_failure == "fail":
@@ -203,11 +204,11 @@ class DecodeMessenger:
                 continue
             if p.received == p.expected:
                 del self.pending[rid]
-                self.contexts[rid] = self.context[p.slot].clone()
+                context = self.context[p.slot].clone()
                 self._free_slots.append(p.slot)
                 p.timing.landed = time.perf_counter()
                 self.timings[rid] = p.timing
-                self.engine.admit(rid)
+                self.engine.admit(rid, context)
                 admitted.append(rid)
             elif reason := self._late(p, now):
                 self._fail(rid, p, f"{reason} ({p.received}/{p.expected} writes landed)")
@@ -233,8 +234,7 @@ class DecodeMessenger:
             p.timing.first_landed = p.timing.first_landed or time.perf_counter()
 
     def forget(self, request_id: str) -> None:
-        """Drop what was kept of an admitted request (its context and timing) once its caller is done."""
-        self.contexts.pop(request_id, None)
+        """Drop what was kept of an admitted request (its transfer timing) once its caller is done."""
         self.timings.pop(request_id, None)
 
     def _late(self, p: _Pending, now: float) -> str | None:

@@ -142,7 +142,7 @@ class _Pages:
     def reserve(self, request_id, prompt_ids, params):
         return list(range(PAGES))[::-1]
 
-    def admit(self, request_id):
+    def admit(self, request_id, context):
         self.admitted.add(request_id)
 
     def fail(self, request_id, error):

@@ -9,6 +9,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.disagg import DecodeSide, PrefillSide, decode_messenger, prefill_messenger, shard_spec
+from tests.heads import echo_head, record_head_inputs
 from tests.kept import finished, keep_outputs
 from transfer.backends import make_backend
 from transfer.config import TransferConfig
@@ -76,8 +77,6 @@ def test_disaggregated_tokens_equal_colocated(pair):
     _run(prefill, decode, pm, dm, ids)
     assert [decode.output(rid).token_ids for rid in ids] == expected
     assert prefill.allocator.num_free == PAGES and decode.allocator.num_free == PAGES
-    multi = [rid for rid, p in zip(ids, prompts, strict=True) if len(p) > 1]
-    assert set(dm.contexts) == set(multi) and all(dm.contexts[r].abs().sum() > 0 for r in multi)
 
 
 def test_abort_from_decode_mid_transfer_frees_both_sides(pair):
@@ -255,11 +254,11 @@ def test_mismatched_tp_through_the_messenger(prefill_tp, decode_tp):
             super().release(request_id)
 
     class Sink(DecodeSide):
-        def admit(self, request_id):  # what landed, before decoding appends to the pages
+        def admit(self, request_id, context):  # what landed, before decoding appends to the pages
             landed[request_id] = _full_heads(
                 decode.kv_caches, shard_spec(decode), decode.allocator.pages(request_id)
             )
-            super().admit(request_id)
+            super().admit(request_id, context)
 
     pm, dm = _local_pair(prefill, decode, f"tp{prefill_tp}{decode_tp}", source=Source, sink=Sink)
     try:
@@ -331,32 +330,64 @@ def test_an_unexpected_error_on_the_sender_thread_fails_its_request_not_the_thre
     assert prefill.allocator.num_free == PAGES and decode.allocator.num_free == PAGES
 
 
-def test_speculation_on_the_decode_worker_keeps_1p1d_tokens_lossless():
-    """The decode half drafts (ngram) from the prompt it never computed and the tokens it decodes."""
+@pytest.mark.parametrize("method", ["ngram", "mtp"])
+def test_speculation_on_the_decode_worker_keeps_1p1d_tokens_lossless(method, tmp_path):
+    """The decode half drafts from the prompt it never computed and the tokens it decodes: ngram from the
+    ids; mtp from the hidden state the prefill side wrote (its first input)."""
     prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], *_prompts(5, seed=4)]
-    expected = [
-        o.token_ids for o in LLM("tiny-random", page_size=4, num_pages=PAGES).generate(prompts, GREEDY)
-    ]
-    prefill = LLM("tiny-random", role="prefill", page_size=4, num_pages=PAGES, max_num_batched_tokens=24)
-    decode = LLM(
-        "tiny-random",
-        role="decode",
-        page_size=4,
-        num_pages=PAGES,
-        speculative_config={"num_speculative_tokens": 3},
-    )
-    pm, dm = _local_pair(prefill, decode, "speculative")
+    spec = {"method": method, "num_speculative_tokens": 3}
+    if method == "mtp":
+        spec["model"] = echo_head(tmp_path / "echo.safetensors")
+    kwargs = {"page_size": 4, "num_pages": PAGES, "max_num_batched_tokens": 24}
+    colocated = LLM("tiny-random", **kwargs, speculative_config=spec)
+    plain = [o.token_ids for o in LLM("tiny-random", **kwargs).generate(prompts, GREEDY)]
+    expected = colocated.generate(prompts, GREEDY)
+    assert [o.token_ids for o in expected] == plain
+    prefill = LLM("tiny-random", role="prefill", **kwargs)
+    decode = LLM("tiny-random", role="decode", page_size=4, num_pages=PAGES, speculative_config=spec)
+    pm, dm = _local_pair(prefill, decode, "speculative-" + method)
     try:
         ids = [f"s{i}" for i in range(len(prompts))]
         for rid, prompt in zip(ids, prompts, strict=True):
             dm.submit(rid, prompt, GREEDY)
         _run(prefill, decode, pm, dm, ids)
         outs = [decode.output(rid) for rid in ids]
-        assert [o.token_ids for o in outs] == expected
+        assert [o.token_ids for o in outs] == plain
         assert sum(o.num_accepted_tokens for o in outs) > 0
         assert decode.allocator.num_free == PAGES and prefill.allocator.num_free == PAGES
     finally:
         _close(pm, dm)
+    if method == "mtp":  # the echo head on tiny-random: some drafts rejected, most accepted
+        assert sum(o.num_accepted_tokens for o in outs) < sum(o.num_drafted_tokens for o in outs)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_mtp_heads_first_input_on_the_decode_worker_is_the_colocated_one_bit_for_bit(dtype):
+    """The context the prefill worker writes is the hidden state the MTP head needs: on the decode worker
+    the head's first input (embedding of the last prompt token, hidden state of the one before) equals a
+    colocated run's bit for bit. Prompt lengths 25 and 49 with 24-token chunks make both sides compute
+    position prompt_len - 2 in the same chunks (kernels' rounding depends on their shapes)."""
+    spec = {"method": "mtp", "num_speculative_tokens": 2, "model": "random"}
+    kwargs = {"page_size": 4, "num_pages": PAGES, "max_num_batched_tokens": 24, "dtype": dtype}
+    prompts = [list(range(100, 125)), list(range(300, 349))]
+    colocated = LLM("tiny-random", **kwargs, speculative_config=spec)
+    colocated_inputs = record_head_inputs(colocated)
+    expected = [colocated.generate([p], GREEDY)[0] for p in prompts]  # one at a time, as below
+    prefill = LLM("tiny-random", role="prefill", **kwargs)
+    decode = LLM("tiny-random", role="decode", **kwargs, speculative_config=spec)
+    decode_inputs = record_head_inputs(decode)
+    pm, dm = _local_pair(prefill, decode, "mtp-context-" + dtype)
+    try:
+        for rid, prompt in (("a", prompts[0]), ("b", prompts[1])):
+            dm.submit(rid, prompt, GREEDY)
+            _run(prefill, decode, pm, dm, [rid])
+    finally:
+        _close(pm, dm)
+    for out, rid in zip(expected, "ab", strict=True):
+        assert decode.output(rid).token_ids == out.token_ids
+        embedded, hidden = decode_inputs[rid]
+        assert torch.equal(embedded, colocated_inputs[out.request_id][0])
+        assert torch.equal(hidden, colocated_inputs[out.request_id][1]) and hidden.abs().sum() > 0
 
 
 def test_a_restarted_prefill_worker_handshakes_again_on_its_channel(pair):

@@ -68,11 +68,11 @@ class FaultyPair(RuleBasedStateMachine):
         decode, calls, landed = self.decode, self.calls, self.landed
 
         class Sink(DecodeSide):
-            def admit(self, request_id):
+            def admit(self, request_id, context):
                 calls["admit", request_id] += 1
                 pages = decode.allocator.pages(request_id)
                 landed[request_id] = _full_heads(decode.kv_caches, shard_spec(decode), pages).clone()
-                super().admit(request_id)
+                super().admit(request_id, context)
 
             def fail(self, request_id, error):
                 calls["fail", request_id] += 1

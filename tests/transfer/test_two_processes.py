@@ -145,10 +145,10 @@ def test_two_process_disaggregation_moves_the_computed_bytes(prefill_tp, decode_
     landed = {}
 
     class Sink(DecodeSide):
-        def admit(self, request_id):  # what landed, before decoding appends to the pages
+        def admit(self, request_id, context):  # what landed, before decoding appends to the pages
             llm = self.llm
             landed[request_id] = _full_heads(llm.kv_caches, shard_spec(llm), llm.allocator.pages(request_id))
-            super().admit(request_id)
+            super().admit(request_id, context)
 
     with disaggregated(prefill_tp, decode_tp, sink=Sink) as (decode, dm, _, sent):
         ids = [f"r{i}" for i in range(len(prompts))]

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from experiments.repro import moe_study
@@ -25,11 +27,24 @@ def test_moe_study_prints_both_tiers_for_every_placement(capsys):
     for tier in moe_study.TIERS:
         assert tier in out
     for name in ("1 mixed TP8", "1P TP8 + 1D TP8", "1 mixed DP8", "1P TP8 + 1D DP8"):
-        assert out.count(name) == 2
+        for row in (name, name + " + MTP1"):  # a row's name, then its node count
+            assert len(re.findall(rf"^{re.escape(row)} +\d", out, re.M)) == 2, row
+
+
+def test_mtp_speeds_up_each_user_on_the_decode_nodes():
+    """DeepSeek-style MTP on the decode node: 1 + 0.85 tokens a verify step lifts per-user tokens/s."""
+    r1, h200 = sim_model("deepseek-r1"), hardware("h200")
+    eff = moe_study.Efficiency(step_overhead_s=0.01)
+    args = (r1, h200, eff, 60, 256, 32, 2.0, 0.050)
+    plain, mtp = (moe_study.measure(moe_study.Setup("x", 0, 1, False, k), *args, 0.85) for k in (0, 1))
+    assert plain["rate"] > 0 and mtp["rate"] > 0
+    assert mtp["user_tok_s"] > 1.4 * plain["user_tok_s"]
 
 
 def test_moe_study_refuses_bad_input():
     with pytest.raises(SystemExit):
         moe_study.main(["--decode-nodes", "0"])
+    with pytest.raises(SystemExit):
+        moe_study.main(["--mtp-acceptance", "1.5"])
     with pytest.raises(SystemExit):  # 671 GB of FP8 weights do not fit 8 x 80 GB
         moe_study.main(["--hardware", "a100-80gb"])
