@@ -26,6 +26,7 @@ setup(
         "uvicorn",
         "prometheus-client",  # its /metrics
         "ray>=2.60",  # launcher=ray: workers as actors on a Ray cluster (experiments/deploy/launcher.py)
+        "ninja",  # builds pdkernels' C++ CPU paths at first use (torch.utils.cpp_extension; pdkernels/cpu.py)
     ],
     extras_require={
         # transformers (+ accelerate for its GGUF loader) is the reference the engine is checked against

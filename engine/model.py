@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from engine.config import ModelConfig
-from pdkernels import ops
+from pdkernels import cpu, ops
 
 
 @dataclass
@@ -97,7 +97,13 @@ class Model:
         self.layers = [self._load_layer(weights, i) for i in range(config.num_layers)]
         self.embed = weights["model.embed_tokens.weight"].to(device, dtype)
         self.norm = weights["model.norm.weight"].to(device, dtype)
-        self.lm_head = self.embed if config.tie_embeddings else weights["lm_head.weight"].to(device, dtype)
+        lm_head = self.embed if config.tie_embeddings else weights["lm_head.weight"].to(device, dtype)
+        # bf16 on the CPU: the projections' weights prepacked for oneDNN (pdkernels.cpu; a tied LM head
+        # gets its own packed copy, the embedding stays a table)
+        packing = device.type == "cpu" and ops.resolve("splitk_gemm", device) == "torch"
+        self.lm_head = cpu.pack(lm_head) if packing else lm_head
+        for layer in self.layers if packing else ():
+            layer.update({k: cpu.pack(layer[k]) for k in ("qkv", "o", "gate_up", "down")})
         positions = torch.arange(config.max_position, dtype=torch.float32)
         freqs = torch.outer(positions, rope_inv_freq(config))  # [max_pos, D/2]
         self.cos, self.sin = freqs.cos().to(device), freqs.sin().to(device)
@@ -133,8 +139,10 @@ class Model:
         x1, x2 = x.float().chunk(2, dim=-1)
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
-    def linear(self, x: Tensor, w: Tensor) -> Tensor:
-        return ops.linear(x, w, validate=False) if x.shape[0] <= 64 else F.linear(x, w)
+    def linear(self, x: Tensor, w: Tensor | cpu.PackedWeight) -> Tensor:
+        if x.shape[0] <= 64 or isinstance(w, cpu.PackedWeight):
+            return ops.linear(x, w, validate=False)
+        return F.linear(x, w)
 
     def all_reduce(self, x: Tensor) -> Tensor:
         if self.shard.size == 1:
@@ -204,4 +212,4 @@ class Model:
 
     def logits(self, hidden: Tensor) -> Tensor:
         """hidden [n, hidden] -> fp32 logits [n, vocab]."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.linear(hidden, self.lm_head).float()

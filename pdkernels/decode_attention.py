@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from pdkernels import cpu
 from pdkernels._paging import (
     INTERPRET,
     cache_geometry,
@@ -449,14 +450,20 @@ def decode_attention_cpu(
     sm_scale: float | None = None,
     max_seq_len: int | None = None,
 ) -> Tensor:
-    """The CPU path of pdkernels.ops (backend torch) for a 5-D HND cache: decode_attention_ref's math in
-    fewer passes. Every sequence's pages are gathered once, K and V together (index_select: whole pages,
-    no per-token indexing), cast to fp32 and laid out head-major in one copy; each kv head's query heads
-    then attend with two batched matmuls. decode_attention_ref pays two strided gathers, a relayout and a
-    cast per K and per V, and builds its padding mask for every call, which at batch 1 costs more than
-    the arithmetic (measured on SmolLM2: 246 us of 30 such calls per decode step)."""
+    """The CPU path of pdkernels.ops (backend torch) for a 5-D HND cache: decode_attention_ref's math, in C++
+    reading the pages in place (pdkernels.cpu) where it is built; otherwise in torch with fewer passes
+    than the reference. Every sequence's pages are gathered once, K and V together (index_select: whole
+    pages, no per-token indexing), cast to fp32 and laid out head-major in one copy; each kv head's
+    query heads then attend with two batched matmuls. decode_attention_ref pays two strided gathers, a
+    relayout and a cast per K and per V, and builds its padding mask for every call, which at batch 1
+    costs more than the arithmetic (measured on SmolLM2: 246 us of 30 such calls per decode step)."""
     batch, num_heads, head_dim = q.shape
     _, _, num_kv_heads, page_size, _ = paged_kv_cache.shape
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
+    ext = cpu.module() if paged_kv_cache.device.type == "cpu" and paged_kv_cache.is_contiguous() else None
+    if ext is not None:  # C++: over the pages where they lie (pdkernels/csrc/paged_cpu.cpp)
+        tables = (t.to(torch.int32).contiguous() for t in (kv_indptr, kv_indices, kv_last_page_len))
+        return ext.decode_attention(q.float().contiguous(), paged_kv_cache, *tables, scale).to(q.dtype)
     group = num_heads // num_kv_heads
     if max_seq_len is not None:
         n = -(-max_seq_len // page_size)
@@ -470,7 +477,6 @@ def decode_attention_cpu(
     kv = torch.empty(2, batch, num_kv_heads, n, page_size, head_dim, device=q.device)
     kv.copy_(pages.permute(2, 0, 3, 1, 4, 5))  # fp32, [K|V, B, Hkv, L, D]
     k, v = kv.view(2, batch * num_kv_heads, n * page_size, head_dim)
-    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
     qg = q.float().reshape(batch * num_kv_heads, group, head_dim)  # q may be a strided view (qkv)
     scores = torch.baddbmm(qg.new_empty(()), qg, k.transpose(1, 2), beta=0.0, alpha=scale)
     lens = seq_lens_from_page_table(kv_indptr, kv_last_page_len, page_size)

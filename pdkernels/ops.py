@@ -14,6 +14,7 @@ import os
 
 import torch
 
+from pdkernels import cpu as _cpu
 from pdkernels import decode_attention as _dec
 from pdkernels import extend_attention as _ext
 from pdkernels import kv_append as _kv
@@ -91,7 +92,7 @@ def kv_append(
         return _kv.kv_append(*args, validate=validate)
     if validate:
         _kv.check_kv_append(*args)
-    (_kv.kv_append_ref if kind == "torch" else _flashinfer().kv_append)(*args)
+    (_kv.kv_append_cpu if kind == "torch" else _flashinfer().kv_append)(*args)
 
 
 def kv_append_slots(
@@ -138,8 +139,22 @@ def kv_append_mla(
     (_kv.kv_append_mla_ref if kind == "torch" else _flashinfer().kv_append_mla)(*args)
 
 
+def _check_packed(x, w, out) -> None:
+    require(
+        x.dim() == 2 and x.dtype == w.dtype and x.shape[1] == w.shape[1] and x.device == w.device,
+        f"x must be [M, K={w.shape[1]}] {w.dtype} on {w.device} for this packed weight, got "
+        f"{list(x.shape)} {x.dtype} on {x.device}",
+    )
+    require(out is None or tuple(out.shape) == (x.shape[0], w.shape[0]), "out must be [M, N]")
+
+
 def linear(x, w, out=None, validate: bool = True):
-    """y = x @ w^T for decode-sized x [M, K] (split-K GEMM); see pdkernels.splitk_gemm."""
+    """y = x @ w^T for decode-sized x [M, K] (split-K GEMM); see pdkernels.splitk_gemm. w may be a
+    pdkernels.cpu.PackedWeight (bf16 on the CPU, any M): oneDNN's GEMM on the prepacked weight."""
+    if isinstance(w, _cpu.PackedWeight):
+        if validate:
+            _check_packed(x, w, out)
+        return _cpu.linear(x, w, out)
     if validate:
         _gemm.check_linear(x, w, out)
     if resolve("splitk_gemm", x.device) == "triton":
@@ -149,6 +164,15 @@ def linear(x, w, out=None, validate: bool = True):
 
 def out_proj(x, w, out=None, counter=None, layer: int = 0, validate: bool = True):
     """Attention output projection that bumps counter[0, layer] once; see pdkernels.out_proj."""
+    if isinstance(w, _cpu.PackedWeight):  # the CPU: the GEMM, then the bump (as out_proj_ref)
+        if validate:
+            _check_packed(x, w, out)
+            if counter is not None:
+                _op.check_counter(counter, layer, x.device)
+        y = _cpu.linear(x, w, out)
+        if counter is not None:
+            counter[0, layer] += 1
+        return y
     if validate:
         _gemm.check_linear(x, w, out)
         if counter is not None:
@@ -189,7 +213,7 @@ def decode_attention(
         return _flashinfer().decode_attention(*args, sm_scale=sm_scale, out=out, return_lse=return_lse)
     if kv_layout == "HND" and not return_lse and isinstance(paged_kv_cache, torch.Tensor):
         o = _dec.decode_attention_cpu(*args[:5], sm_scale=sm_scale, max_seq_len=max_seq_len)
-        return _into(out, o, False)  # the same math as the reference, in fewer passes
+        return _into(out, o, False)  # the reference's math: in C++ over the pages in place, or fewer passes
     return _into(out, _dec.decode_attention_ref(*args, sm_scale=sm_scale, return_lse=return_lse), return_lse)
 
 

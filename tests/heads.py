@@ -34,8 +34,8 @@ def echo_head(path: Path, model: str = "tiny-random") -> str:
 def bigram(llm: LLM) -> LLM:
     """Zero llm's attention and MLP outputs (lead rank only): its next token depends on its last one."""
     for layer in llm.model.layers:
-        layer["o"].zero_()
-        layer["down"].zero_()
+        for key in ("o", "down"):  # plain or prepacked (pdkernels.cpu): zeros in any layout
+            getattr(layer[key], "data", layer[key]).zero_()
     return llm
 
 

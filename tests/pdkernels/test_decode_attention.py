@@ -102,11 +102,19 @@ def test_decode_attention_rejects_bad_input(change, message):
 @pytest.mark.parametrize("page_size", [4, 16])
 @pytest.mark.parametrize("seq_lens", [[50], [64], [1, 17, 50], [16, 0, 33]], ids=str)
 @pytest.mark.parametrize("hint", [False, True])
-def test_the_cpu_path_is_the_reference_in_fewer_passes(seq_lens, page_size, group, dtype, hint):
-    """pdkernels.ops' CPU decode attention (one gather of whole pages, fp32) against the reference: one
-    sequence whose last page is full or not, several, an empty one (zeros), with and without the host's
-    max_seq_len hint."""
+@pytest.mark.parametrize("ext", ["c++", "torch"])
+def test_the_cpu_path_is_the_reference_in_fewer_passes(
+    seq_lens, page_size, group, dtype, hint, ext, monkeypatch
+):
+    """pdkernels.ops' CPU decode attention against the reference, in C++ over the pages in place and in
+    torch (one gather of whole pages, fp32): one sequence whose last page is full or not, several, an
+    empty one (zeros), with and without the host's max_seq_len hint."""
+    from pdkernels import cpu
     from pdkernels.decode_attention import decode_attention_cpu
+
+    monkeypatch.setenv("PDKERNELS_CPU_EXT", "1" if ext == "c++" else "0")
+    if ext == "c++" and cpu.module() is None:
+        pytest.skip("pdkernels' CPU extension could not be built here (no C++ compiler)")
 
     case, q = _case(page_size, "HND", dtype, group, seq_lens=seq_lens)
     table = case.kv_indptr, case.kv_indices, case.kv_last_page_len

@@ -42,6 +42,27 @@ def test_kv_append_matches_ref(mode, kv_layout, page_size, dtype):
     assert not torch.equal(expected, case.cache)  # the append did write
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("mode", sorted(APPEND_LENS))
+def test_the_cpu_path_equals_the_reference(mode, dtype):
+    """The torch backend's kv_append (C++ row copies where built) against the reference, rows sliced out
+    of a fused qkv tensor as the engine passes them."""
+    from pdkernels import cpu
+    from pdkernels.kv_append import kv_append_cpu
+
+    if cpu.module() is None:
+        pytest.skip("pdkernels' CPU extension could not be built here (no C++ compiler)")
+    case = make_paged_cache(SEQ_LENS, num_heads=2, head_dim=16, page_size=4, kv_layout="HND", dtype=dtype)
+    batch_indices, positions = append_positions(case, APPEND_LENS[mode])
+    qkv = torch.randn(positions.numel(), 8, 16).to(dtype)
+    k, v = qkv[:, 4:6], qkv[:, 6:8]
+    expected, got = case.cache.clone(), case.cache.clone()
+    tables = (case.kv_indices, case.kv_indptr, case.kv_last_page_len)
+    kv_append_ref(k, v, batch_indices, positions, expected, *tables, "HND")
+    kv_append_cpu(k, v, batch_indices, positions, got, *tables, "HND")
+    assert torch.equal(got, expected) and not torch.equal(expected, case.cache)
+
+
 def test_kv_append_pair_and_strided_rows():
     """A (k_cache, v_cache) pair, and K/V rows sliced out of a fused qkv tensor (strided tokens)."""
     case = make_paged_cache(SEQ_LENS, num_heads=2, head_dim=64, page_size=16, kv_layout="HND")

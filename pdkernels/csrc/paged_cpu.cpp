@@ -1,0 +1,198 @@
+// CPU paths for the paged KV cache (pdkernels/cpu.py builds this at first use): decode attention that
+// reads each sequence's pages where they lie, and the KV append, for 5-D HND caches
+// [pages, 2 (K, V), kv_heads, page_size, head_dim]. Same math as pdkernels.decode_attention's and
+// pdkernels.kv_append's references; fp32 arithmetic whatever the cache's dtype.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace {
+
+template <typename T>
+inline void to_float(const T* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// bf16 is the top half of an fp32: a shift, on the raw bits (c10::BFloat16's conversion does not vectorize)
+template <>
+inline void to_float(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = std::bit_cast<float>(static_cast<uint32_t>(bits[i]) << 16);
+}
+
+// a . b; the lanes summed as a tree (a loop's in-order sum of its lanes would cost a chain of adds)
+inline float dot(const float* a, const float* b, int64_t n) {
+  int64_t d = 0;
+  float sum = 0.0f;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  for (; d + 16 <= n; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);
+  sum = _mm512_reduce_add_ps(acc);
+#endif
+  for (; d < n; ++d) sum += a[d] * b[d];
+  return sum;
+}
+
+// exp(x) for x <= 0 (an online softmax's arguments) in plain arithmetic, so that loops of it vectorize:
+// Cephes' expf (2^n times a degree-6 polynomial on [-ln2/2, ln2/2]), relative error about 1e-7; below
+// -87 it returns exp(-87) ~ 1.6e-38 instead of underflowing (an -inf argument gives that, not 0).
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // rounded (1.5 * 2^23 trick)
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  return p * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
+}
+
+// One sequence: its query heads attend over its pages, a page at a time. A page is one block [K|V, kv
+// heads, tokens, dim] and is read front to back (every kv head's K, then V) while the next page is
+// prefetched: pages lie anywhere in the cache, so the hardware prefetcher alone stalls at each one.
+// Per page and query head: the scores of the page's tokens, then one online-softmax rescale.
+template <typename T>
+void attend(const float* q, const T* cache, const int32_t* pages, int64_t num_pages, int64_t last_len,
+            int64_t heads, int64_t kv_heads, int64_t page_size, int64_t dim, float scale, float* out,
+            std::vector<float>& work) {
+  const int64_t group = heads / kv_heads;
+  work.assign(dim + heads * page_size + 2 * heads, 0.0f);
+  float* row = work.data();
+  float* s = row + dim;  // [heads, page_size]
+  float* m = s + heads * page_size;
+  float* l = m + heads;
+  std::fill(m, m + heads, -std::numeric_limits<float>::infinity());
+  std::fill(out, out + heads * dim, 0.0f);
+  const int64_t block = 2 * kv_heads * page_size * dim;  // elements of one page
+  for (int64_t pi = 0; pi < num_pages; ++pi) {
+    const int64_t tokens = pi + 1 == num_pages ? last_len : page_size;
+    const T* k = cache + pages[pi] * block;
+    const T* v = k + kv_heads * page_size * dim;
+    if (pi + 1 < num_pages) {
+      const char* next = reinterpret_cast<const char*>(cache + pages[pi + 1] * block);
+      for (int64_t byte = 0; byte < block * static_cast<int64_t>(sizeof(T)); byte += 64)
+        __builtin_prefetch(next + byte);
+    }
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const T* kh = k + h * page_size * dim;
+      for (int64_t t = 0; t < tokens; ++t) {
+        to_float(kh + t * dim, row, dim);
+        for (int64_t g = h * group; g < (h + 1) * group; ++g)
+          s[g * page_size + t] = dot(q + g * dim, row, dim) * scale;
+      }
+    }
+    for (int64_t g = 0; g < heads; ++g) {
+      float* sg = s + g * page_size;
+      const float top = std::max(m[g], *std::max_element(sg, sg + tokens));
+      const float alpha = exp_nonpositive(m[g] - top);  // ~0 on the first page (m = -inf, l = 0)
+      float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t t = 0; t < tokens; ++t) {
+        sg[t] = exp_nonpositive(sg[t] - top);
+        sum += sg[t];
+      }
+      l[g] = l[g] * alpha + sum;
+      m[g] = top;
+      float* og = out + g * dim;
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) og[d] *= alpha;
+    }
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const T* vh = v + h * page_size * dim;
+      for (int64_t t = 0; t < tokens; ++t) {
+        to_float(vh + t * dim, row, dim);
+        for (int64_t g = h * group; g < (h + 1) * group; ++g) {
+          const float p = s[g * page_size + t];
+          float* og = out + g * dim;
+#pragma omp simd
+          for (int64_t d = 0; d < dim; ++d) og[d] += p * row[d];
+        }
+      }
+    }
+  }
+  for (int64_t g = 0; g < heads; ++g) {
+    const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;  // a sequence with no token: zeros
+    for (int64_t d = 0; d < dim; ++d) out[g * dim + d] *= inv;
+  }
+}
+
+}  // namespace
+
+// q [B, Hq, D] fp32 contiguous; cache [pages, 2, Hkv, P, D] contiguous; kv_indptr [B + 1], kv_indices,
+// kv_last_page_len [B] int32. Returns [B, Hq, D] fp32.
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor cache, torch::Tensor kv_indptr,
+                               torch::Tensor kv_indices, torch::Tensor kv_last_page_len, double scale) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && q.is_contiguous() && q.dim() == 3, "q: [B, Hq, D] fp32");
+  TORCH_CHECK(cache.dim() == 5 && cache.is_contiguous() && cache.size(1) == 2, "cache: 5-D HND");
+  for (const auto& t : {kv_indptr, kv_indices, kv_last_page_len})
+    TORCH_CHECK(t.scalar_type() == at::kInt && t.is_contiguous(), "page table: int32, contiguous");
+  const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
+  const int64_t kv_heads = cache.size(2), page_size = cache.size(3);
+  TORCH_CHECK(cache.size(4) == dim && heads % kv_heads == 0, "q and cache disagree");
+  auto out = torch::empty_like(q);
+  const int32_t* indptr = kv_indptr.data_ptr<int32_t>();
+  const int32_t* indices = kv_indices.data_ptr<int32_t>();
+  const int32_t* last = kv_last_page_len.data_ptr<int32_t>();
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, cache.scalar_type(), "decode_attention", [&] {
+    const scalar_t* cp = cache.data_ptr<scalar_t>();
+    at::parallel_for(0, batch, 1, [&](int64_t lo, int64_t hi) {
+      std::vector<float> work;
+      for (int64_t b = lo; b < hi; ++b) {
+        const int64_t n = indptr[b + 1] - indptr[b];
+        attend<scalar_t>(qp + b * heads * dim, cp, indices + indptr[b], n, n ? last[b] : 0, heads, kv_heads,
+                         page_size, dim, static_cast<float>(scale), op + b * heads * dim, work);
+      }
+    });
+  });
+  return out;
+}
+
+// k, v [T, Hkv, D] (any strides but a contiguous last dim) into their (page, entry) slots.
+void kv_append(torch::Tensor k, torch::Tensor v, torch::Tensor batch_indices, torch::Tensor positions,
+               torch::Tensor cache, torch::Tensor kv_indices, torch::Tensor kv_indptr) {
+  TORCH_CHECK(cache.dim() == 5 && cache.is_contiguous() && cache.size(1) == 2, "cache: 5-D HND");
+  TORCH_CHECK(k.scalar_type() == cache.scalar_type() && v.scalar_type() == cache.scalar_type(), "dtypes");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "k, v: contiguous last dim");
+  for (const auto& t : {batch_indices, positions, kv_indices, kv_indptr})
+    TORCH_CHECK(t.scalar_type() == at::kInt && t.is_contiguous(), "indices: int32, contiguous");
+  const int64_t tokens = k.size(0), kv_heads = cache.size(2), page_size = cache.size(3), dim = cache.size(4);
+  TORCH_CHECK(k.size(1) == kv_heads && k.size(2) == dim && v.sizes() == k.sizes(), "k, v: [T, Hkv, D]");
+  const int32_t* b = batch_indices.data_ptr<int32_t>();
+  const int32_t* pos = positions.data_ptr<int32_t>();
+  const int32_t* indices = kv_indices.data_ptr<int32_t>();
+  const int32_t* indptr = kv_indptr.data_ptr<int32_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, cache.scalar_type(), "kv_append", [&] {
+    scalar_t* cp = cache.data_ptr<scalar_t>();
+    const scalar_t* kp = k.data_ptr<scalar_t>();
+    const scalar_t* vp = v.data_ptr<scalar_t>();
+    for (int64_t t = 0; t < tokens; ++t) {
+      const int64_t page = indices[indptr[b[t]] + pos[t] / page_size], entry = pos[t] % page_size;
+      scalar_t* dst = cp + page * 2 * kv_heads * page_size * dim + entry * dim;
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        std::copy_n(kp + t * k.stride(0) + h * k.stride(1), dim, dst + h * page_size * dim);
+        std::copy_n(vp + t * v.stride(0) + h * v.stride(1), dim, dst + (kv_heads + h) * page_size * dim);
+      }
+    }
+  });
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &decode_attention, "paged decode attention over a 5-D HND cache (CPU)");
+  m.def("kv_append", &kv_append, "append K and V rows to a 5-D HND paged cache (CPU)");
+}

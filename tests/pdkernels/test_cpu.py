@@ -1,0 +1,48 @@
+"""pdkernels.cpu's prepacked bf16 weights behind pdkernels.ops (the C++ paged-cache paths are tested
+beside their references in test_decode_attention.py and test_kv_append.py)."""
+
+import pytest
+import torch
+
+from pdkernels import cpu, ops
+from pdkernels.out_proj import make_layer_counter
+
+
+def _packed(n=96, k=64, seed=0):
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    p = cpu.pack(w)
+    if not isinstance(p, cpu.PackedWeight):
+        pytest.skip("this torch has no oneDNN weight packing")
+    return w, p
+
+
+@pytest.mark.parametrize("m", [1, 7, 20, 65, 300])
+def test_a_packed_weight_gives_the_plain_gemms_bits(m):
+    w, p = _packed()
+    x = torch.randn(m, 64).to(torch.bfloat16)
+    assert torch.equal(ops.linear(x, p), torch.mm(x, w.t()))
+    out = torch.empty(m, 96, dtype=torch.bfloat16)
+    assert ops.linear(x, p, out=out) is out and torch.equal(out, torch.mm(x, w.t()))
+    strided = torch.randn(m, 128).to(torch.bfloat16)[:, ::2]  # a view, as the model's slices are
+    assert torch.equal(ops.linear(strided, p), torch.mm(strided, w.t()))
+
+
+def test_out_proj_on_a_packed_weight_bumps_its_layer_once():
+    w, p = _packed()
+    counter = make_layer_counter(4, torch.device("cpu"))
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    assert torch.equal(ops.out_proj(x, p, counter=counter, layer=2), torch.mm(x, w.t()))
+    assert counter[0].tolist() == [0, 0, 1, 0]
+
+
+def test_only_bf16_cpu_weights_are_packed_and_bad_inputs_are_named(monkeypatch):
+    w32 = torch.randn(8, 4)
+    assert cpu.pack(w32) is w32  # fp32: oneDNN's packed fp32 GEMM rounds differently; left as is
+    _, p = _packed()
+    with pytest.raises(ValueError, match=r"x must be \[M, K=64\] torch.bfloat16"):
+        ops.linear(torch.randn(2, 64), p)  # fp32 x
+    with pytest.raises(ValueError, match=r"x must be \[M, K=64\]"):
+        ops.linear(torch.randn(2, 32).to(torch.bfloat16), p)
+    monkeypatch.setenv("PDKERNELS_CPU_EXT", "0")
+    w = torch.randn(8, 4).to(torch.bfloat16)
+    assert cpu.pack(w) is w  # turned off: the plain weight
