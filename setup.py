@@ -6,6 +6,7 @@ setup(
     description="Disaggregated prefill/decode for LLM serving: kernels, engine, KV transfer, experiments",
     python_requires=">=3.10",
     packages=find_packages(include=["pdkernels", "engine*", "transfer*", "experiments*"]),
+    package_data={"pdkernels": ["csrc/*.cpp"]},  # built at first use (pdkernels/cpu.py)
     install_requires=[
         # no exact pins here: they would replace a GPU user's CUDA torch. The Makefile installs the tested
         # pair (torch==2.13.0, the CPU wheel, and triton==3.9.0) before this package, so these are met
