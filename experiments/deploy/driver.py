@@ -18,6 +18,7 @@ sockets live in a private directory (`ipc://`, the default) or bind to `transfer
 from __future__ import annotations
 
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -367,7 +368,7 @@ def _serve(run: DeploymentRun, config: RunConfig, fleet: Fleet, progress: bool, 
                 in_flight[target].add(req.request_id)
                 fleet.send(target, Submit(req.request_id, req.prompt_ids, req.max_tokens, stream=True))
                 busy += 1
-            fleet.sock.poll(1)
+            fleet.sock.poll(_wait_ms(run, queue, w.arrival))
             for name, msg in fleet.receive():
                 now = time.perf_counter()
                 if isinstance(msg, Progress):
@@ -406,6 +407,17 @@ def _serve(run: DeploymentRun, config: RunConfig, fleet: Fleet, progress: bool, 
     finally:
         run.end = time.perf_counter()
         bar.close()
+
+
+def _wait_ms(run: DeploymentRun, queue: list, arrival: str) -> int:
+    """How long the router may sleep on its socket: until the next scheduled arrival, at most 20 ms (a
+    worker's message wakes it at once; deaths are looked for at least that often). Waking every
+    millisecond instead cost the worker's core ~5-10% of its decode speed here (the woken router lands
+    on the core of the worker that woke it)."""
+    if queue and arrival in ("poisson", "trace"):
+        due = run.start + queue[0].arrival_s - time.perf_counter()
+        return max(0, min(20, math.ceil(due * 1e3)))
+    return 20
 
 
 def _unfinished(run: DeploymentRun, error: str) -> None:
