@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import queue
 import secrets
 import socket
@@ -38,6 +39,7 @@ from omegaconf import DictConfig
 from experiments.config import check_fits_model, from_cfg
 from experiments.deploy.messages import Cancel, Failed, Load, Progress, Result, Submit
 
+WAIT_MS = 20  # the runtime's longest sleep on its sockets: how often it looks for dead workers
 log = logging.getLogger(__name__)
 
 
@@ -66,8 +68,18 @@ class Runtime:
     ("result", Result)."""
 
     def __init__(self, fleet):
+        import zmq
+
         self.fleet = fleet
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
+        # a byte down this pipe wakes the runtime's poll for a new command; otherwise it sleeps until a
+        # worker's message or WAIT_MS (a thread waking every millisecond lands on a worker's core and
+        # slows its steps)
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._poller = zmq.Poller()
+        self._poller.register(fleet.sock, zmq.POLLIN)
+        self._poller.register(self._wake_r, zmq.POLLIN)
         self.sinks: dict[str, object] = {}
         self.in_flight = {n: set() for n in fleet.frontends}
         self.owner: dict[str, str] = {}  # request -> the worker it went to
@@ -93,14 +105,19 @@ class Runtime:
 
     def submit(self, msg: Submit, sink) -> None:
         self.commands.put(("submit", msg, sink))
+        os.write(self._wake_w, b"s")
 
     def cancel(self, request_id: str) -> None:
         self.commands.put(("cancel", request_id, None))
+        os.write(self._wake_w, b"c")
 
     def close(self) -> None:
         self._stop.set()
+        os.write(self._wake_w, b"q")
         self._thread.join(timeout=30)
         self.fleet.stop()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -121,7 +138,11 @@ class Runtime:
                 self._route(arg, sink)
             elif arg in self.owner:
                 self.fleet.send(self.owner[arg], Cancel(arg))
-        self.fleet.sock.poll(1)
+        if self._wake_r in dict(self._poller.poll(WAIT_MS)):
+            try:
+                os.read(self._wake_r, 4096)
+            except BlockingIOError:
+                pass
         for name, msg in self.fleet.receive():
             if isinstance(msg, Progress):
                 for rid, ids, text in msg.items:
@@ -414,6 +435,13 @@ class Metrics:
         self.drafted = Counter("pdk_spec_drafted_tokens", "Speculative tokens proposed", registry=r)
         self.accepted = Counter("pdk_spec_accepted_tokens", "Speculative tokens accepted", registry=r)
         self.verifies = Counter("pdk_spec_verify_steps", "Steps that verified drafts", registry=r)
+        self.spec = [0, 0, 0]  # drafted, accepted, verify steps: the ratios below (0 before any draft)
+        Gauge(
+            "pdk_spec_acceptance_rate", "Accepted over drafted speculative tokens", registry=r
+        ).set_function(lambda: self.spec[1] / self.spec[0] if self.spec[0] else 0.0)
+        Gauge(
+            "pdk_spec_mean_accepted_length", "Tokens a verify step yields (accepted + 1)", registry=r
+        ).set_function(lambda: (self.spec[1] + self.spec[2]) / self.spec[2] if self.spec[2] else 0.0)
         self.runtime = runtime
         self.sent: dict[str, float] = {}
 
@@ -442,6 +470,8 @@ class Metrics:
         self.drafted.inc(result.drafted)
         self.accepted.inc(result.accepted)
         self.verifies.inc(result.verify_steps)
+        for i, n in enumerate((result.drafted, result.accepted, result.verify_steps)):
+            self.spec[i] += n
 
     def render(self) -> bytes:
         from prometheus_client import generate_latest

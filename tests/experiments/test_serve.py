@@ -16,6 +16,7 @@ import pytest
 openai = pytest.importorskip("openai")
 
 from engine import LLM, SamplingParams  # noqa: E402
+from tests.heads import echo_head  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "test-key-123"
@@ -54,11 +55,18 @@ def _stop(proc: subprocess.Popen) -> None:
 
 @pytest.fixture(scope="module", params=["colocated", "1p1d"])
 def server(request, tmp_path_factory):
-    """A server per deployment; the colocated one requires an API key."""
+    """A server per deployment; the colocated one requires an API key, the 1P1D one's decode worker
+    speculates with an MTP head fed by the hand-off (greedy text is the same: lossless)."""
+    tmp = tmp_path_factory.mktemp(request.param)
     overrides = [f"deployment={request.param}"]
     if request.param == "colocated":
         overrides.append(f"server.api_key={KEY}")
-    proc, url = _start(tmp_path_factory.mktemp(request.param), *overrides)
+    else:
+        head = echo_head(tmp / "echo.safetensors")
+        overrides.append(
+            f"+deployment.speculative={{method: mtp, num_speculative_tokens: 2, model: '{head}'}}"
+        )
+    proc, url = _start(tmp, *overrides)
     yield request.param, url
     _stop(proc)
 
@@ -247,6 +255,12 @@ def test_metrics_parse_and_count(server):
     remote = m.get(("pdk_prefills_total", (("where", "remote"),)), 0)
     assert (remote > 0) == (kind == "1p1d")
     assert (m[("pdk_kv_transfer_bytes_total", ())] > 0) == (kind == "1p1d")
+    drafted, accepted = m[("pdk_spec_drafted_tokens_total", ())], m[("pdk_spec_accepted_tokens_total", ())]
+    steps = m[("pdk_spec_verify_steps_total", ())]
+    assert (drafted > 0 and accepted > 0) == (kind == "1p1d")  # the echo head: most drafts accepted
+    rate, length = m[("pdk_spec_acceptance_rate", ())], m[("pdk_spec_mean_accepted_length", ())]
+    assert rate == (accepted / drafted if drafted else 0.0)
+    assert length == ((accepted + steps) / steps if steps else 0.0)
 
 
 def test_the_load_client_measures_a_server_by_url_beside_an_in_process_run(server, tmp_path):
