@@ -104,6 +104,8 @@ class Model:
         self.lm_head = cpu.pack(lm_head) if packing else lm_head
         for layer in self.layers if packing else ():
             layer.update({k: cpu.pack(layer[k]) for k in ("qkv", "o", "gate_up", "down")})
+        if packing:  # build (first time on this machine, ~20 s) or load the C++ paths now, not in a request
+            cpu.module()
         positions = torch.arange(config.max_position, dtype=torch.float32)
         freqs = torch.outer(positions, rope_inv_freq(config))  # [max_pos, D/2]
         self.cos, self.sin = freqs.cos().to(device), freqs.sin().to(device)
