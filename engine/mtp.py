@@ -201,7 +201,10 @@ class MTPDrafter:
         return self.target.embed[torch.tensor(ids, device=self.target.device)]
 
     def _draft(self, y: Tensor) -> int:
-        return int(self.target.logits(self.target.rms_norm(y, self.w["shared_head.norm.weight"])).argmax())
+        """y [hidden]: one output row -> its argmax token."""
+        return int(
+            self.target.logits(self.target.rms_norm(y[None], self.w["shared_head.norm.weight"])).argmax()
+        )
 
     def _layer(
         self, x: Tensor, positions: list[int], state: HeadState, extra_k=(), extra_v=()

@@ -16,6 +16,14 @@ if not COMPILED:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_sessionstart(session):
+    """Build pdkernels' C++ CPU paths (pdkernels/cpu.py) once, here, before any test starts processes
+    that would otherwise each build or wait for them."""
+    from pdkernels import cpu
+
+    cpu.module()
+
+
 @pytest.fixture(autouse=True, scope="module")
 def model_backend(request):
     """Engine and transfer tests run models on the torch references (the interpreter would take minutes);

@@ -213,6 +213,11 @@ def start_fleet(
 
     from experiments.deploy.launcher import make_launcher
 
+    if config.model.device == "cpu":
+        # pdkernels' C++ CPU paths: built here once (about 20 s on a new machine), not by each worker
+        from pdkernels import cpu
+
+        cpu.module()
     launcher = make_launcher(config)
     run_dir = tempfile.mkdtemp(prefix="pdk-")  # mode 0700: only this user reaches its sockets
     keys = keyring(["driver"] + worker_names(d))
