@@ -214,4 +214,6 @@ class Model:
 
     def logits(self, hidden: Tensor) -> Tensor:
         """hidden [n, hidden] -> fp32 logits [n, vocab]."""
-        return self.linear(hidden, self.lm_head).float()
+        if isinstance(self.lm_head, cpu.PackedWeight):
+            return ops.linear(hidden, self.lm_head, validate=False).float()
+        return F.linear(hidden, self.lm_head).float()  # on a GPU: cuBLAS, as before the CPU packing
