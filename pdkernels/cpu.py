@@ -3,8 +3,9 @@
 
 Built at first use with torch.utils.cpp_extension (g++ and ninja; about 20 s once, then loaded from
 TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions); the engine's Model asks for it when it is
-built on the CPU, the main job's driver and the test session before they start processes. Where it cannot be built, `module()` is None
-and the torch code runs instead; PDKERNELS_CPU_EXT=0 turns it off. What it holds:
+built on the CPU, the main job's driver and the test session before they start processes. Where it
+cannot be built, `module()` is None and the torch code runs instead; PDKERNELS_CPU_EXT=0 turns it off.
+What it holds:
 - decode_attention: reads each sequence's K/V pages where they lie (no gather into a new tensor, no
   cast of the whole KV to fp32), one online-softmax pass per page, threads over sequences.
 - kv_append: copies each new token's K/V rows into its (page, entry) slot.
