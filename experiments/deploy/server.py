@@ -616,6 +616,17 @@ def make_app(state: App) -> FastAPI:
     return api
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound. Its proto is IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on
+    connections whose socket says it is TCP, and without it a stream's first chunk waited behind the
+    client's delayed ACK of the response headers (40 ms on a kept-alive connection, measured here)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
+
+
 def serve(cfg: DictConfig, out_dir: Path, ready=None) -> None:
     """Start the deployment and the HTTP server; returns once the server is stopped (Ctrl-C, SIGTERM)."""
     import uvicorn
@@ -638,9 +649,7 @@ def serve(cfg: DictConfig, out_dir: Path, ready=None) -> None:
     del loaded
     logging.getLogger().setLevel(config.log_level)
     name = server.served_model_name or config.model.name
-    sock = socket.socket(socket.AF_INET6 if ":" in server.host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((server.host, server.port))
+    sock = listening_socket(server.host, server.port)
     fleet = start_fleet(config, config.deployments[0], out_dir / "logs")
     runtime = Runtime(fleet)
     try:

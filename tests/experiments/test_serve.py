@@ -339,3 +339,28 @@ def test_a_dead_worker_gives_503_and_the_server_serves_with_the_rest(tmp_path):
             assert out.choices[0].finish_reason == "length"
     finally:
         _stop(proc)
+
+
+def test_the_servers_connections_send_without_nagle():
+    """Each accepted connection has TCP_NODELAY (asyncio sets it on TCP sockets only: the listening
+    socket must say IPPROTO_TCP), so a token's chunk never waits for the client's delayed ACK."""
+    import socket as so
+
+    from experiments.deploy.server import listening_socket
+
+    async def accepted_nodelay() -> int:
+        sock = listening_socket("127.0.0.1", 0)
+        seen = asyncio.get_running_loop().create_future()
+
+        def connected(reader, writer):
+            seen.set_result(writer.get_extra_info("socket").getsockopt(so.IPPROTO_TCP, so.TCP_NODELAY))
+            writer.close()
+
+        server = await asyncio.start_server(connected, sock=sock)
+        _, writer = await asyncio.open_connection(*sock.getsockname()[:2])
+        value = await asyncio.wait_for(seen, 10)
+        writer.close()
+        server.close()
+        return value
+
+    assert asyncio.run(accepted_nodelay()) != 0
