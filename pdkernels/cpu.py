@@ -74,6 +74,13 @@ def module():
     return _module
 
 
+def for_cache(cache) -> object | None:
+    """The extension where it serves this paged cache (a contiguous 5-D tensor on the CPU), else None."""
+    if not isinstance(cache, Tensor) or cache.device.type != "cpu" or cache.dim() != 5:
+        return None
+    return module() if cache.is_contiguous() else None
+
+
 class PackedWeight:
     """A linear weight [N, K] in oneDNN's blocked layout: only `linear` reads it."""
 

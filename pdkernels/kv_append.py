@@ -455,9 +455,7 @@ def kv_append_cpu(
 ) -> None:
     """The torch backend's kv_append: C++ row copies (pdkernels.cpu) for a 5-D HND cache on the CPU where
     it is built, kv_append_ref otherwise."""
-    ext = None
-    if kv_layout == "HND" and isinstance(paged_kv_cache, Tensor) and paged_kv_cache.device.type == "cpu":
-        ext = cpu.module() if paged_kv_cache.is_contiguous() else None
+    ext = cpu.for_cache(paged_kv_cache) if kv_layout == "HND" else None
     if ext is None:
         return kv_append_ref(append_key, append_value, batch_indices, positions, paged_kv_cache, kv_indices,
                              kv_indptr, kv_last_page_len, kv_layout)  # fmt: skip
