@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 ROLES = ("colocated", "prefill", "decode")
+PREEMPTIONS = ("recompute", "refetch")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -88,9 +89,25 @@ class SchedulerConfig:
     role: str = "colocated"
     max_num_seqs: int = 64  # sequences in one step
     max_num_batched_tokens: int = 512  # per-step token budget; prompts longer than it are chunked
+    # Admission with room to finish: a request starts (a new prefill, or pages reserved for incoming KV)
+    # only if the free pages then still cover every admitted request's growth to min(max_tokens, this
+    # many tokens past its prompt). None: to max_tokens. A request that runs past it may be preempted.
+    reserved_tokens: int | None = 512
+    # What a preempted decode-role sequence does: "refetch" (its pages freed; the worker asks a prefill
+    # worker again for prompt + outputs) or "recompute" (computed again here). Other roles recompute.
+    preemption: str = "recompute"
 
     def __post_init__(self):
         _check(self.role in ROLES, f"role must be one of {ROLES}, got {self.role!r}")
+        _check(
+            self.reserved_tokens is None
+            or (isinstance(self.reserved_tokens, int) and self.reserved_tokens >= 0),
+            f"reserved_tokens must be None or an integer >= 0, got {self.reserved_tokens!r}",
+        )
+        _check(
+            self.preemption in PREEMPTIONS,
+            f"preemption must be one of {PREEMPTIONS}, got {self.preemption!r}",
+        )
         _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         _check(
             self.max_num_batched_tokens >= 1,

@@ -20,7 +20,7 @@ import torch
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.graphs import DecodeGraphs
-from engine.kv_cache import PageAllocator, allocate_kv_cache
+from engine.kv_cache import OutOfPages, PageAllocator, allocate_kv_cache
 from engine.model import Model, Shard
 from engine.mtp import MTPDrafter, load_head_weights
 from engine.runner import ModelRunner
@@ -74,14 +74,20 @@ class LLM:
         listener: PrefillListener | None = None,
         cuda_graphs: bool | None = None,
         speculative_config: dict | SpeculativeConfig | None = None,
+        reserved_tokens: int | None = 512,
+        preemption: str = "recompute",
     ):
         """cuda_graphs: replay decode steps as CUDA graphs (engine.graphs); None: on CUDA with tp 1 outside
-        the prefill role (which never decodes). One page is kept back as the padding rows' scratch page."""
+        the prefill role (which never decodes). One page is kept back as the padding rows' scratch page.
+        reserved_tokens, preemption: admission with room to finish and what a preempted decode-role
+        sequence does (engine.config.SchedulerConfig)."""
         loaded = load_model(model)
         self.config = EngineConfig(
             model=loaded.config,
             cache=CacheConfig(page_size, num_pages, kv_layout),
-            scheduler=SchedulerConfig(role, max_num_seqs, max_num_batched_tokens),
+            scheduler=SchedulerConfig(
+                role, max_num_seqs, max_num_batched_tokens, reserved_tokens, preemption
+            ),
             device=device,
             dtype=dtype,
             tp=tp,
@@ -108,7 +114,7 @@ class LLM:
             )
         # with graphs, the last page is the padding rows' scratch page: never allocated
         self.allocator = PageAllocator(num_pages - 1 if cuda_graphs else num_pages, page_size)
-        self.scheduler = Scheduler(self.config.scheduler, self.allocator)
+        self.scheduler = Scheduler(self.config.scheduler, self.allocator, loaded.config.max_position)
         # speculative decoding (vLLM's names: {"method": "ngram" | "mtp", "num_speculative_tokens": k, ...})
         self.speculative = SpeculativeConfig.of(speculative_config)
         self.drafter: MTPDrafter | None = None
@@ -344,14 +350,41 @@ class LLM:
     def reserve(
         self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
     ) -> Sequence:
-        """Decode role: pin pages for the KV of all but the last prompt token, for a prefill worker.
+        """Decode role: pin pages for the KV of all but the last prompt token, for a prefill worker. A
+        request_id that take_refetches handed out resumes that sequence instead (prompt and params are
+        its own: pages for all its tokens but the last).
 
-        Raises engine.kv_cache.OutOfPages (taking nothing) when too few pages are free right now."""
-        seq = self.make_sequence(prompt, params, request_id)
-        self.allocator.grow(seq.request_id, len(seq.prompt_ids) - 1)
+        Raises engine.kv_cache.OutOfPages (taking nothing) when the free pages, after this reservation,
+        would not cover the growth every admitted request is owed (SchedulerConfig.reserved_tokens)."""
+        seq = self.scheduler.refetching.get(request_id) if request_id is not None else None
+        if seq is None:
+            seq = self.make_sequence(prompt, params, request_id)
+        if not self.scheduler.has_room(seq):
+            raise OutOfPages(
+                f"{seq.request_id}: {self.scheduler.need(seq)} pages to finish, "
+                f"{self.allocator.num_free} free, {self.scheduler.debt()} owed to admitted requests"
+            )
+        self.allocator.grow(seq.request_id, seq.num_tokens - 1)
         self.allocator.pin(seq.request_id)
+        self.scheduler.reserve(seq)
         self.seqs[seq.request_id] = seq
         return seq
+
+    def take_refetches(self) -> list[Sequence]:
+        """Decode role with preemption "refetch": sequences preempted since the last call. Each holds no
+        pages; the caller fetches the KV of seq.all_ids[:-1] again (reserve with its request_id, then
+        admit_prefilled) or aborts it."""
+        return self.scheduler.take_refetches()
+
+    @property
+    def preemption_stats(self) -> dict[str, int]:
+        """Preemptions so far, and the tokens whose KV they dropped: computed again here or refetched."""
+        s = self.scheduler
+        return {
+            "preemptions": s.num_preemptions,
+            "recomputed_tokens": s.num_recomputed_tokens,
+            "refetched_tokens": s.num_refetched_tokens,
+        }
 
     def admit_prefilled(self, request_id: str, context: torch.Tensor | None = None) -> None:
         """Decode role: every write has landed; the pages now belong to the running request. context: the
@@ -368,8 +401,7 @@ class LLM:
         disaggregation, or a failed transfer); it keeps whatever pages it holds, unpinned."""
         seq = self.seqs[request_id]
         self.allocator.unpin(request_id)
-        seq.num_computed, seq.status = 0, Status.WAITING
-        self.scheduler.add(seq)
+        self.scheduler.recompute(seq)
 
     def stop(self, request_id: str, error: str | None = None) -> None:
         """End a request now (finish_reason 'abort', or 'error') but keep its pages until `release`: a
@@ -382,6 +414,7 @@ class LLM:
 
     def release(self, request_id: str) -> None:
         """The request's KV is no longer moving (sent, or its transfer ended): unpin and free its pages."""
+        self.scheduler.reserved.pop(request_id, None)  # its pages are owed nothing more
         self.allocator.unpin(request_id)
         self.allocator.free(request_id)
 

@@ -150,9 +150,9 @@ class MTPDrafter:
     # ---- what the engine tells it ----------------------------------------------------------------
 
     def begin(self, seq: Sequence, context: Tensor | None = None) -> None:
-        """A request enters the engine; context: the hidden state at prompt_len - 2 that a prefill worker
-        computed (a decode worker's admitted request)."""
-        seq.draft = HeadState(start=max(0, len(seq.prompt_ids) - 2))
+        """A request enters the engine (or resumes with its outputs after a refetch); context: the hidden
+        state at num_tokens - 2 that a prefill worker computed (a decode worker's admitted request)."""
+        seq.draft = HeadState(start=max(0, seq.num_tokens - 2))
         if context is not None:
             self.observe(seq, seq.draft.start, context.reshape(1, -1))
 

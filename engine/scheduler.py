@@ -8,8 +8,13 @@ new ones) under a token budget: the Sarathi/vLLM mix of prefill and decode in on
   without its last token, which the decode worker runs as its first step.
 - decode: like colocated, and also admits sequences whose prompt KV (all but the last token) is
   already in its pages; their first step runs the last prompt token and samples the first output.
-Out of pages, a decode token preempts the newest unpinned sequence (its KV is recomputed later);
-a new prefill waits.
+Admission with room to finish: a sequence starts (a new prefill, or pages reserved for KV a prefill
+worker will write) only when the free pages then still cover every admitted sequence's growth to
+min(max_tokens, reserved_tokens) past the length it was admitted at; otherwise it waits. So an admitted
+sequence never runs out of pages within that horizon. One that runs past it grows into pages no one is
+owed, or is preempted: its KV is dropped and recomputed here later, or (decode role, preemption
+"refetch") handed back to the worker, which asks a prefill worker for prompt + outputs again, so that a
+decode step never carries a whole prompt.
 """
 
 from __future__ import annotations
@@ -52,11 +57,17 @@ class Batch:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, allocator: PageAllocator):
-        self.config, self.allocator = config, allocator
+    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, context: int | None = None):
+        """context: the model's longest sequence (no sequence is owed pages past it)."""
+        self.config, self.allocator, self.context = config, allocator, context
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.reserved: dict[str, Sequence] = {}  # decode role: pinned pages, waiting for their KV to land
+        self.refetching: dict[str, Sequence] = {}  # decode role: preempted, for the worker to fetch again
+        self._refetch_new: list[Sequence] = []  # ... not yet handed to the worker (take_refetches)
         self.num_preemptions = 0
+        self.num_recomputed_tokens = 0  # tokens computed again here because a preemption dropped their KV
+        self.num_refetched_tokens = 0  # tokens whose KV a preemption dropped, to be fetched again
         self.propose = None  # speculative decoding: seq -> draft token ids for its next decode step
 
     @property
@@ -70,18 +81,72 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def reserve(self, seq: Sequence) -> None:
+        """Decode role: seq's pages are reserved (pinned) for KV a prefill worker writes; it counts as
+        admitted from now on. The caller checked has_room."""
+        self.refetching.pop(seq.request_id, None)
+        seq.admitted_at = seq.num_tokens
+        self.reserved[seq.request_id] = seq
+
     def admit_prefilled(self, seq: Sequence) -> None:
-        """Decode role: seq's pages (owned in the allocator) hold the KV of all but its last prompt token."""
-        seq.num_computed, seq.status = len(seq.prompt_ids) - 1, Status.RUNNING
+        """Decode role: seq's pages hold the KV of all its tokens but the last (a prompt's, or a
+        refetched sequence's prompt and outputs); its next step runs that token and samples."""
+        self.reserved.pop(seq.request_id, None)
+        seq.num_computed, seq.status = seq.num_tokens - 1, Status.RUNNING
         self.running.append(seq)
+
+    def recompute(self, seq: Sequence) -> None:
+        """Decode role: a reserved sequence is prefilled here instead (it keeps its pages)."""
+        self.reserved.pop(seq.request_id, None)
+        seq.num_computed, seq.status = 0, Status.WAITING
+        self.waiting.append(seq)
+
+    def take_refetches(self) -> list[Sequence]:
+        """Sequences preempted since the last call whose KV the worker must fetch again."""
+        new, self._refetch_new = self._refetch_new, []
+        return new
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    # ---- admission with room to finish -----------------------------------------------------------
+
+    def final_tokens(self, seq: Sequence) -> int:
+        """The length seq is owed pages for: its prompt (prefill role), else min(max_tokens,
+        reserved_tokens) tokens past the length it was admitted at, within the context."""
+        if self.role == "prefill":
+            return len(seq.prompt_ids)
+        start = max(seq.admitted_at, len(seq.prompt_ids))
+        left = seq.params.max_tokens - (start - len(seq.prompt_ids))  # outputs it may still make
+        if self.config.reserved_tokens is not None:
+            left = min(left, self.config.reserved_tokens)
+        final = start + max(left, 1)
+        return final if self.context is None else min(final, self.context)
+
+    def need(self, seq: Sequence) -> int:
+        """Pages seq still lacks to reach final_tokens."""
+        owned = len(self.allocator.pages(seq.request_id))
+        return max(0, self.allocator.pages_for(self.final_tokens(seq)) - owned)
+
+    def debt(self) -> int:
+        """Pages the admitted sequences (running, reserved, or queued with pages) are owed."""
+        queued = [s for s in self.waiting if self.allocator.pages(s.request_id)]
+        return sum(self.need(s) for s in (*self.running, *self.reserved.values(), *queued))
+
+    def has_room(self, seq: Sequence) -> bool:
+        """Whether seq, not yet admitted and holding no pages, may start now."""
+        return self.need(seq) + self.debt() <= self.allocator.num_free
+
+    def _excess(self, seq: Sequence, num_tokens: int) -> int:
+        """Pages seq needs for num_tokens beyond what it is owed."""
+        owned = len(self.allocator.pages(seq.request_id))
+        return max(0, self.allocator.pages_for(num_tokens) - owned - self.need(seq))
 
     def schedule(self) -> Batch | None:
         batch, budget = Batch(), self.config.max_num_batched_tokens
         decoding = [s for s in self.running if self.target(s) - s.num_computed == 1]
         prefilling = [s for s in self.running if self.target(s) - s.num_computed > 1]
+        spare = self.allocator.num_free - self.debt()  # pages no admitted sequence is owed
         for seq in decoding + prefilling:
             if budget == 0 or len(batch.chunks) == self.config.max_num_seqs:
                 break
@@ -90,22 +155,35 @@ class Scheduler:
             n = min(self.target(seq) - seq.num_computed, budget)
             decodes = self.target(seq) - seq.num_computed == 1
             drafts = self._drafts(seq, budget - n) if decodes else []
-            if drafts and not self.allocator.can_grow(seq.request_id, seq.num_computed + 1 + len(drafts)):
-                drafts = []  # no pages to spare for guesses
+            if drafts and self._excess(seq, seq.num_computed + n + len(drafts)) > max(spare, 0):
+                drafts = []  # guesses take only pages no one is owed
+            excess = self._excess(seq, seq.num_computed + n + len(drafts))
+            if excess > max(spare, 0):  # past its horizon, and every free page is owed to others
+                self.preempt(seq)
+                continue
             if self._make_room(seq, seq.num_computed + n + len(drafts), batch):
                 batch.chunks.append(self._chunk(seq, n, drafts))
                 budget -= n + len(drafts)
+                spare -= excess
+        debt = self.debt()
         while self.waiting and budget > 0 and len(batch.chunks) < self.config.max_num_seqs:
             seq = self.waiting[0]
             n = min(self.target(seq) - seq.num_computed, budget)
-            if not self.allocator.can_grow(seq.request_id, seq.num_computed + n):
-                break  # wait for pages
+            holds = bool(self.allocator.pages(seq.request_id))  # then already counted in debt
+            if not holds:
+                seq.admitted_at = seq.num_tokens
+            others = debt - self.need(seq) if holds else debt
+            if self.need(seq) + others > self.allocator.num_free or not self.allocator.can_grow(
+                seq.request_id, seq.num_computed + n
+            ):
+                break  # wait for pages: running sequences' growth comes first
             self.waiting.popleft()
             seq.status = Status.RUNNING
             seq.scheduled_time = seq.scheduled_time or time.perf_counter()
             self.running.append(seq)
             batch.chunks.append(self._chunk(seq, n))
             budget -= n
+            debt = others + self.need(seq)
         return batch if batch.chunks else None
 
     def _drafts(self, seq: Sequence, room: int) -> list[int]:
@@ -119,6 +197,8 @@ class Scheduler:
         drafts = drafts or []
         total = seq.num_computed + n + len(drafts)
         pages = self.allocator.grow(seq.request_id, total)
+        if seq.num_computed < seq.recompute_until:  # KV a preemption dropped, computed again
+            self.num_recomputed_tokens += min(total, seq.recompute_until) - seq.num_computed
         samples = self.role != "prefill" and seq.num_computed + n == seq.num_tokens
         return Chunk(
             seq, seq.num_computed, n + len(drafts), samples, pages[: self.allocator.pages_for(total)], drafts
@@ -142,12 +222,22 @@ class Scheduler:
         return True
 
     def preempt(self, seq: Sequence) -> None:
-        """Drop seq's KV; it goes back to the front of the queue and is recomputed (prompt + outputs)."""
+        """Drop seq's KV. It goes back to the front of the queue and is recomputed (prompt + outputs),
+        or (decode role, preemption "refetch") waits in `refetching` for the worker to fetch it again."""
         self.running.remove(seq)
         self.allocator.free(seq.request_id)
-        seq.num_computed, seq.status = 0, Status.WAITING
-        self.waiting.appendleft(seq)
         self.num_preemptions += 1
+        refetch = self.role == "decode" and self.config.preemption == "refetch"
+        if refetch:
+            self.num_refetched_tokens += seq.num_computed
+        else:
+            seq.recompute_until = max(seq.recompute_until, seq.num_computed)
+        seq.num_computed, seq.status = 0, Status.WAITING
+        if refetch:
+            self.refetching[seq.request_id] = seq
+            self._refetch_new.append(seq)
+        else:
+            self.waiting.appendleft(seq)
 
     def remove(self, seq: Sequence, free_pages: bool = True) -> None:
         """Take seq out of the queues (finished or aborted), returning its pages unless told otherwise."""
@@ -155,6 +245,9 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        self.reserved.pop(seq.request_id, None)
+        if self.refetching.pop(seq.request_id, None) is not None and seq in self._refetch_new:
+            self._refetch_new.remove(seq)
         if free_pages:
             self.allocator.unpin(seq.request_id)
             self.allocator.free(seq.request_id)

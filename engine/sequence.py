@@ -98,6 +98,8 @@ class Sequence:
     num_accepted: int = 0
     num_verifies: int = 0
     draft: object | None = None  # the draft head's state for this request (engine.mtp.HeadState)
+    admitted_at: int = 0  # its length when last admitted: the scheduler's page guarantee counts from it
+    recompute_until: int = 0  # positions whose KV was computed before a preemption dropped it
 
     def __post_init__(self):
         if self.params.seed is not None:

@@ -16,6 +16,7 @@ from transfer.config import TransferConfig
 ARRIVALS = ("poisson", "concurrency", "trace")
 DATASETS = ("random", "sharegpt", "mooncake")
 DEPLOYMENT_KINDS = ("colocated", "disaggregated", "endpoint")
+DECODE_PREEMPTIONS = ("refetch", "recompute_local")
 LENGTH_KINDS = ("fixed", "uniform", "lognormal")
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -96,6 +97,13 @@ class DeploymentConfig:
     # speculative decoding on the decode / colocated workers, vLLM's names:
     # {method: ngram, num_speculative_tokens: k, prompt_lookup_min: a, prompt_lookup_max: b}
     speculative: dict | None = None
+    # Admission with room to finish (engine.scheduler): a decode worker reserves pages for incoming KV,
+    # and any worker starts a prefill, only when the free pages still cover every admitted request's
+    # growth to min(max_tokens, this many tokens). null: to max_tokens.
+    decode_reserved_tokens: int | None = 512
+    # A decode worker's request preempted anyway (past that horizon): refetch (its KV computed again by a
+    # prefill worker, prompt + outputs) | recompute_local (computed again on the decode worker)
+    decode_preemption: str = "refetch"
 
     def __post_init__(self):
         if self.kind not in DEPLOYMENT_KINDS:
@@ -114,6 +122,11 @@ class DeploymentConfig:
         counts = ("num_workers",) if self.kind == "colocated" else ("num_prefill", "num_decode")
         for key in counts + ("tp", "prefill_tp", "decode_tp", "threads_per_worker", "chunk_size"):
             _positive(f"deployment.{key}", getattr(self, key), integer=True)
+        r = self.decode_reserved_tokens
+        if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 0):
+            _fail("deployment.decode_reserved_tokens", r, "null or an integer >= 0")
+        if self.decode_preemption not in DECODE_PREEMPTIONS:
+            _fail("deployment.decode_preemption", self.decode_preemption, f"one of {DECODE_PREEMPTIONS}")
         if not isinstance(self.local_prefill_max_tokens, int) or self.local_prefill_max_tokens < 0:
             _fail("deployment.local_prefill_max_tokens", self.local_prefill_max_tokens, "an integer >= 0")
 

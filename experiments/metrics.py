@@ -7,11 +7,14 @@ results.json, schema "pdkernels.results/1" (stable: fields may be added, never r
 - run: "deployment", "rate" (req/s, or null under fixed concurrency), "concurrency", "summary",
   "requests", "events" ([seconds since start, what happened]: a worker exiting), "workers" ([{name,
   role, node_id, pid}]: where each worker ran; node_id is a Ray node id or this host's name), "timelines" (per
-  worker: name, role, steps [start, end, prefill tokens, decode tokens, sequences verifying drafts]).
+  worker: name, role, steps [start, end, prefill tokens, decode tokens, sequences verifying drafts],
+  free_pages and num_pages when it stopped).
 - summary: "num_requests", "completed", "errors", "duration_s", "throughput_rps",
   "output_tokens_per_s"; for each of "ttft_s", "tpot_s", "itl_s", "e2e_s", "queue_s", "transfer_s" a
   {"p50", "p90", "p99", "mean", "n"}; "transfer_bytes", "remote_prefills", "local_prefills", "slo"
-  ({"ttft_s", "tpot_s", "attainment"}), "attainment_pct", "meets_slo", "goodput_rps".
+  ({"ttft_s", "tpot_s", "attainment"}), "attainment_pct", "meets_slo", "goodput_rps"; per worker
+  ({name: count}) "preemptions", "recomputed_prompt_tokens" (computed again there after a preemption)
+  and "refetched_tokens" (a decode worker's, fetched again from a prefill worker).
 - request: "request_id", "worker", "prefill" (local | remote), "prefill_worker", "prompt_tokens",
   "output_tokens", "arrival_s", "queue_s", "ttft_s", "tpot_s", "e2e_s", "itl_s" (list),
   "output_ids", "transfer_bytes", "transfer_s", "finish_reason", "error", "meets_slo".
@@ -165,6 +168,15 @@ def summarize(run: DeploymentRun, rows: list[dict], slo: SloConfig, rate: float 
         "itl_s": percentiles([x for r in done for x in r["itl_s"]]),
         "transfer_bytes": sum(r["transfer_bytes"] for r in rows),
         **_speculation(run),
+        # per worker: preemptions, and the tokens whose KV they dropped (recomputed there, or refetched)
+        **{
+            key: {t.name: getattr(t, field) for t in run.timelines}
+            for key, field in (
+                ("preemptions", "preemptions"),
+                ("recomputed_prompt_tokens", "recomputed_tokens"),
+                ("refetched_tokens", "refetched_tokens"),
+            )
+        },
         "remote_prefills": sum(r["prefill"] == "remote" for r in rows),
         "local_prefills": sum(r["prefill"] == "local" for r in rows),
         "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s, "attainment": slo.attainment},
@@ -196,6 +208,8 @@ def run_record(run: DeploymentRun, config: RunConfig, rate: float | None) -> dic
                 "name": t.name,
                 "role": t.role,
                 "steps": [[s - run.start, e - run.start, *rest] for s, e, *rest in t.steps],
+                "free_pages": t.free_pages,
+                "num_pages": t.num_pages,
             }
             for t in run.timelines
         ],

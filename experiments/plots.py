@@ -55,34 +55,42 @@ def latency_vs_rate(records: list[dict], slo: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def timeline(record: dict, path: Path) -> None:
-    """Forward passes over time of one worker per role: with prefill tokens red, decode only blue,
-    decode steps that verified speculative drafts green."""
-    picks, seen = [], set()
-    for t in record["timelines"]:
-        if t["role"] not in seen:
-            picks.append(t)
-            seen.add(t["role"])
+def timeline(record: dict, path: Path, max_workers: int = 8) -> None:
+    """Every worker's forward passes over time (the first max_workers): steps with prefill tokens red,
+    decode only blue, decode steps that verified speculative drafts green; below, the prefill tokens of
+    each step per worker, so a decode worker that recomputes prompts (thrashing) shows at a glance."""
+    picks = record["timelines"][:max_workers]
     if not picks:
         return
-    fig, ax = plt.subplots(figsize=(10, 1 + 0.6 * len(picks)))
+    fig, (ax, tokens) = plt.subplots(
+        2, 1, figsize=(10, 2.5 + 0.6 * len(picks)), sharex=True, height_ratios=[0.6 * len(picks) + 0.4, 2]
+    )
+    labelled: set[str] = set()
+
+    def once(name: str) -> str | None:
+        new = name not in labelled
+        labelled.add(name)
+        return name if new else None
+
     for row, t in enumerate(picks):
         steps = [(s, e, p, d, rest[0] if rest else 0) for s, e, p, d, *rest in t["steps"]]
-        prefill = [(s, e - s) for s, e, p, d, v in steps if p > 0]
-        decode = [(s, e - s) for s, e, p, d, v in steps if p == 0 and not v]
-        verify = [(s, e - s) for s, e, p, d, v in steps if p == 0 and v]
-        ax.broken_barh(
-            prefill, (row - 0.35, 0.7), color="tab:red", label="prefill tokens" if row == 0 else None
+        kinds = (  # prefill last: drawn over the decode steps around it
+            ("decode only", "tab:blue", [(s, e - s) for s, e, p, d, v in steps if p == 0 and not v]),
+            ("verify (speculation)", "tab:green", [(s, e - s) for s, e, p, d, v in steps if p == 0 and v]),
+            ("prefill tokens", "tab:red", [(s, e - s) for s, e, p, d, v in steps if p > 0]),
         )
-        ax.broken_barh(decode, (row - 0.35, 0.7), color="tab:blue", label="decode only" if row == 0 else None)
-        if verify:
-            first = not any(h.get_label() == "verify (speculation)" for h in ax.collections)
-            label = "verify (speculation)" if first else None
-            ax.broken_barh(verify, (row - 0.35, 0.7), color="tab:green", label=label)
+        for name, color, bars in kinds:
+            if bars:
+                ax.broken_barh(bars, (row - 0.35, 0.7), color=color, label=once(name))
+        prefill = [(s, p) for s, _, p, *_ in steps if p > 0]
+        tokens.plot([s for s, _ in prefill], [p for _, p in prefill], ".", ms=4, label=t["name"])
     ax.set_yticks(range(len(picks)), [t["name"] for t in picks])
-    ax.set_xlabel("seconds since the run started")
     ax.set_title(f"forward passes: {record['deployment']}")
     ax.legend(loc="upper right")
+    tokens.set_ylabel("prefill tokens in a step")
+    tokens.set_ylim(bottom=0)
+    tokens.set_xlabel("seconds since the run started")
+    tokens.legend(loc="upper right", fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -95,7 +103,7 @@ def all_plots(records: list[dict], slo: dict, out_dir: Path) -> list[Path]:
         paths.append(out_dir / "latency_vs_rate.png")
         latency_vs_rate(records, slo, paths[-1])
     for rec in records:
-        if rec["timelines"]:
+        if any(t["steps"] for t in rec["timelines"]):  # a simulated run's have none
             p = out_dir / f"timeline-{_label(rec).replace(' @', '-').replace('/s', '')}.png"
             timeline(rec, p)
             paths.append(p)

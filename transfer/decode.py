@@ -207,7 +207,11 @@ class DecodeMessenger:
                 context = self.context[p.slot].clone()
                 self._free_slots.append(p.slot)
                 p.timing.landed = time.perf_counter()
-                self.timings[rid] = p.timing
+                earlier = self.timings.get(rid)
+                if earlier is None:
+                    self.timings[rid] = p.timing
+                else:  # its KV fetched again (a preempted request): one record, the bytes of both
+                    earlier.nbytes += p.timing.nbytes
                 self.engine.admit(rid, context)
                 admitted.append(rid)
             elif reason := self._late(p, now):

@@ -79,6 +79,9 @@ class Load(Message):
     free_pages: int
     running: int  # sequences its scheduler runs
     waiting: int  # sequences queued: its scheduler's, waiting for pages, or for their KV to land
+    preemptions: int = 0  # so far (engine.LLM.preemption_stats)
+    recomputed_tokens: int = 0  # tokens computed again here after a preemption dropped their KV
+    refetched_tokens: int = 0  # tokens whose KV a preemption dropped, fetched again from prefill
 
 
 class Result(Message):
@@ -106,6 +109,11 @@ class Timeline(Message):
     role: str
     # (start, end, prefill tokens, decode tokens with their drafts, sequences verifying drafts)
     steps: list[tuple[float, float, int, int, int]] = []
+    preemptions: int = 0  # over the run, as in Load
+    recomputed_tokens: int = 0
+    refetched_tokens: int = 0
+    free_pages: int = -1  # when it stopped, of num_pages (every page free: nothing leaked)
+    num_pages: int = -1
 
 
 class Failed(Message):

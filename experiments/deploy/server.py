@@ -432,6 +432,25 @@ class Metrics:
             "pdk_transfer_failures", "Requests whose KV transfer failed", registry=r
         )
         self.prefills = Counter("pdk_prefills", "Requests prefilled, by where", ["where"], registry=r)
+        # per worker, from its Load reports (a restarted worker's counts start again from 0)
+        self.preemption_counters = {
+            "preemptions": Counter(
+                "pdk_preemptions", "Sequences preempted (KV dropped), per worker", ["worker"], registry=r
+            ),
+            "recomputed_tokens": Counter(
+                "pdk_recomputed_prompt_tokens",
+                "Tokens computed again on a worker after a preemption dropped their KV",
+                ["worker"],
+                registry=r,
+            ),
+            "refetched_tokens": Counter(
+                "pdk_refetched_tokens",
+                "Tokens whose dropped KV a decode worker fetched again from a prefill worker",
+                ["worker"],
+                registry=r,
+            ),
+        }
+        self._preemption_seen: dict[tuple[str, str], int] = {}
         self.drafted = Counter("pdk_spec_drafted_tokens", "Speculative tokens proposed", registry=r)
         self.accepted = Counter("pdk_spec_accepted_tokens", "Speculative tokens accepted", registry=r)
         self.verifies = Counter("pdk_spec_verify_steps", "Steps that verified drafts", registry=r)
@@ -480,6 +499,10 @@ class Metrics:
             self.free_pages.labels(name).set(load.free_pages)
             self.running.labels(name).set(load.running)
             self.waiting.labels(name).set(load.waiting)
+            for key, counter in self.preemption_counters.items():
+                now, seen = getattr(load, key), self._preemption_seen.get((name, key), 0)
+                counter.labels(name).inc(now - seen if now >= seen else now)  # < seen: restarted
+                self._preemption_seen[name, key] = now
         return generate_latest(self.registry)
 
 

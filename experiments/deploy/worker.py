@@ -122,6 +122,8 @@ class Worker:
             max_num_batched_tokens=d.chunk_size,
             seed=spec.seed,
             speculative_config=d.speculative if spec.role != "prefill" else None,
+            reserved_tokens=d.decode_reserved_tokens,
+            preemption="refetch" if d.decode_preemption == "refetch" else "recompute",
         )
         self.timeline = Timeline(spec.name, spec.role)
         self.live: dict[str, float] = {}  # request -> when it was received
@@ -129,7 +131,9 @@ class Worker:
         self.holdback: dict[str, int] = {}  # characters a stop string could still claim
         self.load_at = 0.0  # when the last Load went
         self._last_stats = None  # the engine's latest step already in the timeline
-        self.backlog: deque = deque()  # decode: (Submit, SamplingParams) waiting for pages or a peer
+        # decode: (request id, token ids, SamplingParams) waiting for pages or a peer: new requests, and
+        # preempted ones (at the front) whose KV is fetched again
+        self.backlog: deque = deque()
         self.returning: dict[str, float] = {}  # restarting prefill worker -> when to stop waiting
         self.pm = self.dm = None
         if spec.role != "colocated":
@@ -215,8 +219,11 @@ class Worker:
                 while self.sock.poll(0, zmq.POLLIN):
                     msg = self._recv()
                     if isinstance(msg, Stop):
-                        self._send(self.timeline)
                         a = self.llm.allocator
+                        for key, value in self.llm.preemption_stats.items():
+                            setattr(self.timeline, key, value)
+                        self.timeline.free_pages, self.timeline.num_pages = a.num_free, a.num_pages
+                        self._send(self.timeline)
                         log.info(
                             "%s stopped by the driver (%d of %d pages free)",
                             self.spec.name,
@@ -244,6 +251,7 @@ class Worker:
                         self.llm.allocator.num_free,
                         len(sched.running),
                         len(sched.waiting) + pending,
+                        **self.llm.preemption_stats,
                     )
                 )
 
@@ -278,7 +286,7 @@ class Worker:
                     self.llm.add_request(msg.prompt_ids, params, request_id=msg.request_id)
                 else:
                     self.llm.make_sequence(msg.prompt_ids, params, msg.request_id)  # check it now
-                    self.backlog.append((msg, params))
+                    self.backlog.append((msg.request_id, msg.prompt_ids, params))
             except (ValueError, TypeError) as e:
                 self._refuse(msg.request_id, received, e)
                 return
@@ -291,8 +299,11 @@ class Worker:
         """The client went away: end the request wherever it is; its Result follows (abort)."""
         if request_id not in self.live:
             return
-        waiting = [item for item in self.backlog if item[0].request_id == request_id]
-        if waiting:  # not yet sent to a prefill worker: nothing to undo
+        waiting = [item for item in self.backlog if item[0] == request_id]
+        if waiting and request_id in self.llm.seqs:  # preempted, waiting to be fetched again
+            self.backlog.remove(waiting[0])
+            self.llm.abort(request_id)  # its Result (abort, with its tokens so far) follows a step
+        elif waiting:  # not yet sent to a prefill worker: nothing to undo
             self.backlog.remove(waiting[0])
             self.streamed.pop(request_id, None)
             received = self.live.pop(request_id)
@@ -326,19 +337,25 @@ class Worker:
         if self.backlog and self._await_prefill_restart():
             return
         while self.backlog:
-            msg, params = self.backlog[0]
+            request_id, token_ids, params = self.backlog[0]
             try:
-                self.dm.submit(msg.request_id, msg.prompt_ids, params)
+                self.dm.submit(request_id, token_ids, params)
             except OutOfPages:
-                return  # pages come back as running requests finish
+                return  # pages come back as running requests finish (engine.scheduler: room to finish)
             except (ValueError, TypeError) as e:  # the plan or the engine refused it
-                self._refuse(msg.request_id, self.live.pop(msg.request_id), e)
+                if request_id in self.llm.seqs:  # a refetch: it ends with its tokens so far
+                    self.llm.abort(request_id, f"could not fetch its KV again: {e}")
+                else:
+                    self._refuse(request_id, self.live.pop(request_id), e)
             self.backlog.popleft()
 
     def _step(self) -> None:
         """One engine step: its timeline entry, Progress for streamed requests, a Result for each that
         finished (the engine hands each finished request back once)."""
         outputs = self.llm.step()
+        if self.dm is not None:  # preempted: fetched again, before any new request
+            refetch = [(s.request_id, s.all_ids, s.params) for s in self.llm.take_refetches()]
+            self.backlog.extendleft(reversed(refetch))
         stats = self.llm.last_step
         if stats is not None and stats is not self._last_stats:
             self._last_stats = stats

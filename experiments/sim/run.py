@@ -26,7 +26,7 @@ from experiments.config import (
     slo_of,
     workload_of,
 )
-from experiments.deploy.messages import DeploymentRun, Result
+from experiments.deploy.messages import DeploymentRun, Result, Timeline
 from experiments.sim.cost import CostModel, Efficiency
 from experiments.sim.hardware import hardware_of
 from experiments.sim.models import sim_model
@@ -50,9 +50,12 @@ def simulate_deployment(
     trace: tuple | None = None,
     router: str = "prefill",
     spec_acceptance: float = 0.0,
+    decode_kv_tokens: float | None = None,
 ) -> DeploymentRun:
     """trace: (arrival offsets, prompt lengths, output lengths) to replay instead of drawing the
-    workload's (a measured run's own requests)."""
+    workload's (a measured run's own requests). decode_kv_tokens: each decode instance's KV capacity in
+    tokens (None: what HBM holds after the weights); its admission and preemption follow the deployment's
+    decode_reserved_tokens and decode_preemption, as the real decode workers do."""
     arrivals, prompts, outputs = trace if trace is not None else draw(workload, MAX_POSITION)
     reqs = [SimRequest(i, float(arrivals[i]), prompts[i], outputs[i]) for i in range(len(prompts))]
 
@@ -74,9 +77,18 @@ def simulate_deployment(
     else:
         prefill = [inst(d.prefill_tp, False, prefill_slowdown, decodes=False) for _ in range(d.num_prefill)]
         decode = [inst(d.decode_tp, True) for _ in range(d.num_decode)]
+        for i in decode:
+            i.kv_tokens, i.reserved_tokens = decode_kv_tokens, d.decode_reserved_tokens
+            i.preemption = d.decode_preemption
         simulate_disaggregated(prefill, decode, reqs, layerwise, first_token_on, router)
+        run_timelines = [
+            Timeline(f"decode-{n}", "decode", [], i.preemptions, i.recomputed_tokens, i.refetched_tokens)
+            for n, i in enumerate(decode)
+        ]
     run = DeploymentRun(d, [Request(f"req-{r.rid}", r.arrival, range(r.prompt), r.output) for r in reqs])
     run.start, run.end = 0.0, max((r.done or r.arrival) for r in reqs)
+    if d.kind != "colocated":
+        run.timelines = run_timelines  # no steps: the decode instances' preemption counts
     for r in reqs:
         rid = f"req-{r.rid}"
         run.sent[rid] = r.arrival
@@ -106,6 +118,11 @@ def run_sim(cfg: DictConfig, out_dir: Path) -> list[dict]:
         raise ValueError(
             f"first_token_on={c.get('first_token_on')!r} is not allowed: one of ('prefill', 'decode')"
         )
+    kv_tokens = c.get("decode_kv_tokens")
+    if kv_tokens is not None and (
+        isinstance(kv_tokens, bool) or not isinstance(kv_tokens, int) or kv_tokens < 1
+    ):
+        raise ValueError(f"decode_kv_tokens={kv_tokens!r} is not allowed: null or an integer >= 1")
     acceptance = c.get("spec_acceptance", 0.7)
     if isinstance(acceptance, bool) or not isinstance(acceptance, (int, float)) or not 0 <= acceptance < 1:
         raise ValueError(f"spec_acceptance={acceptance!r} is not allowed: a number in [0, 1)")
@@ -128,7 +145,7 @@ def run_sim(cfg: DictConfig, out_dir: Path) -> list[dict]:
             run = simulate_deployment(
                 d, run_config.workload, model, hw, eff, c["first_token_on"], c.get("layerwise", True),
                 c.get("chunked_prefill", True), slowdown, router=c.get("router", "prefill"),
-                spec_acceptance=acceptance,
+                spec_acceptance=acceptance, decode_kv_tokens=kv_tokens,
             )  # fmt: skip
             records.append(metrics.run_record(run, run_config, rate))
     metrics.report(

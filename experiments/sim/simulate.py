@@ -8,8 +8,14 @@ prefill steps first, as vLLM v0). A prefill instance batches whole prompts FCFS 
 request then moves its KV to the least-loaded decode instance (request-level, or layer-streamed where
 only what compute cannot hide shows) and decodes there. With router='decode' a request first goes to
 the decode instance with the fewest in flight, which forwards it to a prefill instance between its
-steps, and its KV comes back to that instance. KV capacity is what HBM holds after the weights; a
-request is admitted only when its whole KV (prompt + output) fits.
+steps, and its KV comes back to that instance. KV capacity is what HBM holds after the weights (or
+kv_tokens). A colocated or prefill instance admits a request only when its whole KV (prompt + output)
+fits. A decode instance admits as the engine's scheduler does, with room to finish: it holds the KV of
+the request's context plus min(the outputs left, reserved_tokens) (None: all of them); a request that
+runs past that takes a free slot per token, or is preempted when none is left: its KV is dropped and
+either recomputed on the decode instance (a prefill chunk in its next step) or refetched from a prefill
+instance (prompt + outputs so far). reserved_tokens=0 is the old rule (the prompt's KV only), which
+thrashes once the decode instance fills.
 
 Output per request: arrival, first-token time and the time of each later token, from which the same
 metrics as the real runs follow (experiments/metrics.py's percentiles and SLO rules).
@@ -40,6 +46,13 @@ class SimRequest:
     accepted: int = 0
     verifies: int = 0
     drafting: int = 0  # drafts in the step being simulated
+    held: int = 0  # KV slots (tokens) it holds on its decode instance
+    fetch: int = 0  # a refetch: the tokens (prompt + outputs) a prefill instance computes again
+
+    @property
+    def context(self) -> int:
+        """Tokens a prefill computes for it: its prompt, or prompt + outputs when refetched."""
+        return self.fetch or self.prompt
 
     @property
     def ttft(self) -> float:
@@ -64,14 +77,23 @@ class Instance:
     spec_k: int = 0  # speculative decoding: drafts per decode step (0: none)
     spec_acceptance: float = 0.0  # the chance each draft is accepted, given the ones before it were
     rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
+    kv_tokens: float | None = None  # KV capacity in tokens (None: what HBM holds after the weights)
+    reserved_tokens: int | None = None  # decode admission horizon (engine.config.SchedulerConfig)
+    preemption: str = "refetch"  # decode: refetch | recompute_local
+    recompute: list = field(default_factory=list)  # decode: preempted, to recompute here
+    preemptions: int = 0
+    recomputed_tokens: int = 0  # computed again on this instance after a preemption
+    refetched_tokens: int = 0  # fetched again from a prefill instance after a preemption
 
     @property
     def kv_capacity_tokens(self) -> float:
+        if self.kv_tokens is not None:
+            return self.kv_tokens
         free = self.cost.hw.hbm_bytes - self.cost.weight_bytes_per_rank()
         return self.cost.dp * max(free, 0) * self.kv_fraction / self.cost.kv_bytes_per_token_per_rank()
 
     def load(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.recompute)
 
 
 def _admit(inst: Instance, need: int) -> bool:
@@ -84,39 +106,39 @@ def _admit(inst: Instance, need: int) -> bool:
 def _colocated_step(inst: Instance, now: float) -> tuple[float, list]:
     """Schedule one step; returns (duration, [(request, kind)]) with kind 'prefill_done' | 'token'."""
     budget = inst.budget
-    decode = [r for r in inst.running if r.computed == r.prompt][: inst.max_seqs]
+    decode = [r for r in inst.running if r.computed == r.context][: inst.max_seqs]
     chunks, events = [], []
-    if inst.chunked or not inst.waiting and not any(r.computed < r.prompt for r in inst.running):
+    if inst.chunked or not inst.waiting and not any(r.computed < r.context for r in inst.running):
         budget -= len(decode)
     else:
         decode = []  # a whole-prompt prefill step runs alone
-    for r in [r for r in inst.running if r.computed < r.prompt]:
+    for r in [r for r in inst.running if r.computed < r.context]:
         if budget <= 0:
             break
-        n = min(r.prompt - r.computed, budget if inst.chunked else r.prompt)
+        n = min(r.context - r.computed, budget if inst.chunked else r.context)
         chunks.append((r, n))
         budget -= n
     while inst.waiting and budget > 0 and len(inst.running) < inst.max_seqs:
         r = inst.waiting[0]
-        if not inst.chunked and r.prompt > budget and chunks:
+        if not inst.chunked and r.context > budget and chunks:
             break
-        if not _admit(inst, r.prompt + r.output):
+        if not _admit(inst, r.context + r.output):
             break
         inst.waiting.pop(0)
         inst.running.append(r)
-        n = min(r.prompt, budget) if inst.chunked else r.prompt
+        n = min(r.context, budget) if inst.chunked else r.context
         chunks.append((r, n))
         budget -= n
     if not chunks and not decode:
         return 0.0, []
     verify, decode, drafts = _verify_chunks(inst, decode)
-    sampled = len(decode) + sum(1 for r, n in chunks if r.computed + n == r.prompt) + drafts
+    sampled = len(decode) + sum(1 for r, n in chunks if r.computed + n == r.context) + drafts
     dt = inst.cost.step_time(
         [(n, r.computed) for r, n in chunks] + verify, [r.prompt + r.generated for r in decode], sampled
     )
     for r, n in chunks:
         r.computed += n
-        if r.computed == r.prompt:
+        if r.computed == r.context:
             events.append((r, "prefill_done"))
     return dt, events + _decode_events(inst, decode)
 
@@ -223,7 +245,7 @@ def _run(front, back, requests, first_token_on, layerwise=True, router="prefill"
             inst, r = payload
             if router == "decode":
                 homed[id(inst)] -= 1
-            if not _admit(inst, r.prompt + r.output):
+            if inst.waiting or inst.recompute or not _admit_decode(inst, r):
                 inst.waiting.append(r)
             else:
                 inst.running.append(r)
@@ -234,7 +256,6 @@ def _run(front, back, requests, first_token_on, layerwise=True, router="prefill"
                 for r in inbox[id(inst)]:  # forwarded between steps
                     push(now, "forward", r)
                 inbox[id(inst)].clear()
-                _admit_waiting_decode(inst)
                 dt, events = _decode_step(inst)
             else:
                 dt, events = _colocated_step(inst, now)
@@ -244,6 +265,13 @@ def _run(front, back, requests, first_token_on, layerwise=True, router="prefill"
             dt *= inst.slowdown
             end = now + dt
             for r, what in events:
+                if what == "refetch":  # preempted on a decode instance: its KV is computed again
+                    r.computed, r.fetch = 0, r.prompt + r.generated
+                    if router == "decode":
+                        home[r.rid] = inst
+                        homed[id(inst)] += 1
+                    push(end, "forward", r)
+                    continue
                 if what == "prefill_done":
                     if not disagg:
                         r.first_token, r.generated = end, 1
@@ -251,8 +279,8 @@ def _run(front, back, requests, first_token_on, layerwise=True, router="prefill"
                         _maybe_finish(inst, r, end)
                         continue
                     inst.running.remove(r)
-                    inst.kv_used -= r.prompt + r.output
-                    if first_token_on == "prefill":
+                    inst.kv_used -= r.context + r.output
+                    if first_token_on == "prefill" and not r.fetch:
                         r.first_token, r.generated = end, 1
                         r.token_times.append(end)
                     target = home.pop(r.rid) if router == "decode" else min(back, key=Instance.load)
@@ -261,7 +289,7 @@ def _run(front, back, requests, first_token_on, layerwise=True, router="prefill"
                         if router == "decode":
                             homed[id(target)] -= 1
                         continue
-                    kv = r.prompt * inst.cost.model.kv_bytes_per_token()
+                    kv = r.context * inst.cost.model.kv_bytes_per_token()
                     links = min(inst.cost.tp, target.cost.tp)
                     layers = inst.cost.model.layers if layerwise else 1
                     x = transfer_time(kv, inst.cost.hw, links, inst.cost.eff, prefill_s=dt, layers=layers)
@@ -280,25 +308,77 @@ def _maybe_finish(inst: Instance, r: SimRequest, t: float) -> None:
     if r.generated >= r.output:
         r.done = t
         inst.running.remove(r)
-        inst.kv_used -= r.prompt + r.output
+        inst.kv_used -= r.held if r.held else r.prompt + r.output  # a decode instance's, or a colocated one's
+        r.held = 0
 
 
-def _admit_waiting_decode(inst: Instance) -> None:
+def _admit_decode(inst: Instance, r: SimRequest) -> bool:
+    """Room to finish: r's context plus min(outputs left, reserved_tokens) must fit beside what the
+    admitted requests hold (an idle instance takes it whatever its size)."""
+    context, left = r.prompt + r.generated, r.output - r.generated
+    if inst.reserved_tokens is not None:
+        left = min(left, inst.reserved_tokens)
+    need = context + max(left, 1)
+    if inst.kv_used + need > inst.kv_capacity_tokens and (inst.running or inst.recompute):
+        return False
+    r.held, r.fetch = need, 0
+    inst.kv_used += need
+    return True
+
+
+def _admit_waiting_decode(inst: Instance) -> list:
+    """Admit preempted requests to recompute first, then landed ones, in order while they fit; returns
+    the recomputed ones admitted (each is a prefill chunk in this step)."""
+    recompute = []
+    while inst.recompute and len(inst.running) < inst.max_seqs and _admit_decode(inst, inst.recompute[0]):
+        r = inst.recompute.pop(0)
+        inst.running.append(r)
+        recompute.append(r)
     while (
-        inst.waiting
+        not inst.recompute
+        and inst.waiting
         and len(inst.running) < inst.max_seqs
-        and _admit(inst, inst.waiting[0].prompt + inst.waiting[0].output)
+        and _admit_decode(inst, inst.waiting[0])
     ):
         inst.running.append(inst.waiting.pop(0))
+    return recompute
+
+
+def _preempt(inst: Instance, r: SimRequest) -> list:
+    """Drop r's KV on its decode instance: recompute it here later, or ('refetch') hand it back."""
+    inst.running.remove(r)
+    inst.kv_used -= r.held
+    r.held = 0
+    inst.preemptions += 1
+    context = r.prompt + r.generated
+    if inst.preemption == "refetch":
+        inst.refetched_tokens += context
+        return [(r, "refetch")]
+    inst.recomputed_tokens += context
+    inst.recompute.append(r)
+    return []
 
 
 def _decode_step(inst: Instance) -> tuple[float, list]:
-    batch = inst.running[: inst.max_seqs]
-    if not batch:
-        return 0.0, []
+    recompute = _admit_waiting_decode(inst)
+    events = []
+    for r in [r for r in inst.running[: inst.max_seqs] if r not in recompute]:  # each decode token's slot
+        if r.prompt + r.generated + 1 <= r.held:
+            continue
+        if inst.kv_used + 1 > inst.kv_capacity_tokens:  # past what it holds, and nothing is free
+            events += _preempt(inst, r)
+            continue
+        r.held += 1
+        inst.kv_used += 1
+    batch = [r for r in inst.running[: inst.max_seqs] if r not in recompute]
+    if not batch and not recompute:
+        return (1e-9 if events else 0.0), events  # it only preempted: the refetches still go out
     verify, plain, drafts = _verify_chunks(inst, batch)
-    dt = inst.cost.step_time(verify, [r.prompt + r.generated for r in plain], len(plain) + drafts)
-    return dt, _decode_events(inst, plain)
+    chunks = verify + [(r.prompt + r.generated, 0) for r in recompute]
+    dt = inst.cost.step_time(
+        chunks, [r.prompt + r.generated for r in plain], len(plain) + drafts + len(recompute)
+    )
+    return dt, events + _decode_events(inst, plain + recompute)
 
 
 def poisson_requests(rate: float, n: int, prompt: int | np.ndarray, output: int | np.ndarray, seed: int = 0):

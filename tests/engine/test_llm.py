@@ -31,7 +31,16 @@ def alone():
             "num_pages": 512,
             "max_num_batched_tokens": 24,
         },  # chunked prefill mixed with decode
-        {"page_size": 4, "num_pages": 40, "max_num_batched_tokens": 64, "max_num_seqs": 6},  # preemption
+        # pressure: admission with room to finish queues requests instead of preempting
+        {"page_size": 4, "num_pages": 40, "max_num_batched_tokens": 64, "max_num_seqs": 6},
+        # no horizon (only the next token is owed): preemption and recompute
+        {
+            "page_size": 4,
+            "num_pages": 40,
+            "max_num_batched_tokens": 64,
+            "max_num_seqs": 6,
+            "reserved_tokens": 0,
+        },
     ],
 )
 def test_concurrent_requests_match_one_at_a_time(alone, kwargs):
@@ -40,8 +49,11 @@ def test_concurrent_requests_match_one_at_a_time(alone, kwargs):
     assert [o.token_ids for o in outs] == alone
     assert all(o.finish_reason == "length" and len(o.token_times) == 12 for o in outs)
     assert llm.allocator.num_free == kwargs["num_pages"]
-    if kwargs["num_pages"] == 40:
-        assert llm.scheduler.num_preemptions > 0  # the case exercises recompute after preemption
+    stats = llm.preemption_stats
+    if kwargs.get("reserved_tokens") == 0:  # the case exercises recompute after preemption
+        assert stats["preemptions"] > 0 and stats["recomputed_tokens"] > 0
+    else:
+        assert stats == {"preemptions": 0, "recomputed_tokens": 0, "refetched_tokens": 0}
 
 
 def test_prefill_then_decode_on_copied_pages(alone):
@@ -260,6 +272,28 @@ def test_reserve_out_of_pages_takes_nothing():
     assert "b" not in llm.seqs and llm.allocator.num_free == 3
     llm.release("a")
     assert llm.allocator.num_free == 8
+
+
+@pytest.mark.parametrize("reserved_tokens, admits_c", [(512, False), (None, False), (0, True), (4, True)])
+def test_reserve_keeps_room_for_admitted_requests_to_finish(reserved_tokens, admits_c):
+    """a (19 + 20 tokens to come: 10 pages) and b (7 + 8: 4 pages) are admitted; c would find its 2
+    prompt pages free, but then a and b could not finish: it waits, unless the horizon is short."""
+    from engine.kv_cache import OutOfPages
+
+    llm = LLM("tiny-random", role="decode", page_size=4, num_pages=16, reserved_tokens=reserved_tokens)
+    llm.reserve(list(range(5, 25)), SamplingParams(max_tokens=20), request_id="a")  # 5 pages now
+    llm.reserve(list(range(5, 13)), SamplingParams(max_tokens=8), request_id="b")  # 2 pages now
+    assert llm.allocator.num_free == 9
+    c = (list(range(5, 13)), SamplingParams(max_tokens=8))
+    if admits_c:
+        llm.reserve(*c, request_id="c")
+        return
+    with pytest.raises(OutOfPages, match="owed to admitted requests"):
+        llm.reserve(*c, request_id="c")
+    assert "c" not in llm.seqs and llm.allocator.num_free == 9  # took nothing
+    llm.stop("b", "its transfer failed")  # as the decode messenger ends a request: fail, then free
+    llm.release("b")
+    llm.reserve(*c, request_id="c")  # b's pages and what it was owed are back
 
 
 def test_vllm_shaped_outputs_and_chat():

@@ -121,6 +121,11 @@ def test_killed_prefill_worker_ends_its_requests_with_errors_and_the_run_finishe
             "workload.arrival=burst",
             "workload.arrival='burst' is not allowed: one of ('poisson', 'concurrency', 'trace')",
         ),
+        (
+            "deployment.decode_preemption=drop",
+            "decode_preemption='drop' is not allowed: one of ('refetch', 'recompute_local')",
+        ),
+        ("deployment.decode_reserved_tokens=-1", "decode_reserved_tokens=-1 is not allowed: null or an"),
         ("log_level=LOUD", "log_level='LOUD' is not allowed: one of ('DEBUG', 'INFO', 'WARNING', 'ERROR')"),
         ("transfer.control_transport=udp", "control_transport must be one of ('ipc', 'tcp')"),
         ("kernels.backend=cutlass", "kernels.backend='cutlass' is not allowed: one of ('auto', 'triton'"),
@@ -341,3 +346,38 @@ def _descendants(pid: int) -> list[int]:
         out += kids
         frontier += kids
     return out
+
+
+def _prefill_tokens(record, role):
+    return [step[2] for t in record["timelines"] if t["role"] == role for step in t["steps"] if step[2]]
+
+
+def test_a_decode_worker_under_memory_pressure_admits_with_room_to_finish_and_refetches(tmp_path):
+    """80 pages of 4 tokens; each request needs 23 pages (60 prompt + 30 output tokens), 8 arrive at once.
+    Before admission with room to finish, the decode worker reserved every prompt while pages were free,
+    ran out as they grew, and recomputed preempted prompts in its decode steps. Now: it queues them, and
+    a request that still runs out (no horizon: decode_reserved_tokens=0) is refetched from the prefill
+    worker, unless recompute_local says otherwise. Greedy output never changes."""
+    pressure = ["model.num_pages=80", "workload.num_requests=8", "workload.arrival=poisson"]
+    pressure += ["workload.rate=1000", "workload.prompt_len.value=60", "workload.output_len.value=30"]
+    common = "kind: disaggregated, num_prefill: 1, num_decode: 1"
+    deployments = (
+        f"deployments=[{{name: room, {common}}},"
+        f"{{name: refetch, {common}, decode_reserved_tokens: 0}},"
+        f"{{name: local, {common}, decode_reserved_tokens: 0, decode_preemption: recompute_local}}]"
+    )
+    overrides = [*TINY[:1], *TINY[8:], *pressure, "workload.prompt_len.kind=fixed", deployments]
+    room, refetch, local = run(_cfg(overrides), tmp_path, progress=False)
+    s = room["summary"]  # nothing preempted, nothing recomputed: the reference run
+    assert set(s["preemptions"].values()) == set(s["recomputed_prompt_tokens"].values()) == {0}
+    for rec in (room, refetch, local):
+        assert rec["summary"]["completed"] == 8, rec["requests"]
+        assert _outputs(rec) == _outputs(room), rec["deployment"]  # greedy: the same tokens
+        assert all(t["free_pages"] == t["num_pages"] == 80 for t in rec["timelines"])  # nothing leaked
+    assert _prefill_tokens(room, "decode") == []  # every prompt was prefilled remotely, once
+    s = refetch["summary"]
+    assert s["preemptions"]["decode-0"] > 0 and s["refetched_tokens"]["decode-0"] > 0
+    assert s["recomputed_prompt_tokens"]["decode-0"] == 0 and _prefill_tokens(refetch, "decode") == []
+    s = local["summary"]
+    assert s["preemptions"]["decode-0"] > 0 and s["recomputed_prompt_tokens"]["decode-0"] > 0
+    assert sum(_prefill_tokens(local, "decode")) >= s["recomputed_prompt_tokens"]["decode-0"]

@@ -38,6 +38,25 @@ def test_simulated_runs_write_the_same_results_schema_as_real_ones(tmp_path):
     )  # Llama-3-8B: 128 KiB/token
 
 
+def test_a_small_decode_cache_thrashes_without_room_to_finish(tmp_path):
+    """The decode worker's collapse under memory pressure, predicted: reserving only each prompt's KV
+    (decode_reserved_tokens=0) preempts and recomputes on the decode instance, and TPOT's tail grows."""
+    overrides = ["sim_model=llama-3-8b", "hardware=h100", "workload.num_requests=200", "workload.rate=8"]
+    overrides += ["plots=false", "decode_kv_tokens=4000", "first_token_on=decode"]
+    overrides += ["workload.prompt_len.value=512", "workload.output_len.value=256"]
+    common = "kind: disaggregated, num_prefill: 1, num_decode: 1"
+    overrides += [
+        f"deployments=[{{name: room, {common}}},"
+        f"{{name: old, {common}, decode_reserved_tokens: 0, decode_preemption: recompute_local}}]"
+    ]
+    room, old = run_sim(_cfg(overrides), tmp_path)
+    assert room["summary"]["completed"] == old["summary"]["completed"] == 200
+    assert room["summary"]["preemptions"] == {"decode-0": 0}
+    assert old["summary"]["preemptions"]["decode-0"] > 0
+    assert old["summary"]["recomputed_prompt_tokens"]["decode-0"] > 0
+    assert old["summary"]["tpot_s"]["p99"] > 1.5 * room["summary"]["tpot_s"]["p99"]
+
+
 def test_the_simulator_refuses_what_it_cannot_model(tmp_path):
     with pytest.raises(ValueError, match="needs workload.arrival=poisson"):
         run_sim(_cfg(["workload.arrival=concurrency"]), tmp_path)

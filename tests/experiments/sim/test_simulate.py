@@ -121,3 +121,42 @@ def test_routing_through_decode_finishes_every_request_including_prefill_only_on
     simulate_disaggregated([Instance(_cost())], dec, reqs, layerwise=False, router="decode")
     assert all(r.done is not None for r in reqs)
     assert reqs[4].done == pytest.approx(reqs[4].first_token)
+
+
+@pytest.mark.parametrize(
+    "reserved_tokens, preemption", [(None, "refetch"), (0, "recompute_local"), (0, "refetch")]
+)
+def test_a_full_decode_instance_admits_with_room_to_finish_or_thrashes(reserved_tokens, preemption):
+    """4 requests of 10 + 20 tokens land at once on a decode instance that holds 60 tokens of KV. With
+    room to finish, two run at a time and none is preempted. With the prompt's KV only
+    (reserved_tokens=0), all four start, run out as they grow, and preempted ones are recomputed on the
+    decode instance (prefill chunks in its decode steps) or refetched from the prefill instance."""
+    reqs = [SimRequest(i, 0.0, prompt=10, output=20) for i in range(4)]
+    prefill = [Instance(_cost(), budget=64, chunked=False)]
+    decode = [Instance(_cost(), kv_tokens=60, reserved_tokens=reserved_tokens, preemption=preemption)]
+    simulate_disaggregated(prefill, decode, reqs)
+    d = decode[0]
+    assert all(r.done is not None and r.generated == 20 for r in reqs)
+    assert d.kv_used == 0 and not d.running and not d.recompute  # every slot back
+    if reserved_tokens is None:
+        assert d.preemptions == d.recomputed_tokens == d.refetched_tokens == 0
+        return
+    assert d.preemptions > 0
+    if preemption == "refetch":
+        assert d.refetched_tokens > 0 and d.recomputed_tokens == 0
+    else:
+        assert d.recomputed_tokens > 0 and d.refetched_tokens == 0
+
+
+def test_thrashing_shows_in_tpot_and_room_to_finish_removes_it():
+    """The same collapse as on the real decode worker: recomputing preempted prompts inside decode steps
+    (each 0.1 s per token here) stretches the TPOT of the requests beside them."""
+    tpot = {}
+    for reserved in (None, 0):
+        reqs = [SimRequest(i, 0.0, prompt=10, output=20) for i in range(4)]
+        decode = Instance(_cost(), kv_tokens=60, reserved_tokens=reserved, preemption="recompute_local")
+        prefill = [Instance(_cost(), budget=64, chunked=False)]
+        simulate_disaggregated(prefill, [decode], reqs, first_token_on="decode")  # waits count to TTFT
+        tpot[reserved] = max(r.tpot for r in reqs)
+    assert tpot[None] == pytest.approx(1.0)  # every step a plain decode step
+    assert tpot[0] > 1.5
