@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import sys
+import time
 from pathlib import Path
 
 import jinja2
@@ -37,18 +39,29 @@ class TextTokenizer:
         several tokens (an emoji in byte-level BPE) comes out whole, once its last byte arrives."""
         return TextStream(self.tokenizer, DecodeStream(skip_special_tokens=skip_special_tokens))
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, timeout_s: float | None = None
+    ) -> str:
         """Render the model's chat template. The template comes from a model file, so it is untrusted: it runs
-        in jinja2's immutable sandbox (as in transformers), and whatever it raises becomes a ValueError."""
+        in jinja2's immutable sandbox (as in transformers), and whatever it raises becomes a ValueError.
+        timeout_s: a template still running after this long (nested loops) is stopped: ValueError."""
         if not self.chat_template:
             raise ValueError("this model has no chat template; pass plain prompts (chat=False)")
+        previous = sys.gettrace()
         try:
             template = _sandbox().from_string(self.chat_template)
+            if timeout_s is not None:
+                sys.settrace(_deadline(time.monotonic() + timeout_s))
             return template.render(
                 messages=messages, add_generation_prompt=add_generation_prompt, bos_token=self.bos_token or ""
             )
         except jinja2.TemplateError as e:
             raise ValueError(f"the model's chat template failed: {type(e).__name__}: {e}") from e
+        except TemplateTimeout as e:
+            raise ValueError(f"the model's chat template ran past {timeout_s} s (template_timeout_s)") from e
+        finally:
+            if timeout_s is not None:
+                sys.settrace(previous)
 
 
 class TextStream:
@@ -58,6 +71,26 @@ class TextStream:
     def step(self, token_id: int) -> str:
         """The text this token completes ('' while a character is still partial)."""
         return self._stream.step(self._tokenizer, token_id) or ""
+
+
+class TemplateTimeout(Exception):
+    """A chat template ran past its deadline."""
+
+
+def _deadline(deadline: float):
+    """A trace function (this thread only) that stops a rendering template at deadline: it follows the
+    frames of jinja2's compiled template code (file "<template>") line by line, and no other frame, so
+    each loop iteration of the template checks the clock."""
+
+    def line(frame, event, arg):
+        if time.monotonic() > deadline:
+            raise TemplateTimeout
+        return line
+
+    def call(frame, event, arg):
+        return line if frame.f_code.co_filename == "<template>" else None
+
+    return call
 
 
 def _raise_exception(message: str):

@@ -47,3 +47,26 @@ def test_streamed_text_is_the_decoded_text_and_multibyte_characters_arrive_whole
     pieces = [stream.step(i) for i in ids]
     assert "".join(pieces) == tok.decode(ids) == text
     assert " 😀" in pieces and not any("\ufffd" in p for p in pieces)  # whole, once its last byte came
+
+
+LOOPING = [
+    # nested loops over a list: no call in the inner body for a sandbox hook to see
+    "{% set xs = range(10000)|list %}{% for a in xs %}{% for b in xs %}{% for c in xs %}"
+    "{% endfor %}{% endfor %}{% endfor %}",
+    "{% for a in range(100000) %}{% for b in range(100000) %}{{ b }}{% endfor %}{% endfor %}",
+]
+
+
+@pytest.mark.parametrize("template", LOOPING)
+def test_a_chat_template_that_runs_on_is_stopped_at_its_deadline(template):
+    import sys
+    import time
+
+    messages = [{"role": "user", "content": "hi"}]
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=r"ran past 0.2 s \(template_timeout_s\)"):
+        _tok(template).apply_chat_template(messages, timeout_s=0.2)
+    assert time.monotonic() - start < 30  # stopped, not run to its end (hours)
+    assert sys.gettrace() is None or "coverage" in type(sys.gettrace()).__module__  # the tracer is gone
+    ok = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    assert _tok(ok).apply_chat_template(messages, timeout_s=0.2) == "hi"  # a quick one renders
