@@ -159,9 +159,15 @@ class LLM:
     # ---- requests -------------------------------------------------------------------------------
 
     def make_sequence(
-        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        output_ids: list[int] | None = None,
     ) -> Sequence:
-        """Tokenize and check a request (raises ValueError or TypeError naming the problem)."""
+        """Tokenize and check a request (raises ValueError or TypeError naming the problem). output_ids:
+        tokens it already generated elsewhere (a request migrated from a worker that died): it resumes
+        after them, its text and stop strings as if it had generated them here."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -190,12 +196,34 @@ class LLM:
             )
         seq = Sequence(request_id, prompt_ids, params, prompt=prompt if isinstance(prompt, str) else None)
         seq.detokenizer = self.tokenizer.stream()
+        if output_ids:
+            outputs = check_token_ids(output_ids, vocab)
+            if len(outputs) >= params.max_tokens or len(prompt_ids) + len(outputs) >= context:
+                raise ValueError(
+                    f"{len(outputs)} tokens already generated leave nothing to generate (max_tokens "
+                    f"{params.max_tokens}, context {context})"
+                )
+            seq.output_ids = outputs
+            seq.text = "".join(seq.detokenizer.step(t) for t in outputs)
         return seq
 
     def add_request(
-        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        output_ids: list[int] | None = None,
     ) -> str:
-        return self._submit(self.make_sequence(prompt, params, request_id))
+        """Queue a request (output_ids: make_sequence's; computed here with the prompt)."""
+        return self._submit(self.make_sequence(prompt, params, request_id, output_ids))
+
+    def resume(self, seq: Sequence) -> None:
+        """Decode role: a sequence that resumes with outputs (make_sequence's output_ids) waits, holding
+        no pages, for its KV from a prefill worker: reserve(request_id=...) then admit_prefilled."""
+        if seq.request_id in self.seqs:
+            raise ValueError(f"request_id {seq.request_id!r} is already in use (until forget)")
+        self.seqs[seq.request_id] = seq
+        self.scheduler.refetching[seq.request_id] = seq
 
     def _submit(self, seq: Sequence) -> str:
         self.seqs[seq.request_id] = seq

@@ -17,6 +17,7 @@ ARRIVALS = ("poisson", "concurrency", "trace")
 DATASETS = ("random", "sharegpt", "mooncake")
 DEPLOYMENT_KINDS = ("colocated", "disaggregated", "endpoint")
 DECODE_PREEMPTIONS = ("refetch", "recompute_local")
+ON_WORKER_DEATH = ("migrate", "fail")
 LENGTH_KINDS = ("fixed", "uniform", "lognormal")
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -104,6 +105,9 @@ class DeploymentConfig:
     # A decode worker's request preempted anyway (past that horizon): refetch (its KV computed again by a
     # prefill worker, prompt + outputs) | recompute_local (computed again on the decode worker)
     decode_preemption: str = "refetch"
+    # A decode (or colocated) worker that dies: migrate (its requests go on on another live one: prompt +
+    # the tokens streamed so far, recomputed there) | fail (they end with an error)
+    on_worker_death: str = "migrate"
 
     def __post_init__(self):
         if self.kind not in DEPLOYMENT_KINDS:
@@ -125,6 +129,8 @@ class DeploymentConfig:
         r = self.decode_reserved_tokens
         if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 0):
             _fail("deployment.decode_reserved_tokens", r, "null or an integer >= 0")
+        if self.on_worker_death not in ON_WORKER_DEATH:
+            _fail("deployment.on_worker_death", self.on_worker_death, f"one of {ON_WORKER_DEATH}")
         if self.decode_preemption not in DECODE_PREEMPTIONS:
             _fail("deployment.decode_preemption", self.decode_preemption, f"one of {DECODE_PREEMPTIONS}")
         if not isinstance(self.local_prefill_max_tokens, int) or self.local_prefill_max_tokens < 0:

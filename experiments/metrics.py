@@ -14,7 +14,8 @@ results.json, schema "pdkernels.results/1" (stable: fields may be added, never r
   {"p50", "p90", "p99", "mean", "n"}; "transfer_bytes", "remote_prefills", "local_prefills", "slo"
   ({"ttft_s", "tpot_s", "attainment"}), "attainment_pct", "meets_slo", "goodput_rps"; per worker
   ({name: count}) "preemptions", "recomputed_prompt_tokens" (computed again there after a preemption)
-  and "refetched_tokens" (a decode worker's, fetched again from a prefill worker).
+  and "refetched_tokens" (a decode worker's, fetched again from a prefill worker); "migrations" (requests
+  that went on on another worker after theirs died: deployment.on_worker_death).
 - request: "request_id", "worker", "prefill" (local | remote), "prefill_worker", "prompt_tokens",
   "output_tokens", "arrival_s", "queue_s", "ttft_s", "tpot_s", "e2e_s", "itl_s" (list),
   "output_ids", "transfer_bytes", "transfer_s", "finish_reason", "error", "meets_slo".
@@ -177,6 +178,7 @@ def summarize(run: DeploymentRun, rows: list[dict], slo: SloConfig, rate: float 
                 ("refetched_tokens", "refetched_tokens"),
             )
         },
+        "migrations": sum(r.migrations for r in run.results.values()),
         "remote_prefills": sum(r["prefill"] == "remote" for r in rows),
         "local_prefills": sum(r["prefill"] == "local" for r in rows),
         "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s, "attainment": slo.attainment},

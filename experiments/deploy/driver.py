@@ -178,12 +178,14 @@ class Fleet:
         """Every worker: name, role, the node it runs on and its pid (results.json `workers`)."""
         return [{"name": n, "role": self.roles[n], **self.launcher.where(p)} for n, p in self.procs.items()]
 
-    def stop(self, on_message=None) -> None:
+    def stop(self, on_message=None, timeout_s: float = 10.0) -> None:
         """Stop every worker (on_message(name, msg) sees what they send meanwhile: timelines, late
-        results), then make sure none is left running."""
+        results): Stop, then up to timeout_s for them to exit, then SIGKILL (a frozen one too). Their own
+        children (TP ranks) are reaped as well, so nothing of the deployment outlives this call."""
+        children = [pid for p in self.procs.values() for pid in descendants(getattr(p, "pid", None))]
         try:
             live = [n for n, p in self.procs.items() if p.is_alive() and self.send(n, Stop())]
-            give_up = time.monotonic() + 10
+            give_up = time.monotonic() + timeout_s
             while live and time.monotonic() < give_up:
                 self.sock.poll(50)
                 for name, msg in self.receive():
@@ -192,15 +194,67 @@ class Fleet:
                     if isinstance(msg, Timeline):
                         live = [n for n in live if n != name]
             for p in self.procs.values():
-                p.join(timeout=10 if p.is_alive() else 0)
+                p.join(timeout=max(0.0, give_up - time.monotonic()) if p.is_alive() else 0)
                 if p.is_alive():
+                    log.warning(
+                        "worker %s did not stop within %s s: killed", getattr(p, "name", p), timeout_s
+                    )
                     p.kill()
                     p.join(timeout=5)
+            reap(children, timeout_s=max(1.0, give_up - time.monotonic()))
         finally:
             self.sock.close()
             if self.launcher is not None:
                 self.launcher.shutdown(self.procs)
             shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def descendants(pid: int | None) -> list[tuple[int, str]]:
+    """(pid, start time) of every process below pid on this host, from /proc ([] elsewhere, or for a
+    process that is not local: a Ray actor's pid lives on its node)."""
+    if not isinstance(pid, int) or not os.path.isdir("/proc"):
+        return []
+    children: dict[int, list[tuple[int, str]]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after "(comm)": state, ppid, ... starttime
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append((int(entry), fields[19]))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child[0])
+    return out
+
+
+def reap(procs: list[tuple[int, str]], timeout_s: float) -> None:
+    """Wait up to timeout_s for these processes (pid, start time) to exit, then SIGKILL the rest (a pid
+    reused since, with another start time, is left alone)."""
+    import signal
+
+    def alive(pid: int, start: str) -> bool:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            return False
+        return fields[19] == start and fields[0] != "Z"
+
+    give_up = time.monotonic() + timeout_s
+    while any(alive(*p) for p in procs) and time.monotonic() < give_up:
+        time.sleep(0.05)
+    for pid, start in procs:
+        if alive(pid, start):
+            log.warning("process %d of a stopped worker was still running: killed", pid)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def start_fleet(
@@ -351,6 +405,9 @@ def _serve(run: DeploymentRun, config: RunConfig, fleet: Fleet, progress: bool, 
     in_flight = {n: set() for n in frontends}
     queue = list(run.requests)  # in arrival order
     streamed: dict[str, list[float]] = {}  # request -> when each of its tokens reached the driver
+    tokens: dict[str, list[int]] = {}  # request -> its tokens so far (what a migration resumes after)
+    migrated: dict[str, int] = {}  # request -> times its worker died under it and it went on elsewhere
+    by_id = {r.request_id: r for r in run.requests}
     bar = tqdm(total=len(queue), desc=run.deployment.name, disable=not progress, unit="req")
     run.start = time.perf_counter()
     give_up = time.monotonic() + config.run_timeout_s
@@ -378,9 +435,15 @@ def _serve(run: DeploymentRun, config: RunConfig, fleet: Fleet, progress: bool, 
                 now = time.perf_counter()
                 if isinstance(msg, Progress):
                     for rid, ids, _ in msg.items:  # tokens as the router sees them arrive
-                        streamed.setdefault(rid, []).extend([now] * len(ids))
+                        if rid in in_flight.get(name, ()):
+                            streamed.setdefault(rid, []).extend([now] * len(ids))
+                            tokens.setdefault(rid, []).extend(ids)
                 elif isinstance(msg, Result):
+                    if msg.request_id not in in_flight.get(name, ()):
+                        continue  # a late one from a worker the request has migrated from
                     in_flight[name].discard(msg.request_id)
+                    tokens.pop(msg.request_id, None)
+                    msg.migrations = migrated.pop(msg.request_id, 0)
                     times = streamed.pop(msg.request_id, [])
                     if msg.error is None:  # the last tokens came with the Result
                         msg.token_times = times + [now] * (len(msg.output_ids) - len(times))
@@ -395,7 +458,23 @@ def _serve(run: DeploymentRun, config: RunConfig, fleet: Fleet, progress: bool, 
                 again = " (restarting)" if name in fleet.restarting else ""
                 run.events.append((now, f"{name} exited (code {code}){again}"))
                 if fleet.roles[name] != "prefill":
+                    live = [n for n in frontends if n not in fleet.dead]
                     for rid in in_flight[name]:
+                        req, so_far = by_id[rid], tokens.get(rid, [])
+                        if (
+                            run.deployment.on_worker_death == "migrate"
+                            and live
+                            and len(so_far) < req.max_tokens
+                        ):
+                            target = min(live, key=lambda n: len(in_flight[n]))  # prompt + tokens so far
+                            in_flight[target].add(rid)
+                            migrated[rid] = migrated.get(rid, 0) + 1
+                            resumed = Submit(
+                                rid, req.prompt_ids, req.max_tokens, stream=True, output_ids=so_far
+                            )
+                            if fleet.send(target, resumed):
+                                continue
+                            in_flight[target].discard(rid)
                         run.results[rid] = _error(rid, f"worker {name} exited", now)
                         bar.update()
                     in_flight[name].clear()

@@ -42,6 +42,10 @@ class Submit(Message):
     stop: list[str] = []
     ignore_eos: bool = True  # the main job's workloads fix output lengths
     stream: bool = False  # send Progress as tokens come
+    # a request migrated from a worker that died: the tokens it generated there (it resumes after them,
+    # their KV recomputed), and how many characters of their text the client already has
+    output_ids: list[int] = []
+    text_sent: int = 0
 
     def __post_init__(self):
         check_request(self.request_id, self.prompt_ids)
@@ -102,6 +106,7 @@ class Result(Message):
     drafted: int = 0  # speculative decoding: drafts proposed, accepted, verify steps
     accepted: int = 0
     verify_steps: int = 0
+    migrations: int = 0  # times its worker died under it and it went on on another (set by the driver)
 
 
 class Timeline(Message):

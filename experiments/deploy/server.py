@@ -11,11 +11,16 @@ driver (experiments.deploy.driver.start_fleet) and serves:
   that goes away mid-stream cancels its request, which frees its pages on both sides.
 - GET /v1/models, GET /health (200 only while every worker is up), GET /metrics (Prometheus text).
 
-Errors have OpenAI's shape ({"error": {"message", "type", "param", "code"}}): 400 for a bad request
-(naming the field), 401 for a missing or wrong API key, 503 for a request whose worker died under it or
-that no live worker can take. The server keeps serving after each: a degraded deployment with the
-workers it has left (GET /health says 503 meanwhile). It binds 127.0.0.1 unless server.host says
-otherwise; Ctrl-C or SIGTERM stop it and every worker process.
+Errors have OpenAI's shape ({"error": {"message", "type", "param", "code"}}), never plain text: 400 for
+a bad request (naming the field), 401 for a missing or wrong API key, 403 for a foreign Host or Origin,
+413/415 for a body too large or not JSON, 503 (with Retry-After) for a request no live worker can take
+and while stopping. One request's failure is its own: the runtime's loop and the other requests go on.
+A decode or colocated worker that dies hands its requests to another (DeploymentConfig.on_worker_death:
+migrate): prompt + the tokens streamed so far, recomputed there. The server keeps serving with the
+workers it has left (GET /health says 503 meanwhile, and for a worker silent past peer_timeout_s).
+It binds 127.0.0.1 unless server.host says otherwise; every request's body, prompt, template time and
+numbers are bounded (ServerConfig); parsing, tokenizing and templating run off the event loop. Ctrl-C
+or SIGTERM drain it, then stop every worker and remove the run's directory before the process exits.
 """
 
 from __future__ import annotations
@@ -23,15 +28,18 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import queue
 import secrets
+import signal
 import socket
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from omegaconf import DictConfig
@@ -49,12 +57,39 @@ class ServerConfig:
     port: int = 8000  # 0: any free port (printed)
     api_key: str | None = None  # when set, every request needs "Authorization: Bearer <key>"
     served_model_name: str | None = None  # default: the model's name
+    public_health: bool = False  # GET /health without the API key (for load balancers)
+    max_body_bytes: int = 4 << 20  # a larger request body is refused (413) before it is read whole
+    max_prompt_chars: int | None = None  # characters of prompt or messages (None: 16 per context token)
+    body_timeout_s: float = 30.0  # the whole body must arrive within this (408)
+    template_timeout_s: float = 2.0  # a chat template rendering longer is stopped (400)
+    timeout_keep_alive_s: float = 5.0  # an idle kept-alive connection is closed after this
+    shutdown_timeout_s: float = 5.0  # SIGTERM/Ctrl-C: requests in flight may finish this long (new: 503)
+    # Host headers served besides this machine's loopback names and the bound address ("*": any)
+    allowed_hosts: tuple[str, ...] = ()
+    cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API ("*": any); none by default
 
     def __post_init__(self):
         if not isinstance(self.port, int) or not 0 <= self.port < 65536:
             raise ValueError(f"server.port={self.port!r} is not allowed: an integer in [0, 65536)")
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
             raise ValueError("server.api_key must be a non-empty string or null")
+        for key in ("max_body_bytes", "max_prompt_chars"):
+            value = getattr(self, key)
+            if (value is not None or key == "max_body_bytes") and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
+                raise ValueError(f"server.{key}={value!r} is not allowed: an integer >= 1")
+        for key in ("body_timeout_s", "template_timeout_s", "timeout_keep_alive_s", "shutdown_timeout_s"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1e6:
+                raise ValueError(f"server.{key}={value!r} is not allowed: a number of seconds > 0")
+        for key in ("allowed_hosts", "cors_origins"):
+            value = getattr(self, key)
+            if not isinstance(value, list | tuple) or not all(isinstance(v, str) and v for v in value):
+                raise ValueError(f"server.{key}={value!r} is not allowed: a list of non-empty strings")
+            object.__setattr__(self, key, tuple(value))
+        if not isinstance(self.public_health, bool):
+            raise ValueError(f"server.public_health={self.public_health!r} is not allowed: true or false")
 
 
 # ---- the driver side: one thread owns the workers' socket ---------------------------------------------
@@ -67,10 +102,12 @@ class Runtime:
     on the runtime's thread with ("progress", (token ids, text)) for streamed requests and finally
     ("result", Result)."""
 
-    def __init__(self, fleet):
+    def __init__(self, fleet, on_worker_death: str = "migrate", silent_after_s: float = 10.0):
+        """on_worker_death: DeploymentConfig's (migrate | fail); silent_after_s: a worker not heard from
+        for this long (frozen, or cut off) makes the deployment unhealthy (GET /health 503)."""
         import zmq
 
-        self.fleet = fleet
+        self.fleet, self.on_worker_death, self.silent_after_s = fleet, on_worker_death, silent_after_s
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         # a byte down this pipe wakes the runtime's poll for a new command; otherwise it sleeps until a
         # worker's message or WAIT_MS (a thread waking every millisecond lands on a worker's core and
@@ -84,6 +121,12 @@ class Runtime:
         self.in_flight = {n: set() for n in fleet.frontends}
         self.owner: dict[str, str] = {}  # request -> the worker it went to
         self.load: dict[str, Load] = {}
+        self.requests: dict[str, Submit] = {}  # request -> what it was submitted with
+        self.streamed: dict[str, list] = {}  # streamed request -> [token ids, characters, token times] sent
+        self.migrated: dict[str, tuple[int, list[float]]] = {}  # -> (migrations, token times before)
+        # worker -> when it last sent anything (time.monotonic); from now on for each: one that never
+        # speaks again is silent after silent_after_s
+        self.heard: dict[str, float] = dict.fromkeys(fleet.procs, time.monotonic())
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="runtime", daemon=True)
         self._thread.start()
@@ -94,9 +137,17 @@ class Runtime:
         return self.fleet.dead
 
     @property
+    def silent(self) -> list[str]:
+        """Workers up but not heard from for silent_after_s (a frozen process)."""
+        now = time.monotonic()
+        return [
+            n for n, t in list(self.heard.items()) if n not in self.dead and now - t > self.silent_after_s
+        ]
+
+    @property
     def healthy(self) -> bool:
-        """Every worker up (GET /health)."""
-        return not self.dead and self._thread.is_alive()
+        """Every worker up and talking (GET /health)."""
+        return not self.dead and not self.silent and self._thread.is_alive()
 
     @property
     def can_serve(self) -> bool:
@@ -111,11 +162,21 @@ class Runtime:
         self.commands.put(("cancel", request_id, None))
         os.write(self._wake_w, b"c")
 
-    def close(self) -> None:
+    def cancel_all(self) -> None:
+        """Cancel every request in flight (a stop whose drain time ran out)."""
+        self.commands.put(("cancel_all", None, None))
+        os.write(self._wake_w, b"c")
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self.sinks)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the thread, then every worker (Stop; killed after timeout_s) and the run's directory."""
         self._stop.set()
         os.write(self._wake_w, b"q")
         self._thread.join(timeout=30)
-        self.fleet.stop()
+        self.fleet.stop(timeout_s=timeout_s)
         os.close(self._wake_r)
         os.close(self._wake_w)
 
@@ -134,30 +195,73 @@ class Runtime:
                 kind, arg, sink = self.commands.get_nowait()
             except queue.Empty:
                 break
-            if kind == "submit":
-                self._route(arg, sink)
-            elif arg in self.owner:
-                self.fleet.send(self.owner[arg], Cancel(arg))
+            try:
+                if kind == "submit":
+                    self._route(arg, sink)
+                elif kind == "cancel_all":
+                    for rid, owner in list(self.owner.items()):
+                        self.fleet.send(owner, Cancel(rid))
+                elif arg in self.owner:
+                    self.fleet.send(self.owner[arg], Cancel(arg))
+            except Exception as e:  # one request's failure is its own: the loop and the others go on
+                log.exception("runtime: %s of a request failed", kind)
+                if kind == "submit":
+                    self._fail_one(arg.request_id, sink, f"the server could not route it: {e!r}")
         if self._wake_r in dict(self._poller.poll(WAIT_MS)):
             try:
                 os.read(self._wake_r, 4096)
             except BlockingIOError:
                 pass
+        now = time.monotonic()
         for name, msg in self.fleet.receive():
+            self.heard[name] = now
             if isinstance(msg, Progress):
                 for rid, ids, text in msg.items:
                     sink = self.sinks.get(rid)
-                    if sink is not None:
+                    if sink is not None and self.owner.get(rid) == name:
+                        sent = self.streamed.setdefault(rid, [[], 0, []])
+                        sent[0] += ids
+                        sent[1] += len(text)
+                        sent[2] += [time.perf_counter()] * len(ids)
                         sink("progress", (ids, text))
             elif isinstance(msg, Result):
-                self._finish(msg)
+                if self.owner.get(msg.request_id) == name:  # not a late one from before a migration
+                    self._finish(msg)
             elif isinstance(msg, Load):
                 self.load[name] = msg
             elif isinstance(msg, Failed):
                 log.error("worker %s failed:\n%s", name, msg.error)
         for name, _ in self.fleet.deaths():  # a dead prefill worker's decode peers end its requests
+            self.load.pop(name, None)
+            self.heard.pop(name, None)
             for rid in list(self.in_flight.get(name, ())):
-                self._finish(Result(rid, name, [], 0.0, None, [], "error", f"worker {name} exited"))
+                if not (self.on_worker_death == "migrate" and self._migrate(rid, name)):
+                    self._finish(Result(rid, name, [], 0.0, None, [], "error", f"worker {name} exited"))
+
+    def _migrate(self, request_id: str, dead: str) -> bool:
+        """Resubmit a dead worker's request to the least loaded live one: its prompt and the tokens it
+        streamed so far (their KV is recomputed there), so the client's stream goes on. False when no
+        worker can take it."""
+        msg = self.requests.get(request_id)
+        live = [n for n in self.in_flight if n not in self.dead]
+        sent = self.streamed.get(request_id, [[], 0, []])
+        if msg is None or not live or len(sent[0]) >= msg.max_tokens:
+            return False
+        resumed = msgspec.structs.replace(msg, output_ids=list(sent[0]), text_sent=sent[1])
+        self.in_flight[dead].discard(request_id)
+        target = min(live, key=lambda n: len(self.in_flight[n]))
+        self.owner[request_id] = target
+        self.in_flight[target].add(request_id)
+        count = self.migrated.get(request_id, (0, []))[0] + 1
+        self.migrated[request_id] = (count, list(sent[2]))
+        log.warning(
+            "request %s: worker %s died; it goes on on %s (%d tokens so far)",
+            request_id,
+            dead,
+            target,
+            len(sent[0]),
+        )
+        return self.fleet.send(target, resumed)
 
     def _route(self, msg: Submit, sink) -> None:
         live = [n for n in self.in_flight if n not in self.dead]
@@ -166,6 +270,7 @@ class Runtime:
             return
         target = min(live, key=lambda n: len(self.in_flight[n]))
         self.sinks[msg.request_id] = sink
+        self.requests[msg.request_id] = msg
         self.owner[msg.request_id] = target
         self.in_flight[target].add(msg.request_id)
         if not self.fleet.send(target, msg):
@@ -173,7 +278,24 @@ class Runtime:
                 Result(msg.request_id, target, [], 0.0, None, [], "error", f"worker {target} is gone")
             )
 
+    def _fail_one(self, request_id: str, sink, error: str) -> None:
+        """End one request with an error; if a worker has it, cancel it there (its pages come back)."""
+        owner = self.owner.get(request_id)
+        if owner is not None:
+            try:
+                self.fleet.send(owner, Cancel(request_id))
+            except Exception:
+                log.exception("runtime: cancelling %s", request_id)
+        self.sinks.setdefault(request_id, sink)
+        self._finish(Result(request_id, owner or "", [], 0.0, None, [], "error", error))
+
     def _finish(self, result: Result) -> None:
+        self.requests.pop(result.request_id, None)
+        self.streamed.pop(result.request_id, None)
+        migrated = self.migrated.pop(result.request_id, None)
+        if migrated is not None:  # its tokens from before: the worker it went on on timed only its own
+            result.migrations, before = migrated
+            result.token_times = before + list(result.token_times)
         sink = self.sinks.pop(result.request_id, None)
         worker = self.owner.pop(result.request_id, None)
         if worker in self.in_flight:
@@ -189,13 +311,28 @@ class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, kind: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
-        self.kind = kind or {400: "invalid_request_error", 401: "authentication_error"}.get(
-            status, "server_error"
+        self.kind = kind or (
+            "authentication_error"
+            if status == 401
+            else "invalid_request_error"
+            if 400 <= status < 500
+            else "service_unavailable"
+            if status == 503
+            else "server_error"
         )
 
     def body(self) -> dict:
         code = {401: "invalid_api_key", 503: "service_unavailable"}.get(self.status)
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": code}}
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if self.status == 503 else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+DISCONNECT_POLL_S = 0.25  # how often a non-streamed request looks for its client's disconnect
+RETRY_AFTER_S = 1  # what a 503 (overload, no live worker, stopping) tells the client to wait
+MAX_TOP_K = (1 << 31) - 1
 
 
 COMMON = {
@@ -229,6 +366,8 @@ def _number(body: dict, key: str, default, low=None, high=None, integer=False, l
     kinds = (int,) if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, kinds):
         raise ApiError(400, f"{key} must be {'an integer' if integer else 'a number'}, got {value!r}", key)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ApiError(400, f"{key} must be a finite number, got {value!r}", key)
     if low is not None and (value <= low if low_open else value < low):
         raise ApiError(400, f"{key} must be {'>' if low_open else '>='} {low}, got {value!r}", key)
     if high is not None and value > high:
@@ -248,10 +387,21 @@ class Parsed:
 class App:
     """The OpenAI API over a Runtime: request checking, tokenization, streaming, errors and metrics."""
 
-    def __init__(self, runtime: Runtime, tokenizer, model_name: str, max_position: int, api_key: str | None):
+    def __init__(
+        self,
+        runtime: Runtime,
+        tokenizer,
+        model_name: str,
+        max_position: int,
+        api_key: str | None,
+        config: ServerConfig | None = None,
+    ):
         self.runtime, self.tokenizer, self.model_name = runtime, tokenizer, model_name
         self.max_position, self.api_key = max_position, api_key
+        self.config = config or ServerConfig(api_key=api_key)
+        self.max_prompt_chars = self.config.max_prompt_chars or 16 * max_position
         self.metrics = Metrics(runtime)
+        self.stopping = False  # set when the server drains before it stops: new requests get 503
 
     # -- checking requests
 
@@ -317,7 +467,7 @@ class App:
             max_tokens,
             temperature=float(_number(body, "temperature", 1.0, 0, 2)),
             top_p=float(_number(body, "top_p", 1.0, 0, 1, low_open=True)),
-            top_k=max(0, _number(body, "top_k", 0, -1, integer=True)),  # vLLM: -1 (or 0) turns it off
+            top_k=max(0, _number(body, "top_k", 0, -1, MAX_TOP_K, integer=True)),  # -1 or 0: off (vLLM)
             seed=seed,
             stop=stop,
             ignore_eos=ignore_eos,
@@ -331,6 +481,7 @@ class App:
         if isinstance(prompt, str):
             if not prompt:
                 raise ApiError(400, "prompt must not be empty", "prompt")
+            self._check_chars(len(prompt), "prompt")
             return self.tokenizer.encode(prompt)
         vocab = self.tokenizer.vocab_size
         if (
@@ -357,19 +508,35 @@ class App:
                 raise ApiError(
                     400, "each message must be {role: system|user|assistant, content: string}", "messages"
                 )
+        self._check_chars(sum(len(m["content"]) for m in messages), "messages")
         try:
             text = self.tokenizer.apply_chat_template(
-                [{"role": m["role"], "content": m["content"]} for m in messages]
+                [{"role": m["role"], "content": m["content"]} for m in messages],
+                timeout_s=self.config.template_timeout_s,
             )
         except (
             Exception
         ) as e:  # the template is the model's (untrusted, sandboxed): its errors are the request's
             raise ApiError(400, f"the chat template refused these messages: {e}", "messages") from e
-        return self.tokenizer.encode(text)
+        ids = self.tokenizer.encode(text) if isinstance(text, str) else []
+        if not ids:
+            raise ApiError(400, "the model's chat template rendered these messages to nothing", "messages")
+        return ids
+
+    def _check_chars(self, n: int, param: str) -> None:
+        if n > self.max_prompt_chars:
+            raise ApiError(
+                400,
+                f"{param} has {n} characters; at most {self.max_prompt_chars} are taken "
+                "(server.max_prompt_chars)",
+                param,
+            )
 
     # -- running requests
 
     def start(self, parsed: Parsed, loop: asyncio.AbstractEventLoop) -> asyncio.Queue:
+        if self.stopping:
+            raise ApiError(503, "the server is stopping", kind="service_unavailable")
         if not self.runtime.can_serve:
             raise ApiError(
                 503,
@@ -388,9 +555,12 @@ class App:
         return events
 
     def finished(self, parsed: Parsed, result: Result) -> None:
-        """Raise the ApiError a failed request answers with."""
+        """Raise the ApiError a failed or cancelled request answers with."""
+        if result.finish_reason == "abort":  # cancelled: its client went away, or the server is stopping
+            raise ApiError(503, "the request was cancelled before it finished (the server is stopping)")
         if result.finish_reason == "error":
-            gone = any(w in (result.error or "") for w in ("exited", "no live worker", "is gone"))
+            signs = ("exited", "no live worker", "no live prefill worker", "is gone", "silent for")
+            gone = any(w in (result.error or "") for w in signs)
             status = 503 if gone else 500  # a worker died under it: the deployment, not the request
             raise ApiError(
                 status,
@@ -399,8 +569,30 @@ class App:
             )
 
 
-def _usage(prompt: int, completion: int) -> dict:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _parse_json(raw: bytes) -> dict:
+    """A request body's JSON, or a 400 that says why not."""
+    try:
+        body = json.loads(raw, parse_constant=_reject_constant)
+    except RecursionError as e:
+        raise ApiError(400, "the request body is nested too deeply") from e
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, NaN, an integer past 4,300 digits
+        raise ApiError(400, f"the request body is not JSON this server takes: {e}") from e
+    try:  # a lone surrogate ("\\ud800") parses, but is no text: refuse it here, not in the tokenizer
+        json.dumps(body, ensure_ascii=False).encode()
+    except UnicodeEncodeError as e:
+        raise ApiError(400, "the request body holds a lone surrogate (not valid Unicode text)") from e
+    return body
+
+
+def _usage(prompt: int, completion: int, migrations: int = 0) -> dict:
+    """OpenAI's usage block; a request that went on on another worker after its own died says how often
+    (a sampled one's tokens after it are drawn afresh, not where its seed's stream had got to)."""
+    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {**usage, "migrations": migrations} if migrations else usage
 
 
 def _finish_reason(result: Result) -> str:
@@ -432,6 +624,9 @@ class Metrics:
             "pdk_transfer_failures", "Requests whose KV transfer failed", registry=r
         )
         self.prefills = Counter("pdk_prefills", "Requests prefilled, by where", ["where"], registry=r)
+        self.migrations = Counter(
+            "pdk_migrations", "Times a request went on on another worker after its own died", registry=r
+        )
         # per worker, from its Load reports (a restarted worker's counts start again from 0)
         self.preemption_counters = {
             "preemptions": Counter(
@@ -481,6 +676,7 @@ class Metrics:
             if len(times) > 1:
                 self.tpot.observe((times[-1] - times[0]) / (len(times) - 1))
         self.kv_bytes.inc(result.transfer_bytes)
+        self.migrations.inc(result.migrations)
         failed = result.finish_reason == "error" and "transfer" in (result.error or "")
         if failed and result.prefill == "remote":
             self.transfer_failures.inc()
@@ -495,6 +691,12 @@ class Metrics:
     def render(self) -> bytes:
         from prometheus_client import generate_latest
 
+        for name in self.runtime.dead:  # a dead worker's gauges go (a restarted one's Load brings them back)
+            for gauge in (self.free_pages, self.running, self.waiting):
+                try:
+                    gauge.remove(name)
+                except KeyError:
+                    pass
         for name, load in list(self.runtime.load.items()):
             self.free_pages.labels(name).set(load.free_pages)
             self.running.labels(name).set(load.running)
@@ -508,10 +710,42 @@ class Metrics:
 
 def make_app(state: App) -> FastAPI:
     api = FastAPI(title="pdkernels", docs_url=None, redoc_url=None, openapi_url=None)
+    cfg = state.config
+    if cfg.cors_origins:  # browsers may call from these origins (preflight and headers)
+        from starlette.middleware.cors import CORSMiddleware
+
+        api.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(cfg.cors_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["authorization", "content-type"],
+        )
+    hosts = {"localhost", "127.0.0.1", "::1", cfg.host.lower(), *(h.lower() for h in cfg.allowed_hosts)}
+    any_host = "*" in hosts or (cfg.host in ("0.0.0.0", "::") and not cfg.allowed_hosts)
 
     @api.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError):
-        return JSONResponse(e.body(), status_code=e.status)
+        return e.response()
+
+    @api.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception):  # never plain text, never a traceback
+        log.exception("unhandled error answering %s", request.url.path)
+        return ApiError(500, "internal error in the server").response()
+
+    def guard(request: Request, key: bool = True) -> None:
+        """Who may call: the Host a browser page on another site cannot forge into ours (DNS
+        rebinding), no Origin but the allowed ones (cross-site requests), and the API key."""
+        host = (request.headers.get("host") or "").lower()
+        name = host[1 : host.index("]")] if host.startswith("[") and "]" in host else host.rsplit(":", 1)[0]
+        if not any_host and name not in hosts:
+            raise ApiError(403, f"Host {host!r} is not served here (server.allowed_hosts)", "host")
+        origin = request.headers.get("origin")
+        if origin is not None and origin not in cfg.cors_origins and "*" not in cfg.cors_origins:
+            raise ApiError(
+                403, f"requests from origin {origin!r} are refused (server.cors_origins)", "origin"
+            )
+        if key:
+            authorize(request)
 
     def authorize(request: Request) -> None:
         if state.api_key is None:
@@ -521,24 +755,53 @@ def make_app(state: App) -> FastAPI:
             raise ApiError(401, "missing or wrong API key (Authorization: Bearer <key>)")
 
     async def body_of(request: Request) -> dict:
+        """The JSON body: application/json, at most max_body_bytes (refused before it is read whole),
+        within body_timeout_s, parsed off the event loop; NaN, infinities, nesting past the parser's
+        depth, integers past 4,300 digits and lone surrogates are 400s."""
+        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if kind != "application/json":
+            raise ApiError(415, f"Content-Type must be application/json, got {kind or 'none'!r}")
+        limit = cfg.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+            raise ApiError(413, f"the request body is over {limit} bytes (server.max_body_bytes)")
+        chunks, size = [], 0
+
+        async def read() -> None:
+            nonlocal size
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise ApiError(413, f"the request body is over {limit} bytes (server.max_body_bytes)")
+                chunks.append(chunk)
+
         try:
-            return json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"the request body is not JSON: {e}") from e
+            await asyncio.wait_for(read(), cfg.body_timeout_s)
+        except TimeoutError as e:
+            raise ApiError(408, f"the request body did not arrive within {cfg.body_timeout_s} s") from e
+        return await asyncio.to_thread(_parse_json, b"".join(chunks))
 
     @api.get("/health")
-    async def health():
+    async def health(request: Request):
+        guard(request, key=not cfg.public_health)
+        if state.stopping:
+            raise ApiError(503, "the server is stopping")
         if not state.runtime.healthy:
-            return JSONResponse({"status": "degraded", "dead": sorted(state.runtime.dead)}, status_code=503)
+            return JSONResponse(
+                {"status": "degraded", "dead": sorted(state.runtime.dead), "silent": state.runtime.silent},
+                status_code=503,
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
         return {"status": "ok"}
 
     @api.get("/metrics")
-    async def metrics():
+    async def metrics(request: Request):
+        guard(request)
         return PlainTextResponse(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @api.get("/v1/models")
     async def models(request: Request):
-        authorize(request)
+        guard(request)
         card = {
             "id": state.model_name,
             "object": "model",
@@ -549,15 +812,22 @@ def make_app(state: App) -> FastAPI:
         return {"object": "list", "data": [card]}
 
     async def generate(request: Request, chat: bool):
-        authorize(request)
-        parsed = state.parse(await body_of(request), chat)
+        guard(request)
+        body = await body_of(request)
+        parsed = await asyncio.to_thread(state.parse, body, chat)  # tokenizing and templating: off the loop
         loop = asyncio.get_running_loop()
         events = state.start(parsed, loop)
         if parsed.stream:
             return StreamingResponse(stream(request, parsed, events, chat), media_type="text/event-stream")
         try:
             while True:
-                kind, payload = await events.get()
+                try:
+                    kind, payload = await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
+                except TimeoutError:
+                    if await request.is_disconnected():  # the client went away: so does its request
+                        state.runtime.cancel(parsed.submit.request_id)
+                        return ApiError(408, "the client went away").response()  # nobody reads it
+                    continue
                 if kind == "result":
                     break
         except asyncio.CancelledError:  # the client went away
@@ -568,7 +838,7 @@ def make_app(state: App) -> FastAPI:
 
     def complete(parsed: Parsed, result: Result, chat: bool) -> dict:
         head = {"id": parsed.submit.request_id, "created": parsed.created, "model": state.model_name}
-        usage = _usage(len(parsed.prompt_ids), len(result.output_ids))
+        usage = _usage(len(parsed.prompt_ids), len(result.output_ids), result.migrations)
         reason = _finish_reason(result)
         if chat:
             choice = {
@@ -620,7 +890,7 @@ def make_app(state: App) -> FastAPI:
                 rest = result.text[sent_chars:]
                 yield chunk(rest, _finish_reason(result))
                 if parsed.include_usage:
-                    usage = _usage(len(parsed.prompt_ids), len(result.output_ids))
+                    usage = _usage(len(parsed.prompt_ids), len(result.output_ids), result.migrations)
                     yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage})}\n\n"
                 yield "data: [DONE]\n\n"
                 return
@@ -650,6 +920,39 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+class _Server:
+    """Made a subclass of uvicorn.Server in serve() (uvicorn is imported there): a drain on SIGTERM or
+    Ctrl-C. New requests get 503 while the ones in flight finish, for up to shutdown_timeout_s; those
+    still running are then cancelled (their pages freed on the workers) and uvicorn shuts down. Unlike
+    uvicorn's own handler, the signal is not raised again afterwards, so serve() stops every worker and
+    removes the run's directory before the process exits. A second signal stops at once."""
+
+    def __init__(self, config, state: App, timeout_s: float):
+        super().__init__(config)
+        self.state, self.timeout_s, self.drain_until = state, timeout_s, None
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.drain_until is not None:  # a second signal: stop now
+            self.state.runtime.cancel_all()
+            self.should_exit = True
+            self.force_exit = self.force_exit or sig == signal.SIGINT
+            return
+        log.warning(
+            "stopping: new requests get 503; %d in flight get %s s",
+            self.state.runtime.num_in_flight,
+            self.timeout_s,
+        )
+        self.state.stopping = True
+        self.drain_until = time.monotonic() + self.timeout_s
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.drain_until is not None and not self.should_exit:
+            if self.state.runtime.num_in_flight == 0 or time.monotonic() > self.drain_until:
+                self.state.runtime.cancel_all()
+                self.should_exit = True
+        return await super().on_tick(counter)
+
+
 def serve(cfg: DictConfig, out_dir: Path, ready=None) -> None:
     """Start the deployment and the HTTP server; returns once the server is stopped (Ctrl-C, SIGTERM)."""
     import uvicorn
@@ -657,7 +960,9 @@ def serve(cfg: DictConfig, out_dir: Path, ready=None) -> None:
     from experiments.deploy.driver import start_fleet
 
     config = from_cfg(cfg)
-    server = ServerConfig(**dict(cfg.get("server") or {}))
+    from omegaconf import OmegaConf
+
+    server = ServerConfig(**(OmegaConf.to_container(cfg.server) if cfg.get("server") else {}))
     if len(config.deployments) != 1:
         raise ValueError(
             f"serving takes one deployment; `deployments` lists {[d.name for d in config.deployments]}"
@@ -674,17 +979,26 @@ def serve(cfg: DictConfig, out_dir: Path, ready=None) -> None:
     name = server.served_model_name or config.model.name
     sock = listening_socket(server.host, server.port)
     fleet = start_fleet(config, config.deployments[0], out_dir / "logs")
-    runtime = Runtime(fleet)
+    d = config.deployments[0]
+    runtime = Runtime(fleet, d.on_worker_death, config.transfer.peer_timeout_s)
     try:
-        app = make_app(App(runtime, tokenizer, name, max_position, server.api_key))
+        state = App(runtime, tokenizer, name, max_position, server.api_key, server)
+        app = make_app(state)
         host, port = sock.getsockname()[:2]
         url = f"http://{host}:{port}"
         print(f"serving {name} ({config.deployments[0].name}) on {url}", flush=True)
         (out_dir / "server.json").write_text(json.dumps({"url": url, "model": name}))
         if ready is not None:
             ready(url)
-        uvicorn_config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
-        uvicorn.Server(uvicorn_config).run(sockets=[sock])
+        uvicorn_config = uvicorn.Config(
+            app,
+            log_level="warning",
+            timeout_graceful_shutdown=5,
+            timeout_keep_alive=server.timeout_keep_alive_s,
+            h11_max_incomplete_event_size=64 * 1024,  # request line and headers (h11; httptools: 80 KiB)
+        )
+        server_class = type("Server", (_Server, uvicorn.Server), {})
+        server_class(uvicorn_config, state, server.shutdown_timeout_s).run(sockets=[sock])
     finally:
-        runtime.close()
+        runtime.close(timeout_s=server.shutdown_timeout_s)
         sock.close()

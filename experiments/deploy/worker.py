@@ -282,8 +282,13 @@ class Worker:
                 )
                 if msg.request_id in self.live:
                     raise ValueError(f"request_id {msg.request_id!r} is already in flight here")
-                if self.dm is None or len(msg.prompt_ids) <= d.local_prefill_max_tokens:
-                    self.llm.add_request(msg.prompt_ids, params, request_id=msg.request_id)
+                tokens = len(msg.prompt_ids) + len(msg.output_ids)
+                if self.dm is None or tokens <= d.local_prefill_max_tokens:
+                    self.llm.add_request(msg.prompt_ids, params, msg.request_id, msg.output_ids)
+                elif msg.output_ids:  # migrated: its prompt and outputs so far come from a prefill worker
+                    seq = self.llm.make_sequence(msg.prompt_ids, params, msg.request_id, msg.output_ids)
+                    self.llm.resume(seq)
+                    self.backlog.append((msg.request_id, seq.all_ids, params))
                 else:
                     self.llm.make_sequence(msg.prompt_ids, params, msg.request_id)  # check it now
                     self.backlog.append((msg.request_id, msg.prompt_ids, params))
@@ -292,7 +297,7 @@ class Worker:
                 return
             self.live[msg.request_id] = received
             if msg.stream:
-                self.streamed[msg.request_id] = [0, 0]
+                self.streamed[msg.request_id] = [len(msg.output_ids), msg.text_sent]
                 self.holdback[msg.request_id] = max((len(s) - 1 for s in msg.stop), default=0)
 
     def _cancel(self, request_id: str) -> None:

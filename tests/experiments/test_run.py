@@ -5,6 +5,7 @@ import multiprocessing as mp
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -104,6 +105,37 @@ def test_killed_prefill_worker_ends_its_requests_with_errors_and_the_run_finishe
     assert all("prefill-0" in e for e in errors), errors
     assert any("prefill-0 exited" in what for _, what in rec["events"])
     assert json.loads((tmp_path / "results.json").read_text())["runs"][0]["summary"]["errors"] == s["errors"]
+
+
+def test_a_killed_decode_worker_s_requests_migrate_and_finish_with_the_same_text(tmp_path):
+    """1 prefill + 2 decode workers; decode-0 is killed once some tokens have streamed: its requests go on
+    on decode-1 (prompt + their tokens so far, prefilled again) with the greedy tokens of a run without
+    the fault (the colocated reference beside it)."""
+    overrides = [
+        *TINY,
+        "workload.num_requests=12",
+        "workload.concurrency=12",
+        "workload.output_len.value=120",
+    ]
+    overrides += [
+        "deployments=[{name: colocated, kind: colocated, num_workers: 1},"
+        "{name: 1p2d, kind: disaggregated, num_prefill: 1, num_decode: 2}]"
+    ]
+    killed = []
+
+    def kill_decode_mid_stream(run_state, procs):
+        if run_state.deployment.name == "1p2d" and not killed:
+            if time.perf_counter() - run_state.start > 0.3:  # requests are streaming by now
+                procs["decode-0"].kill()
+                procs["decode-0"].join()
+                killed.append(True)
+
+    reference, faulty = run(_cfg(overrides), tmp_path, progress=False, hooks=kill_decode_mid_stream)
+    assert killed and any("decode-0 exited" in what for _, what in faulty["events"])
+    s = faulty["summary"]
+    assert s["completed"] == 12 and s["errors"] == 0 and s["migrations"] > 0, faulty["requests"]
+    assert _outputs(faulty) == _outputs(reference)
+    assert all(t["free_pages"] == t["num_pages"] for t in faulty["timelines"])  # the live workers: every page
 
 
 @pytest.mark.parametrize(

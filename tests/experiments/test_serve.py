@@ -156,7 +156,8 @@ def test_fifty_concurrent_streams_complete(server):
 def _metrics(url: str) -> dict:
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    request = urllib.request.Request(f"{url}/metrics", headers={"Authorization": f"Bearer {KEY}"})
+    text = urllib.request.urlopen(request, timeout=10).read().decode()  # the key: ignored when none is set
     return {
         (s.name, tuple(sorted(s.labels.items()))): s.value
         for f in text_string_to_metric_families(text)
@@ -242,7 +243,11 @@ def test_api_key_is_enforced_when_set(server):
             openai.OpenAI(base_url=f"{url}/v1", api_key=key or "x", max_retries=0).models.list()
         assert err.value.status_code == 401 and err.value.body["code"] == "invalid_api_key"
     assert [m.id for m in _client(server).models.list()] == ["tiny-random"]
-    assert urllib.request.urlopen(f"{url}/health", timeout=10).status == 200
+    with pytest.raises(urllib.error.HTTPError) as err:  # /health follows the key (server.public_health)
+        urllib.request.urlopen(f"{url}/health", timeout=10)
+    assert err.value.code == 401
+    health = urllib.request.Request(f"{url}/health", headers={"Authorization": f"Bearer {KEY}"})
+    assert urllib.request.urlopen(health, timeout=10).status == 200
 
 
 def test_metrics_parse_and_count(server):
@@ -297,11 +302,14 @@ def test_the_load_client_measures_a_server_by_url_beside_an_in_process_run(serve
 
 
 def test_a_dead_worker_gives_503_and_the_server_serves_with_the_rest(tmp_path):
-    """Kill one of two colocated workers mid-stream: its request ends with a 503 error event, /health
+    """on_worker_death=fail: kill one of two colocated workers mid-stream: its request ends with a 503
+    error event, /health
     turns 503, and the next requests are served by the live worker."""
     import re
 
-    proc, url = _start(tmp_path, "deployment=colocated", "deployment.num_workers=2")
+    proc, url = _start(
+        tmp_path, "deployment=colocated", "deployment.num_workers=2", "deployment.on_worker_death=fail"
+    )
     try:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
         pids = {}

@@ -1,0 +1,392 @@
+"""The HTTP front as an attacker on the same host and a careless client use it (issue: nothing lost,
+nothing wedged): each request's failure stays its own, bodies and prompts are bounded and parsed off the
+event loop, clients that go away cancel their requests, cross-site requests are refused, every error has
+OpenAI's JSON shape, and SIGTERM stops everything, a frozen worker too."""
+
+import http.client
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+openai = pytest.importorskip("openai")
+
+from tests.experiments.test_serve import _metrics, _pages_and_ends, _stopped  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+PAGES = 256  # tiny-random's pages per worker
+
+
+def _start(tmp: Path, *overrides: str) -> tuple[subprocess.Popen, str]:
+    """A server in its own session and with its own TMPDIR (what a stop must leave empty)."""
+    (tmp / "tmp").mkdir(parents=True, exist_ok=True)
+    args = [sys.executable, "-m", "experiments.serve", "model=tiny-random", "server.port=0", "plots=false"]
+    args += [*overrides, f"hydra.run.dir={tmp}"]
+    env = dict(os.environ, TMPDIR=str(tmp / "tmp"))
+    out = open(tmp / "server.out", "w")  # a file, not a pipe nobody reads: a full pipe would block it
+    proc = subprocess.Popen(
+        args, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env
+    )
+    out.close()
+    give_up = time.monotonic() + 120
+    while not (tmp / "server.json").exists():
+        if proc.poll() is not None or time.monotonic() > give_up:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise RuntimeError(f"the server did not start:\n{(tmp / 'server.out').read_text()[-5000:]}")
+        time.sleep(0.2)
+    return proc, json.loads((tmp / "server.json").read_text())["url"]
+
+
+def _group(pgid: int) -> list[str]:
+    """The command lines of the live processes in a process group (a zombie has exited: init reaps it)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                out.append(Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:200])
+        except (OSError, IndexError, ValueError):
+            pass
+    return out
+
+
+def _group_gone(pgid: int, within_s: float) -> bool:
+    give_up = time.monotonic() + within_s
+    while _group(pgid):
+        if time.monotonic() > give_up:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("hostile")
+    proc, url = _start(tmp, "deployment=1p1d", "server.max_body_bytes=1000000", "server.template_timeout_s=1")
+    yield url
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=60)
+    if not _group_gone(proc.pid, 15):
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError("processes of the server's group outlived it")
+
+
+def _raw(
+    url: str, method: str, path: str, body: bytes | None = None, headers: dict | None = None, timeout=30
+):
+    """(status, headers, body) of one request on a fresh connection."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        resp = conn.getresponse()
+        return resp.status, dict(resp.getheaders()), resp.read()
+    finally:
+        conn.close()
+
+
+def _post(url: str, body: bytes | str, **headers):
+    body = body.encode("utf-8", "surrogatepass") if isinstance(body, str) else body
+    return _raw(url, "POST", "/v1/completions", body, {"Content-Type": "application/json", **headers})
+
+
+OK = {"model": "tiny-random", "prompt": "Hi", "max_tokens": 4, "temperature": 0}
+
+
+def _error(status_body) -> dict:
+    status, headers, body = status_body
+    assert headers.get("content-type", "").startswith("application/json"), (status, body[:200])
+    return json.loads(body)["error"]
+
+
+def _still_serving(url: str) -> None:
+    status, _, body = _post(url, json.dumps(OK))
+    assert status == 200 and json.loads(body)["choices"][0]["finish_reason"] == "length", body
+
+
+def test_a_field_the_wire_cannot_carry_fails_alone(server):
+    """top_k or seed of 2**64 beside requests in flight: a 400 naming the field; the others finish."""
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0)
+    results = []
+
+    def long_one(stream: bool):
+        kw = dict(
+            model="tiny-random", prompt="Long:", max_tokens=60, temperature=0, extra_body={"ignore_eos": True}
+        )
+        if stream:
+            results.append("".join(c.choices[0].text for c in client.completions.create(stream=True, **kw)))
+        else:
+            results.append(client.completions.create(**kw).choices[0].finish_reason)
+
+    threads = [threading.Thread(target=long_one, args=(i % 2 == 0,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)
+    for field, value in (("top_k", 2**64), ("seed", 2**64), ("max_tokens", 2**64), ("top_k", -(2**70))):
+        err = _error(_post(server, json.dumps(dict(OK, temperature=1.0, **{field: value}))))
+        assert err["param"] == field and err["type"] == "invalid_request_error", err
+    for t in threads:
+        t.join(timeout=120)
+    assert len(results) == 6 and all(r for r in results), results  # every one finished, none failed
+
+
+def test_a_huge_body_is_refused_early_and_health_answers_meanwhile(server):
+    """A 20 MB body (declared, and streamed chunked with no length): 413 before it is read whole, while
+    /health answers."""
+    big = json.dumps(dict(OK, prompt="x" * 20_000_000)).encode()
+    seen = []
+
+    def upload():
+        seen.append(_post(server, big))
+
+    t = threading.Thread(target=upload)
+    t.start()
+    for _ in range(5):
+        status, _, _ = _raw(server, "GET", "/health", timeout=5)  # answers while the upload runs
+        assert status == 200
+    t.join(timeout=60)
+    status, headers, body = seen[0]
+    assert status == 413 and "max_body_bytes" in json.loads(body)["error"]["message"]
+
+    def chunks():
+        for i in range(0, len(big), 1 << 16):
+            yield big[i : i + (1 << 16)]
+
+    host, port = server.removeprefix("http://").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        conn.request(
+            "POST",
+            "/v1/completions",
+            body=chunks(),
+            headers={"Content-Type": "application/json"},
+            encode_chunked=True,
+        )
+        resp = conn.getresponse()
+        assert resp.status == 413
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the server answered and closed while the rest was still being sent: refused all the same
+    finally:
+        conn.close()
+    _still_serving(server)
+
+
+def test_a_prompt_past_the_character_cap_is_refused_before_tokenizing(server):
+    err = _error(_post(server, json.dumps(dict(OK, prompt="ab " * 300_000))))  # 900 KB: under the body cap
+    assert err["param"] == "prompt" and "max_prompt_chars" in err["message"]
+    chat = {"model": "tiny-random", "messages": [{"role": "user", "content": "ab " * 300_000}]}
+    status, headers, body = _raw(
+        server,
+        "POST",
+        "/v1/chat/completions",
+        json.dumps(chat).encode(),
+        {"Content-Type": "application/json"},
+    )
+    assert status == 400 and json.loads(body)["error"]["param"] == "messages"
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ('{"model": "tiny-random", "prompt": "Hi", "temperature": NaN}', None),
+        ('{"model": "tiny-random", "prompt": "Hi", "top_p": Infinity}', None),
+        ('{"model": "tiny-random", "prompt": "Hi", "temperature": 1e999}', "temperature"),
+        ("[" * 100_000 + "]" * 100_000, None),
+        ('{"model": "tiny-random", "prompt": "Hi", "max_tokens": ' + "9" * 5000 + "}", None),
+        ('{"model": "tiny-random", "prompt": "\\ud800"}', None),
+        ('{"model": "tiny-random", "prompt": "Hi", "max_tokens": 4', None),
+        ("[]", None),
+    ],
+    ids=[
+        "nan",
+        "infinity",
+        "overflowing-float",
+        "deep-nesting",
+        "5000-digits",
+        "lone-surrogate",
+        "truncated",
+        "array",
+    ],
+)
+def test_every_bad_body_is_a_400_in_openais_shape(server, body, param):
+    err = _error(_post(server, body))
+    assert err["type"] == "invalid_request_error" and err["message"], err
+    if param is not None:
+        assert err["param"] == param
+    _still_serving(server)
+
+
+def test_cross_site_requests_are_refused(server):
+    """A web page can POST text/plain without a preflight, and DNS rebinding sends a foreign Host."""
+    status, _, body = _post(server, json.dumps(OK), **{"Content-Type": "text/plain"})
+    assert status == 415 and json.loads(body)["error"]["type"] == "invalid_request_error"
+    err = _error(_post(server, json.dumps(OK), Host="evil.example:8000"))
+    assert err["param"] == "host"
+    err = _error(_post(server, json.dumps(OK), Origin="https://evil.example"))
+    assert err["param"] == "origin"
+    status, _, _ = _raw(server, "GET", "/metrics", headers={"Host": "rebind.example"})
+    assert status == 403
+    _still_serving(server)
+
+
+def test_a_non_streamed_request_whose_client_goes_away_is_cancelled(server):
+    """The client sends a 1,000-token request and closes its socket: the request ends (abort) and every
+    page is back on both workers, instead of running to its end."""
+    stopped_before = _stopped(_pages_and_ends(server)[1])
+    host, port = server.removeprefix("http://").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    body = json.dumps(dict(OK, prompt="Long:", max_tokens=1000, ignore_eos=True))
+    conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+    time.sleep(0.5)
+    conn.sock.close()  # gone, without reading the answer
+    give_up = time.monotonic() + 20
+    while time.monotonic() < give_up:
+        free, ended = _pages_and_ends(server)
+        if len(free) == 2 and set(free.values()) == {PAGES} and _stopped(ended) > stopped_before:
+            break
+        time.sleep(0.2)
+    assert free == {w: PAGES for w in free} and len(free) == 2, free
+    assert _stopped(ended) == stopped_before + 1, ended
+
+
+def test_the_api_key_guards_metrics_and_health_unless_health_is_public(tmp_path):
+    proc, url = _start(tmp_path, "deployment=colocated", "deployment.num_workers=1", "server.api_key=k1")
+    try:
+        for path in ("/metrics", "/health", "/v1/models"):
+            assert _raw(url, "GET", path)[0] == 401
+            assert _raw(url, "GET", path, headers={"Authorization": "Bearer k1"})[0] == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    proc, url = _start(
+        tmp_path / "public",
+        "deployment=colocated",
+        "deployment.num_workers=1",
+        "server.api_key=k1",
+        "server.public_health=true",
+    )
+    try:
+        assert _raw(url, "GET", "/health")[0] == 200 and _raw(url, "GET", "/metrics")[0] == 401
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    assert _group_gone(proc.pid, 15)
+
+
+def test_sigterm_drains_then_stops_every_worker_a_frozen_one_too(tmp_path):
+    """A frozen (SIGSTOPped) prefill worker turns /health 503 after peer_timeout_s. Then SIGTERM while a
+    stream runs: new requests get 503, the stream is cut at shutdown_timeout_s, then every worker is
+    stopped (the frozen one killed), the run's private directory is removed, and only then does the
+    server exit: nothing of its group is left."""
+    proc, url = _start(
+        tmp_path, "deployment=1p1d", "server.shutdown_timeout_s=2", "transfer.peer_timeout_s=2"
+    )
+    try:
+        _drain_and_stop(proc, url, tmp_path)
+    finally:  # whatever failed, nothing of it outlives the test
+        if not _group_gone(proc.pid, 0.1):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _drain_and_stop(proc: subprocess.Popen, url: str, tmp_path: Path) -> None:
+    pids = {}
+    for name in ("prefill-0", "decode-0"):
+        log = (tmp_path / "logs" / f"{name}.log").read_text()
+        pids[name] = int(re.search(r" up: .* pid (\d+)", log).group(1))
+    assert list((tmp_path / "tmp").glob("pdk-*"))  # the run's private directory, while it runs
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    stream = client.completions.create(
+        model="tiny-random",
+        prompt="On and on:",
+        max_tokens=1000,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    next(iter(stream))
+    os.kill(pids["prefill-0"], signal.SIGSTOP)
+    give_up = time.monotonic() + 15  # silent past peer_timeout_s: /health says so
+    while time.monotonic() < give_up:
+        status, _, body = _raw(url, "GET", "/health")
+        if status == 503:
+            break
+        time.sleep(0.2)
+    assert status == 503 and json.loads(body)["silent"] == ["prefill-0"], body
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    status, headers, body = _post(url, json.dumps(OK))
+    assert (
+        status == 503
+        and headers.get("retry-after")
+        and json.loads(body)["error"]["code"] == "service_unavailable"
+    )
+    with pytest.raises(openai.APIError, match="cancelled"):  # cut at the drain's end: an error event
+        for _ in stream:
+            pass
+    assert proc.wait(timeout=60) == 0
+    assert _group_gone(proc.pid, 1), f"processes of the server's group outlived it: {_group(proc.pid)}"
+    for pid in pids.values():
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert not list((tmp_path / "tmp").glob("pdk-*"))
+
+
+def test_a_decode_worker_killed_mid_stream_loses_no_request(tmp_path):
+    """1 prefill + 2 decode workers, 24 concurrent greedy requests of 120 tokens (half streamed), decode-0
+    SIGKILLed after 0.25 s: its requests go on on decode-1 (prompt + the tokens streamed so far), every
+    text equals the fault-free run's, the dead worker's gauges leave /metrics, migrations are counted,
+    and every page on the live workers is free at the end."""
+    from engine import LLM, SamplingParams
+
+    prompts = [f"Request {i}: count with me, {i}, {i + 1}," for i in range(24)]
+    reference = LLM("tiny-random", page_size=4, num_pages=256)
+    want = [o.text for o in reference.generate(prompts, SamplingParams(max_tokens=120, ignore_eos=True))]
+    proc, url = _start(tmp_path, "deployment=1p1d", "deployment.num_decode=2")
+    try:
+        pid = int(re.search(r" up: .* pid (\d+)", (tmp_path / "logs" / "decode-0.log").read_text()).group(1))
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+        got: dict[int, str] = {}
+        errors: list = []
+
+        def one(i: int) -> None:
+            kw = dict(model="tiny-random", prompt=prompts[i], max_tokens=120, temperature=0)
+            kw["extra_body"] = {"ignore_eos": True}
+            try:
+                if i % 2:
+                    got[i] = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw))
+                else:
+                    got[i] = client.completions.create(**kw).choices[0].text
+            except Exception as e:  # every failure is the test's finding
+                errors.append((i, repr(e)))
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(24)]
+        for t in threads:
+            t.start()
+        time.sleep(0.25)
+        os.kill(pid, signal.SIGKILL)
+        for t in threads:
+            t.join(timeout=180)
+        assert not errors, errors
+        assert [got[i] for i in range(24)] == want
+        metrics = _metrics(url)
+        assert metrics[("pdk_migrations_total", ())] > 0
+        give_up = time.monotonic() + 20
+        while time.monotonic() < give_up:
+            free = {k[1][0][1]: v for k, v in _metrics(url).items() if k[0] == "pdk_kv_free_pages"}
+            if set(free) == {"prefill-0", "decode-1"} and set(free.values()) == {PAGES}:
+                break
+            time.sleep(0.3)
+        assert set(free) == {"prefill-0", "decode-1"} and set(free.values()) == {PAGES}, free
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    assert _group_gone(proc.pid, 15)
