@@ -297,11 +297,13 @@ def test_sigterm_drains_then_stops_every_worker_a_frozen_one_too(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+def _worker_pid(run_dir: Path, name: str) -> int:
+    """A worker's pid, from the line its log starts serving with."""
+    return int(re.search(r" up: .* pid (\d+)", (run_dir / "logs" / f"{name}.log").read_text()).group(1))
+
+
 def _drain_and_stop(proc: subprocess.Popen, url: str, tmp_path: Path) -> None:
-    pids = {}
-    for name in ("prefill-0", "decode-0"):
-        log = (tmp_path / "logs" / f"{name}.log").read_text()
-        pids[name] = int(re.search(r" up: .* pid (\d+)", log).group(1))
+    pids = {name: _worker_pid(tmp_path, name) for name in ("prefill-0", "decode-0")}
     assert list((tmp_path / "tmp").glob("pdk-*"))  # the run's private directory, while it runs
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
     stream = client.completions.create(
@@ -352,7 +354,7 @@ def test_a_decode_worker_killed_mid_stream_loses_no_request(tmp_path):
     want = [o.text for o in reference.generate(prompts, SamplingParams(max_tokens=120, ignore_eos=True))]
     proc, url = _start(tmp_path, "deployment=1p1d", "deployment.num_decode=2")
     try:
-        pid = int(re.search(r" up: .* pid (\d+)", (tmp_path / "logs" / "decode-0.log").read_text()).group(1))
+        pid = _worker_pid(tmp_path, "decode-0")
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
         got: dict[int, str] = {}
         errors: list = []
