@@ -330,6 +330,7 @@ class ApiError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
+INLINE_BYTES = 16 * 1024  # bodies and completion prompts up to this size are parsed on the event loop
 DISCONNECT_POLL_S = 0.25  # how often a non-streamed request looks for its client's disconnect
 RETRY_AFTER_S = 1  # what a 503 (overload, no live worker, stopping) tells the client to wait
 MAX_TOP_K = (1 << 31) - 1
@@ -779,7 +780,8 @@ def make_app(state: App) -> FastAPI:
             await asyncio.wait_for(read(), cfg.body_timeout_s)
         except TimeoutError as e:
             raise ApiError(408, f"the request body did not arrive within {cfg.body_timeout_s} s") from e
-        return await asyncio.to_thread(_parse_json, b"".join(chunks))
+        raw = b"".join(chunks)  # a small body parses in microseconds: on the loop, without a thread hop
+        return _parse_json(raw) if len(raw) <= INLINE_BYTES else await asyncio.to_thread(_parse_json, raw)
 
     @api.get("/health")
     async def health(request: Request):
@@ -814,7 +816,11 @@ def make_app(state: App) -> FastAPI:
     async def generate(request: Request, chat: bool):
         guard(request)
         body = await body_of(request)
-        parsed = await asyncio.to_thread(state.parse, body, chat)  # tokenizing and templating: off the loop
+        prompt = body.get("prompt") if isinstance(body, dict) and not chat else None
+        if isinstance(prompt, list | str) and len(prompt) <= INLINE_BYTES // 4:
+            parsed = state.parse(body, chat)  # a short completion prompt: well under a millisecond
+        else:  # chat templates (untrusted, time-limited) and long prompts: off the loop
+            parsed = await asyncio.to_thread(state.parse, body, chat)
         loop = asyncio.get_running_loop()
         events = state.start(parsed, loop)
         if parsed.stream:
