@@ -1,0 +1,462 @@
+"""The OpenAI API over a Runtime (experiments.deploy.server serves it): the server's config, request
+checking and tokenizing, errors in OpenAI's shape, and the Prometheus metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import secrets
+import time
+from dataclasses import dataclass, field
+
+from fastapi.responses import JSONResponse
+
+from experiments.deploy.messages import Result, Submit
+from experiments.deploy.runtime import Runtime
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0: any free port (printed)
+    api_key: str | None = None  # when set, every request needs "Authorization: Bearer <key>"
+    served_model_name: str | None = None  # default: the model's name
+    public_health: bool = False  # GET /health without the API key (for load balancers)
+    max_body_bytes: int = 4 << 20  # a larger request body is refused (413) before it is read whole
+    max_prompt_chars: int | None = None  # characters of prompt or messages (None: 16 per context token)
+    body_timeout_s: float = 30.0  # the whole body must arrive within this (408)
+    template_timeout_s: float = 2.0  # a chat template rendering longer is stopped (400)
+    timeout_keep_alive_s: float = 5.0  # an idle kept-alive connection is closed after this
+    shutdown_timeout_s: float = 5.0  # SIGTERM/Ctrl-C: requests in flight may finish this long (new: 503)
+    # Host headers served besides this machine's loopback names and the bound address ("*": any)
+    allowed_hosts: tuple[str, ...] = ()
+    cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API ("*": any); none by default
+
+    def __post_init__(self):
+        if not isinstance(self.port, int) or not 0 <= self.port < 65536:
+            raise ValueError(f"server.port={self.port!r} is not allowed: an integer in [0, 65536)")
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
+            raise ValueError("server.api_key must be a non-empty string or null")
+        for key in ("max_body_bytes", "max_prompt_chars"):
+            value = getattr(self, key)
+            if (value is not None or key == "max_body_bytes") and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
+                raise ValueError(f"server.{key}={value!r} is not allowed: an integer >= 1")
+        for key in ("body_timeout_s", "template_timeout_s", "timeout_keep_alive_s", "shutdown_timeout_s"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1e6:
+                raise ValueError(f"server.{key}={value!r} is not allowed: a number of seconds > 0")
+        for key in ("allowed_hosts", "cors_origins"):
+            value = getattr(self, key)
+            if not isinstance(value, list | tuple) or not all(isinstance(v, str) and v for v in value):
+                raise ValueError(f"server.{key}={value!r} is not allowed: a list of non-empty strings")
+            object.__setattr__(self, key, tuple(value))
+        if not isinstance(self.public_health, bool):
+            raise ValueError(f"server.public_health={self.public_health!r} is not allowed: true or false")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.kind = kind or (
+            "authentication_error"
+            if status == 401
+            else "invalid_request_error"
+            if 400 <= status < 500
+            else "service_unavailable"
+            if status == 503
+            else "server_error"
+        )
+
+    def body(self) -> dict:
+        code = {401: "invalid_api_key", 503: "service_unavailable"}.get(self.status)
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": code}}
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if self.status == 503 else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+INLINE_BYTES = 16 * 1024  # bodies and completion prompts up to this size are parsed on the event loop
+DISCONNECT_POLL_S = 0.25  # how often a non-streamed request looks for its client's disconnect
+RETRY_AFTER_S = 1  # what a 503 (overload, no live worker, stopping) tells the client to wait
+MAX_TOP_K = (1 << 31) - 1
+
+
+COMMON = {
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "ignore_eos",
+    "stream",
+    "stream_options",
+    "n",
+    "user",
+}
+COMPLETION_FIELDS = COMMON | {"prompt", "logprobs", "echo"}
+CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+UNSUPPORTED_UNLESS = {
+    "n": (None, 1),
+    "logprobs": (None, False),
+    "echo": (None, False),
+    "top_logprobs": (None,),
+}
+
+
+def _number(body: dict, key: str, default, low=None, high=None, integer=False, low_open=False):
+    value = body.get(key, default)
+    if value is None:
+        return default
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        raise ApiError(400, f"{key} must be {'an integer' if integer else 'a number'}, got {value!r}", key)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ApiError(400, f"{key} must be a finite number, got {value!r}", key)
+    if low is not None and (value <= low if low_open else value < low):
+        raise ApiError(400, f"{key} must be {'>' if low_open else '>='} {low}, got {value!r}", key)
+    if high is not None and value > high:
+        raise ApiError(400, f"{key} must be <= {high}, got {value!r}", key)
+    return value
+
+
+@dataclass
+class Parsed:
+    prompt_ids: list[int]
+    submit: Submit
+    stream: bool
+    include_usage: bool
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+class App:
+    """The OpenAI API over a Runtime: request checking, tokenization, streaming, errors and metrics."""
+
+    def __init__(
+        self,
+        runtime: Runtime,
+        tokenizer,
+        model_name: str,
+        max_position: int,
+        api_key: str | None,
+        config: ServerConfig | None = None,
+    ):
+        self.runtime, self.tokenizer, self.model_name = runtime, tokenizer, model_name
+        self.max_position, self.api_key = max_position, api_key
+        self.config = config or ServerConfig(api_key=api_key)
+        self.max_prompt_chars = self.config.max_prompt_chars or 16 * max_position
+        self.metrics = Metrics(runtime)
+        self.stopping = False  # set when the server drains before it stops: new requests get 503
+
+    # -- checking requests
+
+    def check_fields(self, body, allowed: set[str]) -> None:
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        for key, value in body.items():
+            if key in UNSUPPORTED_UNLESS:
+                if value not in UNSUPPORTED_UNLESS[key]:
+                    raise ApiError(
+                        400, f"{key}={value!r} is not supported (allowed: {UNSUPPORTED_UNLESS[key]})", key
+                    )
+            elif key not in allowed:
+                raise ApiError(400, f"unsupported field {key!r}; supported: {sorted(allowed)}", key)
+        model = body.get("model")
+        if model != self.model_name:
+            raise ApiError(
+                400, f"model {model!r} is not served here; this server serves {self.model_name!r}", "model"
+            )
+
+    def parse(self, body: dict, chat: bool) -> Parsed:
+        self.check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
+        if chat:
+            prompt_ids = self._chat_prompt(body.get("messages"))
+            max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+            key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+        else:
+            prompt_ids = self._completion_prompt(body.get("prompt"))
+            max_tokens, key = body.get("max_tokens", 16), "max_tokens"
+        room = self.max_position - len(prompt_ids)
+        if room < 1:
+            raise ApiError(
+                400,
+                f"the prompt has {len(prompt_ids)} tokens; this model's context is {self.max_position}",
+                "messages" if chat else "prompt",
+            )
+        max_tokens = room if max_tokens is None else _number({key: max_tokens}, key, None, 1, integer=True)
+        if len(prompt_ids) + max_tokens > self.max_position:
+            raise ApiError(
+                400,
+                f"{key}={max_tokens} with a {len(prompt_ids)}-token prompt exceeds this model's "
+                f"context of {self.max_position} tokens",
+                key,
+            )
+        stop = body.get("stop")
+        stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
+            raise ApiError(400, "stop must be a non-empty string or a list of at most 4 of them", "stop")
+        ignore_eos = body.get("ignore_eos", False)
+        stream = body.get("stream", False)
+        for key2, value in (("ignore_eos", ignore_eos), ("stream", stream)):
+            if not isinstance(value, bool):
+                raise ApiError(400, f"{key2} must be a boolean, got {value!r}", key2)
+        options = body.get("stream_options") or {}
+        if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
+            raise ApiError(400, "stream_options may hold include_usage (a boolean)", "stream_options")
+        seed = body.get("seed")
+        if seed is not None:
+            seed = _number(body, "seed", None, 0, (1 << 63) - 1, integer=True)
+        submit = Submit(
+            f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}",
+            prompt_ids,
+            max_tokens,
+            temperature=float(_number(body, "temperature", 1.0, 0, 2)),
+            top_p=float(_number(body, "top_p", 1.0, 0, 1, low_open=True)),
+            top_k=max(0, _number(body, "top_k", 0, -1, MAX_TOP_K, integer=True)),  # -1 or 0: off (vLLM)
+            seed=seed,
+            stop=stop,
+            ignore_eos=ignore_eos,
+            stream=stream,
+        )
+        return Parsed(prompt_ids, submit, stream, bool(options.get("include_usage")))
+
+    def _completion_prompt(self, prompt) -> list[int]:
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ApiError(400, "prompt must not be empty", "prompt")
+            self._check_chars(len(prompt), "prompt")
+            return self.tokenizer.encode(prompt)
+        vocab = self.tokenizer.vocab_size
+        if (
+            isinstance(prompt, list)
+            and prompt
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        ):
+            if not all(0 <= t < vocab for t in prompt):
+                raise ApiError(400, f"prompt token ids must lie in [0, {vocab})", "prompt")
+            return list(prompt)
+        raise ApiError(
+            400, "prompt must be a non-empty string or list of token ids (one prompt per request)", "prompt"
+        )
+
+    def _chat_prompt(self, messages) -> list[int]:
+        if not isinstance(messages, list) or not messages:
+            raise ApiError(400, "messages must be a non-empty list of {role, content}", "messages")
+        for m in messages:
+            if not (
+                isinstance(m, dict)
+                and m.get("role") in ("system", "user", "assistant")
+                and isinstance(m.get("content"), str)
+            ):
+                raise ApiError(
+                    400, "each message must be {role: system|user|assistant, content: string}", "messages"
+                )
+        self._check_chars(sum(len(m["content"]) for m in messages), "messages")
+        try:
+            text = self.tokenizer.apply_chat_template(
+                [{"role": m["role"], "content": m["content"]} for m in messages],
+                timeout_s=self.config.template_timeout_s,
+            )
+        except (
+            Exception
+        ) as e:  # the template is the model's (untrusted, sandboxed): its errors are the request's
+            raise ApiError(400, f"the chat template refused these messages: {e}", "messages") from e
+        ids = self.tokenizer.encode(text) if isinstance(text, str) else []
+        if not ids:
+            raise ApiError(400, "the model's chat template rendered these messages to nothing", "messages")
+        return ids
+
+    def _check_chars(self, n: int, param: str) -> None:
+        if n > self.max_prompt_chars:
+            raise ApiError(
+                400,
+                f"{param} has {n} characters; at most {self.max_prompt_chars} are taken "
+                "(server.max_prompt_chars)",
+                param,
+            )
+
+    # -- running requests
+
+    def start(self, parsed: Parsed, loop: asyncio.AbstractEventLoop) -> asyncio.Queue:
+        if self.stopping:
+            raise ApiError(503, "the server is stopping", kind="service_unavailable")
+        if not self.runtime.can_serve:
+            raise ApiError(
+                503,
+                f"no live worker can take requests (exited: {sorted(self.runtime.dead)})",
+                kind="service_unavailable",
+            )
+        events: asyncio.Queue = asyncio.Queue()
+
+        def sink(kind, payload):  # on the runtime's thread: metrics count every request, cancelled too
+            if kind == "result":
+                self.metrics.finished(parsed, payload)
+            loop.call_soon_threadsafe(events.put_nowait, (kind, payload))
+
+        self.metrics.started(parsed)
+        self.runtime.submit(parsed.submit, sink)
+        return events
+
+    def finished(self, parsed: Parsed, result: Result) -> None:
+        """Raise the ApiError a failed or cancelled request answers with."""
+        if result.finish_reason == "abort":  # cancelled: its client went away, or the server is stopping
+            raise ApiError(503, "the request was cancelled before it finished (the server is stopping)")
+        if result.finish_reason == "error":
+            signs = ("exited", "no live worker", "no live prefill worker", "is gone", "silent for")
+            gone = any(w in (result.error or "") for w in signs)
+            status = 503 if gone else 500  # a worker died under it: the deployment, not the request
+            raise ApiError(
+                status,
+                f"the request failed: {result.error}",
+                kind="service_unavailable" if status == 503 else "server_error",
+            )
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def parse_json(raw: bytes) -> dict:
+    """A request body's JSON, or a 400 that says why not."""
+    try:
+        body = json.loads(raw, parse_constant=_reject_constant)
+    except RecursionError as e:
+        raise ApiError(400, "the request body is nested too deeply") from e
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, NaN, an integer past 4,300 digits
+        raise ApiError(400, f"the request body is not JSON this server takes: {e}") from e
+    try:  # a lone surrogate ("\\ud800") parses, but is no text: refuse it here, not in the tokenizer
+        json.dumps(body, ensure_ascii=False).encode()
+    except UnicodeEncodeError as e:
+        raise ApiError(400, "the request body holds a lone surrogate (not valid Unicode text)") from e
+    return body
+
+
+def usage_block(prompt: int, completion: int, migrations: int = 0) -> dict:
+    """OpenAI's usage block; a request that went on on another worker after its own died says how often
+    (a sampled one's tokens after it are drawn afresh, not where its seed's stream had got to)."""
+    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {**usage, "migrations": migrations} if migrations else usage
+
+
+def finish_reason_of(result: Result) -> str:
+    return "length" if result.finish_reason == "length" else "stop"
+
+
+class Metrics:
+    """Prometheus metrics of one server (its own registry)."""
+
+    def __init__(self, runtime: Runtime):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = r = CollectorRegistry()
+        buckets = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+        self.requests = Counter(
+            "pdk_requests", "Finished requests by finish reason", ["finish_reason"], registry=r
+        )
+        self.ttft = Histogram("pdk_time_to_first_token_seconds", "TTFT", buckets=buckets, registry=r)
+        self.tpot = Histogram("pdk_time_per_output_token_seconds", "TPOT", buckets=buckets, registry=r)
+        self.e2e = Histogram(
+            "pdk_e2e_request_latency_seconds", "End-to-end latency", buckets=buckets, registry=r
+        )
+        self.running = Gauge("pdk_requests_running", "Sequences running, per worker", ["worker"], registry=r)
+        self.waiting = Gauge("pdk_requests_waiting", "Sequences queued, per worker", ["worker"], registry=r)
+        self.in_flight = Gauge("pdk_requests_in_flight", "Requests the server is answering", registry=r)
+        self.free_pages = Gauge("pdk_kv_free_pages", "Free KV pages per worker", ["worker"], registry=r)
+        self.kv_bytes = Counter("pdk_kv_transfer_bytes", "KV bytes written prefill -> decode", registry=r)
+        self.transfer_failures = Counter(
+            "pdk_transfer_failures", "Requests whose KV transfer failed", registry=r
+        )
+        self.prefills = Counter("pdk_prefills", "Requests prefilled, by where", ["where"], registry=r)
+        self.migrations = Counter(
+            "pdk_migrations", "Times a request went on on another worker after its own died", registry=r
+        )
+        # per worker, from its Load reports (a restarted worker's counts start again from 0)
+        self.preemption_counters = {
+            "preemptions": Counter(
+                "pdk_preemptions", "Sequences preempted (KV dropped), per worker", ["worker"], registry=r
+            ),
+            "recomputed_tokens": Counter(
+                "pdk_recomputed_prompt_tokens",
+                "Tokens computed again on a worker after a preemption dropped their KV",
+                ["worker"],
+                registry=r,
+            ),
+            "refetched_tokens": Counter(
+                "pdk_refetched_tokens",
+                "Tokens whose dropped KV a decode worker fetched again from a prefill worker",
+                ["worker"],
+                registry=r,
+            ),
+        }
+        self._preemption_seen: dict[tuple[str, str], int] = {}
+        self.drafted = Counter("pdk_spec_drafted_tokens", "Speculative tokens proposed", registry=r)
+        self.accepted = Counter("pdk_spec_accepted_tokens", "Speculative tokens accepted", registry=r)
+        self.verifies = Counter("pdk_spec_verify_steps", "Steps that verified drafts", registry=r)
+        self.spec = [0, 0, 0]  # drafted, accepted, verify steps: the ratios below (0 before any draft)
+        Gauge(
+            "pdk_spec_acceptance_rate", "Accepted over drafted speculative tokens", registry=r
+        ).set_function(lambda: self.spec[1] / self.spec[0] if self.spec[0] else 0.0)
+        Gauge(
+            "pdk_spec_mean_accepted_length", "Tokens a verify step yields (accepted + 1)", registry=r
+        ).set_function(lambda: (self.spec[1] + self.spec[2]) / self.spec[2] if self.spec[2] else 0.0)
+        self.runtime = runtime
+        self.sent: dict[str, float] = {}
+
+    def started(self, parsed: Parsed) -> None:
+        self.sent[parsed.submit.request_id] = time.perf_counter()
+        self.in_flight.inc()
+
+    def finished(self, parsed: Parsed, result: Result) -> None:
+        """Latencies from the worker's token times (perf_counter: one clock for every process here)."""
+        rid, now = parsed.submit.request_id, time.perf_counter()
+        sent = self.sent.pop(rid, now)
+        self.in_flight.dec()
+        self.requests.labels(result.finish_reason or "unknown").inc()
+        self.e2e.observe(now - sent)
+        times = result.token_times
+        if times:
+            self.ttft.observe(times[0] - sent)
+            if len(times) > 1:
+                self.tpot.observe((times[-1] - times[0]) / (len(times) - 1))
+        self.kv_bytes.inc(result.transfer_bytes)
+        self.migrations.inc(result.migrations)
+        failed = result.finish_reason == "error" and "transfer" in (result.error or "")
+        if failed and result.prefill == "remote":
+            self.transfer_failures.inc()
+        if result.worker:
+            self.prefills.labels(result.prefill).inc()
+        self.drafted.inc(result.drafted)
+        self.accepted.inc(result.accepted)
+        self.verifies.inc(result.verify_steps)
+        for i, n in enumerate((result.drafted, result.accepted, result.verify_steps)):
+            self.spec[i] += n
+
+    def render(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        for name in self.runtime.dead:  # a dead worker's gauges go (a restarted one's Load brings them back)
+            for gauge in (self.free_pages, self.running, self.waiting):
+                try:
+                    gauge.remove(name)
+                except KeyError:
+                    pass
+        for name, load in list(self.runtime.load.items()):
+            self.free_pages.labels(name).set(load.free_pages)
+            self.running.labels(name).set(load.running)
+            self.waiting.labels(name).set(load.waiting)
+            for key, counter in self.preemption_counters.items():
+                now, seen = getattr(load, key), self._preemption_seen.get((name, key), 0)
+                counter.labels(name).inc(now - seen if now >= seen else now)  # < seen: restarted
+                self._preemption_seen[name, key] = now
+        return generate_latest(self.registry)

@@ -1,0 +1,230 @@
+"""The driver side of the HTTP server: one thread owns the workers' socket (experiments.deploy.server).
+
+It routes each request to the least loaded decode or colocated worker, passes the tokens it streams to
+the request's sink, fails only the request whose routing raised, and, when a worker dies, hands its
+requests to another live one (DeploymentConfig.on_worker_death: migrate) or fails them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+
+import msgspec
+
+from experiments.deploy.messages import Cancel, Failed, Load, Progress, Result, Submit
+
+WAIT_MS = 20  # the runtime's longest sleep on its sockets: how often it looks for dead workers
+log = logging.getLogger(__name__)
+
+
+class Runtime:
+    """A served deployment: its workers (a Fleet), the router, and the thread that talks to them.
+
+    submit() and cancel() may be called from any thread; each request's sink(kind, message) is called
+    on the runtime's thread with ("progress", (token ids, text)) for streamed requests and finally
+    ("result", Result)."""
+
+    def __init__(self, fleet, on_worker_death: str = "migrate", silent_after_s: float = 10.0):
+        """on_worker_death: DeploymentConfig's (migrate | fail); silent_after_s: a worker not heard from
+        for this long (frozen, or cut off) makes the deployment unhealthy (GET /health 503)."""
+        import zmq
+
+        self.fleet, self.on_worker_death, self.silent_after_s = fleet, on_worker_death, silent_after_s
+        self.commands: queue.SimpleQueue = queue.SimpleQueue()
+        # a byte down this pipe wakes the runtime's poll for a new command; otherwise it sleeps until a
+        # worker's message or WAIT_MS (a thread waking every millisecond lands on a worker's core and
+        # slows its steps)
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._poller = zmq.Poller()
+        self._poller.register(fleet.sock, zmq.POLLIN)
+        self._poller.register(self._wake_r, zmq.POLLIN)
+        self.sinks: dict[str, object] = {}
+        self.in_flight = {n: set() for n in fleet.frontends}
+        self.owner: dict[str, str] = {}  # request -> the worker it went to
+        self.load: dict[str, Load] = {}
+        self.requests: dict[str, Submit] = {}  # request -> what it was submitted with
+        self.streamed: dict[str, list] = {}  # streamed request -> [token ids, characters, token times] sent
+        self.migrated: dict[str, tuple[int, list[float]]] = {}  # -> (migrations, token times before)
+        # worker -> when it last sent anything (time.monotonic); from now on for each: one that never
+        # speaks again is silent after silent_after_s
+        self.heard: dict[str, float] = dict.fromkeys(fleet.procs, time.monotonic())
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="runtime", daemon=True)
+        self._thread.start()
+
+    @property
+    def dead(self) -> set[str]:
+        """Workers down (a restarting one until it is back)."""
+        return self.fleet.dead
+
+    @property
+    def silent(self) -> list[str]:
+        """Workers up but not heard from for silent_after_s (a frozen process)."""
+        now = time.monotonic()
+        return [
+            n for n, t in list(self.heard.items()) if n not in self.dead and now - t > self.silent_after_s
+        ]
+
+    @property
+    def healthy(self) -> bool:
+        """Every worker up and talking (GET /health)."""
+        return not self.dead and not self.silent and self._thread.is_alive()
+
+    @property
+    def can_serve(self) -> bool:
+        """Some decode or colocated worker is up: a degraded deployment serves with the workers it has."""
+        return self._thread.is_alive() and any(n not in self.dead for n in self.in_flight)
+
+    def submit(self, msg: Submit, sink) -> None:
+        self.commands.put(("submit", msg, sink))
+        os.write(self._wake_w, b"s")
+
+    def cancel(self, request_id: str) -> None:
+        self.commands.put(("cancel", request_id, None))
+        os.write(self._wake_w, b"c")
+
+    def cancel_all(self) -> None:
+        """Cancel every request in flight (a stop whose drain time ran out)."""
+        self.commands.put(("cancel_all", None, None))
+        os.write(self._wake_w, b"c")
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self.sinks)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the thread, then every worker (Stop; killed after timeout_s) and the run's directory."""
+        self._stop.set()
+        os.write(self._wake_w, b"q")
+        self._thread.join(timeout=30)
+        self.fleet.stop(timeout_s=timeout_s)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._turn()
+            except Exception:  # never leave requests hanging: fail them and keep going
+                log.exception("runtime loop")
+                for rid in list(self.sinks):
+                    self._finish(Result(rid, "", [], 0.0, None, [], "error", "internal error in the server"))
+
+    def _turn(self) -> None:
+        while True:
+            try:
+                kind, arg, sink = self.commands.get_nowait()
+            except queue.Empty:
+                break
+            try:
+                if kind == "submit":
+                    self._route(arg, sink)
+                elif kind == "cancel_all":
+                    for rid, owner in list(self.owner.items()):
+                        self.fleet.send(owner, Cancel(rid))
+                elif arg in self.owner:
+                    self.fleet.send(self.owner[arg], Cancel(arg))
+            except Exception as e:  # one request's failure is its own: the loop and the others go on
+                log.exception("runtime: %s of a request failed", kind)
+                if kind == "submit":
+                    self._fail_one(arg.request_id, sink, f"the server could not route it: {e!r}")
+        if self._wake_r in dict(self._poller.poll(WAIT_MS)):
+            try:
+                os.read(self._wake_r, 4096)
+            except BlockingIOError:
+                pass
+        now = time.monotonic()
+        for name, msg in self.fleet.receive():
+            self.heard[name] = now
+            if isinstance(msg, Progress):
+                for rid, ids, text in msg.items:
+                    sink = self.sinks.get(rid)
+                    if sink is not None and self.owner.get(rid) == name:
+                        sent = self.streamed.setdefault(rid, [[], 0, []])
+                        sent[0] += ids
+                        sent[1] += len(text)
+                        sent[2] += [time.perf_counter()] * len(ids)
+                        sink("progress", (ids, text))
+            elif isinstance(msg, Result):
+                if self.owner.get(msg.request_id) == name:  # not a late one from before a migration
+                    self._finish(msg)
+            elif isinstance(msg, Load):
+                self.load[name] = msg
+            elif isinstance(msg, Failed):
+                log.error("worker %s failed:\n%s", name, msg.error)
+        for name, _ in self.fleet.deaths():  # a dead prefill worker's decode peers end its requests
+            self.load.pop(name, None)
+            self.heard.pop(name, None)
+            for rid in list(self.in_flight.get(name, ())):
+                if not (self.on_worker_death == "migrate" and self._migrate(rid, name)):
+                    self._finish(Result(rid, name, [], 0.0, None, [], "error", f"worker {name} exited"))
+
+    def _migrate(self, request_id: str, dead: str) -> bool:
+        """Resubmit a dead worker's request to the least loaded live one: its prompt and the tokens it
+        streamed so far (their KV is recomputed there), so the client's stream goes on. False when no
+        worker can take it."""
+        msg = self.requests.get(request_id)
+        live = [n for n in self.in_flight if n not in self.dead]
+        sent = self.streamed.get(request_id, [[], 0, []])
+        if msg is None or not live or len(sent[0]) >= msg.max_tokens:
+            return False
+        resumed = msgspec.structs.replace(msg, output_ids=list(sent[0]), text_sent=sent[1])
+        self.in_flight[dead].discard(request_id)
+        target = min(live, key=lambda n: len(self.in_flight[n]))
+        self.owner[request_id] = target
+        self.in_flight[target].add(request_id)
+        count = self.migrated.get(request_id, (0, []))[0] + 1
+        self.migrated[request_id] = (count, list(sent[2]))
+        log.warning(
+            "request %s: worker %s died; it goes on on %s (%d tokens so far)",
+            request_id,
+            dead,
+            target,
+            len(sent[0]),
+        )
+        return self.fleet.send(target, resumed)
+
+    def _route(self, msg: Submit, sink) -> None:
+        live = [n for n in self.in_flight if n not in self.dead]
+        if not live:
+            sink("result", Result(msg.request_id, "", [], 0.0, None, [], "error", "no live worker"))
+            return
+        target = min(live, key=lambda n: len(self.in_flight[n]))
+        self.sinks[msg.request_id] = sink
+        self.requests[msg.request_id] = msg
+        self.owner[msg.request_id] = target
+        self.in_flight[target].add(msg.request_id)
+        if not self.fleet.send(target, msg):
+            self._finish(
+                Result(msg.request_id, target, [], 0.0, None, [], "error", f"worker {target} is gone")
+            )
+
+    def _fail_one(self, request_id: str, sink, error: str) -> None:
+        """End one request with an error; if a worker has it, cancel it there (its pages come back)."""
+        owner = self.owner.get(request_id)
+        if owner is not None:
+            try:
+                self.fleet.send(owner, Cancel(request_id))
+            except Exception:
+                log.exception("runtime: cancelling %s", request_id)
+        self.sinks.setdefault(request_id, sink)
+        self._finish(Result(request_id, owner or "", [], 0.0, None, [], "error", error))
+
+    def _finish(self, result: Result) -> None:
+        self.requests.pop(result.request_id, None)
+        self.streamed.pop(result.request_id, None)
+        migrated = self.migrated.pop(result.request_id, None)
+        if migrated is not None:  # its tokens from before: the worker it went on on timed only its own
+            result.migrations, before = migrated
+            result.token_times = before + list(result.token_times)
+        sink = self.sinks.pop(result.request_id, None)
+        worker = self.owner.pop(result.request_id, None)
+        if worker in self.in_flight:
+            self.in_flight[worker].discard(result.request_id)
+        if sink is not None:
+            sink("result", result)
