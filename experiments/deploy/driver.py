@@ -216,14 +216,9 @@ def descendants(pid: int | None) -> list[tuple[int, str]]:
         return []
     children: dict[int, list[tuple[int, str]]] = {}
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()  # after "(comm)": state, ppid, ... starttime
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append((int(entry), fields[19]))
+        fields = _stat(entry) if entry.isdigit() else None
+        if fields is not None:
+            children.setdefault(int(fields[1]), []).append((int(entry), fields[19]))
     out, todo = [], [pid]
     while todo:
         for child in children.get(todo.pop(), []):
@@ -232,18 +227,23 @@ def descendants(pid: int | None) -> list[tuple[int, str]]:
     return out
 
 
+def _stat(pid) -> list[str] | None:
+    """/proc/<pid>/stat's fields after "(comm)": state, ppid, ..., starttime at [19]; None once gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
 def reap(procs: list[tuple[int, str]], timeout_s: float) -> None:
     """Wait up to timeout_s for these processes (pid, start time) to exit, then SIGKILL the rest (a pid
     reused since, with another start time, is left alone)."""
     import signal
 
     def alive(pid: int, start: str) -> bool:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            return False
-        return fields[19] == start and fields[0] != "Z"
+        fields = _stat(pid)
+        return fields is not None and fields[19] == start and fields[0] != "Z"
 
     give_up = time.monotonic() + timeout_s
     while any(alive(*p) for p in procs) and time.monotonic() < give_up:

@@ -169,14 +169,7 @@ def test_a_client_that_disconnects_frees_every_page(server):
     kind, url = server
     client = _client(server)
     stopped_before = _stopped(_pages_and_ends(url)[1])
-    stream = client.completions.create(
-        model="tiny-random",
-        prompt="A long story:",
-        max_tokens=1000,
-        temperature=0,
-        stream=True,
-        extra_body={"ignore_eos": True},
-    )
+    stream = _long_stream(client, "A long story:")
     for i, _ in enumerate(stream):
         if i == 3:
             break
@@ -190,6 +183,18 @@ def test_a_client_that_disconnects_frees_every_page(server):
         time.sleep(0.3)
     assert free == {w: 256 for w in free} and len(free) == 2, free  # both workers: every page back
     assert _stopped(ended) == stopped_before + 1, ended  # it ended as aborted, not by length
+
+
+def _long_stream(client, prompt: str):
+    """A greedy stream of 1,000 tokens (eos ignored): one that is still running when the test acts."""
+    return client.completions.create(
+        model="tiny-random",
+        prompt=prompt,
+        max_tokens=1000,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
 
 
 def _pages_and_ends(url: str) -> tuple[dict, dict]:
@@ -316,14 +321,7 @@ def test_a_dead_worker_gives_503_and_the_server_serves_with_the_rest(tmp_path):
         for name in ("colocated-0", "colocated-1"):
             log = (tmp_path / "logs" / f"{name}.log").read_text()
             pids[name] = int(re.search(r" up: .* pid (\d+)", log).group(1))
-        stream = client.completions.create(
-            model="tiny-random",
-            prompt="Doomed:",
-            max_tokens=1000,
-            temperature=0,
-            stream=True,
-            extra_body={"ignore_eos": True},
-        )
+        stream = _long_stream(client, "Doomed:")
         next(iter(stream))  # it is running on one of the two (the least loaded: colocated-0)
         os.kill(pids["colocated-0"], signal.SIGKILL)
         with pytest.raises(openai.APIError) as err:

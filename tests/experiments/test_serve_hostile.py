@@ -18,7 +18,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from tests.experiments.test_serve import _metrics, _pages_and_ends, _stopped  # noqa: E402
+from tests.experiments.test_serve import _long_stream, _metrics, _pages_and_ends, _stopped  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = 256  # tiny-random's pages per worker
@@ -306,14 +306,7 @@ def _drain_and_stop(proc: subprocess.Popen, url: str, tmp_path: Path) -> None:
     pids = {name: _worker_pid(tmp_path, name) for name in ("prefill-0", "decode-0")}
     assert list((tmp_path / "tmp").glob("pdk-*"))  # the run's private directory, while it runs
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
-    stream = client.completions.create(
-        model="tiny-random",
-        prompt="On and on:",
-        max_tokens=1000,
-        temperature=0,
-        stream=True,
-        extra_body={"ignore_eos": True},
-    )
+    stream = _long_stream(client, "On and on:")
     next(iter(stream))
     os.kill(pids["prefill-0"], signal.SIGSTOP)
     give_up = time.monotonic() + 15  # silent past peer_timeout_s: /health says so
