@@ -74,8 +74,13 @@ class CacheConfig:
     page_size: int = 16
     num_pages: int = 1024
     kv_layout: str = "HND"
+    prefix_caching: bool = True  # share the KV of full pages with the same leading tokens (kv_cache.py)
 
     def __post_init__(self):
+        _check(
+            isinstance(self.prefix_caching, bool),
+            f"prefix_caching must be true or false, got {self.prefix_caching!r}",
+        )
         _check(self.page_size >= 1, f"page_size must be >= 1, got {self.page_size}")
         _check(self.num_pages >= 1, f"num_pages must be >= 1, got {self.num_pages}")
         _check(

@@ -60,9 +60,11 @@ class DecodeSide:
     def __init__(self, llm: LLM):
         self.llm = llm
 
-    def reserve(self, request_id: str, prompt_ids: list[int], params: SamplingParams | None) -> list[int]:
-        self.llm.reserve(prompt_ids, params, request_id=request_id)
-        return self.llm.allocator.pages(request_id)
+    def reserve(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams | None
+    ) -> tuple[list[int], int]:
+        seq = self.llm.reserve(prompt_ids, params, request_id=request_id)
+        return self.llm.allocator.pages(request_id), seq.pages_named * self.llm.allocator.page_size
 
     def admit(self, request_id: str, context: Tensor | None) -> None:
         self.llm.admit_prefilled(request_id, context)

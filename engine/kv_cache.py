@@ -1,13 +1,19 @@
-"""Paged KV memory of one worker rank: the cache tensor and the page allocator.
+"""Paged KV memory of one worker rank: the cache tensor and the page allocator with its prefix cache.
 
-Pages belong to one request at a time. A pinned request's pages (a decode worker waiting for remote
-writes) are never preempted or handed to another request until unpinned; `num_free` lets tests prove
-that nothing leaks.
+A page is used by the requests that hold it (a reference count). A full page whose KV is computed may be
+named by a chained hash of its tokens (`page_hashes`); a named page is shared by every later request whose
+prompt starts with the same tokens, and when its last user ends it stays cached, evictable: an allocation
+takes unnamed free pages first, then the least recently released cached page (dropping its name). So
+`num_free` (free + evictable) is what an allocation may take. A pinned request's pages (a decode worker
+waiting for remote writes) are never preempted or freed until unpinned; `num_free` lets tests prove that
+nothing leaks.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from array import array
+from collections import OrderedDict, deque
 
 import torch
 
@@ -32,16 +38,38 @@ class OutOfPages(Exception):
     """Not enough free pages right now (the scheduler queues or preempts; it never surfaces to users)."""
 
 
+def page_hashes(token_ids: list[int], page_size: int, salt: bytes, known: list[bytes]) -> list[bytes]:
+    """Extend known (the names of token_ids' first full pages) with the names of its other full pages and
+    return it: h_i = blake2b(h_(i-1) + page i's token ids), h_(-1) = salt (what else changes the KV: the
+    model, dtype, page size). A cryptographic hash, so that no prompt can be made to collide with
+    another's and be served its KV (vLLM's CVE-2025-25183)."""
+    for i in range(len(known), len(token_ids) // page_size):
+        tokens = array("q", token_ids[i * page_size : (i + 1) * page_size]).tobytes()
+        known.append(hashlib.blake2b((known[-1] if i else salt) + tokens, digest_size=32).digest())
+    return known
+
+
 class PageAllocator:
     def __init__(self, num_pages: int, page_size: int):
         self.num_pages, self.page_size = num_pages, page_size
-        self._free: deque[int] = deque(range(num_pages))
+        self._free: deque[int] = deque(range(num_pages))  # unnamed, unused
         self._owned: dict[str, list[int]] = {}
         self._pinned: set[str] = set()
+        self._refs = [0] * num_pages  # requests holding each page
+        self._name: dict[int, bytes] = {}  # page -> its name (named pages only)
+        self._page: dict[bytes, int] = {}  # name -> page
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # named, unused; least recently used first
+        self.num_evicted = 0  # named pages whose name an allocation dropped
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Pages an allocation may take: free ones and cached ones no request holds."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached(self) -> int:
+        """Named pages (in use or evictable)."""
+        return len(self._page)
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -58,21 +86,42 @@ class PageAllocator:
         need = self.pages_for(num_tokens) - len(owned)
         if need > self.num_free:
             raise OutOfPages(f"{request_id} needs {need} more pages, {self.num_free} free")
-        owned.extend(self._free.popleft() for _ in range(max(0, need)))
+        for _ in range(max(0, need)):
+            owned.append(self._take())
         return owned
+
+    def _take(self) -> int:
+        if self._free:
+            page = self._free.popleft()
+        else:  # evict the least recently released cached page
+            page, _ = self._evictable.popitem(last=False)
+            del self._page[self._name.pop(page)]
+            self.num_evicted += 1
+        self._refs[page] = 1
+        return page
 
     def shrink(self, request_id: str, num_tokens: int) -> None:
         """Give back the pages past what num_tokens tokens need (rejected speculative tokens' pages)."""
         owned = self._owned.get(request_id, [])
         keep = self.pages_for(num_tokens)
         while len(owned) > keep:
-            self._free.append(owned.pop())
+            self._release(owned.pop())
 
     def free(self, request_id: str) -> None:
-        """Return a request's pages (a pinned request must be unpinned first)."""
+        """Return a request's pages (a pinned request must be unpinned first): last pages first, so that
+        a prompt's tail is evicted before the prefix other prompts may share."""
         if request_id in self._pinned:
             raise RuntimeError(f"{request_id} is pinned: unpin it before freeing its pages")
-        self._free.extend(self._owned.pop(request_id, []))
+        for page in reversed(self._owned.pop(request_id, [])):
+            self._release(page)
+
+    def _release(self, page: int) -> None:
+        self._refs[page] -= 1
+        if self._refs[page] == 0:
+            if page in self._name:
+                self._evictable[page] = None
+            else:
+                self._free.append(page)
 
     def pin(self, request_id: str) -> None:
         self._pinned.add(request_id)
@@ -82,3 +131,51 @@ class PageAllocator:
 
     def is_pinned(self, request_id: str) -> bool:
         return request_id in self._pinned
+
+    # ---- the prefix cache -------------------------------------------------------------------------------
+
+    def lookup(self, hashes: list[bytes]) -> list[int]:
+        """The cached pages of the longest run of leading names in hashes."""
+        found = []
+        for h in hashes:
+            page = self._page.get(h)
+            if page is None:
+                break
+            found.append(page)
+        return found
+
+    def num_unused(self, pages: list[int]) -> int:
+        """How many of pages no request holds (sharing them takes them out of num_free)."""
+        return sum(1 for p in pages if self._refs[p] == 0)
+
+    def share(self, request_id: str, pages: list[int]) -> None:
+        """request_id, holding no pages, starts with these cached pages (found by lookup)."""
+        if self._owned.get(request_id):
+            raise RuntimeError(f"{request_id} already holds pages: shared pages come first")
+        for page in pages:
+            if page not in self._name:
+                raise RuntimeError(f"page {page} is not cached: only named pages are shared")
+            self._refs[page] += 1
+            self._evictable.pop(page, None)
+        self._owned[request_id] = list(pages)
+
+    def name(self, request_id: str, hashes: list[bytes], first: int = 0) -> int:
+        """Name request_id's pages first, first + 1, ... by hashes[first:] (their KV is computed); a name
+        already held by another page stays with it (this page is then freed unnamed). Returns the index
+        after the last page named or already named: where the next call starts."""
+        owned = self._owned.get(request_id, [])
+        end = min(len(hashes), len(owned))
+        for i in range(first, end):
+            page, h = owned[i], hashes[i]
+            if page not in self._name and h not in self._page:
+                self._name[page], self._page[h] = h, page
+        return max(first, end)
+
+    def reset_cache(self) -> int:
+        """Forget every name (cached pages no one holds become free); returns how many were dropped."""
+        dropped = len(self._page)
+        self._free.extend(self._evictable)
+        self._evictable.clear()
+        self._name.clear()
+        self._page.clear()
+        return dropped

@@ -76,15 +76,17 @@ class LLM:
         speculative_config: dict | SpeculativeConfig | None = None,
         reserved_tokens: int | None = 512,
         preemption: str = "recompute",
+        enable_prefix_caching: bool = True,
     ):
         """cuda_graphs: replay decode steps as CUDA graphs (engine.graphs); None: on CUDA with tp 1 outside
         the prefill role (which never decodes). One page is kept back as the padding rows' scratch page.
         reserved_tokens, preemption: admission with room to finish and what a preempted decode-role
-        sequence does (engine.config.SchedulerConfig)."""
+        sequence does (engine.config.SchedulerConfig). enable_prefix_caching: share the KV of leading
+        full pages between requests (engine/kv_cache.py; vLLM's name and default)."""
         loaded = load_model(model)
         self.config = EngineConfig(
             model=loaded.config,
-            cache=CacheConfig(page_size, num_pages, kv_layout),
+            cache=CacheConfig(page_size, num_pages, kv_layout, enable_prefix_caching),
             scheduler=SchedulerConfig(
                 role, max_num_seqs, max_num_batched_tokens, reserved_tokens, preemption
             ),
@@ -114,7 +116,8 @@ class LLM:
             )
         # with graphs, the last page is the padding rows' scratch page: never allocated
         self.allocator = PageAllocator(num_pages - 1 if cuda_graphs else num_pages, page_size)
-        self.scheduler = Scheduler(self.config.scheduler, self.allocator, loaded.config.max_position)
+        salt = f"{loaded.config.name}|{dtype}|{page_size}".encode() if enable_prefix_caching else None
+        self.scheduler = Scheduler(self.config.scheduler, self.allocator, loaded.config.max_position, salt)
         # speculative decoding (vLLM's names: {"method": "ngram" | "mtp", "num_speculative_tokens": k, ...})
         self.speculative = SpeculativeConfig.of(speculative_config)
         self.drafter: MTPDrafter | None = None
@@ -124,6 +127,7 @@ class LLM:
                 head = load_head_weights(s.model, loaded.config, loaded.weights, seed)
                 self.drafter = MTPDrafter(self.model, head, s.num_speculative_tokens)
                 self.scheduler.propose = self.drafter.propose
+                self.scheduler.min_compute = 2  # the head reads the hidden state before the last token
             else:
                 self.scheduler.propose = lambda seq: ngram_drafts(
                     seq.all_ids, s.num_speculative_tokens, s.prompt_lookup_min, s.prompt_lookup_max
@@ -311,6 +315,9 @@ class LLM:
         for i, chunk in enumerate(batch.chunks):
             seq = chunk.seq
             seq.num_computed = chunk.end
+            if chunk.samples and chunk.drafts:  # rejected drafts' KV is void
+                seq.num_computed = chunk.end - len(chunk.drafts) + verified[id(chunk)][1]
+            self.scheduler.computed(seq)
             row += chunk.num_tokens
             if self.drafter is not None:  # the target's hidden states at the positions now confirmed
                 confirmed = chunk.num_tokens - len(chunk.drafts) + verified.get(id(chunk), (0, 0))[1]
@@ -320,7 +327,6 @@ class LLM:
                 seq.num_drafted += len(chunk.drafts)
                 seq.num_accepted += accepted
                 seq.num_verifies += 1
-                seq.num_computed = chunk.end - len(chunk.drafts) + accepted  # rejected drafts' KV: void
                 for token in new:
                     self._append_token(seq, token, now)
                     if seq.finished:
@@ -378,23 +384,25 @@ class LLM:
     def reserve(
         self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
     ) -> Sequence:
-        """Decode role: pin pages for the KV of all but the last prompt token, for a prefill worker. A
-        request_id that take_refetches handed out resumes that sequence instead (prompt and params are
-        its own: pages for all its tokens but the last).
+        """Decode role: pin pages for the KV of all but the last prompt token, for a prefill worker. Its
+        leading pages that the prefix cache holds are shared instead (seq.num_cached_tokens of them: no
+        one needs to write those). A request_id that take_refetches handed out resumes that sequence
+        instead (prompt and params are its own: pages for all its tokens but the last).
 
         Raises engine.kv_cache.OutOfPages (taking nothing) when the free pages, after this reservation,
         would not cover the growth every admitted request is owed (SchedulerConfig.reserved_tokens)."""
         seq = self.scheduler.refetching.get(request_id) if request_id is not None else None
         if seq is None:
             seq = self.make_sequence(prompt, params, request_id)
-        if not self.scheduler.has_room(seq):
+        hit = self.scheduler.lookup(seq)
+        if not self.scheduler.has_room(seq, hit):
             raise OutOfPages(
-                f"{seq.request_id}: {self.scheduler.need(seq)} pages to finish, "
+                f"{seq.request_id}: {self.scheduler.need(seq) - len(hit)} pages to finish, "
                 f"{self.allocator.num_free} free, {self.scheduler.debt()} owed to admitted requests"
             )
+        self.scheduler.reserve(seq, hit)
         self.allocator.grow(seq.request_id, seq.num_tokens - 1)
         self.allocator.pin(seq.request_id)
-        self.scheduler.reserve(seq)
         self.seqs[seq.request_id] = seq
         return seq
 
@@ -414,6 +422,23 @@ class LLM:
             "refetched_tokens": s.num_refetched_tokens,
         }
 
+    @property
+    def prefix_cache_stats(self) -> dict[str, int]:
+        """Prompt tokens looked up in the prefix cache and found there; pages cached and evicted."""
+        s, a = self.scheduler, self.allocator
+        return {
+            "queries": s.num_prefix_queries,
+            "hits": s.num_prefix_hits,
+            "cached_pages": a.num_cached,
+            "evicted_pages": a.num_evicted,
+        }
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached page (vLLM's name): pages no request holds become free, pages in use stay
+        with their requests, unnamed (pages they fill from now on are named). Returns how many names
+        were dropped."""
+        return self.allocator.reset_cache()
+
     def admit_prefilled(self, request_id: str, context: torch.Tensor | None = None) -> None:
         """Decode role: every write has landed; the pages now belong to the running request. context: the
         hidden state of the last prefilled position, which the prefill worker wrote (the MTP head's first
@@ -429,6 +454,8 @@ class LLM:
         disaggregation, or a failed transfer); it keeps whatever pages it holds, unpinned."""
         seq = self.seqs[request_id]
         self.allocator.unpin(request_id)
+        if self.drafter is not None:
+            self.drafter.begin(seq)  # it reads the hidden states this worker computes
         self.scheduler.recompute(seq)
 
     def stop(self, request_id: str, error: str | None = None) -> None:

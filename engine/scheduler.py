@@ -15,6 +15,10 @@ sequence never runs out of pages within that horizon. One that runs past it grow
 owed, or is preempted: its KV is dropped and recomputed here later, or (decode role, preemption
 "refetch") handed back to the worker, which asks a prefill worker for prompt + outputs again, so that a
 decode step never carries a whole prompt.
+Prefix caching (salt set): a sequence that starts holding no pages first looks up the names of its full
+pages (engine/kv_cache.py); the leading ones that are cached are shared and count as computed, but at
+least its last `min_compute` tokens are computed (the one that samples; two when an MTP head needs the
+hidden state before it). After each step the pages a sequence filled get their names.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
-from engine.kv_cache import PageAllocator
+from engine.kv_cache import PageAllocator, page_hashes
 from engine.sequence import Sequence, Status
 
 
@@ -57,9 +61,19 @@ class Batch:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, context: int | None = None):
-        """context: the model's longest sequence (no sequence is owed pages past it)."""
-        self.config, self.allocator, self.context = config, allocator, context
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        allocator: PageAllocator,
+        context: int | None = None,
+        salt: bytes | None = None,
+    ):
+        """context: the model's longest sequence (no sequence is owed pages past it). salt: the prefix
+        cache's key for what else changes the KV (model, dtype); None turns the cache off."""
+        self.config, self.allocator, self.context, self.salt = config, allocator, context, salt
+        self.min_compute = 1  # tokens of a sequence always computed, never taken from the cache
+        self.num_prefix_queries = 0  # tokens looked up in the prefix cache, and found there
+        self.num_prefix_hits = 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.reserved: dict[str, Sequence] = {}  # decode role: pinned pages, waiting for their KV to land
@@ -81,11 +95,14 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def reserve(self, seq: Sequence) -> None:
-        """Decode role: seq's pages are reserved (pinned) for KV a prefill worker writes; it counts as
-        admitted from now on. The caller checked has_room."""
+    def reserve(self, seq: Sequence, hit: list[int]) -> None:
+        """Decode role: seq starts with the cached pages hit (lookup's) and its other pages are reserved
+        (pinned) for KV a prefill worker writes; it counts as admitted from now on. The caller checked
+        has_room(seq, hit)."""
         self.refetching.pop(seq.request_id, None)
         seq.admitted_at = seq.num_tokens
+        self._start(seq, hit)
+        seq.num_computed = 0  # nothing runs before admit_prefilled
         self.reserved[seq.request_id] = seq
 
     def admit_prefilled(self, seq: Sequence) -> None:
@@ -96,9 +113,10 @@ class Scheduler:
         self.running.append(seq)
 
     def recompute(self, seq: Sequence) -> None:
-        """Decode role: a reserved sequence is prefilled here instead (it keeps its pages)."""
+        """Decode role: a reserved sequence is prefilled here instead (it keeps its pages; those it shares
+        from the prefix cache hold their KV already)."""
         self.reserved.pop(seq.request_id, None)
-        seq.num_computed, seq.status = 0, Status.WAITING
+        seq.num_computed, seq.status = seq.pages_named * self.allocator.page_size, Status.WAITING
         self.waiting.append(seq)
 
     def take_refetches(self) -> list[Sequence]:
@@ -133,9 +151,11 @@ class Scheduler:
         queued = [s for s in self.waiting if self.allocator.pages(s.request_id)]
         return sum(self.need(s) for s in (*self.running, *self.reserved.values(), *queued))
 
-    def has_room(self, seq: Sequence) -> bool:
-        """Whether seq, not yet admitted and holding no pages, may start now."""
-        return self.need(seq) + self.debt() <= self.allocator.num_free
+    def has_room(self, seq: Sequence, hit: list[int] = ()) -> bool:
+        """Whether seq, not yet admitted and holding no pages, may start now (sharing the cached pages
+        hit: they count as its own, and those no request holds leave the free pages)."""
+        free = self.allocator.num_free - self.allocator.num_unused(hit)
+        return self.need(seq) - len(hit) + self.debt() <= free
 
     def _excess(self, seq: Sequence, num_tokens: int) -> int:
         """Pages seq needs for num_tokens beyond what it is owed."""
@@ -168,16 +188,23 @@ class Scheduler:
         debt = self.debt()
         while self.waiting and budget > 0 and len(batch.chunks) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            n = min(self.target(seq) - seq.num_computed, budget)
             holds = bool(self.allocator.pages(seq.request_id))  # then already counted in debt
+            hit = [] if holds else self.lookup(seq)
             if not holds:
                 seq.admitted_at = seq.num_tokens
+            start = len(hit) * self.allocator.page_size if hit else seq.num_computed
+            n = min(self.target(seq) - start, budget)
             others = debt - self.need(seq) if holds else debt
-            if self.need(seq) + others > self.allocator.num_free or not self.allocator.can_grow(
-                seq.request_id, seq.num_computed + n
+            free = self.allocator.num_free - self.allocator.num_unused(hit)  # sharing revives those
+            owned = len(self.allocator.pages(seq.request_id)) + len(hit)
+            if (
+                self.need(seq) - len(hit) + others > free
+                or self.allocator.pages_for(start + n) - owned > free
             ):
                 break  # wait for pages: running sequences' growth comes first
             self.waiting.popleft()
+            if not holds:
+                self._start(seq, hit)
             seq.status = Status.RUNNING
             seq.scheduled_time = seq.scheduled_time or time.perf_counter()
             self.running.append(seq)
@@ -185,6 +212,45 @@ class Scheduler:
             budget -= n
             debt = others + self.need(seq)
         return batch if batch.chunks else None
+
+    # ---- prefix cache ---------------------------------------------------------------------------------
+
+    def lookup(self, seq: Sequence) -> list[int]:
+        """The cached pages seq (holding none) may start with: its leading named pages, short of its last
+        min_compute tokens."""
+        if self.salt is None:
+            return []
+        size = self.allocator.page_size
+        usable = (self.target(seq) - self.min_compute) // size
+        if usable <= 0:
+            return []
+        if len(seq.page_hashes) < usable:
+            page_hashes(seq.all_ids[: usable * size], size, self.salt, seq.page_hashes)
+        return self.allocator.lookup(seq.page_hashes[:usable])
+
+    def _start(self, seq: Sequence, hit: list[int]) -> None:
+        """seq, holding no pages, is admitted: it shares the cached pages hit and computes from there."""
+        cached = len(hit) * self.allocator.page_size
+        if self.salt is not None:
+            self.num_prefix_queries += self.target(seq)
+            self.num_prefix_hits += cached
+        if hit:
+            self.allocator.share(seq.request_id, hit)
+        seq.num_computed, seq.pages_named = cached, len(hit)
+        if seq.num_cached_tokens is None:
+            seq.num_cached_tokens = cached
+
+    def computed(self, seq: Sequence) -> None:
+        """seq's KV now covers num_computed tokens: name the full pages it filled."""
+        if self.salt is None:
+            return
+        size = self.allocator.page_size
+        full = min(seq.num_computed, seq.num_tokens) // size
+        if full <= seq.pages_named:
+            return
+        if len(seq.page_hashes) < full:
+            page_hashes(seq.all_ids[: full * size], size, self.salt, seq.page_hashes)
+        seq.pages_named = self.allocator.name(seq.request_id, seq.page_hashes[:full], seq.pages_named)
 
     def _drafts(self, seq: Sequence, room: int) -> list[int]:
         """Drafts for a decoding sequence: within the step's budget and what it may still generate."""
@@ -227,6 +293,7 @@ class Scheduler:
         self.running.remove(seq)
         self.allocator.free(seq.request_id)
         self.num_preemptions += 1
+        seq.pages_named = 0
         refetch = self.role == "decode" and self.config.preemption == "refetch"
         if refetch:
             self.num_refetched_tokens += seq.num_computed

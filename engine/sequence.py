@@ -100,6 +100,9 @@ class Sequence:
     draft: object | None = None  # the draft head's state for this request (engine.mtp.HeadState)
     admitted_at: int = 0  # its length when last admitted: the scheduler's page guarantee counts from it
     recompute_until: int = 0  # positions whose KV was computed before a preemption dropped it
+    num_cached_tokens: int | None = None  # prompt tokens whose KV came from the prefix cache (first start)
+    page_hashes: list[bytes] = field(default_factory=list, repr=False)  # names of its full pages so far
+    pages_named: int = 0  # its leading pages the prefix cache knows by name
 
     def __post_init__(self):
         if self.params.seed is not None:
@@ -144,6 +147,7 @@ class RequestOutput:
     num_drafted_tokens: int = 0  # speculative decoding: drafts proposed and accepted, and the steps
     num_accepted_tokens: int = 0  # that verified them
     num_verify_steps: int = 0
+    num_cached_tokens: int | None = None  # prompt tokens whose KV came from the prefix cache (vLLM's name)
 
     @property
     def outputs(self) -> list[CompletionOutput]:
@@ -176,4 +180,5 @@ class RequestOutput:
             seq.num_drafted,
             seq.num_accepted,
             seq.num_verifies,
+            seq.num_cached_tokens,
         )

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field, replace
 from transfer.config import TransferConfig
 
 ARRIVALS = ("poisson", "concurrency", "trace")
-DATASETS = ("random", "sharegpt", "mooncake")
+DATASETS = ("random", "sharegpt", "mooncake", "multiturn")
 DEPLOYMENT_KINDS = ("colocated", "disaggregated", "endpoint")
 DECODE_PREEMPTIONS = ("refetch", "recompute_local")
 ON_WORKER_DEATH = ("migrate", "fail")
@@ -91,7 +91,10 @@ class DeploymentConfig:
     decode_tp: int = 1
     threads_per_worker: int = 1  # torch threads per process (each TP rank gets one)
     chunk_size: int = 512  # prefill tokens per forward pass (chunked prefill budget)
-    local_prefill_max_tokens: int = 0  # prompts at most this long are prefilled on the decode worker
+    # prompts at most this long, or whose KV the decode worker's prefix cache lacks for at most this many
+    # tokens, are prefilled on the decode worker (no round trip)
+    local_prefill_max_tokens: int = 0
+    prefix_caching: bool = True  # every worker shares cached KV pages between requests (engine/kv_cache.py)
     url: str | None = None  # endpoint: the server's base URL (.../v1), ours or vLLM's or any
     api_key: str | None = None  # endpoint: its key, if it wants one
     model: str | None = None  # endpoint: the model id it serves (default: model.name)
@@ -133,6 +136,8 @@ class DeploymentConfig:
             _fail("deployment.on_worker_death", self.on_worker_death, f"one of {ON_WORKER_DEATH}")
         if self.decode_preemption not in DECODE_PREEMPTIONS:
             _fail("deployment.decode_preemption", self.decode_preemption, f"one of {DECODE_PREEMPTIONS}")
+        if not isinstance(self.prefix_caching, bool):
+            _fail("deployment.prefix_caching", self.prefix_caching, "true or false")
         if not isinstance(self.local_prefill_max_tokens, int) or self.local_prefill_max_tokens < 0:
             _fail("deployment.local_prefill_max_tokens", self.local_prefill_max_tokens, "an integer >= 0")
 
@@ -182,13 +187,32 @@ class WorkloadConfig:
     dataset: str = "random"  # random | sharegpt (ShareGPT JSON) | mooncake (a Mooncake trace, JSONL)
     dataset_path: str | None = None  # the sharegpt or mooncake file
     trace_scale: float = 1.0  # arrival: trace replays timestamps x this (0.5: twice as fast)
+    # multiturn: conversations of `turns` turns over a shared system prompt; each turn adds a user message
+    # of turn_len tokens to the history (earlier messages and the replies the server returned) and
+    # arrives think_time_s after the previous reply ended (the first turns: on the arrival schedule)
+    conversations: int = 8
+    turns: int = 8
+    system_prompt_len: int = 256
+    turn_len: int = 128
+    think_time_s: float = 1.0
 
     def __post_init__(self):
         if self.arrival not in ARRIVALS:
             _fail("workload.arrival", self.arrival, f"one of {ARRIVALS}")
         if self.dataset not in DATASETS:
             _fail("workload.dataset", self.dataset, f"one of {DATASETS}")
-        if self.dataset != "random" and (self.dataset_path is None or not os.path.isfile(self.dataset_path)):
+        if self.dataset == "multiturn":
+            for key in ("conversations", "turns", "turn_len"):
+                _positive(f"workload.{key}", getattr(self, key), integer=True)
+            if isinstance(self.system_prompt_len, bool) or not isinstance(self.system_prompt_len, int):
+                _fail("workload.system_prompt_len", self.system_prompt_len, "an integer >= 0")
+            if self.system_prompt_len < 0:
+                _fail("workload.system_prompt_len", self.system_prompt_len, "an integer >= 0")
+            if not isinstance(self.think_time_s, int | float) or not 0 <= self.think_time_s < float("inf"):
+                _fail("workload.think_time_s", self.think_time_s, "a number of seconds >= 0")
+        elif self.dataset != "random" and (
+            self.dataset_path is None or not os.path.isfile(self.dataset_path)
+        ):
             _fail("workload.dataset_path", self.dataset_path, f"an existing {self.dataset} file")
         _positive("workload.trace_scale", self.trace_scale)
         if self.arrival == "trace" and self.dataset != "mooncake":

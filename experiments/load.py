@@ -15,20 +15,30 @@ the same client code path.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 from experiments.config import DeploymentConfig, RunConfig
 from experiments.deploy.messages import DeploymentRun, Result
-from experiments.workload import Request
+from experiments.workload import Conversations, Request
 
 
-def run_endpoint(config: RunConfig, d: DeploymentConfig, requests: list[Request], progress: bool = True):
-    run = DeploymentRun(d, requests)
+def run_endpoint(
+    config: RunConfig,
+    d: DeploymentConfig,
+    requests: list[Request],
+    progress: bool = True,
+    turns: Conversations | None = None,
+    tokenizer=None,
+):
+    """turns: a multiturn workload's conversations (requests are their first turns); each reply's text,
+    tokenized with tokenizer, goes into the next turn's prompt."""
+    run = DeploymentRun(d, list(requests), turns=turns)
     try:
-        asyncio.run(_drive(run, config, d, progress))
+        asyncio.run(_drive(run, config, d, progress, tokenizer))
     except KeyboardInterrupt:
         run.interrupted = True
-    for r in requests:  # never sent (interrupted, timed out)
+    for r in run.requests:  # never sent (interrupted, timed out)
         run.results.setdefault(r.request_id, _failed(r.request_id, "not finished", 0.0))
     return run
 
@@ -37,7 +47,9 @@ def _failed(request_id: str, error: str, received: float) -> Result:
     return Result(request_id, "endpoint", [], received, None, [], "error", error)
 
 
-async def _drive(run: DeploymentRun, config: RunConfig, d: DeploymentConfig, progress: bool) -> None:
+async def _drive(
+    run: DeploymentRun, config: RunConfig, d: DeploymentConfig, progress: bool, tokenizer
+) -> None:
     import openai
     from tqdm import tqdm
 
@@ -45,12 +57,13 @@ async def _drive(run: DeploymentRun, config: RunConfig, d: DeploymentConfig, pro
     model = d.model or config.model.name
     w = config.workload
     bar = tqdm(total=len(run.requests), desc=d.name, disable=not progress, unit="req")
-    slots = asyncio.Semaphore(w.concurrency if w.arrival == "concurrency" else len(run.requests) or 1)
+    slots = asyncio.Semaphore(w.concurrency) if w.arrival == "concurrency" else contextlib.nullcontext()
+    tasks: set[asyncio.Task] = set()
 
     async def one(req: Request) -> None:
+        # on the schedule (0 under concurrency, but a multiturn turn's think time), then a slot
+        await asyncio.sleep(max(0.0, run.start + req.arrival_s - time.perf_counter()))
         async with slots:
-            if w.arrival in ("poisson", "trace"):  # on the schedule
-                await asyncio.sleep(max(0.0, run.start + req.arrival_s - time.perf_counter()))
             sent = run.sent[req.request_id] = time.perf_counter()
             times, text, n, reason = [], [], None, None
             try:
@@ -80,10 +93,26 @@ async def _drive(run: DeploymentRun, config: RunConfig, d: DeploymentConfig, pro
                 result = _failed(req.request_id, f"{type(e).__name__}: {e}", sent)
             run.results[req.request_id] = result
             bar.update()
+        if result.error is None and run.turns is not None:  # the reply as text: our tokens of it
+            nxt = run.follow(req, tokenizer.encode(result.text), time.perf_counter())
+            if nxt is not None:
+                bar.total += 1
+                start(nxt)
+
+    def start(req: Request) -> None:
+        task = asyncio.create_task(one(req))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    async def until_done() -> None:
+        while tasks:
+            await asyncio.gather(*list(tasks))
 
     run.start = time.perf_counter()
+    for r in list(run.requests):
+        start(r)
     try:
-        await asyncio.wait_for(asyncio.gather(*(one(r) for r in run.requests)), config.run_timeout_s)
+        await asyncio.wait_for(until_done(), config.run_timeout_s)
     except TimeoutError:
         pass
     finally:

@@ -14,11 +14,16 @@ results.json, schema "pdkernels.results/1" (stable: fields may be added, never r
   {"p50", "p90", "p99", "mean", "n"}; "transfer_bytes", "remote_prefills", "local_prefills", "slo"
   ({"ttft_s", "tpot_s", "attainment"}), "attainment_pct", "meets_slo", "goodput_rps"; per worker
   ({name: count}) "preemptions", "recomputed_prompt_tokens" (computed again there after a preemption)
-  and "refetched_tokens" (a decode worker's, fetched again from a prefill worker); "migrations" (requests
-  that went on on another worker after theirs died: deployment.on_worker_death).
+  and "refetched_tokens" (a decode worker's, fetched again from a prefill worker), "prefix_queries" and
+  "prefix_hits" (prompt tokens looked up in its prefix cache, and found); "migrations" (requests that
+  went on on another worker after theirs died: deployment.on_worker_death); "prefix_hit_rate" (cached
+  prompt tokens over prompt tokens, the serving worker's cache); multiturn: "by_turn" (per turn index:
+  requests, ttft_p50_s, prompt_tokens_mean, new_tokens_mean, cached_tokens_mean, transfer_bytes_mean).
 - request: "request_id", "worker", "prefill" (local | remote), "prefill_worker", "prompt_tokens",
   "output_tokens", "arrival_s", "queue_s", "ttft_s", "tpot_s", "e2e_s", "itl_s" (list),
-  "output_ids", "transfer_bytes", "transfer_s", "finish_reason", "error", "meets_slo".
+  "output_ids", "transfer_bytes", "transfer_s", "finish_reason", "error", "meets_slo", "cached_tokens"
+  (its prompt tokens the serving worker's prefix cache held); multiturn: "conversation", "turn",
+  "new_tokens" (its prompt past the previous turn's: that turn's reply and this message).
 
 Times are seconds; arrival_s counts from the run's start; queue_s ends when the first forward pass
 that computes the request's tokens starts (for a remote prefill: when its first KV write lands); a
@@ -46,12 +51,12 @@ SCHEMA = "pdkernels.results/1"
 CSV_FIELDS = (
     "request_id", "worker", "prefill", "prefill_worker", "prompt_tokens", "output_tokens", "arrival_s",
     "queue_s", "ttft_s", "tpot_s", "e2e_s", "transfer_bytes", "transfer_s", "finish_reason", "error",
-    "meets_slo",
+    "meets_slo", "cached_tokens", "conversation", "turn", "new_tokens",
 )  # fmt: skip
 
 
 def request_rows(run: DeploymentRun, slo: SloConfig) -> list[dict]:
-    rows = []
+    rows, prompt_len = [], {}  # (conversation, turn) -> prompt tokens
     for req in run.requests:
         res, sent = run.results.get(req.request_id), run.sent.get(req.request_id)
         ok = res is not None and res.error is None and res.token_times and sent is not None
@@ -75,13 +80,39 @@ def request_rows(run: DeploymentRun, slo: SloConfig) -> list[dict]:
             "itl_s": np.diff(times).tolist() if ok else [],
             "output_ids": list(res.output_ids) if res else [],
             "transfer_bytes": res.transfer_bytes if res else 0,
+            "cached_tokens": res.cached_tokens if res else 0,
             "transfer_s": res.transfer_s if res else None,
             "finish_reason": res.finish_reason if res else "error",
             "error": (res.error if res else "no result") if not ok else None,
         }
         row["meets_slo"] = bool(ok and ttft <= slo.ttft_s and (tpot is None or tpot <= slo.tpot_s))
+        if req.conversation >= 0:  # multiturn: new tokens are the previous reply and this message
+            row["conversation"], row["turn"] = req.conversation, req.turn
+            before = prompt_len.get((req.conversation, req.turn - 1), 0)
+            row["new_tokens"] = len(req.prompt_ids) - before
+            prompt_len[req.conversation, req.turn] = len(req.prompt_ids)
         rows.append(row)
     return rows
+
+
+def by_turn(rows: list[dict]) -> list[dict]:
+    """A multiturn run per turn index: requests, TTFT p50, and means of prompt, new, cached tokens and
+    KV bytes sent (empty for other workloads)."""
+    out = []
+    for t in sorted({r["turn"] for r in rows if "turn" in r}):
+        done = [r for r in rows if r.get("turn") == t and r["error"] is None]
+        out.append(
+            {
+                "turn": t,
+                "requests": len(done),
+                "ttft_p50_s": float(np.median([r["ttft_s"] for r in done])) if done else None,
+                **{
+                    f"{key}_mean": float(np.mean([r[key] for r in done])) if done else None
+                    for key in ("prompt_tokens", "new_tokens", "cached_tokens", "transfer_bytes")
+                },
+            }
+        )
+    return out
 
 
 def vllm_bench(record: dict, config: RunConfig, model_id: str) -> dict:
@@ -168,6 +199,9 @@ def summarize(run: DeploymentRun, rows: list[dict], slo: SloConfig, rate: float 
         },
         "itl_s": percentiles([x for r in done for x in r["itl_s"]]),
         "transfer_bytes": sum(r["transfer_bytes"] for r in rows),
+        # prompt tokens whose KV the serving (decode or colocated) worker's prefix cache held
+        "prefix_hit_rate": sum(r["cached_tokens"] for r in done)
+        / max(sum(r["prompt_tokens"] for r in done), 1),
         **_speculation(run),
         # per worker: preemptions, and the tokens whose KV they dropped (recomputed there, or refetched)
         **{
@@ -176,9 +210,12 @@ def summarize(run: DeploymentRun, rows: list[dict], slo: SloConfig, rate: float 
                 ("preemptions", "preemptions"),
                 ("recomputed_prompt_tokens", "recomputed_tokens"),
                 ("refetched_tokens", "refetched_tokens"),
+                ("prefix_queries", "prefix_queries"),  # prompt tokens looked up in its cache, found there
+                ("prefix_hits", "prefix_hits"),
             )
         },
         "migrations": sum(r.migrations for r in run.results.values()),
+        **({"by_turn": by_turn(rows)} if any("turn" in r for r in rows) else {}),
         "remote_prefills": sum(r["prefill"] == "remote" for r in rows),
         "local_prefills": sum(r["prefill"] == "local" for r in rows),
         "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s, "attainment": slo.attainment},
@@ -314,6 +351,7 @@ def table(records: list[dict]) -> str:
         ("queue p50 ms", [_ms(x["queue_s"], "p50") for x in s]),
         ("transfer p50 ms", [_ms(x["transfer_s"], "p50") for x in s]),
         ("KV moved MiB", [f"{x['transfer_bytes'] / 2**20:.1f}" for x in s]),
+        ("prefix cache hit %", [_pct(x.get("prefix_hit_rate")) for x in s]),
         ("throughput req/s", [f"{x['throughput_rps']:.2f}" for x in s]),
         ("output tok/s", [f"{x['output_tokens_per_s']:.1f}" for x in s]),
         ("SLO attainment %", [f"{x['attainment_pct']:.0f}" for x in s]),
@@ -327,6 +365,10 @@ def table(records: list[dict]) -> str:
         " | ".join([k.ljust(w0)] + [x.rjust(w) for x, w in zip(v, widths, strict=True)]) for k, v in lines
     ]
     return "\n".join(out)
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.0f}"
 
 
 def goodput(records: list[dict]) -> dict:

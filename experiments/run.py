@@ -25,7 +25,7 @@ def run(cfg: DictConfig, out_dir: Path, progress: bool = True, hooks=None) -> li
     from experiments import metrics
     from experiments.deploy.driver import run_deployment
     from experiments.load import run_endpoint
-    from experiments.workload import make_requests
+    from experiments.workload import Conversations, make_requests
 
     config = from_cfg(cfg)
     loaded = check_fits_model(config)
@@ -47,13 +47,16 @@ def run(cfg: DictConfig, out_dir: Path, progress: bool = True, hooks=None) -> li
         for rate in rates or [config.workload.rate if config.workload.arrival == "poisson" else None]:
             workload = replace(config.workload, rate=rate) if rate is not None else config.workload
             requests = make_requests(workload, tokenizer, vocab, max_position)
+            turns = Conversations(workload, vocab, max_position) if workload.dataset == "multiturn" else None
             run_config = replace(config, workload=workload)
             for d in config.deployments:
                 if d.kind == "endpoint":  # a running server, by URL: the load client measures it
-                    result = run_endpoint(run_config, d, requests, progress=progress)
+                    result = run_endpoint(run_config, d, requests, progress, turns, tokenizer)
                 else:
                     log_dir = out_dir / "logs" / d.name
-                    result = run_deployment(run_config, d, requests, progress, hooks, log_dir, first_core)
+                    result = run_deployment(
+                        run_config, d, requests, progress, hooks, log_dir, first_core, turns
+                    )
                 records.append(metrics.run_record(result, run_config, rate))
                 metrics.write_results(out_dir, config, records)  # an interrupted run keeps what it measured
                 if interrupted := result.interrupted:

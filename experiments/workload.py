@@ -6,12 +6,15 @@ token count of the reply is the output length, as vLLM's benchmark samples it) a
 Mooncake trace, JSON lines of timestamp in ms, input_length, output_length and hash_ids: the prompt is
 built block by block, 512 tokens per hash id, so requests that share hash ids share a prefix;
 `arrival: trace` replays its timestamps). The simulator draws the same lengths and arrivals.
+`multiturn` is a closed loop (`Conversations`): each conversation's first turn arrives on the workload's
+schedule; each later turn's prompt is the previous prompt, the reply the server returned and a new user
+message, and it arrives think_time_s after that reply ended: the KV reuse of chat and agent traffic.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -24,6 +27,52 @@ class Request:
     arrival_s: float  # offset from the start of the run (poisson); 0 under fixed concurrency
     prompt_ids: list[int] | range  # a range stands in for a simulated request's prompt
     max_tokens: int
+    conversation: int = -1  # multiturn: its conversation and turn (0, 1, ...)
+    turn: int = 0
+
+
+class Conversations:
+    """The multiturn workload: `conversations` conversations of up to `turns` turns over one shared
+    system prompt of `system_prompt_len` tokens. Turn t's user message (turn_len tokens) and reply length
+    (output_len) are drawn from the seed and (conversation, t), so every deployment gets the same ones;
+    the reply itself is whatever the server returned. A conversation ends early when its next prompt and
+    reply would not fit the context."""
+
+    def __init__(self, workload: WorkloadConfig, vocab_size: int, max_position: int):
+        self.workload, self.vocab_size, self.max_position = workload, vocab_size, max_position
+        rng = np.random.default_rng([workload.seed, 4])
+        self.system = rng.integers(3, vocab_size, workload.system_prompt_len).tolist()
+
+    def _message(self, conversation: int, turn: int) -> tuple[list[int], int]:
+        """Turn's user message ids and reply length."""
+        w = self.workload
+        rng = np.random.default_rng([w.seed, 5, conversation, turn])
+        reply = sample_lengths(w.output_len, 1, rng, cap=self.max_position // 2)[0]
+        return rng.integers(3, self.vocab_size, w.turn_len).tolist(), reply
+
+    def first(self) -> list[Request]:
+        """Every conversation's first turn, arriving on the workload's schedule."""
+        w = self.workload
+        arrivals = _arrivals(replace(w, num_requests=w.conversations))
+        out = []
+        for c in range(w.conversations):
+            message, reply = self._message(c, 0)
+            prompt = self.system + message
+            if len(prompt) + reply < self.max_position:
+                out.append(Request(f"conv{c}-turn0", float(arrivals[c]), prompt, reply, c, 0))
+        return out
+
+    def next(self, request: Request, reply_ids: list[int], ended_s: float) -> Request | None:
+        """The turn after request, whose reply (reply_ids) ended at ended_s (offset from the run's start);
+        None when the conversation is over."""
+        c, t = request.conversation, request.turn + 1
+        if c < 0 or t >= self.workload.turns:
+            return None
+        message, reply = self._message(c, t)
+        prompt = list(request.prompt_ids) + list(reply_ids) + message
+        if len(prompt) + reply >= self.max_position:
+            return None
+        return Request(f"conv{c}-turn{t}", ended_s + self.workload.think_time_s, prompt, reply, c, t)
 
 
 def sample_lengths(dist: LengthDist, n: int, rng: np.random.Generator, cap: int) -> list[int]:
@@ -151,7 +200,10 @@ def _mooncake(workload: WorkloadConfig, vocab_size: int, max_position: int):
 
 
 def make_requests(workload: WorkloadConfig, tokenizer, vocab_size: int, max_position: int) -> list[Request]:
-    """Seeded: the same config gives the same requests in every deployment."""
+    """Seeded: the same config gives the same requests in every deployment (multiturn: the first turns;
+    the drivers ask Conversations for the rest)."""
+    if workload.dataset == "multiturn":
+        return Conversations(workload, vocab_size, max_position).first()
     if workload.dataset != "random":
         prompts, outputs, arrivals = dataset(workload, tokenizer, vocab_size, max_position)
         return [Request(f"req-{i}", float(arrivals[i]), prompts[i], outputs[i]) for i in range(len(prompts))]

@@ -1,7 +1,9 @@
 """The decode side of the KV messenger: reserve pages, ask a prefill worker, count what lands, release.
 
 `submit` pins pages for the prompt's KV (all but its last token) and sends a PrefillRequest to one of
-the prefill workers added with `add_peer`. Every post from the prefill side ends with a notification
+the prefill workers added with `add_peer`. The leading pages the engine's prefix cache holds already
+are not asked for (`skip_pages`); where what is left is short (`local_max_tokens`) the engine computes
+it itself and no request is sent. Every post from the prefill side ends with a notification
 that says how many writes it carried; the request is handed to the decode scheduler only when the
 count reaches what the plan says plus the context write.
 
@@ -36,7 +38,9 @@ from transfer.protocol import PROTOCOL_VERSION, Abort, Accepted, Ended, Hello, N
 class DecodeEngine(Protocol):
     def reserve(
         self, request_id: str, prompt_ids: list[int], params: object
-    ) -> list[int]: ...  # pinned pages for prompt[:-1]; params: the engine's own (sampling) parameters
+    ) -> tuple[list[int], int]: ...  # pinned pages for prompt[:-1], and how many of its leading tokens
+
+    # those pages hold already (a whole number of pages: its prefix cache); params: the engine's own
 
     def admit(
         self, request_id: str, context: Tensor | None
@@ -129,9 +133,16 @@ class DecodeMessenger:
         return sum(p.prompt_tokens for p in self.pending.values() if p.peer.name == peer and not p.failed)
 
     def submit(
-        self, request_id: str, prompt_ids: list[int], params: object = None, peer: str | None = None
-    ) -> None:
-        """Reserve pages and ask a prefill worker (the least loaded if not named) for prompt_ids[:-1].
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: object = None,
+        peer: str | None = None,
+        local_max_tokens: int = 0,
+    ) -> bool:
+        """Reserve pages and ask a prefill worker (the least loaded if not named) for prompt_ids[:-1],
+        past the pages the engine holds already; when at most local_max_tokens of those are missing, the
+        engine computes them itself instead. Returns whether a prefill worker was asked.
 
         Raises what engine.reserve raises (out of pages, a bad request) with nothing taken."""
         if peer is None:
@@ -143,36 +154,41 @@ class DecodeMessenger:
         if len(prompt_ids) > 1:  # plan before anything is taken: a plan that raises leaves nothing behind
             # counts do not depend on which pages are used: plan against placeholder ids
             placeholder = list(range(-(-(len(prompt_ids) - 1) // self.spec.page_size)))
-            writes = plan_array(target.hello.spec, self.spec, placeholder, placeholder)
-        pages = self.engine.reserve(request_id, prompt_ids, params)
+            plan_array(target.hello.spec, self.spec, placeholder, placeholder)
+        pages, cached = self.engine.reserve(request_id, prompt_ids, params)
         if len(prompt_ids) == 1:  # nothing to prefill: decode runs the only token
             self.engine.admit(request_id, None)
-            return
+            return False
+        if len(prompt_ids) - 1 - cached <= local_max_tokens:
+            self.engine.recompute(request_id)  # what is missing is short: computed here, no round trip
+            return False
         if target.lost:  # nothing was sent: the pages are safe at once
             if self.config.on_transfer_failure == "fail":
                 self.engine.fail(request_id, f"no live prefill worker ({peer} is lost)")
                 self.engine.free(request_id)
             else:
                 self.engine.recompute(request_id)
-            return
+            return False
         if not self._free_slots:
             self.engine.fail(request_id, "decode worker has no free context slot (transfer.context_slots)")
             self.engine.free(request_id)
-            return
-        seq = next(self._seqs)
+            return False
+        seq, skip = next(self._seqs), cached // self.spec.page_size
+        writes = plan_array(target.hello.spec, self.spec, placeholder[skip:], placeholder[skip:], skip)
         nbytes = int(writes[:, 5].sum()) + self.context[0].numel() * self.context.element_size()
         slot = self._free_slots.pop()
         timing = Timing(time.perf_counter(), peer, writes=len(writes) + 1, nbytes=nbytes)
         pending = _Pending(seq, target, slot, self.clock(), len(prompt_ids) - 1, timing)
         self.pending[request_id] = pending
         request = PrefillRequest(
-            request_id, list(prompt_ids[:-1]), pages, self.spec, self._metadata, slot, seq
+            request_id, list(prompt_ids[:-1]), pages, self.spec, self._metadata, slot, seq, skip
         )
         try:
             target.channel.send(request)
         except TimeoutError as e:  # nothing was sent: nothing can land, the pages are safe at once
             self._fail(request_id, pending, f"could not reach prefill worker {peer}: {e}", notify=False)
             self._pages_safe(request_id)
+        return True
 
     def abort(self, request_id: str, reason: str = "aborted by the decode worker") -> None:
         p = self.pending.get(request_id)

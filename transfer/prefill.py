@@ -4,7 +4,8 @@ The engine calls `on_batch` before every forward pass (which chunks, which pages
 after a request's last chunk. A sender thread then waits on the layer counter and posts layer l's
 writes for the batch the moment counter[0, l] reaches that pass, while the forward pass goes on with
 later layers. A page is posted once, when it is full (or, at the end, when it is the last page), so no
-page is ever written twice. All backend calls happen on the sender thread; the engine's thread only
+page is ever written twice; pages the decode side already holds (`skip_pages`, its prefix cache) are
+never written. All backend calls happen on the sender thread; the engine's thread only
 reads flags in `poll`, which also frees finished requests' pages and answers aborts.
 
 A request is checked and planned when it is accepted (token ids, page ids, shard specs, every write
@@ -221,7 +222,7 @@ class PrefillMessenger:
             return
         self._slots[req.request_id] = self._free_slots.pop()
         with self._lock:
-            self.transfers[req.request_id] = _Transfer(req, peer, channel)
+            self.transfers[req.request_id] = _Transfer(req, peer, channel, sent_pages=req.skip_pages)
         self._tell(channel, Accepted(req.request_id, req.seq))
 
     def _connect(self, metadata: bytes) -> str:

@@ -20,7 +20,7 @@ from transfer.wire import Codec, Message, WireError
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 2  # in every Hello; a peer of another version is refused
+PROTOCOL_VERSION = 3  # in every Hello; a peer of another version is refused
 MAX_PROMPT_TOKENS = 1 << 22
 
 
@@ -62,6 +62,8 @@ class PrefillRequest(Message):
     # and notification carries it, so a stale or duplicated message never counts for a later request of
     # the same id, and a request that arrives after its own Abort is dropped. Also seeds the plan's
     # replica rotation (both sides plan with it)
+    skip_pages: int = 0  # the decode side holds these leading pages already (its prefix cache): write
+    # only dst_pages[skip_pages:]
 
     def __post_init__(self):
         check_request(self.request_id, self.prompt_ids)
@@ -71,6 +73,8 @@ class PrefillRequest(Message):
                 f"dst_pages holds {len(self.dst_pages)} pages; {len(self.prompt_ids)} tokens at page_size "
                 f"{self.dst_spec.page_size} need {need}"
             )
+        if not 0 <= self.skip_pages < need:
+            raise ValueError(f"skip_pages must be in [0, {need}) (at least one page is written)")
         if any(not 0 <= p < self.dst_spec.num_pages for p in self.dst_pages):
             raise ValueError(f"dst_pages must be in [0, {self.dst_spec.num_pages}) (the decode cache)")
         if len(set(self.dst_pages)) != len(self.dst_pages):

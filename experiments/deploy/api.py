@@ -342,10 +342,16 @@ def parse_json(raw: bytes) -> dict:
     return body
 
 
-def usage_block(prompt: int, completion: int, migrations: int = 0) -> dict:
-    """OpenAI's usage block; a request that went on on another worker after its own died says how often
-    (a sampled one's tokens after it are drawn afresh, not where its seed's stream had got to)."""
-    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def usage_block(prompt: int, completion: int, migrations: int = 0, cached: int = 0) -> dict:
+    """OpenAI's usage block, with prompt_tokens_details.cached_tokens (prompt tokens its worker's prefix
+    cache held); a request that went on on another worker after its own died says how often (a sampled
+    one's tokens after it are drawn afresh, not where its seed's stream had got to)."""
+    usage = {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
     return {**usage, "migrations": migrations} if migrations else usage
 
 
@@ -398,7 +404,22 @@ class Metrics:
                 ["worker"],
                 registry=r,
             ),
+            "prefix_queries": Counter(
+                "pdk_prefix_cache_queries",
+                "Prompt tokens looked up in a worker's prefix cache",
+                ["worker"],
+                registry=r,
+            ),
+            "prefix_hits": Counter(
+                "pdk_prefix_cache_hits",
+                "Prompt tokens found in a worker's prefix cache (not computed or sent again)",
+                ["worker"],
+                registry=r,
+            ),
         }
+        self.cached_pages = Gauge(
+            "pdk_prefix_cached_pages", "KV pages a worker's prefix cache names", ["worker"], registry=r
+        )
         self._preemption_seen: dict[tuple[str, str], int] = {}
         self.drafted = Counter("pdk_spec_drafted_tokens", "Speculative tokens proposed", registry=r)
         self.accepted = Counter("pdk_spec_accepted_tokens", "Speculative tokens accepted", registry=r)
@@ -446,7 +467,7 @@ class Metrics:
         from prometheus_client import generate_latest
 
         for name in self.runtime.dead:  # a dead worker's gauges go (a restarted one's Load brings them back)
-            for gauge in (self.free_pages, self.running, self.waiting):
+            for gauge in (self.free_pages, self.running, self.waiting, self.cached_pages):
                 try:
                     gauge.remove(name)
                 except KeyError:
@@ -455,6 +476,7 @@ class Metrics:
             self.free_pages.labels(name).set(load.free_pages)
             self.running.labels(name).set(load.running)
             self.waiting.labels(name).set(load.waiting)
+            self.cached_pages.labels(name).set(load.cached_pages)
             for key, counter in self.preemption_counters.items():
                 now, seen = getattr(load, key), self._preemption_seen.get((name, key), 0)
                 counter.labels(name).inc(now - seen if now >= seen else now)  # < seen: restarted

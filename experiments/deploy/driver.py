@@ -17,6 +17,7 @@ sockets live in a private directory (`ipc://`, the default) or bind to `transfer
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 import os
@@ -42,7 +43,7 @@ from experiments.deploy.messages import (
     driver_codec,
 )
 from experiments.deploy.worker import WorkerSpec
-from experiments.workload import Request
+from experiments.workload import Conversations, Request
 from transfer.auth import Credentials, keyring
 from transfer.config import TransferConfig
 from transfer.wire import MAX_MESSAGE_BYTES, WireError
@@ -301,12 +302,14 @@ def run_deployment(
     hooks=None,
     log_dir: Path | None = None,
     first_core: int = 0,
+    turns: Conversations | None = None,
 ) -> DeploymentRun:
     """Start the deployment's workers, run every request through them, stop them; returns what happened.
 
     hooks: an optional callable(run, procs) called every loop turn (tests use it to kill a worker).
-    log_dir: where each worker writes <name>.log (None: workers do not log to files)."""
-    run = DeploymentRun(d, requests)
+    log_dir: where each worker writes <name>.log (None: workers do not log to files).
+    turns: a multiturn workload's conversations (requests are their first turns)."""
+    run = DeploymentRun(d, list(requests), turns=turns)
     fleet = None
     try:
         fleet = start_fleet(config, d, log_dir, first_core)
@@ -415,9 +418,10 @@ def _serve(run: DeploymentRun, config: RunConfig, fleet: Fleet, progress: bool, 
         while len(run.results) < len(run.requests):
             now = time.perf_counter()
             busy = sum(len(s) for s in in_flight.values())
-            while queue and (
-                (w.arrival in ("poisson", "trace") and run.start + queue[0].arrival_s <= now)
-                or (w.arrival == "concurrency" and busy < w.concurrency)
+            while (  # due (0 under concurrency, but a multiturn turn's think time), and a slot free
+                queue
+                and run.start + queue[0].arrival_s <= now
+                and (w.arrival != "concurrency" or busy < w.concurrency)
             ):
                 req = queue.pop(0)
                 live = [n for n in frontends if n not in fleet.dead]
@@ -449,6 +453,13 @@ def _serve(run: DeploymentRun, config: RunConfig, fleet: Fleet, progress: bool, 
                         msg.token_times = times + [now] * (len(msg.output_ids) - len(times))
                     run.results[msg.request_id] = msg
                     bar.update()
+                    nxt = (
+                        run.follow(by_id[msg.request_id], msg.output_ids, now) if msg.error is None else None
+                    )
+                    if nxt is not None:  # the conversation's next turn, after its think time
+                        by_id[nxt.request_id] = nxt
+                        bisect.insort(queue, nxt, key=lambda r: r.arrival_s)
+                        bar.total += 1
                 elif isinstance(msg, Ready):  # a restarted worker is back
                     run.events.append((now, f"{name} back after a restart"))
                 elif isinstance(msg, Failed):
@@ -498,7 +509,7 @@ def _wait_ms(run: DeploymentRun, queue: list, arrival: str) -> int:
     worker's message wakes it at once; deaths are looked for at least that often). Waking every
     millisecond instead cost the worker's core ~5-10% of its decode speed here (the woken router lands
     on the core of the worker that woke it)."""
-    if queue and arrival in ("poisson", "trace"):
+    if queue and (arrival in ("poisson", "trace") or queue[0].arrival_s > 0):
         due = run.start + queue[0].arrival_s - time.perf_counter()
         return max(0, min(20, math.ceil(due * 1e3)))
     return 20

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from experiments.config import DeploymentConfig
-from experiments.workload import Request
+from experiments.workload import Conversations, Request
 from transfer.protocol import check_request
 from transfer.wire import Codec, Message
 
@@ -86,6 +86,9 @@ class Load(Message):
     preemptions: int = 0  # so far (engine.LLM.preemption_stats)
     recomputed_tokens: int = 0  # tokens computed again here after a preemption dropped their KV
     refetched_tokens: int = 0  # tokens whose KV a preemption dropped, fetched again from prefill
+    prefix_queries: int = 0  # prompt tokens looked up in its prefix cache, and found there (so far)
+    prefix_hits: int = 0
+    cached_pages: int = 0  # pages its prefix cache names now
 
 
 class Result(Message):
@@ -107,6 +110,7 @@ class Result(Message):
     accepted: int = 0
     verify_steps: int = 0
     migrations: int = 0  # times its worker died under it and it went on on another (set by the driver)
+    cached_tokens: int = 0  # prompt tokens whose KV its worker's prefix cache held (not computed or sent)
 
 
 class Timeline(Message):
@@ -117,6 +121,9 @@ class Timeline(Message):
     preemptions: int = 0  # over the run, as in Load
     recomputed_tokens: int = 0
     refetched_tokens: int = 0
+    prefix_queries: int = 0  # as in Load
+    prefix_hits: int = 0
+    cached_pages: int = 0
     free_pages: int = -1  # when it stopped, of num_pages (every page free: nothing leaked)
     num_pages: int = -1
 
@@ -151,3 +158,14 @@ class DeploymentRun:
     end: float = 0.0
     interrupted: bool = False  # stopped by SIGTERM or Ctrl-C: unfinished requests are recorded as errors
     workers: list[dict] = field(default_factory=list)  # {name, role, node_id, pid} of each worker
+    turns: Conversations | None = None  # a multiturn workload: where each reply's next turn comes from
+
+    def follow(self, request: Request, reply_ids: list[int], now: float) -> Request | None:
+        """A multiturn workload's next turn after request's reply (ended at perf_counter now), added to
+        requests; None when there is none (another workload, or the conversation is over)."""
+        if self.turns is None:
+            return None
+        nxt = self.turns.next(request, reply_ids, now - self.start)
+        if nxt is not None:
+            self.requests.append(nxt)
+        return nxt

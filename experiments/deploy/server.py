@@ -193,7 +193,9 @@ def make_app(state: App) -> FastAPI:
 
     def complete(parsed: Parsed, result: Result, chat: bool) -> dict:
         head = {"id": parsed.submit.request_id, "created": parsed.created, "model": state.model_name}
-        usage = usage_block(len(parsed.prompt_ids), len(result.output_ids), result.migrations)
+        usage = usage_block(
+            len(parsed.prompt_ids), len(result.output_ids), result.migrations, result.cached_tokens
+        )
         reason = finish_reason_of(result)
         if chat:
             choice = {
@@ -245,7 +247,12 @@ def make_app(state: App) -> FastAPI:
                 rest = result.text[sent_chars:]
                 yield chunk(rest, finish_reason_of(result))
                 if parsed.include_usage:
-                    usage = usage_block(len(parsed.prompt_ids), len(result.output_ids), result.migrations)
+                    usage = usage_block(
+                        len(parsed.prompt_ids),
+                        len(result.output_ids),
+                        result.migrations,
+                        result.cached_tokens,
+                    )
                     yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage})}\n\n"
                 yield "data: [DONE]\n\n"
                 return

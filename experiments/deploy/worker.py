@@ -118,6 +118,7 @@ class Worker:
             dtype=m.dtype,
             page_size=m.page_size,
             num_pages=m.num_pages,
+            enable_prefix_caching=d.prefix_caching,
             max_num_seqs=m.max_num_seqs,
             max_num_batched_tokens=d.chunk_size,
             seed=spec.seed,
@@ -135,6 +136,7 @@ class Worker:
         # preempted ones (at the front) whose KV is fetched again
         self.backlog: deque = deque()
         self.returning: dict[str, float] = {}  # restarting prefill worker -> when to stop waiting
+        self.prefilled_here: set[str] = set()  # decode: what its prefix cache lacked was short, done here
         self.pm = self.dm = None
         if spec.role != "colocated":
             self._connect_messenger()
@@ -220,7 +222,7 @@ class Worker:
                     msg = self._recv()
                     if isinstance(msg, Stop):
                         a = self.llm.allocator
-                        for key, value in self.llm.preemption_stats.items():
+                        for key, value in self._stats().items():
                             setattr(self.timeline, key, value)
                         self.timeline.free_pages, self.timeline.num_pages = a.num_free, a.num_pages
                         self._send(self.timeline)
@@ -251,9 +253,19 @@ class Worker:
                         self.llm.allocator.num_free,
                         len(sched.running),
                         len(sched.waiting) + pending,
-                        **self.llm.preemption_stats,
+                        **self._stats(),
                     )
                 )
+
+    def _stats(self) -> dict[str, int]:
+        """The engine's counters as Load and Timeline carry them."""
+        cache = self.llm.prefix_cache_stats
+        return {
+            **self.llm.preemption_stats,
+            "prefix_queries": cache["queries"],
+            "prefix_hits": cache["hits"],
+            "cached_pages": cache["cached_pages"],
+        }
 
     def _handle(self, msg) -> None:
         from engine import SamplingParams
@@ -344,7 +356,11 @@ class Worker:
         while self.backlog:
             request_id, token_ids, params = self.backlog[0]
             try:
-                self.dm.submit(request_id, token_ids, params)
+                d = self.spec.deployment
+                if not self.dm.submit(
+                    request_id, token_ids, params, local_max_tokens=d.local_prefill_max_tokens
+                ):
+                    self.prefilled_here.add(request_id)
             except OutOfPages:
                 return  # pages come back as running requests finish (engine.scheduler: room to finish)
             except (ValueError, TypeError) as e:  # the plan or the engine refused it
@@ -404,8 +420,11 @@ class Worker:
             drafted=out.num_drafted_tokens,
             accepted=out.num_accepted_tokens,
             verify_steps=out.num_verify_steps,
+            cached_tokens=out.num_cached_tokens or 0,
         )
         self.streamed.pop(rid, None)
+        here = rid in self.prefilled_here
+        self.prefilled_here.discard(rid)
         timing = self.dm.timings.get(rid) if self.dm is not None else None
         if timing is not None:
             result.prefill, result.transfer_bytes = "remote", timing.nbytes
@@ -413,7 +432,9 @@ class Worker:
             result.scheduled = timing.first_landed  # its first KV arriving: prefill has begun
             result.prefill_worker = timing.peer
         elif (
-            self.dm is not None and len(out.prompt_token_ids) > self.spec.deployment.local_prefill_max_tokens
+            self.dm is not None
+            and not here
+            and len(out.prompt_token_ids) > self.spec.deployment.local_prefill_max_tokens
         ):
             result.prefill = "remote"  # its transfer failed (or it was recomputed here)
         if out.error is not None:

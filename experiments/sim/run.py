@@ -127,6 +127,11 @@ def run_sim(cfg: DictConfig, out_dir: Path) -> list[dict]:
     if isinstance(acceptance, bool) or not isinstance(acceptance, (int, float)) or not 0 <= acceptance < 1:
         raise ValueError(f"spec_acceptance={acceptance!r} is not allowed: a number in [0, 1)")
     deployments, workload, slo = deployments_of(c), workload_of(c), slo_of(c)
+    if workload.dataset == "multiturn":
+        raise ValueError(
+            "workload.dataset=multiturn is not simulated yet (its turns depend on replies): use random, "
+            "sharegpt or mooncake"
+        )
     if workload.arrival not in ("poisson", "trace") or workload.prompts_file:
         raise ValueError(
             "the simulator needs workload.arrival=poisson (or trace: a mooncake dataset's timestamps) "

@@ -413,3 +413,37 @@ def test_a_decode_worker_under_memory_pressure_admits_with_room_to_finish_and_re
     s = local["summary"]
     assert s["preemptions"]["decode-0"] > 0 and s["recomputed_prompt_tokens"]["decode-0"] > 0
     assert sum(_prefill_tokens(local, "decode")) >= s["recomputed_prompt_tokens"]["decode-0"]
+
+
+def test_multiturn_conversations_reuse_their_history_and_send_only_the_new_kv(tmp_path):
+    """4 conversations x 3 turns through 1P1D with prefix caching on and off: the same replies; with it,
+    turns after the first find their history in the decode worker's cache and only the rest is sent."""
+    multiturn = [
+        "workload=multiturn",
+        "workload.conversations=4",
+        "workload.turns=3",
+        "workload.concurrency=4",
+    ]
+    multiturn += ["workload.system_prompt_len=40", "workload.turn_len=12", "workload.think_time_s=0.05"]
+    multiturn += ["workload.output_len.value=8", "model.page_size=4"]
+    common = "kind: disaggregated, num_prefill: 1, num_decode: 1"
+    deployments = (
+        f"deployments=[{{name: cached, {common}}}, {{name: plain, {common}, prefix_caching: false}}]"
+    )
+    cached, plain = run(_cfg([*TINY[:1], *TINY[8:], *multiturn, deployments]), tmp_path, progress=False)
+    assert cached["summary"]["completed"] == plain["summary"]["completed"] == 12
+    assert _outputs(cached) == _outputs(plain)
+    rows = {r["request_id"]: r for r in cached["requests"]}
+    plain_rows = {r["request_id"]: r for r in plain["requests"]}
+    for rid, row in rows.items():
+        assert row["prompt_tokens"] == plain_rows[rid]["prompt_tokens"]
+        if row["turn"] == 0:
+            continue
+        assert row["cached_tokens"] >= row["prompt_tokens"] - row["new_tokens"] - 4  # the history, to a page
+        assert row["transfer_bytes"] < plain_rows[rid]["transfer_bytes"]
+        assert plain_rows[rid]["cached_tokens"] == 0
+    turns = cached["summary"]["by_turn"]
+    assert [t["turn"] for t in turns] == [0, 1, 2] and all(t["requests"] == 4 for t in turns)
+    assert 0 < cached["summary"]["prefix_hit_rate"] and plain["summary"]["prefix_hit_rate"] == 0
+    assert cached["summary"]["prefix_hits"]["prefill-0"] > 0  # its own cache: later turns' history
+    assert all(t["free_pages"] == t["num_pages"] for rec in (cached, plain) for t in rec["timelines"])

@@ -370,3 +370,29 @@ def test_the_servers_connections_send_without_nagle():
         return value
 
     assert asyncio.run(accepted_nodelay()) != 0
+
+
+def test_a_repeated_prompt_is_served_from_the_prefix_cache(server, reference):
+    """The same long prompt three times (two workers in turn, colocated): a later answer says how many of
+    its prompt tokens the cache held (OpenAI's usage.prompt_tokens_details) and /metrics counts them."""
+    kind, url = server
+    client = _client(server)
+    prompt = "Once upon a time, in a land of many kernels and caches, " * 4
+    want = reference.generate([prompt], SamplingParams(max_tokens=6))[0].text
+    answers = [
+        client.completions.create(model="tiny-random", prompt=prompt, max_tokens=6, temperature=0)
+        for _ in range(3)
+    ]
+    assert all(a.choices[0].text == want for a in answers)
+    cached = [a.usage.prompt_tokens_details.cached_tokens for a in answers]
+    assert cached[0] == 0 and 0 < max(cached[1:]) < answers[0].usage.prompt_tokens, cached
+    deadline = time.monotonic() + 15
+    while True:  # the workers' counters reach /metrics with their next Load
+        m = _metrics(url)
+        hits = sum(v for k, v in m.items() if k[0] == "pdk_prefix_cache_hits_total")
+        queries = sum(v for k, v in m.items() if k[0] == "pdk_prefix_cache_queries_total")
+        if hits >= max(cached) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert queries >= hits >= max(cached) > 0
+    assert any(v > 0 for k, v in m.items() if k[0] == "pdk_prefix_cached_pages")

@@ -87,3 +87,35 @@ def test_dataset_config_errors_name_the_key(tmp_path):
             1000,
             4096,
         )
+
+
+def test_multiturn_turns_carry_the_history_and_arrive_after_the_think_time():
+    from experiments.workload import Conversations
+
+    w = WorkloadConfig(
+        dataset="multiturn", arrival="poisson", rate=2.0, conversations=3, turns=3, system_prompt_len=20,
+        turn_len=7, think_time_s=1.5, output_len=LengthDist(value=5),
+    )  # fmt: skip
+    conv = Conversations(w, vocab_size=1000, max_position=512)
+    first = make_requests(w, None, 1000, 512)
+    assert [(r.conversation, r.turn) for r in first] == [(0, 0), (1, 0), (2, 0)]
+    assert all(r.prompt_ids[:20] == conv.system and len(r.prompt_ids) == 27 for r in first)
+    assert first[0].arrival_s == 0 < first[1].arrival_s < first[2].arrival_s  # Poisson over conversations
+    assert first[0].prompt_ids[20:] != first[1].prompt_ids[20:]  # each its own message
+    second = conv.next(first[0], [9, 9, 9], ended_s=4.0)
+    assert second.arrival_s == 5.5 and (second.conversation, second.turn) == (0, 1)
+    assert second.prompt_ids[:30] == first[0].prompt_ids + [9, 9, 9] and len(second.prompt_ids) == 37
+    third = conv.next(second, [8], ended_s=6.0)
+    assert third.prompt_ids[:38] == second.prompt_ids + [8] and conv.next(third, [1], 9.0) is None
+    again = Conversations(w, 1000, 512).next(first[0], [9, 9, 9], 4.0)  # every deployment: the same turns
+    assert again == second
+    short = Conversations(w, 1000, max_position=40)  # the next turn would not fit: the conversation ends
+    assert short.next(first[0], [9] * 3, 1.0) is None
+
+
+def test_multiturn_config_errors_name_the_key():
+    import pytest
+
+    for key, value in (("turns", 0), ("conversations", -1), ("turn_len", 1.5), ("think_time_s", -1)):
+        with pytest.raises(ValueError, match=f"workload.{key}="):
+            WorkloadConfig(dataset="multiturn", **{key: value})

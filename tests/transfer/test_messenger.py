@@ -13,6 +13,7 @@ from tests.heads import echo_head, record_head_inputs
 from tests.kept import finished, keep_outputs
 from transfer.backends import make_backend
 from transfer.config import TransferConfig
+from transfer.plan import plan_array
 from transfer.protocol import local_channel, wait_hello
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
@@ -414,3 +415,53 @@ def test_a_restarted_prefill_worker_handshakes_again_on_its_channel(pair):
     assert out.finish_reason == "length" and len(out.token_ids) == 8
     assert prefill.allocator.num_free == PAGES and decode.allocator.num_free == PAGES
     pm.close()
+
+
+def _conversation(prefill, decode, pm, dm, turns, first, reply_len=GREEDY.max_tokens, local_max_tokens=0):
+    """Turns of one conversation through the pair: each prompt is the last one, its reply and 5 new
+    tokens. Returns each turn's (request id, prompt, whether a prefill worker was asked)."""
+    prompt, done = list(first), []
+    for t in range(turns):
+        rid = f"turn{t}"
+        asked = dm.submit(rid, prompt, GREEDY, local_max_tokens=local_max_tokens)
+        _run(prefill, decode, pm, dm, [rid])
+        done.append((rid, prompt, asked))
+        prompt = prompt + decode.output(rid).token_ids + [40 + t, 41, 42, 43, 44]
+    return done
+
+
+def test_the_decode_side_asks_only_for_what_its_cache_lacks(pair):
+    """Turn 2 on: the decode worker holds the history's full pages (prompt KV that landed, reply KV it
+    computed); its PrefillRequest skips them and only the pages from there on are written."""
+    prefill, decode, pm, dm = pair
+    requests = []
+    send = dm.peers["prefill-0"].channel.send
+    dm.peers["prefill-0"].channel.send = lambda msg, **kw: (requests.append(msg), send(msg, **kw))[1]
+    turns = _conversation(prefill, decode, pm, dm, 4, range(100, 137))
+    reference = LLM("tiny-random", page_size=4, num_pages=PAGES, enable_prefix_caching=False)
+    for (rid, prompt, asked), req in zip(turns, requests, strict=True):
+        out = decode.output(rid)
+        assert asked and out.token_ids == reference.generate([prompt], GREEDY)[0].token_ids
+        pages = -(-(len(prompt) - 1) // 4)
+        assert req.skip_pages * 4 == out.num_cached_tokens
+        sent = list(range(pages - req.skip_pages))
+        plan = plan_array(shard_spec(prefill), shard_spec(decode), sent, sent)
+        assert dm.timings[rid].writes == len(plan) + 1  # the pages past the cached ones, and the context
+    cached = [decode.output(rid).num_cached_tokens for rid, _, _ in turns]
+    # all of the history's full pages but the one holding the last reply token (never computed)
+    assert cached == [0] + [(len(prompt) + GREEDY.max_tokens - 1) // 4 * 4 for _, prompt, _ in turns[:-1]]
+    assert not dm.dropped
+    assert prefill.allocator.num_free == PAGES and decode.allocator.num_free == PAGES
+
+
+def test_a_short_missing_rest_is_prefilled_on_the_decode_worker(pair):
+    """local_max_tokens: where the decode worker's cache lacks at most that many tokens, it computes them
+    itself and no PrefillRequest goes out; a longer rest still goes to the prefill worker."""
+    prefill, decode, pm, dm = pair
+    turns = _conversation(prefill, decode, pm, dm, 3, range(100, 137), local_max_tokens=12)
+    assert [asked for _, _, asked in turns] == [True, False, False]
+    reference = LLM("tiny-random", page_size=4, num_pages=PAGES, enable_prefix_caching=False)
+    for rid, prompt, _ in turns:
+        assert decode.output(rid).token_ids == reference.generate([prompt], GREEDY)[0].token_ids
+    assert "turn1" not in dm.timings and "turn0" in dm.timings
+    assert not pm.transfers and prefill.allocator.num_free == PAGES and decode.allocator.num_free == PAGES

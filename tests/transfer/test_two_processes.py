@@ -15,6 +15,7 @@ from tests.kept import finished, keep_outputs
 from tests.transfer.test_messenger import GREEDY, _full_heads, _prompts
 from transfer.backends import make_backend
 from transfer.config import TransferConfig
+from transfer.plan import plan_array
 from transfer.protocol import wait_hello
 
 pytest.importorskip("nixl_cu12")
@@ -205,3 +206,38 @@ def test_smollm2_across_two_processes_streams_layers_and_matches_colocated():
             f"released at +{1e3 * (timing.landed - start):.0f} ms"
         )
         assert start < timing.first_landed < end, "nothing landed before the forward pass ended"
+
+
+def test_a_conversation_over_nixl_writes_only_the_pages_the_decode_cache_lacks():
+    """Prefill TP 2 -> decode TP 1, three turns of one conversation: from turn 2 on the decode worker holds
+    the history's pages, its request skips them, and the writes that land (counted from the notifications,
+    none dropped) are the plan of the rest; the KV of every page equals what the prefill ranks computed
+    and the replies equal colocated ones without a cache."""
+    landed = {}
+
+    class Sink(DecodeSide):
+        def admit(self, request_id, context):
+            llm = self.llm
+            landed[request_id] = _full_heads(llm.kv_caches, shard_spec(llm), llm.allocator.pages(request_id))
+            super().admit(request_id, context)
+
+    reference = LLM("tiny-random", page_size=4, num_pages=PAGES, enable_prefix_caching=False)
+    with disaggregated(prefill_tp=2, sink=Sink) as (decode, dm, _, sent):
+        prompt, turns = list(range(100, 139)), []
+        for t in range(3):
+            rid = f"turn{t}"
+            dm.submit(rid, prompt, GREEDY)
+            _drive(decode, dm, [rid])
+            out = decode.output(rid)
+            assert out.token_ids == reference.generate([prompt], GREEDY)[0].token_ids
+            turns.append((rid, prompt, out.num_cached_tokens))
+            prompt = prompt + out.token_ids + [50 + t, 51, 52, 53, 54, 55]
+        computed = {rid: kv for kind, rid, kv in _drain(sent, 3) if kind == "kv"}
+        spec = dm.peers["prefill-0"].hello.spec
+        for rid, prompt, cached in turns:
+            pages = -(-(len(prompt) - 1) // 4)
+            rest = list(range(pages - cached // 4))
+            assert dm.timings[rid].writes == len(plan_array(spec, shard_spec(decode), rest, rest)) + 1
+            torch.testing.assert_close(landed[rid], computed[rid], atol=1e-5, rtol=1e-5)
+        assert [c for _, _, c in turns] == [0, 44, 60]  # the history's full pages, to the last reply token
+        assert not dm.dropped and decode.allocator.num_free == PAGES

@@ -41,6 +41,7 @@ CODECS = {
 }
 VALID = [
     PrefillRequest("r", [1, 2, 3], [0], SPEC, b"md", 0, 7),
+    PrefillRequest("r", list(range(1, 10)), [0, 1, 2], SPEC, b"md", 0, 7, skip_pages=2),
     Abort("r", 1, "why"),
     Hello.of(SPEC, "agent"),
     Accepted("r", 1),
@@ -124,6 +125,10 @@ def _bad_requests(dm):
         st.builds(lambda p: {**good, "dst_pages": [0, p]}, st.integers(PAGES, 2**40)),
         st.builds(lambda s: {**good, "context_slot": s}, st.integers(4, 2**40)),
         st.builds(lambda m: {**good, "dst_metadata": m}, st.binary(max_size=64)),
+        # the decode side's cached pages: none written is no request; a negative count none at all
+        st.builds(
+            lambda k: {**good, "skip_pages": k}, st.one_of(st.integers(2, 2**62), st.integers(-(2**62), -1))
+        ),
         st.builds(
             lambda w: {**good, "dst_spec": {**msgspec.to_builtins(dm.spec), **w}, "dst_pages": [0, 1]},
             st.sampled_from(wrong_spec),
