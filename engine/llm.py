@@ -395,6 +395,7 @@ class LLM:
         if seq is None:
             seq = self.make_sequence(prompt, params, request_id)
         hit = self.scheduler.lookup(seq)
+        seq.admitted_at = seq.num_tokens  # what it is owed counts from now (a refetch's too)
         if not self.scheduler.has_room(seq, hit):
             raise OutOfPages(
                 f"{seq.request_id}: {self.scheduler.need(seq) - len(hit)} pages to finish, "

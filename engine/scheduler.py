@@ -201,6 +201,9 @@ class Scheduler:
                 self.need(seq) - len(hit) + others > free
                 or self.allocator.pages_for(start + n) - owned > free
             ):
+                if holds and not (self.running or self.reserved or batch.chunks):
+                    self.preempt(seq)  # nothing else can free a page for it: let the others go on
+                    continue
                 break  # wait for pages: running sequences' growth comes first
             self.waiting.popleft()
             if not holds:
@@ -289,8 +292,9 @@ class Scheduler:
 
     def preempt(self, seq: Sequence) -> None:
         """Drop seq's KV. It goes back to the front of the queue and is recomputed (prompt + outputs),
-        or (decode role, preemption "refetch") waits in `refetching` for the worker to fetch it again."""
-        self.running.remove(seq)
+        or (decode role, preemption "refetch") waits in `refetching` for the worker to fetch it again. A
+        queued one that holds pages (prefilled here, waiting for more) may be preempted too."""
+        (self.running if seq in self.running else self.waiting).remove(seq)
         self.allocator.free(seq.request_id)
         self.num_preemptions += 1
         seq.pages_named = 0

@@ -189,7 +189,8 @@ class WorkloadConfig:
     trace_scale: float = 1.0  # arrival: trace replays timestamps x this (0.5: twice as fast)
     # multiturn: conversations of `turns` turns over a shared system prompt; each turn adds a user message
     # of turn_len tokens to the history (earlier messages and the replies the server returned) and
-    # arrives think_time_s after the previous reply ended (the first turns: on the arrival schedule)
+    # arrives think_time_s after the previous reply ended (the first turns: on the arrival schedule);
+    # with a ShareGPT file as dataset_path, the messages and reply lengths are its conversations' turns
     conversations: int = 8
     turns: int = 8
     system_prompt_len: int = 256
@@ -210,6 +211,8 @@ class WorkloadConfig:
                 _fail("workload.system_prompt_len", self.system_prompt_len, "an integer >= 0")
             if not isinstance(self.think_time_s, int | float) or not 0 <= self.think_time_s < float("inf"):
                 _fail("workload.think_time_s", self.think_time_s, "a number of seconds >= 0")
+            if self.dataset_path is not None and not os.path.isfile(self.dataset_path):
+                _fail("workload.dataset_path", self.dataset_path, "null or an existing ShareGPT file")
         elif self.dataset != "random" and (
             self.dataset_path is None or not os.path.isfile(self.dataset_path)
         ):

@@ -7,9 +7,9 @@ Each request of the workload goes out on the workload's schedule (Poisson arriva
 flight) as a streamed completion of its prompt token ids, with `max_tokens`, greedy sampling and
 `ignore_eos` (vLLM's extra, so every server produces the asked-for length), through the official
 `openai` client. The first text chunk's arrival is the first token, each later chunk an inter-token
-gap; the usage chunk gives the output token count. The results are the same Result records the
-in-process driver collects, so an external server's row sits beside ours in one run folder, measured by
-the same client code path.
+gap; the usage chunk gives the output token count (and, where the server reports it, the prompt tokens
+its cache held). The results are the same Result records the in-process driver collects, so an external
+server's row sits beside ours in one run folder, measured by the same client code path.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ async def _drive(
         await asyncio.sleep(max(0.0, run.start + req.arrival_s - time.perf_counter()))
         async with slots:
             sent = run.sent[req.request_id] = time.perf_counter()
-            times, text, n, reason = [], [], None, None
+            times, text, n, reason, cached = [], [], None, None, 0
             try:
                 stream = await client.completions.create(
                     model=model,
@@ -80,6 +80,8 @@ async def _drive(
                     now = time.perf_counter()
                     if chunk.usage is not None:
                         n = chunk.usage.completion_tokens
+                        details = chunk.usage.prompt_tokens_details  # a server that reports its cache hits
+                        cached = (details.cached_tokens or 0) if details is not None else 0
                     for choice in chunk.choices:
                         if choice.text:
                             times.append(now)
@@ -89,6 +91,7 @@ async def _drive(
                     req.request_id, d.name, [], sent, None, times, reason, None, text="".join(text)
                 )
                 result.output_tokens = n if n is not None else len(times)
+                result.cached_tokens = cached
             except Exception as e:  # the server refused it or went away: this request fails alone
                 result = _failed(req.request_id, f"{type(e).__name__}: {e}", sent)
             run.results[req.request_id] = result

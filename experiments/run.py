@@ -47,7 +47,8 @@ def run(cfg: DictConfig, out_dir: Path, progress: bool = True, hooks=None) -> li
         for rate in rates or [config.workload.rate if config.workload.arrival == "poisson" else None]:
             workload = replace(config.workload, rate=rate) if rate is not None else config.workload
             requests = make_requests(workload, tokenizer, vocab, max_position)
-            turns = Conversations(workload, vocab, max_position) if workload.dataset == "multiturn" else None
+            multiturn = workload.dataset == "multiturn"
+            turns = Conversations(workload, vocab, max_position, tokenizer) if multiturn else None
             run_config = replace(config, workload=workload)
             for d in config.deployments:
                 if d.kind == "endpoint":  # a running server, by URL: the load client measures it

@@ -35,17 +35,29 @@ class Conversations:
     """The multiturn workload: `conversations` conversations of up to `turns` turns over one shared
     system prompt of `system_prompt_len` tokens. Turn t's user message (turn_len tokens) and reply length
     (output_len) are drawn from the seed and (conversation, t), so every deployment gets the same ones;
-    the reply itself is whatever the server returned. A conversation ends early when its next prompt and
-    reply would not fit the context."""
+    or, with a ShareGPT file as dataset_path, they are its conversations' human messages and the token
+    counts of their replies (each conversation once, in a seeded order, before any repeats; as many turns
+    as it has, up to `turns`). The reply itself is whatever the server returned. A conversation ends early
+    when its next prompt and reply would not fit the context."""
 
-    def __init__(self, workload: WorkloadConfig, vocab_size: int, max_position: int):
+    def __init__(self, workload: WorkloadConfig, vocab_size: int, max_position: int, tokenizer=None):
         self.workload, self.vocab_size, self.max_position = workload, vocab_size, max_position
         rng = np.random.default_rng([workload.seed, 4])
         self.system = rng.integers(3, vocab_size, workload.system_prompt_len).tolist()
+        self.chats: list[list[tuple[list[int], int]]] | None = None  # ShareGPT: (message ids, reply len)
+        if workload.dataset_path is not None:
+            if tokenizer is None:
+                raise ValueError("a multiturn workload from a ShareGPT file needs the model's tokenizer")
+            self.chats = _sharegpt_chats(workload, tokenizer)
 
-    def _message(self, conversation: int, turn: int) -> tuple[list[int], int]:
-        """Turn's user message ids and reply length."""
+    def _message(self, conversation: int, turn: int) -> tuple[list[int], int] | None:
+        """Turn's user message ids and reply length (None: the conversation has no such turn)."""
         w = self.workload
+        if turn >= w.turns:
+            return None
+        if self.chats is not None:
+            chat = self.chats[conversation % len(self.chats)]
+            return chat[turn] if turn < len(chat) else None
         rng = np.random.default_rng([w.seed, 5, conversation, turn])
         reply = sample_lengths(w.output_len, 1, rng, cap=self.max_position // 2)[0]
         return rng.integers(3, self.vocab_size, w.turn_len).tolist(), reply
@@ -57,7 +69,7 @@ class Conversations:
         out = []
         for c in range(w.conversations):
             message, reply = self._message(c, 0)
-            prompt = self.system + message
+            prompt = self.system + list(message)
             if len(prompt) + reply < self.max_position:
                 out.append(Request(f"conv{c}-turn0", float(arrivals[c]), prompt, reply, c, 0))
         return out
@@ -66,10 +78,11 @@ class Conversations:
         """The turn after request, whose reply (reply_ids) ended at ended_s (offset from the run's start);
         None when the conversation is over."""
         c, t = request.conversation, request.turn + 1
-        if c < 0 or t >= self.workload.turns:
+        turn = self._message(c, t) if c >= 0 else None
+        if turn is None:
             return None
-        message, reply = self._message(c, t)
-        prompt = list(request.prompt_ids) + list(reply_ids) + message
+        message, reply = turn
+        prompt = list(request.prompt_ids) + list(reply_ids) + list(message)
         if len(prompt) + reply >= self.max_position:
             return None
         return Request(f"conv{c}-turn{t}", ended_s + self.workload.think_time_s, prompt, reply, c, t)
@@ -160,6 +173,36 @@ def _sharegpt(workload: WorkloadConfig, tokenizer, max_position: int) -> tuple[l
     return [p for p, _ in picked], [o for _, o in picked]
 
 
+def _sharegpt_chats(workload: WorkloadConfig, tokenizer) -> list[list[tuple[list[int], int]]]:
+    """A ShareGPT file's conversations as (human message ids, reply token count) turns, in a seeded
+    order; a conversation's turns end at its first one that is not a human message and a reply."""
+    with open(workload.dataset_path) as f:
+        data = json.load(f)
+    chats = []
+    for conv in data if isinstance(data, list) else []:
+        turns = conv.get("conversations") if isinstance(conv, dict) else None
+        chat = []
+        for i in range(0, len(turns) - 1 if isinstance(turns, list) else 0, 2):
+            human, gpt = turns[i], turns[i + 1]
+            if not all(isinstance(t, dict) and isinstance(t.get("value"), str) for t in (human, gpt)):
+                break
+            if human.get("from") != "human" or gpt.get("from") != "gpt":
+                break
+            ids, reply = tokenizer.encode(human["value"]), len(tokenizer.encode(gpt["value"]))
+            if not ids or reply < 1:
+                break
+            chat.append((ids, reply))
+        if chat:
+            chats.append(chat)
+    if not chats:
+        raise ValueError(
+            f"workload.dataset_path={workload.dataset_path!r} holds no ShareGPT conversation with a "
+            "human message and a reply"
+        )
+    order = np.random.default_rng([workload.seed, 6]).permutation(len(chats))
+    return [chats[i] for i in order]
+
+
 def _mooncake(workload: WorkloadConfig, vocab_size: int, max_position: int):
     """(prompt ids, output lengths, arrival offsets in s) of the trace's first num_requests lines."""
     rows = []
@@ -203,7 +246,7 @@ def make_requests(workload: WorkloadConfig, tokenizer, vocab_size: int, max_posi
     """Seeded: the same config gives the same requests in every deployment (multiturn: the first turns;
     the drivers ask Conversations for the rest)."""
     if workload.dataset == "multiturn":
-        return Conversations(workload, vocab_size, max_position).first()
+        return Conversations(workload, vocab_size, max_position, tokenizer).first()
     if workload.dataset != "random":
         prompts, outputs, arrivals = dataset(workload, tokenizer, vocab_size, max_position)
         return [Request(f"req-{i}", float(arrivals[i]), prompts[i], outputs[i]) for i in range(len(prompts))]
@@ -222,3 +265,86 @@ def make_requests(workload: WorkloadConfig, tokenizer, vocab_size: int, max_posi
     prompts = [p[: max_position - o - 1] for p, o in zip(prompts, outputs, strict=True)]
     arrivals = _arrivals(workload)
     return [Request(f"req-{i}", float(arrivals[i]), prompts[i], outputs[i]) for i in range(n)]
+
+
+def synthetic_mooncake(
+    num_requests: int,
+    reuse: float,
+    rate: float = 1.0,
+    mean_blocks: float = 8.0,
+    mean_output: float = 128.0,
+    seed: int = 0,
+) -> list[dict]:
+    """A Mooncake-like trace (the rows `_mooncake` reads: timestamp ms, input_length, output_length,
+    hash_ids of 512-token blocks) for runs longer than a sample, with about `reuse` of its blocks shared:
+    each request takes the leading round(reuse x n) blocks of a random earlier request (as many as it
+    has), then fresh blocks, so shared blocks are always a prefix, as in a conversation or an agent's
+    context. Poisson arrivals at `rate`; block counts and output lengths log-normal around the means. The
+    Mooncake paper's conversation trace reuses about half its blocks (reuse=0.5)."""
+    if not 0 <= reuse < 1:
+        raise ValueError(f"reuse must be in [0, 1), got {reuse!r}")
+    rng = np.random.default_rng(seed)
+    rows, fresh, t = [], 0, 0.0
+    for _ in range(num_requests):
+        n = max(1, int(rng.lognormal(np.log(mean_blocks), 0.6)))
+        shared: list[int] = []
+        if rows and reuse > 0:
+            earlier = rows[int(rng.integers(len(rows)))]["hash_ids"]
+            shared = earlier[: min(len(earlier), round(reuse * n))]
+        ids = shared + list(range(fresh, fresh + n - len(shared)))
+        fresh += n - len(shared)
+        last = int(rng.integers(1, MOONCAKE_BLOCK + 1))  # the last block is partly filled
+        out = max(1, int(rng.lognormal(np.log(mean_output), 0.8)))
+        rows.append(
+            {
+                "timestamp": round(t * 1e3),
+                "input_length": (len(ids) - 1) * MOONCAKE_BLOCK + last,
+                "output_length": out,
+                "hash_ids": ids,
+            }
+        )
+        t += rng.exponential(1.0 / rate)
+    return rows
+
+
+def block_reuse(rows: list[dict]) -> float:
+    """The fraction of a trace's blocks whose hash id an earlier request already had."""
+    seen, reused, total = set(), 0, 0
+    for row in rows:
+        for h in row["hash_ids"]:
+            reused += h in seen
+            seen.add(h)
+            total += 1
+    return reused / max(total, 1)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """python -m experiments.workload mooncake OUT.jsonl [--requests N] [--reuse R] [--rate RPS] [--seed S]:
+    write a synthetic Mooncake-like trace (workload.dataset=mooncake workload.dataset_path=OUT.jsonl)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m experiments.workload", description=main.__doc__)
+    parser.add_argument("kind", choices=["mooncake"])
+    parser.add_argument("out")
+    parser.add_argument("--requests", type=int, default=1000)
+    parser.add_argument("--reuse", type=float, default=0.5, help="fraction of blocks shared, in [0, 1)")
+    parser.add_argument("--rate", type=float, default=1.0, help="mean arrivals per second")
+    parser.add_argument("--mean-blocks", type=float, default=8.0, help="mean 512-token blocks per prompt")
+    parser.add_argument("--mean-output", type=float, default=128.0)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.requests < 1 or args.rate <= 0 or args.mean_blocks < 1 or args.mean_output < 1:
+        parser.error("--requests, --mean-blocks and --mean-output must be >= 1 and --rate > 0")
+    try:
+        rows = synthetic_mooncake(
+            args.requests, args.reuse, args.rate, args.mean_blocks, args.mean_output, args.seed
+        )
+    except ValueError as e:
+        parser.error(str(e))
+    with open(args.out, "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    print(f"wrote {len(rows)} requests to {args.out}; {100 * block_reuse(rows):.0f}% of blocks reused")
+
+
+if __name__ == "__main__":
+    main()

@@ -141,8 +141,9 @@ class DecodeMessenger:
         local_max_tokens: int = 0,
     ) -> bool:
         """Reserve pages and ask a prefill worker (the least loaded if not named) for prompt_ids[:-1],
-        past the pages the engine holds already; when at most local_max_tokens of those are missing, the
-        engine computes them itself instead. Returns whether a prefill worker was asked.
+        past the pages the engine holds already; when the tokens the engine would still have to compute
+        (those missing and the last) are at most local_max_tokens, or only the last, it computes them itself
+        instead. Returns whether a prefill worker was asked.
 
         Raises what engine.reserve raises (out of pages, a bad request) with nothing taken."""
         if peer is None:
@@ -159,7 +160,11 @@ class DecodeMessenger:
         if len(prompt_ids) == 1:  # nothing to prefill: decode runs the only token
             self.engine.admit(request_id, None)
             return False
-        if len(prompt_ids) - 1 - cached <= local_max_tokens:
+        missing = len(prompt_ids) - 1 - cached  # KV a prefill worker would write
+        if missing == 0:  # the engine holds all of it already: decode from the last token on
+            self.engine.admit(request_id, None)
+            return False
+        if missing + 1 <= local_max_tokens:  # with the last token, always computed here
             self.engine.recompute(request_id)  # what is missing is short: computed here, no round trip
             return False
         if target.lost:  # nothing was sent: the pages are safe at once

@@ -272,13 +272,16 @@ def make_app(state: App) -> FastAPI:
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
-    """The server's socket, bound. Its proto is IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on
-    connections whose socket says it is TCP, and without it a stream's first chunk waited behind the
-    client's delayed ACK of the response headers (40 ms on a kept-alive connection, measured here)."""
+    """The server's socket, bound and listening (so a client that reads server.json before uvicorn has
+    started waits in the backlog instead of being refused). Its proto is IPPROTO_TCP, not 0: asyncio
+    sets TCP_NODELAY only on connections whose socket says it is TCP, and without it a stream's first
+    chunk waited behind the client's delayed ACK of the response headers (40 ms on a kept-alive
+    connection, measured here)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
+    sock.listen(2048)  # uvicorn's default backlog
     return sock
 
 

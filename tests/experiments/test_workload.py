@@ -119,3 +119,73 @@ def test_multiturn_config_errors_name_the_key():
     for key, value in (("turns", 0), ("conversations", -1), ("turn_len", 1.5), ("think_time_s", -1)):
         with pytest.raises(ValueError, match=f"workload.{key}="):
             WorkloadConfig(dataset="multiturn", **{key: value})
+
+
+def test_a_synthetic_mooncake_trace_reuses_the_blocks_asked_for_and_runs_as_a_dataset(tmp_path):
+    import json
+
+    import pytest
+
+    from experiments.workload import block_reuse, main, synthetic_mooncake
+
+    for reuse in (0.0, 0.3, 0.5):
+        rows = synthetic_mooncake(400, reuse, rate=2.0, seed=1)
+        assert abs(block_reuse(rows) - reuse) < 0.08, reuse
+        stamps = [r["timestamp"] for r in rows]
+        assert stamps[0] == 0 and stamps == sorted(stamps)
+        for row in rows:  # the prompt spans its blocks, the last one partly
+            assert (len(row["hash_ids"]) - 1) * 512 < row["input_length"] <= len(row["hash_ids"]) * 512
+    path = tmp_path / "trace.jsonl"
+    main(["mooncake", str(path), "--requests", "30", "--reuse", "0.5", "--seed", "2"])
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert lines == synthetic_mooncake(30, 0.5, seed=2)
+    w = WorkloadConfig(num_requests=30, dataset="mooncake", dataset_path=str(path), arrival="trace")
+    reqs = make_requests(w, None, 1000, 1 << 16)
+    shared = next(
+        (i, j)
+        for j, b in enumerate(lines)
+        for i, a in enumerate(lines[:j])
+        if a["hash_ids"][0] == b["hash_ids"][0]
+    )
+    assert (
+        reqs[shared[0]].prompt_ids[:512] == reqs[shared[1]].prompt_ids[:512]
+    )  # a shared block: the same tokens
+    with pytest.raises(SystemExit):
+        main(["mooncake", str(path), "--reuse", "1.0"])
+
+
+def test_multiturn_from_sharegpt_uses_its_human_turns_and_reply_lengths():
+    from engine.weights import load_model
+    from experiments.workload import Conversations
+
+    tok = load_model("tiny-random").tokenizer
+    path = str(DATA / "sharegpt_multiturn_sample.json")
+    w = WorkloadConfig(dataset="multiturn", dataset_path=path, conversations=4, turns=5, system_prompt_len=0)
+    conv = Conversations(w, tok.vocab_size, 2048, tok)
+    first = conv.first()
+    texts = {tok.decode(r.prompt_ids) for r in first[:3]}  # three usable conversations, then a repeat
+    assert texts == {
+        "What is a KV cache in a transformer?",
+        "Name a prime number.",
+        "Translate 'cache' into French.",
+    }
+    assert tok.decode(first[3].prompt_ids) == tok.decode(first[0].prompt_ids)
+    turns = {}
+    for req in first[:3]:
+        chain, r = [req], req
+        while (r := conv.next(r, [7, 7], 0.0)) is not None:
+            chain.append(r)
+        turns[tok.decode(req.prompt_ids)] = chain
+    kv = turns["What is a KV cache in a transformer?"]
+    assert len(kv) == 3 and kv[1].max_tokens == len(
+        tok.encode("One key and one value per token, per layer and head.")
+    )
+    assert kv[1].prompt_ids == kv[0].prompt_ids + [7, 7] + tok.encode("Why does it grow with the context?")
+    assert len(turns["Name a prime number."]) == 1  # its second turn is not a human message and a reply
+    assert len(turns["Translate 'cache' into French."]) == 2
+    import pytest
+
+    with pytest.raises(ValueError, match="needs the model's tokenizer"):
+        Conversations(w, tok.vocab_size, 2048)
+    with pytest.raises(ValueError, match="workload.dataset_path='nope.json' is not allowed"):
+        WorkloadConfig(dataset="multiturn", dataset_path="nope.json")

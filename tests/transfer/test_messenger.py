@@ -9,6 +9,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.disagg import DecodeSide, PrefillSide, decode_messenger, prefill_messenger, shard_spec
+from engine.kv_cache import OutOfPages
 from tests.heads import echo_head, record_head_inputs
 from tests.kept import finished, keep_outputs
 from transfer.backends import make_backend
@@ -47,8 +48,11 @@ def pair(request):
     _close(pm, dm)
 
 
-def _run(prefill, decode, pm, dm, ids, prefill_polls=True, max_iters=5000):
+def _run(prefill, decode, pm, dm, ids, prefill_polls=True, max_iters=5000, tick=None):
+    """Drive both sides until ids finished; tick (a worker's own chores) runs first each turn and says
+    whether it has nothing left to do."""
     for _ in range(max_iters):
+        idle = tick() if tick is not None else True
         if prefill_polls:
             pm.poll()
             if prefill.has_unfinished():
@@ -56,7 +60,7 @@ def _run(prefill, decode, pm, dm, ids, prefill_polls=True, max_iters=5000):
         dm.poll()
         if decode.has_unfinished():
             decode.step()
-        if all(finished(decode, i) for i in ids) and not dm.pending and not pm.transfers:
+        if idle and all(finished(decode, i) for i in ids) and not dm.pending and not pm.transfers:
             return
     raise AssertionError("requests did not finish")
 
@@ -465,3 +469,38 @@ def test_a_short_missing_rest_is_prefilled_on_the_decode_worker(pair):
         assert decode.output(rid).token_ids == reference.generate([prompt], GREEDY)[0].token_ids
     assert "turn1" not in dm.timings and "turn0" in dm.timings
     assert not pm.transfers and prefill.allocator.num_free == PAGES and decode.allocator.num_free == PAGES
+
+
+def test_refetches_under_memory_pressure_find_their_own_pages_and_all_finish():
+    """80 decode pages, 8 requests of 60 + 30 tokens, no admission horizon: requests are preempted and
+    refetched; a refetched one whose own pages are still cached needs no transfer (or a short one), and
+    every request still finishes with the tokens it has alone, nothing held at the end."""
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    prefill = LLM("tiny-random", role="prefill", page_size=4, num_pages=512)
+    decode = LLM(
+        "tiny-random", role="decode", page_size=4, num_pages=80, reserved_tokens=0, preemption="refetch"
+    )
+    pm, dm = _local_pair(prefill, decode, "pressure")
+    rng = random.Random(0)
+    prompts = {f"r{i}": [rng.randrange(3, 49000) for _ in range(60)] for i in range(8)}
+    backlog = [(rid, p, params) for rid, p in prompts.items()]
+
+    def worker() -> bool:  # as the decode worker: preempted requests first, then new ones, while pages last
+        backlog[:0] = [(s.request_id, s.all_ids, s.params) for s in decode.take_refetches()]
+        while backlog:
+            try:
+                dm.submit(*backlog[0])
+            except OutOfPages:
+                break
+            backlog.pop(0)
+        return not backlog
+
+    try:
+        _run(prefill, decode, pm, dm, list(prompts), tick=worker)
+        reference = LLM("tiny-random", page_size=4, num_pages=512, enable_prefix_caching=False)
+        for rid, prompt in prompts.items():
+            assert decode.output(rid).token_ids == reference.generate([prompt], params)[0].token_ids, rid
+        assert decode.preemption_stats["preemptions"] > 0 and decode.prefix_cache_stats["hits"] > 0
+        assert decode.allocator.num_free == 80 and prefill.allocator.num_free == 512
+    finally:
+        _close(pm, dm)
