@@ -46,9 +46,11 @@ def run(cfg: DictConfig, out_dir: Path, progress: bool = True, hooks=None) -> li
     with _sigterm_interrupts():
         for rate in rates or [config.workload.rate if config.workload.arrival == "poisson" else None]:
             workload = replace(config.workload, rate=rate) if rate is not None else config.workload
-            requests = make_requests(workload, tokenizer, vocab, max_position)
-            multiturn = workload.dataset == "multiturn"
-            turns = Conversations(workload, vocab, max_position, tokenizer) if multiturn else None
+            if workload.dataset == "multiturn":  # the first turns; the drivers ask turns for the rest
+                turns = Conversations(workload, vocab, max_position, tokenizer)
+                requests = turns.first()
+            else:
+                turns, requests = None, make_requests(workload, tokenizer, vocab, max_position)
             run_config = replace(config, workload=workload)
             for d in config.deployments:
                 if d.kind == "endpoint":  # a running server, by URL: the load client measures it

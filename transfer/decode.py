@@ -36,11 +36,9 @@ from transfer.protocol import PROTOCOL_VERSION, Abort, Accepted, Ended, Hello, N
 
 
 class DecodeEngine(Protocol):
-    def reserve(
-        self, request_id: str, prompt_ids: list[int], params: object
-    ) -> tuple[list[int], int]: ...  # pinned pages for prompt[:-1], and how many of its leading tokens
-
-    # those pages hold already (a whole number of pages: its prefix cache); params: the engine's own
+    # pinned pages for prompt[:-1], and how many of its leading tokens those pages hold already (a whole
+    # number of pages: its prefix cache); params: the engine's own (sampling) parameters
+    def reserve(self, request_id: str, prompt_ids: list[int], params: object) -> tuple[list[int], int]: ...
 
     def admit(
         self, request_id: str, context: Tensor | None
@@ -152,10 +150,11 @@ class DecodeMessenger:
         target = self.peers[peer]
         if not target.lost and target.down():  # its process is gone: nothing more lands from it
             self.peer_dead(peer)
-        if len(prompt_ids) > 1:  # plan before anything is taken: a plan that raises leaves nothing behind
-            # counts do not depend on which pages are used: plan against placeholder ids
+        if len(prompt_ids) > 1:  # check before anything is taken: a plan that raises leaves nothing behind
+            # counts do not depend on which pages are used: plan against placeholder ids; the specs and
+            # the highest id are what can fail, so the check plans the last page only
             placeholder = list(range(-(-(len(prompt_ids) - 1) // self.spec.page_size)))
-            plan_array(target.hello.spec, self.spec, placeholder, placeholder)
+            plan_array(target.hello.spec, self.spec, placeholder[-1:], placeholder[-1:])
         pages, cached = self.engine.reserve(request_id, prompt_ids, params)
         if len(prompt_ids) == 1:  # nothing to prefill: decode runs the only token
             self.engine.admit(request_id, None)
