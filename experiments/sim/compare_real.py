@@ -9,7 +9,10 @@ Reads the measured run's config, simulates each deployment at each rate on that 
 with the simulator's error. The cost model's factors come from calibrate.calibrate_from_run on the
 steps a real run timed (by default the compared run itself; another run of the same config makes the
 check held-out), or are given. This project's workers sample the first token on the decode side and
-route every request through a decode worker, so the simulation does too.
+route every request through a decode worker, so the simulation does too. A multiturn run's later turns
+are sent when they were, but never before think_time_s after the simulated reply they extend; each
+instance's prefix cache is as large as the run's model.num_pages; the prefix cache hit rate, the KV sent
+(in tokens: the run's dtype and the preset's differ) and TTFT p50 per turn are compared too.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from experiments.sim.cost import Efficiency
 from experiments.sim.hardware import load_hardware
 from experiments.sim.models import sim_model
 from experiments.sim.run import simulate_deployment
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def main(argv=None) -> int:
@@ -56,26 +61,51 @@ def main(argv=None) -> int:
     print(f"{model.name} on {hw.name} ({hw.source}); factors ({source}): linear {eff.linear:.2f}, "
           f"memory {eff.memory:.2f}, overhead {1e3 * eff.step_overhead_s:.1f} ms a step + "
           f"{1e3 * eff.seq_overhead_s:.2f} ms a sequence, prefill slowdown {slowdown:.2f}")  # fmt: skip
-    print(f"{'run':<22}{'metric':<10}{'measured ms':>12}{'sim ms':>9}{'error':>8}")
+    print(f"{'run':<22}{'metric':<16}{'measured':>12}{'sim':>9}{'error':>8}")
     errors = []
     for rec in saved["runs"]:
         workload = replace(config.workload, rate=rec["rate"])
         d = deployments[rec["deployment"]]
-        reqs = sorted(rec["requests"], key=lambda r: r["arrival_s"])
-        trace = tuple([r[k] for r in reqs] for k in ("arrival_s", "prompt_tokens", "output_tokens"))
+        sent = [r for r in rec["requests"] if r["arrival_s"] is not None]
+        reqs = sorted(sent, key=lambda r: r["arrival_s"])
+        keys = ("arrival_s", "prompt_tokens", "output_tokens")
+        keys += ("conversation", "turn") if reqs and "conversation" in reqs[0] else ()
+        trace = tuple([r[k] for r in reqs] for k in keys)
         sim = simulate_deployment(
             d, workload, model, hw, eff, first_token_on="decode", chunked=True, prefill_slowdown=slowdown,
-            trace=trace, router="decode",
+            trace=trace, router="decode", page_size=config.model.page_size,
+            cache_pages=config.model.num_pages,
         )  # fmt: skip
-        simulated = summarize(sim, request_rows(sim, slo), slo, rec["rate"])
-        for key in ("ttft_s", "tpot_s"):
-            for q in ("p50", "p90"):
-                real, ours = rec["summary"][key][q], simulated[key][q]
-                err = ours / real - 1
+        rows = request_rows(sim, slo)
+        simulated = summarize(sim, rows, slo, rec["rate"])
+        label = f"{rec['deployment']} @{rec['rate']:g}/s" if rec["rate"] else rec["deployment"]
+        pairs = [
+            (f"{key[:4].upper()} {q}", rec["summary"][key][q], simulated[key][q], 1e3, "ms")
+            for key in ("ttft_s", "tpot_s")
+            for q in ("p50", "p90")
+        ]
+        if "by_turn" in rec["summary"]:
+            pairs += [
+                (f"TTFT turn {real['turn'] + 1}", real["ttft_p50_s"], ours["ttft_p50_s"], 1e3, "ms")
+                for real, ours in zip(rec["summary"]["by_turn"], simulated["by_turn"], strict=False)
+                if real["ttft_p50_s"] and ours["ttft_p50_s"]
+            ]
+        if d.prefix_caching:
+            hit = ("prefix hit", rec["summary"]["prefix_hit_rate"], simulated["prefix_hit_rate"], 100, "%")
+            pairs.append(hit)
+        if d.kind == "disaggregated":  # in tokens: the run's dtype and the preset's differ
+            dtype = config.model.dtype if config.model.dtype != "auto" else "float32"  # auto, on a CPU
+            real_bytes = model.kv_bytes_per_token() // model.activation_bytes * DTYPE_BYTES[dtype]
+            real_sent = rec["summary"]["transfer_bytes"] / real_bytes
+            sim_sent = simulated["transfer_bytes"] / model.kv_bytes_per_token()
+            pairs.append(("KV sent", real_sent, sim_sent, 1, "tokens"))
+        for metric, real, ours, scale, unit in pairs:
+            err = ours / real - 1 if real else 0.0
+            if unit == "ms":
                 errors.append(abs(err))
-                label, metric = f"{rec['deployment']} @{rec['rate']:g}/s", f"{key[:4].upper()} {q}"
-                print(f"{label:<22}{metric:<10}{1e3 * real:>12.0f}{1e3 * ours:>9.0f}{100 * err:>7.0f}%")
-    print(f"mean |error| {100 * sum(errors) / len(errors):.0f}%, worst {100 * max(errors):.0f}%")
+            name = f"{metric} {unit}"
+            print(f"{label:<22}{name:<16}{scale * real:>12.0f}{scale * ours:>9.0f}{100 * err:>7.0f}%")
+    print(f"latencies: mean |error| {100 * sum(errors) / len(errors):.0f}%, worst {100 * max(errors):.0f}%")
     return 0
 
 

@@ -4,6 +4,11 @@ Composes conf/sim.yaml (deployment/, workload/, slo/ as the real runs; hardware/
 preset; efficiency factors). Each deployment's instances get TP-sized GPUs: colocated workers, prefill
 and decode workers alike. Simulated times become the same per-request rows, summaries and plots as
 measured ones (experiments/metrics.py), so the two can be read side by side.
+
+Prefix caching follows `deployment.prefix_caching` (each instance's cache holds `cache_pages` pages of
+`page_size` tokens; experiments/sim/simulate.py says how it is modelled): a multiturn workload runs as
+the real drivers run it, a closed loop whose next turn is due think_time_s after a reply ends, at most
+`workload.concurrency` requests in flight under arrival=concurrency.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from experiments.sim.cost import CostModel, Efficiency
 from experiments.sim.hardware import hardware_of
 from experiments.sim.models import sim_model
 from experiments.sim.simulate import Instance, SimRequest, simulate_colocated, simulate_disaggregated
-from experiments.workload import Request, draw
+from experiments.workload import Conversations, Request, draw
 from transfer.config import TransferConfig
 
 MAX_POSITION = 1 << 20
@@ -51,13 +56,59 @@ def simulate_deployment(
     router: str = "prefill",
     spec_acceptance: float = 0.0,
     decode_kv_tokens: float | None = None,
+    page_size: int = 16,
+    cache_pages: int | None = None,
 ) -> DeploymentRun:
-    """trace: (arrival offsets, prompt lengths, output lengths) to replay instead of drawing the
-    workload's (a measured run's own requests). decode_kv_tokens: each decode instance's KV capacity in
-    tokens (None: what HBM holds after the weights); its admission and preemption follow the deployment's
-    decode_reserved_tokens and decode_preemption, as the real decode workers do."""
-    arrivals, prompts, outputs = trace if trace is not None else draw(workload, MAX_POSITION)
-    reqs = [SimRequest(i, float(arrivals[i]), prompts[i], outputs[i]) for i in range(len(prompts))]
+    """trace: (arrival offsets, prompt lengths, output lengths[, conversations, turns]) to replay instead
+    of drawing the workload's (a measured run's own requests; a multiturn run's are replayed at the times
+    they were sent, its pages named by conversation). decode_kv_tokens: each decode instance's KV
+    capacity in tokens (None: what HBM holds after the weights); its admission and preemption follow the
+    deployment's decode_reserved_tokens and decode_preemption, as the real decode workers do.
+    cache_pages: each instance's prefix cache (None: its KV capacity; only with deployment.prefix_caching)."""
+    multiturn = workload.dataset == "multiturn"
+    shared = workload.system_prompt_len if multiturn else 0
+    follow, concurrency, turns = None, None, {}
+    if trace is not None:
+        arrivals, prompts, outputs, *conv = trace
+        convs, turn_of = conv if conv else ([-1] * len(prompts), [0] * len(prompts))
+        reqs = [
+            SimRequest(i, float(arrivals[i]), prompts[i], outputs[i], shared=shared if convs[i] >= 0 else 0,
+                       stream=("conversation", convs[i]) if convs[i] >= 0 else None,
+                       conversation=convs[i], turn=turn_of[i])
+            for i in range(len(prompts))
+        ]  # fmt: skip
+        if multiturn:  # a later turn is sent when it was, but never before its simulated previous reply
+            later = {(r.conversation, r.turn): r for r in reqs}  # ended and think_time_s passed
+
+            def follow(r: SimRequest) -> SimRequest | None:
+                nxt = later.get((r.conversation, r.turn + 1))
+                if nxt is not None:
+                    nxt.arrival = max(nxt.arrival, r.done + workload.think_time_s)
+                return nxt
+
+            first: dict[int, int] = {}  # conversation -> its first turn in the trace
+            for r in reqs:
+                first[r.conversation] = min(first.get(r.conversation, r.turn), r.turn)
+            reqs = [r for r in reqs if r.turn == first[r.conversation]]
+    elif multiturn:  # a closed loop: each reply's end makes its conversation's next turn due
+        conversations = _conversations(workload)
+
+        def sim_request(req: Request) -> SimRequest:
+            r = SimRequest(len(turns), req.arrival_s, len(req.prompt_ids), req.max_tokens, shared=shared,
+                           stream=("conversation", req.conversation), conversation=req.conversation,
+                           turn=req.turn)  # fmt: skip
+            turns[r.rid] = req
+            return r
+
+        def follow(r: SimRequest) -> SimRequest | None:
+            nxt = conversations.next(turns[r.rid], [0] * r.generated, r.done)
+            return sim_request(nxt) if nxt is not None else None
+
+        reqs = [sim_request(req) for req in conversations.first()]
+        concurrency = workload.concurrency if workload.arrival == "concurrency" else None
+    else:
+        arrivals, prompts, outputs = draw(workload, MAX_POSITION)
+        reqs = [SimRequest(i, float(arrivals[i]), prompts[i], outputs[i]) for i in range(len(prompts))]
 
     k = int((d.speculative or {}).get("num_speculative_tokens", 2)) if d.speculative else 0
 
@@ -70,37 +121,63 @@ def simulate_deployment(
             spec_k=k if decodes else 0,
             spec_acceptance=spec_acceptance,
             rng=np.random.default_rng([workload.seed, 3]),
+            page_size=page_size,
         )
 
+    def caching(instances: list[Instance]) -> list[Instance]:
+        return [i.enable_cache(cache_pages) for i in instances] if d.prefix_caching else instances
+
     if d.kind == "colocated":
-        simulate_colocated([inst(d.tp, chunked) for _ in range(d.num_workers)], reqs)
+        colocated = caching([inst(d.tp, chunked) for _ in range(d.num_workers)])
+        simulate_colocated(colocated, reqs, follow, concurrency)
+        run_timelines = [_timeline(f"worker-{n}", "colocated", i) for n, i in enumerate(colocated)]
     else:
         prefill = [inst(d.prefill_tp, False, prefill_slowdown, decodes=False) for _ in range(d.num_prefill)]
         decode = [inst(d.decode_tp, True) for _ in range(d.num_decode)]
         for i in decode:
             i.kv_tokens, i.reserved_tokens = decode_kv_tokens, d.decode_reserved_tokens
-            i.preemption = d.decode_preemption
-        simulate_disaggregated(prefill, decode, reqs, layerwise, first_token_on, router)
-        run_timelines = [
-            Timeline(f"decode-{n}", "decode", [], i.preemptions, i.recomputed_tokens, i.refetched_tokens)
-            for n, i in enumerate(decode)
-        ]
-    run = DeploymentRun(d, [Request(f"req-{r.rid}", r.arrival, range(r.prompt), r.output) for r in reqs])
+            i.preemption, i.local_prefill_max_tokens = d.decode_preemption, d.local_prefill_max_tokens
+        prefill, decode = caching(prefill), caching(decode)
+        simulate_disaggregated(
+            prefill, decode, reqs, layerwise, first_token_on, router, follow, concurrency
+        )  # fmt: skip
+        run_timelines = [_timeline(f"prefill-{n}", "prefill", i) for n, i in enumerate(prefill)]
+        run_timelines += [_timeline(f"decode-{n}", "decode", i) for n, i in enumerate(decode)]
+    run = DeploymentRun(
+        d,
+        [Request(f"req-{r.rid}", r.arrival, range(r.prompt), r.output, r.conversation, r.turn) for r in reqs],
+    )
     run.start, run.end = 0.0, max((r.done or r.arrival) for r in reqs)
-    if d.kind != "colocated":
-        run.timelines = run_timelines  # no steps: the decode instances' preemption counts
+    run.timelines = run_timelines  # no steps: the instances' preemption and prefix cache counts
     for r in reqs:
         rid = f"req-{r.rid}"
         run.sent[rid] = r.arrival
         error = None if r.done is not None else "not finished in the simulation"
-        remote = d.kind == "disaggregated"
+        remote = d.kind == "disaggregated" and not r.local
         run.results[rid] = Result(
             rid, "sim", [0] * r.generated, r.arrival, None, r.token_times, "length" if not error else "error",
             error, prefill="remote" if remote else "local",
-            transfer_bytes=r.prompt * model.kv_bytes_per_token() if remote else 0,
-            drafted=r.drafted, accepted=r.accepted, verify_steps=r.verifies,
+            transfer_bytes=r.sent_tokens * model.kv_bytes_per_token(),
+            drafted=r.drafted, accepted=r.accepted, verify_steps=r.verifies, cached_tokens=r.cached,
         )  # fmt: skip
     return run
+
+
+def _timeline(name: str, role: str, i: Instance) -> Timeline:
+    """An instance's counts as a real worker's Timeline carries them (no steps)."""
+    queries, hits = (i.cache.queries, i.cache.hits) if i.cache is not None else (0, 0)
+    return Timeline(name, role, [], i.preemptions, i.recomputed_tokens, i.refetched_tokens, queries, hits)
+
+
+def _conversations(workload: WorkloadConfig) -> Conversations:
+    """The multiturn workload's conversations for the simulator (a ShareGPT file's counted with SmolLM2's
+    tokenizer, as draw() counts a sharegpt workload's)."""
+    tokenizer = None
+    if workload.dataset_path is not None:
+        from engine.weights import load_model
+
+        tokenizer = load_model("tiny-random").tokenizer
+    return Conversations(workload, 1 << 20, MAX_POSITION, tokenizer)
 
 
 def run_sim(cfg: DictConfig, out_dir: Path) -> list[dict]:
@@ -126,16 +203,21 @@ def run_sim(cfg: DictConfig, out_dir: Path) -> list[dict]:
     acceptance = c.get("spec_acceptance", 0.7)
     if isinstance(acceptance, bool) or not isinstance(acceptance, (int, float)) or not 0 <= acceptance < 1:
         raise ValueError(f"spec_acceptance={acceptance!r} is not allowed: a number in [0, 1)")
+    cache_pages = c.get("cache_pages")
+    if cache_pages is not None and (
+        isinstance(cache_pages, bool) or not isinstance(cache_pages, int) or cache_pages < 0
+    ):
+        raise ValueError(f"cache_pages={cache_pages!r} is not allowed: null or an integer >= 0")
+    page_size = c.get("page_size", 16)
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"page_size={page_size!r} is not allowed: an integer >= 1")
     deployments, workload, slo = deployments_of(c), workload_of(c), slo_of(c)
-    if workload.dataset == "multiturn":
+    arrivals = ("poisson", "concurrency") if workload.dataset == "multiturn" else ("poisson", "trace")
+    if workload.arrival not in arrivals or workload.prompts_file:
         raise ValueError(
-            "workload.dataset=multiturn is not simulated yet (its turns depend on replies): use random, "
-            "sharegpt or mooncake"
-        )
-    if workload.arrival not in ("poisson", "trace") or workload.prompts_file:
-        raise ValueError(
-            "the simulator needs workload.arrival=poisson (or trace: a mooncake dataset's timestamps) "
-            "and no prompts_file"
+            f"workload.arrival={workload.arrival!r} is not simulated for workload.dataset="
+            f"{workload.dataset!r}: one of {arrivals} (trace: a mooncake dataset's timestamps; concurrency:"
+            " a multiturn workload's closed loop), and no prompts_file"
         )
     config = RunConfig(
         ModelSpec(model.name), deployments, workload, slo, TransferConfig(), plots=bool(c.get("plots"))
@@ -143,14 +225,17 @@ def run_sim(cfg: DictConfig, out_dir: Path) -> list[dict]:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
     rates = list((c.get("goodput_search") or {}).get("rates") or []) or [workload.rate]
+    if workload.arrival == "concurrency":  # a multiturn closed loop: no rate, as the real runs record it
+        rates = [None]
     records = []
     for rate in rates:
-        run_config = replace(config, workload=replace(workload, rate=rate))
+        run_config = replace(config, workload=replace(workload, rate=rate or workload.rate))
         for d in deployments:
             run = simulate_deployment(
                 d, run_config.workload, model, hw, eff, c["first_token_on"], c.get("layerwise", True),
                 c.get("chunked_prefill", True), slowdown, router=c.get("router", "prefill"),
-                spec_acceptance=acceptance, decode_kv_tokens=kv_tokens,
+                spec_acceptance=acceptance, decode_kv_tokens=kv_tokens, page_size=page_size,
+                cache_pages=cache_pages,
             )  # fmt: skip
             records.append(metrics.run_record(run, run_config, rate))
     metrics.report(

@@ -17,6 +17,19 @@ either recomputed on the decode instance (a prefill chunk in its next step) or r
 instance (prompt + outputs so far). reserved_tokens=0 is the old rule (the prompt's KV only), which
 thrashes once the decode instance fills.
 
+Prefix caching (an instance's `cache`, a PageCache): a request's KV is a row of pages of `page_size`
+tokens, named by what they hold: the first `shared` tokens are common to every request (a system
+prompt), the rest belong to its `stream` (a conversation: turn t+1's prompt is turn t's prompt, reply and
+a new message, so its pages are named as turn t's were). A colocated or prefill instance computes a
+request from its longest cached prefix on (its last token always); pages are named when its prefill ends
+and, for the instance that decodes it, when it finishes (the reply's pages too, as the engine names them
+while decoding). A disaggregated request first looks up its decode instance's cache: the prefill
+instance sends only the pages from there on, or, where what is missing is at most
+`local_prefill_max_tokens`, the decode instance computes it in its own next step. Each cache is an LRU
+over page names holding at most the instance's KV capacity in pages; pages in use count toward it as
+cached ones (an approximation: the engine evicts only pages no request holds). A preempted request's pages
+are not kept (its refetch or recompute looks nothing up).
+
 Output per request: arrival, first-token time and the time of each later token, from which the same
 metrics as the real runs follow (experiments/metrics.py's percentiles and SLO rules).
 """
@@ -24,6 +37,7 @@ metrics as the real runs follow (experiments/metrics.py's percentiles and SLO ru
 from __future__ import annotations
 
 import heapq
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -48,6 +62,19 @@ class SimRequest:
     drafting: int = 0  # drafts in the step being simulated
     held: int = 0  # KV slots (tokens) it holds on its decode instance
     fetch: int = 0  # a refetch: the tokens (prompt + outputs) a prefill instance computes again
+    shared: int = 0  # prefix caching: its first tokens every request shares (a system prompt)
+    stream: object = None  # what its other pages belong to (a conversation); None: itself alone
+    conversation: int = -1  # multiturn: its conversation and turn
+    turn: int = 0
+    cached: int = 0  # prompt tokens its serving instance's cache held (its decode instance's, disaggregated)
+    skip: int = 0  # disaggregated: pages its decode instance held, not sent
+    local: bool = False  # disaggregated: its decode instance computed the missing rest itself
+    sent_tokens: int = 0  # KV tokens a prefill instance sent it (whole pages)
+
+    def names(self, tokens: int, page: int) -> list:
+        """The names of the pages its first `tokens` tokens fill (whole pages only)."""
+        own = self.stream if self.stream is not None else ("request", self.rid)
+        return [("shared", i) if (i + 1) * page <= self.shared else (own, i) for i in range(tokens // page)]
 
     @property
     def context(self) -> int:
@@ -61,6 +88,40 @@ class SimRequest:
     @property
     def tpot(self) -> float:
         return (self.done - self.first_token) / (self.output - 1) if self.output > 1 else 0.0
+
+
+class PageCache:
+    """An instance's prefix cache: page names, least recently used first, at most `capacity` of them."""
+
+    def __init__(self, capacity: int):
+        self.capacity, self.pages = max(int(capacity), 0), OrderedDict()
+        self.queries = self.hits = 0  # prompt tokens looked up, and found
+
+    def peek(self, r: SimRequest, context: int, page: int) -> list:
+        """The names of the pages at the head of r's first `context` tokens that are cached (at most what
+        leaves its last token to compute)."""
+        names = r.names(context - 1, page)
+        for n, name in enumerate(names):
+            if name not in self.pages:
+                return names[:n]
+        return names
+
+    def lookup(self, r: SimRequest, context: int, page: int) -> int:
+        """How many pages peek finds, counted as a query; they become the most recently used."""
+        names = self.peek(r, context, page)
+        for name in names:
+            self.pages.move_to_end(name)
+        n = len(names)
+        self.queries += context
+        self.hits += n * page
+        return n
+
+    def add(self, r: SimRequest, tokens: int, page: int) -> None:
+        for name in r.names(tokens, page):
+            self.pages[name] = None
+            self.pages.move_to_end(name)
+        while len(self.pages) > self.capacity:
+            self.pages.popitem(last=False)
 
 
 @dataclass(eq=False)  # identity: two idle instances of one config are still two
@@ -84,6 +145,15 @@ class Instance:
     preemptions: int = 0
     recomputed_tokens: int = 0  # computed again on this instance after a preemption
     refetched_tokens: int = 0  # fetched again from a prefill instance after a preemption
+    page_size: int = 16
+    cache: PageCache | None = None  # prefix caching (see the module's docstring); None: off
+    local_prefill_max_tokens: int = 0  # decode: computes a missing rest this short itself
+
+    def enable_cache(self, pages: int | None = None) -> Instance:
+        """Turn prefix caching on, over `pages` pages (None: the instance's KV capacity)."""
+        capacity = self.kv_capacity_tokens // self.page_size if pages is None else pages
+        self.cache = PageCache(min(capacity, 1 << 40))
+        return self
 
     @property
     def kv_capacity_tokens(self) -> float:
@@ -120,13 +190,18 @@ def _colocated_step(inst: Instance, now: float) -> tuple[float, list]:
         budget -= n
     while inst.waiting and budget > 0 and len(inst.running) < inst.max_seqs:
         r = inst.waiting[0]
-        if not inst.chunked and r.context > budget and chunks:
+        cached = len(inst.cache.peek(r, r.context, inst.page_size)) if inst.cache and not r.fetch else 0
+        if not inst.chunked and r.context - cached * inst.page_size > budget and chunks:
             break
         if not _admit(inst, r.context + r.output):
             break
         inst.waiting.pop(0)
         inst.running.append(r)
-        n = min(r.context, budget) if inst.chunked else r.context
+        if inst.cache is not None and not r.fetch:
+            r.computed = inst.cache.lookup(r, r.context, inst.page_size) * inst.page_size
+            r.cached = r.computed
+        left = r.context - r.computed
+        n = min(left, budget) if inst.chunked else left
         chunks.append((r, n))
         budget -= n
     if not chunks and not decode:
@@ -174,10 +249,16 @@ def _decode_events(inst: Instance, plain: list) -> list:
     return events
 
 
-def simulate_colocated(instances: list[Instance], requests: list[SimRequest]) -> list[SimRequest]:
+def simulate_colocated(
+    instances: list[Instance], requests: list[SimRequest], follow=None, concurrency: int | None = None
+) -> list[SimRequest]:
     """Requests go to the instance with the fewest requests; each samples its first token after its
-    prompt's last chunk and one token per later step."""
-    return _run(instances, [], requests, first_token_on="prefill")
+    prompt's last chunk and one token per later step.
+
+    follow: a closed loop (a multiturn workload): called with each request as it finishes, it returns the
+    request that follows it (arriving when that says) or None; the ones it returns are added to requests.
+    concurrency: at most this many requests in flight; one that arrives beyond waits for a slot."""
+    return _run(instances, [], requests, "prefill", follow=follow, concurrency=concurrency)
 
 
 def simulate_disaggregated(
@@ -187,6 +268,8 @@ def simulate_disaggregated(
     layerwise: bool = True,
     first_token_on: str = "prefill",
     router: str = "prefill",
+    follow=None,
+    concurrency: int | None = None,
 ) -> list[SimRequest]:
     """xPyD: prefill instances compute prompts, the KV moves, decode instances generate.
 
@@ -195,15 +278,18 @@ def simulate_disaggregated(
     router: where a request goes first. 'prefill': to the least-loaded prefill instance, its decode
     instance chosen when the KV leaves (DistServe). 'decode': to the least-loaded decode instance, which
     forwards it to a prefill instance between its steps, so a request arriving mid-step waits for the
-    step to end (this project's workers, and Dynamo's)."""
+    step to end (this project's workers, and Dynamo's); only then can a decode instance prefill a short
+    missing rest itself (local_prefill_max_tokens). follow, concurrency: as simulate_colocated."""
     if first_token_on not in ("prefill", "decode"):
         raise ValueError(f"first_token_on must be one of ('prefill', 'decode'), got {first_token_on!r}")
     if router not in ("prefill", "decode"):
         raise ValueError(f"router must be one of ('prefill', 'decode'), got {router!r}")
-    return _run(prefill, decode, requests, first_token_on, layerwise, router)
+    return _run(prefill, decode, requests, first_token_on, layerwise, router, follow, concurrency)
 
 
-def _run(front, back, requests, first_token_on, layerwise=True, router="prefill") -> list[SimRequest]:
+def _run(
+    front, back, requests, first_token_on, layerwise=True, router="prefill", follow=None, concurrency=None
+) -> list[SimRequest]:
     """The event loop. front: colocated or prefill instances; back: decode instances (or none)."""
     disagg = bool(back)
     instances = front + back
@@ -221,15 +307,35 @@ def _run(front, back, requests, first_token_on, layerwise=True, router="prefill"
     inbox = {id(i): [] for i in back}  # router='decode': requests a busy decode instance has yet to forward
     home = {}  # rid -> the decode instance a request was routed to (router='decode')
     homed = {id(i): 0 for i in back}  # requests routed to a decode instance and not landed yet
+    pending: list = []  # arrived beyond the concurrency, in order
+    busy = 0
 
     def kick(inst, now):
         if idle[id(inst)]:
             idle[id(inst)] = False
             push(now, "step", inst)
 
+    def finished(r, now):
+        """r is done: a slot frees (the next pending request goes), and its next turn is due."""
+        nonlocal busy
+        busy -= 1
+        nxt = follow(r) if follow is not None else None
+        if nxt is not None:
+            requests.append(nxt)
+            push(nxt.arrival, "arrive", nxt)
+        if pending:
+            busy += 1
+            push(now, "route", pending.pop(0))
+
     while heap:
         now, _, kind, payload = heapq.heappop(heap)
-        if kind == "arrive" and disagg and router == "decode":
+        if kind == "arrive":
+            if concurrency is not None and busy >= concurrency:
+                pending.append(payload)
+                continue
+            busy += 1
+            kind = "route"
+        if kind == "route" and disagg and router == "decode":
             target = min(back, key=lambda i: i.load() + homed[id(i)])  # the least in flight
             home[payload.rid] = target
             homed[id(target)] += 1
@@ -237,7 +343,12 @@ def _run(front, back, requests, first_token_on, layerwise=True, router="prefill"
                 push(now, "forward", payload)
             else:
                 inbox[id(target)].append(payload)
-        elif kind in ("arrive", "forward"):
+        elif kind == "forward" and router == "decode" and _prefill_locally(home[payload.rid], payload):
+            target = home.pop(payload.rid)
+            homed[id(target)] -= 1
+            target.recompute.append(payload)
+            kick(target, now)
+        elif kind in ("route", "forward"):
             inst = min(front, key=Instance.load)
             inst.waiting.append(payload)
             kick(inst, now)
@@ -274,22 +385,35 @@ def _run(front, back, requests, first_token_on, layerwise=True, router="prefill"
                     continue
                 if what == "prefill_done":
                     if not disagg:
+                        if inst.cache is not None:
+                            inst.cache.add(r, r.context, inst.page_size)
                         r.first_token, r.generated = end, 1
                         r.token_times.append(end)
-                        _maybe_finish(inst, r, end)
+                        if _maybe_finish(inst, r, end):
+                            finished(r, end)
                         continue
                     inst.running.remove(r)
                     inst.kv_used -= r.context + r.output
+                    if inst.cache is not None:
+                        inst.cache.add(r, r.context, inst.page_size)
                     if first_token_on == "prefill" and not r.fetch:
                         r.first_token, r.generated = end, 1
                         r.token_times.append(end)
-                    target = home.pop(r.rid) if router == "decode" else min(back, key=Instance.load)
+                    if router == "decode":
+                        target = home.pop(r.rid)
+                    else:  # DistServe's: the decode instance is chosen now, and looks its cache up now
+                        target = min(back, key=Instance.load)
+                        _lookup_decode(target, r)
+                    r.cached = r.skip * target.page_size
                     if r.generated >= r.output:  # one token, sampled on the prefill side: no decode
                         r.done = end
                         if router == "decode":
                             homed[id(target)] -= 1
+                        finished(r, end)
                         continue
-                    kv = r.context * inst.cost.model.kv_bytes_per_token()
+                    sent = r.context - r.skip * target.page_size  # only what it lacks (the engine
+                    r.sent_tokens += sent  # sends whole pages: up to a page more)
+                    kv = sent * inst.cost.model.kv_bytes_per_token()
                     links = min(inst.cost.tp, target.cost.tp)
                     layers = inst.cost.model.layers if layerwise else 1
                     x = transfer_time(kv, inst.cost.hw, links, inst.cost.eff, prefill_s=dt, layers=layers)
@@ -299,17 +423,42 @@ def _run(front, back, requests, first_token_on, layerwise=True, router="prefill"
                     r.token_times += [end] * what[1]
                     if r.first_token is None:
                         r.first_token = end
-                    _maybe_finish(inst, r, end)
+                    if _maybe_finish(inst, r, end):
+                        finished(r, end)
             push(end, "step", inst)
     return requests
 
 
-def _maybe_finish(inst: Instance, r: SimRequest, t: float) -> None:
-    if r.generated >= r.output:
-        r.done = t
-        inst.running.remove(r)
-        inst.kv_used -= r.held if r.held else r.prompt + r.output  # a decode instance's, or a colocated one's
-        r.held = 0
+def _maybe_finish(inst: Instance, r: SimRequest, t: float) -> bool:
+    """r is done when it has all its outputs: its KV is freed (and its pages cached). True if done."""
+    if r.generated < r.output:
+        return False
+    r.done = t
+    inst.running.remove(r)
+    inst.kv_used -= r.held if r.held else r.prompt + r.output  # a decode instance's, or a colocated one's
+    r.held = 0
+    if inst.cache is not None:  # the last token sampled has no KV yet
+        inst.cache.add(r, r.prompt + r.generated - 1, inst.page_size)
+    return True
+
+
+def _lookup_decode(inst: Instance, r: SimRequest) -> None:
+    """A disaggregated request's decode instance looks up what of its prompt it already holds."""
+    r.skip = 0
+    if inst.cache is not None and not r.fetch:
+        r.skip = inst.cache.lookup(r, r.context, inst.page_size)
+
+
+def _prefill_locally(inst: Instance, r: SimRequest) -> bool:
+    """router='decode': r's decode instance looks its cache up; where it lacks at most
+    local_prefill_max_tokens (the last token included) it computes them itself (a prefill chunk in its
+    next step, nothing sent) and True is returned."""
+    _lookup_decode(inst, r)
+    have = r.skip * inst.page_size
+    if r.fetch or not inst.local_prefill_max_tokens or r.context - have > inst.local_prefill_max_tokens:
+        return False
+    r.computed, r.cached, r.local = have, have, True
+    return True
 
 
 def _admit_decode(inst: Instance, r: SimRequest) -> bool:
@@ -321,6 +470,8 @@ def _admit_decode(inst: Instance, r: SimRequest) -> bool:
     need = context + max(left, 1)
     if inst.kv_used + need > inst.kv_capacity_tokens and (inst.running or inst.recompute):
         return False
+    if inst.cache is not None and r.computed >= r.context and not r.fetch:  # landed: its pages are named
+        inst.cache.add(r, r.context, inst.page_size)
     r.held, r.fetch = need, 0
     inst.kv_used += need
     return True
@@ -355,6 +506,7 @@ def _preempt(inst: Instance, r: SimRequest) -> list:
         inst.refetched_tokens += context
         return [(r, "refetch")]
     inst.recomputed_tokens += context
+    r.computed = 0
     inst.recompute.append(r)
     return []
 
@@ -374,7 +526,9 @@ def _decode_step(inst: Instance) -> tuple[float, list]:
     if not batch and not recompute:
         return (1e-9 if events else 0.0), events  # it only preempted: the refetches still go out
     verify, plain, drafts = _verify_chunks(inst, batch)
-    chunks = verify + [(r.prompt + r.generated, 0) for r in recompute]
+    chunks = verify + [(r.prompt + r.generated - r.computed, r.computed) for r in recompute]
+    for r in recompute:  # a preempted request's whole context, or a local prefill's missing rest
+        r.computed = r.prompt + r.generated
     dt = inst.cost.step_time(
         chunks, [r.prompt + r.generated for r in plain], len(plain) + drafts + len(recompute)
     )

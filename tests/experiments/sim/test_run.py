@@ -51,15 +51,19 @@ def test_a_small_decode_cache_thrashes_without_room_to_finish(tmp_path):
     ]
     room, old = run_sim(_cfg(overrides), tmp_path)
     assert room["summary"]["completed"] == old["summary"]["completed"] == 200
-    assert room["summary"]["preemptions"] == {"decode-0": 0}
+    assert room["summary"]["preemptions"]["decode-0"] == 0
     assert old["summary"]["preemptions"]["decode-0"] > 0
     assert old["summary"]["recomputed_prompt_tokens"]["decode-0"] > 0
     assert old["summary"]["tpot_s"]["p99"] > 1.5 * room["summary"]["tpot_s"]["p99"]
 
 
 def test_the_simulator_refuses_what_it_cannot_model(tmp_path):
-    with pytest.raises(ValueError, match="needs workload.arrival=poisson"):
+    with pytest.raises(ValueError, match="arrival='concurrency' is not simulated for workload.dataset="):
         run_sim(_cfg(["workload.arrival=concurrency"]), tmp_path)
+    with pytest.raises(ValueError, match="cache_pages=-1 is not allowed: null or an integer >= 0"):
+        run_sim(_cfg(["cache_pages=-1"]), tmp_path)
+    with pytest.raises(ValueError, match="page_size=0 is not allowed: an integer >= 1"):
+        run_sim(_cfg(["page_size=0"]), tmp_path)
     with pytest.raises(ValueError, match="sim model must be one of"):
         run_sim(_cfg(["sim_model=gpt-5"]), tmp_path)
     with pytest.raises(ValueError, match=r"router='random' is not allowed: one of \('prefill', 'decode'\)"):
@@ -129,3 +133,67 @@ def test_simulated_speculation_gives_the_expected_tokens_per_verify_step_and_its
     assert abs(spec["spec_mean_accepted_length"] - 2.44) < 0.05
     assert spec["tpot_s"]["p50"] < 0.6 * plain["tpot_s"]["p50"]
     assert useless["tpot_s"]["p50"] > plain["tpot_s"]["p50"]  # every draft rejected: verify costs only
+
+
+MULTITURN = ["workload=multiturn", "workload.conversations=4", "workload.turns=4", "workload.concurrency=4"]
+MULTITURN += ["workload.system_prompt_len=200", "workload.turn_len=100", "workload.output_len.value=40"]
+
+
+def _multiturn_sim(tmp_path, extra=(), cached=""):
+    overrides = ["sim_model=smollm2-135m", "hardware=cpu-this-machine", "first_token_on=decode"]
+    overrides += ["router=decode", "plots=false", "efficiency.memory=0.2", *MULTITURN, *extra]
+    overrides += [
+        f"deployments=[{{name: cached, kind: disaggregated, num_prefill: 1, num_decode: 1{cached}}},"
+        "{name: nocache, kind: disaggregated, num_prefill: 1, num_decode: 1, prefix_caching: false},"
+        "{name: colocated, kind: colocated, num_workers: 1}]"
+    ]
+    return {r["deployment"]: r for r in run_sim(_cfg(overrides), tmp_path)}
+
+
+def test_a_multiturn_workload_runs_closed_loop_and_the_cache_predicts_what_is_not_sent(tmp_path):
+    runs = _multiturn_sim(tmp_path)
+    cached, nocache, colocated = runs["cached"], runs["nocache"], runs["colocated"]
+    for run in runs.values():  # 4 conversations x 4 turns, each turn sent 1 s after the reply it extends
+        assert run["summary"]["completed"] == 16 and run["summary"]["errors"] == 0
+        by_conv = {}
+        for r in sorted(run["requests"], key=lambda r: r["turn"]):
+            if r["turn"]:
+                prev = by_conv[r["conversation"]]
+                assert r["arrival_s"] >= prev["arrival_s"] + prev["e2e_s"] + 1.0 - 1e-9
+                assert r["prompt_tokens"] == prev["prompt_tokens"] + 40 + 100
+            by_conv[r["conversation"]] = r
+    page, message = 16, 100
+    for r in cached["requests"]:  # the decode instance holds the previous turn's prompt and reply
+        if r["turn"]:
+            held = (r["prompt_tokens"] - message - 1) // page * page  # the last reply token has no KV
+            assert r["cached_tokens"] == held
+            assert r["transfer_bytes"] == (r["prompt_tokens"] - held) * 46080 // 2  # bf16 preset
+    assert all(r["cached_tokens"] == 0 for r in nocache["requests"])
+    assert nocache["summary"]["prefix_hit_rate"] == 0 and cached["summary"]["prefix_hit_rate"] > 0.6
+    assert cached["summary"]["transfer_bytes"] < 0.35 * nocache["summary"]["transfer_bytes"]
+    assert cached["summary"]["ttft_s"]["p50"] < nocache["summary"]["ttft_s"]["p50"]
+    assert colocated["summary"]["prefix_hit_rate"] > 0.6 and colocated["summary"]["transfer_bytes"] == 0
+    hits = cached["summary"]["prefix_hits"]
+    assert hits["decode-0"] > 0 and hits["prefill-0"] > 0
+    turns = cached["summary"]["by_turn"]
+    assert [t["turn"] for t in turns] == [0, 1, 2, 3] and turns[3]["cached_tokens_mean"] > 400
+
+
+def test_a_decode_instance_prefills_a_short_missing_rest_itself(tmp_path):
+    runs = _multiturn_sim(tmp_path, cached=", local_prefill_max_tokens: 200")
+    later = [r for r in runs["cached"]["requests"] if r["turn"]]
+    assert later and all(r["prefill"] == "local" and r["transfer_bytes"] == 0 for r in later)
+    assert all(r["prefill"] == "remote" for r in runs["cached"]["requests"] if not r["turn"])
+
+
+def test_compare_real_on_a_multiturn_run_compares_hits_and_kv_sent(tmp_path, capsys):
+    from experiments.sim import compare_real
+
+    _multiturn_sim(tmp_path, ["efficiency.linear=0.75", "efficiency.attention=0.75"])
+    capsys.readouterr()
+    assert compare_real.main([str(tmp_path / "results.json"), "--linear", "0.75", "--memory", "0.2"]) == 0
+    out = capsys.readouterr().out
+    assert "mean |error| 0%, worst 0%" in out and out.count("TTFT turn 4") == 3
+    hits = [line for line in out.splitlines() if "prefix hit" in line]
+    assert len(hits) == 2 and all(line.endswith(" 0%") for line in hits)
+    assert out.count("KV sent tokens") == 2

@@ -160,3 +160,45 @@ def test_thrashing_shows_in_tpot_and_room_to_finish_removes_it():
         tpot[reserved] = max(r.tpot for r in reqs)
     assert tpot[None] == pytest.approx(1.0)  # every step a plain decode step
     assert tpot[0] > 1.5
+
+
+def test_the_page_cache_finds_a_shared_head_leaves_the_last_token_and_evicts_least_recently_used():
+    from experiments.sim.simulate import PageCache
+
+    cache = PageCache(capacity=4)
+    a = SimRequest(0, 0.0, prompt=40, output=1, shared=32)  # pages 0, 1 shared; page 2 its own
+    b = SimRequest(1, 0.0, prompt=48, output=1, shared=32)
+    cache.add(a, 40, page=16)
+    assert cache.peek(b, 48, 16) == [("shared", 0), ("shared", 1)]  # a's page 2 is not b's
+    assert cache.lookup(a, 48, 16) == 2  # 47 tokens fill two pages (a's third was named at 40 tokens)
+    assert cache.lookup(a, 32, 16) == 1  # at most what leaves the last token to compute
+    assert (cache.queries, cache.hits) == (80, 48)
+    cache.add(b, 48, 16)  # b's page 2: 4 pages cached
+    cache.lookup(a, 32, 16)  # shared 0 used last
+    cache.add(SimRequest(2, 0.0, prompt=16, output=1), 16, 16)  # a fifth page: the LRU one goes
+    assert ("request", 0) not in cache.pages and ("shared", 0) in cache.pages and len(cache.pages) == 4
+
+
+def test_a_colocated_instance_computes_only_what_its_cache_lacks():
+    first = SimRequest(0, 0.0, prompt=40, output=2, shared=32)
+    second = SimRequest(1, 10.0, prompt=40, output=2, shared=32)
+    simulate_colocated([Instance(_cost()).enable_cache(100)], [first, second])
+    assert first.cached == 0 and first.ttft == pytest.approx(1 + 4.0)  # 40 prefill tokens
+    assert second.cached == 32 and second.ttft == pytest.approx(1 + 0.8)  # 8 of them
+    off = SimRequest(1, 10.0, prompt=40, output=2, shared=32)
+    simulate_colocated([Instance(_cost())], [SimRequest(0, 0.0, prompt=40, output=2, shared=32), off])
+    assert off.cached == 0 and off.ttft == pytest.approx(5.0)
+
+
+def test_a_closed_loop_sends_each_follow_up_after_its_reply_and_holds_arrivals_past_the_concurrency():
+    reqs = [SimRequest(i, 0.0, prompt=10, output=2) for i in range(2)]
+
+    def follow(r):
+        return SimRequest(r.rid + 10, r.done + 0.5, 10, 2) if r.rid < 10 else None
+
+    simulate_colocated([Instance(_cost())], reqs, follow=follow, concurrency=1)
+    assert len(reqs) == 4 and all(r.done is not None for r in reqs)
+    a, b, a2, b2 = sorted(reqs, key=lambda r: r.first_token)  # one in flight at a time
+    assert a.rid == 0 and b.rid == 1 and b.first_token > a.done  # b waited for a's slot
+    assert {a2.rid, b2.rid} == {10, 11}
+    assert min(a2.first_token, b2.first_token) > b.done
