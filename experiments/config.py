@@ -111,6 +111,11 @@ class DeploymentConfig:
     # A decode (or colocated) worker that dies: migrate (its requests go on on another live one: prompt +
     # the tokens streamed so far, recomputed there) | fail (they end with an error)
     on_worker_death: str = "migrate"
+    # Which decode (or colocated) worker takes a request (experiments/deploy/policy.py): cache_aware (the
+    # fewest pages to compute there, x routing_overlap_weight, + the pages it has in flight) |
+    # least_loaded (the fewest requests in flight) | round_robin
+    routing: str = "cache_aware"
+    routing_overlap_weight: float = 1.0
 
     def __post_init__(self):
         if self.kind not in DEPLOYMENT_KINDS:
@@ -134,6 +139,13 @@ class DeploymentConfig:
             _fail("deployment.decode_reserved_tokens", r, "null or an integer >= 0")
         if self.on_worker_death not in ON_WORKER_DEATH:
             _fail("deployment.on_worker_death", self.on_worker_death, f"one of {ON_WORKER_DEATH}")
+        from experiments.deploy.policy import POLICIES
+
+        if self.routing not in POLICIES:
+            _fail("deployment.routing", self.routing, f"one of {POLICIES}")
+        w = self.routing_overlap_weight
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w < float("inf"):
+            _fail("deployment.routing_overlap_weight", w, "a finite number >= 0")
         if self.decode_preemption not in DECODE_PREEMPTIONS:
             _fail("deployment.decode_preemption", self.decode_preemption, f"one of {DECODE_PREEMPTIONS}")
         if not isinstance(self.prefix_caching, bool):

@@ -42,6 +42,7 @@ from experiments.deploy.messages import (
     Timeline,
     driver_codec,
 )
+from experiments.deploy.policy import Router
 from experiments.deploy.worker import WorkerSpec
 from experiments.workload import Conversations, Request
 from transfer.auth import Credentials, keyring
@@ -405,7 +406,8 @@ def _serve(run: DeploymentRun, config: RunConfig, fleet: Fleet, progress: bool, 
 
     w = config.workload
     frontends = fleet.frontends  # where requests go
-    in_flight = {n: set() for n in frontends}
+    router = Router.of(run.deployment, frontends, config.model.num_pages, config.model.page_size)
+    in_flight = router.in_flight  # worker -> its requests
     queue = list(run.requests)  # in arrival order
     streamed: dict[str, list[float]] = {}  # request -> when each of its tokens reached the driver
     tokens: dict[str, list[int]] = {}  # request -> its tokens so far (what a migration resumes after)
@@ -430,8 +432,7 @@ def _serve(run: DeploymentRun, config: RunConfig, fleet: Fleet, progress: bool, 
                     run.results[req.request_id] = _error(req.request_id, "no live worker to take it", now)
                     bar.update()
                     continue
-                target = min(live, key=lambda n: len(in_flight[n]))
-                in_flight[target].add(req.request_id)
+                target = router.route_tokens(req.request_id, req.prompt_ids, live)
                 fleet.send(target, Submit(req.request_id, req.prompt_ids, req.max_tokens, stream=True))
                 busy += 1
             fleet.sock.poll(_wait_ms(run, queue, w.arrival))
@@ -445,7 +446,8 @@ def _serve(run: DeploymentRun, config: RunConfig, fleet: Fleet, progress: bool, 
                 elif isinstance(msg, Result):
                     if msg.request_id not in in_flight.get(name, ()):
                         continue  # a late one from a worker the request has migrated from
-                    in_flight[name].discard(msg.request_id)
+                    done = list(by_id[msg.request_id].prompt_ids) + list(msg.output_ids)
+                    router.finished_tokens(name, msg.request_id, done if msg.error is None else [])
                     tokens.pop(msg.request_id, None)
                     msg.migrations = migrated.pop(msg.request_id, 0)
                     times = streamed.pop(msg.request_id, [])
@@ -469,26 +471,27 @@ def _serve(run: DeploymentRun, config: RunConfig, fleet: Fleet, progress: bool, 
                 again = " (restarting)" if name in fleet.restarting else ""
                 run.events.append((now, f"{name} exited (code {code}){again}"))
                 if fleet.roles[name] != "prefill":
+                    router.forget(name)
                     live = [n for n in frontends if n not in fleet.dead]
-                    for rid in in_flight[name]:
+                    for rid in list(in_flight[name]):
                         req, so_far = by_id[rid], tokens.get(rid, [])
                         if (
                             run.deployment.on_worker_death == "migrate"
                             and live
                             and len(so_far) < req.max_tokens
                         ):
-                            target = min(live, key=lambda n: len(in_flight[n]))  # prompt + tokens so far
-                            in_flight[target].add(rid)
+                            router.moved(rid, name)  # to go on elsewhere: prompt + tokens so far
+                            target = router.route_tokens(rid, list(req.prompt_ids) + so_far, live)
                             migrated[rid] = migrated.get(rid, 0) + 1
                             resumed = Submit(
                                 rid, req.prompt_ids, req.max_tokens, stream=True, output_ids=so_far
                             )
                             if fleet.send(target, resumed):
                                 continue
-                            in_flight[target].discard(rid)
+                            router.moved(rid, target)
+                        router.moved(rid, name)
                         run.results[rid] = _error(rid, f"worker {name} exited", now)
                         bar.update()
-                    in_flight[name].clear()
             if hooks is not None:
                 hooks(run, fleet.procs)
             if time.monotonic() > give_up:

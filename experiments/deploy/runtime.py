@@ -1,8 +1,8 @@
 """The driver side of the HTTP server: one thread owns the workers' socket (experiments.deploy.server).
 
-It routes each request to the least loaded decode or colocated worker, passes the tokens it streams to
-the request's sink, fails only the request whose routing raised, and, when a worker dies, hands its
-requests to another live one (DeploymentConfig.on_worker_death: migrate) or fails them.
+It routes each request to a decode or colocated worker (the deployment's Router), passes the tokens it
+streams to the request's sink, fails only the request whose routing raised, and, when a worker dies,
+hands its requests to another live one (DeploymentConfig.on_worker_death: migrate) or fails them.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import time
 import msgspec
 
 from experiments.deploy.messages import Cancel, Failed, Load, Progress, Result, Submit
+from experiments.deploy.policy import Router
 
 WAIT_MS = 20  # the runtime's longest sleep on its sockets: how often it looks for dead workers
 log = logging.getLogger(__name__)
@@ -28,9 +29,16 @@ class Runtime:
     on the runtime's thread with ("progress", (token ids, text)) for streamed requests and finally
     ("result", Result)."""
 
-    def __init__(self, fleet, on_worker_death: str = "migrate", silent_after_s: float = 10.0):
+    def __init__(
+        self,
+        fleet,
+        on_worker_death: str = "migrate",
+        silent_after_s: float = 10.0,
+        router: Router | None = None,
+    ):
         """on_worker_death: DeploymentConfig's (migrate | fail); silent_after_s: a worker not heard from
-        for this long (frozen, or cut off) makes the deployment unhealthy (GET /health 503)."""
+        for this long (frozen, or cut off) makes the deployment unhealthy (GET /health 503); router:
+        which worker takes each request (default: cache_aware over the fleet's frontends)."""
         import zmq
 
         self.fleet, self.on_worker_death, self.silent_after_s = fleet, on_worker_death, silent_after_s
@@ -44,7 +52,8 @@ class Runtime:
         self._poller.register(fleet.sock, zmq.POLLIN)
         self._poller.register(self._wake_r, zmq.POLLIN)
         self.sinks: dict[str, object] = {}
-        self.in_flight = {n: set() for n in fleet.frontends}
+        self.router = router or Router(fleet.frontends)
+        self.in_flight = self.router.in_flight  # worker -> its requests
         self.owner: dict[str, str] = {}  # request -> the worker it went to
         self.load: dict[str, Load] = {}
         self.requests: dict[str, Submit] = {}  # request -> what it was submitted with
@@ -160,6 +169,8 @@ class Runtime:
         for name, _ in self.fleet.deaths():  # a dead prefill worker's decode peers end its requests
             self.load.pop(name, None)
             self.heard.pop(name, None)
+            if name in self.in_flight:
+                self.router.forget(name)
             for rid in list(self.in_flight.get(name, ())):
                 if not (self.on_worker_death == "migrate" and self._migrate(rid, name)):
                     self._finish(Result(rid, name, [], 0.0, None, [], "error", f"worker {name} exited"))
@@ -174,10 +185,9 @@ class Runtime:
         if msg is None or not live or len(sent[0]) >= msg.max_tokens:
             return False
         resumed = msgspec.structs.replace(msg, output_ids=list(sent[0]), text_sent=sent[1])
-        self.in_flight[dead].discard(request_id)
-        target = min(live, key=lambda n: len(self.in_flight[n]))
+        self.router.moved(request_id, dead)
+        target = self.router.route_tokens(request_id, list(msg.prompt_ids) + list(sent[0]), live)
         self.owner[request_id] = target
-        self.in_flight[target].add(request_id)
         count = self.migrated.get(request_id, (0, []))[0] + 1
         self.migrated[request_id] = (count, list(sent[2]))
         log.warning(
@@ -194,11 +204,10 @@ class Runtime:
         if not live:
             sink("result", Result(msg.request_id, "", [], 0.0, None, [], "error", "no live worker"))
             return
-        target = min(live, key=lambda n: len(self.in_flight[n]))
+        target = self.router.route_tokens(msg.request_id, list(msg.prompt_ids) + list(msg.output_ids), live)
         self.sinks[msg.request_id] = sink
         self.requests[msg.request_id] = msg
         self.owner[msg.request_id] = target
-        self.in_flight[target].add(msg.request_id)
         if not self.fleet.send(target, msg):
             self._finish(
                 Result(msg.request_id, target, [], 0.0, None, [], "error", f"worker {target} is gone")
@@ -216,7 +225,7 @@ class Runtime:
         self._finish(Result(request_id, owner or "", [], 0.0, None, [], "error", error))
 
     def _finish(self, result: Result) -> None:
-        self.requests.pop(result.request_id, None)
+        msg = self.requests.pop(result.request_id, None)
         self.streamed.pop(result.request_id, None)
         migrated = self.migrated.pop(result.request_id, None)
         if migrated is not None:  # its tokens from before: the worker it went on on timed only its own
@@ -225,6 +234,8 @@ class Runtime:
         sink = self.sinks.pop(result.request_id, None)
         worker = self.owner.pop(result.request_id, None)
         if worker in self.in_flight:
-            self.in_flight[worker].discard(result.request_id)
+            done = result.error is None and msg is not None  # what its worker now caches
+            tokens = list(msg.prompt_ids) + list(msg.output_ids) + list(result.output_ids) if done else []
+            self.router.finished_tokens(worker, result.request_id, tokens)
         if sink is not None:
             sink("result", result)

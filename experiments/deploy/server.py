@@ -52,6 +52,7 @@ from experiments.deploy.api import (
     usage_block,
 )
 from experiments.deploy.messages import Result
+from experiments.deploy.policy import Router
 from experiments.deploy.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -345,7 +346,8 @@ def serve(cfg: DictConfig, out_dir: Path, ready=None) -> None:
     sock = listening_socket(server.host, server.port)
     fleet = start_fleet(config, config.deployments[0], out_dir / "logs")
     d = config.deployments[0]
-    runtime = Runtime(fleet, d.on_worker_death, config.transfer.peer_timeout_s)
+    router = Router.of(d, fleet.frontends, config.model.num_pages, config.model.page_size)
+    runtime = Runtime(fleet, d.on_worker_death, config.transfer.peer_timeout_s, router)
     try:
         state = App(runtime, tokenizer, name, max_position, server.api_key, server)
         app = make_app(state)

@@ -32,6 +32,7 @@ from experiments.config import (
     workload_of,
 )
 from experiments.deploy.messages import DeploymentRun, Result, Timeline
+from experiments.deploy.policy import Router
 from experiments.sim.cost import CostModel, Efficiency
 from experiments.sim.hardware import hardware_of
 from experiments.sim.models import sim_model
@@ -127,9 +128,14 @@ def simulate_deployment(
     def caching(instances: list[Instance]) -> list[Instance]:
         return [i.enable_cache(cache_pages) for i in instances] if d.prefix_caching else instances
 
+    def policy(pool: list[Instance]) -> Router:
+        """The deployment's routing over pool, believing each instance caches as much as it can."""
+        pages = pool[0].cache.capacity if pool[0].cache is not None else 0
+        return Router.of(d, range(len(pool)), pages, page_size)
+
     if d.kind == "colocated":
         colocated = caching([inst(d.tp, chunked) for _ in range(d.num_workers)])
-        simulate_colocated(colocated, reqs, follow, concurrency)
+        simulate_colocated(colocated, reqs, follow, concurrency, policy(colocated))
         run_timelines = [_timeline(f"worker-{n}", "colocated", i) for n, i in enumerate(colocated)]
     else:
         prefill = [inst(d.prefill_tp, False, prefill_slowdown, decodes=False) for _ in range(d.num_prefill)]
@@ -139,7 +145,7 @@ def simulate_deployment(
             i.preemption, i.local_prefill_max_tokens = d.decode_preemption, d.local_prefill_max_tokens
         prefill, decode = caching(prefill), caching(decode)
         simulate_disaggregated(
-            prefill, decode, reqs, layerwise, first_token_on, router, follow, concurrency
+            prefill, decode, reqs, layerwise, first_token_on, router, follow, concurrency, policy(decode)
         )  # fmt: skip
         run_timelines = [_timeline(f"prefill-{n}", "prefill", i) for n, i in enumerate(prefill)]
         run_timelines += [_timeline(f"decode-{n}", "decode", i) for n, i in enumerate(decode)]

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from experiments.deploy.policy import Router
 from experiments.sim.cost import CostModel, transfer_time
 
 
@@ -250,15 +251,20 @@ def _decode_events(inst: Instance, plain: list) -> list:
 
 
 def simulate_colocated(
-    instances: list[Instance], requests: list[SimRequest], follow=None, concurrency: int | None = None
+    instances: list[Instance],
+    requests: list[SimRequest],
+    follow=None,
+    concurrency: int | None = None,
+    policy: Router | None = None,
 ) -> list[SimRequest]:
-    """Requests go to the instance with the fewest requests; each samples its first token after its
-    prompt's last chunk and one token per later step.
+    """Requests go to the instance the policy picks (a Router over the instances' indices, as the real
+    drivers' over their workers; default: the fewest requests in flight); each samples its first token
+    after its prompt's last chunk and one token per later step.
 
     follow: a closed loop (a multiturn workload): called with each request as it finishes, it returns the
     request that follows it (arriving when that says) or None; the ones it returns are added to requests.
     concurrency: at most this many requests in flight; one that arrives beyond waits for a slot."""
-    return _run(instances, [], requests, "prefill", follow=follow, concurrency=concurrency)
+    return _run(instances, [], requests, "prefill", follow=follow, concurrency=concurrency, policy=policy)
 
 
 def simulate_disaggregated(
@@ -270,6 +276,7 @@ def simulate_disaggregated(
     router: str = "prefill",
     follow=None,
     concurrency: int | None = None,
+    policy: Router | None = None,
 ) -> list[SimRequest]:
     """xPyD: prefill instances compute prompts, the KV moves, decode instances generate.
 
@@ -279,16 +286,25 @@ def simulate_disaggregated(
     instance chosen when the KV leaves (DistServe). 'decode': to the least-loaded decode instance, which
     forwards it to a prefill instance between its steps, so a request arriving mid-step waits for the
     step to end (this project's workers, and Dynamo's); only then can a decode instance prefill a short
-    missing rest itself (local_prefill_max_tokens). follow, concurrency: as simulate_colocated."""
+    missing rest itself (local_prefill_max_tokens). follow, concurrency, policy: as simulate_colocated
+    (the policy picks the decode instance under router='decode')."""
     if first_token_on not in ("prefill", "decode"):
         raise ValueError(f"first_token_on must be one of ('prefill', 'decode'), got {first_token_on!r}")
     if router not in ("prefill", "decode"):
         raise ValueError(f"router must be one of ('prefill', 'decode'), got {router!r}")
-    return _run(prefill, decode, requests, first_token_on, layerwise, router, follow, concurrency)
+    return _run(prefill, decode, requests, first_token_on, layerwise, router, follow, concurrency, policy)
 
 
 def _run(
-    front, back, requests, first_token_on, layerwise=True, router="prefill", follow=None, concurrency=None
+    front,
+    back,
+    requests,
+    first_token_on,
+    layerwise=True,
+    router="prefill",
+    follow=None,
+    concurrency=None,
+    policy=None,
 ) -> list[SimRequest]:
     """The event loop. front: colocated or prefill instances; back: decode instances (or none)."""
     disagg = bool(back)
@@ -309,6 +325,14 @@ def _run(
     homed = {id(i): 0 for i in back}  # requests routed to a decode instance and not landed yet
     pending: list = []  # arrived beyond the concurrency, in order
     busy = 0
+    pool = back if disagg else front  # what the policy picks from (router='decode', or colocated)
+    policy = policy or Router(range(len(pool)), "least_loaded", cache_pages=0)
+    routed: dict = {}  # rid -> the index in pool its request went to
+
+    def pick(r) -> Instance:
+        n = policy.route(r.rid, r.names(r.context, pool[0].page_size), r.context, list(range(len(pool))))
+        routed[r.rid] = n
+        return pool[n]
 
     def kick(inst, now):
         if idle[id(inst)]:
@@ -319,6 +343,8 @@ def _run(
         """r is done: a slot frees (the next pending request goes), and its next turn is due."""
         nonlocal busy
         busy -= 1
+        if r.rid in routed:  # the policy believes its instance now caches its prompt and reply
+            policy.finished(routed.pop(r.rid), r.rid, r.names(r.prompt + r.generated - 1, pool[0].page_size))
         nxt = follow(r) if follow is not None else None
         if nxt is not None:
             requests.append(nxt)
@@ -335,8 +361,12 @@ def _run(
                 continue
             busy += 1
             kind = "route"
-        if kind == "route" and disagg and router == "decode":
-            target = min(back, key=lambda i: i.load() + homed[id(i)])  # the least in flight
+        if kind == "route" and not disagg:
+            inst = pick(payload)
+            inst.waiting.append(payload)
+            kick(inst, now)
+        elif kind == "route" and router == "decode":
+            target = pick(payload)
             home[payload.rid] = target
             homed[id(target)] += 1
             if idle[id(target)]:

@@ -447,3 +447,37 @@ def test_multiturn_conversations_reuse_their_history_and_send_only_the_new_kv(tm
     assert 0 < cached["summary"]["prefix_hit_rate"] and plain["summary"]["prefix_hit_rate"] == 0
     assert cached["summary"]["prefix_hits"]["prefill-0"] > 0  # its own cache: later turns' history
     assert all(t["free_pages"] == t["num_pages"] for rec in (cached, plain) for t in rec["timelines"])
+
+
+def test_cache_aware_routing_keeps_each_conversation_where_its_history_is(tmp_path):
+    """Two colocated workers, 3 conversations x 3 turns: cache_aware (the overlap weighted far above the
+    load) sends every turn to the worker that served the conversation's last one, and every later turn
+    finds its history there; round_robin cannot (3 conversations over 2 workers: some turn switches)."""
+    multiturn = ["workload=multiturn", "workload.conversations=3", "workload.turns=3"]
+    multiturn += ["workload.concurrency=3", "workload.system_prompt_len=40", "workload.turn_len=12"]
+    multiturn += ["workload.think_time_s=0.05", "workload.output_len.value=8", "model.page_size=4"]
+    common = "kind: colocated, num_workers: 2"
+    deployments = (
+        f"deployments=[{{name: cache, {common}, routing_overlap_weight: 100}},"
+        f"{{name: rr, {common}, routing: round_robin}}]"
+    )
+    cache, rr = run(_cfg([*TINY[:1], *TINY[8:], *multiturn, deployments]), tmp_path, progress=False)
+    assert cache["summary"]["completed"] == rr["summary"]["completed"] == 9
+    assert _outputs(cache) == _outputs(rr)
+
+    def by_conversation(record):
+        rows = sorted(record["requests"], key=lambda r: (r["conversation"], r["turn"]))
+        return {c: [r for r in rows if r["conversation"] == c] for c in range(3)}
+
+    switched = 0
+    for turns in by_conversation(cache).values():
+        assert len({r["worker"] for r in turns}) == 1
+        for r in turns[1:]:
+            assert r["cached_tokens"] >= r["prompt_tokens"] - 12 - 4  # all but the new message, to a page
+    for turns in by_conversation(rr).values():
+        for prev, r in zip(turns, turns[1:], strict=False):
+            if r["worker"] != prev["worker"]:
+                switched += 1
+                assert r["cached_tokens"] < r["prompt_tokens"] - 12 - 4
+    assert switched >= 1
+    assert cache["summary"]["prefix_hit_rate"] > rr["summary"]["prefix_hit_rate"]
