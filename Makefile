@@ -27,9 +27,10 @@ test: $(STAMP)
 test-all: $(STAMP)
 	$(PYTEST) -q
 
-# 10,000 requests through a real 1P1D pair with aborts and prefill restarts (marked slow; minutes)
+# 10,000 requests through a real 1P1D pair with aborts and prefill restarts, then the HTTP server on 2P2D
+# for 10 minutes with a worker SIGKILLed and restarted every 60 s (marked slow; about 13 minutes)
 soak: $(STAMP)
-	$(PYTEST) tests/transfer/test_soak.py -m slow -q -s
+	$(PYTEST) tests/transfer/test_soak.py tests/experiments/test_chaos_soak.py -m slow -q -s
 
 bench: $(STAMP)
 	$(PYTEST) experiments/bench -q -p no:cacheprovider --benchmark-enable \

@@ -292,10 +292,15 @@ class RayConfig:
 class LauncherConfig:
     name: str = "local"  # local: processes on this host | ray: actors on a Ray cluster
     ray: RayConfig | None = None  # the ray launcher's settings
+    # local: a dead worker is started again this many times (decode workers too); ray: ray.max_restarts
+    max_restarts: int = 0
 
     def __post_init__(self):
         if self.name not in LAUNCHERS:
             _fail("launcher", self.name, f"one of {LAUNCHERS}")
+        r = self.max_restarts
+        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+            _fail("launcher.max_restarts", r, "an integer >= 0")
         if self.name == "ray" and self.ray is None:
             object.__setattr__(self, "ray", RayConfig())
 

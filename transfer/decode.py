@@ -144,7 +144,10 @@ class DecodeMessenger:
         instead. Returns whether a prefill worker was asked.
 
         Raises what engine.reserve raises (out of pages, a bad request) with nothing taken."""
-        if peer is None:
+        if peer is None:  # a peer whose process is gone (seen from this host) but not yet silent is down
+            for name, p in self.peers.items():
+                if not p.lost and p.down():
+                    self.peer_dead(name)
             live = [n for n, p in self.peers.items() if not p.lost] or list(self.peers)
             peer = min(live, key=self.outstanding_tokens)
         target = self.peers[peer]

@@ -141,6 +141,17 @@ class PrefillMessenger:
         self.channels.append(channel)
         channel.send(Hello.of(self.spec, self.backend.name))
 
+    def replace_peer(self, channel) -> None:
+        """A decode worker came back as a new process (restarted): what was on its old channel is
+        aborted, the old channel closed, and the new one served as add_peer does."""
+        for old in [c for c in self.channels if c.peer == channel.peer]:
+            for t in list(self.transfers.values()):
+                if t.channel is old:
+                    self.abort(t.req.request_id, "decode worker restarted")
+            self.channels.remove(old)
+            old.close()
+        self.add_peer(channel)
+
     def abort(self, request_id: str, reason: str) -> None:
         """Stop a request from this side: no post for it starts after this; Ended tells the decode side."""
         t = self.transfers.get(request_id)
@@ -182,6 +193,8 @@ class PrefillMessenger:
                 self._tell(t.channel, Ended(rid, t.req.seq, t.error or f"aborted: {t.aborted}"))
 
     def _tell(self, channel, msg) -> None:
+        if channel not in self.channels:
+            return  # replaced (its decode worker restarted): no one is there to hear it
         try:
             channel.send(msg, timeout_s=0.1)
         except TimeoutError:  # a decode worker that takes nothing is silent, and handled as such

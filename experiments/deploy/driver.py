@@ -102,7 +102,8 @@ def worker_specs(
         specs.append(
             WorkerSpec(name, role, creds=keys[name], peers=peers, tp=tp, cores=cores(tp), seed=seed, **common)
         )
-    if config.launcher.name == "ray" and config.launcher.ray.max_restarts > 0:  # prefill workers may return
+    launcher = config.launcher  # with restarts, a decode worker waits for a prefill worker to return
+    if (launcher.ray.max_restarts if launcher.name == "ray" else launcher.max_restarts) > 0:
         specs = [replace(s, restart_wait_s=config.start_timeout_s) for s in specs]
     return specs
 
@@ -135,7 +136,11 @@ class Fleet:
         """Messages from the workers; the ones that bring a restarted worker back are handled here."""
         out = []
         for name, msg in _recv(self.sock):
-            if isinstance(msg, Listening) and self.roles[name] == "decode":
+            if isinstance(msg, Listening) and self.roles[name] == "decode" and name in self.restarting:
+                self.listening[name] = msg.addresses  # a restarted decode worker: new sockets, new peers
+                for p in (n for n, r in self.roles.items() if r == "prefill" and n not in self.dead):
+                    self.send(p, Connect({name: msg.addresses.get(p, "")}))
+            elif isinstance(msg, Listening) and self.roles[name] == "decode":
                 self.listening[name] = msg.addresses
                 if len(self.listening) == sum(r == "decode" for r in self.roles.values()):
                     for p in (n for n, r in self.roles.items() if r == "prefill"):

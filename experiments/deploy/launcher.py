@@ -1,7 +1,9 @@
 """Launchers start a deployment's workers and say whether each is still alive; everything above them
 (the driver's routing, the control plane, KV over NIXL) is the same for both.
 
-- `local`: one spawned process per worker on this host (each starts its own TP ranks).
+- `local`: one spawned process per worker on this host (each starts its own TP ranks); a dead one is
+  started again up to `launcher.max_restarts` times (0 by default), a decode worker too: the driver
+  hands its new control addresses to the prefill workers, which connect to it afresh.
 - `ray`: one Ray actor per worker, each in its own placement group (one bundle: the worker and its TP
   ranks, which it starts as its own processes, on one node), placed by role: on a node with the role's
   custom resource (`ray.role_resources`), or on the node `ray.node_ids` names. The driver and the workers
@@ -28,31 +30,68 @@ log = logging.getLogger(__name__)
 LOOPBACK = "127.0.0.1"
 
 
+class LocalWorker:
+    """One worker as a spawned process of this host; rerun() starts it again (a restart)."""
+
+    def __init__(self, ctx, spec: WorkerSpec):
+        self.spec, self._ctx, self.restarts = spec, ctx, 0
+        self.proc = None
+        self._start()
+
+    def _start(self) -> None:
+        self.proc = self._ctx.Process(target=worker_main, args=(self.spec,), name=self.spec.name)
+        self.proc.start()  # not a daemon: a worker with TP > 1 starts its own rank processes
+
+    def rerun(self) -> None:
+        self.proc.join(timeout=0)
+        self.restarts += 1
+        self._start()
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.proc.exitcode
+
+    def is_alive(self) -> bool:
+        return self.proc.is_alive()
+
+    def join(self, timeout: float | None = None) -> None:
+        self.proc.join(timeout)
+
+    def kill(self) -> None:
+        self.proc.kill()
+
+
 class LocalLauncher:
     """Workers as processes of this host."""
 
-    def __init__(self, control_host: str = LOOPBACK):
-        self._control_host = control_host
+    def __init__(self, control_host: str = LOOPBACK, max_restarts: int = 0):
+        self._control_host, self.max_restarts = control_host, max_restarts
 
     def control_host(self) -> str:
         """Where the driver binds its tcp:// control socket (transfer.control_host)."""
         return self._control_host
 
-    def start(self, specs: list[WorkerSpec]) -> dict[str, mp.Process]:
+    def start(self, specs: list[WorkerSpec]) -> dict[str, LocalWorker]:
         if mp.get_start_method(allow_none=True) not in (None, "spawn", "fork", "forkserver"):
             # inside a joblib (loky) sweep job: spawned children would look for a 'loky' context and fail
             mp.set_start_method("spawn", force=True)
         ctx = mp.get_context("spawn")
-        procs = {s.name: ctx.Process(target=worker_main, args=(s,), name=s.name) for s in specs}
-        for p in procs.values():
-            p.start()  # not daemons: a worker with TP > 1 starts its own rank processes
-        return procs
+        return {s.name: LocalWorker(ctx, s) for s in specs}
 
-    def where(self, proc: mp.Process) -> dict:
-        return {"node_id": socket.gethostname(), "pid": proc.pid}
+    def where(self, worker: LocalWorker) -> dict:
+        return {"node_id": socket.gethostname(), "pid": worker.pid}
 
-    def restart(self, name: str, proc) -> bool:
-        return False  # a dead local worker stays dead; the deployment serves with the others
+    def restart(self, name: str, worker: LocalWorker) -> bool:
+        """Start a dead worker again, if it has restarts left (launcher.max_restarts)."""
+        if worker.restarts >= self.max_restarts:
+            return False  # it stays dead; the deployment serves with the others
+        log.warning("restarting worker %s (restart %d of %d)", name, worker.restarts + 1, self.max_restarts)
+        worker.rerun()
+        return True
 
     def shutdown(self, workers=None) -> None:
         pass  # Fleet.stop has stopped the processes
@@ -281,4 +320,4 @@ class RayLauncher:
 def make_launcher(config) -> LocalLauncher | RayLauncher:
     if config.launcher.name == "ray":
         return RayLauncher(config.launcher.ray)
-    return LocalLauncher(config.transfer.control_host)
+    return LocalLauncher(config.transfer.control_host, config.launcher.max_restarts)

@@ -270,7 +270,15 @@ class Worker:
     def _handle(self, msg) -> None:
         from engine import SamplingParams
 
-        if isinstance(msg, PeerDead) and self.dm is not None:
+        if isinstance(msg, Connect) and self.pm is not None:  # a decode worker restarted: its new sockets
+            from transfer.channel import ZmqEndpoint
+            from transfer.protocol import prefill_codec
+
+            for peer, address in msg.addresses.items():
+                if peer in self.spec.peers and address:
+                    log.warning("%s: decode worker %s is back; connecting afresh", self.spec.name, peer)
+                    self.pm.replace_peer(ZmqEndpoint(address, False, self.spec.creds, peer, prefill_codec()))
+        elif isinstance(msg, PeerDead) and self.dm is not None:
             peer = self.dm.peers.get(msg.name)
             if peer is None or (msg.pid and msg.pid != peer.hello.pid):
                 return  # not a peer, or about a process of it already replaced by a restarted one

@@ -481,3 +481,47 @@ def test_cache_aware_routing_keeps_each_conversation_where_its_history_is(tmp_pa
                 assert r["cached_tokens"] < r["prompt_tokens"] - 12 - 4
     assert switched >= 1
     assert cache["summary"]["prefix_hit_rate"] > rr["summary"]["prefix_hit_rate"]
+
+
+def test_killed_workers_restart_under_the_local_launcher_and_take_requests_again(tmp_path):
+    """1 prefill + 2 decode workers with launcher.max_restarts=1: decode-0, then prefill-0, are SIGKILLed
+    mid-run; each comes back (the prefill worker connects afresh to the restarted decode worker), later
+    requests are served by the restarted decode worker, and every output equals LLM.generate's."""
+    from engine import LLM, SamplingParams
+    from experiments.config import check_fits_model, from_cfg
+    from experiments.workload import make_requests
+
+    overrides = [*TINY, "workload.arrival=poisson", "workload.rate=4", "workload.num_requests=120"]
+    overrides += ["workload.output_len.value=24", "launcher.max_restarts=1"]  # 30 s: a restart takes ~10
+    overrides += ["deployments=[{name: 1p2d, kind: disaggregated, num_prefill: 1, num_decode: 2}]"]
+    config = from_cfg(_cfg(overrides))
+    m = check_fits_model(config)
+    requests = make_requests(config.workload, m.tokenizer, m.config.vocab_size, m.config.max_position)
+    params = [SamplingParams(max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
+    want = LLM("tiny-random").generate([list(r.prompt_ids) for r in requests], params)
+    killed: dict[str, float] = {}
+
+    def kill_then_kill_again(run_state, procs):
+        if run_state.deployment.name != "1p2d":
+            return
+        now = time.perf_counter()
+        if "decode-0" not in killed and len(run_state.results) >= 2:
+            procs["decode-0"].kill()
+            killed["decode-0"] = now
+        back = [t for t, what in run_state.events if what == "decode-0 back after a restart"]
+        if back and "prefill-0" not in killed and now > back[0] + 2:
+            procs["prefill-0"].kill()
+            killed["prefill-0"] = now
+
+    (faulty,) = run(_cfg(overrides), tmp_path, progress=False, hooks=kill_then_kill_again)
+    assert set(killed) == {"decode-0", "prefill-0"}, faulty["events"]
+    events = [what for _, what in faulty["events"]]
+    for name in killed:
+        assert f"{name} back after a restart" in events, events
+    s = faulty["summary"]
+    assert s["completed"] == 120 and s["errors"] == 0, [r["error"] for r in faulty["requests"] if r["error"]]
+    assert _outputs(faulty) == {r.request_id: w.token_ids for r, w in zip(requests, want, strict=True)}
+    back_at = min(t for t, what in faulty["events"] if what == "decode-0 back after a restart")
+    later = [r for r in faulty["requests"] if r["arrival_s"] > back_at and r["worker"] == "decode-0"]
+    assert later and all(r["prefill"] == "remote" for r in later)  # its new peer sent their KV
+    assert all(t["free_pages"] == t["num_pages"] for t in faulty["timelines"])

@@ -504,3 +504,25 @@ def test_refetches_under_memory_pressure_find_their_own_pages_and_all_finish():
         assert decode.allocator.num_free == 80 and prefill.allocator.num_free == 512
     finally:
         _close(pm, dm)
+
+
+def test_a_new_request_skips_a_prefill_worker_whose_process_is_gone(pair):
+    """Two prefill peers, one whose process has just died (its pid gone, not yet found silent) and which
+    the load would pick: the request goes to the live one (before, it failed with 'no live prefill
+    worker' while another was up: the chaos soak found it)."""
+    import subprocess
+
+    import msgspec
+
+    prefill, decode, pm, dm = pair
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # reaped: its pid names no process
+    hello = msgspec.structs.replace(dm.peers["prefill-0"].hello, pid=dead.pid)
+    idle_end, _ = local_channel()
+    dm.add_peer("prefill-9", idle_end, hello)
+    dm.submit("busy", list(range(100, 160)), GREEDY, peer="prefill-0")  # prefill-0 has work: 9 is idler
+    dm.submit("next", list(range(200, 230)), GREEDY)
+    assert dm.pending["next"].peer.name == "prefill-0" and dm.peers["prefill-9"].lost
+    _run(prefill, decode, pm, dm, ["busy", "next"])
+    assert decode.output("next").finish_reason == "length"
+    assert prefill.allocator.num_free == PAGES and decode.allocator.num_free == PAGES
