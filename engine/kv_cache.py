@@ -60,6 +60,25 @@ class PageAllocator:
         self._page: dict[bytes, int] = {}  # name -> page
         self._evictable: OrderedDict[int, None] = OrderedDict()  # named, unused; least recently used first
         self.num_evicted = 0  # named pages whose name an allocation dropped
+        # (stored?, name) as names come and go, for a router's view of this cache (record_events())
+        self.events: list[tuple[bool, bytes]] | None = None
+
+    MAX_EVENTS = 50_000  # kept between take_events() calls; the oldest go first
+
+    def record_events(self) -> None:
+        """From now on keep (True, name) for each page named and (False, name) for each name dropped."""
+        self.events = []
+
+    def take_events(self) -> list[tuple[bool, bytes]]:
+        """The events since the last call (empty when not recording)."""
+        out, self.events = self.events or [], [] if self.events is not None else None
+        return out
+
+    def _event(self, stored: bool, name: bytes) -> None:
+        if self.events is not None:
+            self.events.append((stored, name))
+            if len(self.events) > self.MAX_EVENTS:
+                del self.events[: len(self.events) - self.MAX_EVENTS]
 
     @property
     def num_free(self) -> int:
@@ -95,8 +114,10 @@ class PageAllocator:
             page = self._free.popleft()
         else:  # evict the least recently released cached page
             page, _ = self._evictable.popitem(last=False)
-            del self._page[self._name.pop(page)]
+            name = self._name.pop(page)
+            del self._page[name]
             self.num_evicted += 1
+            self._event(False, name)
         self._refs[page] = 1
         return page
 
@@ -169,11 +190,14 @@ class PageAllocator:
             page, h = owned[i], hashes[i]
             if page not in self._name and h not in self._page:
                 self._name[page], self._page[h] = h, page
+                self._event(True, h)
         return max(first, end)
 
     def reset_cache(self) -> int:
         """Forget every name (cached pages no one holds become free); returns how many were dropped."""
         dropped = len(self._page)
+        for name in self._page:
+            self._event(False, name)
         self._free.extend(self._evictable)
         self._evictable.clear()
         self._name.clear()

@@ -33,6 +33,7 @@ from experiments.deploy.messages import (
     DeploymentRun,
     Failed,
     Listening,
+    Load,
     PeerDead,
     Progress,
     Ready,
@@ -123,6 +124,7 @@ class Fleet:
     listening: dict[str, dict[str, str]] = field(default_factory=dict)  # decode worker -> its addresses
     dead: set[str] = field(default_factory=set)
     restarting: set[str] = field(default_factory=set)
+    cache_salt: bytes = b""  # what the workers' prefix cache page names start from (their Ready says)
 
     @property
     def frontends(self) -> list[str]:
@@ -395,6 +397,7 @@ def _await_ready(fleet: Fleet, timeout_s: float) -> None:
                 raise RuntimeError(f"worker {name} failed to start:\n{msg.error}")
             if isinstance(msg, Ready):
                 ready.add(name)
+                fleet.cache_salt = fleet.cache_salt or msg.cache_salt
         dead = [n for n, p in fleet.procs.items() if not p.is_alive()]
         if dead:
             raise RuntimeError(
@@ -411,7 +414,8 @@ def _serve(run: DeploymentRun, config: RunConfig, fleet: Fleet, progress: bool, 
 
     w = config.workload
     frontends = fleet.frontends  # where requests go
-    router = Router.of(run.deployment, frontends, config.model.num_pages, config.model.page_size)
+    m = config.model
+    router = Router.of(run.deployment, frontends, m.num_pages, m.page_size, fleet.cache_salt)
     in_flight = router.in_flight  # worker -> its requests
     queue = list(run.requests)  # in arrival order
     streamed: dict[str, list[float]] = {}  # request -> when each of its tokens reached the driver
@@ -467,6 +471,8 @@ def _serve(run: DeploymentRun, config: RunConfig, fleet: Fleet, progress: bool, 
                         by_id[nxt.request_id] = nxt
                         bisect.insort(queue, nxt, key=lambda r: r.arrival_s)
                         bar.total += 1
+                elif isinstance(msg, Load):
+                    router.observe(name, msg.cache_events)
                 elif isinstance(msg, Ready):  # a restarted worker is back
                     run.events.append((now, f"{name} back after a restart"))
                 elif isinstance(msg, Failed):

@@ -27,6 +27,7 @@ class Connect(Message):
 
 class Ready(Message):
     name: str
+    cache_salt: bytes = b""  # what its prefix cache's page names start from (empty: caching off)
 
 
 class Submit(Message):
@@ -89,6 +90,8 @@ class Load(Message):
     prefix_queries: int = 0  # prompt tokens looked up in its prefix cache, and found there (so far)
     prefix_hits: int = 0
     cached_pages: int = 0  # pages its prefix cache names now
+    # (stored?, page name) since its last Load: the router's view of its cache (Dynamo's KV events)
+    cache_events: list[tuple[bool, bytes]] = []
 
 
 class Result(Message):

@@ -9,11 +9,13 @@ Policies (`deployment.routing`):
   requests it already has in flight (Dynamo's KV router's cost, in pages; SGLang's cache-aware router
   keeps the same kind of approximate index). Ties go to the fewest in flight, then the first worker.
 
-What a worker caches is the router's belief, not a report: the pages of every prompt it routed there,
-and on a request's end its reply's too (the engine names the pages a request fills while decoding), an
-LRU per worker as large as the worker's cache. A worker that dies forgets all of it. A belief that is
-stale (the worker evicted a page) costs only speed: the worker looks its own cache up and computes
-what it lacks.
+What a worker caches is the router's belief: the pages of every prompt it routed there (at once, before
+the worker has computed them), and what the worker reports, batched in its Load about once a second:
+each page it named and each name it dropped (Dynamo's KV events; observe()), with names computed as the
+engine's (its salt: model, dtype, page size, from the worker's Ready); an LRU per worker as large as
+the worker's cache. Without events (a simulator, a run whose workers do not send them) a request's end
+adds its reply's pages. A worker that dies forgets all of it. A belief that is stale costs only speed:
+the worker looks its own cache up and computes what it lacks.
 """
 
 from __future__ import annotations
@@ -24,11 +26,11 @@ from collections.abc import Hashable, Iterable
 POLICIES = ("round_robin", "least_loaded", "cache_aware")
 
 
-def page_names(token_ids, page_size: int) -> list[bytes]:
-    """The names of token_ids' full pages as the router keeps them (the engine's chained hash)."""
+def page_names(token_ids, page_size: int, salt: bytes = b"router") -> list[bytes]:
+    """The names of token_ids' full pages: the engine's chained hash (with its salt, the same names)."""
     from engine.kv_cache import page_hashes  # here: the simulator imports this module without torch
 
-    return page_hashes(list(token_ids), page_size, b"router", [])
+    return page_hashes(list(token_ids), page_size, salt or b"router", [])
 
 
 class Router:
@@ -41,11 +43,13 @@ class Router:
         overlap_weight: float = 1.0,
         cache_pages: int = 512,
         page_size: int = 16,
+        salt: bytes = b"",
     ):
         if policy not in POLICIES:
             raise ValueError(f"deployment.routing={policy!r} is not allowed: one of {POLICIES}")
         self.policy, self.overlap_weight = policy, overlap_weight
-        self.cache_pages, self.page_size = cache_pages, page_size
+        self.cache_pages, self.page_size, self.salt = cache_pages, page_size, salt
+        self.events = 0  # cache events observed (stored and dropped names)
         self.workers = list(workers)
         self.in_flight: dict[str, set] = {w: set() for w in self.workers}
         self.cached: dict[str, OrderedDict] = {w: OrderedDict() for w in self.workers}  # its belief
@@ -54,17 +58,38 @@ class Router:
         self.routed_pages = self.overlap_pages = 0  # what it routed, and found cached where it went
 
     @classmethod
-    def of(cls, deployment, workers: Iterable[str], cache_pages: int, page_size: int) -> Router:
-        """The router a DeploymentConfig asks for."""
-        return cls(workers, deployment.routing, deployment.routing_overlap_weight, cache_pages, page_size)
+    def of(
+        cls, deployment, workers: Iterable[str], cache_pages: int, page_size: int, salt: bytes = b""
+    ) -> Router:
+        """The router a DeploymentConfig asks for (salt: the workers' page names', from their Ready)."""
+        w = deployment.routing_overlap_weight
+        return cls(workers, deployment.routing, w, cache_pages, page_size, salt)
 
     def route_tokens(self, request_id, token_ids, live: list[str]) -> str:
         """route() for a real request: its tokens (prompt, and any outputs it resumes after)."""
-        return self.route(request_id, page_names(token_ids, self.page_size), len(token_ids), live)
+        names = page_names(token_ids, self.page_size, self.salt)
+        return self.route(request_id, names, len(token_ids), live)
 
     def finished_tokens(self, worker: str, request_id, token_ids) -> None:
-        """finished() for a real request: its prompt and outputs (the last output has no KV yet)."""
-        self.finished(worker, request_id, page_names(list(token_ids)[:-1], self.page_size))
+        """finished() for a real request: its prompt and outputs (the last output has no KV yet); with
+        cache events the worker says what it named itself."""
+        tokens = [] if self.events else list(token_ids)[:-1]
+        self.finished(worker, request_id, page_names(tokens, self.page_size, self.salt))
+
+    def observe(self, worker: str, events: list[tuple[bool, bytes]]) -> None:
+        """A worker's cache events, in order: (True, name) stored, (False, name) dropped."""
+        cached = self.cached.get(worker)
+        if cached is None:
+            return
+        for stored, name in events:
+            if stored:
+                cached[name] = None
+                cached.move_to_end(name)
+            else:
+                cached.pop(name, None)
+        self.events += len(events)
+        while len(cached) > self.cache_pages:
+            cached.popitem(last=False)
 
     def route(self, request_id, names: list[Hashable], tokens: int, live: list[str]) -> str:
         """Pick a live worker for a request whose prompt is `tokens` long, its full pages named `names`

@@ -164,6 +164,7 @@ class Runtime:
                     self._finish(msg)
             elif isinstance(msg, Load):
                 self.load[name] = msg
+                self.router.observe(name, msg.cache_events)
             elif isinstance(msg, Failed):
                 log.error("worker %s failed:\n%s", name, msg.error)
         for name, _ in self.fleet.deaths():  # a dead prefill worker's decode peers end its requests

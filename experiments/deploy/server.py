@@ -346,7 +346,8 @@ def serve(cfg: DictConfig, out_dir: Path, ready=None) -> None:
     sock = listening_socket(server.host, server.port)
     fleet = start_fleet(config, config.deployments[0], out_dir / "logs")
     d = config.deployments[0]
-    router = Router.of(d, fleet.frontends, config.model.num_pages, config.model.page_size)
+    m = config.model
+    router = Router.of(d, fleet.frontends, m.num_pages, m.page_size, fleet.cache_salt)
     runtime = Runtime(fleet, d.on_worker_death, config.transfer.peer_timeout_s, router)
     try:
         state = App(runtime, tokenizer, name, max_position, server.api_key, server)

@@ -138,6 +138,8 @@ class Worker:
         self.returning: dict[str, float] = {}  # restarting prefill worker -> when to stop waiting
         self.prefilled_here: set[str] = set()  # decode: what its prefix cache lacked was short, done here
         self.pm = self.dm = None
+        if spec.role != "prefill":  # the router routes to this worker by what its cache holds
+            self.llm.allocator.record_events()
         if spec.role != "colocated":
             self._connect_messenger()
 
@@ -201,7 +203,7 @@ class Worker:
     def serve(self) -> None:
         import zmq
 
-        self._send(Ready(self.spec.name))
+        self._send(Ready(self.spec.name, self.llm.scheduler.salt or b""))
         from pdkernels import ops
 
         kv = self.llm.kv_cache
@@ -254,6 +256,7 @@ class Worker:
                         len(sched.running),
                         len(sched.waiting) + pending,
                         **self._stats(),
+                        cache_events=self.llm.allocator.take_events(),
                     )
                 )
 

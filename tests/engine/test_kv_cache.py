@@ -72,6 +72,31 @@ def test_cached_pages_are_shared_then_evicted_least_recently_released_first():
     assert not alloc.can_grow("d", 8) and alloc.can_grow("d", 4)
 
 
+def test_cache_events_say_what_was_named_and_what_was_dropped_in_order():
+    alloc = PageAllocator(num_pages=3, page_size=4)
+    n = page_hashes(list(range(8)), 4, SALT, [])
+    h = page_hashes(list(range(100, 108)), 4, SALT, [])
+    alloc.grow("a", 8)
+    alloc.name("a", n)  # pages 0, 1
+    assert alloc.take_events() == []  # not recording: nothing kept
+    alloc.record_events()
+    alloc.free("a")  # tail first: page 1, then page 0, become evictable
+    alloc.grow("b", 8)  # the free page 2, then page 1 evicted
+    alloc.name("b", h)
+    alloc.free("b")
+    alloc.grow("c", 4)  # page 0 evicted
+    alloc.grow("d", 8)  # pages 1 and 2: b released its tail (page 1) first
+    assert alloc.take_events() == [(False, n[1]), (True, h[0]), (True, h[1]), (False, n[0]), (False, h[1]),
+                                   (False, h[0])]  # fmt: skip
+    assert alloc.take_events() == []
+    alloc.name("d", n)
+    alloc.reset_cache()
+    assert alloc.take_events() == [(True, n[0]), (True, n[1]), (False, n[0]), (False, n[1])]
+    alloc.events = [(True, b"x")] * PageAllocator.MAX_EVENTS
+    alloc._event(False, b"y")  # kept to the bound, the oldest dropped
+    assert len(alloc.events) == PageAllocator.MAX_EVENTS and alloc.events[-1] == (False, b"y")
+
+
 def test_a_name_already_cached_stays_with_its_page():
     alloc = PageAllocator(num_pages=4, page_size=4)
     names = page_hashes(list(range(4)), 4, SALT, [])

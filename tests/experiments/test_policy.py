@@ -83,3 +83,37 @@ def test_the_deployment_config_checks_its_routing():
     for bad in (-1, float("nan"), float("inf"), True):
         with pytest.raises(ValueError, match="deployment.routing_overlap_weight="):
             DeploymentConfig("d", routing_overlap_weight=bad)
+
+
+def test_cache_events_correct_the_belief():
+    r = Router(["a", "b"], page_size=16)
+    names = _names("c1", 6)
+    r.route("t0", names, 96, ["a", "b"])  # believed on a at once
+    r.observe("a", [(False, names[3])])  # a evicted page 3: the overlap stops there
+    assert r.overlap("a", names) == 3
+    r.observe("b", [(True, n) for n in names])  # b computed them (another router's request)
+    assert r.overlap("b", names) == 6 and r.events == 7
+    r.finished("a", "t0")
+    assert r.route("t1", names + [("c1", 6)], 112, ["a", "b"]) == "b"
+    r.observe("gone", [(True, b"x")])  # a worker the router does not route to: ignored
+    assert "gone" not in r.cached
+
+
+def test_with_events_a_request_s_end_adds_nothing_the_worker_did_not_report():
+    r = Router(["w"], page_size=4, salt=b"m|float32|4")
+    r.observe("w", [(True, b"seen")])
+    r.finished_tokens("w", "x", list(range(13)))  # 3 pages' worth: the worker's events say what it named
+    assert list(r.cached["w"]) == [b"seen"]
+    assert page_names(range(8), 4, b"m|float32|4") != page_names(range(8), 4)  # the engine's salt
+
+
+def test_the_engine_s_events_name_pages_as_the_router_does():
+    from engine import LLM, SamplingParams
+
+    llm = LLM("tiny-random", page_size=4, num_pages=64)
+    llm.allocator.record_events()
+    prompt = list(range(10, 40))
+    llm.generate([prompt], SamplingParams(max_tokens=6, ignore_eos=True))
+    r = Router(["w"], page_size=4, salt=llm.scheduler.salt)
+    r.observe("w", llm.allocator.take_events())
+    assert r.overlap("w", page_names(prompt, 4, llm.scheduler.salt)) == 30 // 4

@@ -486,13 +486,15 @@ def test_cache_aware_routing_keeps_each_conversation_where_its_history_is(tmp_pa
 def test_killed_workers_restart_under_the_local_launcher_and_take_requests_again(tmp_path):
     """1 prefill + 2 decode workers with launcher.max_restarts=1: decode-0, then prefill-0, are SIGKILLed
     mid-run; each comes back (the prefill worker connects afresh to the restarted decode worker), later
-    requests are served by the restarted decode worker, and every output equals LLM.generate's."""
+    requests are served by the restarted decode worker, and every output equals LLM.generate's (a
+    transfer the prefill kill cuts is recomputed on its decode worker: on_transfer_failure=recompute)."""
     from engine import LLM, SamplingParams
     from experiments.config import check_fits_model, from_cfg
     from experiments.workload import make_requests
 
     overrides = [*TINY, "workload.arrival=poisson", "workload.rate=4", "workload.num_requests=120"]
     overrides += ["workload.output_len.value=24", "launcher.max_restarts=1"]  # 30 s: a restart takes ~10
+    overrides += ["transfer.on_transfer_failure=recompute"]  # a transfer cut by the prefill kill: recomputed
     overrides += ["deployments=[{name: 1p2d, kind: disaggregated, num_prefill: 1, num_decode: 2}]"]
     config = from_cfg(_cfg(overrides))
     m = check_fits_model(config)
