@@ -147,7 +147,3 @@ class Router:
             cached.move_to_end(name)
         while len(cached) > self.cache_pages:
             cached.popitem(last=False)
-
-    def hit_rate(self) -> float:
-        """Of the full pages routed, the share the router believed cached where they went."""
-        return self.overlap_pages / max(self.routed_pages, 1)

@@ -70,7 +70,7 @@ class SimRequest:
     cached: int = 0  # prompt tokens its serving instance's cache held (its decode instance's, disaggregated)
     skip: int = 0  # disaggregated: pages its decode instance held, not sent
     local: bool = False  # disaggregated: its decode instance computed the missing rest itself
-    sent_tokens: int = 0  # KV tokens a prefill instance sent it (whole pages)
+    sent_tokens: int = 0  # KV tokens sent to it (the engine sends whole pages: up to a page more)
 
     def names(self, tokens: int, page: int) -> list:
         """The names of the pages its first `tokens` tokens fill (whole pages only)."""
