@@ -144,15 +144,13 @@ class DecodeMessenger:
         instead. Returns whether a prefill worker was asked.
 
         Raises what engine.reserve raises (out of pages, a bad request) with nothing taken."""
-        if peer is None:  # a peer whose process is gone (seen from this host) but not yet silent is down
-            for name, p in self.peers.items():
-                if not p.lost and p.down():
-                    self.peer_dead(name)
+        for name, p in self.peers.items():  # a process gone (seen from this host) but not yet silent:
+            if not p.lost and p.down():  # nothing more lands from it, and it takes nothing new
+                self.peer_dead(name)
+        if peer is None:
             live = [n for n, p in self.peers.items() if not p.lost] or list(self.peers)
             peer = min(live, key=self.outstanding_tokens)
         target = self.peers[peer]
-        if not target.lost and target.down():  # its process is gone: nothing more lands from it
-            self.peer_dead(peer)
         if len(prompt_ids) > 1:  # check before anything is taken: a plan that raises leaves nothing behind
             # counts do not depend on which pages are used: plan against placeholder ids; the specs and
             # the highest id are what can fail, so the check plans the last page only

@@ -145,12 +145,16 @@ class PrefillMessenger:
         """A decode worker came back as a new process (restarted): what was on its old channel is
         aborted, the old channel closed, and the new one served as add_peer does."""
         for old in [c for c in self.channels if c.peer == channel.peer]:
-            for t in list(self.transfers.values()):
-                if t.channel is old:
-                    self.abort(t.req.request_id, "decode worker restarted")
+            self._abort_channel(old, "decode worker restarted")
             self.channels.remove(old)
             old.close()
         self.add_peer(channel)
+
+    def _abort_channel(self, channel, reason: str) -> None:
+        """Abort every request that came over channel (its decode worker is silent or replaced)."""
+        for t in list(self.transfers.values()):
+            if t.channel is channel:
+                self.abort(t.req.request_id, reason)
 
     def abort(self, request_id: str, reason: str) -> None:
         """Stop a request from this side: no post for it starts after this; Ended tells the decode side."""
@@ -171,9 +175,7 @@ class PrefillMessenger:
                 elif isinstance(msg, Abort):
                     self._on_abort(msg, channel)
             if channel.peer_silent_for() > self.config.peer_timeout_s:
-                for t in list(self.transfers.values()):
-                    if t.channel is channel:
-                        self.abort(t.req.request_id, "decode worker silent")
+                self._abort_channel(channel, "decode worker silent")
         with self._lock:
             done = [
                 t
