@@ -511,9 +511,9 @@ def test_killed_workers_restart_under_the_local_launcher_and_take_requests_again
             procs["decode-0"].kill()
             killed["decode-0"] = now
         back = [t for t, what in run_state.events if what == "decode-0 back after a restart"]
-        if back and "prefill-0" not in killed and now > back[0] + 2:
+        if back and "prefill-0" not in killed and now > back[0] + 5:
             procs["prefill-0"].kill()
-            killed["prefill-0"] = now
+            killed["prefill-0"] = now - run_state.start
 
     (faulty,) = run(_cfg(overrides), tmp_path, progress=False, hooks=kill_then_kill_again)
     assert set(killed) == {"decode-0", "prefill-0"}, faulty["events"]
@@ -524,6 +524,10 @@ def test_killed_workers_restart_under_the_local_launcher_and_take_requests_again
     assert s["completed"] == 120 and s["errors"] == 0, [r["error"] for r in faulty["requests"] if r["error"]]
     assert _outputs(faulty) == {r.request_id: w.token_ids for r, w in zip(requests, want, strict=True)}
     back_at = min(t for t, what in faulty["events"] if what == "decode-0 back after a restart")
-    later = [r for r in faulty["requests"] if r["arrival_s"] > back_at and r["worker"] == "decode-0"]
-    assert later and all(r["prefill"] == "remote" for r in later)  # its new peer sent their KV
+    # Between decode-0's return and prefill-0's death its only peer is up: every prompt it serves came over
+    # the reconnected channel (around and after the prefill kill it computes them itself, as it should)
+    later = [
+        r for r in faulty["requests"] if back_at < r["arrival_s"] < killed["prefill-0"] - 1.5 and r["worker"] == "decode-0"
+    ]
+    assert later and all(r["prefill"] == "remote" for r in later), later
     assert all(t["free_pages"] == t["num_pages"] for t in faulty["timelines"])
