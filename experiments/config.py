@@ -116,6 +116,10 @@ class DeploymentConfig:
     # least_loaded (the fewest requests in flight) | round_robin
     routing: str = "cache_aware"
     routing_overlap_weight: float = 1.0
+    # none (take every request) | slo (refuse at once one the router predicts will miss the SLO: its
+    # TTFT from the prompt tokens ahead of it over the measured prefill speed, its TPOT from the decode
+    # batch it would join; a refused request is `rejected` in results, an HTTP 503 with Retry-After)
+    admission: str = "none"
 
     def __post_init__(self):
         if self.kind not in DEPLOYMENT_KINDS:
@@ -139,10 +143,12 @@ class DeploymentConfig:
             _fail("deployment.decode_reserved_tokens", r, "null or an integer >= 0")
         if self.on_worker_death not in ON_WORKER_DEATH:
             _fail("deployment.on_worker_death", self.on_worker_death, f"one of {ON_WORKER_DEATH}")
-        from experiments.deploy.policy import POLICIES
+        from experiments.deploy.policy import ADMISSIONS, POLICIES
 
         if self.routing not in POLICIES:
             _fail("deployment.routing", self.routing, f"one of {POLICIES}")
+        if self.admission not in ADMISSIONS:
+            _fail("deployment.admission", self.admission, f"one of {ADMISSIONS}")
         w = self.routing_overlap_weight
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w < float("inf"):
             _fail("deployment.routing_overlap_weight", w, "a finite number >= 0")

@@ -8,7 +8,8 @@ flight) as a streamed completion of its prompt token ids, with `max_tokens`, gre
 `ignore_eos` (vLLM's extra, so every server produces the asked-for length), through the official
 `openai` client. The first text chunk's arrival is the first token, each later chunk an inter-token
 gap; the usage chunk gives the output token count (and, where the server reports it, the prompt tokens
-its cache held). The results are the same Result records the in-process driver collects, so an external
+its cache held); a 503 (a server shedding load: our deployment.admission=slo) is a `rejected` request,
+not an error. The results are the same Result records the in-process driver collects, so an external
 server's row sits beside ours in one run folder, measured by the same client code path.
 """
 
@@ -92,7 +93,11 @@ async def _drive(
                 )
                 result.output_tokens = n if n is not None else len(times)
                 result.cached_tokens = cached
-            except Exception as e:  # the server refused it or went away: this request fails alone
+            except openai.APIStatusError as e:  # a 503 is the server shedding load: rejected, not failed
+                result = _failed(req.request_id, f"{type(e).__name__}: {e}", sent)
+                if e.status_code == 503:
+                    result.finish_reason = "rejected"
+            except Exception as e:  # the server went away: this request fails alone
                 result = _failed(req.request_id, f"{type(e).__name__}: {e}", sent)
             run.results[req.request_id] = result
             bar.update()

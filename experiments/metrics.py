@@ -9,10 +9,13 @@ results.json, schema "pdkernels.results/1" (stable: fields may be added, never r
   role, node_id, pid}]: where each worker ran; node_id is a Ray node id or this host's name), "timelines" (per
   worker: name, role, steps [start, end, prefill tokens, decode tokens, sequences verifying drafts],
   free_pages and num_pages when it stopped).
-- summary: "num_requests", "completed", "errors", "duration_s", "throughput_rps",
+- summary: "num_requests", "completed", "errors", "rejected" (refused at once by deployment.admission=slo;
+  not errors), "duration_s", "throughput_rps",
   "output_tokens_per_s"; for each of "ttft_s", "tpot_s", "itl_s", "e2e_s", "queue_s", "transfer_s" a
   {"p50", "p90", "p99", "mean", "n"}; "transfer_bytes", "remote_prefills", "local_prefills", "slo"
-  ({"ttft_s", "tpot_s", "attainment"}), "attainment_pct", "meets_slo", "goodput_rps"; per worker
+  ({"ttft_s", "tpot_s", "attainment"}), "attainment_pct" (of every arrival: a rejected request misses),
+  "admitted_attainment_pct" (of those not rejected), "meets_slo", "goodput_rps", "slo_goodput_rps"
+  (requests meeting the SLO per second of the run: vLLM's request goodput); per worker
   ({name: count}) "preemptions", "recomputed_prompt_tokens" (computed again there after a preemption)
   and "refetched_tokens" (a decode worker's, fetched again from a prefill worker), "prefix_queries" and
   "prefix_hits" (prompt tokens looked up in its prefix cache, and found); "migrations" (requests that
@@ -186,10 +189,13 @@ def summarize(run: DeploymentRun, rows: list[dict], slo: SloConfig, rate: float 
     duration = max(run.end - run.start, 1e-9)
     attainment = 100.0 * sum(r["meets_slo"] for r in rows) / max(len(rows), 1)
     meets = attainment >= slo.attainment
+    rejected = sum(r["finish_reason"] == "rejected" for r in rows)
+    met = sum(r["meets_slo"] for r in rows)
     return {
         "num_requests": len(rows),
         "completed": len(done),
-        "errors": len(rows) - len(done),
+        "errors": len(rows) - len(done) - rejected,
+        "rejected": rejected,
         "duration_s": duration,
         "throughput_rps": len(done) / duration,
         "output_tokens_per_s": sum(r["output_tokens"] for r in done) / duration,
@@ -220,6 +226,8 @@ def summarize(run: DeploymentRun, rows: list[dict], slo: SloConfig, rate: float 
         "local_prefills": sum(r["prefill"] == "local" for r in rows),
         "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s, "attainment": slo.attainment},
         "attainment_pct": attainment,
+        "admitted_attainment_pct": 100.0 * met / max(len(rows) - rejected, 1),
+        "slo_goodput_rps": met / duration,
         "meets_slo": meets,
         "goodput_rps": (rate if meets and rate is not None else 0.0),
     }
@@ -338,6 +346,7 @@ def table(records: list[dict]) -> str:
     s = [r["summary"] for r in records]
     lines = [
         ("requests (ok/all)", [f"{x['completed']}/{x['num_requests']}" for x in s]),
+        *([("rejected (admission)", [str(x.get("rejected", 0)) for x in s])] if any(x.get("rejected") for x in s) else []),
         (
             "TTFT p50 / p90 / p99 ms",
             [f"{_ms(x['ttft_s'], 'p50')} / {_ms(x['ttft_s'], 'p90')} / {_ms(x['ttft_s'], 'p99')}" for x in s],
@@ -356,6 +365,7 @@ def table(records: list[dict]) -> str:
         ("output tok/s", [f"{x['output_tokens_per_s']:.1f}" for x in s]),
         ("SLO attainment %", [f"{x['attainment_pct']:.0f}" for x in s]),
         ("goodput req/s", [f"{x['goodput_rps']:g}" for x in s]),
+        ("requests meeting SLO /s", [f"{x.get('slo_goodput_rps', 0):.2f}" for x in s]),
     ]
     w0 = max(len(k) for k, _ in lines)
     widths = [max(len(c), *(len(v[i]) for _, v in lines)) for i, c in enumerate(cols)]
@@ -387,14 +397,14 @@ def report(
 ) -> Path:
     """The end of a run, measured or simulated: results.json and the CSVs, the side-by-side table after
     `heading` (and the goodput line over a rate sweep), the plots, where it all went."""
-    from experiments import plots
-
     path = write_results(out_dir, config, records)
     print(heading)
     print(table(records))
     if sweep:
         print("goodput (req/s):", json.dumps(goodput(records)))
     if config.plots:
+        from experiments import plots  # matplotlib: over a second to import, only where it draws
+
         plots.all_plots(records, records[0]["summary"]["slo"], out_dir)
     print(f"\nrun folder: {out_dir} ({path.name}, CSVs, plots)")
     return path

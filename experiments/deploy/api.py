@@ -310,6 +310,8 @@ class App:
 
     def finished(self, parsed: Parsed, result: Result) -> None:
         """Raise the ApiError a failed or cancelled request answers with."""
+        if result.finish_reason == "rejected":  # deployment.admission=slo: it would miss the SLO anyway
+            raise ApiError(503, f"the request was refused: {result.error}", kind="service_unavailable")
         if result.finish_reason == "abort":  # cancelled: its client went away, or the server is stopping
             raise ApiError(503, "the request was cancelled before it finished (the server is stopping)")
         if result.finish_reason == "error":

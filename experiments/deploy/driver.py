@@ -415,7 +415,10 @@ def _serve(run: DeploymentRun, config: RunConfig, fleet: Fleet, progress: bool, 
     w = config.workload
     frontends = fleet.frontends  # where requests go
     m = config.model
-    router = Router.of(run.deployment, frontends, m.num_pages, m.page_size, fleet.cache_salt)
+    prefill = [n for n in fleet.procs if fleet.roles[n] == "prefill"]
+    router = Router.of(
+        run.deployment, frontends, m.num_pages, m.page_size, fleet.cache_salt, config.slo, prefill
+    )
     in_flight = router.in_flight  # worker -> its requests
     queue = list(run.requests)  # in arrival order
     streamed: dict[str, list[float]] = {}  # request -> when each of its tokens reached the driver
@@ -441,7 +444,11 @@ def _serve(run: DeploymentRun, config: RunConfig, fleet: Fleet, progress: bool, 
                     run.results[req.request_id] = _error(req.request_id, "no live worker to take it", now)
                     bar.update()
                     continue
-                target = router.route_tokens(req.request_id, req.prompt_ids, live)
+                target = router.route_tokens(req.request_id, req.prompt_ids, live, admit=True)
+                if target is None:  # admission=slo: it would miss the SLO anyway
+                    run.results[req.request_id] = _error(req.request_id, router.why, now, "rejected")
+                    bar.update()
+                    continue
                 fleet.send(target, Submit(req.request_id, req.prompt_ids, req.max_tokens, stream=True))
                 busy += 1
             fleet.sock.poll(_wait_ms(run, queue, w.arrival))
@@ -450,6 +457,8 @@ def _serve(run: DeploymentRun, config: RunConfig, fleet: Fleet, progress: bool, 
                 if isinstance(msg, Progress):
                     for rid, ids, _ in msg.items:  # tokens as the router sees them arrive
                         if rid in in_flight.get(name, ()):
+                            if rid not in streamed:
+                                router.first_token(rid)
                             streamed.setdefault(rid, []).extend([now] * len(ids))
                             tokens.setdefault(rid, []).extend(ids)
                 elif isinstance(msg, Result):
@@ -472,7 +481,7 @@ def _serve(run: DeploymentRun, config: RunConfig, fleet: Fleet, progress: bool, 
                         bisect.insort(queue, nxt, key=lambda r: r.arrival_s)
                         bar.total += 1
                 elif isinstance(msg, Load):
-                    router.observe(name, msg.cache_events)
+                    router.observe_load(name, msg)
                 elif isinstance(msg, Ready):  # a restarted worker is back
                     run.events.append((now, f"{name} back after a restart"))
                 elif isinstance(msg, Failed):
@@ -481,8 +490,8 @@ def _serve(run: DeploymentRun, config: RunConfig, fleet: Fleet, progress: bool, 
                 now = time.perf_counter()
                 again = " (restarting)" if name in fleet.restarting else ""
                 run.events.append((now, f"{name} exited (code {code}){again}"))
+                router.forget(name)
                 if fleet.roles[name] != "prefill":
-                    router.forget(name)
                     live = [n for n in frontends if n not in fleet.dead]
                     for rid in list(in_flight[name]):
                         req, so_far = by_id[rid], tokens.get(rid, [])
@@ -534,5 +543,5 @@ def _unfinished(run: DeploymentRun, error: str) -> None:
         run.results[rid] = _error(rid, error, 0.0)
 
 
-def _error(request_id: str, error: str, now: float) -> Result:
-    return Result(request_id, "", [], now, None, [], "error", error)
+def _error(request_id: str, error: str, now: float, reason: str = "error") -> Result:
+    return Result(request_id, "", [], now, None, [], reason, error)

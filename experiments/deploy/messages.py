@@ -77,8 +77,11 @@ class Stop(Message):
     pass
 
 
+LOAD_EVERY_S = 0.5  # how often a worker sends its Load
+
+
 class Load(Message):
-    """A worker's state, about twice a second (the server's /metrics)."""
+    """A worker's state, every LOAD_EVERY_S (the server's /metrics, the router's cache and speed)."""
 
     name: str
     free_pages: int
@@ -92,6 +95,13 @@ class Load(Message):
     cached_pages: int = 0  # pages its prefix cache names now
     # (stored?, page name) since its last Load: the router's view of its cache (Dynamo's KV events)
     cache_events: list[tuple[bool, bytes]] = []
+    # so far: prompt tokens computed and the time of the steps that computed them; steps that only
+    # decoded, their sequences and time (the router's admission measures the worker's speed by these)
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_steps: int = 0
+    decode_seqs: int = 0
+    decode_s: float = 0.0
 
 
 class Result(Message):

@@ -16,14 +16,28 @@ engine's (its salt: model, dtype, page size, from the worker's Ready); an LRU pe
 the worker's cache. Without events (a simulator, a run whose workers do not send them) a request's end
 adds its reply's pages. A worker that dies forgets all of it. A belief that is stale costs only speed:
 the worker looks its own cache up and computes what it lacks.
+
+Admission (`deployment.admission`): `none` takes every request; `slo` refuses at once a request the
+router predicts will miss the SLO anyway (Mooncake's early rejection), instead of spending prefill time
+on it and on the requests behind it:
+- TTFT = the prompt tokens ahead of it (routed, not yet at their first token, on its colocated worker or,
+  disaggregated, on the prefill workers together) plus its own not-cached tokens, over the prefill speed
+  the workers measured (their Loads: prefill tokens over the time of the steps that computed them), plus
+  a learned bias (the mean of what the first tokens took beyond that prediction);
+- TPOT = the decode step time at the batch it would join (least squares of step time on batch over the
+  worker's recent Loads).
+Until a worker's speed is known (its first busy second) the router admits.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Hashable, Iterable
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Hashable, Iterable
+from dataclasses import dataclass, field
 
 POLICIES = ("round_robin", "least_loaded", "cache_aware")
+ADMISSIONS = ("none", "slo")
 
 
 def page_names(token_ids, page_size: int, salt: bytes = b"router") -> list[bytes]:
@@ -31,6 +45,37 @@ def page_names(token_ids, page_size: int, salt: bytes = b"router") -> list[bytes
     from engine.kv_cache import page_hashes  # here: the simulator imports this module without torch
 
     return page_hashes(list(token_ids), page_size, salt or b"router", [])
+
+
+@dataclass
+class Speed:
+    """What one worker's Loads say about its speed (their counters only grow, until it restarts)."""
+
+    counters: tuple = ()  # the last Load's (prefill tokens, prefill s, decode steps, seqs, decode s)
+    prefill_tok_s: float | None = None  # moving average over Loads that computed prompt tokens
+    decode: deque = field(default_factory=lambda: deque(maxlen=32))  # (mean batch, mean step s) per Load
+
+    def observe(self, counters: tuple) -> None:
+        last, self.counters = self.counters, counters
+        if not last or any(now < before for now, before in zip(counters, last, strict=True)):
+            return  # the first Load, or a restarted worker's: nothing to difference yet
+        tokens, seconds, steps, seqs, decode_s = (now - before for now, before in zip(counters, last))
+        if tokens and seconds > 0:
+            rate = tokens / seconds
+            self.prefill_tok_s = rate if self.prefill_tok_s is None else 0.7 * self.prefill_tok_s + 0.3 * rate
+        if steps:
+            self.decode.append((seqs / steps, decode_s / steps))
+
+    def step_s(self, batch: int) -> float | None:
+        """A decode step's predicted time at this batch: a line through the recent (batch, time) pairs,
+        their mean where they do not span two batch sizes or the line falls."""
+        if not self.decode:
+            return None
+        xs, ys = zip(*self.decode, strict=True)
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        var = sum((x - mx) ** 2 for x in xs)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var > 0.25 else 0.0
+        return my + max(slope, 0.0) * (batch - mx)
 
 
 class Router:
@@ -44,9 +89,24 @@ class Router:
         cache_pages: int = 512,
         page_size: int = 16,
         salt: bytes = b"",
+        admission: str = "none",
+        slo: tuple[float, float] = (float("inf"), float("inf")),
+        prefill_workers: Iterable[str] = (),
+        clock: Callable[[], float] = time.perf_counter,
     ):
+        """admission, slo (TTFT s, TPOT s): early rejection; prefill_workers: a disaggregated deployment's
+        (their speed is the prefill speed); clock: what first_token() times against."""
         if policy not in POLICIES:
             raise ValueError(f"deployment.routing={policy!r} is not allowed: one of {POLICIES}")
+        if admission not in ADMISSIONS:
+            raise ValueError(f"deployment.admission={admission!r} is not allowed: one of {ADMISSIONS}")
+        self.admission, self.slo, self.clock = admission, slo, clock
+        self.prefill_workers = list(prefill_workers)
+        self.speed: dict[str, Speed] = {}  # worker (prefill ones too) -> what its Loads measured
+        self.waiting: dict = {}  # request -> (worker, its prompt tokens to compute, when, predicted TTFT)
+        self.ttft_bias = 0.0  # moving average of first tokens' time beyond the prediction
+        self.rejected = 0
+        self.why: str | None = None  # why the last route() refused its request
         self.policy, self.overlap_weight = policy, overlap_weight
         self.cache_pages, self.page_size, self.salt = cache_pages, page_size, salt
         self.events = 0  # cache events observed (stored and dropped names)
@@ -59,16 +119,81 @@ class Router:
 
     @classmethod
     def of(
-        cls, deployment, workers: Iterable[str], cache_pages: int, page_size: int, salt: bytes = b""
+        cls,
+        deployment,
+        workers: Iterable[str],
+        cache_pages: int,
+        page_size: int,
+        salt: bytes = b"",
+        slo=None,
+        prefill_workers: Iterable[str] = (),
     ) -> Router:
-        """The router a DeploymentConfig asks for (salt: the workers' page names', from their Ready)."""
+        """The router a DeploymentConfig asks for (salt: the workers' page names', from their Ready; slo:
+        an SloConfig, for admission=slo)."""
         w = deployment.routing_overlap_weight
-        return cls(workers, deployment.routing, w, cache_pages, page_size, salt)
+        bounds = (slo.ttft_s, slo.tpot_s) if slo is not None else (float("inf"), float("inf"))
+        return cls(
+            workers,
+            deployment.routing,
+            w,
+            cache_pages,
+            page_size,
+            salt,
+            deployment.admission,
+            bounds,
+            prefill_workers,
+        )
 
-    def route_tokens(self, request_id, token_ids, live: list[str]) -> str:
-        """route() for a real request: its tokens (prompt, and any outputs it resumes after)."""
+    def route_tokens(self, request_id, token_ids, live: list[str], admit: bool = False) -> str | None:
+        """route() for a real request: its tokens (prompt, and any outputs it resumes after). admit: a
+        new request, which admission=slo may refuse (None; `why` says why); a migrated one is not."""
         names = page_names(token_ids, self.page_size, self.salt)
-        return self.route(request_id, names, len(token_ids), live)
+        return self.route(request_id, names, len(token_ids), live, admit)
+
+    # -- admission
+
+    def observe_load(self, worker: str, load) -> None:
+        """A worker's Load: its cache events, and the counters its speed comes from."""
+        self.observe(worker, load.cache_events)
+        counters = (load.prefill_tokens, load.prefill_s, load.decode_steps, load.decode_seqs, load.decode_s)
+        self.speed.setdefault(worker, Speed()).observe(counters)
+
+    def predict(self, target: str, tokens: int) -> tuple[float | None, float | None]:
+        """(TTFT, TPOT) a request with `tokens` prompt tokens to compute would see on target (None: not
+        known yet)."""
+        ttft = self._queue_s(target, tokens)
+        speed = self.speed.get(target)
+        tpot = speed.step_s(len(self.in_flight[target]) + 1) if speed else None
+        return (None if ttft is None else ttft + max(self.ttft_bias, 0.0)), tpot
+
+    def _queue_s(self, target: str, tokens: int) -> float | None:
+        """The prompt tokens ahead of it and its own over the prefill speed (no bias)."""
+        pool = self.prefill_workers or [target]
+        rates = [s.prefill_tok_s for w in pool if (s := self.speed.get(w)) and s.prefill_tok_s]
+        if not rates:
+            return None
+        ahead = sum(n for w, n, _, _ in self.waiting.values() if self.prefill_workers or w == target)
+        return (ahead + tokens) / (sum(rates) / len(rates) * len(pool))
+
+    def first_token(self, request_id) -> None:
+        """request_id's first token arrived: its prompt is no longer ahead of anyone's; what it took
+        beyond the prediction moves the bias."""
+        entry = self.waiting.pop(request_id, None)
+        if entry is not None and entry[3] is not None:
+            self.ttft_bias = 0.9 * self.ttft_bias + 0.1 * (self.clock() - entry[2] - entry[3])
+
+    def _admit(self, target: str, tokens: int) -> str | None:
+        """Why admission=slo refuses a request with `tokens` prompt tokens to compute on target (None: it
+        does not)."""
+        ttft, tpot = self.predict(target, tokens)
+        ttft_slo, tpot_slo = self.slo
+        if ttft is not None and ttft > ttft_slo:
+            return f"rejected: predicted TTFT {ttft:.2f} s > slo.ttft_s={ttft_slo:g} (overloaded)"
+        if tpot is not None and tpot > tpot_slo:
+            return f"rejected: predicted TPOT {tpot:.3f} s > slo.tpot_s={tpot_slo:g} (overloaded)"
+        return None
+
+    # -- routing
 
     def finished_tokens(self, worker: str, request_id, token_ids) -> None:
         """finished() for a real request: its prompt and outputs (the last output has no KV yet); with
@@ -91,9 +216,13 @@ class Router:
         while len(cached) > self.cache_pages:
             cached.popitem(last=False)
 
-    def route(self, request_id, names: list[Hashable], tokens: int, live: list[str]) -> str:
+    def route(
+        self, request_id, names: list[Hashable], tokens: int, live: list[str], admit: bool = False
+    ) -> str | None:
         """Pick a live worker for a request whose prompt is `tokens` long, its full pages named `names`
-        (leading first), and record it there."""
+        (leading first), and record it there. admit: a new request (not a migrated one), which admission=slo
+        may refuse (None; self.why says why)."""
+        self.why = None
         if not live:
             raise ValueError("no live worker to route to")
         pages = -(-tokens // self.page_size)
@@ -105,6 +234,14 @@ class Router:
         else:
             target = min(live, key=lambda w: (self.cost(w, names, pages), len(self.in_flight[w])))
         hit = self.overlap(target, names)
+        to_compute = max(tokens - hit * self.page_size, 1)
+        if admit and self.admission == "slo":
+            self.why = self._admit(target, to_compute)
+            if self.why is not None:
+                self.rejected += 1
+                return None
+        if admit:  # a new request's prompt: ahead of the next ones until its first token
+            self.waiting[request_id] = (target, to_compute, self.clock(), self._queue_s(target, to_compute))
         self.routed_pages += len(names)
         self.overlap_pages += hit
         self.in_flight[target].add(request_id)
@@ -128,6 +265,7 @@ class Router:
         """request_id ended on worker; names: the pages its prompt and reply filled (now cached there)."""
         self.in_flight.get(worker, set()).discard(request_id)
         self._pages.pop(request_id, None)
+        self.waiting.pop(request_id, None)
         if worker in self.cached:
             self._remember(worker, names)
 
@@ -135,10 +273,13 @@ class Router:
         """request_id leaves dead (to be routed again)."""
         self.in_flight[dead].discard(request_id)
         self._pages.pop(request_id, None)
+        self.waiting.pop(request_id, None)
 
     def forget(self, worker: str) -> None:
-        """worker died (or restarted): its cache is gone."""
-        self.cached[worker].clear()
+        """worker died (or restarted): its cache is gone, its speed is measured again."""
+        if worker in self.cached:
+            self.cached[worker].clear()
+        self.speed.pop(worker, None)
 
     def _remember(self, worker: str, names: Iterable[Hashable]) -> None:
         cached = self.cached[worker]

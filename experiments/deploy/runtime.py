@@ -26,8 +26,8 @@ class Runtime:
     """A served deployment: its workers (a Fleet), the router, and the thread that talks to them.
 
     submit() and cancel() may be called from any thread; each request's sink(kind, message) is called
-    on the runtime's thread with ("progress", (token ids, text)) for streamed requests and finally
-    ("result", Result)."""
+    on the runtime's thread with ("routed", worker) once a worker has it (not for one refused at once),
+    ("progress", (token ids, text)) for streamed requests and finally ("result", Result)."""
 
     def __init__(
         self,
@@ -154,6 +154,9 @@ class Runtime:
                 for rid, ids, text in msg.items:
                     sink = self.sinks.get(rid)
                     if sink is not None and self.owner.get(rid) == name:
+                        self.router.first_token(rid)
+                        if not self.requests[rid].stream:
+                            continue  # streamed from the worker only for admission's sake
                         sent = self.streamed.setdefault(rid, [[], 0, []])
                         sent[0] += ids
                         sent[1] += len(text)
@@ -164,14 +167,13 @@ class Runtime:
                     self._finish(msg)
             elif isinstance(msg, Load):
                 self.load[name] = msg
-                self.router.observe(name, msg.cache_events)
+                self.router.observe_load(name, msg)
             elif isinstance(msg, Failed):
                 log.error("worker %s failed:\n%s", name, msg.error)
         for name, _ in self.fleet.deaths():  # a dead prefill worker's decode peers end its requests
             self.load.pop(name, None)
             self.heard.pop(name, None)
-            if name in self.in_flight:
-                self.router.forget(name)
+            self.router.forget(name)
             for rid in list(self.in_flight.get(name, ())):
                 if not (self.on_worker_death == "migrate" and self._migrate(rid, name)):
                     self._finish(Result(rid, name, [], 0.0, None, [], "error", f"worker {name} exited"))
@@ -205,14 +207,22 @@ class Runtime:
         if not live:
             sink("result", Result(msg.request_id, "", [], 0.0, None, [], "error", "no live worker"))
             return
-        target = self.router.route_tokens(msg.request_id, list(msg.prompt_ids) + list(msg.output_ids), live)
+        tokens = list(msg.prompt_ids) + list(msg.output_ids)
+        target = self.router.route_tokens(msg.request_id, tokens, live, admit=True)
+        if target is None:  # admission=slo: it would miss the SLO anyway
+            sink("result", Result(msg.request_id, "", [], 0.0, None, [], "rejected", self.router.why))
+            return
         self.sinks[msg.request_id] = sink
         self.requests[msg.request_id] = msg
         self.owner[msg.request_id] = target
-        if not self.fleet.send(target, msg):
+        # admission learns when each prompt's first token comes: the worker streams every request then
+        wire = msgspec.structs.replace(msg, stream=True) if self.router.admission == "slo" else msg
+        if not self.fleet.send(target, wire):
             self._finish(
                 Result(msg.request_id, target, [], 0.0, None, [], "error", f"worker {target} is gone")
             )
+            return
+        sink("routed", target)
 
     def _fail_one(self, request_id: str, sink, error: str) -> None:
         """End one request with an error; if a worker has it, cancel it there (its pages come back)."""

@@ -173,7 +173,11 @@ def make_app(state: App) -> FastAPI:
             parsed = await asyncio.to_thread(state.parse, body, chat)
         loop = asyncio.get_running_loop()
         events = state.start(parsed, loop)
-        if parsed.stream:
+        if parsed.stream:  # a request refused at once (admission, no worker) is an HTTP error, not a stream
+            kind, payload = first = await events.get()
+            if kind == "result":
+                state.finished(parsed, payload)
+                events.put_nowait(first)
             return StreamingResponse(stream(request, parsed, events, chat), media_type="text/event-stream")
         try:
             while True:
@@ -231,6 +235,8 @@ def make_app(state: App) -> FastAPI:
                 yield chunk(None, None, role=True)
             while True:
                 kind, payload = await events.get()
+                if kind == "routed":
+                    continue
                 if kind == "progress":
                     ids, text = payload
                     sent_chars += len(text)
@@ -347,7 +353,8 @@ def serve(cfg: DictConfig, out_dir: Path, ready=None) -> None:
     fleet = start_fleet(config, config.deployments[0], out_dir / "logs")
     d = config.deployments[0]
     m = config.model
-    router = Router.of(d, fleet.frontends, m.num_pages, m.page_size, fleet.cache_salt)
+    prefill = [n for n in fleet.procs if fleet.roles[n] == "prefill"]
+    router = Router.of(d, fleet.frontends, m.num_pages, m.page_size, fleet.cache_salt, config.slo, prefill)
     runtime = Runtime(fleet, d.on_worker_death, config.transfer.peer_timeout_s, router)
     try:
         state = App(runtime, tokenizer, name, max_position, server.api_key, server)

@@ -25,6 +25,7 @@ from experiments.deploy.messages import (
     Connect,
     Failed,
     Listening,
+    LOAD_EVERY_S,
     Load,
     PeerDead,
     Progress,
@@ -40,7 +41,6 @@ from transfer.config import TransferConfig
 from transfer.wire import MAX_MESSAGE_BYTES, WireError
 
 log = logging.getLogger(__name__)
-LOAD_EVERY_S = 0.5
 HELLO_TIMEOUT_S = 300.0  # a decode worker waits this long for each prefill worker's Hello
 
 
@@ -132,6 +132,7 @@ class Worker:
         self.holdback: dict[str, int] = {}  # characters a stop string could still claim
         self.load_at = 0.0  # when the last Load went
         self._last_stats = None  # the engine's latest step already in the timeline
+        self.speed = dict(prefill_tokens=0, prefill_s=0.0, decode_steps=0, decode_seqs=0, decode_s=0.0)
         # decode: (request id, token ids, SamplingParams) waiting for pages or a peer: new requests, and
         # preempted ones (at the front) whose KV is fetched again
         self.backlog: deque = deque()
@@ -257,6 +258,7 @@ class Worker:
                         len(sched.waiting) + pending,
                         **self._stats(),
                         cache_events=self.llm.allocator.take_events(),
+                        **self.speed,
                     )
                 )
 
@@ -394,6 +396,14 @@ class Worker:
             self.timeline.steps.append(
                 (stats.start, stats.end, stats.prefill_tokens, stats.decode_tokens, stats.verify_steps)
             )
+            speed = self.speed
+            if stats.prefill_tokens:
+                speed["prefill_tokens"] += stats.prefill_tokens
+                speed["prefill_s"] += stats.end - stats.start
+            elif stats.decode_tokens:
+                speed["decode_steps"] += 1
+                speed["decode_seqs"] += stats.decode_tokens
+                speed["decode_s"] += stats.end - stats.start
         mine = [o for o in outputs if o.request_id in self.live]
         if self.streamed:
             self._progress([o for o in mine if not o.finished and o.request_id in self.streamed])

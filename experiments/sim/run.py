@@ -24,6 +24,7 @@ from experiments.config import (
     DeploymentConfig,
     ModelSpec,
     RunConfig,
+    SloConfig,
     WorkloadConfig,
     _dataclass,
     deployments_of,
@@ -59,13 +60,15 @@ def simulate_deployment(
     decode_kv_tokens: float | None = None,
     page_size: int = 16,
     cache_pages: int | None = None,
+    slo: SloConfig | None = None,
 ) -> DeploymentRun:
     """trace: (arrival offsets, prompt lengths, output lengths[, conversations, turns]) to replay instead
     of drawing the workload's (a measured run's own requests; a multiturn run's are replayed at the times
     they were sent, its pages named by conversation). decode_kv_tokens: each decode instance's KV
     capacity in tokens (None: what HBM holds after the weights); its admission and preemption follow the
     deployment's decode_reserved_tokens and decode_preemption, as the real decode workers do.
-    cache_pages: each instance's prefix cache (None: its KV capacity; only with deployment.prefix_caching)."""
+    cache_pages: each instance's prefix cache (None: its KV capacity; only with deployment.prefix_caching).
+    slo: what deployment.admission=slo holds requests to (the policy's, as the real router's)."""
     multiturn = workload.dataset == "multiturn"
     shared = workload.system_prompt_len if multiturn else 0
     follow, concurrency, turns = None, None, {}
@@ -131,7 +134,7 @@ def simulate_deployment(
     def policy(pool: list[Instance]) -> Router:
         """The deployment's routing over pool, believing each instance caches as much as it can."""
         pages = pool[0].cache.capacity if pool[0].cache is not None else 0
-        return Router.of(d, range(len(pool)), pages, page_size)
+        return Router.of(d, range(len(pool)), pages, page_size, slo=slo)
 
     if d.kind == "colocated":
         colocated = caching([inst(d.tp, chunked) for _ in range(d.num_workers)])
@@ -158,10 +161,11 @@ def simulate_deployment(
     for r in reqs:
         rid = f"req-{r.rid}"
         run.sent[rid] = r.arrival
-        error = None if r.done is not None else "not finished in the simulation"
+        error = None if r.done is not None else (r.rejected or "not finished in the simulation")
+        reason = "length" if not error else ("rejected" if r.rejected else "error")
         remote = d.kind == "disaggregated" and not r.local
         run.results[rid] = Result(
-            rid, "sim", [0] * r.generated, r.arrival, None, r.token_times, "length" if not error else "error",
+            rid, "sim", [0] * r.generated, r.arrival, None, r.token_times, reason,
             error, prefill="remote" if remote else "local",
             transfer_bytes=r.sent_tokens * model.kv_bytes_per_token(),
             drafted=r.drafted, accepted=r.accepted, verify_steps=r.verifies, cached_tokens=r.cached,
@@ -241,7 +245,7 @@ def run_sim(cfg: DictConfig, out_dir: Path) -> list[dict]:
                 d, run_config.workload, model, hw, eff, c["first_token_on"], c.get("layerwise", True),
                 c.get("chunked_prefill", True), slowdown, router=c.get("router", "prefill"),
                 spec_acceptance=acceptance, decode_kv_tokens=kv_tokens, page_size=page_size,
-                cache_pages=cache_pages,
+                cache_pages=cache_pages, slo=slo,
             )  # fmt: skip
             records.append(metrics.run_record(run, run_config, rate))
     metrics.report(

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from experiments.deploy.messages import LOAD_EVERY_S, Load
 from experiments.deploy.policy import Router
 from experiments.sim.cost import CostModel, transfer_time
 
@@ -71,6 +72,7 @@ class SimRequest:
     skip: int = 0  # disaggregated: pages its decode instance held, not sent
     local: bool = False  # disaggregated: its decode instance computed the missing rest itself
     sent_tokens: int = 0  # KV tokens sent to it (the engine sends whole pages: up to a page more)
+    rejected: str | None = None  # why the policy's admission refused it (deployment.admission=slo)
 
     def names(self, tokens: int, page: int) -> list:
         """The names of the pages its first `tokens` tokens fill (whole pages only)."""
@@ -149,6 +151,10 @@ class Instance:
     page_size: int = 16
     cache: PageCache | None = None  # prefix caching (see the module's docstring); None: off
     local_prefill_max_tokens: int = 0  # decode: computes a missing rest this short itself
+    # what a real worker's Load counts (the policy's admission reads it): prompt tokens computed and the
+    # time of those steps; decode-only steps, their sequences and time
+    speed: list = field(default_factory=lambda: [0, 0.0, 0, 0, 0.0])
+    last_step: tuple = (0, 0)  # (prompt tokens, decoding sequences) of the step just scheduled
 
     def enable_cache(self, pages: int | None = None) -> Instance:
         """Turn prefix caching on, over `pages` pages (None: the instance's KV capacity)."""
@@ -207,6 +213,7 @@ def _colocated_step(inst: Instance, now: float) -> tuple[float, list]:
         budget -= n
     if not chunks and not decode:
         return 0.0, []
+    inst.last_step = (sum(n for _, n in chunks), len(decode))
     verify, decode, drafts = _verify_chunks(inst, decode)
     sampled = len(decode) + sum(1 for r, n in chunks if r.computed + n == r.context) + drafts
     dt = inst.cost.step_time(
@@ -328,9 +335,29 @@ def _run(
     pool = back if disagg else front  # what the policy picks from (router='decode', or colocated)
     policy = policy or Router(range(len(pool)), "least_loaded", cache_pages=0)
     routed: dict = {}  # rid -> the index in pool its request went to
+    clock = [0.0]  # the simulated time, the policy's clock (its admission learns from first tokens)
+    policy.clock = lambda: clock[0]
+    heard = [-LOAD_EVERY_S]  # when the policy last read the instances' counters (a real worker's Load)
+    names = {id(inst): n for n, inst in enumerate(pool)}
+    if disagg:
+        names.update({id(inst): ("prefill", n) for n, inst in enumerate(front)})
+        policy.prefill_workers = [("prefill", n) for n in range(len(front))]
 
-    def pick(r) -> Instance:
-        n = policy.route(r.rid, r.names(r.context, pool[0].page_size), r.context, list(range(len(pool))))
+    def pick(r, now) -> Instance | None:
+        """The instance the policy picks, or None where its admission refuses r (r.rejected says why)."""
+        if now - heard[0] >= LOAD_EVERY_S:  # the Loads the real router would have by now
+            heard[0] = now
+            for inst in instances:
+                tokens, seconds, steps, seqs, decode_s = inst.speed
+                load = Load("sim", 0, 0, 0, prefill_tokens=tokens, prefill_s=seconds, decode_steps=steps,
+                            decode_seqs=seqs, decode_s=decode_s)  # fmt: skip
+                policy.observe_load(names[id(inst)], load)
+        n = policy.route(
+            r.rid, r.names(r.context, pool[0].page_size), r.context, list(range(len(pool))), admit=True
+        )
+        if n is None:
+            r.rejected = policy.why
+            return None
         routed[r.rid] = n
         return pool[n]
 
@@ -345,7 +372,7 @@ def _run(
         busy -= 1
         if r.rid in routed:  # the policy believes its instance now caches its prompt and reply
             policy.finished(routed.pop(r.rid), r.rid, r.names(r.prompt + r.generated - 1, pool[0].page_size))
-        nxt = follow(r) if follow is not None else None
+        nxt = follow(r) if follow is not None and r.rejected is None else None
         if nxt is not None:
             requests.append(nxt)
             push(nxt.arrival, "arrive", nxt)
@@ -355,6 +382,7 @@ def _run(
 
     while heap:
         now, _, kind, payload = heapq.heappop(heap)
+        clock[0] = now
         if kind == "arrive":
             if concurrency is not None and busy >= concurrency:
                 pending.append(payload)
@@ -362,11 +390,17 @@ def _run(
             busy += 1
             kind = "route"
         if kind == "route" and not disagg:
-            inst = pick(payload)
+            inst = pick(payload, now)
+            if inst is None:
+                finished(payload, now)
+                continue
             inst.waiting.append(payload)
             kick(inst, now)
         elif kind == "route" and router == "decode":
-            target = pick(payload)
+            target = pick(payload, now)
+            if target is None:
+                finished(payload, now)
+                continue
             home[payload.rid] = target
             homed[id(target)] += 1
             if idle[id(target)]:
@@ -382,6 +416,8 @@ def _run(
             inst = min(front, key=Instance.load)
             inst.waiting.append(payload)
             kick(inst, now)
+        elif kind == "first":  # the policy's admission: its prompt is no longer ahead of anyone's
+            policy.first_token(payload.rid)
         elif kind == "land":  # KV arrived at a decode instance
             inst, r = payload
             if router == "decode":
@@ -405,6 +441,14 @@ def _run(
                 continue
             dt *= inst.slowdown
             end = now + dt
+            prompt_tokens, decoding = inst.last_step
+            if prompt_tokens:
+                inst.speed[0] += prompt_tokens
+                inst.speed[1] += dt
+            elif decoding:
+                inst.speed[2] += 1
+                inst.speed[3] += decoding
+                inst.speed[4] += dt
             for r, what in events:
                 if what == "refetch":  # preempted on a decode instance: its KV is computed again
                     r.computed, r.fetch = 0, r.prompt + r.generated
@@ -418,6 +462,7 @@ def _run(
                         if inst.cache is not None:
                             inst.cache.add(r, r.context, inst.page_size)
                         r.first_token, r.generated = end, 1
+                        push(end, "first", r)
                         r.token_times.append(end)
                         if _maybe_finish(inst, r, end):
                             finished(r, end)
@@ -428,6 +473,7 @@ def _run(
                         inst.cache.add(r, r.context, inst.page_size)
                     if first_token_on == "prefill" and not r.fetch:
                         r.first_token, r.generated = end, 1
+                        push(end, "first", r)
                         r.token_times.append(end)
                     if router == "decode":
                         target = home.pop(r.rid)
@@ -453,6 +499,7 @@ def _run(
                     r.token_times += [end] * what[1]
                     if r.first_token is None:
                         r.first_token = end
+                        push(end, "first", r)
                     if _maybe_finish(inst, r, end):
                         finished(r, end)
             push(end, "step", inst)
@@ -555,6 +602,7 @@ def _decode_step(inst: Instance) -> tuple[float, list]:
     batch = [r for r in inst.running[: inst.max_seqs] if r not in recompute]
     if not batch and not recompute:
         return (1e-9 if events else 0.0), events  # it only preempted: the refetches still go out
+    inst.last_step = (sum(r.prompt + r.generated - r.computed for r in recompute), len(batch))
     verify, plain, drafts = _verify_chunks(inst, batch)
     chunks = verify + [(r.prompt + r.generated - r.computed, r.computed) for r in recompute]
     for r in recompute:  # a preempted request's whole context, or a local prefill's missing rest

@@ -117,3 +117,103 @@ def test_the_engine_s_events_name_pages_as_the_router_does():
     r = Router(["w"], page_size=4, salt=llm.scheduler.salt)
     r.observe("w", llm.allocator.take_events())
     assert r.overlap("w", page_names(prompt, 4, llm.scheduler.salt)) == 30 // 4
+
+
+def _Load(prefill_tokens=0, prefill_s=0.0, decode_steps=0, decode_seqs=0, decode_s=0.0):
+    """A worker's Load with these counters (what admission reads)."""
+    from experiments.deploy.messages import Load
+
+    return Load("w", 0, 0, 0, prefill_tokens=prefill_tokens, prefill_s=prefill_s, decode_steps=decode_steps,
+                decode_seqs=decode_seqs, decode_s=decode_s)  # fmt: skip
+
+
+def _slo_router(**kw):
+    now = [0.0]
+    r = Router(["a"], "least_loaded", page_size=16, admission="slo", slo=(1.0, 0.1), clock=lambda: now[0], **kw)
+    return r, now
+
+
+def test_admission_admits_until_it_knows_the_speed_then_refuses_what_the_queue_makes_late():
+    r, now = _slo_router()
+    for i in range(20):  # no Load yet: no prediction, every request taken
+        assert r.route(f"r{i}", [], 1000, ["a"], admit=True) == "a"
+    r.observe_load("a", _Load(0, 0.0))
+    r.observe_load("a", _Load(2000, 1.0))  # 2,000 prompt tokens/s
+    # 20,000 tokens ahead: 10 s, far past the 1 s TTFT
+    assert r.route("late", [], 1000, ["a"], admit=True) is None
+    assert "predicted TTFT 10.50 s > slo.ttft_s=1" in r.why and r.rejected == 1
+    assert "late" not in r.in_flight["a"]  # refused: nothing recorded
+    assert r.route("migrated", [], 1000, ["a"]) == "a"  # a migration is never refused, nor queued
+    for i in range(20):  # their first tokens come: the queue empties
+        r.first_token(f"r{i}")
+    assert r.route("now", [], 1000, ["a"], admit=True) == "a" and r.why is None  # 0.5 s
+
+
+def test_admission_learns_the_bias_from_first_tokens_on_a_driven_clock():
+    r, now = _slo_router()
+    r.observe_load("a", _Load(0, 0.0))
+    r.observe_load("a", _Load(1000, 1.0))  # 1,000 tokens/s
+    for i in range(30):  # each alone: predicted 0.5 s, but its first token takes 0.9 s
+        assert r.route(f"r{i}", [], 500, ["a"], admit=True) == "a"
+        now[0] += 0.9
+        r.first_token(f"r{i}")
+        r.finished("a", f"r{i}")
+    assert 0.3 < r.ttft_bias < 0.4  # approaching the 0.4 s it missed by
+    ttft, _ = r.predict("a", 500)
+    assert ttft == pytest.approx(0.5 + r.ttft_bias)
+    assert r.route("next", [], 700, ["a"], admit=True) is None  # 0.7 + ~0.35 > 1 s
+
+
+def test_admission_predicts_tpot_from_the_batch_it_would_join():
+    r, _ = _slo_router()
+    # pure decode steps: batch 2 at 40 ms, batch 6 at 80 ms (a line: 20 ms + 10 ms per sequence)
+    r.observe_load("a", _Load())
+    r.observe_load("a", _Load(decode_steps=10, decode_seqs=20, decode_s=0.4))
+    r.observe_load("a", _Load(decode_steps=20, decode_seqs=80, decode_s=1.2))
+    assert r.speed["a"].step_s(4) == pytest.approx(0.06)
+    for i in range(7):
+        assert r.route(f"r{i}", [], 16, ["a"], admit=True) == "a"
+        r.first_token(f"r{i}")
+    assert r.predict("a", 16)[1] == pytest.approx(0.1)  # the 8th: 20 + 80 ms, at the bound
+    r.route("r7", [], 16, ["a"], admit=True)
+    assert r.route("r8", [], 16, ["a"], admit=True) is None and "TPOT" in r.why
+
+
+def test_disaggregated_admission_queues_on_the_prefill_workers_together_and_forgets_a_dead_one():
+    now = [0.0]
+    r = Router(["d0", "d1"], "round_robin", admission="slo", slo=(1.0, 1.0), prefill_workers=["p0", "p1"],
+               clock=lambda: now[0])  # fmt: skip
+    for p in ("p0", "p1"):
+        r.observe_load(p, _Load())
+        r.observe_load(p, _Load(1000, 1.0))  # 1,000 tokens/s each: 2,000 together
+    for i in range(3):
+        assert r.route(f"r{i}", [], 500, ["d0", "d1"], admit=True) is not None
+    assert r.predict("d1", 500)[0] == pytest.approx(1.0)  # 1,500 ahead + 500 over 2,000 tokens/s
+    r.forget("p1")  # dead: its speed is unknown until it is back; the pool is priced at p0's for both
+    assert r.predict("d1", 500)[0] == pytest.approx(1.0)
+    r.observe_load("p0", _Load(1500, 2.0))  # p0 slowed to 500 tokens/s (0.7 x 1000 + 0.3 x 500 = 850)
+    assert r.predict("d1", 500)[0] == pytest.approx(2000 / 1700)
+    assert r.route("r3", [], 500, ["d0", "d1"], admit=True) is None
+
+
+def test_a_restarted_worker_s_counters_start_over_without_a_negative_speed():
+    r, _ = _slo_router()
+    r.observe_load("a", _Load(0, 0.0))
+    r.observe_load("a", _Load(1000, 1.0))
+    r.observe_load("a", _Load(10, 0.1))  # restarted: counters from zero
+    assert r.speed["a"].prefill_tok_s == 1000
+    r.observe_load("a", _Load(510, 0.6))
+    assert r.speed["a"].prefill_tok_s == pytest.approx(1000)
+
+
+def test_admission_none_takes_everything_and_the_config_checks_it():
+    r = Router(["a"], page_size=16, admission="none", slo=(0.001, 0.001))
+    r.observe_load("a", _Load())
+    r.observe_load("a", _Load(10, 1.0))
+    assert all(r.route(f"r{i}", [], 10_000, ["a"], admit=True) == "a" for i in range(5))
+    with pytest.raises(ValueError, match="deployment.admission='maybe' is not allowed: one of"):
+        Router(["a"], admission="maybe")
+    from experiments.config import DeploymentConfig
+
+    with pytest.raises(ValueError, match="deployment.admission"):
+        DeploymentConfig("x", admission="always")

@@ -531,3 +531,39 @@ def test_killed_workers_restart_under_the_local_launcher_and_take_requests_again
     ]
     assert later and all(r["prefill"] == "remote" for r in later), later
     assert all(t["free_pages"] == t["num_pages"] for t in faulty["timelines"])
+
+
+def test_admission_slo_refuses_requests_it_predicts_late_and_serves_the_rest_exactly(tmp_path):
+    """1P1D under a burst far past a 20 ms TTFT: with deployment.admission=slo the router refuses
+    requests at once (rejected, not errors: no worker saw them) once it has measured the prefill worker's
+    speed, and every request it admitted ends with LLM.generate's output; admission=none over the same
+    arrivals refuses none."""
+    from engine import LLM, SamplingParams
+    from experiments.config import check_fits_model, from_cfg
+    from experiments.workload import make_requests
+
+    overrides = [*TINY, "workload.arrival=poisson", "workload.rate=40", "workload.num_requests=48"]
+    overrides += ["workload.prompt_len.low=150", "workload.prompt_len.high=300", "workload.output_len.value=4"]
+    overrides += ["slo.ttft_s=0.02", "deployment.prefix_caching=false"]
+    overrides += [
+        "deployments=[{name: none, kind: disaggregated, num_prefill: 1, num_decode: 1, prefix_caching: false},"
+        "{name: slo, kind: disaggregated, num_prefill: 1, num_decode: 1, prefix_caching: false, admission: slo}]"
+    ]
+    config = from_cfg(_cfg(overrides))
+    m = check_fits_model(config)
+    requests = make_requests(config.workload, m.tokenizer, m.config.vocab_size, m.config.max_position)
+    params = [SamplingParams(max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
+    want = {r.request_id: w.token_ids for r, w in zip(requests, LLM("tiny-random").generate(
+        [list(r.prompt_ids) for r in requests], params), strict=True)}  # fmt: skip
+    none, slo = run(_cfg(overrides), tmp_path, progress=False)
+    assert none["summary"]["rejected"] == 0 and none["summary"]["completed"] == 48
+    s = slo["summary"]
+    assert s["rejected"] > 0 and s["errors"] == 0 and s["completed"] + s["rejected"] == 48, slo["requests"]
+    refused = [r for r in slo["requests"] if r["finish_reason"] == "rejected"]
+    assert all("predicted TTFT" in r["error"] and r["worker"] == "" and not r["output_ids"] for r in refused)
+    first = min(slo["requests"], key=lambda r: r["arrival_s"])
+    assert first["finish_reason"] != "rejected"  # until a Load has measured the prefill speed: taken
+    served = {r["request_id"]: r["output_ids"] for r in slo["requests"] if r["finish_reason"] != "rejected"}
+    assert served == {rid: want[rid] for rid in served}
+    assert s["admitted_attainment_pct"] >= s["attainment_pct"]
+    assert all(t["free_pages"] == t["num_pages"] for t in slo["timelines"])

@@ -396,3 +396,28 @@ def test_a_repeated_prompt_is_served_from_the_prefix_cache(server, reference):
         time.sleep(0.2)
     assert queries >= hits >= max(cached) > 0
     assert any(v > 0 for k, v in m.items() if k[0] == "pdk_prefix_cached_pages")
+
+
+def test_admission_refuses_with_503_and_retry_after_streamed_or_not(tmp_path):
+    """deployment.admission=slo with a TTFT bound no prompt can meet: the first request is taken (the
+    prefill speed is not known yet); once a Load has measured it, every request is refused at once, a
+    stream too (503 with Retry-After before any event), counted in /metrics, and the server stays up."""
+    proc, url = _start(tmp_path, "deployment=colocated", "deployment.admission=slo", "slo.ttft_s=0.000001")
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        first = client.completions.create(model="tiny-random", prompt="Taken", max_tokens=2, temperature=0)
+        assert first.choices[0].finish_reason == "length"
+        time.sleep(1.5)  # a Load or two: the worker's prefill speed is measured
+        for stream in (False, True):
+            with pytest.raises(openai.APIStatusError) as err:
+                out = client.completions.create(
+                    model="tiny-random", prompt="Refused", max_tokens=2, temperature=0, stream=stream
+                )
+                list(out) if stream else None
+            assert err.value.status_code == 503 and err.value.response.headers["retry-after"]
+            assert "predicted TTFT" in str(err.value) and "slo.ttft_s" in str(err.value)
+        assert _metrics(url)[("pdk_requests_total", (("finish_reason", "rejected"),))] == 2
+        with urllib.request.urlopen(f"{url}/health", timeout=10) as r:
+            assert r.status == 200
+    finally:
+        _stop(proc)

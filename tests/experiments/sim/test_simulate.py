@@ -202,3 +202,27 @@ def test_a_closed_loop_sends_each_follow_up_after_its_reply_and_holds_arrivals_p
     assert a.rid == 0 and b.rid == 1 and b.first_token > a.done  # b waited for a's slot
     assert {a2.rid, b2.rid} == {10, 11}
     assert min(a2.first_token, b2.first_token) > b.done
+
+
+def test_the_policy_s_admission_refuses_what_would_be_late_in_the_simulator_too():
+    """The real router's admission over a simulated colocated instance (2 s per 10-token prefill, a
+    request every 0.5 s: 4x what it can serve): it measures the speed from the instance's counters as it
+    would from Loads, refuses at once what the queue would make later than a 6 s TTFT, and the requests it
+    takes meet it; without admission the queue grows and almost none do."""
+    from experiments.deploy.policy import Router
+
+    def run(admission):
+        reqs = [SimRequest(i, 0.5 * i, prompt=10, output=2) for i in range(60)]
+        policy = Router([0], "least_loaded", cache_pages=0, admission=admission, slo=(6.0, 10.0))
+        simulate_colocated([Instance(_cost())], reqs, policy=policy)
+        return reqs
+
+    taken = run("none")
+    assert all(r.done is not None for r in taken) and sum(r.ttft <= 6.0 for r in taken) < 10
+    reqs = run("slo")
+    refused = [r for r in reqs if r.rejected]
+    served = [r for r in reqs if not r.rejected]
+    assert 30 < len(refused) < 55 and all(r.done is None and "predicted TTFT" in r.rejected for r in refused)
+    assert all(r.done is not None for r in served)
+    assert sum(r.ttft <= 6.0 for r in served) >= 0.9 * len(served)
+    assert sum(r.ttft <= 6.0 for r in served) > 2 * sum(r.ttft <= 6.0 for r in taken)
