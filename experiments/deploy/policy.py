@@ -26,7 +26,8 @@ on it and on the requests behind it:
   a learned bias (the mean of what the first tokens took beyond that prediction);
 - TPOT = the decode step time at the batch it would join (least squares of step time on batch over the
   worker's recent Loads).
-Until a worker's speed is known (its first busy second) the router admits.
+Until a worker's speed is known (its first busy second; a colocated worker's peers' stands in for it)
+the router admits.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ class Speed:
     def observe(self, counters: tuple) -> None:
         last, self.counters = self.counters, counters
         if not last or any(now < before for now, before in zip(counters, last, strict=True)):
-            return  # the first Load, or a restarted worker's: nothing to difference yet
+            last = (0,) * len(counters)  # the first Load seen, or a restarted worker's: since it started
         tokens, seconds, steps, seqs, decode_s = (now - before for now, before in zip(counters, last))
         if tokens and seconds > 0:
             rate = tokens / seconds
@@ -170,6 +171,8 @@ class Router:
         """The prompt tokens ahead of it and its own over the prefill speed (no bias)."""
         pool = self.prefill_workers or [target]
         rates = [s.prefill_tok_s for w in pool if (s := self.speed.get(w)) and s.prefill_tok_s]
+        if not rates and not self.prefill_workers:  # a colocated worker not measured yet: as its peers
+            rates = [s.prefill_tok_s for w in self.workers if (s := self.speed.get(w)) and s.prefill_tok_s]
         if not rates:
             return None
         ahead = sum(n for w, n, _, _ in self.waiting.values() if self.prefill_workers or w == target)

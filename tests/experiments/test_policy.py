@@ -149,6 +149,14 @@ def test_admission_admits_until_it_knows_the_speed_then_refuses_what_the_queue_m
     assert r.route("now", [], 1000, ["a"], admit=True) == "a" and r.why is None  # 0.5 s
 
 
+def test_a_colocated_worker_not_measured_yet_is_priced_as_its_peers():
+    r = Router(["a", "b"], "round_robin", page_size=16, admission="slo", slo=(1.0, 1.0))
+    r.observe_load("a", _Load())
+    r.observe_load("a", _Load(1000, 1.0))
+    assert r.predict("b", 500)[0] == pytest.approx(0.5)  # b has no Load with prompt tokens yet
+    assert r.route("x", [], 2000, ["a", "b"], admit=True) is None  # 2 s on a, and on b alike
+
+
 def test_admission_learns_the_bias_from_first_tokens_on_a_driven_clock():
     r, now = _slo_router()
     r.observe_load("a", _Load(0, 0.0))
@@ -196,14 +204,14 @@ def test_disaggregated_admission_queues_on_the_prefill_workers_together_and_forg
     assert r.route("r3", [], 500, ["d0", "d1"], admit=True) is None
 
 
-def test_a_restarted_worker_s_counters_start_over_without_a_negative_speed():
+def test_the_first_load_counts_from_the_worker_s_start_and_a_restart_starts_over():
     r, _ = _slo_router()
-    r.observe_load("a", _Load(0, 0.0))
-    r.observe_load("a", _Load(1000, 1.0))
-    r.observe_load("a", _Load(10, 0.1))  # restarted: counters from zero
-    assert r.speed["a"].prefill_tok_s == 1000
-    r.observe_load("a", _Load(510, 0.6))
-    assert r.speed["a"].prefill_tok_s == pytest.approx(1000)
+    r.observe_load("a", _Load(2000, 1.0))  # the first Load the router sees (Loads before it were not)
+    assert r.speed["a"].prefill_tok_s == 2000
+    r.observe_load("a", _Load(3000, 2.0))  # 1,000 tokens/s since: 0.7 x 2000 + 0.3 x 1000
+    assert r.speed["a"].prefill_tok_s == pytest.approx(1700)
+    r.observe_load("a", _Load(100, 0.1))  # restarted: its counters since it came back, never negative
+    assert r.speed["a"].prefill_tok_s == pytest.approx(0.7 * 1700 + 0.3 * 1000)
 
 
 def test_admission_none_takes_everything_and_the_config_checks_it():
