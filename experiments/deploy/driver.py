@@ -449,7 +449,9 @@ def _serve(run: DeploymentRun, config: RunConfig, fleet: Fleet, progress: bool, 
                     run.results[req.request_id] = _error(req.request_id, router.why, now, "rejected")
                     bar.update()
                     continue
-                fleet.send(target, Submit(req.request_id, req.prompt_ids, req.max_tokens, stream=True))
+                submit = Submit(req.request_id, req.prompt_ids, req.max_tokens, stream=True)
+                submit.prefill_worker = router.prefill_of(req.request_id)
+                fleet.send(target, submit)
                 busy += 1
             fleet.sock.poll(_wait_ms(run, queue, w.arrival))
             for name, msg in fleet.receive():

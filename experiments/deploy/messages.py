@@ -47,6 +47,7 @@ class Submit(Message):
     # their KV recomputed), and how many characters of their text the client already has
     output_ids: list[int] = []
     text_sent: int = 0
+    prefill_worker: str | None = None  # the router's choice of prefill worker (None: the decode worker's)
 
     def __post_init__(self):
         check_request(self.request_id, self.prompt_ids)

@@ -17,17 +17,21 @@ the worker's cache. Without events (a simulator, a run whose workers do not send
 adds its reply's pages. A worker that dies forgets all of it. A belief that is stale costs only speed:
 the worker looks its own cache up and computes what it lacks.
 
+A disaggregated request's prefill worker is the router's choice too (prefill_of(); the decode worker
+asks it unless it is down there): the live one where its prompt would start soonest, the prompt tokens
+routed to each and not yet at their first token over each one's measured speed.
+
 Admission (`deployment.admission`): `none` takes every request; `slo` refuses at once a request the
 router predicts will miss the SLO anyway (Mooncake's early rejection), instead of spending prefill time
 on it and on the requests behind it:
-- TTFT = the prompt tokens ahead of it (routed, not yet at their first token, on its colocated worker or,
-  disaggregated, on the prefill workers together) plus its own not-cached tokens, over the prefill speed
-  the workers measured (their Loads: prefill tokens over the time of the steps that computed them), plus
-  a learned bias (the mean of what the first tokens took beyond that prediction);
+- TTFT = the prompt tokens ahead of it (routed, not yet at their first token, on its colocated worker or
+  its chosen prefill worker) plus its own not-cached tokens, over that worker's prefill speed as it
+  measures it (its Loads: prompt tokens over the time of the steps that computed them), plus a learned
+  bias (the mean of what the first tokens took beyond that prediction);
 - TPOT = the decode step time at the batch it would join (least squares of step time on batch over the
   worker's recent Loads).
-Until a worker's speed is known (its first busy second; a colocated worker's peers' stands in for it)
-the router admits.
+Until a worker's speed is known (its first busy Load; a measured peer's stands in for it) the router
+admits.
 """
 
 from __future__ import annotations
@@ -103,6 +107,7 @@ class Router:
             raise ValueError(f"deployment.admission={admission!r} is not allowed: one of {ADMISSIONS}")
         self.admission, self.slo, self.clock = admission, slo, clock
         self.prefill_workers = list(prefill_workers)
+        self.prefill_live: set = set()  # prefill workers heard from (a Load) and not dead since
         self.speed: dict[str, Speed] = {}  # worker (prefill ones too) -> what its Loads measured
         self.waiting: dict = {}  # request -> (worker, its prompt tokens to compute, when, predicted TTFT)
         self.ttft_bias = 0.0  # moving average of first tokens' time beyond the prediction
@@ -158,25 +163,48 @@ class Router:
         self.observe(worker, load.cache_events)
         counters = (load.prefill_tokens, load.prefill_s, load.decode_steps, load.decode_seqs, load.decode_s)
         self.speed.setdefault(worker, Speed()).observe(counters)
+        if worker in self.prefill_workers:  # it talks: requests may go to it
+            self.prefill_live.add(worker)
 
     def predict(self, target: str, tokens: int) -> tuple[float | None, float | None]:
         """(TTFT, TPOT) a request with `tokens` prompt tokens to compute would see on target (None: not
         known yet)."""
-        ttft = self._queue_s(target, tokens)
+        ttft = self._queue_s(self._prefill_queue(target, tokens), tokens)
         speed = self.speed.get(target)
         tpot = speed.step_s(len(self.in_flight[target]) + 1) if speed else None
         return (None if ttft is None else ttft + max(self.ttft_bias, 0.0)), tpot
 
-    def _queue_s(self, target: str, tokens: int) -> float | None:
-        """The prompt tokens ahead of it and its own over the prefill speed (no bias)."""
-        pool = self.prefill_workers or [target]
-        rates = [s.prefill_tok_s for w in pool if (s := self.speed.get(w)) and s.prefill_tok_s]
-        if not rates and not self.prefill_workers:  # a colocated worker not measured yet: as its peers
-            rates = [s.prefill_tok_s for w in self.workers if (s := self.speed.get(w)) and s.prefill_tok_s]
-        if not rates:
+    def prefill_of(self, request_id) -> str | None:
+        """The prefill worker route() chose for a new request (None: colocated, or none heard from)."""
+        entry = self.waiting.get(request_id)
+        return entry[0] if entry is not None and self.prefill_workers else None
+
+    def _prefill_queue(self, target: str, tokens: int) -> str | None:
+        """Whose prompt queue a request joins: its colocated worker; disaggregated, the live prefill worker
+        where it would start soonest (tokens ahead over its speed); None when none has been heard from."""
+        if not self.prefill_workers:
+            return target
+        live = [p for p in self.prefill_workers if p in self.prefill_live]
+        if not live:
             return None
-        ahead = sum(n for w, n, _, _ in self.waiting.values() if self.prefill_workers or w == target)
-        return (ahead + tokens) / (sum(rates) / len(rates) * len(pool))
+        return min(live, key=lambda p: (self._ahead(p) + tokens) / (self._rate(p) or 1.0))
+
+    def _rate(self, worker: str) -> float | None:
+        """worker's prefill speed (tokens/s); one not measured yet is priced as its measured peers."""
+        speed = self.speed.get(worker)
+        if speed is not None and speed.prefill_tok_s:
+            return speed.prefill_tok_s
+        peers = [s.prefill_tok_s for w in (self.prefill_workers or self.workers) if (s := self.speed.get(w))]
+        peers = [r for r in peers if r]
+        return sum(peers) / len(peers) if peers else None
+
+    def _ahead(self, queue: str) -> int:
+        return sum(n for w, n, _, _ in self.waiting.values() if w == queue)
+
+    def _queue_s(self, queue: str | None, tokens: int) -> float | None:
+        """The prompt tokens ahead in queue and its own over that worker's speed (no bias)."""
+        rate = self._rate(queue) if queue is not None else None
+        return None if rate is None else (self._ahead(queue) + tokens) / rate
 
     def first_token(self, request_id) -> None:
         """request_id's first token arrived: its prompt is no longer ahead of anyone's; what it took
@@ -243,8 +271,9 @@ class Router:
             if self.why is not None:
                 self.rejected += 1
                 return None
-        if admit:  # a new request's prompt: ahead of the next ones until its first token
-            self.waiting[request_id] = (target, to_compute, self.clock(), self._queue_s(target, to_compute))
+        if admit:  # a new request's prompt: ahead of the next ones in its queue until its first token
+            queue = self._prefill_queue(target, to_compute)
+            self.waiting[request_id] = (queue, to_compute, self.clock(), self._queue_s(queue, to_compute))
         self.routed_pages += len(names)
         self.overlap_pages += hit
         self.in_flight[target].add(request_id)
@@ -283,6 +312,7 @@ class Router:
         if worker in self.cached:
             self.cached[worker].clear()
         self.speed.pop(worker, None)
+        self.prefill_live.discard(worker)
 
     def _remember(self, worker: str, names: Iterable[Hashable]) -> None:
         cached = self.cached[worker]

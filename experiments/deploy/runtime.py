@@ -216,7 +216,8 @@ class Runtime:
         self.requests[msg.request_id] = msg
         self.owner[msg.request_id] = target
         # admission learns when each prompt's first token comes: the worker streams every request then
-        wire = msgspec.structs.replace(msg, stream=True) if self.router.admission == "slo" else msg
+        stream = msg.stream or self.router.admission == "slo"
+        wire = msgspec.structs.replace(msg, stream=stream, prefill_worker=self.router.prefill_of(msg.request_id))
         if not self.fleet.send(target, wire):
             self._finish(
                 Result(msg.request_id, target, [], 0.0, None, [], "error", f"worker {target} is gone")

@@ -313,10 +313,10 @@ class Worker:
                 elif msg.output_ids:  # migrated: its prompt and outputs so far come from a prefill worker
                     seq = self.llm.make_sequence(msg.prompt_ids, params, msg.request_id, msg.output_ids)
                     self.llm.resume(seq)
-                    self.backlog.append((msg.request_id, seq.all_ids, params))
+                    self.backlog.append((msg.request_id, seq.all_ids, params, None))
                 else:
                     self.llm.make_sequence(msg.prompt_ids, params, msg.request_id)  # check it now
-                    self.backlog.append((msg.request_id, msg.prompt_ids, params))
+                    self.backlog.append((msg.request_id, msg.prompt_ids, params, msg.prefill_worker))
             except (ValueError, TypeError) as e:
                 self._refuse(msg.request_id, received, e)
                 return
@@ -367,11 +367,11 @@ class Worker:
         if self.backlog and self._await_prefill_restart():
             return
         while self.backlog:
-            request_id, token_ids, params = self.backlog[0]
+            request_id, token_ids, params, peer = self.backlog[0]  # peer: the router's choice, or None
             try:
                 d = self.spec.deployment
                 if not self.dm.submit(
-                    request_id, token_ids, params, local_max_tokens=d.local_prefill_max_tokens
+                    request_id, token_ids, params, peer, local_max_tokens=d.local_prefill_max_tokens
                 ):
                     self.prefilled_here.add(request_id)
             except OutOfPages:
@@ -388,7 +388,7 @@ class Worker:
         finished (the engine hands each finished request back once)."""
         outputs = self.llm.step()
         if self.dm is not None:  # preempted: fetched again, before any new request
-            refetch = [(s.request_id, s.all_ids, s.params) for s in self.llm.take_refetches()]
+            refetch = [(s.request_id, s.all_ids, s.params, None) for s in self.llm.take_refetches()]
             self.backlog.extendleft(reversed(refetch))
         stats = self.llm.last_step
         if stats is not None and stats is not self._last_stats:

@@ -413,7 +413,8 @@ def _run(
             target.recompute.append(payload)
             kick(target, now)
         elif kind in ("route", "forward"):
-            inst = min(front, key=Instance.load)
+            chosen = policy.prefill_of(payload.rid)  # the policy's pick (router='decode'), as the real one's
+            inst = front[chosen[1]] if chosen is not None else min(front, key=Instance.load)
             inst.waiting.append(payload)
             kick(inst, now)
         elif kind == "first":  # the policy's admission: its prompt is no longer ahead of anyone's

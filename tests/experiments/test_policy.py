@@ -187,21 +187,30 @@ def test_admission_predicts_tpot_from_the_batch_it_would_join():
     assert r.route("r8", [], 16, ["a"], admit=True) is None and "TPOT" in r.why
 
 
-def test_disaggregated_admission_queues_on_the_prefill_workers_together_and_forgets_a_dead_one():
+def test_the_router_picks_the_prefill_worker_where_a_prompt_starts_soonest_and_skips_a_dead_one():
     now = [0.0]
-    r = Router(["d0", "d1"], "round_robin", admission="slo", slo=(1.0, 1.0), prefill_workers=["p0", "p1"],
+    r = Router(["d0", "d1"], "round_robin", admission="slo", slo=(1.6, 1.0), prefill_workers=["p0", "p1"],
                clock=lambda: now[0])  # fmt: skip
-    for p in ("p0", "p1"):
-        r.observe_load(p, _Load())
-        r.observe_load(p, _Load(1000, 1.0))  # 1,000 tokens/s each: 2,000 together
-    for i in range(3):
+    assert r.route("early", [], 500, ["d0", "d1"], admit=True) and r.prefill_of("early") is None  # none heard
+    r.first_token("early")
+    r.observe_load("p0", _Load(1000, 1.0))  # 1,000 tokens/s
+    r.observe_load("p1", _Load(2000, 1.0))  # 2,000 tokens/s
+    chosen = []
+    for i in range(4):
         assert r.route(f"r{i}", [], 500, ["d0", "d1"], admit=True) is not None
-    assert r.predict("d1", 500)[0] == pytest.approx(1.0)  # 1,500 ahead + 500 over 2,000 tokens/s
-    r.forget("p1")  # dead: its speed is unknown until it is back; the pool is priced at p0's for both
-    assert r.predict("d1", 500)[0] == pytest.approx(1.0)
-    r.observe_load("p0", _Load(1500, 2.0))  # p0 slowed to 500 tokens/s (0.7 x 1000 + 0.3 x 500 = 850)
-    assert r.predict("d1", 500)[0] == pytest.approx(2000 / 1700)
-    assert r.route("r3", [], 500, ["d0", "d1"], admit=True) is None
+        chosen.append(r.prefill_of(f"r{i}"))
+    # where it starts soonest: p1 (0.25 s against 0.5), p0 (a tie at 0.5: the first), p1 (0.5 against
+    # 1.0), p1 (0.75 against 1.0)
+    assert chosen == ["p1", "p0", "p1", "p1"]
+    assert r._ahead("p0") + r._ahead("p1") == 2000
+    r.forget("p1")  # dead: not chosen until it is heard from again
+    assert r.route("r4", [], 100, ["d0"], admit=True) and r.prefill_of("r4") == "p0"
+    ahead = r._ahead("p0")
+    assert r.predict("d0", 500)[0] == pytest.approx((ahead + 500) / 1000)
+    assert r.route("r5", [], 1100, ["d0"], admit=True) is None  # (600 + 1100) / 1000 > 1.6 s
+    r.observe_load("p1", _Load(100, 0.05))  # back (restarted): 1,500 ahead at 2,000/s beats p0's 1.1 s
+    assert r.route("r6", [], 500, ["d0", "d1"], admit=True) and r.prefill_of("r6") == "p1"
+    assert r.prefill_of("missing") is None
 
 
 def test_the_first_load_counts_from_the_worker_s_start_and_a_restart_starts_over():
