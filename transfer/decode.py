@@ -137,9 +137,10 @@ class DecodeMessenger:
         params: object = None,
         peer: str | None = None,
         local_max_tokens: int = 0,
+        prefer: str | None = None,
     ) -> bool:
-        """Reserve pages and ask a prefill worker (peer, the router's choice, while it is live; else the
-        least loaded live one) for prompt_ids[:-1],
+        """Reserve pages and ask a prefill worker (peer if named; else prefer, the router's choice, while
+        it is live; else the least loaded live one) for prompt_ids[:-1],
         past the pages the engine holds already; when the tokens the engine would still have to compute
         (those missing and the last) are at most local_max_tokens, or only the last, it computes them itself
         instead. Returns whether a prefill worker was asked.
@@ -148,9 +149,9 @@ class DecodeMessenger:
         for name, p in self.peers.items():  # a process gone (seen from this host) but not yet silent:
             if not p.lost and p.down():  # nothing more lands from it, and it takes nothing new
                 self.peer_dead(name)
-        live = [n for n, p in self.peers.items() if not p.lost] or list(self.peers)
-        if peer not in live:
-            peer = min(live, key=self.outstanding_tokens)
+        if peer is None:
+            live = [n for n, p in self.peers.items() if not p.lost] or list(self.peers)
+            peer = prefer if prefer in live else min(live, key=self.outstanding_tokens)
         target = self.peers[peer]
         if len(prompt_ids) > 1:  # check before anything is taken: a plan that raises leaves nothing behind
             # counts do not depend on which pages are used: plan against placeholder ids; the specs and

@@ -156,7 +156,7 @@ class Runtime:
                     if sink is not None and self.owner.get(rid) == name:
                         self.router.first_token(rid)
                         if not self.requests[rid].stream:
-                            continue  # streamed from the worker only for admission's sake
+                            continue  # streamed from the worker only for the router's sake
                         sent = self.streamed.setdefault(rid, [[], 0, []])
                         sent[0] += ids
                         sent[1] += len(text)
@@ -215,9 +215,9 @@ class Runtime:
         self.sinks[msg.request_id] = sink
         self.requests[msg.request_id] = msg
         self.owner[msg.request_id] = target
-        # admission learns when each prompt's first token comes: the worker streams every request then
-        stream = msg.stream or self.router.admission == "slo"
-        wire = msgspec.structs.replace(msg, stream=stream, prefill_worker=self.router.prefill_of(msg.request_id))
+        # the router learns when each prompt's first token comes (its queue, its admission): the worker
+        # streams every request; only a streamed one's tokens reach its client before the end
+        wire = msgspec.structs.replace(msg, stream=True, prefill_worker=self.router.prefill_of(msg.request_id))
         if not self.fleet.send(target, wire):
             self._finish(
                 Result(msg.request_id, target, [], 0.0, None, [], "error", f"worker {target} is gone")

@@ -371,7 +371,7 @@ class Worker:
             try:
                 d = self.spec.deployment
                 if not self.dm.submit(
-                    request_id, token_ids, params, peer, local_max_tokens=d.local_prefill_max_tokens
+                    request_id, token_ids, params, local_max_tokens=d.local_prefill_max_tokens, prefer=peer
                 ):
                     self.prefilled_here.add(request_id)
             except OutOfPages:

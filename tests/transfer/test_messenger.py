@@ -523,7 +523,7 @@ def test_a_new_request_skips_a_prefill_worker_whose_process_is_gone(pair):
     dm.submit("busy", list(range(100, 160)), GREEDY, peer="prefill-0")  # prefill-0 has work: 9 is idler
     dm.submit("next", list(range(200, 230)), GREEDY)
     assert dm.pending["next"].peer.name == "prefill-0" and dm.peers["prefill-9"].lost
-    dm.submit("named", list(range(300, 330)), GREEDY, peer="prefill-9")  # the router's choice, now gone
+    dm.submit("named", list(range(300, 330)), GREEDY, prefer="prefill-9")  # the router's choice, now gone
     assert dm.pending["named"].peer.name == "prefill-0"
     _run(prefill, decode, pm, dm, ["busy", "next", "named"])
     assert decode.output("next").finish_reason == decode.output("named").finish_reason == "length"
