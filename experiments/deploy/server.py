@@ -174,7 +174,11 @@ def make_app(state: App) -> FastAPI:
         loop = asyncio.get_running_loop()
         events = state.start(parsed, loop)
         if parsed.stream:  # a request refused at once (admission, no worker) is an HTTP error, not a stream
-            kind, payload = first = await events.get()
+            try:
+                kind, payload = first = await events.get()  # "routed", or its result at once
+            except asyncio.CancelledError:  # the client went away
+                state.runtime.cancel(parsed.submit.request_id)
+                raise
             if kind == "result":
                 state.finished(parsed, payload)
                 events.put_nowait(first)
