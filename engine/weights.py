@@ -138,7 +138,8 @@ def load_gguf(path: Path, name: str) -> LoadedModel:
         key = tensor.name if layer is None else tensor.name.replace(f"blk.{layer}.", "blk.{}.", 1)
         if key not in GGUF_NAMES:
             raise ValueError(f"unexpected tensor {tensor.name!r} in {path}")
-        w = gguf.quants.dequantize(tensor.data, gguf.GGMLQuantizationType(tensor.tensor_type)).astype(np.float32)
+        qtype = gguf.GGMLQuantizationType(tensor.tensor_type)
+        w = gguf.quants.dequantize(tensor.data, qtype).astype(np.float32)
         if key.endswith("attn_q.weight"):
             w = _unpermute(w, num_heads)
         elif key.endswith("attn_k.weight"):

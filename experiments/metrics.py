@@ -346,7 +346,11 @@ def table(records: list[dict]) -> str:
     s = [r["summary"] for r in records]
     lines = [
         ("requests (ok/all)", [f"{x['completed']}/{x['num_requests']}" for x in s]),
-        *([("rejected (admission)", [str(x.get("rejected", 0)) for x in s])] if any(x.get("rejected") for x in s) else []),
+        *(
+            [("rejected (admission)", [str(x.get("rejected", 0)) for x in s])]
+            if any(x.get("rejected") for x in s)
+            else []
+        ),
         (
             "TTFT p50 / p90 / p99 ms",
             [f"{_ms(x['ttft_s'], 'p50')} / {_ms(x['ttft_s'], 'p90')} / {_ms(x['ttft_s'], 'p99')}" for x in s],

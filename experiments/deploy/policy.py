@@ -64,7 +64,9 @@ class Speed:
         last, self.counters = self.counters, counters
         if not last or any(now < before for now, before in zip(counters, last, strict=True)):
             last = (0,) * len(counters)  # the first Load seen, or a restarted worker's: since it started
-        tokens, seconds, steps, seqs, decode_s = (now - before for now, before in zip(counters, last))
+        tokens, seconds, steps, seqs, decode_s = (
+            now - before for now, before in zip(counters, last, strict=True)
+        )
         if tokens and seconds > 0:
             rate = tokens / seconds
             self.prefill_tok_s = rate if self.prefill_tok_s is None else 0.7 * self.prefill_tok_s + 0.3 * rate

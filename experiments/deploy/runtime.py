@@ -217,7 +217,8 @@ class Runtime:
         self.owner[msg.request_id] = target
         # the router learns when each prompt's first token comes (its queue, its admission): the worker
         # streams every request; only a streamed one's tokens reach its client before the end
-        wire = msgspec.structs.replace(msg, stream=True, prefill_worker=self.router.prefill_of(msg.request_id))
+        prefill = self.router.prefill_of(msg.request_id)
+        wire = msgspec.structs.replace(msg, stream=True, prefill_worker=prefill)
         if not self.fleet.send(target, wire):
             self._finish(
                 Result(msg.request_id, target, [], 0.0, None, [], "error", f"worker {target} is gone")

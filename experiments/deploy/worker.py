@@ -21,11 +21,11 @@ from dataclasses import dataclass
 
 from experiments.config import DeploymentConfig, KernelsConfig, ModelSpec
 from experiments.deploy.messages import (
+    LOAD_EVERY_S,
     Cancel,
     Connect,
     Failed,
     Listening,
-    LOAD_EVERY_S,
     Load,
     PeerDead,
     Progress,

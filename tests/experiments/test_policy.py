@@ -129,7 +129,8 @@ def _Load(prefill_tokens=0, prefill_s=0.0, decode_steps=0, decode_seqs=0, decode
 
 def _slo_router(**kw):
     now = [0.0]
-    r = Router(["a"], "least_loaded", page_size=16, admission="slo", slo=(1.0, 0.1), clock=lambda: now[0], **kw)
+    slo = (1.0, 0.1)
+    r = Router(["a"], "least_loaded", page_size=16, admission="slo", slo=slo, clock=lambda: now[0], **kw)
     return r, now
 
 

@@ -527,7 +527,9 @@ def test_killed_workers_restart_under_the_local_launcher_and_take_requests_again
     # Between decode-0's return and prefill-0's death its only peer is up: every prompt it serves came over
     # the reconnected channel (around and after the prefill kill it computes them itself, as it should)
     later = [
-        r for r in faulty["requests"] if back_at < r["arrival_s"] < killed["prefill-0"] - 1.5 and r["worker"] == "decode-0"
+        r
+        for r in faulty["requests"]
+        if back_at < r["arrival_s"] < killed["prefill-0"] - 1.5 and r["worker"] == "decode-0"
     ]
     assert later and all(r["prefill"] == "remote" for r in later), later
     assert all(t["free_pages"] == t["num_pages"] for t in faulty["timelines"])
@@ -543,12 +545,11 @@ def test_admission_slo_refuses_requests_it_predicts_late_and_serves_the_rest_exa
     from experiments.workload import make_requests
 
     overrides = [*TINY, "workload.arrival=poisson", "workload.rate=40", "workload.num_requests=48"]
-    overrides += ["workload.prompt_len.low=150", "workload.prompt_len.high=300", "workload.output_len.value=4"]
+    overrides += ["workload.prompt_len.low=150", "workload.prompt_len.high=300"]
+    overrides += ["workload.output_len.value=4"]
     overrides += ["slo.ttft_s=0.02", "deployment.prefix_caching=false"]
-    overrides += [
-        "deployments=[{name: none, kind: disaggregated, num_prefill: 1, num_decode: 1, prefix_caching: false},"
-        "{name: slo, kind: disaggregated, num_prefill: 1, num_decode: 1, prefix_caching: false, admission: slo}]"
-    ]
+    pair = "kind: disaggregated, num_prefill: 1, num_decode: 1, prefix_caching: false"
+    overrides += [f"deployments=[{{name: none, {pair}}}, {{name: slo, {pair}, admission: slo}}]"]
     config = from_cfg(_cfg(overrides))
     m = check_fits_model(config)
     requests = make_requests(config.workload, m.tokenizer, m.config.vocab_size, m.config.max_position)
