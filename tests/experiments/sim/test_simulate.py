@@ -163,7 +163,7 @@ def test_thrashing_shows_in_tpot_and_room_to_finish_removes_it():
 
 
 def test_the_page_cache_finds_a_shared_head_leaves_the_last_token_and_evicts_least_recently_used():
-    from experiments.sim.simulate import PageCache
+    from experiments.sim.instance import PageCache
 
     cache = PageCache(capacity=4)
     a = SimRequest(0, 0.0, prompt=40, output=1, shared=32)  # pages 0, 1 shared; page 2 its own
