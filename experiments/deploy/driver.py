@@ -449,8 +449,10 @@ def _serve(run: DeploymentRun, config: RunConfig, fleet: Fleet, progress: bool, 
                     run.results[req.request_id] = _error(req.request_id, router.why, now, "rejected")
                     bar.update()
                     continue
-                submit = Submit(req.request_id, req.prompt_ids, req.max_tokens, stream=True)
-                submit.prefill_worker = router.prefill_of(req.request_id)
+                prefill = router.prefill_of(req.request_id)
+                submit = Submit(
+                    req.request_id, req.prompt_ids, req.max_tokens, stream=True, prefill_worker=prefill
+                )
                 fleet.send(target, submit)
                 busy += 1
             fleet.sock.poll(_wait_ms(run, queue, w.arrival))

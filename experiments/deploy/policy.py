@@ -171,7 +171,11 @@ class Router:
     def predict(self, target: str, tokens: int) -> tuple[float | None, float | None]:
         """(TTFT, TPOT) a request with `tokens` prompt tokens to compute would see on target (None: not
         known yet)."""
-        ttft = self._queue_s(self._prefill_queue(target, tokens), tokens)
+        return self._predict(target, self._prefill_queue(target, tokens), tokens)
+
+    def _predict(self, target: str, queue: str | None, tokens: int) -> tuple[float | None, float | None]:
+        """predict() with the queue it joins already chosen."""
+        ttft = self._queue_s(queue, tokens)
         speed = self.speed.get(target)
         tpot = speed.step_s(len(self.in_flight[target]) + 1) if speed else None
         return (None if ttft is None else ttft + max(self.ttft_bias, 0.0)), tpot
@@ -215,10 +219,10 @@ class Router:
         if entry is not None and entry[3] is not None:
             self.ttft_bias = 0.9 * self.ttft_bias + 0.1 * (self.clock() - entry[2] - entry[3])
 
-    def _admit(self, target: str, tokens: int) -> str | None:
-        """Why admission=slo refuses a request with `tokens` prompt tokens to compute on target (None: it
-        does not)."""
-        ttft, tpot = self.predict(target, tokens)
+    def _admit(self, target: str, queue: str | None, tokens: int) -> str | None:
+        """Why admission=slo refuses a request with `tokens` prompt tokens to compute on target, joining
+        queue (None: it does not)."""
+        ttft, tpot = self._predict(target, queue, tokens)
         ttft_slo, tpot_slo = self.slo
         if ttft is not None and ttft > ttft_slo:
             return f"rejected: predicted TTFT {ttft:.2f} s > slo.ttft_s={ttft_slo:g} (overloaded)"
@@ -268,13 +272,13 @@ class Router:
             target = min(live, key=lambda w: (self.cost(w, names, pages), len(self.in_flight[w])))
         hit = self.overlap(target, names)
         to_compute = max(tokens - hit * self.page_size, 1)
+        queue = self._prefill_queue(target, to_compute) if admit else None
         if admit and self.admission == "slo":
-            self.why = self._admit(target, to_compute)
+            self.why = self._admit(target, queue, to_compute)
             if self.why is not None:
                 self.rejected += 1
                 return None
         if admit:  # a new request's prompt: ahead of the next ones in its queue until its first token
-            queue = self._prefill_queue(target, to_compute)
             self.waiting[request_id] = (queue, to_compute, self.clock(), self._queue_s(queue, to_compute))
         self.routed_pages += len(names)
         self.overlap_pages += hit
