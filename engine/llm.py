@@ -24,7 +24,7 @@ from engine.kv_cache import OutOfPages, PageAllocator, allocate_kv_cache
 from engine.model import Model, Shard
 from engine.mtp import MTPDrafter, load_head_weights
 from engine.runner import ModelRunner
-from engine.sampler import probabilities, sample
+from engine.sampler import logprobs_of, probabilities, processed, sample
 from engine.scheduler import Batch, Scheduler
 from engine.sequence import RequestOutput, SamplingParams, Sequence, Status, check_token_ids
 from engine.speculative import SpeculativeConfig, ngram_drafts, verify_greedy, verify_sampled
@@ -192,6 +192,9 @@ class LLM:
             )
         if request_id in self.seqs:
             raise ValueError(f"request_id {request_id!r} is already in use (until forget)")
+        for t in (*(params.logit_bias or ()), *params.stop_token_ids):
+            if t >= vocab:
+                raise ValueError(f"logit_bias and stop_token_ids take token ids in [0, {vocab}); got {t}")
         need = self.allocator.pages_for(min(len(prompt_ids) + params.max_tokens, context))
         if need > self.allocator.num_pages:
             raise ValueError(
@@ -294,16 +297,14 @@ class LLM:
                 if not c.drafts:
                     plain.append(r)
                 r += 1 + len(c.drafts)
-            tokens = sample(
-                out.logits[plain],
-                [c.seq.params for c in sampling if not c.drafts],
-                [c.seq.generator for c in sampling if not c.drafts],
-            )
+            eos = self.config.model.eos_token_ids
+            tokens = sample(out.logits[plain], [c.seq for c in sampling if not c.drafts], eos)
             verified = {
                 id(c): self._verify(c, out.logits[lo:hi])
                 for c, (lo, hi) in zip(sampling, rows, strict=True)
                 if c.drafts
             }
+            logprobs = self._logprobs(sampling, rows, out.logits, iter(tokens), verified)
         except RankDied:  # not this step's fault: the engine itself is gone, and its caller must know
             raise
         except Exception as e:  # the step's sequences fail with the error; the engine serves on
@@ -327,25 +328,43 @@ class LLM:
                 seq.num_drafted += len(chunk.drafts)
                 seq.num_accepted += accepted
                 seq.num_verifies += 1
-                for token in new:
-                    self._append_token(seq, token, now)
+                for j, token in enumerate(new):
+                    self._append_token(seq, token, now, logprobs.get(id(chunk), {}).get(j))
                     if seq.finished:
                         break
                 if not seq.finished:  # pages past its length (rejected drafts) go back
                     self.allocator.shrink(seq.request_id, seq.num_tokens)
             elif chunk.samples:
-                self._append_token(seq, next(sampled), now)
+                self._append_token(seq, next(sampled), now, logprobs.get(id(chunk), {}).get(0))
             elif self.scheduler.role == "prefill" and seq.num_computed == self.scheduler.target(seq):
                 self.scheduler.remove(seq, free_pages=False)
                 self._prefilled(seq, out.last_hidden[i])
 
     def _verify(self, chunk, logits: torch.Tensor) -> tuple[list[int], int]:
         """(tokens to append, drafts accepted) of a chunk with drafts, from its 1 + k rows of logits."""
-        p = chunk.seq.params
+        seq, p = chunk.seq, chunk.seq.params
+        if p.processes_logits:  # row j follows the outputs and the first j drafts
+            eos = self.config.model.eos_token_ids
+            logits = torch.stack([processed(row, seq, eos, chunk.drafts[:j]) for j, row in enumerate(logits)])
         if p.greedy:
             return verify_greedy(logits, chunk.drafts)
         probs = torch.stack([probabilities(row, p) for row in logits]).cpu()
-        return verify_sampled(probs, chunk.drafts, chunk.seq.generator)
+        return verify_sampled(probs, chunk.drafts, seq.generator)
+
+    def _logprobs(self, sampling, rows, logits, plain_tokens, verified) -> dict[int, dict]:
+        """id(chunk) -> {j: its j-th new token's Logprob entry}, for the chunks whose request asks."""
+        found = {}
+        for c, (lo, _) in zip(sampling, rows, strict=True):
+            new = verified[id(c)][0] if c.drafts else [next(plain_tokens)]
+            k = c.seq.params.logprobs
+            if k is None:
+                continue
+            entries = logprobs_of(logits[lo : lo + len(new)], new, k)
+            for entry in entries:
+                for token, lp in entry.items():
+                    lp.decoded_token = self.tokenizer.decode([token], skip_special_tokens=False)
+            found[id(c)] = dict(enumerate(entries))
+        return found
 
     def generate(
         self,
@@ -481,20 +500,24 @@ class LLM:
         if self.listener is not None:
             self.listener.on_prefilled(seq, last_hidden)
 
-    def _append_token(self, seq: Sequence, token: int, now: float) -> None:
+    def _append_token(self, seq: Sequence, token: int, now: float, logprob: dict | None = None) -> None:
         seq.output_ids.append(token)
         seq.token_times.append(now)
+        if logprob is not None:
+            seq.logprobs.append(logprob)
         p, model = seq.params, self.config.model
         grown = len(seq.text)
         seq.text += seq.detokenizer.step(token)
-        # a stop string can only end in the new text: look from where it could start
-        stop_at = min(
-            (i for i in (seq.text.find(s, max(0, grown - len(s) + 1)) for s in p.stop) if i >= 0), default=-1
+        # a stop string can only end in the new text: look from where it could start (after min_tokens)
+        hits = [] if len(seq.output_ids) <= p.min_tokens else p.stop
+        stop_at, stop = min(
+            ((i, s) for i, s in ((seq.text.find(s, max(0, grown - len(s) + 1)), s) for s in hits) if i >= 0),
+            default=(-1, ""),
         )
         if stop_at >= 0:
-            seq.text = seq.text[:stop_at]
+            seq.text = seq.text[: stop_at + (len(stop) if p.include_stop_str_in_output else 0)]
             reason = "stop"
-        elif not p.ignore_eos and token in model.eos_token_ids:
+        elif (not p.ignore_eos and token in model.eos_token_ids) or token in p.stop_token_ids:
             reason = "stop"
         elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= model.max_position:
             reason = "length"

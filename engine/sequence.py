@@ -19,6 +19,18 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # vLLM's: penalties on tokens already there (presence/frequency: the output's; repetition: prompt and
+    # output), min_p (relative to the likeliest token), no EOS/stop before min_tokens, logit_bias added
+    # to the logits (token id -> bias in [-100, 100]), stop_token_ids that end it like EOS
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None  # the sampled token's log-probability and this many of the likeliest
 
     def __post_init__(self):
         _integer("max_tokens", self.max_tokens, 1, "an integer >= 1")
@@ -35,12 +47,63 @@ class SamplingParams:
         if not isinstance(stop, list | tuple) or not all(isinstance(s, str) and s for s in stop):
             raise TypeError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         object.__setattr__(self, "stop", tuple(stop))
-        if not isinstance(self.ignore_eos, bool):
-            raise TypeError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        for key in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, key), bool):
+                raise TypeError(f"{key} must be a bool, got {getattr(self, key)!r}")
+        for key in ("presence_penalty", "frequency_penalty"):
+            _number(key, getattr(self, key))
+            if not -2 <= getattr(self, key) <= 2:
+                raise ValueError(f"{key} must be in [-2, 2], got {getattr(self, key)}")
+        _number("repetition_penalty", self.repetition_penalty)
+        if not 0 < self.repetition_penalty <= 100:
+            raise ValueError(
+                f"repetition_penalty must be in (0, 100] (1: off), got {self.repetition_penalty}"
+            )
+        _number("min_p", self.min_p)
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        _integer("min_tokens", self.min_tokens, 0, f"an integer in [0, max_tokens={self.max_tokens}]")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            )
+        bias = self.logit_bias or {}
+        if not isinstance(bias, dict):
+            raise TypeError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
+        for token, value in bias.items():
+            _integer("logit_bias keys", token, 0, "token ids (integers >= 0)")
+            _number(f"logit_bias[{token}]", value)
+            if not -100 <= value <= 100:
+                raise ValueError(f"logit_bias[{token}] must be in [-100, 100], got {value}")
+        object.__setattr__(self, "logit_bias", {t: float(v) for t, v in bias.items()} or None)
+        ids = self.stop_token_ids or ()
+        if not isinstance(ids, list | tuple):
+            raise TypeError(f"stop_token_ids must be a list of token ids, got {ids!r}")
+        for t in ids:
+            _integer("stop_token_ids", t, 0, "a list of token ids (integers >= 0)")
+        object.__setattr__(self, "stop_token_ids", tuple(ids))
+        if self.logprobs is not None:
+            _integer(
+                "logprobs", self.logprobs, 0, f"None or an integer in [0, {MAX_LOGPROBS}]", MAX_LOGPROBS + 1
+            )
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether anything changes the model's logits before the pick (penalties, bias, min_tokens)."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.min_tokens
+        )
+
+
+MAX_LOGPROBS = 20  # the most alternatives a request may ask for (OpenAI's top_logprobs bound)
 
 
 def _integer(name: str, value, low: int, allowed: str, high: int | None = None) -> None:
@@ -103,6 +166,7 @@ class Sequence:
     num_cached_tokens: int | None = None  # prompt tokens whose KV came from the prefix cache (first start)
     page_hashes: list[bytes] = field(default_factory=list, repr=False)  # names of its full pages so far
     pages_named: int = 0  # its leading pages the prefix cache knows by name
+    logprobs: list[dict] = field(default_factory=list, repr=False)  # per output token (params.logprobs)
 
     def __post_init__(self):
         if self.params.seed is not None:
@@ -129,6 +193,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    logprobs: list[dict] | None = None  # per token: {token id: engine.sampler.Logprob}, the picked first
 
 
 @dataclass
@@ -148,11 +213,12 @@ class RequestOutput:
     num_accepted_tokens: int = 0  # that verified them
     num_verify_steps: int = 0
     num_cached_tokens: int | None = None  # prompt tokens whose KV came from the prefix cache (vLLM's name)
+    logprobs: list[dict] | None = None  # SamplingParams.logprobs: per output token, as CompletionOutput's
 
     @property
     def outputs(self) -> list[CompletionOutput]:
         """vLLM's shape: the one completion (n = 1) as `outputs[0]`."""
-        return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason)]
+        return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason, self.logprobs)]
 
     @property
     def ttft(self) -> float | None:
@@ -181,4 +247,5 @@ class RequestOutput:
             seq.num_accepted,
             seq.num_verifies,
             seq.num_cached_tokens,
+            list(seq.logprobs) if seq.params.logprobs is not None else None,
         )
