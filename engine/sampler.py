@@ -98,7 +98,9 @@ def logprobs_of(logits: Tensor, tokens: list[int], k: int) -> list[dict[int, Log
     for i, token in enumerate(tokens):
         entry = {token: Logprob(float(picked[i]), int(ranks[i]))}
         if top is not None:
-            for rank, (value, t) in enumerate(zip(top.values[i].tolist(), top.indices[i].tolist()), 1):
+            for rank, (value, t) in enumerate(
+                zip(top.values[i].tolist(), top.indices[i].tolist(), strict=True), 1
+            ):
                 entry.setdefault(t, Logprob(value, rank))
         out.append(entry)
     return out

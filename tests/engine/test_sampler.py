@@ -125,7 +125,7 @@ def test_logprobs_are_the_models_log_softmax_with_ranks():
         assert entry[token].logprob == pytest.approx(float(row[token]), abs=1e-5)
         assert entry[token].rank == int((row > row[token]).sum()) + 1
         top = row.topk(3)
-        for rank, (value, t) in enumerate(zip(top.values.tolist(), top.indices.tolist()), 1):
+        for rank, (value, t) in enumerate(zip(top.values.tolist(), top.indices.tolist(), strict=True), 1):
             assert entry[t].logprob == pytest.approx(value, abs=1e-5) and entry[t].rank == rank
         assert len(entry) == 3 + (token not in top.indices.tolist())
     assert entries[1][picked[1]].rank == 5
