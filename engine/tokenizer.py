@@ -34,6 +34,22 @@ class TextTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a piece of a UTF-8 character, in byte-level BPE, is not text)."""
+        piece = self.tokenizer.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if isinstance(self.tokenizer.decoder, decoders.ByteLevel) and not self._special(piece):
+            table = _byte_level_table()
+            if all(c in table for c in piece):
+                return bytes(table[c] for c in piece)
+        return self.tokenizer.decode([token_id], skip_special_tokens=False).encode()
+
+    def _special(self, piece: str) -> bool:
+        return any(
+            t.special and t.content == piece for t in self.tokenizer.get_added_tokens_decoder().values()
+        )
+
     def stream(self, skip_special_tokens: bool = True) -> TextStream:
         """An incremental detokenizer: feed it ids one at a time (O(1) each); a character that spans
         several tokens (an emoji in byte-level BPE) comes out whole, once its last byte arrives."""
@@ -71,6 +87,27 @@ class TextStream:
     def step(self, token_id: int) -> str:
         """The text this token completes ('' while a character is still partial)."""
         return self._stream.step(self._tokenizer, token_id) or ""
+
+
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2's byte-level alphabet reversed: the printable character standing for each byte -> the byte."""
+    if not _BYTE_LEVEL:
+        printable = [
+            *range(ord("!"), ord("~") + 1),
+            *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1),
+        ]
+        extra = 0
+        for b in range(256):
+            if b in printable:
+                _BYTE_LEVEL[chr(b)] = b
+            else:
+                _BYTE_LEVEL[chr(256 + extra)] = b
+                extra += 1
+    return _BYTE_LEVEL
+
+
+_BYTE_LEVEL: dict[str, int] = {}
 
 
 class TemplateTimeout(Exception):

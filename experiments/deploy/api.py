@@ -102,15 +102,24 @@ COMMON = {
     "stream_options",
     "n",
     "user",
+    "logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_p",
+    "min_tokens",
+    "logit_bias",
+    "stop_token_ids",
+    "include_stop_str_in_output",
 }
-COMPLETION_FIELDS = COMMON | {"prompt", "logprobs", "echo"}
-CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+COMPLETION_FIELDS = COMMON | {"prompt", "echo"}
+CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
 UNSUPPORTED_UNLESS = {
     "n": (None, 1),
-    "logprobs": (None, False),
     "echo": (None, False),
-    "top_logprobs": (None,),
 }
+MAX_TOP_LOGPROBS = {True: 20, False: 5}  # chat's top_logprobs, completions' logprobs (OpenAI's bounds)
+MAX_TOKEN_LIST = 1024  # entries of logit_bias or stop_token_ids
 
 
 def _number(body: dict, key: str, default, low=None, high=None, integer=False, low_open=False):
@@ -155,6 +164,7 @@ class App:
         self.config = config or ServerConfig(api_key=api_key)
         self.max_prompt_chars = self.config.max_prompt_chars or 16 * max_position
         self.metrics = Metrics(runtime)
+        self.logprobs = LogprobShapes(tokenizer)
         self.stopping = False  # set when the server drains before it stops: new requests get 503
 
     # -- checking requests
@@ -226,8 +236,68 @@ class App:
             stop=stop,
             ignore_eos=ignore_eos,
             stream=stream,
+            **self._sampling(body, chat, max_tokens),
         )
         return Parsed(prompt_ids, submit, stream, bool(options.get("include_usage")))
+
+    def _sampling(self, body: dict, chat: bool, max_tokens: int) -> dict:
+        """vLLM's further sampling fields and logprobs, checked, as Submit's keyword arguments."""
+        vocab = self.tokenizer.vocab_size
+        out = {
+            "presence_penalty": float(_number(body, "presence_penalty", 0.0, -2, 2)),
+            "frequency_penalty": float(_number(body, "frequency_penalty", 0.0, -2, 2)),
+            "repetition_penalty": float(_number(body, "repetition_penalty", 1.0, 0, 100, low_open=True)),
+            "min_p": float(_number(body, "min_p", 0.0, 0, 1)),
+            "min_tokens": _number(body, "min_tokens", 0, 0, max_tokens, integer=True),
+        }
+        bias = body.get("logit_bias") or {}
+        if not isinstance(bias, dict) or len(bias) > MAX_TOKEN_LIST:
+            raise ApiError(
+                400,
+                f"logit_bias must map at most {MAX_TOKEN_LIST} token ids to biases in [-100, 100]",
+                "logit_bias",
+            )
+        out["logit_bias"] = {}
+        for key, value in bias.items():
+            token = int(key) if isinstance(key, str) and key.isdigit() and len(key) < 10 else -1
+            if not 0 <= token < vocab:
+                raise ApiError(
+                    400, f"logit_bias keys must be token ids in [0, {vocab}), got {key!r}", "logit_bias"
+                )
+            out["logit_bias"][token] = float(_number({"logit_bias": value}, "logit_bias", 0.0, -100, 100))
+        ids = body.get("stop_token_ids") or []
+        if (
+            not isinstance(ids, list)
+            or len(ids) > MAX_TOKEN_LIST
+            or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids)
+        ):
+            raise ApiError(
+                400,
+                f"stop_token_ids must be a list of at most {MAX_TOKEN_LIST} token ids in [0, {vocab})",
+                "stop_token_ids",
+            )
+        out["stop_token_ids"] = list(ids)
+        keep = body.get("include_stop_str_in_output", False)
+        if not isinstance(keep, bool):
+            raise ApiError(
+                400,
+                f"include_stop_str_in_output must be a boolean, got {keep!r}",
+                "include_stop_str_in_output",
+            )
+        out["include_stop_str_in_output"] = keep
+        # chat: logprobs (a boolean) and top_logprobs (0-20); completions: logprobs (0-5)
+        most = MAX_TOP_LOGPROBS[chat]
+        if chat:
+            wanted = body.get("logprobs", False)
+            if wanted is not None and not isinstance(wanted, bool):
+                raise ApiError(400, f"logprobs must be a boolean, got {wanted!r}", "logprobs")
+            top = _number(body, "top_logprobs", None, 0, most, integer=True)
+            if top is not None and not wanted:
+                raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+            out["logprobs"] = (top or 0) if wanted else None
+        else:
+            out["logprobs"] = _number(body, "logprobs", None, 0, most, integer=True)
+        return out
 
     def _completion_prompt(self, prompt) -> list[int]:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
@@ -355,6 +425,49 @@ def usage_block(prompt: int, completion: int, migrations: int = 0, cached: int =
         "prompt_tokens_details": {"cached_tokens": cached},
     }
     return {**usage, "migrations": migrations} if migrations else usage
+
+
+class LogprobShapes:
+    """Logprobs as OpenAI's two endpoints shape them, from the workers' (token id, logprob, rank) lists;
+    each token's text and bytes decoded once per server."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.pieces: dict[int, tuple[str, list[int]]] = {}
+
+    def piece(self, token: int) -> tuple[str, list[int]]:
+        if token not in self.pieces:
+            text = self.tokenizer.decode([token], skip_special_tokens=False)
+            self.pieces[token] = (text, list(self.tokenizer.token_bytes(token)))
+        return self.pieces[token]
+
+    def chat(self, entries: list, k: int) -> dict:
+        """{"content": [{token, logprob, bytes, top_logprobs: the k likeliest}]} (chat.completion)."""
+        content = []
+        for entry in entries:
+            token, logprob, _ = entry[0]
+            top = sorted((e for e in entry if e[2] <= k), key=lambda e: e[2])[:k]
+            content.append(
+                {**self._one(token, logprob), "top_logprobs": [self._one(t, lp) for t, lp, _ in top]}
+            )
+        return {"content": content}
+
+    def _one(self, token: int, logprob: float) -> dict:
+        text, raw = self.piece(token)
+        return {"token": text, "logprob": logprob, "bytes": raw}
+
+    def completion(self, entries: list, offset: int) -> tuple[dict, int]:
+        """(text_completion's {tokens, token_logprobs, top_logprobs, text_offset}, the offset after them):
+        top_logprobs holds the picked token and the k likeliest (up to k + 1, as OpenAI's)."""
+        block = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for entry in entries:
+            text = self.piece(entry[0][0])[0]
+            block["tokens"].append(text)
+            block["token_logprobs"].append(entry[0][1])
+            block["top_logprobs"].append({self.piece(t)[0]: lp for t, lp, _ in entry})
+            block["text_offset"].append(offset)
+            offset += len(text)
+        return block, offset
 
 
 def finish_reason_of(result: Result) -> str:

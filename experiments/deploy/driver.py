@@ -459,7 +459,7 @@ def _serve(run: DeploymentRun, config: RunConfig, fleet: Fleet, progress: bool, 
             for name, msg in fleet.receive():
                 now = time.perf_counter()
                 if isinstance(msg, Progress):
-                    for rid, ids, _ in msg.items:  # tokens as the router sees them arrive
+                    for rid, ids, *_ in msg.items:  # tokens as the router sees them arrive
                         if rid in in_flight.get(name, ()):
                             if rid not in streamed:
                                 router.first_token(rid)

@@ -48,9 +48,23 @@ class Submit(Message):
     output_ids: list[int] = []
     text_sent: int = 0
     prefill_worker: str | None = None  # the router's choice of prefill worker (None: the decode worker's)
+    # the rest of engine.SamplingParams, by its names (its checks apply on the worker)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: dict[int, float] = {}
+    stop_token_ids: list[int] = []
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self):
         check_request(self.request_id, self.prompt_ids)
+
+
+# per output token: (token id, log-probability, rank) of the picked token, then of the likeliest others
+TokenLogprobs = list[tuple[int, float, int]]
 
 
 class Cancel(Message):
@@ -60,9 +74,10 @@ class Cancel(Message):
 
 
 class Progress(Message):
-    """What one step added to the worker's streamed requests: (request, new token ids, new text)."""
+    """What one step added to the worker's streamed requests: (request, new token ids, new text, their
+    logprobs when the request asks for them, else [])."""
 
-    items: list[tuple[str, list[int], str]]
+    items: list[tuple[str, list[int], str, list[TokenLogprobs]]]
 
 
 class PeerDead(Message):
@@ -125,6 +140,7 @@ class Result(Message):
     verify_steps: int = 0
     migrations: int = 0  # times its worker died under it and it went on on another (set by the driver)
     cached_tokens: int = 0  # prompt tokens whose KV its worker's prefix cache held (not computed or sent)
+    logprobs: list[TokenLogprobs] | None = None  # Submit.logprobs: one per output token
 
 
 class Timeline(Message):

@@ -151,17 +151,18 @@ class Runtime:
         for name, msg in self.fleet.receive():
             self.heard[name] = now
             if isinstance(msg, Progress):
-                for rid, ids, text in msg.items:
+                for rid, ids, text, logprobs in msg.items:
                     sink = self.sinks.get(rid)
                     if sink is not None and self.owner.get(rid) == name:
                         self.router.first_token(rid)
                         if not self.requests[rid].stream:
                             continue  # streamed from the worker only for the router's sake
-                        sent = self.streamed.setdefault(rid, [[], 0, []])
+                        sent = self.streamed.setdefault(rid, [[], 0, [], []])
                         sent[0] += ids
                         sent[1] += len(text)
                         sent[2] += [time.perf_counter()] * len(ids)
-                        sink("progress", (ids, text))
+                        sent[3] += logprobs
+                        sink("progress", (ids, text, logprobs))
             elif isinstance(msg, Result):
                 if self.owner.get(msg.request_id) == name:  # not a late one from before a migration
                     self._finish(msg)
@@ -184,15 +185,15 @@ class Runtime:
         worker can take it."""
         msg = self.requests.get(request_id)
         live = [n for n in self.in_flight if n not in self.dead]
-        sent = self.streamed.get(request_id, [[], 0, []])
+        sent = self.streamed.get(request_id, [[], 0, [], []])
         if msg is None or not live or len(sent[0]) >= msg.max_tokens:
             return False
         resumed = msgspec.structs.replace(msg, output_ids=list(sent[0]), text_sent=sent[1])
         self.router.moved(request_id, dead)
         target = self.router.route_tokens(request_id, list(msg.prompt_ids) + list(sent[0]), live)
         self.owner[request_id] = target
-        count = self.migrated.get(request_id, (0, []))[0] + 1
-        self.migrated[request_id] = (count, list(sent[2]))
+        count = self.migrated.get(request_id, (0,))[0] + 1
+        self.migrated[request_id] = (count, list(sent[2]), list(sent[3]))
         log.warning(
             "request %s: worker %s died; it goes on on %s (%d tokens so far)",
             request_id,
@@ -242,8 +243,10 @@ class Runtime:
         self.streamed.pop(result.request_id, None)
         migrated = self.migrated.pop(result.request_id, None)
         if migrated is not None:  # its tokens from before: the worker it went on on timed only its own
-            result.migrations, before = migrated
+            result.migrations, before, logprobs = migrated
             result.token_times = before + list(result.token_times)
+            if result.logprobs is not None:
+                result.logprobs = logprobs + result.logprobs
         sink = self.sinks.pop(result.request_id, None)
         worker = self.owner.pop(result.request_id, None)
         if worker in self.in_flight:

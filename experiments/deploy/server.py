@@ -205,16 +205,20 @@ def make_app(state: App) -> FastAPI:
         usage = usage_block(
             len(parsed.prompt_ids), len(result.output_ids), result.migrations, result.cached_tokens
         )
-        reason = finish_reason_of(result)
+        reason, k = finish_reason_of(result), parsed.submit.logprobs
+        logprobs = None
+        if k is not None and result.logprobs is not None:
+            shapes = state.logprobs
+            logprobs = shapes.chat(result.logprobs, k) if chat else shapes.completion(result.logprobs, 0)[0]
         if chat:
             choice = {
                 "index": 0,
                 "message": {"role": "assistant", "content": result.text},
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": reason,
             }
             return {**head, "object": "chat.completion", "choices": [choice], "usage": usage}
-        choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": reason}
+        choice = {"index": 0, "text": result.text, "logprobs": logprobs, "finish_reason": reason}
         return {**head, "object": "text_completion", "choices": [choice], "usage": usage}
 
     async def stream(request: Request, parsed: Parsed, events: asyncio.Queue, chat: bool):
@@ -225,15 +229,24 @@ def make_app(state: App) -> FastAPI:
             "object": "chat.completion.chunk" if chat else "text_completion",
         }
 
-        def chunk(text: str | None, reason: str | None, role: bool = False) -> str:
+        k, offset = parsed.submit.logprobs, 0
+
+        def chunk(text: str | None, reason: str | None, role: bool = False, logprobs=None) -> str:
+            nonlocal offset
+            block = None
+            if k is not None and logprobs is not None:
+                if chat:
+                    block = state.logprobs.chat(logprobs, k)
+                else:
+                    block, offset = state.logprobs.completion(logprobs, offset)
             if chat:
                 delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+                choice = {"index": 0, "delta": delta, "logprobs": block, "finish_reason": reason}
             else:
-                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+                choice = {"index": 0, "text": text or "", "logprobs": block, "finish_reason": reason}
             return f"data: {json.dumps({**head, 'choices': [choice]})}\n\n"
 
-        sent_chars, done = 0, False
+        sent_chars, sent_logprobs, done = 0, 0, False
         try:
             if chat:
                 yield chunk(None, None, role=True)
@@ -242,10 +255,11 @@ def make_app(state: App) -> FastAPI:
                 if kind == "routed":
                     continue
                 if kind == "progress":
-                    ids, text = payload
+                    ids, text, logprobs = payload
                     sent_chars += len(text)
-                    if text:
-                        yield chunk(text, None)
+                    sent_logprobs += len(logprobs)
+                    if text or logprobs:  # a token whose text a stop string may still claim: its logprobs
+                        yield chunk(text, None, logprobs=logprobs or None)
                     continue
                 result: Result = payload
                 done = True
@@ -256,7 +270,8 @@ def make_app(state: App) -> FastAPI:
                     yield "data: [DONE]\n\n"
                     return
                 rest = result.text[sent_chars:]
-                yield chunk(rest, finish_reason_of(result))
+                logprobs = result.logprobs[sent_logprobs:] if result.logprobs is not None else None
+                yield chunk(rest, finish_reason_of(result), logprobs=logprobs)
                 if parsed.include_usage:
                     usage = usage_block(
                         len(parsed.prompt_ids),

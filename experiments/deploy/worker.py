@@ -17,7 +17,7 @@ import os
 import time
 import traceback
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from experiments.config import DeploymentConfig, KernelsConfig, ModelSpec
 from experiments.deploy.messages import (
@@ -296,15 +296,7 @@ class Worker:
             received = time.perf_counter()
             d = self.spec.deployment
             try:  # a bad request fails alone, with its error
-                params = SamplingParams(
-                    max_tokens=msg.max_tokens,
-                    temperature=msg.temperature,
-                    top_p=msg.top_p,
-                    top_k=msg.top_k,
-                    seed=msg.seed,
-                    stop=tuple(msg.stop),
-                    ignore_eos=msg.ignore_eos,
-                )
+                params = SamplingParams(**{f.name: getattr(msg, f.name) for f in fields(SamplingParams)})
                 if msg.request_id in self.live:
                     raise ValueError(f"request_id {msg.request_id!r} is already in flight here")
                 tokens = len(msg.prompt_ids) + len(msg.output_ids)
@@ -420,7 +412,8 @@ class Worker:
             if len(out.token_ids) == sent[0]:
                 continue
             upto = max(sent[1], len(out.text) - self.holdback[out.request_id])
-            items.append((out.request_id, out.token_ids[sent[0] :], out.text[sent[1] : upto]))
+            new = (out.token_ids[sent[0] :], out.text[sent[1] : upto], _wire_logprobs(out, sent[0]))
+            items.append((out.request_id, *new))
             sent[0], sent[1] = len(out.token_ids), upto
         if items:
             self._send(Progress(items))
@@ -442,6 +435,7 @@ class Worker:
             accepted=out.num_accepted_tokens,
             verify_steps=out.num_verify_steps,
             cached_tokens=out.num_cached_tokens or 0,
+            logprobs=_wire_logprobs(out, 0) if out.logprobs is not None else None,
         )
         self.streamed.pop(rid, None)
         here = rid in self.prefilled_here
@@ -463,3 +457,15 @@ class Worker:
         self._send(result)
         if self.dm is not None:
             self.dm.forget(rid)
+
+
+def _wire_logprobs(out, start: int) -> list:
+    """The logprobs of out's tokens from `start` on, as Result and Progress carry them (a request that
+    resumed after tokens made elsewhere has none for those: the driver keeps them)."""
+    if out.logprobs is None:
+        return []
+    offset = len(out.token_ids) - len(out.logprobs)
+    return [
+        [(t, lp.logprob, lp.rank) for t, lp in entry.items()]
+        for entry in out.logprobs[max(0, start - offset) :]
+    ]

@@ -119,6 +119,103 @@ def test_chat_streamed_and_not_equal_llm_chat(server, reference):
     assert "".join(c.choices[0].delta.content or "" for c in stream) == want.text
 
 
+def test_completion_logprobs_streamed_and_not_equal_llm_generate(server, reference):
+    """The values a decode worker computed (in 1P1D after a hand-off, speculating) equal the engine's own
+    in-process ones; greedy picks the top one; offsets follow the tokens' text."""
+    client = _client(server)
+    want = reference.generate([PROMPTS[1]], SamplingParams(max_tokens=8, logprobs=2))[0]
+    kw = dict(model="tiny-random", prompt=PROMPTS[1], max_tokens=8, temperature=0, logprobs=2)
+    got = client.completions.create(**kw).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(**kw, stream=True) if c.choices]
+    streamed = {key: [] for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+    for c in chunks:
+        for key in streamed:
+            streamed[key] += getattr(c.logprobs, key) if c.logprobs else []
+    for block in (got.logprobs.model_dump(), streamed):
+        assert block["tokens"] == [
+            reference.tokenizer.decode([t], skip_special_tokens=False) for t in want.token_ids
+        ]
+        assert block["token_logprobs"] == pytest.approx(
+            [e[t].logprob for t, e in zip(want.token_ids, want.logprobs)], abs=1e-3
+        )
+        for picked, top in zip(block["token_logprobs"], block["top_logprobs"], strict=True):
+            assert 2 <= len(top) <= 3 and picked == pytest.approx(max(top.values()))
+        assert block["text_offset"] == [sum(len(t) for t in block["tokens"][:i]) for i in range(8)]
+    assert client.completions.create(**dict(kw, logprobs=None)).choices[0].logprobs is None
+
+
+def test_chat_top_logprobs_with_bytes_streamed_and_not(server):
+    client = _client(server)
+    kw = dict(
+        model="tiny-random",
+        messages=[{"role": "user", "content": "Say something."}],
+        max_tokens=10,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    got = client.chat.completions.create(**kw).choices[0]
+    content = got.logprobs.content
+    assert len(content) == 10 and all(len(c.top_logprobs) == 3 for c in content)
+    assert all(c.top_logprobs[0].token == c.token and c.logprob == c.top_logprobs[0].logprob for c in content)
+    assert all(a.logprob >= b.logprob for c in content for a, b in zip(c.top_logprobs, c.top_logprobs[1:]))
+    text = bytes(b for c in content for b in c.bytes).decode(errors="replace")
+    assert got.message.content and text.startswith(got.message.content)  # bytes rebuild the text
+    stream = client.chat.completions.create(**kw, stream=True)
+    pieces = [p for c in stream if c.choices and c.choices[0].logprobs for p in c.choices[0].logprobs.content]
+    assert [(p.token, p.bytes) for p in pieces] == [(c.token, c.bytes) for c in content]
+    assert [p.logprob for p in pieces] == pytest.approx([c.logprob for c in content], abs=1e-5)
+    plain = client.chat.completions.create(**dict(kw, logprobs=None, top_logprobs=None)).choices[0]
+    assert plain.logprobs is None and plain.message.content == got.message.content
+
+
+def test_vllm_sampling_parameters_equal_llm_generate(server, reference):
+    client = _client(server)
+    prompt = PROMPTS[2]
+    base = reference.generate([prompt], SamplingParams(max_tokens=10, ignore_eos=True))[0].token_ids
+    cases = [
+        {"repetition_penalty": 1.5, "frequency_penalty": 0.5, "presence_penalty": 0.3},
+        {"logit_bias": {"1234": 100}},
+        {"stop_token_ids": [base[1]]},
+        {"stop_token_ids": [base[0]], "min_tokens": 4},
+        {"min_p": 0.2, "temperature": 0.8, "seed": 3},
+    ]
+    for extra in cases:
+        temperature = extra.pop("temperature", 0)
+        seed = extra.pop("seed", None)
+        params = {
+            k: ({int(t): b for t, b in v.items()} if k == "logit_bias" else v) for k, v in extra.items()
+        }
+        want = reference.generate(
+            [prompt],
+            SamplingParams(max_tokens=10, ignore_eos=True, temperature=temperature, seed=seed, **params),
+        )[0]
+        got = client.completions.create(
+            model="tiny-random",
+            prompt=prompt,
+            max_tokens=10,
+            temperature=temperature,
+            seed=seed,
+            extra_body={"ignore_eos": True, **extra},
+        )
+        assert got.choices[0].text == want.text and got.usage.completion_tokens == len(want.token_ids), extra
+    text = (
+        client.completions.create(model="tiny-random", prompt=prompt, max_tokens=12, temperature=0)
+        .choices[0]
+        .text
+    )
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    kept = client.completions.create(
+        model="tiny-random",
+        prompt=prompt,
+        max_tokens=12,
+        temperature=0,
+        stop=[stop],
+        extra_body={"include_stop_str_in_output": True},
+    )
+    assert kept.choices[0].text == text[: text.index(stop) + len(stop)]
+
+
 def test_stop_strings_and_seeded_sampling(server, reference):
     client = _client(server)
     full = client.completions.create(model="tiny-random", prompt=PROMPTS[0], max_tokens=12, temperature=0)
@@ -213,7 +310,18 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):
     ok = dict(model="tiny-random", prompt="Hi", max_tokens=4, temperature=0)
     bad = [
         (dict(ok, n=2), "n"),
-        (dict(ok, logprobs=1), "logprobs"),
+        (dict(ok, logprobs=6), "logprobs"),  # completions: 0-5
+        (dict(ok, extra_body={"logit_bias": {"abc": 1}}), "logit_bias"),
+        (dict(ok, extra_body={"logit_bias": {"5": 101}}), "logit_bias"),
+        (dict(ok, extra_body={"logit_bias": {"99999999": 1}}), "logit_bias"),
+        (dict(ok, extra_body={"stop_token_ids": [10**9]}), "stop_token_ids"),
+        (dict(ok, extra_body={"stop_token_ids": "7"}), "stop_token_ids"),
+        (dict(ok, presence_penalty=2.5), "presence_penalty"),
+        (dict(ok, frequency_penalty=-3), "frequency_penalty"),
+        (dict(ok, extra_body={"repetition_penalty": 0}), "repetition_penalty"),
+        (dict(ok, extra_body={"min_p": 2}), "min_p"),
+        (dict(ok, extra_body={"min_tokens": 5}), "min_tokens"),  # past max_tokens=4
+        (dict(ok, extra_body={"include_stop_str_in_output": "yes"}), "include_stop_str_in_output"),
         (dict(ok, max_tokens=0), "max_tokens"),
         (dict(ok, max_tokens=1100), "max_tokens"),  # past the context: 255 pages of 4 tokens
         (dict(ok, prompt=[5] * 1100), "prompt"),  # the prompt alone is longer than the context
@@ -237,6 +345,15 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):
             tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
         )
     assert err.value.body["param"] == "tools"
+    chat = dict(model="tiny-random", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    for kwargs, param in [
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
+        ({"logprobs": 3}, "logprobs"),  # chat's is a boolean
+    ]:
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(**chat, **kwargs)
+        assert err.value.body["param"] == param, err.value.body
 
 
 def test_api_key_is_enforced_when_set(server):
