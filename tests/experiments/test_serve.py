@@ -136,7 +136,7 @@ def test_completion_logprobs_streamed_and_not_equal_llm_generate(server, referen
             reference.tokenizer.decode([t], skip_special_tokens=False) for t in want.token_ids
         ]
         assert block["token_logprobs"] == pytest.approx(
-            [e[t].logprob for t, e in zip(want.token_ids, want.logprobs)], abs=1e-3
+            [e[t].logprob for t, e in zip(want.token_ids, want.logprobs, strict=True)], abs=1e-3
         )
         for picked, top in zip(block["token_logprobs"], block["top_logprobs"], strict=True):
             assert 2 <= len(top) <= 3 and picked == pytest.approx(max(top.values()))
@@ -158,7 +158,11 @@ def test_chat_top_logprobs_with_bytes_streamed_and_not(server):
     content = got.logprobs.content
     assert len(content) == 10 and all(len(c.top_logprobs) == 3 for c in content)
     assert all(c.top_logprobs[0].token == c.token and c.logprob == c.top_logprobs[0].logprob for c in content)
-    assert all(a.logprob >= b.logprob for c in content for a, b in zip(c.top_logprobs, c.top_logprobs[1:]))
+    assert all(
+        a.logprob >= b.logprob
+        for c in content
+        for a, b in zip(c.top_logprobs, c.top_logprobs[1:], strict=False)
+    )
     text = bytes(b for c in content for b in c.bytes).decode(errors="replace")
     assert got.message.content and text.startswith(got.message.content)  # bytes rebuild the text
     stream = client.chat.completions.create(**kw, stream=True)
