@@ -29,11 +29,21 @@ setup(
         "httptools",  # TTFT overhead at concurrency 1: +5% without them, +3% with, measured here)
         "prometheus-client",  # its /metrics
         "ray>=2.60",  # launcher=ray: workers as actors on a Ray cluster (experiments/deploy/launcher.py)
+        "xgrammar>=0.2.9,<0.3",  # structured output: grammars and token masks (engine/structured.py)
         "ninja",  # builds pdkernels' C++ CPU paths at first use (torch.utils.cpp_extension; pdkernels/cpu.py)
     ],
     extras_require={
         # transformers (+ accelerate for its GGUF loader) is the reference the engine is checked against
-        "test": ["pytest", "pytest-benchmark", "hypothesis", "transformers", "accelerate", "ruff", "openai"],
+        "test": [
+            "pytest",
+            "pytest-benchmark",
+            "hypothesis",
+            "transformers",
+            "accelerate",
+            "ruff",
+            "openai",
+            "jsonschema",
+        ],
         # the GPU side (scripts/gpu_env.sh): FlashInfer with its prebuilt kernels (one version for both),
         # cuda-python for CUDA VMM (engine/vmm.py)
         "gpu": ["flashinfer-python==0.6.13", "flashinfer-cubin==0.6.13", "cuda-python>=12.6"],

@@ -2,5 +2,6 @@
 
 from engine.llm import LLM
 from engine.sequence import RequestOutput, SamplingParams
+from engine.structured import StructuredOutputs
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "RequestOutput", "SamplingParams", "StructuredOutputs"]

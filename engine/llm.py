@@ -143,6 +143,7 @@ class LLM:
         self._ended: dict[str, Sequence] = {}  # finished, not yet handed back by step()
         self.last_step: StepStats | None = None  # what the latest step ran
         self._ids = itertools.count()
+        self._grammars = None  # engine.structured.Grammars, on the first constrained request
 
     @property
     def kv_caches(self) -> list[torch.Tensor]:
@@ -203,6 +204,8 @@ class LLM:
             )
         seq = Sequence(request_id, prompt_ids, params, prompt=prompt if isinstance(prompt, str) else None)
         seq.detokenizer = self.tokenizer.stream()
+        if params.structured_outputs is not None:
+            seq.grammar = self.grammars.matcher(params.structured_outputs, self._max_drafts())
         if output_ids:
             outputs = check_token_ids(output_ids, vocab)
             if len(outputs) >= params.max_tokens or len(prompt_ids) + len(outputs) >= context:
@@ -212,7 +215,22 @@ class LLM:
                 )
             seq.output_ids = outputs
             seq.text = "".join(seq.detokenizer.step(t) for t in outputs)
+            if seq.grammar is not None and not all(seq.grammar.accept_token(t) for t in outputs):
+                raise ValueError("output_ids do not keep to the request's structured_outputs")
         return seq
+
+    @property
+    def grammars(self):
+        """The engine's structured-output compiler (engine.structured.Grammars), built on first use."""
+        if self._grammars is None:
+            from engine.structured import Grammars
+
+            model = self.config.model
+            self._grammars = Grammars(self.tokenizer, model.vocab_size, model.eos_token_ids)
+        return self._grammars
+
+    def _max_drafts(self) -> int:
+        return self.speculative.num_speculative_tokens if self.speculative is not None else 0
 
     def add_request(
         self,
@@ -297,6 +315,9 @@ class LLM:
                 if not c.drafts:
                     plain.append(r)
                 r += 1 + len(c.drafts)
+            for c, (lo, hi) in zip(sampling, rows, strict=True):  # grammars first: what the rest sees
+                if c.seq.grammar is not None:
+                    self._constrain(c, out.logits[lo:hi])
             eos = self.config.model.eos_token_ids
             tokens = sample(out.logits[plain], [c.seq for c in sampling if not c.drafts], eos)
             verified = {
@@ -350,6 +371,20 @@ class LLM:
             return verify_greedy(logits, chunk.drafts)
         probs = torch.stack([probabilities(row, p) for row in logits]).cpu()
         return verify_sampled(probs, chunk.drafts, seq.generator)
+
+    def _constrain(self, chunk, logits: torch.Tensor) -> None:
+        """Mask a constrained chunk's rows in place: row j as the grammar stands after its first j drafts
+        (each accepted into the matcher to mask the next row, then all rolled back: _append_token
+        accepts the tokens the step keeps)."""
+        matcher, drafts, taken = chunk.seq.grammar, chunk.drafts, 0
+        for j, row in enumerate(logits):
+            if not self.grammars.mask(row, matcher, chunk.seq.params.structured_outputs) or j == len(drafts):
+                break
+            if not matcher.accept_token(drafts[j]):
+                break  # this draft is masked out: verification rejects it, later rows are never read
+            taken += 1
+        if taken:
+            matcher.rollback(taken)
 
     def _logprobs(self, sampling, rows, logits, plain_tokens, verified) -> dict[int, dict]:
         """id(chunk) -> {j: its j-th new token's Logprob entry}, for the chunks whose request asks."""
@@ -506,6 +541,10 @@ class LLM:
         if logprob is not None:
             seq.logprobs.append(logprob)
         p, model = seq.params, self.config.model
+        if seq.grammar is not None and not seq.grammar.accept_token(token):
+            self.scheduler.remove(seq)
+            self._finish(seq, "error", f"token {token} breaks the request's structured_outputs")
+            return
         grown = len(seq.text)
         seq.text += seq.detokenizer.step(token)
         # a stop string can only end in the new text: look from where it could start (after min_tokens)
@@ -518,6 +557,8 @@ class LLM:
             seq.text = seq.text[: stop_at + (len(stop) if p.include_stop_str_in_output else 0)]
             reason = "stop"
         elif (not p.ignore_eos and token in model.eos_token_ids) or token in p.stop_token_ids:
+            reason = "stop"
+        elif seq.grammar is not None and seq.grammar.is_terminated():  # its grammar's end (ignore_eos too)
             reason = "stop"
         elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= model.max_position:
             reason = "length"

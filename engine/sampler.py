@@ -57,7 +57,10 @@ def processed(
     if len(outputs) < p.min_tokens:
         barred = [t for t in (*eos_ids, *p.stop_token_ids) if t < row.numel()]
         if barred:
+            kept = row[barred]
             row[barred] = float("-inf")
+            if not torch.isfinite(row).any():  # a grammar that allows only the end: it ends
+                row[barred] = kept
     if p.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(seq.prompt_ids) | set(outputs)), device=row.device)
         values = row[seen]

@@ -9,6 +9,8 @@ from enum import Enum
 
 import torch
 
+from engine.structured import StructuredOutputs
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -31,6 +33,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # the sampled token's log-probability and this many of the likeliest
+    structured_outputs: StructuredOutputs | None = None  # a JSON schema, regex, choice or grammar to keep to
 
     def __post_init__(self):
         _integer("max_tokens", self.max_tokens, 1, "an integer >= 1")
@@ -82,6 +85,12 @@ class SamplingParams:
         for t in ids:
             _integer("stop_token_ids", t, 0, "a list of token ids (integers >= 0)")
         object.__setattr__(self, "stop_token_ids", tuple(ids))
+        if isinstance(self.structured_outputs, dict):
+            object.__setattr__(self, "structured_outputs", StructuredOutputs(**self.structured_outputs))
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
+            raise TypeError(
+                f"structured_outputs must be StructuredOutputs or a dict, got {self.structured_outputs!r}"
+            )
         if self.logprobs is not None:
             _integer(
                 "logprobs", self.logprobs, 0, f"None or an integer in [0, {MAX_LOGPROBS}]", MAX_LOGPROBS + 1
@@ -167,6 +176,7 @@ class Sequence:
     page_hashes: list[bytes] = field(default_factory=list, repr=False)  # names of its full pages so far
     pages_named: int = 0  # its leading pages the prefix cache knows by name
     logprobs: list[dict] = field(default_factory=list, repr=False)  # per output token (params.logprobs)
+    grammar: object | None = field(default=None, repr=False)  # xgrammar matcher (params.structured_outputs)
 
     def __post_init__(self):
         if self.params.seed is not None:

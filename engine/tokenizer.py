@@ -23,6 +23,7 @@ class TextTokenizer:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.bos_token = bos_token
+        self._specials: frozenset[int] | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -39,16 +40,18 @@ class TextTokenizer:
         piece = self.tokenizer.id_to_token(token_id)
         if piece is None:
             return b""
-        if isinstance(self.tokenizer.decoder, decoders.ByteLevel) and not self._special(piece):
+        if isinstance(self.tokenizer.decoder, decoders.ByteLevel) and not self.is_special(token_id):
             table = _byte_level_table()
             if all(c in table for c in piece):
                 return bytes(table[c] for c in piece)
         return self.tokenizer.decode([token_id], skip_special_tokens=False).encode()
 
-    def _special(self, piece: str) -> bool:
-        return any(
-            t.special and t.content == piece for t in self.tokenizer.get_added_tokens_decoder().values()
-        )
+    def is_special(self, token_id: int) -> bool:
+        """A special (control) token: <|endoftext|>, <|im_start|>, ..."""
+        if self._specials is None:
+            added = self.tokenizer.get_added_tokens_decoder()
+            self._specials = frozenset(i for i, t in added.items() if t.special)
+        return token_id in self._specials
 
     def stream(self, skip_special_tokens: bool = True) -> TextStream:
         """An incremental detokenizer: feed it ids one at a time (O(1) each); a character that spans

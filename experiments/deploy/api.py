@@ -111,9 +111,10 @@ COMMON = {
     "logit_bias",
     "stop_token_ids",
     "include_stop_str_in_output",
+    "structured_outputs",
 }
 COMPLETION_FIELDS = COMMON | {"prompt", "echo"}
-CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
+CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs", "response_format"}
 UNSUPPORTED_UNLESS = {
     "n": (None, 1),
     "echo": (None, False),
@@ -297,6 +298,8 @@ class App:
             out["logprobs"] = (top or 0) if wanted else None
         else:
             out["logprobs"] = _number(body, "logprobs", None, 0, most, integer=True)
+        spec = _structured(body)
+        out["structured_outputs"] = spec.wire() if spec is not None else None
         return out
 
     def _completion_prompt(self, prompt) -> list[int]:
@@ -393,6 +396,44 @@ class App:
                 f"the request failed: {result.error}",
                 kind="service_unavailable" if status == 503 else "server_error",
             )
+
+
+def _structured(body: dict):
+    """engine.StructuredOutputs from chat's response_format or vLLM's structured_outputs (either, not both),
+    its grammar built once here so that a bad schema, regex or grammar is a 400 naming the field."""
+    from engine.structured import KINDS, StructuredOutputs, check
+
+    fmt, extra = body.get("response_format"), body.get("structured_outputs")
+    if fmt is not None and extra is not None:
+        raise ApiError(400, "give response_format or structured_outputs, not both", "structured_outputs")
+    if fmt is not None:
+        param, kind = "response_format", fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            kwargs = {"json_object": True}
+        elif kind == "json_schema" and isinstance(fmt.get("json_schema"), dict):
+            kwargs = {"json": fmt["json_schema"].get("schema", {})}
+        else:
+            raise ApiError(
+                400,
+                "response_format must be {type: text | json_object} or {type: json_schema, json_schema: "
+                "{name, schema}}",
+                param,
+            )
+    elif extra is not None:
+        param = "structured_outputs"
+        if not isinstance(extra, dict) or len(extra) != 1 or next(iter(extra)) not in KINDS:
+            raise ApiError(400, f"structured_outputs must be an object with exactly one of {KINDS}", param)
+        kwargs = dict(extra)
+    else:
+        return None
+    try:
+        spec = StructuredOutputs(**kwargs)
+        check(spec)
+    except (TypeError, ValueError) as e:
+        raise ApiError(400, str(e), param) from e
+    return spec
 
 
 def _reject_constant(name: str):

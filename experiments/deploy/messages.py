@@ -58,6 +58,8 @@ class Submit(Message):
     stop_token_ids: list[int] = []
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    # engine.StructuredOutputs.wire(): (kind, text); only decode and colocated workers build its grammar
+    structured_outputs: tuple[str, str] | None = None
 
     def __post_init__(self):
         check_request(self.request_id, self.prompt_ids)

@@ -167,9 +167,10 @@ def make_app(state: App) -> FastAPI:
         guard(request)
         body = await body_of(request)
         prompt = body.get("prompt") if isinstance(body, dict) and not chat else None
-        if isinstance(prompt, list | str) and len(prompt) <= INLINE_BYTES // 4:
+        constrained = isinstance(body, dict) and ("response_format" in body or "structured_outputs" in body)
+        if isinstance(prompt, list | str) and len(prompt) <= INLINE_BYTES // 4 and not constrained:
             parsed = state.parse(body, chat)  # a short completion prompt: well under a millisecond
-        else:  # chat templates (untrusted, time-limited) and long prompts: off the loop
+        else:  # chat templates (untrusted, time-limited), long prompts and grammars: off the loop
             parsed = await asyncio.to_thread(state.parse, body, chat)
         loop = asyncio.get_running_loop()
         events = state.start(parsed, loop)

@@ -273,7 +273,7 @@ class Worker:
         }
 
     def _handle(self, msg) -> None:
-        from engine import SamplingParams
+        from engine import SamplingParams, StructuredOutputs
 
         if isinstance(msg, Connect) and self.pm is not None:  # a decode worker restarted: its new sockets
             from transfer.channel import ZmqEndpoint
@@ -296,7 +296,10 @@ class Worker:
             received = time.perf_counter()
             d = self.spec.deployment
             try:  # a bad request fails alone, with its error
-                params = SamplingParams(**{f.name: getattr(msg, f.name) for f in fields(SamplingParams)})
+                values = {f.name: getattr(msg, f.name) for f in fields(SamplingParams)}
+                if msg.structured_outputs is not None:
+                    values["structured_outputs"] = StructuredOutputs.of_wire(*msg.structured_outputs)
+                params = SamplingParams(**values)
                 if msg.request_id in self.live:
                     raise ValueError(f"request_id {msg.request_id!r} is already in flight here")
                 tokens = len(msg.prompt_ids) + len(msg.output_ids)
