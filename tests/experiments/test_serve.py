@@ -3,6 +3,7 @@
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -11,11 +12,13 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import jsonschema
 import pytest
 
 openai = pytest.importorskip("openai")
 
 from engine import LLM, SamplingParams  # noqa: E402
+from tests.engine.test_structured import SCHEMAS  # noqa: E402
 from tests.heads import echo_head  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -218,6 +221,75 @@ def test_vllm_sampling_parameters_equal_llm_generate(server, reference):
         extra_body={"include_stop_str_in_output": True},
     )
     assert kept.choices[0].text == text[: text.index(stop) + len(stop)]
+
+
+def test_structured_outputs_parse_and_validate_streamed_and_not(server):
+    """response_format (json_schema, json_object) on chat and vLLM's structured_outputs (regex, choice) on
+    completions; in 1P1D the grammar lives on the decode worker, which speculates with it."""
+    client = _client(server)
+    messages = [{"role": "user", "content": "A pet as JSON."}]
+    for schema in SCHEMAS:
+        fmt = {"type": "json_schema", "json_schema": {"name": "pet", "schema": schema}}
+        for stream in (False, True):
+            out = client.chat.completions.create(
+                model="tiny-random",
+                messages=messages,
+                max_tokens=80,
+                temperature=0,
+                response_format=fmt,
+                stream=stream,
+            )
+            text = (
+                "".join(c.choices[0].delta.content or "" for c in out if c.choices)
+                if stream
+                else out.choices[0].message.content
+            )
+            jsonschema.validate(json.loads(text), schema)
+    out = client.chat.completions.create(
+        model="tiny-random",
+        messages=messages,
+        max_tokens=80,
+        temperature=0.8,
+        seed=2,
+        response_format={"type": "json_object"},
+    )
+    if out.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(out.choices[0].message.content), dict)
+    kw = dict(model="tiny-random", prompt="Code:", max_tokens=20, temperature=1.0)
+    for seed in range(3):
+        regex = client.completions.create(
+            **kw, seed=seed, extra_body={"structured_outputs": {"regex": "[A-Z]{2}-[0-9]{3}"}}
+        )
+        assert re.fullmatch("[A-Z]{2}-[0-9]{3}", regex.choices[0].text)
+        choice = client.completions.create(
+            **kw, seed=seed, extra_body={"structured_outputs": {"choice": ["red", "green"]}}
+        )
+        assert choice.choices[0].text in ("red", "green") and choice.choices[0].finish_reason == "stop"
+    for body, param in [
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "bogus"}},
+                }
+            },
+            "response_format",
+        ),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+        ({"structured_outputs": {"python": "1"}}, "structured_outputs"),
+        (
+            {"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
+            "structured_outputs",
+        ),
+    ]:
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(
+                model="tiny-random", messages=messages, max_tokens=4, extra_body=body
+            )
+        assert err.value.body["param"] == param, err.value.body
+    assert client.completions.create(**kw).choices[0].text is not None  # still serving
 
 
 def test_stop_strings_and_seeded_sampling(server, reference):
