@@ -205,7 +205,7 @@ class LLM:
         seq = Sequence(request_id, prompt_ids, params, prompt=prompt if isinstance(prompt, str) else None)
         seq.detokenizer = self.tokenizer.stream()
         if params.structured_outputs is not None:
-            seq.grammar = self.grammars.matcher(params.structured_outputs, self._max_drafts())
+            seq.grammar = self.grammars.matcher(params.structured_outputs)
         if output_ids:
             outputs = check_token_ids(output_ids, vocab)
             if len(outputs) >= params.max_tokens or len(prompt_ids) + len(outputs) >= context:
@@ -228,9 +228,6 @@ class LLM:
             model = self.config.model
             self._grammars = Grammars(self.tokenizer, model.vocab_size, model.eos_token_ids)
         return self._grammars
-
-    def _max_drafts(self) -> int:
-        return self.speculative.num_speculative_tokens if self.speculative is not None else 0
 
     def add_request(
         self,

@@ -127,11 +127,12 @@ class Grammars:
         info = xgr.TokenizerInfo(vocab, kind, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids))
         self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self.tokenizer = tokenizer
+        self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)  # filled afresh for each row
         self._controls: Tensor | None = None  # token ids holding a control byte (JSON never has one raw)
         self.compiled: OrderedDict[tuple[str, str], object] = OrderedDict()  # by spec, least recent first
         self.compile_s: list[float] = []  # each compile's time (a spec found in the cache: none)
 
-    def matcher(self, spec: StructuredOutputs, max_rollback: int):
+    def matcher(self, spec: StructuredOutputs):
         """A new matcher for spec (ValueError naming the field if it does not compile)."""
         key = spec.wire()
         compiled = self.compiled.pop(key, None)
@@ -149,15 +150,11 @@ class Grammars:
         matcher allows nothing (it has terminated)."""
         if matcher.is_terminated():
             return False
-        bitmask = self.xgr.allocate_token_bitmask(1, self.vocab_size)
-        matcher.fill_next_token_bitmask(bitmask)
+        matcher.fill_next_token_bitmask(self.bitmask)
         with torch.inference_mode():  # the model's logits are inference tensors
-            row = logits.view(1, -1)
-            if row.device.type != "cpu" or row.dtype != torch.float32:
-                allowed = _unpack(bitmask[0], logits.numel()).to(logits.device)
-                logits.masked_fill_(~allowed, float("-inf"))
-            else:
-                self.xgr.apply_token_bitmask_inplace(row, bitmask, vocab_size=logits.numel())
+            # unpacked here: xgrammar's CPU kernel took 0.35 ms a row mid-JSON, this 0.18 (SmolLM2's vocab)
+            allowed = _unpack(self.bitmask[0], logits.numel()).to(logits.device)
+            logits.masked_fill_(~allowed, float("-inf"))
             if spec.json is not None or spec.json_object:
                 # compact JSON holds no raw control character; xgrammar 0.2.9's strings with minLength
                 # or maxLength let them through (its issue #286 fixed only the others): bar them here
@@ -176,9 +173,12 @@ class Grammars:
         return self._controls
 
 
+SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
 def _unpack(bits: Tensor, n: int) -> Tensor:
-    shifts = torch.arange(32, dtype=torch.int32)
-    return ((bits[:, None] >> shifts) & 1).flatten()[:n].bool()
+    """xgrammar's bitmask (int32 words, bit i of word w = token 32 w + i) -> a bool per token."""
+    return ((bits[:, None] >> SHIFTS) & 1).flatten()[:n].bool()
 
 
 def _byte_level(tokenizer) -> bool:
