@@ -59,19 +59,37 @@ def module():
     with _lock:
         if not _tried:
             try:
-                from torch.utils.cpp_extension import load
-
-                _module = load(
-                    name=f"pdkernels_paged_cpu_{_cpu_tag()}",
-                    sources=[str(SOURCE)],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                    extra_ldflags=["-fopenmp"],
-                    verbose=False,
-                )
+                _module = _build(f"pdkernels_paged_cpu_{_cpu_tag()}")
             except Exception as e:  # no compiler, no ninja, no headers: the torch code serves
                 log.warning("pdkernels' CPU extension could not be built (%s); using the torch code", e)
             _tried = True
     return _module
+
+
+def _build(name: str):
+    """Build (or load) the extension under an flock of our own: the kernel drops it when its holder dies,
+    so a process killed mid-build cannot leave the others waiting forever on torch's lock file, which
+    stays behind (seen here: every later process hung at start-up). Holding the flock, any such file is
+    a dead builder's, and goes."""
+    import fcntl
+
+    from torch.utils.cpp_extension import _get_build_directory, load
+
+    folder = Path(_get_build_directory(name, verbose=False))
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / f"{name}.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        stale = folder / "lock"
+        if stale.exists():
+            log.warning("removing %s, left by a build that did not finish", stale)
+            stale.unlink()
+        return load(
+            name=name,
+            sources=[str(SOURCE)],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
 
 
 def for_cache(cache) -> object | None:

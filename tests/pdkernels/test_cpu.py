@@ -1,6 +1,8 @@
 """pdkernels.cpu's prepacked bf16 weights behind pdkernels.ops (the C++ paged-cache paths are tested
 beside their references in test_decode_attention.py and test_kv_append.py)."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -46,3 +48,31 @@ def test_only_bf16_cpu_weights_are_packed_and_bad_inputs_are_named(monkeypatch):
     monkeypatch.setenv("PDKERNELS_CPU_EXT", "0")
     w = torch.randn(8, 4).to(torch.bfloat16)
     assert cpu.pack(w) is w  # turned off: the plain weight
+
+
+def test_a_build_killed_mid_way_does_not_hang_the_next_process(tmp_path, monkeypatch):
+    """torch's build lock outlives a builder that was killed; the next process waited on it forever.
+    Here: a copy of the built extension with such a lock beside it, in a private extensions folder."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    if cpu.module() is None:
+        pytest.skip("no C++ extension on this machine")
+    name = f"pdkernels_paged_cpu_{cpu._cpu_tag()}"
+    built = _get_build_directory(name, verbose=False)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    target = _get_build_directory(name, verbose=False)  # where the child looks
+    shutil.copytree(built, target, dirs_exist_ok=True)
+    target = Path(target)
+    (target / "lock").write_text("")  # what a killed build leaves
+    code = "from pdkernels import cpu; print(cpu.module() is not None)"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=os.getcwd()
+    )
+    assert out.stdout.strip() == "True", out.stderr[-2000:]
+    assert not (target / "lock").exists()
