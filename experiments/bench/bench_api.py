@@ -106,6 +106,7 @@ def teardown_module():
     if COMPILE:
         cold, compile_only, cached, mask = COMPILE
         print(
-            f"grammar: first use {1e3 * cold:.0f} ms (import xgrammar, vocabulary table, compile), compile alone "
-            f"{1e3 * compile_only:.1f} ms, cached {1e3 * cached:.2f} ms; one mask {1e3 * mask:.3f} ms"
+            f"grammar: first use {1e3 * cold:.0f} ms (import xgrammar, vocabulary table, compile), "
+            f"compile alone {1e3 * compile_only:.1f} ms, cached {1e3 * cached:.2f} ms; "
+            f"one mask {1e3 * mask:.3f} ms"
         )

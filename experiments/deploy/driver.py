@@ -282,7 +282,7 @@ def start_fleet(
 
         cpu.module()
     launcher = make_launcher(config)
-    run_dir = tempfile.mkdtemp(prefix="pdk-")  # mode 0700: only this user reaches its sockets
+    run_dir = private_dir(worker_names(d))
     keys = keyring(["driver"] + worker_names(d))
     sock = driver_socket(keys, run_dir, replace(config.transfer, control_host=launcher.control_host()))
     driver_address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -385,6 +385,20 @@ def _send(sock, name: str, msg) -> bool:
         return True
     except zmq.ZMQError:  # the worker is gone (ROUTER_MANDATORY) or not taking messages
         return False
+
+
+IPC_PATH_MAX = 107  # bytes of a unix socket's path (sockaddr_un.sun_path, less its terminator)
+
+
+def private_dir(names: list[str]) -> str:
+    """A new directory (mode 0700: only this user reaches its sockets) for the run's ipc:// sockets, in
+    TMPDIR; in /tmp when TMPDIR is so long that a socket's path would pass the kernel's limit."""
+    longest = max(len(f"{a}-{b}") for a in [*names, "driver"] for b in names) + 1
+    run_dir = tempfile.mkdtemp(prefix="pdk-")
+    if len(run_dir.encode()) + longest > IPC_PATH_MAX:
+        os.rmdir(run_dir)
+        run_dir = tempfile.mkdtemp(prefix="pdk-", dir="/tmp")
+    return run_dir
 
 
 def _await_ready(fleet: Fleet, timeout_s: float) -> None:

@@ -568,3 +568,30 @@ def test_admission_slo_refuses_requests_it_predicts_late_and_serves_the_rest_exa
     assert served == {rid: want[rid] for rid in served}
     assert s["admitted_attainment_pct"] >= s["attainment_pct"]
     assert all(t["free_pages"] == t["num_pages"] for t in slo["timelines"])
+
+
+def test_a_long_tmpdir_still_gives_sockets_the_kernel_takes(tmp_path, monkeypatch):
+    """A unix socket's path holds 107 bytes: under a TMPDIR so deep that a worker's socket would pass it,
+    the run's private directory goes to /tmp (still 0700) instead of failing with a ZMQ error at start."""
+    import shutil
+    import tempfile
+
+    from experiments.deploy.driver import IPC_PATH_MAX, private_dir
+
+    deep = tmp_path / ("d" * 60) / ("e" * 40)
+    deep.mkdir(parents=True)
+    names = ["prefill-0", "decode-0"]
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    made = private_dir(names)
+    try:
+        assert Path(made).parent == Path("/tmp") and len(made) + len("/decode-0-prefill-0") <= IPC_PATH_MAX
+        assert os.stat(made).st_mode & 0o777 == 0o700 and list(deep.iterdir()) == []
+    finally:
+        os.rmdir(made)
+    short = tempfile.mkdtemp(prefix="pdkt-", dir="/tmp")
+    monkeypatch.setattr(tempfile, "tempdir", short)
+    try:
+        near = private_dir(names)
+        assert Path(near).parent == Path(short)  # a short TMPDIR is kept
+    finally:
+        shutil.rmtree(short)
