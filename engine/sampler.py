@@ -15,6 +15,8 @@ from torch import Tensor
 
 from engine.sequence import SamplingParams, Sequence
 
+MASKED_LOGPROB = -9999.0
+
 
 @dataclass
 class Logprob:
@@ -93,7 +95,8 @@ def probabilities(logits: Tensor, p: SamplingParams) -> Tensor:
 def logprobs_of(logits: Tensor, tokens: list[int], k: int) -> list[dict[int, Logprob]]:
     """logits [n, vocab] (the model's, unprocessed) and the token picked at each row -> per row, the
     picked token's Logprob first, then the k likeliest tokens' (vLLM's shape; the picked one once)."""
-    logp = torch.log_softmax(logits.float(), -1)
+    # a token a grammar masked out has -inf, which JSON cannot carry: -9999 stands for it (as in vLLM)
+    logp = torch.log_softmax(logits.float(), -1).clamp(min=MASKED_LOGPROB)
     picked = logp.gather(-1, torch.tensor(tokens, device=logp.device)[:, None])
     ranks = (logp > picked).sum(-1) + 1
     top = torch.topk(logp, k, -1) if k else None

@@ -106,6 +106,15 @@ def test_outputs_from_elsewhere_advance_the_grammar(llm):
         )
 
 
+def test_logprobs_under_a_grammar_are_finite(llm):
+    """Masked tokens have -inf logits; their logprobs read -9999 (vLLM's), which JSON can carry."""
+    spec = StructuredOutputs(choice=["yes", "no"])
+    out = _gen(llm, spec, n=1, logprobs=5)[0]
+    values = [lp.logprob for entry in out.logprobs for lp in entry.values()]
+    assert min(values) == -9999.0 and all(v == v and v > float("-inf") for v in values)
+    assert out.text in ("yes", "no")
+
+
 def test_grammars_compile_once_per_spec(llm):
     before = len(llm.grammars.compile_s)
     spec = {"type": "object", "properties": {"z": {"enum": [1, 2]}}, "required": ["z"]}

@@ -265,6 +265,17 @@ def test_structured_outputs_parse_and_validate_streamed_and_not(server):
             **kw, seed=seed, extra_body={"structured_outputs": {"choice": ["red", "green"]}}
         )
         assert choice.choices[0].text in ("red", "green") and choice.choices[0].finish_reason == "stop"
+    # masked tokens among the top logprobs: -9999 (vLLM's), never -Infinity, which is not JSON
+    picked = client.chat.completions.create(
+        model="tiny-random",
+        messages=messages,
+        max_tokens=4,
+        logprobs=True,
+        top_logprobs=5,
+        extra_body={"structured_outputs": {"choice": ["red", "green"]}},
+    ).choices[0]
+    assert picked.message.content in ("red", "green")
+    assert min(t.logprob for c in picked.logprobs.content for t in c.top_logprobs) == -9999.0
     for body, param in [
         (
             {
