@@ -137,8 +137,11 @@ class Grammars:
         key = spec.wire()
         compiled = self.compiled.pop(key, None)
         if compiled is None:
-            start = time.perf_counter()
-            compiled = self.compiler.compile_grammar(spec.grammar_of())
+            grammar, start = spec.grammar_of(), time.perf_counter()
+            try:
+                compiled = self.compiler.compile_grammar(grammar)
+            except Exception as e:  # the request's problem, not the worker's: it fails alone
+                raise ValueError(f"structured_outputs.{key[0]} did not compile: {e}") from e
             self.compile_s.append(time.perf_counter() - start)
         self.compiled[key] = compiled
         while len(self.compiled) > CACHED_GRAMMARS:

@@ -94,6 +94,20 @@ def test_a_bad_spec_names_its_field(llm, spec, field):
     assert llm.generate(["Hi"], SamplingParams(max_tokens=2))[0].finish_reason == "length"  # still serving
 
 
+def test_a_spec_that_fails_to_compile_fails_alone(llm, monkeypatch):
+    """Whatever xgrammar raises while compiling against the vocabulary is the request's ValueError (the
+    worker refuses that request and serves on), not an error out of the worker's loop."""
+
+    def broken(grammar):
+        raise RuntimeError("out of memory in the compiler")
+
+    monkeypatch.setattr(llm.grammars.compiler, "compile_grammar", broken)
+    with pytest.raises(ValueError, match="structured_outputs.regex did not compile: out of memory"):
+        llm.add_request("Hi", SamplingParams(structured_outputs=StructuredOutputs(regex="[a-q]{3}")))
+    monkeypatch.undo()
+    assert llm.generate(["Hi"], SamplingParams(max_tokens=2))[0].finish_reason == "length"
+
+
 def test_outputs_from_elsewhere_advance_the_grammar(llm):
     spec = StructuredOutputs(regex="ab[0-9]+")
     seq = llm.make_sequence(
