@@ -1,0 +1,137 @@
+"""The HTTP server's Prometheus metrics (experiments.deploy.api's App keeps one per server)."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from experiments.deploy.messages import Result
+from experiments.deploy.runtime import Runtime
+
+if TYPE_CHECKING:
+    from experiments.deploy.api import Parsed
+
+
+class Metrics:
+    """Prometheus metrics of one server (its own registry)."""
+
+    def __init__(self, runtime: Runtime):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = r = CollectorRegistry()
+        buckets = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+        self.requests = Counter(
+            "pdk_requests", "Finished requests by finish reason", ["finish_reason"], registry=r
+        )
+        self.ttft = Histogram("pdk_time_to_first_token_seconds", "TTFT", buckets=buckets, registry=r)
+        self.tpot = Histogram("pdk_time_per_output_token_seconds", "TPOT", buckets=buckets, registry=r)
+        self.e2e = Histogram(
+            "pdk_e2e_request_latency_seconds", "End-to-end latency", buckets=buckets, registry=r
+        )
+        self.running = Gauge("pdk_requests_running", "Sequences running, per worker", ["worker"], registry=r)
+        self.waiting = Gauge("pdk_requests_waiting", "Sequences queued, per worker", ["worker"], registry=r)
+        self.in_flight = Gauge("pdk_requests_in_flight", "Requests the server is answering", registry=r)
+        self.free_pages = Gauge("pdk_kv_free_pages", "Free KV pages per worker", ["worker"], registry=r)
+        self.kv_bytes = Counter("pdk_kv_transfer_bytes", "KV bytes written prefill -> decode", registry=r)
+        self.transfer_failures = Counter(
+            "pdk_transfer_failures", "Requests whose KV transfer failed", registry=r
+        )
+        self.prefills = Counter("pdk_prefills", "Requests prefilled, by where", ["where"], registry=r)
+        self.migrations = Counter(
+            "pdk_migrations", "Times a request went on on another worker after its own died", registry=r
+        )
+        # per worker, from its Load reports (a restarted worker's counts start again from 0)
+        self.preemption_counters = {
+            "preemptions": Counter(
+                "pdk_preemptions", "Sequences preempted (KV dropped), per worker", ["worker"], registry=r
+            ),
+            "recomputed_tokens": Counter(
+                "pdk_recomputed_prompt_tokens",
+                "Tokens computed again on a worker after a preemption dropped their KV",
+                ["worker"],
+                registry=r,
+            ),
+            "refetched_tokens": Counter(
+                "pdk_refetched_tokens",
+                "Tokens whose dropped KV a decode worker fetched again from a prefill worker",
+                ["worker"],
+                registry=r,
+            ),
+            "prefix_queries": Counter(
+                "pdk_prefix_cache_queries",
+                "Prompt tokens looked up in a worker's prefix cache",
+                ["worker"],
+                registry=r,
+            ),
+            "prefix_hits": Counter(
+                "pdk_prefix_cache_hits",
+                "Prompt tokens found in a worker's prefix cache (not computed or sent again)",
+                ["worker"],
+                registry=r,
+            ),
+        }
+        self.cached_pages = Gauge(
+            "pdk_prefix_cached_pages", "KV pages a worker's prefix cache names", ["worker"], registry=r
+        )
+        self._preemption_seen: dict[tuple[str, str], int] = {}
+        self.drafted = Counter("pdk_spec_drafted_tokens", "Speculative tokens proposed", registry=r)
+        self.accepted = Counter("pdk_spec_accepted_tokens", "Speculative tokens accepted", registry=r)
+        self.verifies = Counter("pdk_spec_verify_steps", "Steps that verified drafts", registry=r)
+        self.spec = [0, 0, 0]  # drafted, accepted, verify steps: the ratios below (0 before any draft)
+        Gauge(
+            "pdk_spec_acceptance_rate", "Accepted over drafted speculative tokens", registry=r
+        ).set_function(lambda: self.spec[1] / self.spec[0] if self.spec[0] else 0.0)
+        Gauge(
+            "pdk_spec_mean_accepted_length", "Tokens a verify step yields (accepted + 1)", registry=r
+        ).set_function(lambda: (self.spec[1] + self.spec[2]) / self.spec[2] if self.spec[2] else 0.0)
+        self.runtime = runtime
+        self.sent: dict[str, float] = {}
+
+    def started(self, parsed: Parsed) -> None:
+        self.sent[parsed.submit.request_id] = time.perf_counter()
+        self.in_flight.inc()
+
+    def finished(self, parsed: Parsed, result: Result) -> None:
+        """Latencies from the worker's token times (perf_counter: one clock for every process here)."""
+        rid, now = parsed.submit.request_id, time.perf_counter()
+        sent = self.sent.pop(rid, now)
+        self.in_flight.dec()
+        self.requests.labels(result.finish_reason or "unknown").inc()
+        self.e2e.observe(now - sent)
+        times = result.token_times
+        if times:
+            self.ttft.observe(times[0] - sent)
+            if len(times) > 1:
+                self.tpot.observe((times[-1] - times[0]) / (len(times) - 1))
+        self.kv_bytes.inc(result.transfer_bytes)
+        self.migrations.inc(result.migrations)
+        failed = result.finish_reason == "error" and "transfer" in (result.error or "")
+        if failed and result.prefill == "remote":
+            self.transfer_failures.inc()
+        if result.worker:
+            self.prefills.labels(result.prefill).inc()
+        self.drafted.inc(result.drafted)
+        self.accepted.inc(result.accepted)
+        self.verifies.inc(result.verify_steps)
+        for i, n in enumerate((result.drafted, result.accepted, result.verify_steps)):
+            self.spec[i] += n
+
+    def render(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        for name in self.runtime.dead:  # a dead worker's gauges go (a restarted one's Load brings them back)
+            for gauge in (self.free_pages, self.running, self.waiting, self.cached_pages):
+                try:
+                    gauge.remove(name)
+                except KeyError:
+                    pass
+        for name, load in list(self.runtime.load.items()):
+            self.free_pages.labels(name).set(load.free_pages)
+            self.running.labels(name).set(load.running)
+            self.waiting.labels(name).set(load.waiting)
+            self.cached_pages.labels(name).set(load.cached_pages)
+            for key, counter in self.preemption_counters.items():
+                now, seen = getattr(load, key), self._preemption_seen.get((name, key), 0)
+                counter.labels(name).inc(now - seen if now >= seen else now)  # < seen: restarted
+                self._preemption_seen[name, key] = now
+        return generate_latest(self.registry)
