@@ -13,7 +13,7 @@ import itertools
 import logging
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -26,7 +26,14 @@ from engine.mtp import MTPDrafter, load_head_weights
 from engine.runner import ModelRunner
 from engine.sampler import logprobs_of, probabilities, processed, sample
 from engine.scheduler import Batch, Scheduler
-from engine.sequence import RequestOutput, SamplingParams, Sequence, Status, check_token_ids
+from engine.sequence import (
+    CompletionOutput,
+    RequestOutput,
+    SamplingParams,
+    Sequence,
+    Status,
+    check_token_ids,
+)
 from engine.speculative import SpeculativeConfig, ngram_drafts, verify_greedy, verify_sampled
 from engine.tp import RankDied, TPGroup
 from engine.weights import load_model
@@ -237,6 +244,8 @@ class LLM:
         output_ids: list[int] | None = None,
     ) -> str:
         """Queue a request (output_ids: make_sequence's; computed here with the prompt)."""
+        if params is not None and params.n > 1:
+            raise ValueError(f"n={params.n}: more than one completion is served by generate() for now")
         return self._submit(self.make_sequence(prompt, params, request_id, output_ids))
 
     def resume(self, seq: Sequence) -> None:
@@ -408,12 +417,45 @@ class LLM:
         params = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        seqs = [self.make_sequence(p, sp) for p, sp in zip(prompts, params, strict=True)]  # all checked first
-        ids = [self._submit(s) for s in seqs]
+        families = [
+            self.make_sequences(p, sp) for p, sp in zip(prompts, params, strict=True)
+        ]  # checked first
+        ids = {s.request_id for family in families for s in family}
+        for family in families:
+            for seq in family:
+                self._submit(seq)
         done: dict[str, RequestOutput] = {}
         while len(done) < len(ids) and self.has_unfinished():
             done.update((o.request_id, o) for o in self.step() if o.finished and o.request_id in ids)
-        return [done[i] for i in ids]
+        outs = []
+        for family in families:
+            out = done[family[0].request_id]
+            if len(family) > 1:
+                children = [done[s.request_id] for s in family]
+                out.completions = [
+                    CompletionOutput(i, c.text, c.token_ids, c.finish_reason, c.logprobs)
+                    for i, c in enumerate(children)
+                ]
+            outs.append(out)
+        return outs
+
+    def make_sequences(self, prompt, params: SamplingParams | None = None, request_id: str | None = None):
+        """make_sequence, and for params.n > 1 its n - 1 siblings ('<id>#1', ...; child i seeded seed + i)
+        that start once the first one's prompt KV is computed, sharing its pages through the prefix
+        cache (only the prompt's last partial page is computed again)."""
+        first = self.make_sequence(prompt, params, request_id)
+        p = first.params
+        if p.n == 1:
+            return [first]
+        family = [first]
+        for i in range(1, p.n):
+            seed = None if p.seed is None else (p.seed + i) % (1 << 63)
+            child = self.make_sequence(
+                first.prompt_ids, replace(p, n=1, seed=seed), f"{first.request_id}#{i}"
+            )
+            child.prompt, child.after = first.prompt, first
+            family.append(child)
+        return family
 
     def chat(
         self,
@@ -444,6 +486,8 @@ class LLM:
         would not cover the growth every admitted request is owed (SchedulerConfig.reserved_tokens)."""
         seq = self.scheduler.refetching.get(request_id) if request_id is not None else None
         if seq is None:
+            if params is not None and params.n > 1:
+                raise ValueError(f"n={params.n}: more than one completion is served by generate() for now")
             seq = self.make_sequence(prompt, params, request_id)
         hit = self.scheduler.lookup(seq)
         seq.admitted_at = seq.num_tokens  # what it is owed counts from now (a refetch's too)

@@ -188,6 +188,9 @@ class Scheduler:
         debt = self.debt()
         while self.waiting and budget > 0 and len(batch.chunks) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            first = seq.after
+            if first is not None and not first.finished and first.num_computed < len(first.prompt_ids):
+                break  # n > 1: a later completion starts once the first one's prompt KV is cached
             holds = bool(self.allocator.pages(seq.request_id))  # then already counted in debt
             hit = [] if holds else self.lookup(seq)
             if not holds:

@@ -34,6 +34,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # the sampled token's log-probability and this many of the likeliest
     structured_outputs: StructuredOutputs | None = None  # a JSON schema, regex, choice or grammar to keep to
+    n: int = 1  # completions of the prompt: computed once, its pages shared (child i seeded seed + i)
 
     def __post_init__(self):
         _integer("max_tokens", self.max_tokens, 1, "an integer >= 1")
@@ -91,6 +92,7 @@ class SamplingParams:
             raise TypeError(
                 f"structured_outputs must be StructuredOutputs or a dict, got {self.structured_outputs!r}"
             )
+        _integer("n", self.n, 1, f"an integer in [1, {MAX_N}]", MAX_N + 1)
         if self.logprobs is not None:
             _integer(
                 "logprobs", self.logprobs, 0, f"None or an integer in [0, {MAX_LOGPROBS}]", MAX_LOGPROBS + 1
@@ -112,6 +114,7 @@ class SamplingParams:
         )
 
 
+MAX_N = 64  # completions one request may ask for
 MAX_LOGPROBS = 20  # the most alternatives a request may ask for (OpenAI's top_logprobs bound)
 
 
@@ -177,6 +180,7 @@ class Sequence:
     pages_named: int = 0  # its leading pages the prefix cache knows by name
     logprobs: list[dict] = field(default_factory=list, repr=False)  # per output token (params.logprobs)
     grammar: object | None = field(default=None, repr=False)  # xgrammar matcher (params.structured_outputs)
+    after: Sequence | None = field(default=None, repr=False)  # n > 1: the sibling whose prompt KV it shares
 
     def __post_init__(self):
         if self.params.seed is not None:
@@ -224,10 +228,13 @@ class RequestOutput:
     num_verify_steps: int = 0
     num_cached_tokens: int | None = None  # prompt tokens whose KV came from the prefix cache (vLLM's name)
     logprobs: list[dict] | None = None  # SamplingParams.logprobs: per output token, as CompletionOutput's
+    completions: list[CompletionOutput] | None = None  # n > 1 (LLM.generate): every completion
 
     @property
     def outputs(self) -> list[CompletionOutput]:
-        """vLLM's shape: the one completion (n = 1) as `outputs[0]`."""
+        """vLLM's shape: the completions, `outputs[0]` the first (the only one when n = 1)."""
+        if self.completions is not None:
+            return self.completions
         return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason, self.logprobs)]
 
     @property

@@ -224,3 +224,31 @@ def test_speculation_with_penalties_and_bias_stays_lossless():
             )
     assert sum(o.num_drafted_tokens for o in fast) > 0
     assert llm.allocator.num_free == llm.allocator.num_pages
+
+
+def test_n_completions_share_one_prompt_computation(tiny):
+    """n = 3: the first completion computes the prompt; the others start once its KV is cached and
+    compute only the last partial page; seeds seed, seed + 1, seed + 2; every page free after."""
+    prompt = list(range(100, 131))  # 31 tokens: 7 full pages of 4, then 3 tokens
+    tiny.reset_prefix_cache()
+    out = tiny.generate(
+        [prompt], SamplingParams(max_tokens=6, temperature=1.0, seed=11, n=3, ignore_eos=True)
+    )[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2] and all(len(c.token_ids) == 6 for c in out.outputs)
+    for i, c in enumerate(out.outputs):
+        tiny.reset_prefix_cache()
+        alone = tiny.generate(
+            [prompt], SamplingParams(max_tokens=6, temperature=1.0, seed=11 + i, ignore_eos=True)
+        )
+        assert c.token_ids == alone[0].token_ids
+    tiny.reset_prefix_cache()
+    before = tiny.prefix_cache_stats["hits"]
+    tiny.generate([prompt], SamplingParams(max_tokens=2, n=3, ignore_eos=True))
+    assert tiny.prefix_cache_stats["hits"] - before == 2 * 28  # siblings: 7 pages each from the first
+    greedy = tiny.generate([prompt], SamplingParams(max_tokens=5, n=2, ignore_eos=True))[0].outputs
+    assert greedy[0].token_ids == greedy[1].token_ids
+    assert tiny.allocator.num_free == tiny.allocator.num_pages
+    with pytest.raises(ValueError, match="generate"):
+        tiny.add_request(prompt, SamplingParams(n=2))
+    with pytest.raises(ValueError, match="n must be an integer in \\[1, 64\\]"):
+        SamplingParams(n=0)
