@@ -60,6 +60,7 @@ class Submit(Message):
     logprobs: int | None = None
     # engine.StructuredOutputs.wire(): (kind, text); only decode and colocated workers build its grammar
     structured_outputs: tuple[str, str] | None = None
+    n: int = 1  # completions (a worker refuses n > 1 for now: LLM.generate serves it offline)
 
     def __post_init__(self):
         check_request(self.request_id, self.prompt_ids)
