@@ -242,11 +242,20 @@ class LLM:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         output_ids: list[int] | None = None,
+        after: str | None = None,
     ) -> str:
-        """Queue a request (output_ids: make_sequence's; computed here with the prompt)."""
+        """Queue a request (output_ids: make_sequence's; computed here with the prompt). after: the
+        request_id of an earlier completion of the same prompt (n > 1, fanned out by the caller): this
+        one starts once that one's prompt KV is computed, sharing its pages through the prefix cache."""
         if params is not None and params.n > 1:
-            raise ValueError(f"n={params.n}: more than one completion is served by generate() for now")
-        return self._submit(self.make_sequence(prompt, params, request_id, output_ids))
+            raise ValueError(
+                f"n={params.n}: add_request takes one completion (generate takes n; or add each, with after)"
+            )
+        seq = self.make_sequence(prompt, params, request_id, output_ids)
+        first = self.seqs.get(after) if after is not None else None
+        if first is not None and first.prompt_ids == seq.prompt_ids and not output_ids:
+            seq.after = first
+        return self._submit(seq)
 
     def resume(self, seq: Sequence) -> None:
         """Decode role: a sequence that resumes with outputs (make_sequence's output_ids) waits, holding
@@ -487,7 +496,7 @@ class LLM:
         seq = self.scheduler.refetching.get(request_id) if request_id is not None else None
         if seq is None:
             if params is not None and params.n > 1:
-                raise ValueError(f"n={params.n}: more than one completion is served by generate() for now")
+                raise ValueError(f"n={params.n}: reserve takes one completion (add each, with after)")
             seq = self.make_sequence(prompt, params, request_id)
         hit = self.scheduler.lookup(seq)
         seq.admitted_at = seq.num_tokens  # what it is owed counts from now (a refetch's too)

@@ -186,11 +186,9 @@ class Scheduler:
                 budget -= n + len(drafts)
                 spare -= excess
         debt = self.debt()
+        held = self._held()
         while self.waiting and budget > 0 and len(batch.chunks) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            first = seq.after
-            if first is not None and not first.finished and first.num_computed < len(first.prompt_ids):
-                break  # n > 1: a later completion starts once the first one's prompt KV is cached
             holds = bool(self.allocator.pages(seq.request_id))  # then already counted in debt
             hit = [] if holds else self.lookup(seq)
             if not holds:
@@ -217,7 +215,25 @@ class Scheduler:
             batch.chunks.append(self._chunk(seq, n))
             budget -= n
             debt = others + self.need(seq)
+        self.waiting.extendleft(reversed(held))
         return batch if batch.chunks else None
+
+    def _held(self) -> list[Sequence]:
+        """Take out of the queue, for this step, the later completions of an n > 1 request whose first
+        completion's prompt KV is not computed yet (or, decode role, has not landed): they start once it
+        is, sharing its pages through the prefix cache; the sequences behind them go ahead meanwhile."""
+        held = []
+        for seq in self.waiting:
+            first = seq.after
+            if first is None:
+                continue
+            if first.finished or first.num_computed >= len(first.prompt_ids):
+                seq.after = None  # from now on an ordinary sequence
+            else:
+                held.append(seq)
+        for seq in held:
+            self.waiting.remove(seq)
+        return held
 
     # ---- prefix cache ---------------------------------------------------------------------------------
 

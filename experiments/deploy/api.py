@@ -11,6 +11,7 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
+import msgspec
 from fastapi.responses import JSONResponse
 
 from experiments.deploy.messages import Result, Submit
@@ -36,15 +37,16 @@ class ServerConfig:
     # Host headers served besides this machine's loopback names and the bound address ("*": any)
     allowed_hosts: tuple[str, ...] = ()
     cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API ("*": any); none by default
+    max_n: int = 16  # the most completions one request may ask for (n)
 
     def __post_init__(self):
         if not isinstance(self.port, int) or not 0 <= self.port < 65536:
             raise ValueError(f"server.port={self.port!r} is not allowed: an integer in [0, 65536)")
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
             raise ValueError("server.api_key must be a non-empty string or null")
-        for key in ("max_body_bytes", "max_prompt_chars"):
+        for key in ("max_body_bytes", "max_prompt_chars", "max_n"):
             value = getattr(self, key)
-            if (value is not None or key == "max_body_bytes") and (
+            if (value is not None or key != "max_prompt_chars") and (
                 isinstance(value, bool) or not isinstance(value, int) or value < 1
             ):
                 raise ValueError(f"server.{key}={value!r} is not allowed: an integer >= 1")
@@ -117,7 +119,6 @@ COMMON = {
 COMPLETION_FIELDS = COMMON | {"prompt", "echo"}
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs", "response_format"}
 UNSUPPORTED_UNLESS = {
-    "n": (None, 1),
     "echo": (None, False),
 }
 MAX_TOP_LOGPROBS = {True: 20, False: 5}  # chat's top_logprobs, completions' logprobs (OpenAI's bounds)
@@ -146,7 +147,23 @@ class Parsed:
     submit: Submit
     stream: bool
     include_usage: bool
+    n: int = 1  # completions
     created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def completions(self) -> list[Submit]:
+        """One Submit per completion: the first is the request's own; completion i is '<id>#i', seeded
+        seed + i, and names the first (Submit.after): it goes to the same worker and shares its prompt."""
+        first = self.submit
+        out = [first]
+        for i in range(1, self.n):
+            seed = None if first.seed is None else (first.seed + i) % (1 << 63)
+            out.append(
+                msgspec.structs.replace(
+                    first, request_id=f"{first.request_id}#{i}", seed=seed, after=first.request_id
+                )
+            )
+        return out
 
 
 class App:
@@ -240,7 +257,8 @@ class App:
             stream=stream,
             **self._sampling(body, chat, max_tokens),
         )
-        return Parsed(prompt_ids, submit, stream, bool(options.get("include_usage")))
+        n = _number(body, "n", 1, 1, self.config.max_n, integer=True)  # server.max_n
+        return Parsed(prompt_ids, submit, stream, bool(options.get("include_usage")), n)
 
     def _sampling(self, body: dict, chat: bool, max_tokens: int) -> dict:
         """vLLM's further sampling fields and logprobs, checked, as Submit's keyword arguments."""
@@ -371,16 +389,25 @@ class App:
                 f"no live worker can take requests (exited: {sorted(self.runtime.dead)})",
                 kind="service_unavailable",
             )
-        events: asyncio.Queue = asyncio.Queue()
+        events: asyncio.Queue = asyncio.Queue()  # (completion's index, kind, payload)
 
-        def sink(kind, payload):  # on the runtime's thread: metrics count every request, cancelled too
-            if kind == "result":
-                self.metrics.finished(parsed, payload)
-            loop.call_soon_threadsafe(events.put_nowait, (kind, payload))
+        def sink_of(index: int, request_id: str):
+            def sink(kind, payload):  # on the runtime's thread: metrics count every one, cancelled too
+                if kind == "result":
+                    self.metrics.finished(request_id, payload)
+                loop.call_soon_threadsafe(events.put_nowait, (index, kind, payload))
 
-        self.metrics.started(parsed)
-        self.runtime.submit(parsed.submit, sink)
+            return sink
+
+        for i, submit in enumerate(parsed.completions):
+            self.metrics.started(submit.request_id)
+            self.runtime.submit(submit, sink_of(i, submit.request_id))
         return events
+
+    def cancel(self, parsed: Parsed) -> None:
+        """The client went away, or one completion failed: end every completion (their pages free)."""
+        for submit in parsed.completions:
+            self.runtime.cancel(submit.request_id)
 
     def finished(self, parsed: Parsed, result: Result) -> None:
         """Raise the ApiError a failed or cancelled request answers with."""

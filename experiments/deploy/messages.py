@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from experiments.config import DeploymentConfig
 from experiments.workload import Conversations, Request
-from transfer.protocol import check_request
+from transfer.protocol import check_request, check_request_id
 from transfer.wire import Codec, Message
 
 
@@ -60,10 +60,14 @@ class Submit(Message):
     logprobs: int | None = None
     # engine.StructuredOutputs.wire(): (kind, text); only decode and colocated workers build its grammar
     structured_outputs: tuple[str, str] | None = None
-    n: int = 1  # completions (a worker refuses n > 1 for now: LLM.generate serves it offline)
+    # n > 1: the server sends one Submit per completion; a later one names the first (its request_id),
+    # goes to the same worker and starts once that one's prompt KV is there, sharing its pages
+    after: str | None = None
 
     def __post_init__(self):
         check_request(self.request_id, self.prompt_ids)
+        if self.after is not None:
+            check_request_id(self.after)
 
 
 # per output token: (token id, log-probability, rank) of the picked token, then of the likeliest others

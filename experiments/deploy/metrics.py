@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 from experiments.deploy.messages import Result
 from experiments.deploy.runtime import Runtime
-
-if TYPE_CHECKING:
-    from experiments.deploy.api import Parsed
 
 
 class Metrics:
@@ -21,7 +17,10 @@ class Metrics:
         self.registry = r = CollectorRegistry()
         buckets = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
         self.requests = Counter(
-            "pdk_requests", "Finished requests by finish reason", ["finish_reason"], registry=r
+            "pdk_requests",
+            "Finished requests (each of n completions) by finish reason",
+            ["finish_reason"],
+            registry=r,
         )
         self.ttft = Histogram("pdk_time_to_first_token_seconds", "TTFT", buckets=buckets, registry=r)
         self.tpot = Histogram("pdk_time_per_output_token_seconds", "TPOT", buckets=buckets, registry=r)
@@ -87,14 +86,15 @@ class Metrics:
         self.runtime = runtime
         self.sent: dict[str, float] = {}
 
-    def started(self, parsed: Parsed) -> None:
-        self.sent[parsed.submit.request_id] = time.perf_counter()
+    def started(self, request_id: str) -> None:
+        """A sequence the workers serve began: a request, or each of its n completions."""
+        self.sent[request_id] = time.perf_counter()
         self.in_flight.inc()
 
-    def finished(self, parsed: Parsed, result: Result) -> None:
+    def finished(self, request_id: str, result: Result) -> None:
         """Latencies from the worker's token times (perf_counter: one clock for every process here)."""
-        rid, now = parsed.submit.request_id, time.perf_counter()
-        sent = self.sent.pop(rid, now)
+        now = time.perf_counter()
+        sent = self.sent.pop(request_id, now)
         self.in_flight.dec()
         self.requests.labels(result.finish_reason or "unknown").inc()
         self.e2e.observe(now - sent)

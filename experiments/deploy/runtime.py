@@ -188,7 +188,7 @@ class Runtime:
         sent = self.streamed.get(request_id, [[], 0, [], []])
         if msg is None or not live or len(sent[0]) >= msg.max_tokens:
             return False
-        resumed = msgspec.structs.replace(msg, output_ids=list(sent[0]), text_sent=sent[1])
+        resumed = msgspec.structs.replace(msg, output_ids=list(sent[0]), text_sent=sent[1], after=None)
         self.router.moved(request_id, dead)
         target = self.router.route_tokens(request_id, list(msg.prompt_ids) + list(sent[0]), live)
         self.owner[request_id] = target
@@ -209,7 +209,12 @@ class Runtime:
             sink("result", Result(msg.request_id, "", [], 0.0, None, [], "error", "no live worker"))
             return
         tokens = list(msg.prompt_ids) + list(msg.output_ids)
-        target = self.router.route_tokens(msg.request_id, tokens, live, admit=True)
+        first = self.owner.get(msg.after) if msg.after is not None else None
+        if first in live:  # n > 1: a later completion goes where the first one went (admitted with it)
+            target = self.router.route_tokens(msg.request_id, tokens, [first])
+        else:
+            msg = msgspec.structs.replace(msg, after=None)
+            target = self.router.route_tokens(msg.request_id, tokens, live, admit=True)
         if target is None:  # admission=slo: it would miss the SLO anyway
             sink("result", Result(msg.request_id, "", [], 0.0, None, [], "rejected", self.router.why))
             return

@@ -176,51 +176,73 @@ def make_app(state: App) -> FastAPI:
         events = state.start(parsed, loop)
         if parsed.stream:  # a request refused at once (admission, no worker) is an HTTP error, not a stream
             try:
-                kind, payload = first = await events.get()  # "routed", or its result at once
+                first = await events.get()  # a completion "routed", or its result at once
             except asyncio.CancelledError:  # the client went away
-                state.runtime.cancel(parsed.submit.request_id)
+                state.cancel(parsed)
                 raise
-            if kind == "result":
-                state.finished(parsed, payload)
-                events.put_nowait(first)
+            if first[1] == "result":
+                fail(parsed, first[2])
+            events.put_nowait(first)
             return StreamingResponse(stream(request, parsed, events, chat), media_type="text/event-stream")
+        results: dict[int, Result] = {}
         try:
-            while True:
+            while len(results) < parsed.n:
                 try:
-                    kind, payload = await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
+                    index, kind, payload = await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
                 except TimeoutError:
                     if await request.is_disconnected():  # the client went away: so does its request
-                        state.runtime.cancel(parsed.submit.request_id)
+                        state.cancel(parsed)
                         return ApiError(408, "the client went away").response()  # nobody reads it
                     continue
                 if kind == "result":
-                    break
+                    fail(parsed, payload)
+                    results[index] = payload
         except asyncio.CancelledError:  # the client went away
-            state.runtime.cancel(parsed.submit.request_id)
+            state.cancel(parsed)
             raise
-        state.finished(parsed, payload)
-        return JSONResponse(complete(parsed, payload, chat))
+        return JSONResponse(complete(parsed, [results[i] for i in range(parsed.n)], chat))
 
-    def complete(parsed: Parsed, result: Result, chat: bool) -> dict:
-        head = {"id": parsed.submit.request_id, "created": parsed.created, "model": state.model_name}
-        usage = usage_block(
-            len(parsed.prompt_ids), len(result.output_ids), result.migrations, result.cached_tokens
+    def fail(parsed: Parsed, result: Result) -> None:
+        """A failed completion fails its request (the ApiError it answers with): the others end too."""
+        try:
+            state.finished(parsed, result)
+        except ApiError:
+            if parsed.n > 1:
+                state.cancel(parsed)
+            raise
+
+    def usage_of(parsed: Parsed, results: list[Result]) -> dict:
+        """The prompt counted once, every completion's tokens; cached: what the first one found cached
+        (the others share its pages)."""
+        return usage_block(
+            len(parsed.prompt_ids),
+            sum(len(r.output_ids) for r in results),
+            sum(r.migrations for r in results),
+            results[0].cached_tokens,
         )
-        reason, k = finish_reason_of(result), parsed.submit.logprobs
-        logprobs = None
-        if k is not None and result.logprobs is not None:
-            shapes = state.logprobs
-            logprobs = shapes.chat(result.logprobs, k) if chat else shapes.completion(result.logprobs, 0)[0]
-        if chat:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": result.text},
-                "logprobs": logprobs,
-                "finish_reason": reason,
-            }
-            return {**head, "object": "chat.completion", "choices": [choice], "usage": usage}
-        choice = {"index": 0, "text": result.text, "logprobs": logprobs, "finish_reason": reason}
-        return {**head, "object": "text_completion", "choices": [choice], "usage": usage}
+
+    def complete(parsed: Parsed, results: list[Result], chat: bool) -> dict:
+        head = {"id": parsed.submit.request_id, "created": parsed.created, "model": state.model_name}
+        k, choices = parsed.submit.logprobs, []
+        for index, result in enumerate(results):
+            reason, logprobs = finish_reason_of(result), None
+            if k is not None and result.logprobs is not None:
+                shapes = state.logprobs
+                logprobs = (
+                    shapes.chat(result.logprobs, k) if chat else shapes.completion(result.logprobs, 0)[0]
+                )
+            if chat:
+                message = {"role": "assistant", "content": result.text}
+                choices.append(
+                    {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
+                )
+            else:
+                choices.append(
+                    {"index": index, "text": result.text, "logprobs": logprobs, "finish_reason": reason}
+                )
+        usage = usage_of(parsed, results)
+        kind = "chat.completion" if chat else "text_completion"
+        return {**head, "object": kind, "choices": choices, "usage": usage}
 
     async def stream(request: Request, parsed: Parsed, events: asyncio.Queue, chat: bool):
         head = {
@@ -229,63 +251,58 @@ def make_app(state: App) -> FastAPI:
             "model": state.model_name,
             "object": "chat.completion.chunk" if chat else "text_completion",
         }
+        k = parsed.submit.logprobs
+        offsets = [0] * parsed.n  # completions: each choice's text offset so far
 
-        k, offset = parsed.submit.logprobs, 0
-
-        def chunk(text: str | None, reason: str | None, role: bool = False, logprobs=None) -> str:
-            nonlocal offset
+        def chunk(index: int, text: str | None, reason: str | None, role: bool = False, logprobs=None) -> str:
             block = None
             if k is not None and logprobs is not None:
                 if chat:
                     block = state.logprobs.chat(logprobs, k)
                 else:
-                    block, offset = state.logprobs.completion(logprobs, offset)
+                    block, offsets[index] = state.logprobs.completion(logprobs, offsets[index])
             if chat:
                 delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-                choice = {"index": 0, "delta": delta, "logprobs": block, "finish_reason": reason}
+                choice = {"index": index, "delta": delta, "logprobs": block, "finish_reason": reason}
             else:
-                choice = {"index": 0, "text": text or "", "logprobs": block, "finish_reason": reason}
+                choice = {"index": index, "text": text or "", "logprobs": block, "finish_reason": reason}
             return f"data: {json.dumps({**head, 'choices': [choice]})}\n\n"
 
-        sent_chars, sent_logprobs, done = 0, 0, False
+        sent_chars, sent_logprobs = [0] * parsed.n, [0] * parsed.n
+        results: dict[int, Result] = {}
         try:
             if chat:
-                yield chunk(None, None, role=True)
-            while True:
-                kind, payload = await events.get()
+                for index in range(parsed.n):
+                    yield chunk(index, None, None, role=True)
+            while len(results) < parsed.n:
+                index, kind, payload = await events.get()
                 if kind == "routed":
                     continue
                 if kind == "progress":
                     ids, text, logprobs = payload
-                    sent_chars += len(text)
-                    sent_logprobs += len(logprobs)
+                    sent_chars[index] += len(text)
+                    sent_logprobs[index] += len(logprobs)
                     if text or logprobs:  # a token whose text a stop string may still claim: its logprobs
-                        yield chunk(text, None, logprobs=logprobs or None)
+                        yield chunk(index, text, None, logprobs=logprobs or None)
                     continue
                 result: Result = payload
-                done = True
+                results[index] = result
                 try:
-                    state.finished(parsed, result)
+                    fail(parsed, result)
                 except ApiError as e:
                     yield f"data: {json.dumps(e.body())}\n\n"
                     yield "data: [DONE]\n\n"
                     return
-                rest = result.text[sent_chars:]
-                logprobs = result.logprobs[sent_logprobs:] if result.logprobs is not None else None
-                yield chunk(rest, finish_reason_of(result), logprobs=logprobs)
-                if parsed.include_usage:
-                    usage = usage_block(
-                        len(parsed.prompt_ids),
-                        len(result.output_ids),
-                        result.migrations,
-                        result.cached_tokens,
-                    )
-                    yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage})}\n\n"
-                yield "data: [DONE]\n\n"
-                return
+                rest = result.text[sent_chars[index] :]
+                logprobs = result.logprobs[sent_logprobs[index] :] if result.logprobs is not None else None
+                yield chunk(index, rest, finish_reason_of(result), logprobs=logprobs)
+            if parsed.include_usage:
+                usage = usage_of(parsed, [results[i] for i in range(parsed.n)])
+                yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage})}\n\n"
+            yield "data: [DONE]\n\n"
         finally:
-            if not done:  # the client went away (the response was cancelled): free its pages
-                state.runtime.cancel(parsed.submit.request_id)
+            if len(results) < parsed.n:  # the client went away (the response was cancelled): free pages
+                state.cancel(parsed)
 
     @api.post("/v1/completions")
     async def completions(request: Request):

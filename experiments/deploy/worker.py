@@ -138,6 +138,7 @@ class Worker:
         self.backlog: deque = deque()
         self.returning: dict[str, float] = {}  # restarting prefill worker -> when to stop waiting
         self.prefilled_here: set[str] = set()  # decode: what its prefix cache lacked was short, done here
+        self.after: dict[str, str] = {}  # decode: a later completion in the backlog -> its first one
         self.pm = self.dm = None
         if spec.role != "prefill":  # the router routes to this worker by what its cache holds
             self.llm.allocator.record_events()
@@ -296,7 +297,7 @@ class Worker:
             received = time.perf_counter()
             d = self.spec.deployment
             try:  # a bad request fails alone, with its error
-                values = {f.name: getattr(msg, f.name) for f in fields(SamplingParams)}
+                values = {f.name: getattr(msg, f.name) for f in fields(SamplingParams) if f.name != "n"}
                 if msg.structured_outputs is not None:
                     values["structured_outputs"] = StructuredOutputs.of_wire(*msg.structured_outputs)
                 params = SamplingParams(**values)
@@ -304,7 +305,7 @@ class Worker:
                     raise ValueError(f"request_id {msg.request_id!r} is already in flight here")
                 tokens = len(msg.prompt_ids) + len(msg.output_ids)
                 if self.dm is None or tokens <= d.local_prefill_max_tokens:
-                    self.llm.add_request(msg.prompt_ids, params, msg.request_id, msg.output_ids)
+                    self.llm.add_request(msg.prompt_ids, params, msg.request_id, msg.output_ids, msg.after)
                 elif msg.output_ids:  # migrated: its prompt and outputs so far come from a prefill worker
                     seq = self.llm.make_sequence(msg.prompt_ids, params, msg.request_id, msg.output_ids)
                     self.llm.resume(seq)
@@ -312,6 +313,8 @@ class Worker:
                 else:
                     self.llm.make_sequence(msg.prompt_ids, params, msg.request_id)  # check it now
                     self.backlog.append((msg.request_id, msg.prompt_ids, params, msg.prefill_worker))
+                    if msg.after in self.live:  # n > 1: its KV comes with the first completion's
+                        self.after[msg.request_id] = msg.after
             except (ValueError, TypeError) as e:
                 self._refuse(msg.request_id, received, e)
                 return
@@ -325,6 +328,7 @@ class Worker:
         if request_id not in self.live:
             return
         waiting = [item for item in self.backlog if item[0] == request_id]
+        self.after.pop(request_id, None)
         if waiting and request_id in self.llm.seqs:  # preempted, waiting to be fetched again
             self.backlog.remove(waiting[0])
             self.llm.abort(request_id)  # its Result (abort, with its tokens so far) follows a step
@@ -363,6 +367,13 @@ class Worker:
             return
         while self.backlog:
             request_id, token_ids, params, peer = self.backlog[0]  # peer: the router's choice, or None
+            first = self.llm.seqs.get(self.after.pop(request_id, ""))
+            if first is not None and not first.finished and first.prompt_ids == token_ids:
+                # n > 1: the first completion's transfer serves this one too (engine: add_request after)
+                self.backlog.popleft()
+                self.llm.add_request(token_ids, params, request_id, after=first.request_id)
+                self.prefilled_here.add(request_id)
+                continue
             try:
                 d = self.spec.deployment
                 if not self.dm.submit(

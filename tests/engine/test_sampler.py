@@ -252,3 +252,29 @@ def test_n_completions_share_one_prompt_computation(tiny):
         tiny.add_request(prompt, SamplingParams(n=2))
     with pytest.raises(ValueError, match="n must be an integer in \\[1, 64\\]"):
         SamplingParams(n=0)
+
+
+def test_a_later_completion_waits_for_the_first_without_holding_up_others():
+    """add_request(after=): the second completion of a prompt waits, out of the queue, until the first
+    one's prompt KV is computed, then shares its pages; a request queued behind it goes on meanwhile."""
+    from engine import LLM
+
+    llm = LLM("tiny-random", page_size=4, num_pages=64, max_num_batched_tokens=20)
+    prompt, other = list(range(100, 131)), list(range(400, 410))
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    llm.add_request(prompt, params, "a")
+    llm.add_request(prompt, params, "b", after="a")
+    llm.add_request(other, params, "c")
+    llm.step()  # a: 20 of its 31 prompt tokens
+    llm.step()  # a: the other 11; b waits for them; c, behind b, takes the 9 tokens left
+    assert [llm.seqs[r].num_computed for r in "abc"] == [31, 0, 9]
+    done = {}
+    while llm.has_unfinished():
+        done.update((o.request_id, o) for o in llm.step() if o.finished)
+    assert done["b"].num_cached_tokens == 28 and done["a"].num_cached_tokens == 0  # 7 pages of 4
+    assert llm.allocator.num_free == llm.allocator.num_pages
+    llm.add_request(prompt, params, "d", after="nobody")  # an unknown first one: an ordinary request
+    llm.add_request(other, params, "e", after="d")  # not the same prompt: ordinary too
+    assert llm.seqs["d"].after is None and llm.seqs["e"].after is None
+    with pytest.raises(ValueError, match="n=2: add_request takes one completion"):
+        llm.add_request(prompt, SamplingParams(n=2))

@@ -322,6 +322,63 @@ def test_stop_strings_and_seeded_sampling(server, reference):
     assert seeded[0] == seeded[1]
 
 
+def test_n_completions_reproduce_by_seed_and_share_one_prompt(server, reference):
+    """n = 3, streamed and not: choice i is what LLM.generate samples with seed + i (colocated; 1P1D's
+    decode worker speculates, and a sampled verification's tokens depend on the drafts: there the same
+    request twice gives the same completions). The prompt is computed once: the other completions take
+    its pages from the prefix cache, and in 1P1D one transfer carries it (as many KV bytes as an n = 1
+    request with a prompt as long)."""
+    kind, url = server
+    client = _client(server)
+    prompt, other = list(range(200, 240)), list(range(300, 340))  # 40 tokens each, in no cache yet
+    sampling = dict(max_tokens=8, temperature=1.0, ignore_eos=True)
+    want = [reference.generate([prompt], SamplingParams(seed=21 + i, **sampling))[0].text for i in range(3)]
+    kw = dict(model="tiny-random", max_tokens=8, temperature=1.0, seed=21, extra_body={"ignore_eos": True})
+
+    def count(metrics: dict, name: str) -> float:
+        return sum(v for k, v in metrics.items() if k[0] == name)
+
+    before = _metrics(url)
+    got = client.completions.create(prompt=prompt, n=3, **kw)
+    between = _metrics(url)
+    assert [c.index for c in got.choices] == [0, 1, 2]
+    if kind == "colocated":  # (1P1D's decode worker speculates: a seed's tokens differ from LLM's)
+        assert [c.text for c in got.choices] == want
+    assert got.usage.prompt_tokens == 40 and got.usage.completion_tokens == 24
+    deadline = time.monotonic() + 15  # the workers' counters come with their next Load
+    while (
+        count(_metrics(url), "pdk_prefix_cache_hits_total") - count(before, "pdk_prefix_cache_hits_total")
+        < 64
+    ):
+        assert time.monotonic() < deadline, "completions 1 and 2 did not share completion 0's prompt pages"
+        time.sleep(0.2)  # (40 tokens: pages of 16 or less give each at least 32 cached tokens)
+    client.completions.create(prompt=other, n=1, **kw)
+    after = _metrics(url)
+    nbytes = [
+        count(b, "pdk_kv_transfer_bytes_total") - count(a, "pdk_kv_transfer_bytes_total")
+        for a, b in ((before, between), (between, after))
+    ]
+    if kind == "1p1d":
+        assert nbytes[0] == nbytes[1] > 0, nbytes
+    want = [c.text for c in got.choices]  # the same request again: the same completions
+    streamed = [""] * 3
+    for chunk in client.completions.create(prompt=prompt, n=3, stream=True, **kw):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    assert streamed == want
+    messages = [{"role": "user", "content": "Name two colours."}]
+    chat = client.chat.completions.create(
+        model="tiny-random", messages=messages, max_tokens=6, temperature=1.0, seed=4, n=2
+    )
+    assert [c.index for c in chat.choices] == [0, 1]
+    if kind == "colocated":
+        want = [
+            reference.chat(messages, SamplingParams(max_tokens=6, temperature=1.0, seed=4 + i))[0].text
+            for i in range(2)
+        ]
+        assert [c.message.content for c in chat.choices] == want
+
+
 def test_fifty_concurrent_streams_complete(server):
     async def one(client, i):
         stream = await client.completions.create(
@@ -353,7 +410,7 @@ def test_a_client_that_disconnects_frees_every_page(server):
     kind, url = server
     client = _client(server)
     stopped_before = _stopped(_pages_and_ends(url)[1])
-    stream = _long_stream(client, "A long story:")
+    stream = _long_stream(client, "A long story:", n=2)  # both completions end
     for i, _ in enumerate(stream):
         if i == 3:
             break
@@ -366,10 +423,10 @@ def test_a_client_that_disconnects_frees_every_page(server):
             break
         time.sleep(0.3)
     assert free == {w: 256 for w in free} and len(free) == 2, free  # both workers: every page back
-    assert _stopped(ended) == stopped_before + 1, ended  # it ended as aborted, not by length
+    assert _stopped(ended) == stopped_before + 2, ended  # they ended as aborted, not by length
 
 
-def _long_stream(client, prompt: str):
+def _long_stream(client, prompt: str, n: int = 1):
     """A greedy stream of 1,000 tokens (eos ignored): one that is still running when the test acts."""
     return client.completions.create(
         model="tiny-random",
@@ -377,6 +434,7 @@ def _long_stream(client, prompt: str):
         max_tokens=1000,
         temperature=0,
         stream=True,
+        n=n,
         extra_body={"ignore_eos": True},
     )
 
@@ -396,7 +454,9 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):
     client = _client(server)
     ok = dict(model="tiny-random", prompt="Hi", max_tokens=4, temperature=0)
     bad = [
-        (dict(ok, n=2), "n"),
+        (dict(ok, n=0), "n"),
+        (dict(ok, n=17), "n"),  # server.max_n: 16
+        (dict(ok, extra_body={"n": "3"}), "n"),
         (dict(ok, logprobs=6), "logprobs"),  # completions: 0-5
         (dict(ok, extra_body={"logit_bias": {"abc": 1}}), "logit_bias"),
         (dict(ok, extra_body={"logit_bias": {"5": 101}}), "logit_bias"),

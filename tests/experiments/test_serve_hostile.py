@@ -239,12 +239,12 @@ def test_cross_site_requests_are_refused(server):
 
 
 def test_a_non_streamed_request_whose_client_goes_away_is_cancelled(server):
-    """The client sends a 1,000-token request and closes its socket: the request ends (abort) and every
-    page is back on both workers, instead of running to its end."""
+    """The client sends a 1,000-token request for 3 completions and closes its socket: all three end
+    (abort) and every page is back on both workers, instead of running to their end."""
     stopped_before = _stopped(_pages_and_ends(server)[1])
     host, port = server.removeprefix("http://").rsplit(":", 1)
     conn = http.client.HTTPConnection(host, int(port), timeout=30)
-    body = json.dumps(dict(OK, prompt="Long:", max_tokens=1000, ignore_eos=True))
+    body = json.dumps(dict(OK, prompt="Long:", max_tokens=1000, ignore_eos=True, n=3))
     conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
     time.sleep(0.5)
     conn.sock.close()  # gone, without reading the answer
@@ -255,7 +255,7 @@ def test_a_non_streamed_request_whose_client_goes_away_is_cancelled(server):
             break
         time.sleep(0.2)
     assert free == {w: PAGES for w in free} and len(free) == 2, free
-    assert _stopped(ended) == stopped_before + 1, ended
+    assert _stopped(ended) == stopped_before + 3, ended
 
 
 def test_the_api_key_guards_metrics_and_health_unless_health_is_public(tmp_path):
@@ -338,8 +338,8 @@ def _drain_and_stop(proc: subprocess.Popen, url: str, tmp_path: Path) -> None:
 def test_a_decode_worker_killed_mid_stream_loses_no_request(tmp_path):
     """1 prefill + 2 decode workers, 24 concurrent greedy requests of 120 tokens (half streamed), decode-0
     SIGKILLed after 0.25 s: its requests go on on decode-1 (prompt + the tokens streamed so far), every
-    text equals the fault-free run's, the dead worker's gauges leave /metrics, migrations are counted,
-    and every page on the live workers is free at the end."""
+    text equals the fault-free run's (half ask for n = 2: both completions' texts), the dead worker's
+    gauges leave /metrics, migrations are counted, and every page on the live workers is free at the end."""
     from engine import LLM, SamplingParams
 
     prompts = [f"Request {i}: count with me, {i}, {i + 1}," for i in range(24)]
@@ -355,11 +355,17 @@ def test_a_decode_worker_killed_mid_stream_loses_no_request(tmp_path):
         def one(i: int) -> None:
             kw = dict(model="tiny-random", prompt=prompts[i], max_tokens=120, temperature=0)
             kw["extra_body"] = {"ignore_eos": True}
+            n = 2 if i % 4 < 2 else 1
             try:
                 if i % 2:
-                    got[i] = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw))
+                    texts = [""] * n
+                    for chunk in client.completions.create(stream=True, n=n, **kw):
+                        for choice in chunk.choices:
+                            texts[choice.index] += choice.text
                 else:
-                    got[i] = client.completions.create(**kw).choices[0].text
+                    texts = [c.text for c in client.completions.create(n=n, **kw).choices]
+                assert len(set(texts)) == 1, texts  # greedy: every completion the same
+                got[i] = texts[0]
             except Exception as e:  # every failure is the test's finding
                 errors.append((i, repr(e)))
 
