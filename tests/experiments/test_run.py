@@ -263,15 +263,21 @@ def test_speculation_through_the_main_job_is_lossless_and_reported(method, tmp_p
 
 
 def test_config_maps_to_dataclasses():
+    from pdkernels.cpu import native_bf16
+
     config = from_cfg(_cfg(["experiment=compare"]))
     assert [d.name for d in config.deployments] == ["colocated", "1p1d"]
-    assert config.workload.arrival == "concurrency" and config.workload.num_requests == 20
+    assert config.workload.arrival == "poisson" and config.workload.num_requests == 14
     assert config.transfer.backend == "nixl" and config.model.name == "smollm2-135m"
     assert config.kernels.backend == "auto"
     cpu = not torch.cuda.is_available()
     assert config.model.device == ("cpu" if cpu else "cuda")  # auto, resolved once in the driver
-    auto = from_cfg(_cfg(["model=random-llama-1b"])).model
-    assert auto.dtype == ("float32" if cpu else "bfloat16")
+    bf16 = "bfloat16" if not cpu or native_bf16() else "float32"  # auto: by the CPU's ISA
+    assert config.model.dtype == bf16
+    one_at_a_time = from_cfg(_cfg(["experiment=compare_concurrency1"]))
+    assert one_at_a_time.workload.arrival == "concurrency" and one_at_a_time.workload.num_requests == 20
+    assert one_at_a_time.model.dtype == "bfloat16"
+    assert from_cfg(_cfg(["model=random-llama-1b"])).model.dtype == bf16
 
 
 @pytest.mark.slow
@@ -298,10 +304,17 @@ def test_an_exception_mid_run_stops_every_worker_process(tmp_path):
     with pytest.raises(RuntimeError, match="boom"):
         run(_cfg(overrides), tmp_path, progress=False, hooks=fail_after_first_result)
     assert not mp.active_children()
-    ps = subprocess.run(["ps", "-eo", "ppid,pid,args"], capture_output=True, text=True).stdout
-    assert not [
-        line for line in ps.splitlines() if "spawn_main" in line and str(os.getpid()) in line.split()[:1]
+    rows = [
+        line.split(None, 2)
+        for line in subprocess.run(
+            ["ps", "-eo", "ppid,pid,args"], capture_output=True, text=True
+        ).stdout.splitlines()[1:]
     ]
+    me = str(os.getpid())  # workers fork from this process's fork server (experiments/deploy/launcher.py)
+    servers = {pid for ppid, pid, args in rows if ppid == me and "multiprocessing.forkserver" in args}
+    assert servers  # (so the check below looks where the workers were)
+    left = [args for ppid, pid, args in rows if ppid in servers or (ppid == me and "spawn_main" in args)]
+    assert not left, left
 
 
 def test_goodput_search_runs_each_rate_and_reports_the_highest_that_meets_the_slo(tmp_path):
