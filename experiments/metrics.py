@@ -15,7 +15,8 @@ results.json, schema "pdkernels.results/1" (stable: fields may be added, never r
   {"p50", "p90", "p99", "mean", "n"}; "transfer_bytes", "remote_prefills", "local_prefills", "slo"
   ({"ttft_s", "tpot_s", "attainment"}), "attainment_pct" (of every arrival: a rejected request misses),
   "admitted_attainment_pct" (of those not rejected), "meets_slo", "goodput_rps", "slo_goodput_rps"
-  (requests meeting the SLO per second of the run: vLLM's request goodput); per worker
+  (requests meeting the SLO per second of the run: vLLM's request goodput; also as
+  "request_goodput_rps"); per worker
   ({name: count}) "preemptions", "recomputed_prompt_tokens" (computed again there after a preemption)
   and "refetched_tokens" (a decode worker's, fetched again from a prefill worker), "prefix_queries" and
   "prefix_hits" (prompt tokens looked up in its prefix cache, and found); "migrations" (requests that
@@ -30,9 +31,12 @@ results.json, schema "pdkernels.results/1" (stable: fields may be added, never r
 
 Times are seconds; arrival_s counts from the run's start; queue_s ends when the first forward pass
 that computes the request's tokens starts (for a remote prefill: when its first KV write lands); a
-request that failed has ttft_s etc. null and never meets the SLO. goodput_rps is the run's rate when its
-attainment meets the SLO target, else 0 (a sweep or `goodput_search` over rates turns that into the
-highest such rate).
+request that failed has ttft_s etc. null and never meets the SLO. A run's goodput_rps is its rate when
+its attainment meets the SLO target, else 0, and null at a fixed concurrency (no rate): one point of
+DistServe's goodput. The document's "goodput_rps" ({deployment: req/s}) holds DistServe's goodput (the
+highest rate meeting the target) for each deployment the run measured at two rates or more
+(`goodput_search.rates`; a `-m` sweep's goodput.json holds it across its jobs); the printed table says
+"needs a rate sweep" where none did, beside vLLM's request goodput, which every run measures.
 """
 
 from __future__ import annotations
@@ -228,8 +232,10 @@ def summarize(run: DeploymentRun, rows: list[dict], slo: SloConfig, rate: float 
         "attainment_pct": attainment,
         "admitted_attainment_pct": 100.0 * met / max(len(rows) - rejected, 1),
         "slo_goodput_rps": met / duration,
+        "request_goodput_rps": met / duration,  # vLLM's request goodput (the same as slo_goodput_rps)
         "meets_slo": meets,
-        "goodput_rps": (rate if meets and rate is not None else 0.0),
+        # a point of DistServe's goodput: this rate if it met the attainment target; no rate, no point
+        "goodput_rps": None if rate is None else (rate if meets else 0.0),
     }
 
 
@@ -269,11 +275,10 @@ def write_results(out_dir: Path, config: RunConfig, records: list[dict]) -> Path
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "results.json"
     doc = {"schema": SCHEMA, "config": config.to_dict(), "environment": environment(), "runs": records}
+    doc["goodput_rps"] = swept_goodput(records)  # DistServe's, per deployment swept over rates
     _atomic(path, json.dumps(doc, indent=1))
     for rec in records:
-        name = rec["deployment"] + (
-            f"-rate{rec['rate']:g}" if rec["rate"] is not None and len(records) > 1 else ""
-        )
+        name = rec["deployment"] + (f"-rate{rec['rate']:g}" if rec["rate"] is not None else "")
         text = io.StringIO(newline="")
         writer = csv.DictWriter(text, CSV_FIELDS, extrasaction="ignore")
         writer.writeheader()
@@ -344,6 +349,7 @@ def table(records: list[dict]) -> str:
     """The side-by-side summary printed at the end of a run (times in ms)."""
     cols = [r["deployment"] + (f" @{r['rate']:g}/s" if r["rate"] is not None else "") for r in records]
     s = [r["summary"] for r in records]
+    swept = swept_goodput(records)
     lines = [
         ("requests (ok/all)", [f"{x['completed']}/{x['num_requests']}" for x in s]),
         *(
@@ -368,8 +374,11 @@ def table(records: list[dict]) -> str:
         ("throughput req/s", [f"{x['throughput_rps']:.2f}" for x in s]),
         ("output tok/s", [f"{x['output_tokens_per_s']:.1f}" for x in s]),
         ("SLO attainment %", [f"{x['attainment_pct']:.0f}" for x in s]),
-        ("goodput req/s", [f"{x['goodput_rps']:g}" for x in s]),
-        ("requests meeting SLO /s", [f"{x.get('slo_goodput_rps', 0):.2f}" for x in s]),
+        ("request goodput (met SLO) req/s", [f"{x['slo_goodput_rps']:.2f}" for x in s]),
+        (
+            "goodput (top rate meeting SLO)",
+            [f"{swept[r['deployment']]:g} req/s" if r["deployment"] in swept else SWEEP for r in records],
+        ),
     ]
     w0 = max(len(k) for k, _ in lines)
     widths = [max(len(c), *(len(v[i]) for _, v in lines)) for i, c in enumerate(cols)]
@@ -385,8 +394,23 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.0f}"
 
 
+SWEEP = "needs a rate sweep"  # what the table says of DistServe's goodput where no sweep measured it
+
+
+def swept_goodput(records: list[dict]) -> dict:
+    """goodput() of the deployments these records ran at two rates or more (a sweep's; one run at one rate,
+    or at a fixed concurrency, does not measure it)."""
+    rates: dict[str, set] = {}
+    for r in records:
+        if r["rate"] is not None:
+            rates.setdefault(r["deployment"], set()).add(r["rate"])
+    found = goodput(records)
+    return {d: found[d] for d, seen in rates.items() if len(seen) > 1}
+
+
 def goodput(records: list[dict]) -> dict:
-    """Per deployment, the highest rate whose run met the SLO attainment target (0 if none did)."""
+    """Per deployment, the highest rate whose run met the SLO attainment target (0 if none did):
+    DistServe's goodput, over the rates the records ran at."""
     out: dict[str, float] = {}
     for r in records:
         if r["rate"] is None:
@@ -409,6 +433,9 @@ def report(
     if config.plots:
         from experiments import plots  # matplotlib: over a second to import, only where it draws
 
-        plots.all_plots(records, records[0]["summary"]["slo"], out_dir)
+        drawn = plots.all_plots(records, records[0]["summary"]["slo"], out_dir)
+        print("\nplots:")
+        for plot, what in drawn.items():
+            print(f"  {plot.name}: {what}")
     print(f"\nrun folder: {out_dir} ({path.name}, CSVs, plots)")
     return path

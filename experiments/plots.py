@@ -16,17 +16,23 @@ def _label(rec: dict) -> str:
 
 
 def latency_cdfs(records: list[dict], slo: dict, path: Path) -> None:
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    """TTFT and TPOT CDFs, one line per run, its p50 and p90 marked (o, ^), the SLO dashed."""
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, key, name in ((axes[0], "ttft_s", "TTFT"), (axes[1], "tpot_s", "TPOT")):
         for rec in records:
             vals = np.sort([r[key] for r in rec["requests"] if r[key] is not None])
-            if len(vals):
-                ax.step(1e3 * vals, np.arange(1, len(vals) + 1) / len(vals), where="post", label=_label(rec))
+            if not len(vals):
+                continue
+            line = ax.step(
+                1e3 * vals, np.arange(1, len(vals) + 1) / len(vals), where="post", label=_label(rec)
+            )[0]
+            for q, marker in ((0.5, "o"), (0.9, "^")):
+                ax.plot(1e3 * np.percentile(vals, 100 * q), q, marker, color=line.get_color(), ms=6)
         ax.axvline(1e3 * slo[key], color="k", linestyle="--", linewidth=1, label="SLO")
         ax.set_xlabel(f"{name} (ms)")
         ax.set_ylabel("fraction of requests")
-        ax.set_title(f"{name} CDF")
-        ax.legend()
+        ax.set_title(f"{name} CDF (o p50, ^ p90)")
+        ax.legend(loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -56,9 +62,11 @@ def latency_vs_rate(records: list[dict], slo: dict, path: Path) -> None:
 
 
 def timeline(record: dict, path: Path, max_workers: int = 8) -> None:
-    """Every worker's forward passes over time (the first max_workers): steps with prefill tokens red,
-    decode only blue, decode steps that verified speculative drafts green; below, the prefill tokens of
-    each step per worker, so a decode worker that recomputes prompts (thrashing) shows at a glance."""
+    """Every worker's forward passes over time (the first max_workers), coloured by what each step
+    computed: decode only blue, prefill only red, prefill and decode together orange (those decodes waited
+    for the prompt's chunk: a colocated worker's interference), decode steps that verified speculative
+    drafts green; below, the prefill tokens of each step per worker, so a decode worker that recomputes
+    prompts (thrashing) shows at a glance. Legends sit outside the bars."""
     picks = record["timelines"][:max_workers]
     if not picks:
         return
@@ -77,7 +85,8 @@ def timeline(record: dict, path: Path, max_workers: int = 8) -> None:
         kinds = (  # prefill last: drawn over the decode steps around it
             ("decode only", "tab:blue", [(s, e - s) for s, e, p, d, v in steps if p == 0 and not v]),
             ("verify (speculation)", "tab:green", [(s, e - s) for s, e, p, d, v in steps if p == 0 and v]),
-            ("prefill tokens", "tab:red", [(s, e - s) for s, e, p, d, v in steps if p > 0]),
+            ("prefill only", "tab:red", [(s, e - s) for s, e, p, d, v in steps if p > 0 and not d]),
+            ("prefill + decode", "tab:orange", [(s, e - s) for s, e, p, d, v in steps if p > 0 and d]),
         )
         for name, color, bars in kinds:
             if bars:
@@ -86,25 +95,27 @@ def timeline(record: dict, path: Path, max_workers: int = 8) -> None:
         tokens.plot([s for s, _ in prefill], [p for _, p in prefill], ".", ms=4, label=t["name"])
     ax.set_yticks(range(len(picks)), [t["name"] for t in picks])
     ax.set_title(f"forward passes: {record['deployment']}")
-    ax.legend(loc="upper right")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
     tokens.set_ylabel("prefill tokens in a step")
     tokens.set_ylim(bottom=0)
     tokens.set_xlabel("seconds since the run started")
-    tokens.legend(loc="upper right", fontsize="small")
+    tokens.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")  # the legends outside
     plt.close(fig)
 
 
-def all_plots(records: list[dict], slo: dict, out_dir: Path) -> list[Path]:
-    paths = [out_dir / "latency_cdf.png"]
-    latency_cdfs(records, slo, paths[0])
+def all_plots(records: list[dict], slo: dict, out_dir: Path) -> dict[Path, str]:
+    """Draw the run's plots; each path with what to look for in it."""
+    paths = {out_dir / "latency_cdf.png": "TTFT and TPOT per request against the SLO (p50 o, p90 ^)"}
+    latency_cdfs(records, slo, next(iter(paths)))
     if len({r["rate"] for r in records if r["rate"] is not None}) > 1:
-        paths.append(out_dir / "latency_vs_rate.png")
-        latency_vs_rate(records, slo, paths[-1])
+        path = out_dir / "latency_vs_rate.png"
+        latency_vs_rate(records, slo, path)
+        paths[path] = "p90 TTFT and TPOT as the rate grows: where each deployment leaves the SLO"
     for rec in records:
         if any(t["steps"] for t in rec["timelines"]):  # a simulated run's have none
             p = out_dir / f"timeline-{_label(rec).replace(' @', '-').replace('/s', '')}.png"
             timeline(rec, p)
-            paths.append(p)
+            paths[p] = "each worker's steps: orange ones are decodes that waited for a prompt's chunk"
     return paths

@@ -1,0 +1,50 @@
+"""experiments.metrics: the printed table's goodput lines."""
+
+from experiments.metrics import SWEEP, swept_goodput, table
+
+
+def _record(deployment: str, rate, attainment: float, met_per_s: float, meets: bool) -> dict:
+    pct = {"p50": 0.1, "p90": 0.2, "p99": 0.3, "mean": 0.1, "n": 10}
+    summary = {
+        "completed": 10,
+        "num_requests": 10,
+        **{k: pct for k in ("ttft_s", "tpot_s", "itl_s", "e2e_s", "queue_s", "transfer_s")},
+        "transfer_bytes": 0,
+        "throughput_rps": 1.0,
+        "output_tokens_per_s": 10.0,
+        "attainment_pct": attainment,
+        "slo_goodput_rps": met_per_s,
+        "meets_slo": meets,
+        "goodput_rps": None if rate is None else (rate if meets else 0.0),
+    }
+    return {"deployment": deployment, "rate": rate, "summary": summary}
+
+
+def _line(text: str, start: str) -> str:
+    return next(line for line in text.splitlines() if line.startswith(start))
+
+
+def test_a_run_without_a_rate_sweep_never_shows_a_goodput_of_0_beside_full_attainment():
+    """At a fixed concurrency (or one rate) DistServe's goodput is not measured: the table says so, and
+    shows vLLM's request goodput (requests meeting the SLO per second), which every run measures."""
+    for rate in (None, 2.0):
+        records = [_record("colocated", rate, 100.0, 1.5, True), _record("1p1d", rate, 100.0, 1.25, True)]
+        text = table(records)
+        assert _line(text, "goodput (top rate").count(SWEEP) == 2
+        assert "1.50" in _line(text, "request goodput") and "1.25" in _line(text, "request goodput")
+        assert swept_goodput(records) == {}
+        for line in text.splitlines():
+            if "goodput" in line:
+                assert "0" not in [cell.strip() for cell in line.split("|")[1:]], line
+
+
+def test_a_rate_sweep_shows_the_highest_rate_that_met_the_slo():
+    records = [
+        _record("colocated", 1.0, 100.0, 1.0, True),
+        _record("colocated", 2.0, 95.0, 1.9, True),
+        _record("colocated", 4.0, 40.0, 1.6, False),
+        _record("1p1d", 1.0, 100.0, 1.0, True),  # one rate only: not a sweep
+    ]
+    assert swept_goodput(records) == {"colocated": 2.0}
+    line = _line(table(records), "goodput (top rate")
+    assert line.count("2 req/s") == 3 and line.count(SWEEP) == 1
