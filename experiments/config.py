@@ -40,7 +40,7 @@ def _positive(key: str, value, integer: bool = False) -> None:
 @dataclass(frozen=True)
 class ModelSpec:
     name: str  # smollm2-135m | tiny-random[-kv4|-kv8] | random-llama-1b | a Hugging Face model directory
-    dtype: str = "bfloat16"  # or auto: bfloat16 on CUDA, float32 on the CPU
+    dtype: str = "bfloat16"  # or auto: bfloat16 on CUDA and on CPUs with AVX-512 BF16 or AMX, else float32
     page_size: int = 16
     num_pages: int = 512  # per worker
     max_num_seqs: int = 64
@@ -65,7 +65,10 @@ class ModelSpec:
         device = self.device if self.device != "auto" else ("cuda" if cuda else "cpu")
         object.__setattr__(self, "device", device)  # resolved once, in the driver: workers get the same
         if self.dtype == "auto":
-            object.__setattr__(self, "dtype", "bfloat16" if device == "cuda" else "float32")
+            from pdkernels.cpu import native_bf16
+
+            bf16 = device == "cuda" or native_bf16()
+            object.__setattr__(self, "dtype", "bfloat16" if bf16 else "float32")
 
 
 @dataclass(frozen=True)

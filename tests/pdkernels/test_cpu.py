@@ -76,3 +76,15 @@ def test_a_build_killed_mid_way_does_not_hang_the_next_process(tmp_path, monkeyp
     )
     assert out.stdout.strip() == "True", out.stderr[-2000:]
     assert not (target / "lock").exists()
+
+
+def test_native_bf16_is_read_off_the_cpus_flags(monkeypatch):
+    """model.dtype=auto picks bf16 only where the CPU computes in it (experiments.config.ModelSpec)."""
+    for flags, want in [
+        ("flags : fpu sse2 avx2 fma f16c", False),
+        ("flags : avx2 avx512f avx512_bf16", True),
+        ("flags : avx2 avx512f amx_tile amx_bf16", True),
+        ("flags : avx512f avx512_bf16x", False),  # whole flags only
+    ]:
+        monkeypatch.setattr(cpu, "_flags", lambda flags=flags: flags)
+        assert cpu.native_bf16() is want, flags
