@@ -200,7 +200,11 @@ def test_unknown_deployment_is_refused_by_the_cli(tmp_path):
     assert "deployment/3p9d" in out.stderr and "1p1d" in out.stderr  # hydra lists the options
 
 
-@pytest.mark.parametrize("launcher", [[], ["experiment=rate_sweep"]], ids=["basic", "joblib"])
+@pytest.mark.parametrize(
+    "launcher",
+    [pytest.param([], marks=pytest.mark.slow), ["experiment=rate_sweep"]],  # make test: the parallel one
+    ids=["basic", "joblib"],
+)
 def test_a_sweep_over_two_rates_gives_two_run_folders_and_a_goodput(tmp_path, launcher):
     args = ["-m", *TINY, *launcher, "deployment=colocated", "deployment.num_workers=1"]  # a core per job
     args += ["workload.arrival=poisson", "workload.rate=2,4"]
@@ -236,7 +240,9 @@ def test_a_sharegpt_sample_drives_a_real_run(tmp_path):
     assert len({r["prompt_tokens"] for r in record["requests"]}) > 3  # the conversations' own lengths
 
 
-@pytest.mark.parametrize("method", ["ngram", "mtp"])
+@pytest.mark.parametrize(  # make test: MTP (ngram's drafts are checked lossless in tests/engine too)
+    "method", [pytest.param("ngram", marks=pytest.mark.slow), "mtp"]
+)
 def test_speculation_through_the_main_job_is_lossless_and_reported(method, tmp_path):
     spec = "speculative: {method: ngram, num_speculative_tokens: 3}"
     if method == "mtp":  # drafting from the hand-off's context on the decode side, TP 1 -> 2 too
@@ -338,7 +344,7 @@ def test_sigterm_stops_the_job_keeps_what_it_measured_and_leaves_nothing_behind(
         "deployments=[{name: colocated, kind: colocated, num_workers: 1},"
         "{name: 1p1d, kind: disaggregated, num_prefill: 1, num_decode: 1}]"
     )
-    args = [*TINY, deployments, "workload.num_requests=60", "workload.output_len.value=64"]
+    args = [*TINY, deployments, "workload.num_requests=30", "workload.output_len.value=64"]
     env = dict(os.environ, PYTHONPATH=str(Path(CONF).parent), TMPDIR=str(private))
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "experiments.run", *args, f"hydra.run.dir={out}"]
@@ -357,9 +363,9 @@ def test_sigterm_stops_the_job_keeps_what_it_measured_and_leaves_nothing_behind(
     assert job.returncode == 130, stderr[-3000:]
     runs = json.loads((out / "results.json").read_text())["runs"]
     assert [r["deployment"] for r in runs] == ["colocated", "1p1d"]
-    assert runs[0]["summary"]["completed"] == 60
+    assert runs[0]["summary"]["completed"] == 30
     interrupted = [r for r in runs[1]["requests"] if r["error"] and "interrupted" in r["error"]]
-    assert interrupted and len(runs[1]["requests"]) == 60  # every request accounted for
+    assert interrupted and len(runs[1]["requests"]) == 30  # every request accounted for
     left, give_up = workers, time.monotonic() + 15
     while left and time.monotonic() < give_up:  # the job has exited: its workers follow within seconds
         time.sleep(0.2)

@@ -336,15 +336,15 @@ def _drain_and_stop(proc: subprocess.Popen, url: str, tmp_path: Path) -> None:
 
 
 def test_a_decode_worker_killed_mid_stream_loses_no_request(tmp_path):
-    """1 prefill + 2 decode workers, 24 concurrent greedy requests of 120 tokens (half streamed), decode-0
+    """1 prefill + 2 decode workers, 16 concurrent greedy requests of 80 tokens (half streamed), decode-0
     SIGKILLed after 0.25 s: its requests go on on decode-1 (prompt + the tokens streamed so far), every
     text equals the fault-free run's (half ask for n = 2: both completions' texts), the dead worker's
     gauges leave /metrics, migrations are counted, and every page on the live workers is free at the end."""
     from engine import LLM, SamplingParams
 
-    prompts = [f"Request {i}: count with me, {i}, {i + 1}," for i in range(24)]
+    prompts = [f"Request {i}: count with me, {i}, {i + 1}," for i in range(16)]
     reference = LLM("tiny-random", page_size=4, num_pages=256)
-    want = [o.text for o in reference.generate(prompts, SamplingParams(max_tokens=120, ignore_eos=True))]
+    want = [o.text for o in reference.generate(prompts, SamplingParams(max_tokens=80, ignore_eos=True))]
     proc, url = _start(tmp_path, "deployment=1p1d", "deployment.num_decode=2")
     try:
         pid = _worker_pid(tmp_path, "decode-0")
@@ -353,7 +353,7 @@ def test_a_decode_worker_killed_mid_stream_loses_no_request(tmp_path):
         errors: list = []
 
         def one(i: int) -> None:
-            kw = dict(model="tiny-random", prompt=prompts[i], max_tokens=120, temperature=0)
+            kw = dict(model="tiny-random", prompt=prompts[i], max_tokens=80, temperature=0)
             kw["extra_body"] = {"ignore_eos": True}
             n = 2 if i % 4 < 2 else 1
             try:
@@ -369,7 +369,7 @@ def test_a_decode_worker_killed_mid_stream_loses_no_request(tmp_path):
             except Exception as e:  # every failure is the test's finding
                 errors.append((i, repr(e)))
 
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(24)]
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
         for t in threads:
             t.start()
         time.sleep(0.25)
@@ -377,7 +377,7 @@ def test_a_decode_worker_killed_mid_stream_loses_no_request(tmp_path):
         for t in threads:
             t.join(timeout=180)
         assert not errors, errors
-        assert [got[i] for i in range(24)] == want
+        assert [got[i] for i in range(16)] == want
         metrics = _metrics(url)
         assert metrics[("pdk_migrations_total", ())] > 0
         give_up = time.monotonic() + 20
