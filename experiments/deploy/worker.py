@@ -79,7 +79,10 @@ def worker_main(spec: WorkerSpec) -> None:
             force=True,  # a Ray actor's process already has handlers
         )
     codec = worker_codec()
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    # its own context: terminating it at the end flushes what the worker sent last (its Timeline), which
+    # a worker forked from the fork server would lose (it ends with os._exit: no interpreter shutdown)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, spec.name.encode())
     sock.setsockopt(zmq.LINGER, 1000)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
@@ -94,6 +97,7 @@ def worker_main(spec: WorkerSpec) -> None:
         sock.send(codec.encode(Failed(spec.name, traceback.format_exc())))
     finally:
         sock.close()
+        ctx.term()  # waits for the last messages to go, LINGER (1 s) at most
 
 
 class Worker:
