@@ -80,7 +80,7 @@ def test_the_transfer_gap_counts_in_tpot_when_prefill_samples_and_attainment_che
 
 def test_ten_thousand_requests_simulate_quickly():
     """The speed goal is 10,000 requests in under 5 s on one core; this only checks they all finish
-    (timing assertions do not belong in tests: see the README's simulator section for the figure)."""
+    (timing assertions do not belong in tests: see docs/simulator.md for the figure)."""
     reqs = poisson_requests(3.0, 10_000, 512, 64)
     start = time.perf_counter()
     simulate_colocated([Instance(CostModel(sim_model("opt-13b"), hardware("a100-80gb")))], reqs)
