@@ -313,7 +313,7 @@ def test_an_exception_mid_run_stops_every_worker_process(tmp_path):
     rows = [
         line.split(None, 2)
         for line in subprocess.run(
-            ["ps", "-eo", "ppid,pid,args"], capture_output=True, text=True
+            ["ps", "-ww", "-eo", "ppid,pid,args"], capture_output=True, text=True
         ).stdout.splitlines()[1:]
     ]
     me = str(os.getpid())  # workers fork from this process's fork server (experiments/deploy/launcher.py)
