@@ -50,9 +50,11 @@ def _flags() -> str:
         return platform.processor() or platform.machine()
 
 
-def _cpu_tag() -> str:
-    """Built with -march=native: one build per CPU feature set (a shared home on unlike machines)."""
-    return hashlib.sha1(_flags().encode()).hexdigest()[:10]
+def _build_tag() -> str:
+    """One build per CPU feature set (it is built with -march=native, and a home may be shared by unlike
+    machines) and per checkout: torch's build files name the source by its path, so two checkouts sharing
+    one build folder rebuilt each other's extension at every switch (a minute each, under a lock)."""
+    return hashlib.sha1(f"{_flags()}\n{SOURCE.resolve()}".encode()).hexdigest()[:10]
 
 
 def native_bf16() -> bool:
@@ -70,7 +72,7 @@ def module():
     with _lock:
         if not _tried:
             try:
-                _module = _build(f"pdkernels_paged_cpu_{_cpu_tag()}")
+                _module = _build(f"pdkernels_paged_cpu_{_build_tag()}")
             except Exception as e:  # no compiler, no ninja, no headers: the torch code serves
                 log.warning("pdkernels' CPU extension could not be built (%s); using the torch code", e)
             _tried = True

@@ -62,7 +62,7 @@ def test_a_build_killed_mid_way_does_not_hang_the_next_process(tmp_path, monkeyp
 
     if cpu.module() is None:
         pytest.skip("no C++ extension on this machine")
-    name = f"pdkernels_paged_cpu_{cpu._cpu_tag()}"
+    name = f"pdkernels_paged_cpu_{cpu._build_tag()}"
     built = _get_build_directory(name, verbose=False)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.setenv("TMPDIR", str(tmp_path))
