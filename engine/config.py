@@ -16,9 +16,69 @@ def _check(cond: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
+SCORINGS = ("softmax", "sigmoid")
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Routed experts in place of the dense MLP on some layers. Each token goes to the top_k experts by the
+    router's score and sums their SwiGLU outputs weighted by the scores (renormalised when norm_topk_prob,
+    times routed_scaling_factor), plus the shared experts' output when there are any.
+    Qwen3-MoE: softmax scores, greedy top-k. DeepSeek-V2: softmax, optionally group_limited_greedy (the
+    top topk_group of num_groups expert groups by their best score, then top-k within them). DeepSeek-V3:
+    sigmoid scores, noaux_tc (groups ranked by the sum of their two best scores, experts chosen by score +
+    the checkpoint's e_score_correction_bias, weighted by the unbiased score)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's MLP width
+    layers: tuple[int, ...]  # the layers whose MLP is routed; the others stay dense
+    norm_topk_prob: bool = True  # renormalise the top-k scores to sum to 1
+    scoring: str = "softmax"
+    topk_method: str = "greedy"
+    num_groups: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    num_shared_experts: int = 0  # a dense MLP of num_shared_experts x intermediate_size beside the experts
+    fp32_router: bool = False  # DeepSeek scores in fp32 whatever the model's dtype
+
+    def __post_init__(self):
+        _check(self.num_experts >= 1, f"moe.num_experts must be >= 1, got {self.num_experts}")
+        _check(
+            1 <= self.top_k <= self.num_experts,
+            f"moe.top_k must be in [1, num_experts={self.num_experts}], got {self.top_k}",
+        )
+        _check(
+            self.intermediate_size >= 1, f"moe.intermediate_size must be >= 1, got {self.intermediate_size}"
+        )
+        _check(self.scoring in SCORINGS, f"moe.scoring must be one of {SCORINGS}, got {self.scoring!r}")
+        _check(
+            self.topk_method in TOPK_METHODS,
+            f"moe.topk_method must be one of {TOPK_METHODS}, got {self.topk_method!r}",
+        )
+        _check(
+            self.num_groups >= 1 and self.num_experts % self.num_groups == 0,
+            f"moe.num_groups must divide num_experts={self.num_experts}, got {self.num_groups}",
+        )
+        _check(
+            1 <= self.topk_group <= self.num_groups,
+            f"moe.topk_group must be in [1, num_groups={self.num_groups}], got {self.topk_group}",
+        )
+        _check(
+            self.topk_method != "noaux_tc" or self.num_experts // self.num_groups >= 2,
+            "moe.topk_method 'noaux_tc' ranks groups by their two best experts: each group needs >= 2",
+        )
+        _check(
+            self.num_shared_experts >= 0,
+            f"moe.num_shared_experts must be >= 0, got {self.num_shared_experts}",
+        )
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    """A Llama-family decoder: RMSNorm, RoPE, GQA, SwiGLU; Qwen3 adds RMSNorm on q and k per head."""
+    """A Llama-family decoder: RMSNorm, RoPE, GQA, SwiGLU; Qwen3 adds RMSNorm on q and k per head;
+    Qwen3-MoE routes the MLP of some layers to experts (moe)."""
 
     name: str
     vocab_size: int
@@ -36,6 +96,7 @@ class ModelConfig:
     rope_scaling: dict | None = None  # Llama 3 "llama3" frequency scaling, as in config.json
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    moe: MoEConfig | None = None
 
     def __post_init__(self):
         for name in (
@@ -59,6 +120,11 @@ class ModelConfig:
             kind in (None, "default", "llama3"),
             f"model.rope_scaling type must be one of (None, 'default', 'llama3'), got {kind!r}",
         )
+        bad = [i for i in (self.moe.layers if self.moe else ()) if not 0 <= i < self.num_layers]
+        _check(not bad, f"moe.layers must be in [0, {self.num_layers}), got {bad}")
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.moe is not None and i in self.moe.layers
 
     @property
     def q_size(self) -> int:
@@ -151,6 +217,10 @@ class EngineConfig:
         _check(
             m.intermediate_size % self.tp == 0,
             f"tp={self.tp} must divide the MLP width {m.intermediate_size}",
+        )
+        _check(
+            m.moe is None or m.moe.intermediate_size % self.tp == 0,
+            f"tp={self.tp} must divide the experts' MLP width {m.moe and m.moe.intermediate_size}",
         )
 
     @property

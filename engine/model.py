@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from engine import moe
 from engine.config import ModelConfig
 from pdkernels import cpu, ops
 
@@ -45,6 +46,7 @@ class Shard:
     q_heads: tuple[int, int]  # [start, end) of q heads
     kv_heads: tuple[int, int]  # [start, end) of kv heads (replicated when kv_heads < tp)
     mlp: tuple[int, int]
+    expert_mlp: tuple[int, int] = (0, 0)  # [start, end) of every routed expert's MLP width (MoE layers)
 
     @staticmethod
     def of(config: ModelConfig, rank: int = 0, size: int = 1) -> Shard:
@@ -56,7 +58,9 @@ class Shard:
             head = rank * hq // (config.num_heads // config.num_kv_heads)
             kv = (head, head + 1)
         f = config.intermediate_size // size
-        return Shard(rank, size, (rank * hq, (rank + 1) * hq), kv, (rank * f, (rank + 1) * f))
+        fe = config.moe.intermediate_size // size if config.moe else 0
+        q = (rank * hq, (rank + 1) * hq)
+        return Shard(rank, size, q, kv, (rank * f, (rank + 1) * f), (rank * fe, (rank + 1) * fe))
 
     @property
     def num_q_heads(self) -> int:
@@ -103,7 +107,7 @@ class Model:
         packing = device.type == "cpu" and ops.resolve("splitk_gemm", device) == "torch"
         self.lm_head = cpu.pack(lm_head) if packing else lm_head
         for layer in self.layers if packing else ():
-            layer.update({k: cpu.pack(layer[k]) for k in ("qkv", "o", "gate_up", "down")})
+            layer.update({k: cpu.pack(layer[k]) for k in ("qkv", "o", "gate_up", "down") if k in layer})
         if packing:  # build (first time on this machine, ~20 s) or load the C++ paths now, not in a request
             cpu.module()
         positions = torch.arange(config.max_position, dtype=torch.float32)
@@ -124,13 +128,22 @@ class Model:
             "post_norm": weights[p + "post_attention_layernorm.weight"],
             "qkv": torch.cat([q, k, v]),  # one GEMM for q, k and v
             "o": weights[p + "self_attn.o_proj.weight"][:, s.q_heads[0] * d : s.q_heads[1] * d],
-            "gate_up": torch.cat([rows("mlp.gate_proj.weight", *s.mlp), rows("mlp.up_proj.weight", *s.mlp)]),
-            "down": weights[p + "mlp.down_proj.weight"][:, s.mlp[0] : s.mlp[1]],
         }
+        if self.config.is_moe_layer(i):  # routed experts (engine/moe.py); the router is not sharded
+            layer.update(moe.load_experts(weights, p + "mlp.", self.config.moe, *s.expert_mlp))
+        else:
+            layer["gate_up"] = torch.cat(
+                [rows("mlp.gate_proj.weight", *s.mlp), rows("mlp.up_proj.weight", *s.mlp)]
+            )
+            layer["down"] = weights[p + "mlp.down_proj.weight"][:, s.mlp[0] : s.mlp[1]]
         if self.config.qk_norm:
             layer["q_norm"] = weights[p + "self_attn.q_norm.weight"]
             layer["k_norm"] = weights[p + "self_attn.k_norm.weight"]
-        return {k: w.to(self.device, self.dtype).contiguous() for k, w in layer.items()}
+        fp32 = ("router", "router_bias") if self.config.moe and self.config.moe.fp32_router else ()
+        return {
+            k: w.to(self.device, torch.float32 if k in fp32 else self.dtype).contiguous()
+            for k, w in layer.items()
+        }
 
     def rms_norm(self, x: Tensor, w: Tensor) -> Tensor:
         xf = x.float()
@@ -208,9 +221,15 @@ class Model:
         rope = self.cos[meta.positions].unsqueeze(1), self.sin[meta.positions].unsqueeze(1)  # [T, 1, D/2]
         for i, layer in enumerate(self.layers):
             x = x + self.attention(layer, i, self.rms_norm(x, layer["input_norm"]), meta, kv_cache, rope)
-            gate, up = self.linear(self.rms_norm(x, layer["post_norm"]), layer["gate_up"]).chunk(2, dim=-1)
-            x = x + self.all_reduce(self.linear(F.silu(gate) * up, layer["down"]))
+            x = x + self.all_reduce(self.mlp(layer, self.rms_norm(x, layer["post_norm"])))
         return self.rms_norm(x, self.norm)
+
+    def mlp(self, layer: dict, x: Tensor) -> Tensor:
+        """The dense SwiGLU MLP, or the routed experts on an MoE layer (this rank's partial sum under TP)."""
+        if "router" in layer:
+            return moe.forward(layer, x, self.config.moe)
+        gate, up = self.linear(x, layer["gate_up"]).chunk(2, dim=-1)
+        return self.linear(F.silu(gate) * up, layer["down"])
 
     def logits(self, hidden: Tensor) -> Tensor:
         """hidden [n, hidden] -> fp32 logits [n, vocab]."""

@@ -121,6 +121,10 @@ class Grammars:
 
         self.xgr, self.vocab_size = xgr, vocab_size
         inner = tokenizer.tokenizer
+        if inner is None:  # engine.tokenizer.NoTokenizer
+            raise ValueError(
+                "structured_outputs needs a tokenizer and this model has none (no tokenizer.json)"
+            )
         # special tokens as empty strings: xgrammar then never lets a grammar spell text with them
         vocab = ["" if tokenizer.is_special(i) else (inner.id_to_token(i) or "") for i in range(vocab_size)]
         kind = xgr.VocabType.BYTE_LEVEL if _byte_level(inner) else xgr.VocabType.RAW

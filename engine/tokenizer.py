@@ -83,6 +83,42 @@ class TextTokenizer:
                 sys.settrace(previous)
 
 
+class NoTokenizer:
+    """A model folder without tokenizer.json: prompts are token ids, outputs are token ids, text is ''."""
+
+    chat_template = None
+    tokenizer = None
+
+    def __init__(self, vocab_size: int, where: Path):
+        self.vocab_size, self._where = vocab_size, where
+
+    def _refuse(self, what: str):
+        return ValueError(f"{what} needs a tokenizer and {self._where} has no tokenizer.json: pass token ids")
+
+    def encode(self, text: str) -> list[int]:
+        raise self._refuse("a text prompt")
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return ""
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return b""
+
+    def is_special(self, token_id: int) -> bool:
+        return False
+
+    def stream(self, skip_special_tokens: bool = True) -> _Silent:
+        return _Silent()
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, timeout_s=None) -> str:
+        raise self._refuse("a chat")
+
+
+class _Silent:
+    def step(self, token_id: int) -> str:
+        return ""
+
+
 class TextStream:
     def __init__(self, tokenizer: Tokenizer, stream: DecodeStream):
         self._tokenizer, self._stream = tokenizer, stream

@@ -17,16 +17,18 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from engine.config import ModelConfig
-from engine.tokenizer import TextTokenizer, from_gguf_fields, from_hf_dir
+from engine.config import ModelConfig, MoEConfig
+from engine.tokenizer import NoTokenizer, TextTokenizer, from_gguf_fields, from_hf_dir
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_KV_HEADS = {"tiny-random": 2, "tiny-random-kv4": 4, "tiny-random-kv8": 8}
 # seeded random weights at a real model's geometry (Llama-3.2-1B's), for timing where no checkpoint is at
 # hand (an offline GPU): hidden, MLP width, layers, heads, kv heads, head dim
 RANDOM_GEOMETRIES = {"random-llama-1b": (2048, 8192, 16, 32, 8, 64)}
-KNOWN_MODELS = ("smollm2-135m", *TINY_KV_HEADS, *RANDOM_GEOMETRIES)
-HF_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM")
+# a tiny random Qwen3-MoE-style model: 8 experts of width 64, top 2, a dense first layer
+TINY_MOE = {"tiny-random-moe": MoEConfig(num_experts=8, top_k=2, intermediate_size=64, layers=(1, 2, 3))}
+KNOWN_MODELS = ("smollm2-135m", *TINY_KV_HEADS, *TINY_MOE, *RANDOM_GEOMETRIES)
+HF_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 GGUF_NAMES = {  # llama.cpp tensor name -> Hugging Face name ({} is the layer index)
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -47,7 +49,7 @@ GGUF_NAMES = {  # llama.cpp tensor name -> Hugging Face name ({} is the layer in
 class LoadedModel:
     config: ModelConfig
     weights: dict[str, Tensor]
-    tokenizer: TextTokenizer
+    tokenizer: TextTokenizer | NoTokenizer
 
 
 def load_model(model: str) -> LoadedModel:
@@ -56,6 +58,8 @@ def load_model(model: str) -> LoadedModel:
         return load_gguf(smollm2_gguf_path(), name=model)
     if model in TINY_KV_HEADS:
         return tiny_random(model, TINY_KV_HEADS[model])
+    if model in TINY_MOE:
+        return tiny_random(model, moe=TINY_MOE[model])
     if model in RANDOM_GEOMETRIES:
         return tiny_random(model, geometry=RANDOM_GEOMETRIES[model])
     path = Path(model)
@@ -176,7 +180,8 @@ def _eos_ids(fields: dict) -> tuple[int, ...]:
 
 
 def load_hf_dir(path: Path) -> LoadedModel:
-    """A directory with config.json, *.safetensors and tokenizer.json (Llama or Qwen3)."""
+    """A directory with config.json, *.safetensors and tokenizer.json (Llama, Qwen3 or Qwen3-MoE); without
+    tokenizer.json the model takes token-id prompts only."""
     config_file = path / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"no config.json in {path}")
@@ -208,16 +213,42 @@ def load_hf_dir(path: Path) -> LoadedModel:
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         max_position=cfg.get("max_position_embeddings", 2048),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qk_norm=arch == "Qwen3ForCausalLM",
+        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
         rope_scaling=scaling,
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
+        moe=_qwen3_moe(cfg) if arch == "Qwen3MoeForCausalLM" else None,
     )
-    return LoadedModel(config, weights, from_hf_dir(path))
+    if (path / "tokenizer.json").is_file():
+        return LoadedModel(config, weights, from_hf_dir(path))
+    return LoadedModel(config, weights, NoTokenizer(config.vocab_size, path))
+
+
+def _qwen3_moe(cfg: dict) -> MoEConfig | None:
+    """Qwen3-MoE's experts from its config.json: layer i is routed unless it is in mlp_only_layers or
+    (i + 1) is not a multiple of decoder_sparse_step (transformers' rule)."""
+    num_experts = cfg.get("num_experts", cfg.get("num_local_experts", 0))
+    step, dense = cfg.get("decoder_sparse_step", 1), set(cfg.get("mlp_only_layers") or ())
+    layers = tuple(
+        i for i in range(cfg["num_hidden_layers"]) if i not in dense and step > 0 and (i + 1) % step == 0
+    )
+    if not num_experts or not layers:
+        return None
+    return MoEConfig(
+        num_experts=num_experts,
+        top_k=cfg["num_experts_per_tok"],
+        intermediate_size=cfg["moe_intermediate_size"],
+        layers=layers,
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+    )
 
 
 def tiny_random(
-    name: str, num_kv_heads: int = 2, seed: int = 0, geometry: tuple | None = None
+    name: str,
+    num_kv_heads: int = 2,
+    seed: int = 0,
+    geometry: tuple | None = None,
+    moe: MoEConfig | None = None,
 ) -> LoadedModel:
     """A 4-layer model with seeded random weights and SmolLM2's tokenizer (for fast tests): from its GGUF,
     or from the vocab-only GGUF that PDKERNELS_TOKENIZER_GGUF names (scripts/vocab_gguf.py writes one)."""
@@ -240,8 +271,20 @@ def tiny_random(
         tie_embeddings=True,
         bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=_eos_ids(fields),
+        moe=moe,
     )
     return LoadedModel(config, random_weights(config, seed), tokenizer)
+
+
+def _mlp_weights(prefix: str, h: int, f: int, normal, num_experts: int | None = None) -> dict[str, Tensor]:
+    """A SwiGLU MLP's three projections; with num_experts, one per expert (prefix has a {} for its index)."""
+    out = {}
+    for e in range(num_experts or 1):
+        p = prefix.format(e)
+        out[p + "gate_proj.weight"] = normal(f, h, std=h**-0.5)
+        out[p + "up_proj.weight"] = normal(f, h, std=h**-0.5)
+        out[p + "down_proj.weight"] = normal(h, f, std=f**-0.5)
+    return out
 
 
 def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, Tensor]:
@@ -267,13 +310,16 @@ def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, Tensor]:
                 p + "self_attn.k_proj.weight": normal(config.kv_size, h, std=h**-0.5),
                 p + "self_attn.v_proj.weight": normal(config.kv_size, h, std=h**-0.5),
                 p + "self_attn.o_proj.weight": normal(h, config.q_size, std=config.q_size**-0.5),
-                p + "mlp.gate_proj.weight": normal(config.intermediate_size, h, std=h**-0.5),
-                p + "mlp.up_proj.weight": normal(config.intermediate_size, h, std=h**-0.5),
-                p + "mlp.down_proj.weight": normal(
-                    h, config.intermediate_size, std=config.intermediate_size**-0.5
-                ),
             }
         )
+        if config.is_moe_layer(i):
+            moe = config.moe
+            weights[p + "mlp.gate.weight"] = normal(moe.num_experts, h, std=h**-0.5)
+            weights.update(
+                _mlp_weights(f"{p}mlp.experts.{{}}.", h, moe.intermediate_size, normal, moe.num_experts)
+            )
+        else:
+            weights.update(_mlp_weights(p + "mlp.", h, config.intermediate_size, normal))
         if config.qk_norm:
             weights[p + "self_attn.q_norm.weight"] = 1 + normal(d, std=0.1)
             weights[p + "self_attn.k_norm.weight"] = 1 + normal(d, std=0.1)

@@ -1,0 +1,110 @@
+"""Mixture of experts: the router and the routed experts, as one building block of the model.
+
+The router scores every expert per token and keeps the top k; the experts then run grouped, not per
+token: the (token, expert) pairs are sorted by expert, and each expert that received tokens runs one
+gate/up GEMM and one down GEMM over its rows. The weighted rows are summed back into their tokens with one
+index_add. Under tensor parallelism each rank holds the same slice of every expert's MLP width (as for the
+dense MLP), so the experts' partial outputs are summed by the all-reduce the dense MLP already does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from engine.config import MoEConfig
+
+
+def route(x: Tensor, router: Tensor, moe: MoEConfig, bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """x [T, H], router [E, H] -> (weights [T, k], expert ids [T, k]), as transformers' routers for
+    Qwen3-MoE and DeepSeek-V2/V3 (MoEConfig says which). bias [E]: DeepSeek-V3's e_score_correction_bias,
+    which moves the choice and not the weights. Weights are fp32 for an fp32 router, else in x's dtype."""
+    logits = F.linear(x.float(), router.float()) if moe.fp32_router else F.linear(x, router)
+    scores = logits.sigmoid() if moe.scoring == "sigmoid" else logits.softmax(dim=-1, dtype=torch.float32)
+    choice = scores if bias is None else scores + bias
+    if moe.topk_method != "greedy":  # group-limited: only the experts of the topk_group best groups
+        grouped = choice.view(-1, moe.num_groups, moe.num_experts // moe.num_groups)
+        if moe.topk_method == "noaux_tc":
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        else:
+            group_scores = grouped.max(dim=-1).values
+        keep = torch.zeros_like(group_scores, dtype=torch.bool)
+        keep.scatter_(1, group_scores.topk(moe.topk_group, dim=-1).indices, True)
+        dropped = ~keep.repeat_interleave(moe.num_experts // moe.num_groups, dim=1)
+        choice = choice.masked_fill(dropped, float("-inf") if moe.topk_method == "noaux_tc" else 0.0)
+    ids = choice.topk(moe.top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if moe.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    if moe.routed_scaling_factor != 1.0:
+        weights = weights * moe.routed_scaling_factor
+    return (weights if moe.fp32_router else weights.to(x.dtype)), ids
+
+
+def experts(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
+    """x [T, H]; weights, ids [T, k]; gate_up [E, 2F, H] (gate rows then up rows), down [E, H, F] ->
+    [T, H]: sum over each token's k experts of weight * down(silu(gate) * up)."""
+    k = ids.shape[1]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
+    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    token = order // k
+    rows = x[token]
+    out = torch.empty_like(rows)
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            gate, up = F.linear(rows[start : start + n], gate_up[e]).chunk(2, dim=-1)
+            torch.mm(F.silu(gate) * up, down[e].t(), out=out[start : start + n])
+            start += n
+    out = out * weights.reshape(-1)[order].unsqueeze(1)  # fp32 weights: the product in fp32, as transformers
+    return torch.zeros_like(x).index_add_(0, token, out.to(x.dtype))
+
+
+def experts_ref(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
+    """The specification: every token through each of its k experts, one at a time."""
+    y = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for w, e in zip(weights[t].tolist(), ids[t].tolist(), strict=True):
+            gate, up = F.linear(x[t], gate_up[e]).chunk(2, dim=-1)
+            y[t] += w * F.linear(F.silu(gate) * up, down[e])
+    return y
+
+
+def load_experts(weights: dict[str, Tensor], prefix: str, moe: MoEConfig, lo: int, hi: int) -> dict:
+    """An MoE layer's tensors for this rank, from Hugging Face's per-expert names
+    (`{prefix}experts.{e}.gate_proj.weight`, ...): the router (and DeepSeek-V3's score bias) whole; the
+    slice [lo, hi) of every expert's MLP width, stacked (gate_up [E, 2F, H], down [E, H, F]); and the
+    same share of the shared experts' width."""
+
+    def w(e, name):
+        return weights[f"{prefix}experts.{e}.{name}.weight"]
+
+    gate_up = torch.stack(
+        [torch.cat([w(e, "gate_proj")[lo:hi], w(e, "up_proj")[lo:hi]]) for e in range(moe.num_experts)]
+    )
+    down = torch.stack([w(e, "down_proj")[:, lo:hi] for e in range(moe.num_experts)])
+    layer = {"router": weights[prefix + "gate.weight"], "experts_gate_up": gate_up, "experts_down": down}
+    if prefix + "gate.e_score_correction_bias" in weights:
+        layer["router_bias"] = weights[prefix + "gate.e_score_correction_bias"]
+    if moe.num_shared_experts:
+        n = moe.num_shared_experts
+        shared = {
+            k: weights[f"{prefix}shared_experts.{k}.weight"] for k in ("gate_proj", "up_proj", "down_proj")
+        }
+        layer["shared_gate_up"] = torch.cat(
+            [shared["gate_proj"][lo * n : hi * n], shared["up_proj"][lo * n : hi * n]]
+        )
+        layer["shared_down"] = shared["down_proj"][:, lo * n : hi * n]
+    return layer
+
+
+def forward(layer: dict, x: Tensor, moe: MoEConfig) -> Tensor:
+    """An MoE layer's MLP output for x [T, H] (this rank's partial sum under TP)."""
+    weights, ids = route(x, layer["router"], moe, layer.get("router_bias"))
+    y = experts(x, weights, ids, layer["experts_gate_up"], layer["experts_down"])
+    if "shared_gate_up" in layer:
+        gate, up = F.linear(x, layer["shared_gate_up"]).chunk(2, dim=-1)
+        y = y + F.linear(F.silu(gate) * up, layer["shared_down"])
+    return y
