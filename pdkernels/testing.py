@@ -64,3 +64,23 @@ def append_positions(case: PagedCase, append_lens: list[int]) -> tuple[Tensor, T
     indptr = torch.tensor([0] + append_lens).cumsum(0)
     batch_indices, positions = batch_indices_positions(indptr, torch.tensor(case.seq_lens))
     return batch_indices.to(case.cache.device), positions.to(case.cache.device)
+
+
+def all_pairs(*factors: list) -> list[tuple]:
+    """A small set of cases in which every value of each factor meets every value of each other factor
+    (a strength-2 covering array, built greedily from the full product, deterministic). Kernels under the
+    interpreter are tested on these instead of the whole product: bugs that need three factors at once are
+    rare, and each case costs seconds."""
+    from itertools import combinations, product
+
+    def pairs(case):
+        return {(i, case[i], j, case[j]) for i, j in combinations(range(len(case)), 2)}
+
+    full = list(product(*factors))
+    todo = set().union(*(pairs(c) for c in full))
+    chosen = []
+    while todo:
+        best = max(full, key=lambda c: len(pairs(c) & todo))
+        chosen.append(best)
+        todo -= pairs(best)
+    return chosen

@@ -9,6 +9,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.mtp import random_head_weights
 from engine.speculative import SpeculativeConfig, ngram_drafts, verify_greedy, verify_sampled
+from pdkernels.testing import all_pairs
 from tests.heads import bigram, echo_head
 from tests.kept import keep_outputs
 
@@ -42,27 +43,24 @@ def test_ngram_drafts_follow_the_latest_match_longest_first():
     assert ngram_drafts([1, 2, 3], 2, 1, 3) == []
 
 
-@pytest.mark.parametrize("method", ["ngram", "mtp-echo", "mtp-random"])
-@pytest.mark.parametrize("k", [2, 4])
-@pytest.mark.parametrize(
-    "kwargs",
-    [
-        {"page_size": 4, "num_pages": 256},
-        {
-            "page_size": 4,
-            "num_pages": 40,
-            "max_num_batched_tokens": 24,
-            "max_num_seqs": 5,
-        },  # chunks, preemption
-    ],
+SETTINGS = [
+    {"page_size": 4, "num_pages": 256},
+    {"page_size": 4, "num_pages": 40, "max_num_batched_tokens": 24, "max_num_seqs": 5},  # chunks, preemption
+]
+_PLAIN: dict[int, list[list[int]]] = {}  # greedy tokens without speculation, per setting
+
+
+@pytest.mark.parametrize(  # every pair of (method, k, setting): 6 cases, not 12
+    "method,k,setting", all_pairs(["ngram", "mtp-echo", "mtp-random"], [2, 4], range(len(SETTINGS)))
 )
-def test_greedy_outputs_with_speculation_equal_those_without(method, k, kwargs, echo):
-    greedy = SamplingParams(max_tokens=20, ignore_eos=True)
+def test_greedy_outputs_with_speculation_equal_those_without(method, k, setting, echo):
+    greedy, kwargs = SamplingParams(max_tokens=20, ignore_eos=True), SETTINGS[setting]
     prompts = REPEATING + _prompts(8)
-    plain = LLM("tiny-random", **kwargs).generate(prompts, greedy)
+    if setting not in _PLAIN:
+        _PLAIN[setting] = [o.token_ids for o in LLM("tiny-random", **kwargs).generate(prompts, greedy)]
     llm = LLM("tiny-random", speculative_config=_spec(method, k, echo), **kwargs)
     spec = llm.generate(prompts, greedy)
-    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert [o.token_ids for o in spec] == _PLAIN[setting]
     assert sum(o.num_drafted_tokens for o in spec) > 0
     assert (sum(o.num_accepted_tokens for o in spec) > 0) == (method != "mtp-random")
     assert all(o.num_accepted_tokens <= o.num_drafted_tokens for o in spec)

@@ -1,5 +1,7 @@
 """Greedy tokens equal transformers' on the same weights (transformers is a test-only dependency)."""
 
+import functools
+
 import pytest
 import torch
 
@@ -27,6 +29,20 @@ def _hf_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
 @pytest.fixture(scope="module")
 def smollm2():
     return LLM("smollm2-135m", num_pages=128)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def gguf_read_once():
+    """transformers parses SmolLM2's GGUF with gguf's pure-Python reader once for the config, once for the
+    weights and once for the tokenizer, and rebuilds gguf's tensor-name table for each of its 272 tensors:
+    40 s of this module's 60. Here each is made once (the same objects, so the same answers)."""
+    import gguf
+
+    with pytest.MonkeyPatch.context() as patch:
+        for name in ("GGUFReader", "get_tensor_name_map"):  # transformers imports them from gguf per call
+            if hasattr(gguf, name):
+                patch.setattr(gguf, name, functools.lru_cache(maxsize=4)(getattr(gguf, name)))
+        yield
 
 
 def test_smollm2_matches_transformers_llama(smollm2):

@@ -344,7 +344,7 @@ def test_sigterm_stops_the_job_keeps_what_it_measured_and_leaves_nothing_behind(
         "deployments=[{name: colocated, kind: colocated, num_workers: 1},"
         "{name: 1p1d, kind: disaggregated, num_prefill: 1, num_decode: 1}]"
     )
-    args = [*TINY, deployments, "workload.num_requests=30", "workload.output_len.value=64"]
+    args = [*TINY, deployments, "workload.num_requests=20", "workload.output_len.value=64"]
     env = dict(os.environ, PYTHONPATH=str(Path(CONF).parent), TMPDIR=str(private))
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "experiments.run", *args, f"hydra.run.dir={out}"]
@@ -363,9 +363,9 @@ def test_sigterm_stops_the_job_keeps_what_it_measured_and_leaves_nothing_behind(
     assert job.returncode == 130, stderr[-3000:]
     runs = json.loads((out / "results.json").read_text())["runs"]
     assert [r["deployment"] for r in runs] == ["colocated", "1p1d"]
-    assert runs[0]["summary"]["completed"] == 30
+    assert runs[0]["summary"]["completed"] == 20
     interrupted = [r for r in runs[1]["requests"] if r["error"] and "interrupted" in r["error"]]
-    assert interrupted and len(runs[1]["requests"]) == 30  # every request accounted for
+    assert interrupted and len(runs[1]["requests"]) == 20  # every request accounted for
     left, give_up = workers, time.monotonic() + 15
     while left and time.monotonic() < give_up:  # the job has exited: its workers follow within seconds
         time.sleep(0.2)
@@ -511,8 +511,8 @@ def test_killed_workers_restart_under_the_local_launcher_and_take_requests_again
     from experiments.config import check_fits_model, from_cfg
     from experiments.workload import make_requests
 
-    overrides = [*TINY, "workload.arrival=poisson", "workload.rate=4", "workload.num_requests=120"]
-    overrides += ["workload.output_len.value=24", "launcher.max_restarts=1"]  # 30 s: a restart takes ~10
+    overrides = [*TINY, "workload.arrival=poisson", "workload.rate=4", "workload.num_requests=80"]
+    overrides += ["workload.output_len.value=24", "launcher.max_restarts=1"]  # 20 s: a restart takes ~3
     overrides += ["transfer.on_transfer_failure=recompute"]  # a transfer cut by the prefill kill: recomputed
     overrides += ["deployments=[{name: 1p2d, kind: disaggregated, num_prefill: 1, num_decode: 2}]"]
     config = from_cfg(_cfg(overrides))
@@ -540,7 +540,7 @@ def test_killed_workers_restart_under_the_local_launcher_and_take_requests_again
     for name in killed:
         assert f"{name} back after a restart" in events, events
     s = faulty["summary"]
-    assert s["completed"] == 120 and s["errors"] == 0, [r["error"] for r in faulty["requests"] if r["error"]]
+    assert s["completed"] == 80 and s["errors"] == 0, [r["error"] for r in faulty["requests"] if r["error"]]
     assert _outputs(faulty) == {r.request_id: w.token_ids for r, w in zip(requests, want, strict=True)}
     back_at = min(t for t, what in faulty["events"] if what == "decode-0 back after a restart")
     # Between decode-0's return and prefill-0's death its only peer is up: every prompt it serves came over

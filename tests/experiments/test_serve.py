@@ -512,11 +512,12 @@ def test_api_key_is_enforced_when_set(server):
             openai.OpenAI(base_url=f"{url}/v1", api_key=key or "x", max_retries=0).models.list()
         assert err.value.status_code == 401 and err.value.body["code"] == "invalid_api_key"
     assert [m.id for m in _client(server).models.list()] == ["tiny-random"]
-    with pytest.raises(urllib.error.HTTPError) as err:  # /health follows the key (server.public_health)
-        urllib.request.urlopen(f"{url}/health", timeout=10)
-    assert err.value.code == 401
-    health = urllib.request.Request(f"{url}/health", headers={"Authorization": f"Bearer {KEY}"})
-    assert urllib.request.urlopen(health, timeout=10).status == 200
+    for path in ("/health", "/metrics"):  # /health follows the key (unless server.public_health)
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(f"{url}{path}", timeout=10)
+        assert err.value.code == 401, path
+        keyed = urllib.request.Request(f"{url}{path}", headers={"Authorization": f"Bearer {KEY}"})
+        assert urllib.request.urlopen(keyed, timeout=10).status == 200, path
 
 
 def test_metrics_parse_and_count(server):

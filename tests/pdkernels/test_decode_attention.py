@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from pdkernels.decode_attention import decode_attention, decode_attention_ref
-from pdkernels.testing import make_paged_cache
+from pdkernels.testing import all_pairs, make_paged_cache
 
 # (dtype, atol, rtol): the kernel rounds probabilities to the cache dtype before P @ V
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
@@ -22,10 +22,9 @@ def _tables(case):
     return case.cache, case.kv_indptr, case.kv_indices, case.kv_last_page_len, case.kv_layout
 
 
-@pytest.mark.parametrize("dtype", list(TOL))
-@pytest.mark.parametrize("group", [1, 4])
-@pytest.mark.parametrize("kv_layout", ["HND", "NHD"])
-@pytest.mark.parametrize("page_size", [4, 16])
+@pytest.mark.parametrize(  # every pair of factor values (7 cases, not the 24 of the whole product)
+    "page_size,kv_layout,group,dtype", all_pairs([4, 16], ["HND", "NHD"], [1, 4], list(TOL))
+)
 def test_decode_attention_matches_ref(page_size, kv_layout, group, dtype):
     case, q = _case(page_size, kv_layout, dtype, group)
     out, lse = decode_attention(q, *_tables(case), return_lse=True, num_splits=3)

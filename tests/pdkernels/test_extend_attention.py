@@ -3,7 +3,7 @@ import torch
 
 from pdkernels.extend_attention import extend_attention, extend_attention_ref
 from pdkernels.kv_append import kv_append
-from pdkernels.testing import append_positions, make_paged_cache
+from pdkernels.testing import all_pairs, append_positions, make_paged_cache
 
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
 SEQ_LENS = [1, 17, 50]
@@ -16,11 +16,10 @@ def _qo_indptr(q_lens):
     return torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
 
 
-@pytest.mark.parametrize("dtype", list(TOL))
-@pytest.mark.parametrize("group", [1, 4])
-@pytest.mark.parametrize("kv_layout", ["HND", "NHD"])
-@pytest.mark.parametrize("page_size", [4, 16])
-@pytest.mark.parametrize("mode", sorted(Q_LENS))
+@pytest.mark.parametrize(  # every pair of factor values (9 cases, not the 72 of the whole product)
+    "mode,page_size,kv_layout,group,dtype",
+    all_pairs(sorted(Q_LENS), [4, 16], ["HND", "NHD"], [1, 4], list(TOL)),
+)
 def test_extend_attention_matches_ref(mode, page_size, kv_layout, group, dtype):
     case = make_paged_cache(SEQ_LENS, KV_HEADS, HEAD_DIM, page_size, kv_layout, dtype=dtype)
     qo_indptr = _qo_indptr(Q_LENS[mode])

@@ -38,11 +38,11 @@ def test_bisection_finds_the_efficiency_that_meets_a_target():
 def test_single_phase_fit_recovers_known_efficiencies():
     """Goodputs made by a known efficiency, given as the 'paper', come back as that efficiency."""
     known = Efficiency(linear=0.4, attention=0.4, memory=0.5)
-    made = distserve.goodputs({"disaggregated": known}, 150, keys=("prefill-only", "decode-only"))
+    made = distserve.goodputs({"disaggregated": known}, 80, keys=("prefill-only", "decode-only"))
     paper = dict(distserve.PAPER, **made)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(distserve, "PAPER", paper)
-        found = distserve.single_phase_efficiency(150)
+        found = distserve.single_phase_efficiency(80)
     # goodput is a step function of the efficiency (2% rate bisection), so compare the steps it drives
     cost = CostModel(sim_model("opt-13b"), hardware("a100-80gb"))
     for p in distserve.profile_points("distserve"):
