@@ -52,25 +52,27 @@ class LoadedModel:
     tokenizer: TextTokenizer | NoTokenizer
 
 
-def load_model(model: str) -> LoadedModel:
-    """A registered name (KNOWN_MODELS), a .gguf file, or a Hugging Face directory."""
+def load_model(model: str, weights: bool = True) -> LoadedModel:
+    """A registered name (KNOWN_MODELS), a .gguf file, or a Hugging Face directory. weights=False: the
+    config and tokenizer only (LoadedModel.weights empty), for a process that schedules and never runs
+    the model (SmolLM2's dequantization alone is 2 s, random-llama-1b's weights 5 GB)."""
     if model == "smollm2-135m":
-        return load_gguf(smollm2_gguf_path(), name=model)
+        return load_gguf(smollm2_gguf_path(), name=model, weights=weights)
     if model in TINY_KV_HEADS:
-        return tiny_random(model, TINY_KV_HEADS[model])
+        return tiny_random(model, TINY_KV_HEADS[model], weights=weights)
     if model in TINY_MOE:
-        return tiny_random(model, moe=TINY_MOE[model])
+        return tiny_random(model, moe=TINY_MOE[model], weights=weights)
     if model in RANDOM_GEOMETRIES:
-        return tiny_random(model, geometry=RANDOM_GEOMETRIES[model])
+        return tiny_random(model, geometry=RANDOM_GEOMETRIES[model], weights=weights)
     path = Path(model)
     if path.suffix == ".gguf":
         if not path.is_file():
             raise FileNotFoundError(f"model file {path} does not exist")
-        return load_gguf(path, name=path.stem)
+        return load_gguf(path, name=path.stem, weights=weights)
     if path.is_dir():
-        return load_hf_dir(path)
+        return load_hf_dir(path, weights)
     if model.count("/") == 1 and not model.startswith((".", "/")):  # a hub id: from the local cache only
-        return load_hf_dir(cached_hub_model(model))
+        return load_hf_dir(cached_hub_model(model), weights)
     raise ValueError(
         f"model must be one of {KNOWN_MODELS}, a .gguf file, a Hugging Face directory or a hub id in the "
         f"local cache; got {model!r}"
@@ -123,7 +125,7 @@ def _gguf(path: Path):
     return tensors, fields
 
 
-def load_gguf(path: Path, name: str) -> LoadedModel:
+def load_gguf(path: Path, name: str, weights: bool = True) -> LoadedModel:
     import gguf
 
     tensors, fields = _gguf(path)
@@ -135,8 +137,9 @@ def load_gguf(path: Path, name: str) -> LoadedModel:
         return fields.get(f"{arch}.{key}", default)
 
     num_heads, num_kv_heads = meta("attention.head_count"), meta("attention.head_count_kv")
-    weights = {}
-    for tensor in tensors:
+    names = {t.name: t for t in tensors}
+    state = {}
+    for tensor in tensors if weights else ():
         parts = tensor.name.split(".")
         layer = parts[1] if parts[0] == "blk" else None
         key = tensor.name if layer is None else tensor.name.replace(f"blk.{layer}.", "blk.{}.", 1)
@@ -148,11 +151,11 @@ def load_gguf(path: Path, name: str) -> LoadedModel:
             w = _unpermute(w, num_heads)
         elif key.endswith("attn_k.weight"):
             w = _unpermute(w, num_kv_heads)
-        weights[GGUF_NAMES[key].format(layer)] = torch.from_numpy(np.ascontiguousarray(w))
+        state[GGUF_NAMES[key].format(layer)] = torch.from_numpy(np.ascontiguousarray(w))
     hidden = meta("embedding_length")
     config = ModelConfig(
         name=name,
-        vocab_size=weights["model.embed_tokens.weight"].shape[0],
+        vocab_size=names["token_embd.weight"].shape[0],  # rows (a quantized row's bytes are its columns)
         hidden_size=hidden,
         intermediate_size=meta("feed_forward_length"),
         num_layers=meta("block_count"),
@@ -162,11 +165,11 @@ def load_gguf(path: Path, name: str) -> LoadedModel:
         rope_theta=float(meta("rope.freq_base", 10000.0)),
         rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
         max_position=meta("context_length", 2048),
-        tie_embeddings="lm_head.weight" not in weights,
+        tie_embeddings="output.weight" not in names,
         bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=_eos_ids(fields),
     )
-    return LoadedModel(config, weights, from_gguf_fields(fields))
+    return LoadedModel(config, state, from_gguf_fields(fields))
 
 
 def _eos_ids(fields: dict) -> tuple[int, ...]:
@@ -179,7 +182,7 @@ def _eos_ids(fields: dict) -> tuple[int, ...]:
     return tuple(dict.fromkeys(ids))
 
 
-def load_hf_dir(path: Path) -> LoadedModel:
+def load_hf_dir(path: Path, weights: bool = True) -> LoadedModel:
     """A directory with config.json, *.safetensors and tokenizer.json (Llama, Qwen3 or Qwen3-MoE); without
     tokenizer.json the model takes token-id prompts only."""
     config_file = path / "config.json"
@@ -194,9 +197,9 @@ def load_hf_dir(path: Path) -> LoadedModel:
         raise FileNotFoundError(f"no *.safetensors weight file in {path}")
     from safetensors.torch import load_file
 
-    weights = {}
-    for file in files:
-        weights.update({k: v.float() for k, v in load_file(str(file)).items()})
+    state = {}
+    for file in files if weights else ():
+        state.update({k: v.float() for k, v in load_file(str(file)).items()})
     rope = cfg.get("rope_parameters") or {}
     scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type") not in (None, "default") else None)
     eos = cfg.get("eos_token_id")
@@ -220,8 +223,8 @@ def load_hf_dir(path: Path) -> LoadedModel:
         moe=_qwen3_moe(cfg) if arch == "Qwen3MoeForCausalLM" else None,
     )
     if (path / "tokenizer.json").is_file():
-        return LoadedModel(config, weights, from_hf_dir(path))
-    return LoadedModel(config, weights, NoTokenizer(config.vocab_size, path))
+        return LoadedModel(config, state, from_hf_dir(path))
+    return LoadedModel(config, state, NoTokenizer(config.vocab_size, path))
 
 
 def _qwen3_moe(cfg: dict) -> MoEConfig | None:
@@ -243,17 +246,28 @@ def _qwen3_moe(cfg: dict) -> MoEConfig | None:
     )
 
 
+def _builtin_tokenizer_gguf() -> Path:
+    override = os.environ.get("PDKERNELS_TOKENIZER_GGUF")
+    return Path(override) if override else smollm2_gguf_path()
+
+
+def read_builtin_tokenizer() -> None:
+    """Parse the GGUF whose tokenizer the built-in models use, once per process (cached): a process that
+    forks workers does it before, and they inherit it."""
+    _gguf(_builtin_tokenizer_gguf())
+
+
 def tiny_random(
     name: str,
     num_kv_heads: int = 2,
     seed: int = 0,
     geometry: tuple | None = None,
     moe: MoEConfig | None = None,
+    weights: bool = True,
 ) -> LoadedModel:
     """A 4-layer model with seeded random weights and SmolLM2's tokenizer (for fast tests): from its GGUF,
     or from the vocab-only GGUF that PDKERNELS_TOKENIZER_GGUF names (scripts/vocab_gguf.py writes one)."""
-    override = os.environ.get("PDKERNELS_TOKENIZER_GGUF")
-    _, fields = _gguf(Path(override) if override else smollm2_gguf_path())
+    _, fields = _gguf(_builtin_tokenizer_gguf())
     tokenizer = from_gguf_fields(fields)
     hidden, width, layers, heads, num_kv_heads, head_dim = geometry or (128, 256, 4, 8, num_kv_heads, 16)
     config = ModelConfig(
@@ -273,7 +287,7 @@ def tiny_random(
         eos_token_ids=_eos_ids(fields),
         moe=moe,
     )
-    return LoadedModel(config, random_weights(config, seed), tokenizer)
+    return LoadedModel(config, random_weights(config, seed) if weights else {}, tokenizer)
 
 
 def _mlp_weights(prefix: str, h: int, f: int, normal, num_experts: int | None = None) -> dict[str, Tensor]:

@@ -424,13 +424,13 @@ def slo_of(cfg: dict) -> SloConfig:
 
 
 def check_fits_model(config: RunConfig):
-    """Load the model once (also what the driver tokenizes with) and check every TP degree against it,
-    through the engine's own EngineConfig checks. Returns the loaded model."""
+    """Read the model's config and tokenizer (what the driver tokenizes with; not its weights, which only
+    workers load) and check every TP degree against it, through the engine's own EngineConfig checks."""
     from engine.config import EngineConfig
     from engine.weights import load_model
 
     try:
-        loaded = load_model(config.model.name)
+        loaded = load_model(config.model.name, weights=False)
     except (ValueError, FileNotFoundError) as e:
         raise ValueError(f"model.name={config.model.name!r}: {e}") from e
     for d in config.deployments:

@@ -63,3 +63,14 @@ def test_a_broken_or_hostile_file_is_a_clear_error_not_a_crash(path, tmp_path):
         p.write_bytes(data)
         with pytest.raises(GGUFError):
             read_gguf(p)
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "tiny-random-moe"])
+def test_a_scheduling_process_reads_the_config_and_tokenizer_without_the_weights(name):
+    """load_model(weights=False), what drivers and servers call: the same config and tokenizer as a full
+    load (vocab from the embedding's rows, tied from the missing output tensor), no weights."""
+    from engine.weights import load_model
+
+    light, full = load_model(name, weights=False), load_model(name)
+    assert light.config == full.config and light.weights == {} and full.weights
+    assert light.tokenizer.encode("Paris is") == full.tokenizer.encode("Paris is")

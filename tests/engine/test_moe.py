@@ -100,6 +100,7 @@ def test_qwen3_moe_greedy_equals_transformers_with_chunked_prefill(tmp_path, ove
     ]
     assert (moe.num_experts, moe.top_k, moe.layers) == (8, 2, tuple(sparse))
     assert llm.config.model.qk_norm and moe.norm_topk_prob == hf.config.norm_topk_prob
+    assert load_model(str(tmp_path), weights=False).config == llm.config.model  # what a driver reads
     outs = llm.generate(_prompts(512), SamplingParams(max_tokens=8, ignore_eos=True))
     for out in outs:
         assert out.token_ids == _hf_greedy(hf, out.prompt_token_ids, 8), len(out.prompt_token_ids)
