@@ -2,8 +2,9 @@
 (the driver's routing, the control plane, KV over NIXL) is the same for both.
 
 - `local`: one process per worker on this host (each starts its own TP ranks), forked from
-  multiprocessing's fork server, a fresh interpreter that imported torch once (a worker then starts
-  without importing it: 3.4 s of CPU each on an AVX2 EPYC), given the environment of its launch; a dead
+  multiprocessing's fork server, a fresh interpreter that imported torch and read the built-in models'
+  tokenizer GGUF once (experiments/deploy/preload.py: a worker then starts without either, 4.2 s of CPU
+  each on an AVX2 EPYC), given the environment of its launch; a dead
   one is started again up to `launcher.max_restarts` times (0 by default), a decode worker too: the
   driver hands its new control addresses to the prefill workers, which connect to it afresh.
 - `ray`: one Ray actor per worker, each in its own placement group (one bundle: the worker and its TP
@@ -24,6 +25,7 @@ import multiprocessing as mp
 import os
 import socket
 import tempfile
+import threading
 from dataclasses import replace
 
 from experiments.config import RayConfig
@@ -51,8 +53,18 @@ def _fork_server():
         finally:
             tempfile.tempdir = deep
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch"])
+    ctx.set_forkserver_preload(["experiments.deploy.preload"])  # torch, the tokenizer GGUF
     return ctx
+
+
+def start_fork_server() -> None:
+    """Start the fork server now, in the background: its preload (torch, 3 s of CPU here) then runs beside
+    the caller's own start-up (which imports torch too) instead of after it, when the first worker is
+    forked (that waits, under multiprocessing's lock, until the server is up). Once per process."""
+    from multiprocessing import forkserver
+
+    _fork_server()
+    threading.Thread(target=forkserver.ensure_running, name="fork-server-start", daemon=True).start()
 
 
 def _local_main(spec: WorkerSpec, env: dict[str, str]) -> None:
