@@ -332,7 +332,7 @@ def _drain_and_stop(proc: subprocess.Popen, url: str, tmp_path: Path) -> None:
 
 def test_a_decode_worker_killed_mid_stream_loses_no_request(tmp_path):
     """1 prefill + 2 decode workers, 16 concurrent greedy requests of 80 tokens (half streamed), decode-0
-    SIGKILLed after 0.25 s: its requests go on on decode-1 (prompt + the tokens streamed so far), every
+    SIGKILLed once it runs requests: they go on on decode-1 (prompt + the tokens streamed so far), every
     text equals the fault-free run's (half ask for n = 2: both completions' texts), the dead worker's
     gauges leave /metrics, migrations are counted, and every page on the live workers is free at the end."""
     from engine import LLM, SamplingParams
@@ -367,7 +367,11 @@ def test_a_decode_worker_killed_mid_stream_loses_no_request(tmp_path):
         threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
         for t in threads:
             t.start()
-        time.sleep(0.25)
+        give_up = time.monotonic() + 30  # kill it mid-stream: once it is decoding requests, not before
+        while _metrics(url).get(("pdk_requests_running", (("worker", "decode-0"),)), 0) < 2:
+            assert time.monotonic() < give_up, "decode-0 never took requests"
+            time.sleep(0.05)
+        time.sleep(0.1)
         os.kill(pid, signal.SIGKILL)
         for t in threads:
             t.join(timeout=180)
