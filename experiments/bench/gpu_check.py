@@ -120,12 +120,46 @@ def bench_step(out: Path, log, timeout_s: float) -> Step:
 
         rows = list(csv.DictReader(open(out / "kernels.csv")))
         step.figures = f"{len(rows)} rows: kernels.md"
-        for kernel, target in [("kv_append", "append % of copy"), ("out_proj", "vs cuBLAS")]:
-            mine = [r for r in rows if r["kernel"] == kernel and r["provider"].startswith("triton")]
-            if kernel == "kv_append" and mine:
-                best = max(mine, key=lambda r: int(r["shape"].split("x")[-1]))
-                step.rows.append((f"{target} ({best['shape']})", "-", f"{float(best['pct_copy']):.0f}%"))
+        step.rows += summarize(rows)
     return step
+
+
+def summarize(rows: list[dict]) -> list[tuple[str, str, str]]:
+    """The benchmark's headline sub-rows, each the range over every shape with the worst one named (not
+    one shape picked): KV append's % of copy, and out_proj + counter against cuBLAS (torch.matmul, same
+    shape, eager against eager and graph against graph) at decode M and at prefill M apart."""
+    found = []
+    append = [r for r in rows if r["kernel"] == "kv_append" and r["provider"] == "triton"]
+    if append:
+        worst = min(append, key=lambda r: float(r["pct_copy"]))
+        top = max(float(r["pct_copy"]) for r in append)
+        figures = f"{float(worst['pct_copy']):.0f}-{top:.0f}% (lowest: {worst['shape']})"
+        found.append(("KV append, % of copy, eager", "-", figures))
+    for graph in ("", " [graph]"):
+        cublas = {r["shape"]: float(r["ms"]) for r in rows if r["provider"] == f"torch.matmul{graph}"}
+        ratios = [
+            (cublas[r["shape"]] / float(r["ms"]), r["shape"])
+            for r in rows
+            if r["kernel"] == "out_proj"
+            and r["provider"] == f"triton+counter{graph}"
+            and r["shape"] in cublas
+        ]
+        for phase, picked in (
+            ("decode M", [x for x in ratios if _m(x[1]) <= 64]),
+            ("prefill M", [x for x in ratios if _m(x[1]) > 64]),
+        ):
+            if picked:
+                low, high = min(picked), max(picked)
+                figures = f"{low[0]:.2f}-{high[0]:.2f}x (lowest: {low[1]})"
+                found.append(
+                    (f"out_proj + counter vs cuBLAS, {phase}, {'graph' if graph else 'eager'}", "-", figures)
+                )
+    return found
+
+
+def _m(shape: str) -> int:
+    """M of a GEMM row's shape label, "M=16 N=4096 K=4096"."""
+    return int(shape.split()[0].removeprefix("M="))
 
 
 def deployment_step(out: Path, log, timeout_s: float) -> Step:

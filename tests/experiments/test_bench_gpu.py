@@ -68,3 +68,31 @@ def test_without_flashinfer_is_said_in_the_table(tmp_path):
         == 0
     )
     assert "FlashInfer rows left out" in (tmp_path / "kernels.md").read_text()
+
+
+def test_gpu_check_summarizes_every_shape_and_names_the_worst():
+    """The headline rows of make gpu-check: ranges over every shape, the lowest named, eager and graph
+    apart, decode and prefill M apart (it used to report one KV-append row, SmolLM2's, and no out_proj)."""
+    from experiments.bench.gpu_check import summarize
+
+    def row(kernel, shape, provider, ms, pct=0.0):
+        return {"kernel": kernel, "shape": shape, "provider": provider, "ms": str(ms), "pct_copy": str(pct)}
+
+    rows = [
+        row("kv_append", "smollm2 T=8x256", "triton", 1, 62),
+        row("kv_append", "llama-3-8b T=8x256", "triton", 1, 90),
+        row("kv_append", "llama-3-8b T=8x256", "flashinfer", 1, 95),
+        row("splitk_gemm", "M=1 N=4096 K=4096", "torch.matmul", 0.10),
+        row("out_proj", "M=1 N=4096 K=4096", "triton+counter", 0.125),
+        row("out_proj", "M=4096 N=4096 K=4096", "torch.matmul", 1.0),
+        row("out_proj", "M=4096 N=4096 K=4096", "triton+counter", 1.25),
+        row("out_proj", "M=16 N=4096 K=4096", "torch.matmul [graph]", 0.2),
+        row("out_proj", "M=16 N=4096 K=4096", "triton+counter [graph]", 0.1),
+    ]
+    got = {what: figures for what, _, figures in summarize(rows)}
+    assert got == {
+        "KV append, % of copy, eager": "62-90% (lowest: smollm2 T=8x256)",
+        "out_proj + counter vs cuBLAS, decode M, eager": "0.80-0.80x (lowest: M=1 N=4096 K=4096)",
+        "out_proj + counter vs cuBLAS, prefill M, eager": "0.80-0.80x (lowest: M=4096 N=4096 K=4096)",
+        "out_proj + counter vs cuBLAS, decode M, graph": "2.00-2.00x (lowest: M=16 N=4096 K=4096)",
+    }
