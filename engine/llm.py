@@ -115,12 +115,13 @@ class LLM(DecodeHandoff):
             loaded.config, self.config.cache, shard.num_kv_heads, dev, self.config.torch_dtype
         )
         self.kv_cache = kv_cache.share_memory_() if tp > 1 and dev.type == "cpu" else kv_cache
+        moe = loaded.config.moe is not None  # its experts' grouping reads counts on the host: no capture
         if cuda_graphs is None:
-            cuda_graphs = dev.type == "cuda" and tp == 1 and role != "prefill"
-        if cuda_graphs and (dev.type != "cuda" or tp != 1 or num_pages < 2):
+            cuda_graphs = dev.type == "cuda" and tp == 1 and role != "prefill" and not moe
+        if cuda_graphs and (dev.type != "cuda" or tp != 1 or num_pages < 2 or moe):
             raise ValueError(
-                "cuda_graphs=True needs device='cuda', tp=1 and num_pages >= 2; got "
-                f"device={device!r}, tp={tp}, num_pages={num_pages}"
+                "cuda_graphs=True needs device='cuda', tp=1, num_pages >= 2 and a model without MoE layers; "
+                f"got device={device!r}, tp={tp}, num_pages={num_pages}, moe={moe}"
             )
         # with graphs, the last page is the padding rows' scratch page: never allocated
         self.allocator = PageAllocator(num_pages - 1 if cuda_graphs else num_pages, page_size)

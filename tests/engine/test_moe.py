@@ -216,3 +216,10 @@ def test_moe_config_names_the_bad_field():
     ]:
         with pytest.raises(ValueError, match=field):
             MoEConfig(num_experts=8, top_k=2, intermediate_size=8, layers=(0,), **kwargs)
+
+
+def test_an_moe_model_refuses_cuda_graphs_naming_why():
+    """The experts' grouping reads per-expert counts on the host, which a graph capture cannot: MoE models
+    decode eagerly (the default), and asking for graphs is a clear error."""
+    with pytest.raises(ValueError, match="a model without MoE layers.*moe=True"):
+        LLM("tiny-random-moe", page_size=4, num_pages=16, cuda_graphs=True)
