@@ -18,7 +18,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.config import check_fits_model, from_cfg, launcher_of, run_job
+from experiments.config import check_fits_model, from_cfg, run_job
 from experiments.deploy.launcher import start_fork_server
 
 
@@ -28,8 +28,7 @@ def run(cfg: DictConfig, out_dir: Path, progress: bool = True, hooks=None) -> li
     from experiments.load import run_endpoint
     from experiments.workload import Conversations, make_requests
 
-    if launcher_of(cfg).name == "local":
-        start_fork_server()  # beside the checks below: the workers fork from it
+    start_fork_server(cfg)  # beside the checks below: local workers fork from it
     config = from_cfg(cfg)
     loaded = check_fits_model(config)  # its config and tokenizer; the workers load the weights
     m = loaded.config

@@ -28,7 +28,7 @@ import tempfile
 import threading
 from dataclasses import replace
 
-from experiments.config import RayConfig
+from experiments.config import RayConfig, launcher_of
 from experiments.deploy.worker import WorkerSpec, worker_main
 
 log = logging.getLogger(__name__)
@@ -57,12 +57,15 @@ def _fork_server():
     return ctx
 
 
-def start_fork_server() -> None:
-    """Start the fork server now, in the background: its preload (torch, 3 s of CPU here) then runs beside
-    the caller's own start-up (which imports torch too) instead of after it, when the first worker is
-    forked (that waits, under multiprocessing's lock, until the server is up). Once per process."""
+def start_fork_server(cfg) -> None:
+    """With the local launcher (cfg: the job's hydra config), start the fork server now, in the
+    background: its preload (torch, 3 s of CPU here) then runs beside the caller's own start-up (which
+    imports torch too) instead of after it, when the first worker is forked (that waits, under
+    multiprocessing's lock, until the server is up). Once per process."""
     from multiprocessing import forkserver
 
+    if launcher_of(cfg).name != "local":
+        return
     _fork_server()
     threading.Thread(target=forkserver.ensure_running, name="fork-server-start", daemon=True).start()
 

@@ -38,7 +38,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from omegaconf import DictConfig
 
-from experiments.config import check_fits_model, from_cfg, launcher_of
+from experiments.config import check_fits_model, from_cfg
 from experiments.deploy.api import (
     DISCONNECT_POLL_S,
     INLINE_BYTES,
@@ -369,8 +369,7 @@ def serve(cfg: DictConfig, out_dir: Path, ready=None) -> None:
 
     from experiments.deploy.driver import start_fleet
 
-    if launcher_of(cfg).name == "local":
-        start_fork_server()  # beside the checks below: the workers fork from it
+    start_fork_server(cfg)  # beside the checks below: local workers fork from it
     config = from_cfg(cfg)
     from omegaconf import OmegaConf
 

@@ -10,6 +10,7 @@ from engine import LLM, SamplingParams, StructuredOutputs
 from engine.config import EngineConfig, MoEConfig
 from engine.moe import experts, experts_ref, route
 from engine.weights import load_model
+from tests.hf import hf_greedy
 
 transformers = pytest.importorskip("transformers")
 
@@ -68,14 +69,6 @@ def _qwen3_moe(tmp_path, **overrides):
     return model.eval()
 
 
-def _hf_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
-    ids = torch.tensor([prompt_ids])
-    out = model.generate(
-        ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
-    )
-    return out[0, ids.shape[1] :].tolist()
-
-
 PROMPT_LENGTHS = (3, 17, 41)
 
 
@@ -103,7 +96,7 @@ def test_qwen3_moe_greedy_equals_transformers_with_chunked_prefill(tmp_path, ove
     assert load_model(str(tmp_path), weights=False).config == llm.config.model  # what a driver reads
     outs = llm.generate(_prompts(512), SamplingParams(max_tokens=8, ignore_eos=True))
     for out in outs:
-        assert out.token_ids == _hf_greedy(hf, out.prompt_token_ids, 8), len(out.prompt_token_ids)
+        assert out.token_ids == hf_greedy(hf, out.prompt_token_ids, 8), len(out.prompt_token_ids)
         assert out.text == ""  # no tokenizer.json: token ids in and out
 
 

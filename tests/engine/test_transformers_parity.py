@@ -7,6 +7,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.weights import smollm2_gguf_path
+from tests.hf import hf_greedy
 
 transformers = pytest.importorskip("transformers")
 PROMPTS = [
@@ -16,14 +17,6 @@ PROMPTS = [
     "1, 2, 3, 4,",
     "Once upon a time, in a land far away,",
 ]
-
-
-def _hf_greedy(model, prompt_ids: list[int], n: int) -> list[int]:
-    ids = torch.tensor([prompt_ids])
-    out = model.generate(
-        ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
-    )
-    return out[0, ids.shape[1] :].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +47,7 @@ def test_smollm2_matches_transformers_llama(smollm2):
     prompts = PROMPTS[:4] + [smollm2.apply_chat_template("Tell me a joke.")]
     outs = smollm2.generate(prompts, SamplingParams(max_tokens=32, ignore_eos=True))
     for out in outs:
-        assert out.token_ids == _hf_greedy(hf, out.prompt_token_ids, 32), out.prompt
+        assert out.token_ids == hf_greedy(hf, out.prompt_token_ids, 32), out.prompt
 
 
 def test_smollm2_tokenizer_matches_transformers(smollm2):
@@ -105,7 +98,7 @@ def test_hf_directory_matches_transformers(tmp_path, arch):
     assert llm.config.model.qk_norm == (arch == "qwen3")
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=10, ignore_eos=True))
     for out in outs:
-        assert out.token_ids == _hf_greedy(model.eval(), out.prompt_token_ids, 10), out.prompt
+        assert out.token_ids == hf_greedy(model.eval(), out.prompt_token_ids, 10), out.prompt
 
 
 def test_a_hub_id_loads_from_the_local_cache_only(tmp_path, monkeypatch):
