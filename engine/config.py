@@ -18,6 +18,7 @@ def _check(cond: bool, msg: str) -> None:
 
 SCORINGS = ("softmax", "sigmoid")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+ROPE_SCALINGS = (None, "default", "llama3", "yarn")
 
 
 @dataclass(frozen=True)
@@ -76,9 +77,44 @@ class MoEConfig:
 
 
 @dataclass(frozen=True)
+class MLAConfig:
+    """DeepSeek's multi-head latent attention. Each token's KV is one latent row: kv_lora_rank compressed
+    values (RMS-normed) and a qk_rope_head_dim key shared by all heads (RoPE'd), so the paged cache holds
+    one "head" of kv_lora_rank + qk_rope_head_dim per token (ModelConfig.head_dim) in one plane, the same on
+    every TP rank. A head's key is [latent @ W_UK, rope key], its value latent @ W_UV (kv_b_proj)."""
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None  # None: q_proj; else q_a_proj -> RMSNorm -> q_b_proj
+    softmax_scale: float | None = None  # None: (qk_nope_head_dim + qk_rope_head_dim) ** -0.5
+
+    def __post_init__(self):
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            _check(getattr(self, name) >= 1, f"mla.{name} must be >= 1, got {getattr(self, name)}")
+        _check(
+            self.qk_rope_head_dim % 2 == 0, f"mla.qk_rope_head_dim must be even, got {self.qk_rope_head_dim}"
+        )
+        _check(
+            self.q_lora_rank is None or self.q_lora_rank >= 1,
+            f"mla.q_lora_rank must be None or >= 1, got {self.q_lora_rank}",
+        )
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def scale(self) -> float:
+        return self.softmax_scale if self.softmax_scale is not None else self.qk_head_dim**-0.5
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """A Llama-family decoder: RMSNorm, RoPE, GQA, SwiGLU; Qwen3 adds RMSNorm on q and k per head;
-    Qwen3-MoE routes the MLP of some layers to experts (moe)."""
+    Qwen3-MoE routes the MLP of some layers to experts (moe); DeepSeek-V2/V3 attend with latent attention
+    (mla: then num_kv_heads is 1 and head_dim the latent row, kv_lora_rank + qk_rope_head_dim)."""
 
     name: str
     vocab_size: int
@@ -93,10 +129,12 @@ class ModelConfig:
     max_position: int = 2048
     tie_embeddings: bool = False
     qk_norm: bool = False
-    rope_scaling: dict | None = None  # Llama 3 "llama3" frequency scaling, as in config.json
+    rope_scaling: dict | None = None  # "llama3" or "yarn" frequency scaling, as in config.json
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     moe: MoEConfig | None = None
+    mla: MLAConfig | None = None
+    rope_interleave: bool = False  # the checkpoint's RoPE rotates adjacent pairs (DeepSeek), not halves
 
     def __post_init__(self):
         for name in (
@@ -117,9 +155,16 @@ class ModelConfig:
         _check(self.head_dim % 2 == 0, f"model.head_dim must be even for RoPE, got {self.head_dim}")
         kind = (self.rope_scaling or {}).get("rope_type", (self.rope_scaling or {}).get("type"))
         _check(
-            kind in (None, "default", "llama3"),
-            f"model.rope_scaling type must be one of (None, 'default', 'llama3'), got {kind!r}",
+            kind in ROPE_SCALINGS,
+            f"model.rope_scaling type must be one of {ROPE_SCALINGS}, got {kind!r}",
         )
+        if self.mla is not None:
+            row = self.mla.kv_lora_rank + self.mla.qk_rope_head_dim
+            _check(
+                self.num_kv_heads == 1 and self.head_dim == row,
+                f"an MLA model's cache holds one latent row per token: num_kv_heads must be 1 and head_dim "
+                f"kv_lora_rank + qk_rope_head_dim = {row}, got {self.num_kv_heads} and {self.head_dim}",
+            )
         bad = [i for i in (self.moe.layers if self.moe else ()) if not 0 <= i < self.num_layers]
         _check(not bad, f"moe.layers must be in [0, {self.num_layers}), got {bad}")
 
@@ -128,7 +173,21 @@ class ModelConfig:
 
     @property
     def q_size(self) -> int:
-        return self.num_heads * self.head_dim
+        return self.num_heads * (self.mla.qk_head_dim if self.mla else self.head_dim)
+
+    @property
+    def rope_dim(self) -> int:
+        """The dimensions each head rotates (all of head_dim, or MLA's qk_rope_head_dim)."""
+        return self.mla.qk_rope_head_dim if self.mla else self.head_dim
+
+    @property
+    def kv_planes(self) -> int:
+        """Rows per token and head in the paged cache: K and V, or MLA's one latent row."""
+        return 1 if self.mla else 2
+
+    def kv_bytes_per_token(self, itemsize: int) -> int:
+        """The KV one token adds to the cache over all layers (whole model, before TP)."""
+        return self.num_layers * self.kv_planes * self.num_kv_heads * self.head_dim * itemsize
 
     @property
     def kv_size(self) -> int:

@@ -31,6 +31,7 @@ def shard_spec(llm: LLM) -> ShardSpec:
         itemsize=llm.kv_cache.element_size(),
         dtype=llm.config.dtype,
         kv_layout=c.kv_layout,
+        planes=m.kv_planes,
     )
 
 

@@ -115,13 +115,15 @@ class LLM(DecodeHandoff):
             loaded.config, self.config.cache, shard.num_kv_heads, dev, self.config.torch_dtype
         )
         self.kv_cache = kv_cache.share_memory_() if tp > 1 and dev.type == "cpu" else kv_cache
-        moe = loaded.config.moe is not None  # its experts' grouping reads counts on the host: no capture
+        # MoE: the experts' grouping reads counts on the host, which a capture cannot; MLA: its decode
+        # path has not been captured on a GPU yet
+        moe, mla = loaded.config.moe is not None, loaded.config.mla is not None
         if cuda_graphs is None:
-            cuda_graphs = dev.type == "cuda" and tp == 1 and role != "prefill" and not moe
-        if cuda_graphs and (dev.type != "cuda" or tp != 1 or num_pages < 2 or moe):
+            cuda_graphs = dev.type == "cuda" and tp == 1 and role != "prefill" and not (moe or mla)
+        if cuda_graphs and (dev.type != "cuda" or tp != 1 or num_pages < 2 or moe or mla):
             raise ValueError(
-                "cuda_graphs=True needs device='cuda', tp=1, num_pages >= 2 and a model without MoE layers; "
-                f"got device={device!r}, tp={tp}, num_pages={num_pages}, moe={moe}"
+                "cuda_graphs=True needs device='cuda', tp=1, num_pages >= 2 and a model without MoE or MLA "
+                f"layers; got device={device!r}, tp={tp}, num_pages={num_pages}, moe={moe}, mla={mla}"
             )
         # with graphs, the last page is the padding rows' scratch page: never allocated
         self.allocator = PageAllocator(num_pages - 1 if cuda_graphs else num_pages, page_size)

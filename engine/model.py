@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from engine import moe
+from engine import mla, moe
 from engine.config import ModelConfig
 from pdkernels import cpu, ops
 
@@ -72,11 +72,11 @@ class Shard:
 
 
 def rope_inv_freq(config: ModelConfig) -> Tensor:
-    inv_freq = 1.0 / config.rope_theta ** (
-        torch.arange(0, config.head_dim, 2, dtype=torch.float64) / config.head_dim
-    )
+    dim = config.rope_dim
+    inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
     scaling = config.rope_scaling or {}
-    if scaling.get("rope_type", scaling.get("type")) == "llama3":  # Llama 3.1 long-context frequency scaling
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "llama3":  # Llama 3.1 long-context frequency scaling
         factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
         old_len = scaling["original_max_position_embeddings"]
         wavelen = 2 * math.pi / inv_freq
@@ -84,7 +84,45 @@ def rope_inv_freq(config: ModelConfig) -> Tensor:
         scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
         mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
         inv_freq = torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+    elif kind == "yarn":  # YaRN (DeepSeek): interpolate the low frequencies, keep the high ones
+        factor, old_len = _yarn_factor(config), scaling["original_max_position_embeddings"]
+
+        def correction_dim(rotations: float) -> float:
+            return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(config.rope_theta))
+
+        low = correction_dim(scaling.get("beta_fast") or 32)
+        high = correction_dim(scaling.get("beta_slow") or 1)
+        if scaling.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / max(high - low, 0.001)).clamp(0, 1)
+        inv_freq = inv_freq / factor * ramp + inv_freq * (1 - ramp)
     return inv_freq.float()
+
+
+def _yarn_factor(config: ModelConfig) -> float:
+    scaling = config.rope_scaling or {}
+    return scaling.get("factor") or config.max_position / scaling["original_max_position_embeddings"]
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_attention_factor(config: ModelConfig) -> float:
+    """What YaRN multiplies cos and sin by (1 for other RoPE types)."""
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type", scaling.get("type")) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor, mscale, mscale_all = _yarn_factor(config), scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all:
+        return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all)
+    return yarn_mscale(factor)
+
+
+PROJECTIONS = ("qkv", "o", "gate_up", "down", "q_proj", "q_a", "q_b", "kv_a")  # plain [out, in] GEMMs
 
 
 class Model:
@@ -107,12 +145,13 @@ class Model:
         packing = device.type == "cpu" and ops.resolve("splitk_gemm", device) == "torch"
         self.lm_head = cpu.pack(lm_head) if packing else lm_head
         for layer in self.layers if packing else ():
-            layer.update({k: cpu.pack(layer[k]) for k in ("qkv", "o", "gate_up", "down") if k in layer})
+            layer.update({k: cpu.pack(layer[k]) for k in PROJECTIONS if k in layer})
         if packing:  # build (first time on this machine, ~20 s) or load the C++ paths now, not in a request
             cpu.module()
         positions = torch.arange(config.max_position, dtype=torch.float32)
         freqs = torch.outer(positions, rope_inv_freq(config))  # [max_pos, D/2]
-        self.cos, self.sin = freqs.cos().to(device), freqs.sin().to(device)
+        scale = rope_attention_factor(config)
+        self.cos, self.sin = (freqs.cos() * scale).to(device), (freqs.sin() * scale).to(device)
 
     def _load_layer(self, weights: dict[str, Tensor], i: int) -> dict[str, Tensor]:
         p, s, d = f"model.layers.{i}.", self.shard, self.config.head_dim
@@ -120,15 +159,18 @@ class Model:
         def rows(name, lo, hi):
             return weights[p + name][lo:hi]
 
-        q = rows("self_attn.q_proj.weight", s.q_heads[0] * d, s.q_heads[1] * d)
-        k = rows("self_attn.k_proj.weight", s.kv_heads[0] * d, s.kv_heads[1] * d)
-        v = rows("self_attn.v_proj.weight", s.kv_heads[0] * d, s.kv_heads[1] * d)
         layer = {
             "input_norm": weights[p + "input_layernorm.weight"],
             "post_norm": weights[p + "post_attention_layernorm.weight"],
-            "qkv": torch.cat([q, k, v]),  # one GEMM for q, k and v
-            "o": weights[p + "self_attn.o_proj.weight"][:, s.q_heads[0] * d : s.q_heads[1] * d],
         }
+        if self.config.mla:
+            layer.update(mla.load_attention(weights, p + "self_attn.", self.config, *s.q_heads))
+        else:
+            q = rows("self_attn.q_proj.weight", s.q_heads[0] * d, s.q_heads[1] * d)
+            k = rows("self_attn.k_proj.weight", s.kv_heads[0] * d, s.kv_heads[1] * d)
+            v = rows("self_attn.v_proj.weight", s.kv_heads[0] * d, s.kv_heads[1] * d)
+            layer["qkv"] = torch.cat([q, k, v])  # one GEMM for q, k and v
+            layer["o"] = weights[p + "self_attn.o_proj.weight"][:, s.q_heads[0] * d : s.q_heads[1] * d]
         if self.config.is_moe_layer(i):  # routed experts (engine/moe.py); the router is not sharded
             layer.update(moe.load_experts(weights, p + "mlp.", self.config.moe, *s.expert_mlp))
         else:
@@ -174,6 +216,8 @@ class Model:
     def attention(
         self, layer: dict, i: int, x: Tensor, meta: BatchMeta, kv_cache: Tensor, rope: tuple
     ) -> Tensor:
+        if self.config.mla:
+            return self.project_out(layer, i, mla.attention(self, layer, x, meta, kv_cache[i], rope), meta)
         s, d = self.shard, self.config.head_dim
         qkv = self.linear(x, layer["qkv"]).view(x.shape[0], -1, d)  # [T, Hq + 2 Hkv, D]
         qk, v = qkv[:, : s.num_q_heads + s.num_kv_heads], qkv[:, s.num_q_heads + s.num_kv_heads :]
@@ -205,7 +249,11 @@ class Model:
                 max_q_len=meta.max_q_len,
                 validate=False,
             )
-        o = o.reshape(x.shape[0], -1)
+        return self.project_out(layer, i, o.reshape(x.shape[0], -1), meta)
+
+    def project_out(self, layer: dict, i: int, o: Tensor, meta: BatchMeta) -> Tensor:
+        """The attention output [T, heads x dim] through o_proj, summed over TP ranks, counting layer i."""
+        s = self.shard
         if s.size == 1:  # the projection's last tile bumps the layer counter (kernel-side, graph-safe)
             return ops.out_proj(o, layer["o"], counter=meta.counter, layer=i, validate=False)
         # With TP the lead may only count layer i once every rank has appended its KV shard: the

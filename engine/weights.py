@@ -17,7 +17,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from engine.config import ModelConfig, MoEConfig
+from engine.config import MLAConfig, ModelConfig, MoEConfig
+from engine.model import yarn_mscale
 from engine.tokenizer import NoTokenizer, TextTokenizer, from_gguf_fields, from_hf_dir
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -27,8 +28,63 @@ TINY_KV_HEADS = {"tiny-random": 2, "tiny-random-kv4": 4, "tiny-random-kv8": 8}
 RANDOM_GEOMETRIES = {"random-llama-1b": (2048, 8192, 16, 32, 8, 64)}
 # a tiny random Qwen3-MoE-style model: 8 experts of width 64, top 2, a dense first layer
 TINY_MOE = {"tiny-random-moe": MoEConfig(num_experts=8, top_k=2, intermediate_size=64, layers=(1, 2, 3))}
-KNOWN_MODELS = ("smollm2-135m", *TINY_KV_HEADS, *TINY_MOE, *RANDOM_GEOMETRIES)
-HF_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+# DeepSeek-V3-style (MLA + MoE with sigmoid scores, noaux_tc groups, a shared expert, a dense first
+# layer): (hidden, dense MLP width, layers, heads, MLAConfig, MoEConfig). tiny-random-deepseek is for tests;
+# random-deepseek-v3 has V3's attention (128 heads, q_lora 1536, kv_lora 512, rope 64) and expert width
+# (2048, top 8, 1 shared) with 2 layers and 32 experts, not 256 (the weights: 5 GB in bf16), for timing
+DEEPSEEK_SHAPES = {
+    "tiny-random-deepseek": (
+        128,
+        256,
+        4,
+        8,
+        MLAConfig(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, q_lora_rank=48),
+        MoEConfig(
+            num_experts=8,
+            top_k=2,
+            intermediate_size=64,
+            layers=(1, 2, 3),
+            scoring="sigmoid",
+            topk_method="noaux_tc",
+            num_groups=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            num_shared_experts=1,
+            fp32_router=True,
+        ),
+    ),
+    "random-deepseek-v3": (
+        7168,
+        18432,
+        2,
+        128,
+        MLAConfig(
+            kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, q_lora_rank=1536
+        ),
+        MoEConfig(
+            num_experts=32,
+            top_k=8,
+            intermediate_size=2048,
+            layers=(1,),
+            scoring="sigmoid",
+            topk_method="noaux_tc",
+            num_groups=8,
+            topk_group=4,
+            routed_scaling_factor=2.5,
+            num_shared_experts=1,
+            fp32_router=True,
+        ),
+    ),
+}
+KNOWN_MODELS = ("smollm2-135m", *TINY_KV_HEADS, *TINY_MOE, *RANDOM_GEOMETRIES, *DEEPSEEK_SHAPES)
+HF_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
+)
+DEEPSEEK = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 GGUF_NAMES = {  # llama.cpp tensor name -> Hugging Face name ({} is the layer index)
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -64,6 +120,10 @@ def load_model(model: str, weights: bool = True) -> LoadedModel:
         return tiny_random(model, moe=TINY_MOE[model], weights=weights)
     if model in RANDOM_GEOMETRIES:
         return tiny_random(model, geometry=RANDOM_GEOMETRIES[model], weights=weights)
+    if model in DEEPSEEK_SHAPES:
+        hidden, width, layers, heads, mla, moe = DEEPSEEK_SHAPES[model]
+        geometry = (hidden, width, layers, heads, 1, mla.kv_lora_rank + mla.qk_rope_head_dim)
+        return tiny_random(model, geometry=geometry, moe=moe, mla=mla, weights=weights)
     path = Path(model)
     if path.suffix == ".gguf":
         if not path.is_file():
@@ -183,8 +243,8 @@ def _eos_ids(fields: dict) -> tuple[int, ...]:
 
 
 def load_hf_dir(path: Path, weights: bool = True) -> LoadedModel:
-    """A directory with config.json, *.safetensors and tokenizer.json (Llama, Qwen3 or Qwen3-MoE); without
-    tokenizer.json the model takes token-id prompts only."""
+    """A directory with config.json, *.safetensors and tokenizer.json (Llama, Qwen3, Qwen3-MoE, DeepSeek-V2
+    or -V3); without tokenizer.json the model takes token-id prompts only."""
     config_file = path / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"no config.json in {path}")
@@ -203,7 +263,7 @@ def load_hf_dir(path: Path, weights: bool = True) -> LoadedModel:
     rope = cfg.get("rope_parameters") or {}
     scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type") not in (None, "default") else None)
     eos = cfg.get("eos_token_id")
-    config = ModelConfig(
+    fields = dict(
         name=path.name,
         vocab_size=cfg["vocab_size"],
         hidden_size=cfg["hidden_size"],
@@ -222,9 +282,61 @@ def load_hf_dir(path: Path, weights: bool = True) -> LoadedModel:
         eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
         moe=_qwen3_moe(cfg) if arch == "Qwen3MoeForCausalLM" else None,
     )
+    fields.update(_deepseek(arch, cfg, scaling) if arch in DEEPSEEK else {})
+    config = ModelConfig(**fields)
     if (path / "tokenizer.json").is_file():
         return LoadedModel(config, state, from_hf_dir(path))
     return LoadedModel(config, state, NoTokenizer(config.vocab_size, path))
+
+
+def _deepseek(arch: str, cfg: dict, scaling: dict | None) -> dict:
+    """The ModelConfig fields a DeepSeek-V2/V3 config.json sets beyond a Llama's: latent attention (one
+    latent row per token in the cache, YaRN's attention-scale correction), the routed experts from layer
+    first_k_dense_replace on (every moe_layer_freq-th), and the RoPE's interleaved pairs."""
+    if cfg.get("attention_bias"):
+        raise ValueError("config.json attention_bias must be false for DeepSeek models (no bias is loaded)")
+    r, dr = cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]
+    scale = (cfg["qk_nope_head_dim"] + dr) ** -0.5
+    if scaling and scaling.get("mscale_all_dim"):  # YaRN sharpens the softmax as it stretches positions
+        factor = (
+            scaling.get("factor")
+            or cfg["max_position_embeddings"] / scaling["original_max_position_embeddings"]
+        )
+        scale *= yarn_mscale(factor, scaling["mscale_all_dim"]) ** 2
+    v3 = arch == "DeepseekV3ForCausalLM"
+    first, freq = cfg.get("first_k_dense_replace", 0), cfg.get("moe_layer_freq", 1)
+    layers = tuple(i for i in range(cfg["num_hidden_layers"]) if i >= first and i % freq == 0)
+    moe = None
+    if cfg.get("n_routed_experts") and layers:
+        moe = MoEConfig(
+            num_experts=cfg["n_routed_experts"],
+            top_k=cfg["num_experts_per_tok"],
+            intermediate_size=cfg["moe_intermediate_size"],
+            layers=layers,
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", v3)),
+            scoring="sigmoid" if v3 else "softmax",
+            topk_method="noaux_tc" if v3 else cfg.get("topk_method") or "greedy",
+            num_groups=cfg.get("n_group") or 1,
+            topk_group=cfg.get("topk_group") or 1,
+            routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+            num_shared_experts=cfg.get("n_shared_experts") or 0,
+            fp32_router=True,
+        )
+    mla = MLAConfig(
+        kv_lora_rank=r,
+        qk_nope_head_dim=cfg["qk_nope_head_dim"],
+        qk_rope_head_dim=dr,
+        v_head_dim=cfg["v_head_dim"],
+        q_lora_rank=cfg.get("q_lora_rank"),
+        softmax_scale=scale,
+    )
+    return {
+        "mla": mla,
+        "moe": moe,
+        "num_kv_heads": 1,
+        "head_dim": r + dr,
+        "rope_interleave": bool(cfg.get("rope_interleave", True)) if v3 else True,  # V2: complex pairs
+    }
 
 
 def _qwen3_moe(cfg: dict) -> MoEConfig | None:
@@ -264,6 +376,7 @@ def tiny_random(
     geometry: tuple | None = None,
     moe: MoEConfig | None = None,
     weights: bool = True,
+    mla: MLAConfig | None = None,
 ) -> LoadedModel:
     """A 4-layer model with seeded random weights and SmolLM2's tokenizer (for fast tests): from its GGUF,
     or from the vocab-only GGUF that PDKERNELS_TOKENIZER_GGUF names (scripts/vocab_gguf.py writes one)."""
@@ -286,6 +399,7 @@ def tiny_random(
         bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=_eos_ids(fields),
         moe=moe,
+        mla=mla,
     )
     return LoadedModel(config, random_weights(config, seed) if weights else {}, tokenizer)
 
@@ -298,6 +412,26 @@ def _mlp_weights(prefix: str, h: int, f: int, normal, num_experts: int | None = 
         out[p + "gate_proj.weight"] = normal(f, h, std=h**-0.5)
         out[p + "up_proj.weight"] = normal(f, h, std=h**-0.5)
         out[p + "down_proj.weight"] = normal(h, f, std=f**-0.5)
+    return out
+
+
+def _mla_weights(prefix: str, config: ModelConfig, normal) -> dict[str, Tensor]:
+    """Latent attention's projections under DeepSeek's names."""
+    m, h, heads = config.mla, config.hidden_size, config.num_heads
+    out = {
+        prefix + "kv_a_proj_with_mqa.weight": normal(m.kv_lora_rank + m.qk_rope_head_dim, h, std=h**-0.5),
+        prefix + "kv_a_layernorm.weight": 1 + normal(m.kv_lora_rank, std=0.1),
+        prefix + "kv_b_proj.weight": normal(
+            heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank, std=m.kv_lora_rank**-0.5
+        ),
+        prefix + "o_proj.weight": normal(h, heads * m.v_head_dim, std=(heads * m.v_head_dim) ** -0.5),
+    }
+    if m.q_lora_rank is None:
+        out[prefix + "q_proj.weight"] = normal(config.q_size, h, std=h**-0.5)
+    else:
+        out[prefix + "q_a_proj.weight"] = normal(m.q_lora_rank, h, std=h**-0.5)
+        out[prefix + "q_a_layernorm.weight"] = 1 + normal(m.q_lora_rank, std=0.1)
+        out[prefix + "q_b_proj.weight"] = normal(config.q_size, m.q_lora_rank, std=m.q_lora_rank**-0.5)
     return out
 
 
@@ -320,18 +454,30 @@ def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, Tensor]:
             {
                 p + "input_layernorm.weight": 1 + normal(h, std=0.1),
                 p + "post_attention_layernorm.weight": 1 + normal(h, std=0.1),
-                p + "self_attn.q_proj.weight": normal(config.q_size, h, std=h**-0.5),
-                p + "self_attn.k_proj.weight": normal(config.kv_size, h, std=h**-0.5),
-                p + "self_attn.v_proj.weight": normal(config.kv_size, h, std=h**-0.5),
-                p + "self_attn.o_proj.weight": normal(h, config.q_size, std=config.q_size**-0.5),
             }
         )
+        if config.mla:
+            weights.update(_mla_weights(p + "self_attn.", config, normal))
+        else:
+            weights.update(
+                {
+                    p + "self_attn.q_proj.weight": normal(config.q_size, h, std=h**-0.5),
+                    p + "self_attn.k_proj.weight": normal(config.kv_size, h, std=h**-0.5),
+                    p + "self_attn.v_proj.weight": normal(config.kv_size, h, std=h**-0.5),
+                    p + "self_attn.o_proj.weight": normal(h, config.q_size, std=config.q_size**-0.5),
+                }
+            )
         if config.is_moe_layer(i):
             moe = config.moe
             weights[p + "mlp.gate.weight"] = normal(moe.num_experts, h, std=h**-0.5)
             weights.update(
                 _mlp_weights(f"{p}mlp.experts.{{}}.", h, moe.intermediate_size, normal, moe.num_experts)
             )
+            if moe.topk_method == "noaux_tc":
+                weights[p + "mlp.gate.e_score_correction_bias"] = normal(moe.num_experts, std=0.1)
+            if moe.num_shared_experts:
+                width = moe.num_shared_experts * moe.intermediate_size
+                weights.update(_mlp_weights(p + "mlp.shared_experts.", h, width, normal))
         else:
             weights.update(_mlp_weights(p + "mlp.", h, config.intermediate_size, normal))
         if config.qk_norm:

@@ -14,7 +14,14 @@ from torch import Tensor
 
 from pdkernels._paging import cache_geometry, split_kv_cache
 
-__all__ = ["available", "kv_append", "kv_append_mla", "decode_attention", "extend_attention"]
+__all__ = [
+    "available",
+    "kv_append",
+    "kv_append_mla",
+    "decode_attention",
+    "extend_attention",
+    "mla_decode_attention",
+]
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
 
@@ -118,6 +125,33 @@ def decode_attention(
         sm_scale=sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim),
     )
     return _natural_lse(wrapper.run(q, paged_kv_cache, out=out, return_lse=return_lse), return_lse)
+
+
+def mla_decode_attention(
+    q_nope, q_pe, ckv_cache, kpe_cache, kv_indptr, kv_indices, kv_last_page_len, sm_scale: float
+) -> Tensor:
+    """FlashInfer's absorbed MLA (BatchMLAPagedAttentionWrapper), one query token per sequence."""
+    import flashinfer
+
+    batch, num_heads, rank = q_nope.shape
+    page_size = ckv_cache.shape[1]
+    kv_len = (kv_indptr[1:] - kv_indptr[:-1] - 1).clamp(min=0) * page_size + kv_last_page_len
+    wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(_workspace(q_nope.device))
+    wrapper.plan(
+        torch.arange(batch + 1, dtype=torch.int32, device=q_nope.device),
+        kv_indptr,
+        kv_indices,
+        kv_len.to(torch.int32),
+        num_heads,
+        rank,
+        q_pe.shape[2],
+        page_size,
+        False,
+        sm_scale,
+        q_nope.dtype,
+        ckv_cache.dtype,
+    )
+    return wrapper.run(q_nope, q_pe, ckv_cache, kpe_cache)
 
 
 def extend_attention(

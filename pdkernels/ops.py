@@ -18,12 +18,19 @@ from pdkernels import cpu as _cpu
 from pdkernels import decode_attention as _dec
 from pdkernels import extend_attention as _ext
 from pdkernels import kv_append as _kv
+from pdkernels import mla_decode as _mla
 from pdkernels import out_proj as _op
 from pdkernels import splitk_gemm as _gemm
 from pdkernels._paging import INTERPRET, require
 
 BACKENDS = ("auto", "triton", "torch", "flashinfer")
-FLASHINFER_OPS = ("kv_append", "kv_append_mla", "decode_attention", "extend_attention")
+FLASHINFER_OPS = (
+    "kv_append",
+    "kv_append_mla",
+    "decode_attention",
+    "extend_attention",
+    "mla_decode_attention",
+)
 _backend = os.environ.get("PDKERNELS_BACKEND", "auto")
 
 
@@ -215,6 +222,33 @@ def decode_attention(
         o = _dec.decode_attention_cpu(*args[:5], sm_scale=sm_scale, max_seq_len=max_seq_len)
         return _into(out, o, False)  # the reference's math: in C++ over the pages in place, or fewer passes
     return _into(out, _dec.decode_attention_ref(*args, sm_scale=sm_scale, return_lse=return_lse), return_lse)
+
+
+def mla_decode_attention(
+    q_nope,
+    q_pe,
+    ckv_cache,
+    kpe_cache,
+    kv_indptr,
+    kv_indices,
+    kv_last_page_len,
+    sm_scale: float,
+    out=None,
+    max_seq_len: int | None = None,
+    validate: bool = True,
+):
+    """See pdkernels.mla_decode.mla_decode_attention (the absorbed MLA decode)."""
+    args = (q_nope, q_pe, ckv_cache, kpe_cache, kv_indptr, kv_indices, kv_last_page_len)
+    kind = resolve("mla_decode_attention", q_nope.device)
+    if kind == "triton":
+        return _mla.mla_decode_attention(
+            *args, sm_scale=sm_scale, out=out, max_seq_len=max_seq_len, validate=validate
+        )
+    if validate:
+        _mla.check_mla_decode(*args)
+    if kind == "flashinfer":
+        return _into(out, _flashinfer().mla_decode_attention(*args, sm_scale=sm_scale), False)
+    return _into(out, _mla.mla_decode_attention_cpu(*args, sm_scale=sm_scale, max_seq_len=max_seq_len), False)
 
 
 def extend_attention(

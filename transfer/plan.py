@@ -1,12 +1,13 @@
 """Which bytes go where: the KV page writes between a prefill worker and a decode worker (no I/O).
 
-Both sides keep, per TP rank, one KV region ``[layers, pages, 2, H_local, P, D]`` (HND; see
-engine.kv_cache). In HND one head range of one page's K (or V) is a single contiguous run, so a page
-moves as one write per (source rank, destination rank) head overlap, and K and V merge into one write
-when both ranks hold the same heads. Ranks hold heads ``[r * H / tp, (r + 1) * H / tp)`` when
-``H >= tp``; with fewer heads than ranks (or an MLA latent cache, H = 1) each head is replicated on
-``tp / H`` ranks, and a destination replica takes its pages from every source replica in turn
-(a seeded rotation, so all source ranks and their NICs send).
+Both sides keep, per TP rank, one KV region ``[layers, pages, planes, H_local, P, D]`` (HND; see
+engine.kv_cache): planes K and V, or one for an MLA latent cache (H = 1, D the latent row). In HND one
+head range of one page's K (or V) is a single contiguous run, so a page moves as one write per (source
+rank, destination rank) head overlap, and K and V merge into one write when both ranks hold the same
+heads. Ranks hold heads ``[r * H / tp, (r + 1) * H / tp)`` when ``H >= tp``; with fewer heads than
+ranks (an MLA latent cache is replicated on every rank) each head is replicated on ``tp / H`` ranks, and
+each destination rank's page is written once, by one source replica: the replicas take the pages in turn
+from a start drawn per request from its seed (so runs repeat and every source rank and its NIC sends).
 
 Writes are planned per page and never merged across pages, so the count for a whole request is the
 sum of the counts for any split of its pages into chunks: the decode side computes it once, the
@@ -35,9 +36,19 @@ class ShardSpec:
     itemsize: int  # bytes per element
     dtype: str = "bfloat16"
     kv_layout: str = "HND"
+    planes: int = 2  # K and V; 1 for an MLA latent cache
 
     def __post_init__(self):
-        for name in ("tp", "num_kv_heads", "num_layers", "num_pages", "page_size", "head_dim", "itemsize"):
+        for name in (
+            "tp",
+            "num_kv_heads",
+            "num_layers",
+            "num_pages",
+            "page_size",
+            "head_dim",
+            "itemsize",
+            "planes",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"ShardSpec.{name} must be >= 1, got {getattr(self, name)}")
         if self.kv_layout != "HND":
@@ -73,12 +84,12 @@ class ShardSpec:
 
     @property
     def region_bytes(self) -> int:
-        return self.num_layers * self.num_pages * 2 * self.heads_per_rank * self.run_bytes
+        return self.num_layers * self.num_pages * self.planes * self.heads_per_rank * self.run_bytes
 
     def offset(self, layer: int, page: int, kv: int, local_head: int) -> int:
-        """Byte offset of (layer, page, K=0/V=1, local head) in a rank's region."""
+        """Byte offset of (layer, page, plane K=0/V=1, local head) in a rank's region."""
         return (
-            ((layer * self.num_pages + page) * 2 + kv) * self.heads_per_rank + local_head
+            ((layer * self.num_pages + page) * self.planes + kv) * self.heads_per_rank + local_head
         ) * self.run_bytes
 
 
@@ -92,7 +103,7 @@ class Write(NamedTuple):
 
 
 def check_compatible(src: ShardSpec, dst: ShardSpec) -> None:
-    for name in ("num_kv_heads", "num_layers", "page_size", "head_dim", "itemsize", "dtype"):
+    for name in ("num_kv_heads", "num_layers", "page_size", "head_dim", "itemsize", "dtype", "planes"):
         a, b = getattr(src, name), getattr(dst, name)
         if a != b:
             raise ValueError(f"prefill and decode disagree on {name}: {a!r} vs {b!r}; both sides must match")
@@ -144,15 +155,16 @@ def plan_array(
         src_rank = np.asarray(choices, dtype=np.int64)[index % len(choices)]
         sh, dh = head0 - src_first[src_rank], head0 - dst.first_head(dst_rank)
         whole = nheads == src.heads_per_rank == dst.heads_per_rank  # K and V adjacent on both sides
-        for kv in (0,) if whole else (0, 1):
+        planes = src.planes
+        for kv in (0,) if whole else range(planes):
             per_page.append(
                 np.stack(
                     [
                         src_rank,
-                        ((sp * 2 + kv) * src.heads_per_rank + sh) * src.run_bytes,
+                        ((sp * planes + kv) * src.heads_per_rank + sh) * src.run_bytes,
                         np.full_like(sp, dst_rank),
-                        ((dp * 2 + kv) * dst.heads_per_rank + dh) * dst.run_bytes,
-                        np.full_like(sp, (2 if whole else 1) * nheads * src.run_bytes),
+                        ((dp * planes + kv) * dst.heads_per_rank + dh) * dst.run_bytes,
+                        np.full_like(sp, (planes if whole else 1) * nheads * src.run_bytes),
                     ],
                     axis=1,
                 )

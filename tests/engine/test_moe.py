@@ -214,5 +214,5 @@ def test_moe_config_names_the_bad_field():
 def test_an_moe_model_refuses_cuda_graphs_naming_why():
     """The experts' grouping reads per-expert counts on the host, which a graph capture cannot: MoE models
     decode eagerly (the default), and asking for graphs is a clear error."""
-    with pytest.raises(ValueError, match="a model without MoE layers.*moe=True"):
+    with pytest.raises(ValueError, match="a model without MoE or MLA layers.*moe=True"):
         LLM("tiny-random-moe", page_size=4, num_pages=16, cuda_graphs=True)

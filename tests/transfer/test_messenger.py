@@ -528,3 +528,57 @@ def test_a_new_request_skips_a_prefill_worker_whose_process_is_gone(pair):
     _run(prefill, decode, pm, dm, ["busy", "next", "named"])
     assert decode.output("next").finish_reason == decode.output("named").finish_reason == "length"
     assert prefill.allocator.num_free == PAGES and decode.allocator.num_free == PAGES
+
+
+@pytest.mark.parametrize("prefill_tp, decode_tp", [(2, 1), (1, 2)])
+def test_the_latent_cache_crosses_mismatched_tp_each_decode_page_written_once(prefill_tp, decode_tp):
+    """DeepSeek's latent cache is replicated on every rank: each decode rank's copy of every page is written
+    exactly once per layer (by one prefill replica, the pages rotating over them), the tokens are the
+    colocated ones, and every prefill pages go back."""
+    prompts = _prompts(4, seed=5)
+    expected = [
+        o.token_ids
+        for o in LLM("tiny-random-deepseek", page_size=4, num_pages=PAGES).generate(prompts, GREEDY)
+    ]
+    prefill = LLM(
+        "tiny-random-deepseek",
+        tp=prefill_tp,
+        role="prefill",
+        page_size=4,
+        num_pages=PAGES,
+        max_num_batched_tokens=24,
+    )
+    decode = LLM("tiny-random-deepseek", tp=decode_tp, role="decode", page_size=4, num_pages=PAGES)
+    pm, dm = _local_pair(prefill, decode, f"mla{prefill_tp}{decode_tp}")
+    spec = shard_spec(decode)
+    assert spec.planes == 1 and spec.num_kv_heads == 1 and spec.head_dim == 48
+    writes, post = [], pm.backend.post
+
+    def counting(peer, ops, notif):
+        writes.extend(row for row in torch.as_tensor(ops).tolist() if row[2] < decode_tp)  # KV, not context
+        return post(peer, ops, notif)
+
+    pm.backend.post = counting
+    try:
+        ids = [f"r{i}" for i in range(len(prompts))]
+        for rid, prompt in zip(ids, prompts, strict=True):
+            dm.submit(rid, prompt, GREEDY)
+        _run(prefill, decode, pm, dm, ids)
+        assert [decode.output(rid).token_ids for rid in ids] == expected
+        layer_bytes = spec.region_bytes // spec.num_layers
+        page_bytes = spec.page_size * spec.head_dim * spec.itemsize
+        assert all(nbytes % page_bytes == 0 for *_, nbytes in writes)
+        written = [  # (decode rank, layer, page) of every page a write covers
+            (dst, off // layer_bytes, (off % layer_bytes) // page_bytes + k)
+            for _, _, dst, off, nbytes in writes
+            for k in range(nbytes // page_bytes)
+        ]
+        # the prompt's KV but its last token's (the decode worker computes that one); one-token prompts: none
+        pages = sum(-(-(len(p) - 1) // 4) for p in prompts if len(p) > 1)
+        assert len(written) == len(set(written)) == pages * spec.num_layers * decode_tp
+        assert {src for src, *_ in writes} == set(range(prefill_tp))  # every prefill replica sends
+        assert prefill.allocator.num_free == PAGES
+    finally:
+        _close(pm, dm)
+        prefill.close()
+        decode.close()

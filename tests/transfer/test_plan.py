@@ -105,14 +105,30 @@ def test_mismatched_tp_cuts_and_rebuilds_pages():
     ]
 
 
+LATENT = dict(SPEC, num_kv_heads=1, head_dim=576, planes=1)  # DeepSeek's latent row: one plane, one head
+
+
 def test_replicated_sources_all_send():
-    """An MLA-like latent cache (1 head) on 4 prefill ranks into 2 decode ranks: every source rank sends."""
-    latent = dict(SPEC, num_kv_heads=1)
+    """A latent cache on 4 prefill ranks into 2 decode ranks: every source rank sends, and each decode
+    rank's page is written once per layer, one plane of one row per token."""
     writes = plan_writes(
-        ShardSpec(tp=4, **latent), ShardSpec(tp=2, **latent), list(range(8)), list(range(8)), seed=3
+        ShardSpec(tp=4, **LATENT), ShardSpec(tp=2, **LATENT), list(range(8)), list(range(8)), seed=3
     )
     assert {w.src_rank for w in writes} == {0, 1, 2, 3}
     assert expected_writes(writes, 2) == [16, 16]
+    assert all(w.nbytes == 16 * 576 * 2 for w in writes)
+    assert len({(w.dst_rank, w.dst_offset) for w in writes}) == len(writes)
+
+
+@pytest.mark.parametrize("src_tp, dst_tp", [(2, 1), (4, 2), (1, 2)])
+def test_over_100_one_page_requests_every_replica_sends_a_share(src_tp, dst_tp):
+    """The replica that sends a request's first page is drawn from the request's seed: over many requests
+    the load spreads over every prefill rank (and its NIC), and the same seeds give the same choice."""
+    src, dst = ShardSpec(tp=src_tp, **LATENT), ShardSpec(tp=dst_tp, **LATENT)
+    senders = [[w.src_rank for w in plan_writes(src, dst, [0], [0], seed=s)] for s in range(100)]
+    assert senders == [[w.src_rank for w in plan_writes(src, dst, [0], [0], seed=s)] for s in range(100)]
+    counts = np.bincount(np.concatenate(senders), minlength=src_tp)
+    assert counts.min() >= 0.6 * counts.sum() / src_tp, counts
 
 
 @pytest.mark.parametrize(
