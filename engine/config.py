@@ -254,6 +254,7 @@ class EngineConfig:
     dtype: str = "float32"
     tp: int = 1
     seed: int = 0
+    expert_parallel: bool = False  # MoE under TP: whole experts per rank instead of a slice of each
 
     def __post_init__(self):
         _check(self.dtype in DTYPES, f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
@@ -280,6 +281,15 @@ class EngineConfig:
         _check(
             m.moe is None or m.moe.intermediate_size % self.tp == 0,
             f"tp={self.tp} must divide the experts' MLP width {m.moe and m.moe.intermediate_size}",
+        )
+        _check(
+            isinstance(self.expert_parallel, bool),
+            f"expert_parallel must be true or false, got {self.expert_parallel!r}",
+        )
+        _check(
+            not self.expert_parallel or (m.moe is not None and m.moe.num_experts % self.tp == 0),
+            f"expert_parallel needs an MoE model whose experts tp={self.tp} divides; got "
+            f"{m.moe.num_experts if m.moe else 'no'} experts",
         )
 
     @property

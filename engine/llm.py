@@ -85,12 +85,14 @@ class LLM(DecodeHandoff):
         reserved_tokens: int | None = 512,
         preemption: str = "recompute",
         enable_prefix_caching: bool = True,
+        expert_parallel: bool = False,
     ):
         """cuda_graphs: replay decode steps as CUDA graphs (engine.graphs); None: on CUDA with tp 1 outside
         the prefill role (which never decodes). One page is kept back as the padding rows' scratch page.
         reserved_tokens, preemption: admission with room to finish and what a preempted decode-role
         sequence does (engine.config.SchedulerConfig). enable_prefix_caching: share the KV of leading
-        full pages between requests (engine/kv_cache.py; vLLM's name and default)."""
+        full pages between requests (engine/kv_cache.py; vLLM's name and default). expert_parallel: an MoE
+        model under TP holds whole experts per rank (engine/moe.py) instead of a slice of each."""
         loaded = load_model(model)
         self.config = EngineConfig(
             model=loaded.config,
@@ -102,11 +104,12 @@ class LLM(DecodeHandoff):
             dtype=dtype,
             tp=tp,
             seed=seed,
+            expert_parallel=expert_parallel,
         )
         torch.manual_seed(seed)
         self.tokenizer = loaded.tokenizer
         dev = torch.device(device)
-        shard = Shard.of(loaded.config, 0, tp)
+        shard = Shard.of(loaded.config, 0, tp, expert_parallel)
         self.tp_group = TPGroup(model, self.config) if tp > 1 else None
         if self.tp_group is not None:
             self._finalizer = weakref.finalize(self, self.tp_group.close)

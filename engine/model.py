@@ -47,9 +47,10 @@ class Shard:
     kv_heads: tuple[int, int]  # [start, end) of kv heads (replicated when kv_heads < tp)
     mlp: tuple[int, int]
     expert_mlp: tuple[int, int] = (0, 0)  # [start, end) of every routed expert's MLP width (MoE layers)
+    experts: tuple[int, int] | None = None  # expert parallelism: the whole experts [start, end) held here
 
     @staticmethod
-    def of(config: ModelConfig, rank: int = 0, size: int = 1) -> Shard:
+    def of(config: ModelConfig, rank: int = 0, size: int = 1, expert_parallel: bool = False) -> Shard:
         hq = config.num_heads // size
         if config.num_kv_heads >= size:
             hkv = config.num_kv_heads // size
@@ -60,7 +61,11 @@ class Shard:
         f = config.intermediate_size // size
         fe = config.moe.intermediate_size // size if config.moe else 0
         q = (rank * hq, (rank + 1) * hq)
-        return Shard(rank, size, q, kv, (rank * f, (rank + 1) * f), (rank * fe, (rank + 1) * fe))
+        experts = None
+        if expert_parallel:
+            per = config.moe.num_experts // size
+            experts = (rank * per, (rank + 1) * per)
+        return Shard(rank, size, q, kv, (rank * f, (rank + 1) * f), (rank * fe, (rank + 1) * fe), experts)
 
     @property
     def num_q_heads(self) -> int:
@@ -172,7 +177,7 @@ class Model:
             layer["qkv"] = torch.cat([q, k, v])  # one GEMM for q, k and v
             layer["o"] = weights[p + "self_attn.o_proj.weight"][:, s.q_heads[0] * d : s.q_heads[1] * d]
         if self.config.is_moe_layer(i):  # routed experts (engine/moe.py); the router is not sharded
-            layer.update(moe.load_experts(weights, p + "mlp.", self.config.moe, *s.expert_mlp))
+            layer.update(moe.load_experts(weights, p + "mlp.", self.config.moe, *s.expert_mlp, s.experts))
         else:
             layer["gate_up"] = torch.cat(
                 [rows("mlp.gate_proj.weight", *s.mlp), rows("mlp.up_proj.weight", *s.mlp)]
@@ -275,7 +280,7 @@ class Model:
     def mlp(self, layer: dict, x: Tensor) -> Tensor:
         """The dense SwiGLU MLP, or the routed experts on an MoE layer (this rank's partial sum under TP)."""
         if "router" in layer:
-            return moe.forward(layer, x, self.config.moe)
+            return moe.forward(layer, x, self.config.moe, self.shard.experts[0] if self.shard.experts else 0)
         gate, up = self.linear(x, layer["gate_up"]).chunk(2, dim=-1)
         return self.linear(F.silu(gate) * up, layer["down"])
 

@@ -4,7 +4,11 @@ The router scores every expert per token and keeps the top k; the experts then r
 token: the (token, expert) pairs are sorted by expert, and each expert that received tokens runs one
 gate/up GEMM and one down GEMM over its rows. The weighted rows are summed back into their tokens with one
 index_add. Under tensor parallelism each rank holds the same slice of every expert's MLP width (as for the
-dense MLP), so the experts' partial outputs are summed by the all-reduce the dense MLP already does.
+dense MLP), so the experts' partial outputs are summed by the all-reduce the dense MLP already does. With
+expert parallelism (EngineConfig.expert_parallel) each rank holds num_experts / tp whole experts instead
+and runs only the (token, expert) pairs routed to them: every rank already has every token (attention's
+all-reduce gave them the same hidden states), so the dispatch is each rank picking its own pairs and the
+combine is that same all-reduce; the shared experts stay split by width.
 """
 
 from __future__ import annotations
@@ -42,13 +46,16 @@ def route(x: Tensor, router: Tensor, moe: MoEConfig, bias: Tensor | None = None)
     return (weights if moe.fp32_router else weights.to(x.dtype)), ids
 
 
-def experts(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
+def experts(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: Tensor, first: int = 0) -> Tensor:
     """x [T, H]; weights, ids [T, k]; gate_up [E, 2F, H] (gate rows then up rows), down [E, H, F] ->
-    [T, H]: sum over each token's k experts of weight * down(silu(gate) * up)."""
-    k = ids.shape[1]
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
-    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    [T, H]: sum over each token's k experts of weight * down(silu(gate) * up). The tensors hold experts
+    first .. first + E - 1 (all of them, or one rank's under expert parallelism): pairs routed to other
+    experts are left to their ranks."""
+    k, num = ids.shape[1], gate_up.shape[0]
+    flat = ids.reshape(-1) - first
+    mine = ((flat >= 0) & (flat < num)).nonzero().squeeze(1)
+    order = mine[torch.argsort(flat[mine], stable=True)]  # (token, slot) pairs grouped by expert
+    counts = torch.bincount(flat[mine], minlength=num).tolist()
     token = order // k
     rows = x[token]
     out = torch.empty_like(rows)
@@ -72,19 +79,29 @@ def experts_ref(x: Tensor, weights: Tensor, ids: Tensor, gate_up: Tensor, down: 
     return y
 
 
-def load_experts(weights: dict[str, Tensor], prefix: str, moe: MoEConfig, lo: int, hi: int) -> dict:
+def load_experts(
+    weights: dict[str, Tensor],
+    prefix: str,
+    moe: MoEConfig,
+    lo: int,
+    hi: int,
+    experts: tuple[int, int] | None = None,
+) -> dict:
     """An MoE layer's tensors for this rank, from Hugging Face's per-expert names
     (`{prefix}experts.{e}.gate_proj.weight`, ...): the router (and DeepSeek-V3's score bias) whole; the
-    slice [lo, hi) of every expert's MLP width, stacked (gate_up [E, 2F, H], down [E, H, F]); and the
-    same share of the shared experts' width."""
+    slice [lo, hi) of every expert's MLP width, stacked (gate_up [E, 2F, H], down [E, H, F]), or with
+    experts=(start, end) (expert parallelism) those experts whole; and the [lo, hi) share of the shared
+    experts' width."""
 
     def w(e, name):
         return weights[f"{prefix}experts.{e}.{name}.weight"]
 
+    first, last = experts or (0, moe.num_experts)
+    a, b = (0, moe.intermediate_size) if experts else (lo, hi)
     gate_up = torch.stack(
-        [torch.cat([w(e, "gate_proj")[lo:hi], w(e, "up_proj")[lo:hi]]) for e in range(moe.num_experts)]
+        [torch.cat([w(e, "gate_proj")[a:b], w(e, "up_proj")[a:b]]) for e in range(first, last)]
     )
-    down = torch.stack([w(e, "down_proj")[:, lo:hi] for e in range(moe.num_experts)])
+    down = torch.stack([w(e, "down_proj")[:, a:b] for e in range(first, last)])
     layer = {"router": weights[prefix + "gate.weight"], "experts_gate_up": gate_up, "experts_down": down}
     if prefix + "gate.e_score_correction_bias" in weights:
         layer["router_bias"] = weights[prefix + "gate.e_score_correction_bias"]
@@ -100,10 +117,11 @@ def load_experts(weights: dict[str, Tensor], prefix: str, moe: MoEConfig, lo: in
     return layer
 
 
-def forward(layer: dict, x: Tensor, moe: MoEConfig) -> Tensor:
-    """An MoE layer's MLP output for x [T, H] (this rank's partial sum under TP)."""
+def forward(layer: dict, x: Tensor, moe: MoEConfig, first: int = 0) -> Tensor:
+    """An MoE layer's MLP output for x [T, H] (this rank's partial sum under TP); first: the first expert
+    the layer's tensors hold (expert parallelism)."""
     weights, ids = route(x, layer["router"], moe, layer.get("router_bias"))
-    y = experts(x, weights, ids, layer["experts_gate_up"], layer["experts_down"])
+    y = experts(x, weights, ids, layer["experts_gate_up"], layer["experts_down"], first)
     if "shared_gate_up" in layer:
         gate, up = F.linear(x, layer["shared_gate_up"]).chunk(2, dim=-1)
         y = y + F.linear(F.silu(gate) * up, layer["shared_down"])

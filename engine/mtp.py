@@ -3,8 +3,8 @@
 For a confirmed position p (its KV is in the target's cache and the token after it, t[p+1], is known) the
 head's input is the target's final hidden state h[p] and the embedding of t[p+1]:
 
-    x[p] = eh_proj([enorm(embed(t[p+1])); hnorm(h[p])])        one Llama decoder layer over the head's
-    y[p] = layer(x[p]) at position p                          own KV of the positions before p
+    x[p] = eh_proj([enorm(embed(t[p+1])); hnorm(h[p])])        one decoder layer over the head's own
+    y[p] = layer(x[p]) at position p                          KV of the positions before p
     logits = lm_head(shared_head.norm(y[p]))                  the target's embedding / LM head, shared
 
 and argmax(logits) drafts t[p+2]. The head's KV starts at the request's last prompt positions (p =
@@ -16,9 +16,11 @@ it has not yet seen (their KV kept), then k - 1 chained steps on its own output 
 (their KV dropped: the next step replaces them with confirmed positions). Drafts are deterministic (the
 head's argmax), so verification treats them as point masses (engine.speculative.verify_sampled).
 
-Weights, as `speculative_config["model"]`: None reads them from the target's checkpoint under DeepSeek's
-names (`model.layers.{num_layers}.enorm.weight`, ...); a `.safetensors` file holds them with or without
-that prefix; "random" makes a seeded random head (tests and timing). This runs in plain torch on the lead
+The layer is of the target's kind: a Llama/Qwen3 layer, or for DeepSeek latent attention (the head keeps
+its own latent rows, decompressed per head) and routed experts. Weights, as
+`speculative_config["model"]`: None reads them from the target's checkpoint under DeepSeek's names
+(`model.layers.{num_layers}.enorm.weight`, ...); a `.safetensors` file holds them with or without that
+prefix; "random" makes a seeded random head (tests and timing). This runs in plain torch on the lead
 rank (the head is one layer; with TP the lead has the full hidden states and LM head).
 """
 
@@ -31,59 +33,79 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from engine import mla, moe
 from engine.config import ModelConfig
 from engine.model import Model
 from engine.sequence import Sequence
 from engine.weights import random_weights
 
-LAYER_KEYS = (
-    "input_layernorm.weight",
-    "self_attn.q_proj.weight",
-    "self_attn.k_proj.weight",
-    "self_attn.v_proj.weight",
-    "self_attn.o_proj.weight",
-    "post_attention_layernorm.weight",
-    "mlp.gate_proj.weight",
-    "mlp.up_proj.weight",
-    "mlp.down_proj.weight",
-)
-HEAD_KEYS = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight", *LAYER_KEYS)
+BASE_SHAPES = ("enorm.weight", "hnorm.weight", "shared_head.norm.weight", "input_layernorm.weight")
 QK_NORM_KEYS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
 
 
-def head_keys(config: ModelConfig) -> tuple[str, ...]:
-    return HEAD_KEYS + (QK_NORM_KEYS if config.qk_norm else ())
-
-
 def head_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The head's weights (bare names) and shapes: one decoder layer of the target's kind (GQA or latent
+    attention; a dense MLP, or routed experts when the target has them, as DeepSeek-V3's MTP layer)."""
     h, f = config.hidden_size, config.intermediate_size
-    shapes = {
-        "enorm.weight": (h,),
-        "hnorm.weight": (h,),
-        "eh_proj.weight": (h, 2 * h),
-        "shared_head.norm.weight": (h,),
-        "input_layernorm.weight": (h,),
-        "post_attention_layernorm.weight": (h,),
-        "self_attn.q_proj.weight": (config.q_size, h),
-        "self_attn.k_proj.weight": (config.kv_size, h),
-        "self_attn.v_proj.weight": (config.kv_size, h),
-        "self_attn.o_proj.weight": (h, config.q_size),
-        "mlp.gate_proj.weight": (f, h),
-        "mlp.up_proj.weight": (f, h),
-        "mlp.down_proj.weight": (h, f),
-    }
-    if config.qk_norm:
-        shapes |= {k: (config.head_dim,) for k in QK_NORM_KEYS}
+    shapes = {k: (h,) for k in BASE_SHAPES} | {"eh_proj.weight": (h, 2 * h)}
+    shapes["post_attention_layernorm.weight"] = (h,)
+    if config.mla:
+        m, heads = config.mla, config.num_heads
+        shapes |= {
+            "self_attn.kv_a_proj_with_mqa.weight": (m.kv_lora_rank + m.qk_rope_head_dim, h),
+            "self_attn.kv_a_layernorm.weight": (m.kv_lora_rank,),
+            "self_attn.kv_b_proj.weight": (heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank),
+            "self_attn.o_proj.weight": (h, heads * m.v_head_dim),
+        }
+        if m.q_lora_rank is None:
+            shapes["self_attn.q_proj.weight"] = (config.q_size, h)
+        else:
+            shapes |= {
+                "self_attn.q_a_proj.weight": (m.q_lora_rank, h),
+                "self_attn.q_a_layernorm.weight": (m.q_lora_rank,),
+                "self_attn.q_b_proj.weight": (config.q_size, m.q_lora_rank),
+            }
+    else:
+        shapes |= {
+            "self_attn.q_proj.weight": (config.q_size, h),
+            "self_attn.k_proj.weight": (config.kv_size, h),
+            "self_attn.v_proj.weight": (config.kv_size, h),
+            "self_attn.o_proj.weight": (h, config.q_size),
+        }
+        if config.qk_norm:
+            shapes |= {k: (config.head_dim,) for k in QK_NORM_KEYS}
+    moe = config.moe
+    if moe is None:
+        return shapes | {
+            "mlp.gate_proj.weight": (f, h),
+            "mlp.up_proj.weight": (f, h),
+            "mlp.down_proj.weight": (h, f),
+        }
+    fe = moe.intermediate_size
+    shapes["mlp.gate.weight"] = (moe.num_experts, h)
+    if moe.topk_method == "noaux_tc":
+        shapes["mlp.gate.e_score_correction_bias"] = (moe.num_experts,)
+    for e in range(moe.num_experts):
+        shapes |= {f"mlp.experts.{e}.{k}_proj.weight": (fe, h) for k in ("gate", "up")}
+        shapes[f"mlp.experts.{e}.down_proj.weight"] = (h, fe)
+    if moe.num_shared_experts:
+        fs = moe.num_shared_experts * fe
+        shapes |= {f"mlp.shared_experts.{k}_proj.weight": (fs, h) for k in ("gate", "up")}
+        shapes["mlp.shared_experts.down_proj.weight"] = (h, fs)
     return shapes
+
+
+def head_keys(config: ModelConfig) -> tuple[str, ...]:
+    return tuple(head_shapes(config))
 
 
 def random_head_weights(config: ModelConfig, seed: int = 0) -> dict[str, Tensor]:
     """A seeded random head at config's geometry (its drafts are almost never accepted)."""
-    layer = random_weights(replace(config, num_layers=1, tie_embeddings=True), seed + 1)
+    moe = config.moe and replace(config.moe, layers=(0,))
+    layer = random_weights(replace(config, num_layers=1, tie_embeddings=True, moe=moe), seed + 1)
     g = torch.Generator().manual_seed(seed)
     h = config.hidden_size
-    layer_keys = LAYER_KEYS + (QK_NORM_KEYS if config.qk_norm else ())
-    weights = {k: layer["model.layers.0." + k] for k in layer_keys}
+    weights = {k: layer["model.layers.0." + k] for k in head_keys(config) if "model.layers.0." + k in layer}
     weights |= {k: 1 + 0.1 * torch.randn(h, generator=g) for k in ("enorm.weight", "hnorm.weight")}
     weights["eh_proj.weight"] = torch.randn(h, 2 * h, generator=g) * (2 * h) ** -0.5
     weights["shared_head.norm.weight"] = 1 + 0.1 * torch.randn(h, generator=g)
@@ -146,6 +168,15 @@ class MTPDrafter:
         c = target.config
         self.w = {name: w.to(target.device, target.dtype).contiguous() for name, w in weights.items()}
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        # DeepSeek's head: latent attention and routed experts, over the whole head count and width
+        self.attn = c.mla and {
+            k: t.contiguous() for k, t in mla.load_attention(self.w, "self_attn.", c, 0, c.num_heads).items()
+        }
+        self.moe = c.moe and {
+            k: t.to(torch.float32 if k.startswith("router") and c.moe.fp32_router else t.dtype).contiguous()
+            for k, t in moe.load_experts(self.w, "mlp.", c.moe, 0, c.moe.intermediate_size).items()
+        }
+        self.w = {k: t for k, t in self.w.items() if not k.startswith("mlp.experts.")}  # now stacked
 
     # ---- what the engine tells it ----------------------------------------------------------------
 
@@ -209,30 +240,69 @@ class MTPDrafter:
     def _layer(
         self, x: Tensor, positions: list[int], state: HeadState, extra_k=(), extra_v=()
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """One Llama decoder layer for rows x at positions, attending causally over the head's KV (the
-        state's, then extra_k/v) and each other; returns (output, the rows' k, v)."""
-        t, w, d = self.target, self.w, self.head_dim
+        """One decoder layer for rows x at positions, attending causally over the head's KV (the state's,
+        then extra_k/v) and each other; returns (output, the rows' k, v). For latent attention k is the
+        rows' latent [c | k_pe] and v the same tensor."""
+        t, w = self.target, self.w
         n = x.shape[0]
         h = t.rms_norm(x, w["input_layernorm.weight"])
+        pos = torch.tensor(positions, device=x.device)
+        cos, sin = t.cos[pos].unsqueeze(1), t.sin[pos].unsqueeze(1)
+        mask = torch.ones(n, len(state.k) + len(extra_k) + n, dtype=torch.bool, device=x.device)
+        mask = mask.tril(mask.shape[1] - n)  # row i: every position before it, and itself
+        attend = self._latent_attention if self.attn else self._attention
+        o, k, v = attend(h, cos, sin, mask, state, extra_k, extra_v)
+        x = x + F.linear(o.to(x.dtype), w["self_attn.o_proj.weight"])
+        h = t.rms_norm(x, w["post_attention_layernorm.weight"])
+        if self.moe:
+            return x + moe.forward(self.moe, h, t.config.moe), k, v
+        gate, up = F.linear(h, w["mlp.gate_proj.weight"]), F.linear(h, w["mlp.up_proj.weight"])
+        return x + F.linear(F.silu(gate) * up, w["mlp.down_proj.weight"]), k, v
+
+    def _latent_attention(self, h, cos, sin, mask, state, extra_k, extra_v) -> tuple[Tensor, Tensor, Tensor]:
+        """DeepSeek's latent attention over the head's own latent rows, decompressed per head."""
+        t, a, m = self.target, self.attn, self.target.config.mla
+        n, r = h.shape[0], m.kv_lora_rank
+        if "q_proj" in a:
+            q = F.linear(h, a["q_proj"])
+        else:
+            q = F.linear(t.rms_norm(F.linear(h, a["q_a"]), a["q_a_norm"]), a["q_b"])
+        q_nope, q_pe = q.view(n, -1, m.qk_head_dim).split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
+        latent = F.linear(h, a["kv_a"])
+        rows = torch.cat(
+            [t.rms_norm(latent[:, :r], a["kv_a_norm"]), t.rope(latent[:, None, r:], cos, sin)[:, 0]], -1
+        )
+        every = torch.stack([*state.k, *extra_k, *rows]).float()  # [m, r + rope]
+        heads = self.num_heads
+        keys = torch.cat(
+            [
+                torch.einsum("mr,hdr->hmd", every[:, :r], a["w_uk"].float()),
+                every[None, :, r:].expand(heads, -1, -1),
+            ],
+            dim=-1,
+        )
+        values = torch.einsum("mr,hdr->hmd", every[:, :r], a["w_uv"].float())
+        query = torch.cat([q_nope, t.rope(q_pe, cos, sin)], dim=-1).float().transpose(0, 1)  # [H, n, qk]
+        o = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=m.scale)
+        return o.transpose(0, 1).reshape(n, -1), rows, rows
+
+    def _attention(self, h, cos, sin, mask, state, extra_k, extra_v) -> tuple[Tensor, Tensor, Tensor]:
+        """GQA over the head's own K/V rows."""
+        t, w, d = self.target, self.w, self.head_dim
+        n = h.shape[0]
         q = F.linear(h, w["self_attn.q_proj.weight"]).view(n, self.num_heads, d)
         k = F.linear(h, w["self_attn.k_proj.weight"]).view(n, self.num_kv_heads, d)
         v = F.linear(h, w["self_attn.v_proj.weight"]).view(n, self.num_kv_heads, d)
         if t.config.qk_norm:
             q, k = t.rms_norm(q, w["self_attn.q_norm.weight"]), t.rms_norm(k, w["self_attn.k_norm.weight"])
-        pos = torch.tensor(positions, device=x.device)
-        cos, sin = t.cos[pos].unsqueeze(1), t.sin[pos].unsqueeze(1)
         q, k = t.rope(q, cos, sin), t.rope(k, cos, sin)
         keys = torch.stack([*state.k, *extra_k, *k]).float()  # [m, Hkv, D]; the rows' own come last
         values = torch.stack([*state.v, *extra_v, *v]).float()
-        m, group = keys.shape[0], self.num_heads // self.num_kv_heads
-        mask = torch.ones(n, m, dtype=torch.bool, device=x.device).tril(m - n)  # row i: all before, itself
+        group = self.num_heads // self.num_kv_heads
         o = F.scaled_dot_product_attention(
             q.float().transpose(0, 1),  # [H, n, D]
             keys.repeat_interleave(group, 1).transpose(0, 1),
             values.repeat_interleave(group, 1).transpose(0, 1),
             attn_mask=mask,
         )
-        x = x + F.linear(o.transpose(0, 1).reshape(n, -1).to(x.dtype), w["self_attn.o_proj.weight"])
-        h = t.rms_norm(x, w["post_attention_layernorm.weight"])
-        gate, up = F.linear(h, w["mlp.gate_proj.weight"]), F.linear(h, w["mlp.up_proj.weight"])
-        return x + F.linear(F.silu(gate) * up, w["mlp.down_proj.weight"]), k, v
+        return o.transpose(0, 1).reshape(n, -1), k, v

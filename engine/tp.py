@@ -47,7 +47,7 @@ def build_rank(model_name: str, config: EngineConfig, rank: int):
     """This rank's model shard, KV cache and, on GPU, the VMM allocation the cache lives in (else None)."""
     loaded = load_model(model_name)
     device = torch.device(config.device)
-    shard = Shard.of(loaded.config, rank, config.tp)
+    shard = Shard.of(loaded.config, rank, config.tp, config.expert_parallel)
     model = Model(loaded.config, loaded.weights, device, config.torch_dtype, shard)
     if device.type == "cpu":
         kv_cache = allocate_kv_cache(

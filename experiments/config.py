@@ -45,8 +45,11 @@ class ModelSpec:
     num_pages: int = 512  # per worker
     max_num_seqs: int = 64
     device: str = "auto"  # auto: cuda when this machine has it, else cpu
+    expert_parallel: bool = False  # an MoE model under TP: whole experts per rank (engine/moe.py)
 
     def __post_init__(self):
+        if not isinstance(self.expert_parallel, bool):
+            _fail("model.expert_parallel", self.expert_parallel, "true or false")
         if self.device not in DEVICES:
             _fail("model.device", self.device, f"one of {DEVICES}")
         if self.dtype not in DTYPES + ("auto",):
@@ -444,6 +447,7 @@ def check_fits_model(config: RunConfig):
                     tp=getattr(d, key),
                     dtype=config.model.dtype,
                     device=config.model.device,
+                    expert_parallel=config.model.expert_parallel,
                 )
             except ValueError as e:
                 raise ValueError(

@@ -21,6 +21,7 @@ __all__ = [
     "decode_attention",
     "extend_attention",
     "mla_decode_attention",
+    "mla_decode_wrapper",
 ]
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
@@ -127,20 +128,18 @@ def decode_attention(
     return _natural_lse(wrapper.run(q, paged_kv_cache, out=out, return_lse=return_lse), return_lse)
 
 
-def mla_decode_attention(
-    q_nope, q_pe, ckv_cache, kpe_cache, kv_indptr, kv_indices, kv_last_page_len, sm_scale: float
-) -> Tensor:
-    """FlashInfer's absorbed MLA (BatchMLAPagedAttentionWrapper), one query token per sequence."""
+def mla_decode_wrapper(q_nope, q_pe, kv_indptr, kv_indices, kv_last_page_len, page_size, sm_scale, kv_dtype):
+    """FlashInfer's absorbed MLA (BatchMLAPagedAttentionWrapper) planned for one query token per sequence;
+    .run(q_nope, q_pe, ckv_cache, kpe_cache) attends."""
     import flashinfer
 
     batch, num_heads, rank = q_nope.shape
-    page_size = ckv_cache.shape[1]
     kv_len = (kv_indptr[1:] - kv_indptr[:-1] - 1).clamp(min=0) * page_size + kv_last_page_len
     wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(_workspace(q_nope.device))
     wrapper.plan(
         torch.arange(batch + 1, dtype=torch.int32, device=q_nope.device),
-        kv_indptr,
-        kv_indices,
+        kv_indptr.to(torch.int32),
+        kv_indices.to(torch.int32),
         kv_len.to(torch.int32),
         num_heads,
         rank,
@@ -149,9 +148,16 @@ def mla_decode_attention(
         False,
         sm_scale,
         q_nope.dtype,
-        ckv_cache.dtype,
+        kv_dtype,
     )
-    return wrapper.run(q_nope, q_pe, ckv_cache, kpe_cache)
+    return wrapper
+
+
+def mla_decode_attention(
+    q_nope, q_pe, ckv_cache, kpe_cache, kv_indptr, kv_indices, kv_last_page_len, sm_scale: float
+) -> Tensor:
+    tables = (kv_indptr, kv_indices, kv_last_page_len, ckv_cache.shape[1], sm_scale, ckv_cache.dtype)
+    return mla_decode_wrapper(q_nope, q_pe, *tables).run(q_nope, q_pe, ckv_cache, kpe_cache)
 
 
 def extend_attention(

@@ -18,15 +18,21 @@ from engine.mtp import random_head_weights
 from engine.weights import load_model
 
 
-def echo_head(path: Path, model: str = "tiny-random") -> str:
-    loaded = load_model(model)
+def echo_head_weights(loaded) -> dict[str, torch.Tensor]:
+    """The echo head for a loaded model (bare names): its layer's outputs zero, whatever its kind."""
     h = loaded.config.hidden_size
     head = random_head_weights(loaded.config)
     head["enorm.weight"] = torch.ones(h)
     head["eh_proj.weight"] = torch.cat([torch.eye(h), torch.zeros(h, h)], 1)
-    head["self_attn.o_proj.weight"].zero_()
-    head["mlp.down_proj.weight"].zero_()
+    for key, w in head.items():  # o_proj, and the dense MLP's or every expert's down projection
+        if key == "self_attn.o_proj.weight" or key.endswith("down_proj.weight"):
+            w.zero_()
     head["shared_head.norm.weight"] = loaded.weights["model.norm.weight"].clone()
+    return head
+
+
+def echo_head(path: Path, model: str = "tiny-random") -> str:
+    head = echo_head_weights(load_model(model))
     save_file({k: w.contiguous() for k, w in head.items()}, str(path))
     return str(path)
 
@@ -34,8 +40,9 @@ def echo_head(path: Path, model: str = "tiny-random") -> str:
 def bigram(llm: LLM) -> LLM:
     """Zero llm's attention and MLP outputs (lead rank only): its next token depends on its last one."""
     for layer in llm.model.layers:
-        for key in ("o", "down"):  # plain or prepacked (pdkernels.cpu): zeros in any layout
-            getattr(layer[key], "data", layer[key]).zero_()
+        for key in ("o", "down", "experts_down", "shared_down"):  # plain or prepacked: zeros in any layout
+            if key in layer:
+                getattr(layer[key], "data", layer[key]).zero_()
     return llm
 
 

@@ -37,6 +37,9 @@ SKEWED = [32768] * 4 + [512] * 60  # a batch of 64: four long sequences among sh
 PREFILL_M = 4096  # out_proj at prefill M (one 4096-token chunk)
 EXTEND_CASES = [(4, 0, 2048), (8, 4096, 512)]  # (requests, cached prefix, new tokens each)
 APPEND_TOKENS = [(256, 1), (8, 1024), (1, 8192)]  # (requests, tokens appended each)
+# DeepSeek-V3's latent (512 + rope 64): (query heads on a rank, sequences, tokens each); 16 heads is TP 8,
+# 128 is one rank holding every head (DP attention)
+MLA_DECODE = [(16, 64, 4096), (16, 8, 32768), (128, 32, 4096), (128, 128, 1024)]
 PAGE_SIZE = 16
 
 
@@ -341,6 +344,36 @@ def bench_mla_append(device, dtype, tiny) -> Iterator[tuple]:
             )
 
 
+def bench_mla_decode(device, dtype, tiny) -> Iterator[tuple]:
+    """The absorbed MLA decode over the latent cache as the engine lays it out (one [pages, P, 576] tensor,
+    ckv and kpe its two views), against FlashInfer's BatchMLAPagedAttentionWrapper on separate caches."""
+    from pdkernels.mla_decode import mla_decode_attention
+    from pdkernels.testing import make_paged_cache
+
+    rank, rope = (64, 16) if tiny else (512, 64)
+    for heads, batch, tokens in [(16, 2, 64)] if tiny else MLA_DECODE:
+        case = make_paged_cache([tokens] * batch, 1, 1, PAGE_SIZE, device=device, fill=False)  # the table
+        rows = torch.randn(case.cache.shape[0], PAGE_SIZE, rank + rope, device=device, dtype=dtype)
+        q = torch.randn(batch, heads, rank + rope, device=device, dtype=dtype)
+        q_nope, q_pe = q[..., :rank], q[..., rank:]
+        tables = (case.kv_indptr, case.kv_indices, case.kv_last_page_len)
+        nbytes = (batch * tokens * (rank + rope) + q.numel() + batch * heads * rank) * q.element_size()
+        flops = 2 * batch * heads * tokens * (2 * rank + rope)
+        shape = f"deepseek-mla H={heads} B={batch} L={tokens}"
+        args = (q_nope, q_pe, rows[..., :rank], rows[..., rank:], *tables)
+        ours = partial(mla_decode_attention, *args, sm_scale=0.1, max_seq_len=tokens, validate=False)
+        yield "mla_decode_attention", shape, "triton", nbytes, flops, ours
+        fi = _flashinfer()
+        if fi is not None:
+            from pdkernels.flashinfer_ops import mla_decode_wrapper
+
+            ckv, kpe = rows[..., :rank].contiguous(), rows[..., rank:].contiguous()  # its own layout
+            q_nope, q_pe = q_nope.contiguous(), q_pe.contiguous()
+            wrapper = mla_decode_wrapper(q_nope, q_pe, *tables, PAGE_SIZE, 0.1, dtype)  # planned once
+            theirs = partial(wrapper.run, q_nope, q_pe, ckv, kpe)
+            yield "mla_decode_attention", shape, "flashinfer", nbytes, flops, theirs
+
+
 WITHOUT_FLASHINFER = False  # --without-flashinfer: say so in the table instead of failing
 
 
@@ -364,6 +397,7 @@ GROUPS = {  # each case builder, and the kernels it yields (only the asked-for b
     "decode": (bench_decode, {"decode_attention"}),
     "extend": (bench_extend, {"extend_attention"}),
     "mla": (bench_mla_append, {"kv_append_mla"}),
+    "mla_decode": (bench_mla_decode, {"mla_decode_attention"}),
 }
 BASELINES = ("torch.matmul", "flashinfer")  # what each row is compared with, same kernel and shape
 

@@ -10,8 +10,11 @@ of time is recorded and the next one runs):
    by the host while the pass runs, its bump inside a CUDA graph, and a cache past 2^31 elements;
 2. the engine on the GPU (tests/engine/test_gpu.py): greedy parity with the CPU, decode CUDA graphs against
    eager steps, the prefill counter in host memory, a rank's KV mapped into another process (CUDA VMM);
-3. the quick kernel benchmark against cuBLAS and FlashInfer (experiments.bench.gpu --quick);
-4. experiment=compare on the one GPU at Llama-3.2-1B's geometry (random weights: no checkpoint need be
+3. the quick kernel benchmark against cuBLAS and FlashInfer (experiments.bench.gpu --quick), the absorbed
+   MLA decode among them;
+4. random-deepseek-v3's engine decode step (DeepSeek-V3's attention and expert shapes, random weights)
+   with our MLA kernels and with FlashInfer's (experiments.bench.mla_step);
+5. experiment=compare on the one GPU at Llama-3.2-1B's geometry (random weights: no checkpoint need be
    fetched): 1P1D, two worker processes with KV over NIXL in VRAM, beside two colocated workers, with
    TTFT and TPOT.
 
@@ -126,8 +129,9 @@ def bench_step(out: Path, log, timeout_s: float) -> Step:
 
 def summarize(rows: list[dict]) -> list[tuple[str, str, str]]:
     """The benchmark's headline sub-rows, each the range over every shape with the worst one named (not
-    one shape picked): KV append's % of copy, and out_proj + counter against cuBLAS (torch.matmul, same
-    shape, eager against eager and graph against graph) at decode M and at prefill M apart."""
+    one shape picked): KV append's % of copy, out_proj + counter against cuBLAS (torch.matmul, same
+    shape, eager against eager and graph against graph) at decode M and at prefill M apart, and the MLA
+    decode against FlashInfer's."""
     found = []
     append = [r for r in rows if r["kernel"] == "kv_append" and r["provider"] == "triton"]
     if append:
@@ -154,12 +158,38 @@ def summarize(rows: list[dict]) -> list[tuple[str, str, str]]:
                 found.append(
                     (f"out_proj + counter vs cuBLAS, {phase}, {'graph' if graph else 'eager'}", "-", figures)
                 )
+    mla = {(r["shape"], r["provider"]): float(r["ms"]) for r in rows if r["kernel"] == "mla_decode_attention"}
+    ratios = [  # FlashInfer's time over ours: above 1 we are faster
+        (mla[shape, "flashinfer"] / ms, shape)
+        for (shape, provider), ms in mla.items()
+        if provider == "triton" and (shape, "flashinfer") in mla
+    ]
+    if ratios:
+        low, high = min(ratios), max(ratios)
+        figures = f"{low[0]:.2f}-{high[0]:.2f}x (lowest: {low[1]})"
+        found.append(("MLA decode vs FlashInfer (their ms / ours)", "-", figures))
     return found
 
 
 def _m(shape: str) -> int:
     """M of a GEMM row's shape label, "M=16 N=4096 K=4096"."""
     return int(shape.split()[0].removeprefix("M="))
+
+
+def mla_step(out: Path, log, timeout_s: float) -> Step:
+    """random-deepseek-v3's decode step (batch 32, KV 1024) with our MLA kernels and with FlashInfer's."""
+    step = Step("DeepSeek-V3-shaped decode step (MLA + MoE)")
+    result = out / "mla" / "step.json"
+    result.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "experiments.bench.mla_step", "--out", str(result)]
+    code, step.seconds, _ = run(cmd, timeout_s, log)
+    step.status = status_of(code)
+    if result.exists():
+        r = json.loads(result.read_text())
+        for backend, ms in r["ms"].items():
+            step.rows.append((f"{r['model']} B={r['batch']} KV={r['kv']}, {backend}", "-", f"{ms:.2f} ms"))
+        step.figures = ", ".join(f"{b} {ms:.2f} ms" for b, ms in r["ms"].items())
+    return step
 
 
 def deployment_step(out: Path, log, timeout_s: float) -> Step:
@@ -222,7 +252,9 @@ def table(steps: list[Step], env: str, total_s: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("gpu_check") / time.strftime("%Y%m%d-%H%M%S"))
-    parser.add_argument("--skip", nargs="*", default=[], choices=["kernels", "engine", "bench", "deployment"])
+    parser.add_argument(
+        "--skip", nargs="*", default=[], choices=["kernels", "engine", "bench", "mla", "deployment"]
+    )
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     env, start, steps = environment(), time.perf_counter(), []
@@ -240,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
                 lambda: pytest_step("engine GPU vs CPU", ["tests/engine/test_gpu.py"], args.out, log, 150),
             ),
             ("bench", lambda: bench_step(args.out, log, 110)),
+            ("mla", lambda: mla_step(args.out, log, 90)),
             ("deployment", lambda: deployment_step(args.out, log, 150)),
         ]
         for key, step in plan:

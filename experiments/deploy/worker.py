@@ -129,6 +129,7 @@ class Worker:
             speculative_config=d.speculative if spec.role != "prefill" else None,
             reserved_tokens=d.decode_reserved_tokens,
             preemption="refetch" if d.decode_preemption == "refetch" else "recompute",
+            expert_parallel=m.expert_parallel,
         )
         self.timeline = Timeline(spec.name, spec.role)
         self.live: dict[str, float] = {}  # request -> when it was received

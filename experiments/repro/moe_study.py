@@ -29,14 +29,18 @@ Not modelled: expert load imbalance, all-to-all latency (bandwidth only), prefix
 (the linear roofline uses the bf16 datasheet peak). The efficiency factors are the cost model's defaults,
 not fitted to a GPU, plus a fixed cost per step (--step-overhead-ms, an assumption standing for kernel
 launches, routing and collective latencies, which the roofline lacks: alone it puts a TP8 decode step of
-one sequence at about 1.2 ms). Read the ratios between placements more than the absolute figures.
+one sequence at about 1.2 ms); or, with --efficiency, the factors and overheads that
+experiments.sim.calibrate fitted to the engine's own MoE/MLA steps (random-deepseek-v3 timed on a GPU
+against the h200 preset). Read the ratios between placements more than the absolute figures.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from experiments.metrics import percentiles
 from experiments.sim.cost import CostModel, Efficiency
@@ -129,6 +133,12 @@ def main(argv=None) -> int:
     p.add_argument("--step-overhead-ms", type=float, default=10.0, help="fixed cost per step (assumption)")
     p.add_argument("--mtp", type=int, default=1, help="MTP drafts per decode step for the MTP rows (0: none)")
     p.add_argument("--mtp-acceptance", type=float, default=0.85, help="each draft's acceptance, in [0, 1)")
+    p.add_argument(
+        "--efficiency",
+        type=Path,
+        help="a JSON that experiments.sim.calibrate --out wrote: step costs fitted to the engine's measured "
+        "MoE/MLA steps (then --step-overhead-ms is ignored: the fit has its own)",
+    )
     args = p.parse_args(argv)
     if args.mtp < 0 or not 0 <= args.mtp_acceptance < 1:
         p.error(
@@ -141,14 +151,24 @@ def main(argv=None) -> int:
         decode_nodes = []
     if not decode_nodes or min(decode_nodes) < 1:
         p.error(f"--decode-nodes must be comma-separated integers >= 1, got {args.decode_nodes!r}")
-    eff = Efficiency(step_overhead_s=args.step_overhead_ms / 1e3)
+    if args.efficiency:
+        try:
+            fitted = json.loads(args.efficiency.read_text())
+            eff = Efficiency(**fitted["efficiency"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            p.error(f"--efficiency must be a JSON written by experiments.sim.calibrate --out: {e}")
+        source = (f"efficiency fitted to {fitted['model']} steps on {fitted['device']} against "
+                  f"{fitted['hardware']} (rms error {100 * fitted['rms_relative_error']:.0f}%)")  # fmt: skip
+    else:
+        eff = Efficiency(step_overhead_s=args.step_overhead_ms / 1e3)
+        source = f"datasheet peaks, default efficiencies, {args.step_overhead_ms:g} ms a step"
     weights = model.params() * model.bytes_per_param / 1e9
     node_gb = hw.hbm_bytes * hw.devices_per_node / 1e9
     if weights >= node_gb:
         p.error(f"{model.name} needs {weights:.0f} GB of weights; a node of {hw.devices_per_node} x "
                 f"{hw.name} holds {node_gb:.0f} GB")  # fmt: skip
     print(f"{model.name} ({weights:.0f} GB of weights) on nodes of {hw.devices_per_node} x {hw.name} "
-          f"(datasheet peaks, default efficiencies, {args.step_overhead_ms:g} ms a step); {args.prompt} in / "
+          f"({source}); {args.prompt} in / "
           f"{args.output} out, Poisson, "
           f"{args.requests} requests a point; goodput at {TARGET:g}% within P90 TTFT / TPOT"
           + (f"; MTP{args.mtp} rows: each draft accepted with p = {args.mtp_acceptance:g}"

@@ -1,10 +1,12 @@
 """Fit the cost model's efficiency factors to step times measured on the real engine here.
 
-    python -m experiments.sim.calibrate [--model smollm2-135m] [--threads 1]
+    python -m experiments.sim.calibrate [--model smollm2-135m] [--threads 1] [--out EFF.json]
+    python -m experiments.sim.calibrate --model random-deepseek-v3 --device cuda --hardware h200 --out F
     python -m experiments.sim.calibrate --from-run RUN/results.json [--hardware cpu-this-machine]
 
 1. Measure this machine as the cost model sees a device, with the worker's thread count: bf16 matmul
-   FLOP/s and memory copy bandwidth (a Hardware preset with source "measured here").
+   FLOP/s and memory copy bandwidth (a Hardware preset with source "measured here"); or, with
+   --hardware, fit against a preset's datasheet peaks (what the simulator's studies use).
 2. Time real forward passes of the engine: prefills of several prompt lengths and decode steps of
    several batch sizes (best of a few). Or, with --from-run, take the steps a real serving run timed
    inside its workers (results.json "timelines": the same model, workload and deployment, with the
@@ -15,12 +17,16 @@
    request takes from arriving to its prefill starting on the prefill worker (the decode worker and the
    messenger's PrefillRequest in between), the median over its requests.
 The fitted factors go into conf/sim.yaml's `efficiency` (with `hardware` set to this machine's preset),
-the hand-off into `handoff_s`, to simulate the real deployments.
+the hand-off into `handoff_s`, to simulate the real deployments; --out writes them as JSON, which the
+large-MoE study takes with --efficiency (experiments/repro/moe_study.py). --model takes any model the
+engine loads (the MoE and MLA shapes too: tiny-random-deepseek, random-deepseek-v3), its cost-model view
+built from the engine's own config (experiments.sim.models.from_engine).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import sys
@@ -166,42 +172,62 @@ def _overheads(resid: np.ndarray, seqs: np.ndarray, sw: np.ndarray) -> tuple[flo
     return (only_a, 0.0) if cost_a <= cost_b else (0.0, only_b)
 
 
-def measure_hardware(threads: int) -> Hardware:
+def measure_hardware(threads: int, device: str = "cpu") -> Hardware:
     import os
 
     import torch
 
     torch.set_num_threads(threads)
-    a, b = torch.randn(1024, 1024, dtype=torch.bfloat16), torch.randn(1024, 1024, dtype=torch.bfloat16)
-    flops = 2 * 1024**3 / _best(lambda: a @ b)
-    x = torch.empty(64 << 20, dtype=torch.uint8)
+    n = 8192 if device.startswith("cuda") else 1024
+    a, b = (torch.randn(n, n, dtype=torch.bfloat16, device=device) for _ in range(2))
+    flops = 2 * n**3 / _best(lambda: a @ b, device)
+    x = torch.empty((1 << 30) if device.startswith("cuda") else (64 << 20), dtype=torch.uint8, device=device)
     y = torch.empty_like(x)
-    bw = 2 * x.numel() / _best(lambda: y.copy_(x))  # read + write
+    bw = 2 * x.numel() / _best(lambda: y.copy_(x), device)  # read + write
+    if device.startswith("cuda"):
+        mem = torch.cuda.get_device_properties(device).total_memory
+        return Hardware("cuda-measured", flops, bw, mem, bw, bw, devices_per_node=1, source="measured here")
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return Hardware("cpu-measured", flops, bw, mem, bw, bw, devices_per_node=1, source="measured here")
 
 
-def _best(fn, rounds: int = 5) -> float:
+def _best(fn, device: str = "cpu", rounds: int = 5) -> float:
+    import torch
+
+    def sync():
+        if device.startswith("cuda"):
+            torch.cuda.synchronize(device)
+
     fn()
     times = []
     for _ in range(rounds):
+        sync()
         t = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - t)
     return min(times)
 
 
 def measure_engine(
-    model_name: str, threads: int, prompts=(32, 128, 512), batches=(1, 8, 32), kv=128
+    model_name: str,
+    threads: int,
+    prompts=(32, 128, 512),
+    batches=(1, 8, 32),
+    kv=128,
+    device: str = "cpu",
 ) -> list[Point]:
+    """Best-of-3 step times of the engine on this device (bf16): one prefill of each prompt length, then
+    decode steps of each batch size at KV length about kv (the step returns its sampled tokens, so a
+    GPU's work is done when it returns)."""
     import torch
 
     from engine import LLM, SamplingParams
     from pdkernels import ops
 
     torch.set_num_threads(threads)
-    ops.set_backend("torch")
-    llm = LLM(model_name, dtype="bfloat16", num_pages=512, max_num_batched_tokens=max(prompts))
+    ops.set_backend("torch" if device == "cpu" else "auto")
+    llm = LLM(model_name, device=device, dtype="bfloat16", num_pages=512, max_num_batched_tokens=max(prompts))
     points = []
     for n in prompts:
         times = []
@@ -232,22 +258,28 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--from-run", type=Path, help="a real run's results.json: fit its workers' steps")
-    ap.add_argument("--hardware", default="cpu-this-machine", help="with --from-run: a conf/hardware/ file")
+    ap.add_argument(
+        "--hardware",
+        default=None,
+        help="conf/hardware/ file to fit against (default: cpu-this-machine with --from-run, else measured)",
+    )
+    ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]: where the engine's steps are timed")
+    ap.add_argument("--out", type=Path, help="write the fitted efficiency (and the points) here as JSON")
     args = ap.parse_args(argv)
     if args.from_run:
-        hw = load_hardware(args.hardware)
+        hw = load_hardware(args.hardware or "cpu-this-machine")
         cal = calibrate_from_run(json.loads(args.from_run.read_text()), hw)
         model, eff, err, points = cal["model"], cal["efficiency"], cal["rms"] ** 2, cal["points"]
         print(f"{args.from_run}: {len(points)} step shapes of colocated and decode workers"
               + (f" (left out: {', '.join(cal['skipped'])})" if cal["skipped"] else ""))  # fmt: skip
     else:
-        hw = measure_hardware(args.threads)
+        hw = load_hardware(args.hardware) if args.hardware else measure_hardware(args.threads, args.device)
         print(
-            f"this machine, {args.threads} thread(s): {hw.flops / 1e9:.0f} GFLOP/s bf16 matmul, "
-            f"{hw.hbm_bw / 1e9:.1f} GB/s copy"
+            f"{hw.name} ({hw.source or 'preset'}), {args.threads} thread(s): {hw.flops / 1e9:.0f} GFLOP/s "
+            f"bf16 matmul, {hw.hbm_bw / 1e9:.1f} GB/s copy"
         )
-        points = measure_engine(args.model, args.threads)
         model = sim_model(args.model)
+        points = measure_engine(args.model, args.threads, device=args.device)
         eff, err = fit(model, hw, points)
     print(
         f"fitted: linear/attention {eff.linear:.2f}, memory {eff.memory:.2f}, step overhead "
@@ -261,6 +293,24 @@ def main(argv=None) -> int:
         print(
             f"{p.label():<26}{1e3 * p.seconds:>12.1f}{1e3 * pred:>10.1f}{100 * (pred / p.seconds - 1):>7.0f}%"
         )
+    if args.out:
+        args.out.write_text(
+            json.dumps(
+                {
+                    "model": model.name,
+                    "hardware": hw.name,
+                    "device": args.device,
+                    "efficiency": dataclasses.asdict(eff),
+                    "rms_relative_error": err**0.5,
+                    "points": [
+                        {"step": p.label(), "measured_s": p.seconds, "model_s": predict(cost, p)}
+                        for p in points
+                    ],
+                },
+                indent=2,
+            )
+        )
+        print(f"wrote {args.out}")
     if args.from_run:
         for p in cal["prefill_points"]:
             print(f"prefill worker: {p.label():<18}{1e3 * p.seconds:>10.1f} ms measured, "

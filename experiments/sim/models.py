@@ -99,7 +99,44 @@ MODELS = {
 }  # fmt: skip
 
 
+def from_engine(config) -> SimModel:
+    """The cost model's view of an engine model (engine.config.ModelConfig): the same weights and KV rows,
+    so that the simulator can be fitted to the engine's own steps on MoE and MLA shapes."""
+    m, moe = config.mla, config.moe
+    if m is not None and not m.qk_nope_head_dim == m.v_head_dim:
+        raise ValueError(f"the cost model's MLA needs qk_nope_head_dim == v_head_dim, got {m}")
+    dense = [i for i in range(config.num_layers) if not config.is_moe_layer(i)]
+    if moe is not None and dense != list(range(len(dense))):
+        raise ValueError(f"the cost model puts dense layers first; {config.name} routes layers {moe.layers}")
+    return SimModel(
+        config.name,
+        config.num_layers,
+        config.hidden_size,
+        config.num_heads,
+        config.num_kv_heads,
+        m.v_head_dim if m else config.head_dim,
+        config.intermediate_size,
+        config.vocab_size,
+        experts=moe.num_experts if moe else 0,
+        active_experts=moe.top_k if moe else 0,
+        shared_experts=moe.num_shared_experts if moe else 0,
+        expert_intermediate=moe.intermediate_size if moe else 0,
+        dense_layers=len(dense) if moe else 0,
+        kv_lora_rank=m.kv_lora_rank if m else 0,
+        rope_dim=m.qk_rope_head_dim if m else 0,
+        q_lora_rank=(m.q_lora_rank or 0) if m else 0,
+        tied_embeddings=config.tie_embeddings,
+    )
+
+
 def sim_model(name: str) -> SimModel:
-    if name not in MODELS:
-        raise ValueError(f"sim model must be one of {sorted(MODELS)}, got {name!r}")
-    return MODELS[name]
+    """A preset above, or any model the engine loads (a registered name, a .gguf file, a Hugging Face
+    folder), read without its weights."""
+    if name in MODELS:
+        return MODELS[name]
+    from engine.weights import load_model
+
+    try:
+        return from_engine(load_model(name, weights=False).config)
+    except (ValueError, FileNotFoundError) as e:
+        raise ValueError(f"sim model must be one of {sorted(MODELS)} or a model the engine loads: {e}") from e

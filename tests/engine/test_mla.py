@@ -130,3 +130,30 @@ def test_triton_kernels_give_the_same_tokens_on_the_latent_cache():
     finally:
         ops.set_backend("torch")
     assert got == want
+
+
+def test_the_checkpoints_own_mtp_layer_drafts_losslessly(tmp_path):
+    """DeepSeek's MTP layer (model.layers.{num_hidden_layers}.*: latent attention and routed experts) read
+    from the checkpoint by speculative_config={"method": "mtp"}: greedy tokens equal those without
+    speculation; on a bigram target the echo head's drafts are all accepted (both verify paths run)."""
+    from safetensors.torch import save_file
+
+    from tests.heads import bigram, echo_head_weights
+
+    _deepseek(tmp_path, 3)
+    head = echo_head_weights(load_model(str(tmp_path)))
+    save_file(
+        {f"model.layers.3.{k}": w.contiguous() for k, w in head.items()}, str(tmp_path / "mtp.safetensors")
+    )
+    prompts, params = _prompts(512), SamplingParams(max_tokens=10, ignore_eos=True)
+    mtp = {"method": "mtp", "num_speculative_tokens": 2}
+    for target in (lambda llm: llm, bigram):
+        plain = target(LLM(str(tmp_path), page_size=4, num_pages=128))
+        spec = target(LLM(str(tmp_path), page_size=4, num_pages=128, speculative_config=mtp))
+        outs = spec.generate(prompts, params)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in plain.generate(prompts, params)]
+        drafted, accepted = (
+            sum(getattr(o, k) for o in outs) for k in ("num_drafted_tokens", "num_accepted_tokens")
+        )
+        if target is bigram:
+            assert accepted == drafted >= 2 * len(outs), (accepted, drafted)

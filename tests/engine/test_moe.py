@@ -216,3 +216,41 @@ def test_an_moe_model_refuses_cuda_graphs_naming_why():
     decode eagerly (the default), and asking for graphs is a clear error."""
     with pytest.raises(ValueError, match="a model without MoE or MLA layers.*moe=True"):
         LLM("tiny-random-moe", page_size=4, num_pages=16, cuda_graphs=True)
+
+
+@pytest.mark.parametrize("model", ["tiny-random-moe", "tiny-random-deepseek"])
+def test_expert_parallelism_gives_the_tp1_tokens(model):
+    """Whole experts per rank (4 of 8 each), each rank running only the pairs routed to its own, the
+    all-reduce combining them: the tokens of one rank holding everything."""
+    prompts = _prompts(1000)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    want = [o.token_ids for o in LLM(model, page_size=4, num_pages=96).generate(prompts, params)]
+    with LLM(model, tp=2, expert_parallel=True, page_size=4, num_pages=96) as llm:
+        assert llm.model.shard.experts == (0, 4) and llm.model.layers[1]["experts_down"].shape[0] == 4
+        assert [o.token_ids for o in llm.generate(prompts, params)] == want
+
+
+def test_deepseek_moe_over_expert_parallel_ranks_sums_to_the_whole():
+    """Two ranks of 4 whole experts each (the shared expert split by width) sum to transformers' block."""
+    from engine import moe as moe_block
+
+    module, names, moe = _deepseek_moe_block(3)
+    x = torch.randn(24, 32, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        want = module(x.unsqueeze(0))[0]
+    ranks = [
+        moe_block.forward(
+            moe_block.load_experts(names, "", moe, lo, lo + 8, (first, first + 4)), x, moe, first
+        )
+        for lo, first in ((0, 0), (8, 4))
+    ]
+    torch.testing.assert_close(ranks[0] + ranks[1], want, rtol=1e-5, atol=1e-5)
+
+
+def test_expert_parallel_is_checked_naming_the_field():
+    model = load_model("tiny-random-moe", weights=False).config
+    model = replace(model, moe=replace(model.moe, num_experts=6))
+    with pytest.raises(ValueError, match="whose experts tp=4 divides; got 6"):
+        EngineConfig(model=model, tp=4, expert_parallel=True)
+    with pytest.raises(ValueError, match="expert_parallel needs an MoE model"):
+        EngineConfig(model=load_model("tiny-random", weights=False).config, expert_parallel=True)

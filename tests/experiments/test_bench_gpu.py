@@ -1,5 +1,7 @@
 import csv
 
+import pytest
+
 from experiments.bench import gpu
 
 
@@ -15,6 +17,7 @@ def test_gpu_suite_smoke_run_writes_its_tables(tmp_path):
         "out_proj",
         "decode_attention",
         "extend_attention",
+        "mla_decode_attention",
     }
     assert all(float(r["ms"]) > 0 and float(r["gbps"]) > 0 for r in rows)
     table = (tmp_path / "kernels.md").read_text()
@@ -88,6 +91,10 @@ def test_gpu_check_summarizes_every_shape_and_names_the_worst():
         row("out_proj", "M=4096 N=4096 K=4096", "triton+counter", 1.25),
         row("out_proj", "M=16 N=4096 K=4096", "torch.matmul [graph]", 0.2),
         row("out_proj", "M=16 N=4096 K=4096", "triton+counter [graph]", 0.1),
+        row("mla_decode_attention", "deepseek-mla H=16 B=64 L=4096", "triton", 0.2),
+        row("mla_decode_attention", "deepseek-mla H=16 B=64 L=4096", "flashinfer", 0.1),
+        row("mla_decode_attention", "deepseek-mla H=128 B=32 L=4096", "triton", 0.3),
+        row("mla_decode_attention", "deepseek-mla H=128 B=32 L=4096", "flashinfer", 0.6),
     ]
     got = {what: figures for what, _, figures in summarize(rows)}
     assert got == {
@@ -95,4 +102,20 @@ def test_gpu_check_summarizes_every_shape_and_names_the_worst():
         "out_proj + counter vs cuBLAS, decode M, eager": "0.80-0.80x (lowest: M=1 N=4096 K=4096)",
         "out_proj + counter vs cuBLAS, prefill M, eager": "0.80-0.80x (lowest: M=4096 N=4096 K=4096)",
         "out_proj + counter vs cuBLAS, decode M, graph": "2.00-2.00x (lowest: M=16 N=4096 K=4096)",
+        "MLA decode vs FlashInfer (their ms / ours)": "0.50-2.00x (lowest: deepseek-mla H=16 B=64 L=4096)",
     }
+
+
+def test_the_deepseek_decode_step_script_times_each_backend(tmp_path):
+    """gpu-check's DeepSeek step, tried on the CPU (tiny model, torch paths): one median per backend."""
+    import json
+
+    from experiments.bench import mla_step
+
+    out = tmp_path / "step.json"
+    assert mla_step.main(["--batch", "3", "--kv", "9", "--steps", "2", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["model"] == "tiny-random-deepseek" and set(result["ms"]) == {"torch"}
+    assert result["ms"]["torch"] > 0
+    with pytest.raises(SystemExit):
+        mla_step.main(["--batch", "0"])

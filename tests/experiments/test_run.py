@@ -142,6 +142,7 @@ def test_a_killed_decode_worker_s_requests_migrate_and_finish_with_the_same_text
     "override, message",
     [
         ("deployment.decode_tp=3", "decode_tp=3 does not fit tiny-random"),
+        ("+model.expert_parallel=true", "does not fit tiny-random: expert_parallel needs an MoE model"),
         ("slo.ttft_s=0", "slo.ttft_s=0 is not allowed: must be a number > 0"),
         ("workload.rate=-1", "workload.rate=-1 is not allowed: must be a number > 0"),
         (
@@ -284,6 +285,7 @@ def test_config_maps_to_dataclasses():
     assert one_at_a_time.workload.arrival == "concurrency" and one_at_a_time.workload.num_requests == 20
     assert one_at_a_time.model.dtype == "bfloat16"
     assert from_cfg(_cfg(["model=random-llama-1b"])).model.dtype == bf16
+    assert from_cfg(_cfg(["model=tiny-random-deepseek", "model.expert_parallel=true"])).model.expert_parallel
 
 
 @pytest.mark.slow

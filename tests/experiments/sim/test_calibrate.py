@@ -74,3 +74,32 @@ def test_calibration_from_a_runs_timelines():
     assert cal["rms"] < 0.03
     assert cal["prefill_slowdown"] == pytest.approx(1.5, rel=0.05)
     assert cal["handoff_s"] == pytest.approx(0.005)
+
+
+def test_the_engines_moe_mla_steps_fit_and_feed_the_large_moe_study(tmp_path, capsys):
+    """calibrate times the engine's own DeepSeek-shaped steps (latent attention, routed experts), fits the
+    cost model's view of the same model to them, and writes the fit; the large-MoE study takes it."""
+    import json
+
+    from experiments.repro import moe_study
+    from experiments.sim import calibrate
+
+    out = tmp_path / "eff.json"
+    model = ["--model", "tiny-random-deepseek", "--hardware", "cpu-this-machine"]
+    assert calibrate.main([*model, "--out", str(out)]) == 0
+    fitted = json.loads(out.read_text())
+    assert fitted["model"] == "tiny-random-deepseek" and fitted["hardware"] == "cpu-this-machine"
+    steps = [p["step"] for p in fitted["points"]]
+    assert steps == [
+        "prefill 32",
+        "prefill 128",
+        "prefill 512",
+        *(f"decode {b} x kv 130" for b in (1, 8, 32)),
+    ]
+    assert all(p["measured_s"] > 0 and p["model_s"] > 0 for p in fitted["points"])
+    study = ["--requests", "40", "--prompt", "256", "--output", "16", "--decode-nodes", "1", "--mtp", "0"]
+    assert moe_study.main([*study, "--efficiency", str(out)]) == 0
+    assert "efficiency fitted to tiny-random-deepseek steps on cpu" in capsys.readouterr().out
+    out.write_text('{"efficiency": {"linear": 7}}')
+    with pytest.raises(SystemExit):
+        moe_study.main([*study, "--efficiency", str(out)])

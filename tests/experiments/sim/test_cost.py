@@ -144,3 +144,20 @@ def test_per_sequence_overhead_counts_every_chunk_and_decode_sequence():
     base = CostModel(TOY, HW, eff=PERFECT)
     slow = CostModel(TOY, HW, eff=Efficiency(1, 1, 1, 1, step_overhead_s=2, seq_overhead_s=0.5))
     assert slow.step_time([(4, 0)], [3, 5]) == pytest.approx(base.step_time([(4, 0)], [3, 5]) + 2 + 3 * 0.5)
+
+
+@pytest.mark.parametrize("name", ["tiny-random-deepseek", "tiny-random-moe", "tiny-random"])
+def test_the_cost_models_view_of_an_engine_model_has_its_weights_and_kv_rows(name):
+    """sim_model of an engine model (MLA, MoE with a shared expert and a dense first layer, GQA): the
+    matrices the engine loads (norms and routers aside) are the parameters the cost model reads, and the
+    KV rows a token adds are the engine cache's."""
+    from engine.weights import load_model
+
+    loaded, sim = load_model(name), sim_model(name)
+    matrices = sum(
+        w.numel() for k, w in loaded.weights.items() if w.dim() == 2 and not k.endswith("mlp.gate.weight")
+    )
+    assert sim.params() == matrices
+    assert sim.kv_bytes_per_token() == loaded.config.kv_bytes_per_token(2)
+    active = sim.params(active=True)
+    assert (active < sim.params()) == (loaded.config.moe is not None)
