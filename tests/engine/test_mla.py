@@ -118,7 +118,7 @@ def test_triton_kernels_give_the_same_tokens_on_the_latent_cache():
     """The latent append and the absorbed decode kernel (interpreter) against the torch paths."""
     from pdkernels import ops
 
-    prompts, params = [[5, 9, 2, 7, 1], [3, 3]], SamplingParams(max_tokens=3, ignore_eos=True)
+    prompts, params = [[5, 9, 2, 7, 1]], SamplingParams(max_tokens=3, ignore_eos=True)  # interpreted: slow
     want = [
         o.token_ids for o in LLM("tiny-random-deepseek", page_size=4, num_pages=16).generate(prompts, params)
     ]

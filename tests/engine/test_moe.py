@@ -218,7 +218,7 @@ def test_an_moe_model_refuses_cuda_graphs_naming_why():
         LLM("tiny-random-moe", page_size=4, num_pages=16, cuda_graphs=True)
 
 
-@pytest.mark.parametrize("model", ["tiny-random-moe", "tiny-random-deepseek"])
+@pytest.mark.parametrize("model", ["tiny-random-deepseek"])  # its shared expert stays split by width
 def test_expert_parallelism_gives_the_tp1_tokens(model):
     """Whole experts per rank (4 of 8 each), each rank running only the pairs routed to its own, the
     all-reduce combining them: the tokens of one rank holding everything."""
