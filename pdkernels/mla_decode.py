@@ -302,6 +302,19 @@ def mla_decode_attention_ref(
     return out.to(q_nope.dtype)
 
 
+def _joined(ckv_cache: Tensor, kpe_cache: Tensor) -> Tensor | None:
+    """The one [pages, P, R + rope] latent cache that ckv_cache and kpe_cache are views of (as the engine
+    lays it out: each token's row [c | k_pe]), or None when they are separate tensors."""
+    rank = ckv_cache.shape[2]
+    row = rank + kpe_cache.shape[2]
+    if (
+        ckv_cache.stride() == kpe_cache.stride() == (ckv_cache.shape[1] * row, row, 1)
+        and kpe_cache.data_ptr() == ckv_cache.data_ptr() + rank * ckv_cache.element_size()
+    ):
+        return ckv_cache.as_strided((*ckv_cache.shape[:2], row), ckv_cache.stride())
+    return None
+
+
 def mla_decode_attention_cpu(
     q_nope: Tensor,
     q_pe: Tensor,
@@ -314,8 +327,9 @@ def mla_decode_attention_cpu(
     max_seq_len: int | None = None,
 ) -> Tensor:
     """The CPU path of pdkernels.ops: the reference's math batched. Each sequence's pages are gathered as
-    whole blocks (index_select) of the two caches, cast to fp32 once, and all heads attend with two batched
-    matmuls; padding past a sequence's end is masked."""
+    whole blocks (index_select; one gather of the joined [c | k_pe] rows when the two caches are views of
+    one latent cache, as in the engine), cast to fp32 once, and all heads attend with two batched
+    matmuls, the query [q_nope | q_pe] against the whole row; padding past a sequence's end is masked."""
     batch, num_heads, rank = q_nope.shape
     page_size = ckv_cache.shape[1]
     if batch == 0:
@@ -324,14 +338,25 @@ def mla_decode_attention_cpu(
         n = -(-max_seq_len // page_size)
     else:
         n = int((kv_indptr[1:] - kv_indptr[:-1]).max())
-    table = padded_page_table(kv_indptr, kv_indices, n).reshape(-1)
-    c = ckv_cache.index_select(0, table).view(batch, n * page_size, rank).float()  # [B, L, R]
-    k_pe = kpe_cache.index_select(0, table).view(batch, n * page_size, -1).float()
-    scores = torch.baddbmm(
-        torch.bmm(q_pe.float(), k_pe.transpose(1, 2)), q_nope.float(), c.transpose(1, 2)
-    )  # [B, H, L]
+    if batch == 1 and kv_indices.numel() == n:  # one sequence, its pages in order: the table as is
+        table = kv_indices.long()
+    else:
+        table = padded_page_table(kv_indptr, kv_indices, n).reshape(-1)
+    rows = _joined(ckv_cache, kpe_cache)
+    if rows is not None:
+        kv = rows.index_select(0, table).view(batch, n * page_size, -1).float()  # [B, L, R + rope]
+        scores = torch.bmm(torch.cat([q_nope, q_pe], dim=-1).float(), kv.transpose(1, 2))  # [B, H, L]
+        c = kv[..., :rank]
+    else:
+        c = ckv_cache.index_select(0, table).view(batch, n * page_size, rank).float()
+        k_pe = kpe_cache.index_select(0, table).view(batch, n * page_size, -1).float()
+        scores = torch.baddbmm(
+            torch.bmm(q_pe.float(), k_pe.transpose(1, 2)), q_nope.float(), c.transpose(1, 2)
+        )
     lens = seq_lens_from_page_table(kv_indptr, kv_last_page_len, page_size)
-    pad = torch.arange(n * page_size, device=q_nope.device) >= lens[:, None]  # [B, L]
-    scores = (scores * sm_scale).masked_fill_(pad[:, None], float("-inf"))
+    scores.mul_(sm_scale)
+    if batch > 1 or int(lens[0]) < n * page_size:  # tokens past a sequence's end
+        pad = torch.arange(n * page_size, device=q_nope.device) >= lens[:, None]  # [B, L]
+        scores.masked_fill_(pad[:, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # an empty sequence: zeros, as the reference
     return torch.bmm(probs, c).to(q_nope.dtype)

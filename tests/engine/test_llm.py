@@ -138,7 +138,7 @@ def test_triton_kernels_give_the_same_tokens(alone):
     ops.set_backend("triton")  # the interpreter is on in tests
     try:
         llm = LLM("tiny-random", page_size=4, num_pages=64, dtype="float32")
-        picked = [1, 3, 8]  # 5, 2 and 5 tokens: the interpreter takes seconds per long prompt
+        picked = [1, 3]  # 5 and 2 tokens: the interpreter takes seconds per long prompt
         prompts = [_prompts(16)[i] for i in picked]
         outs = llm.generate(prompts, SamplingParams(max_tokens=3, ignore_eos=True))
         assert ops.resolve("decode_attention", llm.kv_cache.device) == "triton"

@@ -68,7 +68,7 @@ def test_greedy_outputs_with_speculation_equal_those_without(method, k, setting,
 
 
 def test_smollm2_greedy_with_speculation_equals_without():
-    greedy = SamplingParams(max_tokens=24, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=16, ignore_eos=True)
     plain = LLM("smollm2-135m", num_pages=64).generate(REPEATING[:2], greedy)
     spec = LLM("smollm2-135m", num_pages=64, speculative_config={"num_speculative_tokens": 4}).generate(
         REPEATING[:2], greedy

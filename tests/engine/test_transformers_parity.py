@@ -44,10 +44,10 @@ def test_smollm2_matches_transformers_llama(smollm2):
         path.parent, gguf_file=path.name, dtype=torch.float32
     )
     assert type(hf).__name__ == "LlamaForCausalLM"
-    prompts = PROMPTS[:4] + [smollm2.apply_chat_template("Tell me a joke.")]
-    outs = smollm2.generate(prompts, SamplingParams(max_tokens=32, ignore_eos=True))
+    prompts = PROMPTS[:3] + [smollm2.apply_chat_template("Tell me a joke.")]
+    outs = smollm2.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
     for out in outs:
-        assert out.token_ids == hf_greedy(hf, out.prompt_token_ids, 32), out.prompt
+        assert out.token_ids == hf_greedy(hf, out.prompt_token_ids, 24), out.prompt
 
 
 def test_smollm2_tokenizer_matches_transformers(smollm2):

@@ -44,8 +44,9 @@ def test_cpu_mla_decode_matches_the_reference_and_gives_an_empty_sequence_zeros(
     q_nope, q_pe, ckv, kpe, tables = _case([5, 0, 33], 4, 48, 16, 8, dtype, seed=2)
     want = mla_decode_attention_ref(q_nope, q_pe, ckv, kpe, *tables, sm_scale=0.2)
     for got in (
-        mla_decode_attention_cpu(q_nope, q_pe, ckv, kpe, *tables, sm_scale=0.2),
+        mla_decode_attention_cpu(q_nope, q_pe, ckv, kpe, *tables, sm_scale=0.2),  # views of one cache
         mla_decode_attention_cpu(q_nope, q_pe, ckv, kpe, *tables, sm_scale=0.2, max_seq_len=33),
+        mla_decode_attention_cpu(q_nope, q_pe, ckv.contiguous(), kpe.contiguous(), *tables, sm_scale=0.2),
         ops.mla_decode_attention(q_nope, q_pe, ckv, kpe, *tables, sm_scale=0.2),
     ):
         torch.testing.assert_close(got, want, atol=TOL[dtype][0], rtol=TOL[dtype][1])

@@ -135,17 +135,22 @@ def _drive(decode, dm, ids, give_up_s=120):
         assert time.monotonic() < give_up, "requests did not finish"
 
 
-@pytest.mark.parametrize(  # make test: the mismatched pairs (1 -> 1 over two processes is the SmolLM2 test
-    # above; tiny-random has 2 kv heads, so prefill TP 4 holds them replicated: in make test through the
-    # in-process messenger, tests/transfer/test_messenger.py, 4 -> 1)
-    "prefill_tp, decode_tp",
-    [pytest.param(1, 1, marks=pytest.mark.slow), (2, 1), (1, 2), pytest.param(4, 2, marks=pytest.mark.slow)],
+@pytest.mark.parametrize(  # make test: the mismatched pairs on DeepSeek's latent cache, replicated on
+    # every rank (1 -> 1 over two processes is the SmolLM2 test below; GQA's 2 -> 1, 1 -> 2 and replicated
+    # 4 -> 1 run in make test through the in-process messenger, tests/transfer/test_messenger.py)
+    "model, prefill_tp, decode_tp",
+    [
+        pytest.param("tiny-random", 1, 1, marks=pytest.mark.slow),
+        pytest.param("tiny-random", 2, 1, marks=pytest.mark.slow),
+        pytest.param("tiny-random", 1, 2, marks=pytest.mark.slow),
+        pytest.param("tiny-random", 4, 2, marks=pytest.mark.slow),
+        ("tiny-random-deepseek", 2, 1),
+        ("tiny-random-deepseek", 1, 2),
+    ],
 )
-def test_two_process_disaggregation_moves_the_computed_bytes(prefill_tp, decode_tp):
+def test_two_process_disaggregation_moves_the_computed_bytes(model, prefill_tp, decode_tp):
     prompts = _prompts(6, seed=4)
-    expected = [
-        o.token_ids for o in LLM("tiny-random", page_size=4, num_pages=PAGES).generate(prompts, GREEDY)
-    ]
+    expected = [o.token_ids for o in LLM(model, page_size=4, num_pages=PAGES).generate(prompts, GREEDY)]
     landed = {}
 
     class Sink(DecodeSide):
@@ -154,7 +159,7 @@ def test_two_process_disaggregation_moves_the_computed_bytes(prefill_tp, decode_
             landed[request_id] = _full_heads(llm.kv_caches, shard_spec(llm), llm.allocator.pages(request_id))
             super().admit(request_id, context)
 
-    with disaggregated(prefill_tp, decode_tp, sink=Sink) as (decode, dm, _, sent):
+    with disaggregated(prefill_tp, decode_tp, model=model, sink=Sink) as (decode, dm, _, sent):
         ids = [f"r{i}" for i in range(len(prompts))]
         for rid, prompt in zip(ids, prompts, strict=True):
             dm.submit(rid, prompt, GREEDY)
