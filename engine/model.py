@@ -1,4 +1,5 @@
-"""A Llama-family decoder over a paged KV cache, running on pdkernels.ops.
+"""A Llama-family decoder over a paged KV cache, running on pdkernels.ops (DeepSeek's latent attention
+in engine/mla.py, routed experts in engine/moe.py).
 
 Tokens of all sequences in a step are packed into one ragged batch [T] (no padding). Each layer appends
 its K/V to the paged cache, attends over it (decode or extend attention), and runs the output
@@ -269,7 +270,8 @@ class Model:
         return y
 
     def forward(self, input_ids: Tensor, meta: BatchMeta, kv_cache: Tensor) -> Tensor:
-        """input_ids [T] -> final hidden states [T, hidden]; kv_cache [layers, pages, 2, Hkv, P, D]."""
+        """input_ids [T] -> final hidden states [T, hidden]; kv_cache [layers, pages, 2, Hkv, P, D] (MLA:
+        [layers, pages, 1, 1, P, latent row])."""
         x = self.embed[input_ids]
         rope = self.cos[meta.positions].unsqueeze(1), self.sin[meta.positions].unsqueeze(1)  # [T, 1, D/2]
         for i, layer in enumerate(self.layers):
