@@ -33,6 +33,7 @@ from pdkernels._paging import (
 __all__ = [
     "extend_attention",
     "extend_attention_ref",
+    "extend_attention_cpu",
     "check_attention_inputs",
     "check_extend_attention",
 ]
@@ -416,6 +417,39 @@ def grouped_attention_ref(
     )
 
 
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, sm_scale: float) -> Tensor:
+    """The last n = len(q) positions of a sequence attending causally over its L keys: q [n, Hq, D], k, v
+    [Hkv, L, D] -> [n, Hq, D]. What extend_attention_ref's masked SDPA computes, with the masked blocks
+    skipped: torch's flash kernel with is_causal over the chunk's own keys (upper-left aligned,
+    which for the chunk's square is the causal mask), and over the context before the chunk, when there
+    is one, with no mask, the two merged by their log-sum-exps (measured on 1 AVX2 core, SmolLM2's heads:
+    1024 new tokens 87 -> 61 ms, 1024 over 1024 cached 182 -> 150 ms)."""
+    n, L = q.shape[0], k.shape[1]
+    qh = q.transpose(0, 1)[None]  # [1, Hq, n, D]
+    group = q.shape[1] // k.shape[0]
+    if n == L:
+        out = F.scaled_dot_product_attention(
+            qh, k[None], v[None], is_causal=True, scale=sm_scale, enable_gqa=True
+        )
+        return out[0].transpose(0, 1)
+    flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    if flash is None or q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16):
+        keep = (
+            torch.arange(L, device=q.device)[None, :] <= (L - n + torch.arange(n, device=q.device))[:, None]
+        )
+        out = F.scaled_dot_product_attention(
+            qh, k[None], v[None], attn_mask=keep, scale=sm_scale, enable_gqa=True
+        )
+        return out[0].transpose(0, 1)
+    kh, vh = (t.repeat_interleave(group, 0)[None] for t in (k, v))  # the private op has no GQA
+    o_new, lse_new = flash(qh, kh[:, :, L - n :], vh[:, :, L - n :], 0.0, True, scale=sm_scale)[:2]
+    o_old, lse_old = flash(qh, kh[:, :, : L - n], vh[:, :, : L - n], 0.0, False, scale=sm_scale)[:2]
+    top = torch.maximum(lse_new, lse_old)
+    w_new, w_old = torch.exp(lse_new - top), torch.exp(lse_old - top)  # [1, Hq, n] fp32
+    out = (o_new.float() * w_new[..., None] + o_old.float() * w_old[..., None]) / (w_new + w_old)[..., None]
+    return out[0].transpose(0, 1).to(q.dtype)
+
+
 def extend_attention_ref(
     q: Tensor,
     qo_indptr: Tensor,
@@ -457,3 +491,31 @@ def extend_attention_ref(
         if return_lse:
             lse[qo[b] : qo[b + 1]] = lse_b[0]
     return (out, lse) if return_lse else out
+
+
+def extend_attention_cpu(
+    q: Tensor,
+    qo_indptr: Tensor,
+    paged_kv_cache: Tensor | tuple[Tensor, Tensor],
+    kv_indptr: Tensor,
+    kv_indices: Tensor,
+    kv_last_page_len: Tensor,
+    kv_layout: str = "HND",
+    sm_scale: float | None = None,
+) -> Tensor:
+    """The torch backend's causal extend attention (pdkernels.ops): extend_attention_ref's gathers, each
+    request's attention by causal_attention instead of one masked SDPA."""
+    k_cache, v_cache = split_kv_cache(paged_kv_cache, kv_layout)
+    page_size = cache_geometry(k_cache, kv_layout)[2]
+    sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    out = torch.zeros_like(q)
+    indptr, qo, last = kv_indptr.tolist(), qo_indptr.tolist(), kv_last_page_len.tolist()
+    for b in range(len(indptr) - 1):
+        pages = kv_indices[indptr[b] : indptr[b + 1]]
+        seq_len = (len(pages) - 1) * page_size + last[b] if len(pages) else 0
+        if qo[b + 1] == qo[b] or seq_len == 0:
+            continue
+        k = gather_pages(k_cache, kv_layout, pages[None])[0, :, :seq_len]  # [Hkv, L, D]
+        v = gather_pages(v_cache, kv_layout, pages[None])[0, :, :seq_len]
+        out[qo[b] : qo[b + 1]] = causal_attention(q[qo[b] : qo[b + 1]], k, v, sm_scale)
+    return out

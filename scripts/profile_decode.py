@@ -2,6 +2,7 @@
 part of the model under torch.profiler (which adds its own cost). What docs/engine.md quotes.
 
     python scripts/profile_decode.py [--threads N] [--dtype bfloat16|float32] [--profile]
+    python scripts/profile_decode.py --long-prompt 1024 [--chunk 2048]    # also one long prompt's prefill
 """
 
 import argparse
@@ -69,7 +70,11 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--profile", action="store_true", help="also the time per part, under torch.profiler")
+    ap.add_argument("--long-prompt", type=int, default=0, help="also time the prefill of a prompt this long")
+    ap.add_argument("--chunk", type=int, default=2048, help="max_num_batched_tokens for --long-prompt")
     args = ap.parse_args()
+    if args.long_prompt < 0 or args.chunk < 1:
+        ap.error(f"--long-prompt must be >= 0 and --chunk >= 1, got {args.long_prompt} and {args.chunk}")
     torch.set_num_threads(args.threads)
     from engine import LLM, SamplingParams
 
@@ -83,6 +88,21 @@ def main():
     print(f"{args.dtype}, {args.threads} thread(s), 128-token prompts, 32 tokens each:")
     print(f"  batch 1: prefill step {one[0] * 1e3:.1f} ms, decode step median {_median_ms(one[1:]):.1f} ms")
     print(f"  batch 20: step median {_median_ms(twenty[2:]):.1f} ms over {len(twenty)} steps")
+    if args.long_prompt:  # prefix caching off: every run computes the whole prompt
+        long = LLM("smollm2-135m", dtype=args.dtype, num_pages=512, max_num_batched_tokens=args.chunk,
+                   enable_prefix_caching=False)  # fmt: skip
+        prompt, first = (
+            list(range(1000, 1000 + args.long_prompt)),
+            SamplingParams(max_tokens=1, ignore_eos=True),
+        )
+        times = []
+        for _ in range(4):  # the first warms up
+            start = time.perf_counter()
+            long.generate([prompt], first)
+            times.append(time.perf_counter() - start)
+        each = ", ".join(f"{t * 1e3:.0f}" for t in times[1:])
+        print(f"  a {args.long_prompt}-token prompt in chunks of {args.chunk}: prefill median "
+              f"{_median_ms(times[1:]):.0f} ms ({each})")  # fmt: skip
     if args.profile:
         for batch in (1, 20):
             print(f"batch {batch}, under torch.profiler:")

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from pdkernels.extend_attention import extend_attention, extend_attention_ref
+from pdkernels import ops
+from pdkernels.extend_attention import extend_attention, extend_attention_cpu, extend_attention_ref
 from pdkernels.kv_append import kv_append
 from pdkernels.testing import all_pairs, append_positions, make_paged_cache
 
@@ -30,6 +31,34 @@ def test_extend_attention_matches_ref(mode, page_size, kv_layout, group, dtype):
     atol, rtol = TOL[dtype]
     torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
     torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "mode,page_size,kv_layout,group,dtype",
+    all_pairs(
+        sorted(Q_LENS), [4, 16], ["HND", "NHD"], [1, 3], [torch.float32, torch.bfloat16, torch.float16]
+    ),
+)
+def test_the_cpu_path_skips_the_masked_blocks_and_equals_the_reference(
+    mode, page_size, kv_layout, group, dtype
+):
+    """The torch backend's causal path (flash with is_causal over a chunk's own keys, the context before it
+    unmasked, merged by log-sum-exp): the reference's output, a whole prompt or a chunk after a prefix."""
+    case = make_paged_cache(SEQ_LENS, KV_HEADS, HEAD_DIM, page_size, kv_layout, dtype=dtype)
+    qo_indptr = _qo_indptr(Q_LENS[mode])
+    q = torch.randn(int(qo_indptr[-1]), KV_HEADS * group, HEAD_DIM).to(dtype)
+    tables = (case.cache, case.kv_indptr, case.kv_indices, case.kv_last_page_len, kv_layout)
+    ref = extend_attention_ref(q, qo_indptr, *tables, sm_scale=0.3)
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(
+        extend_attention_cpu(q, qo_indptr, *tables, sm_scale=0.3), ref, atol=atol, rtol=rtol
+    )
+    ops.set_backend("torch")
+    try:
+        got = ops.extend_attention(q, qo_indptr, *tables, sm_scale=0.3)
+    finally:
+        ops.set_backend("auto")
+    torch.testing.assert_close(got, ref, atol=atol, rtol=rtol)
 
 
 def test_extend_attention_non_causal_and_out():
