@@ -272,12 +272,17 @@ class Model:
     def forward(self, input_ids: Tensor, meta: BatchMeta, kv_cache: Tensor) -> Tensor:
         """input_ids [T] -> final hidden states [T, hidden]; kv_cache [layers, pages, 2, Hkv, P, D] (MLA:
         [layers, pages, 1, 1, P, latent row])."""
-        x = self.embed[input_ids]
+        x = self.embed[input_ids]  # the residual stream (a new tensor: updated in place below)
         rope = self.cos[meta.positions].unsqueeze(1), self.sin[meta.positions].unsqueeze(1)  # [T, 1, D/2]
+        eps = self.config.rms_norm_eps
+        h = ops.add_rms_norm(x, self.layers[0]["input_norm"], eps, validate=False)
         for i, layer in enumerate(self.layers):
-            x = x + self.attention(layer, i, self.rms_norm(x, layer["input_norm"]), meta, kv_cache, rope)
-            x = x + self.all_reduce(self.mlp(layer, self.rms_norm(x, layer["post_norm"])))
-        return self.rms_norm(x, self.norm)
+            attn = self.attention(layer, i, h, meta, kv_cache, rope)
+            h = ops.add_rms_norm(x, layer["post_norm"], eps, attn, validate=False)  # x += attn, then norm
+            mlp = self.all_reduce(self.mlp(layer, h))
+            last = i + 1 == len(self.layers)
+            h = ops.add_rms_norm(x, self.norm if last else self.layers[i + 1]["input_norm"], eps, mlp, False)
+        return h
 
     def mlp(self, layer: dict, x: Tensor) -> Tensor:
         """The dense SwiGLU MLP, or the routed experts on an MoE layer (this rank's partial sum under TP)."""

@@ -9,6 +9,7 @@ What it holds:
 - decode_attention: reads each sequence's K/V pages where they lie (no gather into a new tensor, no
   cast of the whole KV to fp32), one online-softmax pass per page, threads over sequences.
 - kv_append: copies each new token's K/V rows into its (page, entry) slot.
+- add_rms_norm: the residual add and RMSNorm in one pass over each row (pdkernels.norm's reference).
 
 `pack(w)` stores a bf16 linear weight in oneDNN's blocked layout (torch.ops.mkldnn, as inductor's
 freezing does), and `linear` multiplies by it: the same oneDNN kernels, bit-identical results, but the

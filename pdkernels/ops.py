@@ -19,6 +19,7 @@ from pdkernels import decode_attention as _dec
 from pdkernels import extend_attention as _ext
 from pdkernels import kv_append as _kv
 from pdkernels import mla_decode as _mla
+from pdkernels import norm as _norm
 from pdkernels import out_proj as _op
 from pdkernels import splitk_gemm as _gemm
 from pdkernels._paging import INTERPRET, require
@@ -144,6 +145,17 @@ def kv_append_mla(
     if validate:
         _kv.check_kv_append_mla(*args)
     (_kv.kv_append_mla_ref if kind == "torch" else _flashinfer().kv_append_mla)(*args)
+
+
+def add_rms_norm(x, weight, eps: float, residual=None, validate: bool = True):
+    """x += residual in place (when given), then rms_norm(x) * weight; see pdkernels.norm. On the CPU the
+    C++ pass (pdkernels.cpu) where it is built, else the torch reference."""
+    if validate:
+        _norm.check_add_rms_norm(x, weight, residual)
+    ext = _cpu.module() if x.device.type == "cpu" else None
+    if ext is not None and x.is_contiguous() and (residual is None or residual.is_contiguous()):
+        return ext.add_rms_norm(x, residual, weight.contiguous(), eps)
+    return _norm.add_rms_norm_ref(x, weight, eps, residual)
 
 
 def _check_packed(x, w, out) -> None:

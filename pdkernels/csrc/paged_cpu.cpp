@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -192,7 +193,55 @@ void kv_append(torch::Tensor k, torch::Tensor v, torch::Tensor batch_indices, to
   });
 }
 
+// One row of add_rms_norm: x += residual (when given, rounded to the dtype as torch's add), then
+// out = (x * rsqrt(mean(x^2) + eps)).to(dtype) * weight. A function of its own: pragmas cannot sit
+// inside the dispatch macro's argument.
+template <typename T>
+void add_rms_norm_row(T* x, const T* residual, const T* weight, T* out, int64_t dim, float eps, float* row) {
+  if (residual != nullptr)
+    for (int64_t d = 0; d < dim; ++d)
+      x[d] = static_cast<T>(static_cast<float>(x[d]) + static_cast<float>(residual[d]));
+  to_float(x, row, dim);
+  float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+  for (int64_t d = 0; d < dim; ++d) squares += row[d] * row[d];
+  const float inv = 1.0f / std::sqrt(squares / static_cast<float>(dim) + eps);
+  for (int64_t d = 0; d < dim; ++d)  // rounded to the dtype, then times the weight (the model's order)
+    out[d] = static_cast<T>(static_cast<float>(static_cast<T>(row[d] * inv)) * static_cast<float>(weight[d]));
+}
+
+// x [T, D] contiguous (the residual stream, updated in place), residual [T, D] (or none), weight [D], all of
+// one dtype: x += residual, then returns rms_norm(x) * weight: the model's residual add and RMSNorm in one
+// pass over each row (as torch ops they were five calls and passes).
+torch::Tensor add_rms_norm(torch::Tensor x, std::optional<torch::Tensor> residual, torch::Tensor weight,
+                           double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x: [T, D] contiguous");
+  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(1), "weight: [D]");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "weight and x: one dtype");
+  if (residual) {
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->is_contiguous(), "residual: [T, D] contiguous");
+    TORCH_CHECK(residual->scalar_type() == x.scalar_type(), "residual and x: one dtype");
+  }
+  const int64_t rows = x.size(0), dim = x.size(1);
+  auto out = torch::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
+    scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* rp = residual ? residual->data_ptr<scalar_t>() : nullptr;
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 16, [&](int64_t lo, int64_t hi) {
+      std::vector<float> row(dim);
+      for (int64_t t = lo; t < hi; ++t)
+        add_rms_norm_row<scalar_t>(xp + t * dim, rp ? rp + t * dim : nullptr, wp, op + t * dim, dim,
+                                   static_cast<float>(eps), row.data());
+    });
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("add_rms_norm", &add_rms_norm, "residual add and RMSNorm in one pass (CPU)", py::arg("x"),
+        py::arg("residual"), py::arg("weight"), py::arg("eps"));
   m.def("decode_attention", &decode_attention, "paged decode attention over a 5-D HND cache (CPU)");
   m.def("kv_append", &kv_append, "append K and V rows to a 5-D HND paged cache (CPU)");
 }
