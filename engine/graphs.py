@@ -4,8 +4,11 @@ A decode step launches a few kernels per layer; at small batch the GPU waits on 
 memory. Each bucket's graph runs the model's forward pass over static input buffers (token ids, positions,
 the page table); a step copies its page table into them, pads the batch to the bucket with rows that
 append into and attend to one scratch page no request owns, replays, and reads its rows of the output.
-The decode kernels take the bucket's shapes at capture (the split plan covers sequences up to
-max_position), and no kernel syncs with the host, so one capture serves every step of that size.
+The decode kernels take the bucket's shapes at capture, and no kernel syncs with the host, so one
+capture serves every step of that size. Decode attention's split plan is live: the grid has the splits
+the longest context could need, and each replay writes the step's split length (what an eager launch
+would plan from the step's own page tables) into a buffer the kernel reads, so a 4k-token sequence in a
+graph sized for 128k gets the splits it gets eagerly, not one.
 
 Off the GPU the same padding and buffers run eagerly (`capture=False`): CI checks them on the CPU.
 """
@@ -19,6 +22,7 @@ import torch
 from torch import Tensor
 
 from engine.model import BatchMeta, Model
+from pdkernels.decode_attention import cap_splits, live_split_len
 
 log = logging.getLogger(__name__)
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -53,6 +57,7 @@ class DecodeGraphs:
         self.batch_indices = torch.arange(top, dtype=torch.int32, device=dev)
         self.qo_indptr = torch.arange(top + 1, dtype=torch.int32, device=dev)
         self.kv_indptr, self.kv_indices = i32(top + 1), i32(top * self.max_pages)
+        self.split_len = i32(1)  # the step's decode split length (live_split_len), read at replay
         self.outputs: dict[int, Tensor] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.replays = 0
@@ -83,6 +88,8 @@ class DecodeGraphs:
             all_decode=True,
             max_q_len=1,
             max_kv_len=self.model.config.max_position,
+            split_len=self.split_len,
+            num_splits=cap_splits(self.model.config.max_position),
         )
 
     def _fill(self, ids: list[int], positions: list[int], pages: list[list[int]], b: int) -> None:
@@ -101,6 +108,9 @@ class DecodeGraphs:
         self.last[:b].copy_(torch.tensor(last + [1] * pad, dtype=torch.int32))
         self.kv_indptr[: b + 1].copy_(torch.tensor(indptr, dtype=torch.int32))
         self.kv_indices[: len(flat)].copy_(torch.tensor(flat, dtype=torch.int32))
+        longest = max((p + 1 for p in positions), default=1)
+        heads = self.model.shard.num_kv_heads
+        self.split_len.fill_(live_split_len(len(flat) * self.page_size, longest, heads, self.kv_cache.device))
 
     def _capture(self, b: int, pool) -> None:
         self._fill([], [], [], b)  # every row a padding row while capturing

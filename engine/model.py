@@ -36,6 +36,9 @@ class BatchMeta:
     counter: Tensor | None = None  # [2, layers] int32 layer counter (prefill role, lead rank)
     max_q_len: int | None = None  # the longest chunk, known on the host (the kernels need no sync for it)
     max_kv_len: int | None = None  # the longest sequence after this step (bounds decode's KV splits)
+    # a CUDA graph's live decode plan: the step's split length in a device buffer, the grid's splits
+    split_len: Tensor | None = None
+    num_splits: int | None = None
 
 
 @dataclass(frozen=True)
@@ -243,6 +246,8 @@ class Model:
                 meta.kv_last_page_len,
                 max_seq_len=meta.max_kv_len,
                 validate=False,
+                split_len=meta.split_len,
+                num_splits=meta.num_splits,
             )
         else:
             o = ops.extend_attention(

@@ -42,7 +42,7 @@ from pdkernels.extend_attention import (
 )
 from pdkernels.splitk_gemm import sm_count
 
-__all__ = ["decode_attention", "decode_attention_ref"]
+__all__ = ["decode_attention", "decode_attention_ref", "cap_splits", "live_split_len"]
 
 
 @triton.jit
@@ -69,6 +69,7 @@ def _decode_split_kernel(
     kv_indptr_ptr,
     kv_indices_ptr,
     kv_last_page_len_ptr,
+    split_len_ptr,
     # sizes
     qk_scale,
     group_size,
@@ -95,8 +96,11 @@ def _decode_split_kernel(
     BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
+    LIVE_SPLIT: tl.constexpr,
 ):
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if LIVE_SPLIT:  # under a CUDA graph: the step's plan, written into a buffer before each replay
+        split_len = tl.load(split_len_ptr)
     page_lo, seq_len, per_split, used = _seq_splits(
         kv_indptr_ptr, kv_last_page_len_ptr, b, page_size, tl.num_programs(2), split_len, BLOCK_N
     )
@@ -238,6 +242,7 @@ def _decode_merge_kernel(
     lse_ptr,
     kv_indptr_ptr,
     kv_last_page_len_ptr,
+    split_len_ptr,
     head_dim,
     page_size,
     num_splits,
@@ -254,8 +259,11 @@ def _decode_merge_kernel(
     BLOCK_D: tl.constexpr,
     SPLIT_BLOCK_N: tl.constexpr,
     HAS_LSE: tl.constexpr,
+    LIVE_SPLIT: tl.constexpr,
 ):
     b, head = tl.program_id(0), tl.program_id(1)
+    if LIVE_SPLIT:
+        split_len = tl.load(split_len_ptr)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     _, _, _, used = _seq_splits(
@@ -289,6 +297,7 @@ def _decode_merge_kernel(
 
 
 MAX_SPLITS = 32  # the merge kernel's compile-time width
+BLOCK_N = 64  # keys per block of the split kernel
 MIN_SPLIT_TOKENS = 256  # no split shorter (a short sequence stays whole)
 
 
@@ -304,6 +313,18 @@ def split_plan(
     return max(1, min(MAX_SPLITS, triton.cdiv(longest, split_len))), split_len
 
 
+def cap_splits(max_seq_len: int) -> int:
+    """The grid's splits that cover any plan for sequences up to max_seq_len (a graph's capture)."""
+    return max(1, min(MAX_SPLITS, triton.cdiv(max_seq_len, MIN_SPLIT_TOKENS)))
+
+
+def live_split_len(total_tokens: int, max_seq_len: int, num_kv_heads: int, device: torch.device) -> int:
+    """The split length an eager launch would plan for a step whose page tables hold total_tokens (pages
+    x page size) and whose longest sequence is max_seq_len: what a graph's replay writes into
+    decode_attention's split_len buffer, from the live step rather than the buffers' size."""
+    return split_plan(max(total_tokens, 1), max(max_seq_len, 1), num_kv_heads, BLOCK_N, device)[1]
+
+
 def decode_attention(
     q: Tensor,
     paged_kv_cache: Tensor | tuple[Tensor, Tensor],
@@ -317,6 +338,7 @@ def decode_attention(
     num_splits: int | None = None,
     max_seq_len: int | None = None,
     validate: bool = True,
+    split_len: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention of one query per sequence, q [B, Hq, D], over its paged K/V (Hq a multiple of Hkv).
 
@@ -325,7 +347,10 @@ def decode_attention(
     in q's dtype (written into `out` when given) and, with return_lse, the natural-log LSE [B, Hq] fp32.
     A sequence with no tokens gets zeros and LSE -inf. validate=False skips the host-side checks.
     max_seq_len (the longest sequence, when the caller knows it on the host) bounds the splits launched;
-    without it the bound is the page table's total.
+    without it the bound is the page table's total. split_len: a one-element int32 device tensor holding
+    the step's split length (live_split_len), read by the kernels at run time, for a CUDA graph whose
+    buffers are sized for the longest context: num_splits is then the grid's splits (cap_splits), and a
+    sequence uses as many as its live length needs, as it would eagerly.
     """
     if validate:
         k_cache, v_cache, seq_lens = check_attention_inputs(
@@ -346,9 +371,13 @@ def decode_attention(
     lse = torch.empty((batch, num_heads), dtype=torch.float32, device=q.device) if return_lse else None
     if batch == 0:
         return (out, lse) if return_lse else out
-    block_n = 64
+    block_n = BLOCK_N
     group = num_heads // num_kv_heads
-    if num_splits is None:
+    live = split_len
+    if live is not None:
+        require(num_splits is not None, "split_len (a device tensor) needs num_splits, the grid's splits")
+        split_len = block_n  # unused: the kernels read the tensor
+    elif num_splits is None:
         num_splits, split_len = split_plan(
             kv_indices.numel() * page_size, max_seq_len, num_kv_heads, block_n, q.device
         )
@@ -367,6 +396,7 @@ def decode_attention(
         kv_indptr,
         kv_indices,
         kv_last_page_len,
+        live if live is not None else kv_last_page_len,  # a placeholder pointer when not live
         sm_scale * LOG2E,
         group,
         head_dim,
@@ -386,6 +416,7 @@ def decode_attention(
         BLOCK_D=block_d,
         UPCAST=INTERPRET and q.dtype == torch.bfloat16,
         IEEE=q.dtype == torch.float32,
+        LIVE_SPLIT=live is not None,
         num_stages=num_stages(block_d),
     )
     lse_arg = lse if lse is not None else lse_part
@@ -396,6 +427,7 @@ def decode_attention(
         lse_arg,
         kv_indptr,
         kv_last_page_len,
+        live if live is not None else kv_last_page_len,
         head_dim,
         page_size,
         num_splits,
@@ -412,6 +444,7 @@ def decode_attention(
         BLOCK_D=block_d,
         SPLIT_BLOCK_N=block_n,
         HAS_LSE=return_lse,
+        LIVE_SPLIT=live is not None,
     )
     return (out, lse) if return_lse else out
 

@@ -256,6 +256,7 @@ def mla_decode_attention(
         lse_part,  # no LSE asked for: never written (HAS_LSE=False)
         kv_indptr,
         kv_last_page_len,
+        kv_last_page_len,  # no live split length (a placeholder pointer)
         rank,
         page_size,
         num_splits,
@@ -272,6 +273,7 @@ def mla_decode_attention(
         BLOCK_D=max(16, next_pow2(rank)),
         SPLIT_BLOCK_N=block_n,
         HAS_LSE=False,
+        LIVE_SPLIT=False,
     )
     return out
 

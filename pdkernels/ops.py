@@ -213,8 +213,11 @@ def decode_attention(
     return_lse: bool = False,
     max_seq_len: int | None = None,
     validate: bool = True,
+    split_len=None,
+    num_splits: int | None = None,
 ):
-    """See pdkernels.decode_attention.decode_attention (max_seq_len from the host bounds its splits)."""
+    """See pdkernels.decode_attention.decode_attention (max_seq_len from the host bounds its splits;
+    split_len, a device tensor, and num_splits: a CUDA graph's live plan, for the Triton kernel)."""
     args = (q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, kv_layout)
     kind = resolve("decode_attention", q.device)
     if kind == "triton":
@@ -225,6 +228,8 @@ def decode_attention(
             return_lse=return_lse,
             max_seq_len=max_seq_len,
             validate=validate,
+            split_len=split_len,
+            num_splits=num_splits,
         )
     if validate:
         _ext.check_attention_inputs(*args)

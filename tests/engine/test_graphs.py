@@ -48,3 +48,18 @@ def test_padded_static_decode_gives_the_eager_tokens(num_prompts):
 def test_cuda_graphs_need_a_cuda_device():
     with pytest.raises(ValueError, match="cuda_graphs=True needs device='cuda'"):
         LLM("tiny-random", page_size=4, num_pages=16, cuda_graphs=True)
+
+
+def test_each_replay_writes_the_steps_own_split_plan():
+    """The graph's split-length buffer holds, after each step's fill, what an eager launch would plan from
+    that step's page tables (live_split_len), not one planned from the buffers' size."""
+    from pdkernels.decode_attention import live_split_len
+
+    llm = LLM("tiny-random", page_size=4, num_pages=128)
+    graphs = DecodeGraphs(llm.model, llm.kv_cache, 4, scratch_page=127, max_num_seqs=8, capture=False)
+    pages = [list(range(0, 30)), list(range(30, 32))]  # 117 and 6 tokens
+    graphs.run([5, 6], [116, 5], pages)
+    heads = llm.model.shard.num_kv_heads
+    assert int(graphs.split_len) == live_split_len(4 * (32 + 0), 117, heads, llm.kv_cache.device)
+    meta = graphs._meta(2)
+    assert meta.split_len is graphs.split_len and meta.num_splits >= 1

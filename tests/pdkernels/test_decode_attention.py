@@ -127,3 +127,24 @@ def test_the_cpu_path_is_the_reference_in_fewer_passes(
     torch.testing.assert_close(
         out.float(), ref.float(), atol=1e-5 if dtype == torch.float32 else 8e-3, rtol=0
     )
+
+
+def test_a_live_split_length_gives_the_eager_plan_whatever_the_grid():
+    """A CUDA graph sized for a long context launches the grid its longest sequence could need and reads
+    the step's split length from a device buffer (live_split_len): the outputs are the eager launch's,
+    bit for bit, and a short sequence gets more splits than the buffers' size would have planned."""
+    from pdkernels.decode_attention import cap_splits, live_split_len, split_plan
+
+    lens = [1, 40, 300, 700]
+    case, q = _case(16, "HND", torch.float32, 2, seq_lens=lens, seed=5)
+    eager = decode_attention(q, *_tables(case), max_seq_len=max(lens))
+    total = case.kv_indices.numel() * 16
+    live = torch.tensor([live_split_len(total, max(lens), KV_HEADS, q.device)], dtype=torch.int32)
+    got = decode_attention(q, *_tables(case), split_len=live, num_splits=cap_splits(131072))
+    assert torch.equal(got, eager)
+    torch.testing.assert_close(got, decode_attention_ref(q, *_tables(case)), atol=1e-5, rtol=1e-5)
+    # what the graph used to plan from its buffers (bucket 8 x a 128k context): one split for 700 tokens
+    _, sized = split_plan(8 * 131072, 131072, KV_HEADS, 64, q.device)
+    assert -(-700 // int(live)) > -(-700 // sized) == 1
+    with pytest.raises(ValueError, match="split_len .* needs num_splits"):
+        decode_attention(q, *_tables(case), split_len=live)
