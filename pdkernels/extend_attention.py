@@ -463,21 +463,14 @@ def extend_attention_ref(
     return_lse: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Reference: gather each request's K/V and attend with the causal offset, one request at a time."""
-    k_cache, v_cache = split_kv_cache(paged_kv_cache, kv_layout)
-    page_size = cache_geometry(k_cache, kv_layout)[2]
     num_tokens, num_heads, head_dim = q.shape
     sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
     out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.full((num_tokens, num_heads), float("-inf"), device=q.device)
-    indptr, qo, last = kv_indptr.tolist(), qo_indptr.tolist(), kv_last_page_len.tolist()
-    for b in range(len(indptr) - 1):
-        pages = kv_indices[indptr[b] : indptr[b + 1]]
-        seq_len = (len(pages) - 1) * page_size + last[b] if len(pages) else 0
-        n = qo[b + 1] - qo[b]
-        if n == 0 or seq_len == 0:
-            continue
-        k = gather_pages(k_cache, kv_layout, pages[None])[:, :, :seq_len]  # [1, Hkv, L, D]
-        v = gather_pages(v_cache, kv_layout, pages[None])[:, :, :seq_len]
+    for lo, hi, k, v in _requests_kv(
+        qo_indptr, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, kv_layout
+    ):
+        n, seq_len = hi - lo, k.shape[1]
         keep = torch.ones(n, seq_len, dtype=torch.bool, device=q.device)
         if causal:  # query i sits at position seq_len - n + i
             keep = (
@@ -485,12 +478,27 @@ def extend_attention_ref(
                 <= (seq_len - n + torch.arange(n, device=q.device))[:, None]
             )
         out_b, lse_b = grouped_attention_ref(
-            q[None, qo[b] : qo[b + 1]], k, v, keep[None], sm_scale, return_lse
+            q[None, lo:hi], k[None], v[None], keep[None], sm_scale, return_lse
         )
-        out[qo[b] : qo[b + 1]] = out_b[0]
+        out[lo:hi] = out_b[0]
         if return_lse:
-            lse[qo[b] : qo[b + 1]] = lse_b[0]
+            lse[lo:hi] = lse_b[0]
     return (out, lse) if return_lse else out
+
+
+def _requests_kv(qo_indptr, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, kv_layout):
+    """(first query, end query, K [Hkv, L, D], V) per request with queries and keys, its pages gathered."""
+    k_cache, v_cache = split_kv_cache(paged_kv_cache, kv_layout)
+    page_size = cache_geometry(k_cache, kv_layout)[2]
+    indptr, qo, last = kv_indptr.tolist(), qo_indptr.tolist(), kv_last_page_len.tolist()
+    for b in range(len(indptr) - 1):
+        pages = kv_indices[indptr[b] : indptr[b + 1]]
+        seq_len = (len(pages) - 1) * page_size + last[b] if len(pages) else 0
+        if qo[b + 1] == qo[b] or seq_len == 0:
+            continue
+        k = gather_pages(k_cache, kv_layout, pages[None])[0, :, :seq_len]
+        v = gather_pages(v_cache, kv_layout, pages[None])[0, :, :seq_len]
+        yield qo[b], qo[b + 1], k, v
 
 
 def extend_attention_cpu(
@@ -505,17 +513,10 @@ def extend_attention_cpu(
 ) -> Tensor:
     """The torch backend's causal extend attention (pdkernels.ops): extend_attention_ref's gathers, each
     request's attention by causal_attention instead of one masked SDPA."""
-    k_cache, v_cache = split_kv_cache(paged_kv_cache, kv_layout)
-    page_size = cache_geometry(k_cache, kv_layout)[2]
     sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     out = torch.zeros_like(q)
-    indptr, qo, last = kv_indptr.tolist(), qo_indptr.tolist(), kv_last_page_len.tolist()
-    for b in range(len(indptr) - 1):
-        pages = kv_indices[indptr[b] : indptr[b + 1]]
-        seq_len = (len(pages) - 1) * page_size + last[b] if len(pages) else 0
-        if qo[b + 1] == qo[b] or seq_len == 0:
-            continue
-        k = gather_pages(k_cache, kv_layout, pages[None])[0, :, :seq_len]  # [Hkv, L, D]
-        v = gather_pages(v_cache, kv_layout, pages[None])[0, :, :seq_len]
-        out[qo[b] : qo[b + 1]] = causal_attention(q[qo[b] : qo[b + 1]], k, v, sm_scale)
+    for lo, hi, k, v in _requests_kv(
+        qo_indptr, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, kv_layout
+    ):
+        out[lo:hi] = causal_attention(q[lo:hi], k, v, sm_scale)
     return out
