@@ -419,7 +419,27 @@ def decode_attention(
         LIVE_SPLIT=live is not None,
         num_stages=num_stages(block_d),
     )
-    lse_arg = lse if lse is not None else lse_part
+    merge_splits(o_part, lse_part, out, lse, kv_indptr, kv_last_page_len, page_size, split_len, block_n, live)
+    return (out, lse) if return_lse else out
+
+
+def merge_splits(
+    o_part: Tensor,
+    lse_part: Tensor,
+    out: Tensor,
+    lse: Tensor | None,
+    kv_indptr: Tensor,
+    kv_last_page_len: Tensor,
+    page_size: int,
+    split_len: int,
+    block_n: int,
+    live: Tensor | None = None,
+) -> None:
+    """Phase 2: each (sequence, head)'s splits o_part [B, H, S, D] merged by their LSEs lse_part [B, H, S]
+    into out [B, H, D] (and lse [B, H], natural log, when given). The split plan is phase 1's: the grid's
+    splits S, split_len and block_n, or the live split length when phase 1 read one."""
+    batch, num_heads, num_splits, head_dim = o_part.shape
+    lse_arg = lse if lse is not None else lse_part  # never written without HAS_LSE
     _decode_merge_kernel[(batch, num_heads)](
         o_part,
         lse_part,
@@ -427,7 +447,7 @@ def decode_attention(
         lse_arg,
         kv_indptr,
         kv_last_page_len,
-        live if live is not None else kv_last_page_len,
+        live if live is not None else kv_last_page_len,  # a placeholder pointer when not live
         head_dim,
         page_size,
         num_splits,
@@ -441,12 +461,11 @@ def decode_attention(
         out.stride(1),
         lse_arg.stride(0),
         BLOCK_S=MAX_SPLITS,
-        BLOCK_D=block_d,
+        BLOCK_D=max(16, next_pow2(head_dim)),
         SPLIT_BLOCK_N=block_n,
-        HAS_LSE=return_lse,
+        HAS_LSE=lse is not None,
         LIVE_SPLIT=live is not None,
     )
-    return (out, lse) if return_lse else out
 
 
 def decode_attention_ref(

@@ -16,7 +16,6 @@ import triton.language as tl
 from torch import Tensor
 
 from pdkernels._paging import (
-    INDEX_DTYPES,
     INTERPRET,
     check_page_table,
     check_tensor,
@@ -25,7 +24,7 @@ from pdkernels._paging import (
     require,
     seq_lens_from_page_table,
 )
-from pdkernels.decode_attention import MAX_SPLITS, _decode_merge_kernel, _seq_splits, split_plan
+from pdkernels.decode_attention import MAX_SPLITS, _seq_splits, merge_splits, split_plan
 from pdkernels.extend_attention import LOG2E, load_kv_block
 
 __all__ = ["mla_decode_attention", "mla_decode_attention_ref", "mla_decode_attention_cpu", "check_mla_decode"]
@@ -156,8 +155,6 @@ def check_mla_decode(
             f"{name} is [B, H, {q.shape[2]}] {q.dtype}, its cache [.., {cache.shape[2]}] {cache.dtype}",
         )
         require(q.stride(2) == 1 and cache.stride(2) == 1, f"{name} and its cache need a unit last stride")
-    for name in ("kv_indptr", "kv_indices", "kv_last_page_len"):
-        check_tensor(name, locals()[name], 1, INDEX_DTYPES, ckv_cache.device, contiguous=True)
     seq_lens = check_page_table(
         kv_indptr, kv_indices, kv_last_page_len, ckv_cache.shape[0], ckv_cache.shape[1], ckv_cache.device
     )
@@ -249,32 +246,7 @@ def mla_decode_attention(
         num_warps=8 if rank > 256 else 4,
         num_stages=1 if rank > 256 else 2,
     )
-    _decode_merge_kernel[(batch, num_heads)](
-        o_part,
-        lse_part,
-        out,
-        lse_part,  # no LSE asked for: never written (HAS_LSE=False)
-        kv_indptr,
-        kv_last_page_len,
-        kv_last_page_len,  # no live split length (a placeholder pointer)
-        rank,
-        page_size,
-        num_splits,
-        split_len,
-        o_part.stride(0),
-        o_part.stride(1),
-        o_part.stride(2),
-        lse_part.stride(0),
-        lse_part.stride(1),
-        out.stride(0),
-        out.stride(1),
-        lse_part.stride(0),
-        BLOCK_S=MAX_SPLITS,
-        BLOCK_D=max(16, next_pow2(rank)),
-        SPLIT_BLOCK_N=block_n,
-        HAS_LSE=False,
-        LIVE_SPLIT=False,
-    )
+    merge_splits(o_part, lse_part, out, None, kv_indptr, kv_last_page_len, page_size, split_len, block_n)
     return out
 
 
