@@ -95,17 +95,13 @@ def head_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def head_keys(config: ModelConfig) -> tuple[str, ...]:
-    return tuple(head_shapes(config))
-
-
 def random_head_weights(config: ModelConfig, seed: int = 0) -> dict[str, Tensor]:
     """A seeded random head at config's geometry (its drafts are almost never accepted)."""
     moe = config.moe and replace(config.moe, layers=(0,))
     layer = random_weights(replace(config, num_layers=1, tie_embeddings=True, moe=moe), seed + 1)
     g = torch.Generator().manual_seed(seed)
     h = config.hidden_size
-    weights = {k: layer["model.layers.0." + k] for k in head_keys(config) if "model.layers.0." + k in layer}
+    weights = {k: layer["model.layers.0." + k] for k in head_shapes(config) if "model.layers.0." + k in layer}
     weights |= {k: 1 + 0.1 * torch.randn(h, generator=g) for k in ("enorm.weight", "hnorm.weight")}
     weights["eh_proj.weight"] = torch.randn(h, 2 * h, generator=g) * (2 * h) ** -0.5
     weights["shared_head.norm.weight"] = 1 + 0.1 * torch.randn(h, generator=g)
@@ -115,7 +111,7 @@ def random_head_weights(config: ModelConfig, seed: int = 0) -> dict[str, Tensor]
 def load_head_weights(
     source: str | None, config: ModelConfig, checkpoint: dict[str, Tensor], seed: int = 0
 ) -> dict[str, Tensor]:
-    """The head's weights by their bare names (HEAD_KEYS), shapes checked against the target's config."""
+    """The head's weights by their bare names (head_shapes), shapes checked against the target's config."""
     prefix = f"model.layers.{config.num_layers}."
     if source is None:
         found = {k[len(prefix) :]: w for k, w in checkpoint.items() if k.startswith(prefix)}
@@ -133,18 +129,19 @@ def load_head_weights(
 
         found = {k.removeprefix(prefix): w.float() for k, w in load_file(str(path)).items()}
         where = str(path)
-    missing = [k for k in head_keys(config) if k not in found]
+    shapes = head_shapes(config)
+    missing = [k for k in shapes if k not in found]
     if missing:
         raise ValueError(
             f"speculative_config: no MTP head in {where}: missing {missing[:3]}"
             f"{' ...' if len(missing) > 3 else ''} (speculative_config.model: None, 'random' or a file)"
         )
-    for key, shape in head_shapes(config).items():
+    for key, shape in shapes.items():
         if tuple(found[key].shape) != shape:
             raise ValueError(
                 f"MTP head weight {key} in {where} has shape {tuple(found[key].shape)}, not {shape}"
             )
-    return {k: found[k] for k in head_keys(config)}
+    return {k: found[k] for k in shapes}
 
 
 @dataclass
