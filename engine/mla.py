@@ -63,20 +63,26 @@ def latent_caches(layer_cache: Tensor, kv_lora_rank: int) -> tuple[Tensor, Tenso
     return rows[..., :kv_lora_rank], rows[..., kv_lora_rank:]
 
 
-def attention(model, layer: dict, x: Tensor, meta, layer_cache: Tensor, rope: tuple) -> Tensor:
-    """x [T, hidden] -> this rank's heads' attention output [T, heads x v_head_dim] (before o_proj);
-    appends the tokens' latent rows to layer_cache."""
-    m, t = model.config.mla, x.shape[0]
-    r = m.kv_lora_rank
+def project(model, layer: dict, x: Tensor, rope: tuple) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """x [T, hidden] -> q_nope [T, h, nope], q_pe [T, h, rope] (RoPE'd), and the tokens' latent row:
+    c [T, kv_lora_rank] (RMS-normed) and k_pe [T, rope] (RoPE'd)."""
+    m, t, r = model.config.mla, x.shape[0], model.config.mla.kv_lora_rank
     if "q_proj" in layer:
         q = model.linear(x, layer["q_proj"])
     else:
         q = model.linear(model.rms_norm(model.linear(x, layer["q_a"]), layer["q_a_norm"]), layer["q_b"])
     q_nope, q_pe = q.view(t, -1, m.qk_head_dim).split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
-    q_pe = model.rope(q_pe, *rope)
     latent = model.linear(x, layer["kv_a"])  # [T, r + rope]
     ckv = model.rms_norm(latent[:, :r], layer["kv_a_norm"])
-    kpe = model.rope(latent[:, None, r:], *rope)[:, 0]
+    return q_nope, model.rope(q_pe, *rope), ckv, model.rope(latent[:, None, r:], *rope)[:, 0]
+
+
+def attention(model, layer: dict, x: Tensor, meta, layer_cache: Tensor, rope: tuple) -> Tensor:
+    """x [T, hidden] -> this rank's heads' attention output [T, heads x v_head_dim] (before o_proj);
+    appends the tokens' latent rows to layer_cache."""
+    m, t = model.config.mla, x.shape[0]
+    r = m.kv_lora_rank
+    q_nope, q_pe, ckv, kpe = project(model, layer, x, rope)
     ckv_cache, kpe_cache = latent_caches(layer_cache, r)
     tables = (meta.kv_indices, meta.kv_indptr, meta.kv_last_page_len)
     ops.kv_append_mla(

@@ -174,6 +174,7 @@ class MTPDrafter:
             for k, t in moe.load_experts(self.w, "mlp.", c.moe, 0, c.moe.intermediate_size).items()
         }
         self.w = {k: t for k, t in self.w.items() if not k.startswith("mlp.experts.")}  # now stacked
+        self._page = torch.zeros(1, dtype=torch.long, device=target.device)  # decompress's page table
 
     # ---- what the engine tells it ----------------------------------------------------------------
 
@@ -257,29 +258,21 @@ class MTPDrafter:
         return x + F.linear(F.silu(gate) * up, w["mlp.down_proj.weight"]), k, v
 
     def _latent_attention(self, h, cos, sin, mask, state, extra_k, extra_v) -> tuple[Tensor, Tensor, Tensor]:
-        """DeepSeek's latent attention over the head's own latent rows, decompressed per head."""
-        t, a, m = self.target, self.attn, self.target.config.mla
-        n, r = h.shape[0], m.kv_lora_rank
-        if "q_proj" in a:
-            q = F.linear(h, a["q_proj"])
-        else:
-            q = F.linear(t.rms_norm(F.linear(h, a["q_a"]), a["q_a_norm"]), a["q_b"])
-        q_nope, q_pe = q.view(n, -1, m.qk_head_dim).split([m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
-        latent = F.linear(h, a["kv_a"])
-        rows = torch.cat(
-            [t.rms_norm(latent[:, :r], a["kv_a_norm"]), t.rope(latent[:, None, r:], cos, sin)[:, 0]], -1
+        """DeepSeek's latent attention over the head's own latent rows, decompressed per head as prefill
+        does (engine.mla)."""
+        m = self.target.config.mla
+        n, nope = h.shape[0], m.qk_nope_head_dim
+        q_nope, q_pe, ckv, kpe = mla.project(self.target, self.attn, h, (cos, sin))
+        rows = torch.cat([ckv, kpe], dim=-1)
+        every = torch.stack([*state.k, *extra_k, *rows])[None]  # one "page" of all positions: [1, m, row]
+        kv = mla.decompress(
+            self.attn, every[..., : m.kv_lora_rank], every[..., m.kv_lora_rank :], self._page, nope
         )
-        every = torch.stack([*state.k, *extra_k, *rows]).float()  # [m, r + rope]
-        heads = self.num_heads
-        keys = torch.cat(
-            [
-                torch.einsum("mr,hdr->hmd", every[:, :r], a["w_uk"].float()),
-                every[None, :, r:].expand(heads, -1, -1),
-            ],
-            dim=-1,
-        )
-        values = torch.einsum("mr,hdr->hmd", every[:, :r], a["w_uv"].float())
-        query = torch.cat([q_nope, t.rope(q_pe, cos, sin)], dim=-1).float().transpose(0, 1)  # [H, n, qk]
+        keys, values = (
+            kv[0, 0, ..., : m.qk_head_dim].float(),
+            kv[0, 1, ..., : m.v_head_dim].float(),
+        )  # [H, m, d]
+        query = torch.cat([q_nope, q_pe], dim=-1).float().transpose(0, 1)  # [H, n, qk]
         o = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=m.scale)
         return o.transpose(0, 1).reshape(n, -1), rows, rows
 
