@@ -67,6 +67,7 @@ def test_greedy_outputs_with_speculation_equal_those_without(method, k, setting,
     assert llm.allocator.num_free == llm.allocator.num_pages
 
 
+@pytest.mark.slow  # make test-all: make test checks speculation lossless on the tiny models, every method
 def test_smollm2_greedy_with_speculation_equals_without():
     greedy = SamplingParams(max_tokens=16, ignore_eos=True)
     plain = LLM("smollm2-135m", num_pages=64).generate(REPEATING[:2], greedy)

@@ -67,6 +67,7 @@ def test_1p1d_across_two_nodes_from_the_command_line_gives_the_colocated_tokens(
     assert colocated["workers"][0]["node_id"] in {w["node_id"] for w in workers.values()}
 
 
+@pytest.mark.slow  # make test-all; make test keeps the restart under the local launcher (test_run.py)
 def test_a_killed_prefill_actor_fails_its_requests_frees_decode_pages_and_comes_back(tmp_path):
     """SIGKILL the prefill actor after the first result: the requests in flight end with errors and the
     decode worker frees their pages; Ray restarts it (max_restarts 1), it re-handshakes, and every later

@@ -223,6 +223,7 @@ def test_a_sweep_over_two_rates_gives_two_run_folders_and_a_goodput(tmp_path, la
     assert "goodput (req/s)" in out.stdout
 
 
+@pytest.mark.slow  # make test-all: 13 s of joblib workers starting before each refuses
 def test_a_parallel_sweep_whose_jobs_cannot_each_have_their_own_cores_is_refused(tmp_path):
     n_jobs = len(os.sched_getaffinity(0)) + 1  # one core each: one job too many
     rates = ",".join(str(r + 1) for r in range(n_jobs))
