@@ -77,6 +77,10 @@ class DecodeSide:
         self.llm.release(request_id)
 
     def recompute(self, request_id: str) -> None:
+        seq = self.llm.seqs.get(request_id)
+        if seq is None or seq.finished:  # stopped meanwhile (handed back, aborted): nothing to compute
+            self.llm.release(request_id)
+            return
         self.llm.prefill_locally(request_id)
 
 

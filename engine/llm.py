@@ -133,19 +133,22 @@ class LLM(DecodeHandoff):
         salt = f"{loaded.config.name}|{dtype}|{page_size}".encode() if enable_prefix_caching else None
         self.scheduler = Scheduler(self.config.scheduler, self.allocator, loaded.config.max_position, salt)
         # speculative decoding (vLLM's names: {"method": "ngram" | "mtp", "num_speculative_tokens": k, ...})
+        # (a prefill-role engine given one builds its drafter too: set_role may make it decode)
         self.speculative = SpeculativeConfig.of(speculative_config)
-        self.drafter: MTPDrafter | None = None
-        if self.speculative is not None and role != "prefill":
+        self.drafter: MTPDrafter | None = None  # the MTP head, while the scheduler drafts with it
+        self._drafter: MTPDrafter | None = None
+        self._propose = None  # what the scheduler proposes drafts with outside the prefill role
+        if self.speculative is not None:
             s = self.speculative
             if s.method == "mtp":
                 head = load_head_weights(s.model, loaded.config, loaded.weights, seed)
-                self.drafter = MTPDrafter(self.model, head, s.num_speculative_tokens)
-                self.scheduler.propose = self.drafter.propose
-                self.scheduler.min_compute = 2  # the head reads the hidden state before the last token
+                self._drafter = MTPDrafter(self.model, head, s.num_speculative_tokens)
+                self._propose = self._drafter.propose
             else:
-                self.scheduler.propose = lambda seq: ngram_drafts(
+                self._propose = lambda seq: ngram_drafts(
                     seq.all_ids, s.num_speculative_tokens, s.prompt_lookup_min, s.prompt_lookup_max
                 )
+        self._wire_drafts()
         self.runner = ModelRunner(self.model, self.kv_cache, page_size, kv_layout, self.tp_group)
         if cuda_graphs:
             self.runner.graphs = DecodeGraphs(
@@ -158,6 +161,31 @@ class LLM(DecodeHandoff):
         self.last_step: StepStats | None = None  # what the latest step ran
         self._ids = itertools.count()
         self._grammars = None  # engine.structured.Grammars, on the first constrained request
+
+    def _wire_drafts(self) -> None:
+        """The scheduler proposes drafts in the decode and colocated roles, when speculation is set."""
+        drafting = self._propose is not None and self.scheduler.role != "prefill"
+        self.scheduler.propose = self._propose if drafting else None
+        self.drafter = self._drafter if drafting else None
+        # the MTP head reads the hidden state before the last token
+        self.scheduler.min_compute = 2 if self.drafter is not None else 1
+
+    def set_role(self, role: str) -> None:
+        """Serve another role from now on (an elastic worker: prefill <-> decode), keeping the weights, the
+        KV cache's memory and what the prefix cache holds. Only between requests: every one must have
+        ended and been handed back by step() (ValueError otherwise). The prefill role gets its layer
+        counter here; a decode role reached this way replays no CUDA graphs (none were captured)."""
+        if role not in ("prefill", "decode", "colocated"):
+            raise ValueError(f"role={role!r} is not allowed: one of ('prefill', 'decode', 'colocated')")
+        if self.seqs or self.has_unfinished() or self.scheduler.reserved or self.scheduler.refetching:
+            raise ValueError(f"set_role({role!r}) needs an idle engine; {len(self.seqs)} requests are here")
+        config = replace(self.config.scheduler, role=role)
+        self.config = replace(self.config, scheduler=config)
+        self.scheduler.config = config
+        self._wire_drafts()
+        if role == "prefill" and self.counter is None:
+            self.counter = make_layer_counter(self.config.model.num_layers, self.kv_cache.device)
+        self.listener = None  # the new role's messenger sets its own
 
     @property
     def kv_caches(self) -> list[torch.Tensor]:

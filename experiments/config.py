@@ -126,8 +126,15 @@ class DeploymentConfig:
     # TTFT from the prompt tokens ahead of it over the measured prefill speed, its TPOT from the decode
     # batch it would join; a refused request is `rejected` in results, an HTTP 503 with Retry-After)
     admission: str = "none"
+    # elastic roles (disaggregated): {enabled, interval_s, min_prefill, min_decode, patience, headroom,
+    # window_s, switches: [[at_s, worker, role], ...]} (experiments.deploy.policy.PlannerConfig)
+    planner: dict | None = None
 
     def __post_init__(self):
+        from experiments.deploy.policy import PlannerConfig
+
+        if not isinstance(self.planner, PlannerConfig):
+            object.__setattr__(self, "planner", _dataclass(PlannerConfig, "deployment.planner", self.planner))
         if self.kind not in DEPLOYMENT_KINDS:
             _fail(f"deployment.{self.name}.kind", self.kind, f"one of {DEPLOYMENT_KINDS}")
         if self.speculative is not None:
@@ -164,6 +171,19 @@ class DeploymentConfig:
             _fail("deployment.prefix_caching", self.prefix_caching, "true or false")
         if not isinstance(self.local_prefill_max_tokens, int) or self.local_prefill_max_tokens < 0:
             _fail("deployment.local_prefill_max_tokens", self.local_prefill_max_tokens, "an integer >= 0")
+        if self.planner.elastic and self.kind != "disaggregated":
+            _fail("deployment.planner", "enabled or switches", "elastic roles need kind=disaggregated")
+        if self.planner.elastic:
+            names = [f"prefill-{i}" for i in range(self.num_prefill)]
+            names += [f"decode-{i}" for i in range(self.num_decode)]
+            for _, worker, _ in self.planner.switches:
+                if worker not in names:
+                    _fail("deployment.planner.switches", worker, f"a worker of this deployment: {names}")
+
+    @property
+    def elastic(self) -> bool:
+        """Workers may switch between prefill and decode (deployment.planner)."""
+        return self.planner.elastic
 
     @property
     def processes(self) -> int:

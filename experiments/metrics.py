@@ -5,9 +5,11 @@ results.json, schema "pdkernels.results/1" (stable: fields may be added, never r
 - "schema", "config" (the checked RunConfig), "environment" (git commit, package versions, CPU and GPU
   models: `environment()`), "runs": one entry per deployment (and rate) run.
 - run: "deployment", "rate" (req/s, or null under fixed concurrency), "concurrency", "summary",
-  "requests", "events" ([seconds since start, what happened]: a worker exiting), "workers" ([{name,
-  role, node_id, pid}]: where each worker ran; node_id is a Ray node id or this host's name), "timelines" (per
-  worker: name, role, steps [start, end, prefill tokens, decode tokens, sequences verifying drafts],
+  "requests", "events" ([seconds since start, what happened]: a worker exiting, a role switch),
+  "role_moves" ([{worker, from, to, at (s since start), why, seconds (of the worker's time)}]),
+  "workers" ([{name, role, node_id, pid}]: where each worker ran; node_id is a Ray node id or this host's
+  name), "timelines" (per worker: name, role (its last), steps [start, end, prefill tokens, decode
+  tokens, sequences verifying drafts],
   free_pages and num_pages when it stopped).
 - summary: "num_requests", "completed", "errors", "rejected" (refused at once by deployment.admission=slo;
   not errors), "duration_s", "throughput_rps",
@@ -255,6 +257,8 @@ def run_record(run: DeploymentRun, config: RunConfig, rate: float | None) -> dic
         "summary": summarize(run, rows, config.slo, rate),
         "requests": rows,
         "events": [[t - run.start, what] for t, what in run.events],
+        # elastic roles: each move, when it began (s since the start) and what it took of its worker's time
+        "role_moves": [{**m, "at": m["at"] - run.start} for m in run.moves],
         "workers": run.workers,
         "timelines": [
             {

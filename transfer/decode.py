@@ -114,6 +114,7 @@ class DecodeMessenger:
         self._metadata = backend.metadata()
         self._free_slots = list(range(self.config.context_slots))
         self.peers: dict[str, _Peer] = {}
+        self.retired: set[str] = set()  # peers that left the prefill role (retire)
         self.pending: dict[str, _Pending] = {}
         # transfer timing of each admitted request, until `forget` (its context goes to the engine)
         self.timings: dict[str, Timing] = {}
@@ -125,6 +126,15 @@ class DecodeMessenger:
     def add_peer(self, name: str, channel, hello: Hello) -> None:
         """A prefill worker reachable over channel, whose Hello (shard spec, host, pid) arrived."""
         self.peers[name] = _Peer(name, channel, hello)
+
+    def retire(self, name: str) -> None:
+        """The peer leaves the prefill role (an elastic worker): it is asked nothing new (what it holds
+        still lands) until its next Hello on the same channel brings it back."""
+        self.retired.add(name)
+
+    def holds(self, name: str) -> bool:
+        """Whether a transfer of this worker's is still in flight on peer `name`."""
+        return any(p.peer.name == name for p in self.pending.values())
 
     def outstanding_tokens(self, peer: str) -> int:
         """Prompt tokens sent to peer and not yet landed (the router's load figure)."""
@@ -150,7 +160,8 @@ class DecodeMessenger:
             if not p.lost and p.down():  # nothing more lands from it, and it takes nothing new
                 self.peer_dead(name)
         if peer is None:
-            live = [n for n, p in self.peers.items() if not p.lost] or list(self.peers)
+            serving = [n for n in self.peers if n not in self.retired] or list(self.peers)
+            live = [n for n in serving if not self.peers[n].lost] or serving
             peer = prefer if prefer in live else min(live, key=self.outstanding_tokens)
         target = self.peers[peer]
         if len(prompt_ids) > 1:  # check before anything is taken: a plan that raises leaves nothing behind
@@ -301,6 +312,7 @@ class DecodeMessenger:
         if any(p.peer is peer for p in self.pending.values()):
             self.peer_dead(peer.name)
         peer.hello, peer.lost = hello, False
+        self.retired.discard(peer.name)  # an elastic worker back in the prefill role
 
     def peer_dead(self, name: str) -> None:
         """Whoever started the peer knows it has exited: nothing more can land from it."""

@@ -144,11 +144,16 @@ class PrefillMessenger:
     def replace_peer(self, channel) -> None:
         """A decode worker came back as a new process (restarted): what was on its old channel is
         aborted, the old channel closed, and the new one served as add_peer does."""
-        for old in [c for c in self.channels if c.peer == channel.peer]:
-            self._abort_channel(old, "decode worker restarted")
+        self.remove_peer(channel.peer, "decode worker restarted")
+        self.add_peer(channel)
+
+    def remove_peer(self, name: str, reason: str = "decode worker left the decode role") -> None:
+        """A decode worker left that role (an elastic worker): what came over its channel is aborted and
+        the channel closed."""
+        for old in [c for c in self.channels if c.peer == name]:
+            self._abort_channel(old, reason)
             self.channels.remove(old)
             old.close()
-        self.add_peer(channel)
 
     def _abort_channel(self, channel, reason: str) -> None:
         """Abort every request that came over channel (its decode worker is silent or replaced)."""

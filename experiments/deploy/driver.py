@@ -32,18 +32,23 @@ from experiments.deploy.messages import (
     Connect,
     DeploymentRun,
     Failed,
+    HandedBack,
     Listening,
     Load,
     PeerDead,
+    PeerLeaving,
     Progress,
     Ready,
+    Released,
     Result,
     Stop,
     Submit,
+    Switched,
+    SwitchRole,
     Timeline,
     driver_codec,
 )
-from experiments.deploy.policy import Router
+from experiments.deploy.policy import Planner, Router
 from experiments.deploy.worker import WorkerSpec
 from experiments.workload import Conversations, Request
 from transfer.auth import Credentials, keyring
@@ -99,9 +104,22 @@ def worker_specs(
         role = name.split("-")[0]
         tp = {"colocated": d.tp, "prefill": d.prefill_tp, "decode": d.decode_tp}[role]
         peers = {"colocated": (), "prefill": decode, "decode": prefill}[role]
+        wait_for = None
+        if d.elastic:  # any of them may prefill for any other later: a decode worker waits for today's
+            peers, wait_for = tuple(n for n in names if n != name), prefill
         seed = int(name.split("-")[1]) if role == "colocated" else 0
         specs.append(
-            WorkerSpec(name, role, creds=keys[name], peers=peers, tp=tp, cores=cores(tp), seed=seed, **common)
+            WorkerSpec(
+                name,
+                role,
+                creds=keys[name],
+                peers=peers,
+                tp=tp,
+                cores=cores(tp),
+                seed=seed,
+                wait_for=wait_for,
+                **common,
+            )
         )
     launcher = config.launcher  # with restarts, a decode worker waits for a prefill worker to return
     if (launcher.ray.max_restarts if launcher.name == "ray" else launcher.max_restarts) > 0:
@@ -125,6 +143,9 @@ class Fleet:
     dead: set[str] = field(default_factory=set)
     restarting: set[str] = field(default_factory=set)
     cache_salt: bytes = b""  # what the workers' prefix cache page names start from (their Ready says)
+    switching: dict[str, str] = field(default_factory=dict)  # elastic worker -> the role it moves to
+    releasing: dict[str, set] = field(default_factory=dict)  # leaving prefill worker -> decode workers
+    # that may still have something in flight there (their Released has not come)
 
     @property
     def frontends(self) -> list[str]:
@@ -134,11 +155,61 @@ class Fleet:
     def send(self, name: str, msg) -> bool:
         return _send(self.sock, name, msg)
 
+    def switch(self, name: str, role: str) -> None:
+        """Move a live elastic worker to role (prefill | decode); the caller has stopped routing to it
+        (Router.leave). A decode worker is told at once: it hands its requests back (HandedBack, which
+        receive() passes on for the caller to resume elsewhere). A prefill worker is told once every
+        decode worker has Released it. Either answers Switched when it serves its new role; one move at a
+        time."""
+        if self.switching:
+            raise ValueError(f"{sorted(self.switching)} is still switching; one move at a time")
+        if self.roles.get(name) not in ("prefill", "decode") or name in self.dead or self.roles[name] == role:
+            raise ValueError(f"worker {name!r} cannot move to {role!r}: it is {self.roles.get(name)}")
+        if len(self._live(self.roles[name])) < 2:
+            raise ValueError(f"worker {name!r} is the last live {self.roles[name]} worker: it stays")
+        self.switching[name] = role
+        if role == "prefill":
+            self.send(name, SwitchRole("prefill"))
+            return
+        self.releasing[name] = {n for n in self._live("decode")}
+        for decode in self.releasing[name]:
+            self.send(decode, PeerLeaving(name))
+        self._released(name)
+
+    def _live(self, role: str) -> list[str]:
+        return [
+            n for n, r in self.roles.items() if r == role and n not in self.dead and n not in self.switching
+        ]
+
+    def _released(self, name: str) -> None:
+        """Once no decode worker has anything in flight on leaving prefill worker `name`, it switches."""
+        if name in self.releasing and not self.releasing[name]:
+            del self.releasing[name]
+            self.send(name, SwitchRole("decode", self._live("prefill")))
+
     def receive(self) -> list[tuple[str, object]]:
         """Messages from the workers; the ones that bring a restarted worker back are handled here."""
         out = []
         for name, msg in _recv(self.sock):
-            if isinstance(msg, Listening) and self.roles[name] == "decode" and name in self.restarting:
+            if isinstance(msg, Released):
+                self.releasing.get(msg.peer, set()).discard(name)
+                self._released(msg.peer)
+            elif isinstance(msg, Listening) and self.switching.get(name) == "decode":
+                self.listening[name] = msg.addresses  # its new sockets: each prefill worker connects
+                for p in self._live("prefill"):
+                    self.send(p, Connect({name: msg.addresses.get(p, "")}))
+            elif isinstance(msg, Listening) and self.switching.get(name) == "prefill":
+                self.send(name, Connect({d: self.listening[d].get(name, "") for d in self._live("decode")}))
+            elif isinstance(msg, Switched) and name in self.switching:
+                del self.switching[name]
+                self.roles[name] = msg.role
+                if msg.role == "prefill":  # the prefill workers drop their sockets to it
+                    self.listening.pop(name, None)
+                    for p in self._live("prefill"):
+                        if p != name:
+                            self.send(p, Connect({name: ""}))
+                out.append((name, msg))
+            elif isinstance(msg, Listening) and self.roles[name] == "decode" and name in self.restarting:
                 self.listening[name] = msg.addresses  # a restarted decode worker: new sockets, new peers
                 for p in (n for n, r in self.roles.items() if r == "prefill" and n not in self.dead):
                     self.send(p, Connect({name: msg.addresses.get(p, "")}))
@@ -172,6 +243,11 @@ class Fleet:
                 continue
             self.dead.add(name)
             code, pid = proc.exitcode, proc.pid
+            self.switching.pop(name, None)  # a move it was making is over
+            self.releasing.pop(name, None)
+            for leaving in list(self.releasing):  # it will never say Released
+                self.releasing[leaving].discard(name)
+                self._released(leaving)
             log.warning("worker %s exited (code %s)", name, code)
             out.append((name, code))
             if self.launcher is not None and self.launcher.restart(name, proc):
@@ -216,6 +292,54 @@ class Fleet:
             if self.launcher is not None:
                 self.launcher.shutdown(self.procs)
             shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+class Elastic:
+    """An elastic deployment's moves (deployment.planner), for the main job's driver and the server's
+    runtime alike: each turn, tick() asks the Planner (its scripted switches, or its look at the SLO) and
+    starts the move it names (the router stops routing to the worker, the fleet tells it); switched()
+    makes the worker's new role the router's. Every step is an event (when, what): results.json's."""
+
+    def __init__(self, deployment, slo, fleet: Fleet, router: Router, events: list, moves: list):
+        """events: where (when, what) go; moves: where each move goes, {worker, from, to, at (perf_counter),
+        why, seconds (what the switch took of the worker's time, once done)}."""
+        self.planner = Planner(deployment.planner, (slo.ttft_s, slo.tpot_s))
+        self.fleet, self.router, self.events, self.moves = fleet, router, events, moves
+
+    def tick(self) -> None:
+        fleet = self.fleet
+        roles = {n: r for n, r in fleet.roles.items() if r != "colocated" and n not in fleet.dead}
+        move = self.planner.decide(roles, self.router, busy=bool(fleet.switching))
+        if move is None:
+            return
+        worker, role = move
+        now = time.perf_counter()
+        try:
+            fleet.switch(worker, role)
+        except ValueError as e:
+            self.events.append((now, f"planner: no move: {e}"))
+            return
+        self.router.leave(worker)
+        old = fleet.roles[worker]
+        self.moves.append({"worker": worker, "from": old, "to": role, "at": now, "why": self.planner.why})
+        self.events.append((now, f"{worker}: {old} -> {role} begins ({self.planner.why})"))
+        log.info("%s: %s -> %s (%s)", worker, old, role, self.planner.why)
+
+    def switched(self, name: str, msg: Switched) -> None:
+        self.router.join(name, msg.role)
+        for move in self.moves:
+            if move["worker"] == name and "seconds" not in move:
+                move["seconds"] = msg.seconds
+        self.events.append(
+            (time.perf_counter(), f"{name} serves {msg.role} ({msg.seconds:.3f} s of its time)")
+        )
+
+    def finished(self, result: Result, sent: float) -> None:
+        """A request's end, for the planner's percentiles (sent: when it was routed, perf_counter)."""
+        if result.error is None and result.token_times:
+            times = result.token_times
+            tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
+            self.planner.observe(times[0] - sent, tpot)
 
 
 def descendants(pid: int | None) -> list[tuple[int, str]]:
@@ -393,7 +517,8 @@ IPC_PATH_MAX = 107  # bytes of a unix socket's path (sockaddr_un.sun_path, less 
 def private_dir(names: list[str]) -> str:
     """A new directory (mode 0700: only this user reaches its sockets) for the run's ipc:// sockets, in
     TMPDIR; in /tmp when TMPDIR is so long that a socket's path would pass the kernel's limit."""
-    longest = max(len(f"{a}-{b}") for a in [*names, "driver"] for b in names) + 1
+    # (+ 4: an elastic worker's sockets carry the generation of its messenger)
+    longest = max(len(f"{a}-{b}") for a in [*names, "driver"] for b in names) + 1 + 4
     run_dir = tempfile.mkdtemp(prefix="pdk-")
     if len(run_dir.encode()) + longest > IPC_PATH_MAX:
         os.rmdir(run_dir)
@@ -427,19 +552,43 @@ def _serve(run: DeploymentRun, config: RunConfig, fleet: Fleet, progress: bool, 
     from tqdm import tqdm
 
     w = config.workload
-    frontends = fleet.frontends  # where requests go
     m = config.model
     prefill = [n for n in fleet.procs if fleet.roles[n] == "prefill"]
     router = Router.of(
-        run.deployment, frontends, m.num_pages, m.page_size, fleet.cache_salt, config.slo, prefill
+        run.deployment, fleet.frontends, m.num_pages, m.page_size, fleet.cache_salt, config.slo, prefill
     )
+    frontends = router.workers  # where requests go (an elastic deployment's change as workers move)
     in_flight = router.in_flight  # worker -> its requests
+    elastic = (
+        Elastic(run.deployment, config.slo, fleet, router, run.events, run.moves)
+        if run.deployment.elastic
+        else None
+    )
     queue = list(run.requests)  # in arrival order
     streamed: dict[str, list[float]] = {}  # request -> when each of its tokens reached the driver
     tokens: dict[str, list[int]] = {}  # request -> its tokens so far (what a migration resumes after)
     migrated: dict[str, int] = {}  # request -> times its worker died under it and it went on elsewhere
     by_id = {r.request_id: r for r in run.requests}
     bar = tqdm(total=len(queue), desc=run.deployment.name, disable=not progress, unit="req")
+
+    def resume(rid: str, left: str, why: str, always: bool = False) -> None:
+        """rid leaves worker `left` (dead, or switching roles): it goes on on another live one after the
+        tokens it streamed so far (their KV recomputed there) where on_worker_death is migrate (always:
+        whatever it is), else it ends with an error."""
+        req, so_far = by_id[rid], tokens.get(rid, [])
+        live = [n for n in frontends if n not in fleet.dead]
+        router.moved(rid, left)
+        if (always or run.deployment.on_worker_death == "migrate") and live and len(so_far) < req.max_tokens:
+            target = router.route_tokens(rid, list(req.prompt_ids) + so_far, live)
+            migrated[rid] = migrated.get(rid, 0) + 1
+            if fleet.send(
+                target, Submit(rid, req.prompt_ids, req.max_tokens, stream=True, output_ids=so_far)
+            ):
+                return
+            router.moved(rid, target)
+        run.results[rid] = _error(rid, why, time.perf_counter())
+        bar.update()
+
     run.start = time.perf_counter()
     give_up = time.monotonic() + config.run_timeout_s
     try:
@@ -491,6 +640,8 @@ def _serve(run: DeploymentRun, config: RunConfig, fleet: Fleet, progress: bool, 
                         msg.token_times = times + [now] * (len(msg.output_ids) - len(times))
                     run.results[msg.request_id] = msg
                     bar.update()
+                    if elastic is not None:
+                        elastic.finished(msg, run.sent[msg.request_id])
                     nxt = (
                         run.follow(by_id[msg.request_id], msg.output_ids, now) if msg.error is None else None
                     )
@@ -502,6 +653,14 @@ def _serve(run: DeploymentRun, config: RunConfig, fleet: Fleet, progress: bool, 
                     router.observe_load(name, msg)
                 elif isinstance(msg, Ready):  # a restarted worker is back
                     run.events.append((now, f"{name} back after a restart"))
+                elif isinstance(msg, HandedBack):  # it is leaving the decode role: they go on elsewhere
+                    for rid in msg.request_ids:
+                        if rid in in_flight.get(name, ()):
+                            resume(
+                                rid, name, f"{name} left the decode role and no worker could take it", True
+                            )
+                elif isinstance(msg, Switched) and elastic is not None:
+                    elastic.switched(name, msg)
                 elif isinstance(msg, Failed):
                     raise RuntimeError(f"worker {name} failed:\n{msg.error}")
             for name, code in fleet.deaths():
@@ -509,27 +668,10 @@ def _serve(run: DeploymentRun, config: RunConfig, fleet: Fleet, progress: bool, 
                 again = " (restarting)" if name in fleet.restarting else ""
                 run.events.append((now, f"{name} exited (code {code}){again}"))
                 router.forget(name)
-                if fleet.roles[name] != "prefill":
-                    live = [n for n in frontends if n not in fleet.dead]
-                    for rid in list(in_flight[name]):
-                        req, so_far = by_id[rid], tokens.get(rid, [])
-                        if (
-                            run.deployment.on_worker_death == "migrate"
-                            and live
-                            and len(so_far) < req.max_tokens
-                        ):
-                            router.moved(rid, name)  # to go on elsewhere: prompt + tokens so far
-                            target = router.route_tokens(rid, list(req.prompt_ids) + so_far, live)
-                            migrated[rid] = migrated.get(rid, 0) + 1
-                            resumed = Submit(
-                                rid, req.prompt_ids, req.max_tokens, stream=True, output_ids=so_far
-                            )
-                            if fleet.send(target, resumed):
-                                continue
-                            router.moved(rid, target)
-                        router.moved(rid, name)
-                        run.results[rid] = _error(rid, f"worker {name} exited", now)
-                        bar.update()
+                for rid in list(in_flight.get(name, ())):
+                    resume(rid, name, f"worker {name} exited")
+            if elastic is not None:
+                elastic.tick()
             if hooks is not None:
                 hooks(run, fleet.procs)
             if time.monotonic() > give_up:

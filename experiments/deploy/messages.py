@@ -1,8 +1,9 @@
 """What crosses between the driver and its workers: typed messages (transfer.wire), one decoder per side.
 
 Worker -> driver: Listening (the control addresses a decode worker bound), Ready, Progress (the tokens
-and text each step added to streamed requests), Load, Result, Timeline, Failed. Driver -> worker: Connect
-(where a prefill worker finds its decode peers), Submit, Cancel, PeerDead, Stop. The simulator builds
+and text each step added to streamed requests), Load, Result, Timeline, Failed, and for elastic roles
+Released, HandedBack, Switched. Driver -> worker: Connect (where a prefill worker finds its decode peers),
+Submit, Cancel, PeerDead, Stop, and SwitchRole, PeerLeaving. The simulator builds
 Results too; it imports these (and DeploymentRun, the record of a run), not process code.
 """
 
@@ -100,6 +101,52 @@ class Stop(Message):
     pass
 
 
+class SwitchRole(Message):
+    """Driver -> an elastic worker: serve `role` (prefill | decode) from now on. A decode worker hands
+    its requests back at once (HandedBack: the driver resumes them elsewhere), lets what is in flight
+    settle, then switches; a prefill worker is told only once no decode worker will send it more
+    (Released from each), finishes its prefills, then switches. It answers Switched. prefill: the prefill
+    workers a new decode worker waits for (their Hello) before it says so."""
+
+    role: str
+    prefill: list[str] = []
+
+    def __post_init__(self):
+        if self.role not in ("prefill", "decode"):
+            raise ValueError(f"SwitchRole.role must be 'prefill' or 'decode', got {self.role!r}")
+
+
+class PeerLeaving(Message):
+    """Driver -> decode worker: prefill worker `name` is leaving that role: send it nothing new; answer
+    Released once nothing of this worker's is in flight there."""
+
+    name: str
+
+
+class Released(Message):
+    """Decode worker -> driver: nothing of this worker's is in flight on prefill worker `peer`."""
+
+    name: str
+    peer: str
+
+
+class HandedBack(Message):
+    """A worker leaving the decode role -> driver: these requests end here without a Result; the
+    driver resumes each on another decode worker after the tokens it streamed so far."""
+
+    name: str
+    request_ids: list[str]
+
+
+class Switched(Message):
+    """An elastic worker now serves `role`; seconds: what the switch took of this worker's time (from
+    SwitchRole to now, including the wait for its requests to settle)."""
+
+    name: str
+    role: str
+    seconds: float
+
+
 LOAD_EVERY_S = 0.5  # how often a worker sends its Load
 
 
@@ -116,6 +163,7 @@ class Load(Message):
     prefix_queries: int = 0  # prompt tokens looked up in its prefix cache, and found there (so far)
     prefix_hits: int = 0
     cached_pages: int = 0  # pages its prefix cache names now
+    role: str = ""  # the role it serves now (an elastic worker's changes)
     # (stored?, page name) since its last Load: the router's view of its cache (Dynamo's KV events)
     cache_events: list[tuple[bool, bytes]] = []
     # so far: prompt tokens computed and the time of the steps that computed them; steps that only
@@ -172,12 +220,12 @@ class Failed(Message):
 
 def driver_codec() -> Codec:
     """What the driver decodes (from its workers)."""
-    return Codec(Listening, Ready, Progress, Load, Result, Timeline, Failed)
+    return Codec(Listening, Ready, Progress, Load, Result, Timeline, Failed, Released, HandedBack, Switched)
 
 
 def worker_codec() -> Codec:
     """What a worker decodes (from the driver)."""
-    return Codec(Connect, Submit, Cancel, PeerDead, Stop)
+    return Codec(Connect, Submit, Cancel, PeerDead, Stop, SwitchRole, PeerLeaving)
 
 
 @dataclass
@@ -191,6 +239,7 @@ class DeploymentRun:
     results: dict[str, Result] = field(default_factory=dict)
     timelines: list[Timeline] = field(default_factory=list)
     events: list[tuple[float, str]] = field(default_factory=list)  # (perf_counter, what happened)
+    moves: list[dict] = field(default_factory=list)  # elastic roles: each worker moved (driver.Elastic)
     start: float = 0.0
     end: float = 0.0
     interrupted: bool = False  # stopped by SIGTERM or Ctrl-C: unfinished requests are recorded as errors

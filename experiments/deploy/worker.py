@@ -25,14 +25,19 @@ from experiments.deploy.messages import (
     Cancel,
     Connect,
     Failed,
+    HandedBack,
     Listening,
     Load,
     PeerDead,
+    PeerLeaving,
     Progress,
     Ready,
+    Released,
     Result,
     Stop,
     Submit,
+    Switched,
+    SwitchRole,
     Timeline,
     worker_codec,
 )
@@ -63,6 +68,9 @@ class WorkerSpec:
     log_level: str = "INFO"
     restart_wait_s: float = 0.0  # decode: how long requests wait for a dead prefill worker that the
     # launcher may restart (ray.max_restarts), when no other prefill worker is up
+    # decode: the peers whose Hello it waits for before it is Ready (None: every one). An elastic
+    # deployment's workers are each other's peers; those not prefilling yet join when they Hello
+    wait_for: tuple[str, ...] | None = None
 
 
 def worker_main(spec: WorkerSpec) -> None:
@@ -108,6 +116,7 @@ class Worker:
         from pdkernels import ops
 
         self.spec, self.sock, self.parent = spec, sock, os.getppid()
+        self.role = spec.role  # an elastic worker's changes (SwitchRole)
         self.codec = worker_codec()
         if spec.cores:
             os.sched_setaffinity(0, spec.cores)
@@ -126,7 +135,7 @@ class Worker:
             max_num_seqs=m.max_num_seqs,
             max_num_batched_tokens=d.chunk_size,
             seed=spec.seed,
-            speculative_config=d.speculative if spec.role != "prefill" else None,
+            speculative_config=d.speculative if spec.role != "prefill" or d.elastic else None,
             reserved_tokens=d.decode_reserved_tokens,
             preemption="refetch" if d.decode_preemption == "refetch" else "recompute",
             expert_parallel=m.expert_parallel,
@@ -144,33 +153,45 @@ class Worker:
         self.returning: dict[str, float] = {}  # restarting prefill worker -> when to stop waiting
         self.prefilled_here: set[str] = set()  # decode: what its prefix cache lacked was short, done here
         self.after: dict[str, str] = {}  # decode: a later completion in the backlog -> its first one
-        self.pm = self.dm = None
+        self.pm = self.dm = self.backend = None
+        # elastic roles: the messenger's generation (a new transfer agent and control sockets each
+        # switch), peers not yet heard from (decode), prefill peers leaving that role, a switch under way
+        self.generation = 0
+        self.joining: dict[str, object] = {}
+        self.leaving: set[str] = set()
+        self.switch: SwitchRole | None = None
+        self.switch_started = 0.0
         if spec.role != "prefill":  # the router routes to this worker by what its cache holds
             self.llm.allocator.record_events()
         if spec.role != "colocated":
-            self._connect_messenger()
+            self._connect_messenger(spec.wait_for)
 
-    def _connect_messenger(self) -> None:
+    def _connect_messenger(self, wait_for) -> None:
+        """This role's messenger: a prefill worker connects to the decode workers' addresses (the driver's
+        Connect); a decode worker binds one control socket per peer and waits for the Hello of each in
+        wait_for (None: all); the others join when they say Hello (an elastic worker turning prefill)."""
         from engine.disagg import decode_messenger, prefill_messenger
         from transfer.backends import make_backend
         from transfer.channel import ZmqEndpoint
         from transfer.protocol import decode_codec, prefill_codec, wait_hello
 
         spec, t = self.spec, self.spec.transfer
-        name = f"{spec.name}-{os.getpid()}"
+        again = f"-{self.generation}" if self.generation else ""  # a new agent's and socket's name
+        name = f"{spec.name}-{os.getpid()}{again}"
         kwargs = dict(engine=t.nixl_engine, devices=t.nixl_devices) if t.backend == "nixl" else {}
-        backend = make_backend(t.backend, name, **kwargs)
-        if spec.role == "prefill":
+        self.backend = backend = make_backend(t.backend, name, **kwargs)
+        if self.role == "prefill":
             self.pm = prefill_messenger(self.llm, backend, t)
             self._send(Listening(spec.name, {}))
             for peer, address in self._await_connect().items():
-                self.pm.add_peer(ZmqEndpoint(address, False, spec.creds, peer, prefill_codec()))
+                if address:
+                    self.pm.add_peer(ZmqEndpoint(address, False, spec.creds, peer, prefill_codec()))
             return
         self.dm = decode_messenger(self.llm, backend, t)
         channels = {}
         for peer in spec.peers:
             address = (
-                f"ipc://{spec.run_dir}/{spec.name}-{peer}"
+                f"ipc://{spec.run_dir}/{spec.name}-{peer}{again}"
                 if t.control_transport == "ipc"
                 else f"tcp://{t.control_host}:0"
             )
@@ -181,8 +202,27 @@ class Worker:
             return os.getppid() == self.parent
 
         for peer, channel in channels.items():
+            if wait_for is not None and peer not in wait_for:
+                self.joining[peer] = channel
+                continue
             self.dm.add_peer(peer, channel, wait_hello(channel, timeout_s=HELLO_TIMEOUT_S, alive=alive))
             log.info("%s: prefill worker %s connected", spec.name, peer)
+
+    def _close_messenger(self) -> None:
+        """Stop this role's messenger: its sender thread, control sockets and transfer agent."""
+        channels = list(self.joining.values())
+        if self.pm is not None:
+            self.pm.close()
+            channels += self.pm.channels
+        if self.dm is not None:
+            channels += [p.channel for p in self.dm.peers.values()]
+        for channel in channels:
+            channel.close()
+        if self.backend is not None:
+            self.backend.close()
+        self.pm = self.dm = self.backend = None
+        self.joining.clear()
+        self.leaving.clear()
 
     def _await_connect(self) -> dict[str, str]:
         """The decode workers' addresses, from the driver's Connect."""
@@ -225,7 +265,7 @@ class Worker:
             ops.resolve("decode_attention", kv.device),
         )
         while os.getppid() == self.parent:
-            busy = self.llm.has_unfinished() or self.backlog or (self.dm and self.dm.pending)
+            busy = self.llm.has_unfinished() or self.backlog or (self.dm and self.dm.pending) or self.switch
             if self.sock.poll(0 if busy or self.pm else 1, zmq.POLLIN):
                 while self.sock.poll(0, zmq.POLLIN):
                     msg = self._recv()
@@ -234,6 +274,7 @@ class Worker:
                         for key, value in self._stats().items():
                             setattr(self.timeline, key, value)
                         self.timeline.free_pages, self.timeline.num_pages = a.num_free, a.num_pages
+                        self.timeline.role = self.role
                         self._send(self.timeline)
                         log.info(
                             "%s stopped by the driver (%d of %d pages free)",
@@ -248,8 +289,11 @@ class Worker:
             if self.dm is not None:
                 self._drain_backlog()
                 self.dm.poll()
+                self._join_and_release()
             if self.llm.has_unfinished():
                 self._step()
+            elif self.switch is not None and self._settled():
+                self._finish_switch()
             elif self.pm is not None:
                 time.sleep(0.0005)
             if time.monotonic() - self.load_at > LOAD_EVERY_S:
@@ -262,6 +306,7 @@ class Worker:
                         self.llm.allocator.num_free,
                         len(sched.running),
                         len(sched.waiting) + pending,
+                        role=self.role,
                         **self._stats(),
                         cache_events=self.llm.allocator.take_events(),
                         **self.speed,
@@ -281,14 +326,21 @@ class Worker:
     def _handle(self, msg) -> None:
         from engine import SamplingParams, StructuredOutputs
 
-        if isinstance(msg, Connect) and self.pm is not None:  # a decode worker restarted: its new sockets
+        if isinstance(msg, Connect) and self.pm is not None:  # a decode worker's new sockets (or none)
             from transfer.channel import ZmqEndpoint
             from transfer.protocol import prefill_codec
 
             for peer, address in msg.addresses.items():
-                if peer in self.spec.peers and address:
-                    log.warning("%s: decode worker %s is back; connecting afresh", self.spec.name, peer)
+                if peer in self.spec.peers and address:  # restarted, or an elastic worker now decoding
+                    log.warning("%s: decode worker %s is (back) up; connecting afresh", self.spec.name, peer)
                     self.pm.replace_peer(ZmqEndpoint(address, False, self.spec.creds, peer, prefill_codec()))
+                elif peer in self.spec.peers:  # an elastic worker left the decode role
+                    self.pm.remove_peer(peer)
+        elif isinstance(msg, SwitchRole):
+            self._begin_switch(msg)
+        elif isinstance(msg, PeerLeaving) and self.dm is not None:
+            self.dm.retire(msg.name)
+            self.leaving.add(msg.name)
         elif isinstance(msg, PeerDead) and self.dm is not None:
             peer = self.dm.peers.get(msg.name)
             if peer is None or (msg.pid and msg.pid != peer.hello.pid):
@@ -298,6 +350,8 @@ class Worker:
             self.returning[msg.name] = time.monotonic() + msg.back_within_s  # 0: not coming back
         elif isinstance(msg, Cancel):
             self._cancel(msg.request_id)
+        elif isinstance(msg, Submit) and self.switch is not None:  # sent before the driver knew: back
+            self._send(HandedBack(self.spec.name, [msg.request_id]))
         elif isinstance(msg, Submit):
             received = time.perf_counter()
             d = self.spec.deployment
@@ -327,6 +381,81 @@ class Worker:
             if msg.stream:
                 self.streamed[msg.request_id] = [len(msg.output_ids), msg.text_sent]
                 self.holdback[msg.request_id] = max((len(s) - 1 for s in msg.stop), default=0)
+
+    def _join_and_release(self) -> None:
+        """Decode: peers that say Hello for the first time join (an elastic worker now prefilling); a
+        leaving peer is Released once nothing of this worker's is in flight there."""
+        from transfer.protocol import PROTOCOL_VERSION, Hello
+
+        for peer, channel in list(self.joining.items()):
+            for msg in channel.receive():
+                if isinstance(msg, Hello) and msg.version == PROTOCOL_VERSION:
+                    del self.joining[peer]
+                    self.dm.add_peer(peer, channel, msg)
+                    log.info("%s: prefill worker %s joined", self.spec.name, peer)
+                    break
+        for peer in [p for p in self.leaving if not self.dm.holds(p)]:
+            self.leaving.discard(peer)
+            self._send(Released(self.spec.name, peer))
+
+    def _begin_switch(self, msg: SwitchRole) -> None:
+        """Leave this role: a decode worker hands every request back now (the driver resumes them on
+        others) and switches once what is in flight has settled; a prefill worker, told only when no
+        decode worker sends it more, switches once its prefills are sent."""
+        if msg.role == self.role or self.spec.role == "colocated":
+            self._send(Switched(self.spec.name, self.role, 0.0))
+            return
+        self.switch, self.switch_started = msg, time.monotonic()
+        log.info("%s: switching from %s to %s", self.spec.name, self.role, msg.role)
+        if self.role == "decode":
+            handed = list(self.live)
+            for rid in handed:
+                self._hand_back(rid)
+            self._send(HandedBack(self.spec.name, handed))
+
+    def _hand_back(self, request_id: str) -> None:
+        """End a request here without a Result (the driver resumes it elsewhere); its pages free here
+        once no transfer can touch them."""
+        self.live.pop(request_id)
+        for kept in (self.streamed, self.holdback, self.after):
+            kept.pop(request_id, None)
+        self.prefilled_here.discard(request_id)
+        waiting = [item for item in self.backlog if item[0] == request_id]
+        if waiting:
+            self.backlog.remove(waiting[0])
+        if request_id in self.dm.pending:
+            self.llm.stop(request_id)  # its pages stay until the transfer has settled
+            self.dm.abort(request_id, "handed back: its decode worker is switching roles")
+        else:
+            self.llm.abort(request_id)
+        self.dm.forget(request_id)
+
+    def _settled(self) -> bool:
+        """Nothing of this worker's is anywhere: no request, no transfer, no prefill."""
+        return not (
+            self.llm.seqs
+            or self.live
+            or self.backlog
+            or (self.dm is not None and self.dm.pending)
+            or (self.pm is not None and self.pm.transfers)
+        )
+
+    def _finish_switch(self) -> None:
+        """The old role's messenger goes, the engine takes the new role (same weights, cache memory and
+        prefix cache), and the new role's messenger comes up; then Switched."""
+        msg, self.switch = self.switch, None
+        old, self.role = self.role, msg.role
+        self._close_messenger()
+        self.llm.set_role(msg.role)
+        if msg.role == "prefill":
+            self.llm.allocator.events = None  # no router routes to a prefill worker by its cache
+        else:
+            self.llm.allocator.record_events()
+        self.generation += 1
+        self._connect_messenger(tuple(msg.prefill))
+        seconds = time.monotonic() - self.switch_started
+        log.info("%s: switched from %s to %s in %.3f s", self.spec.name, old, msg.role, seconds)
+        self._send(Switched(self.spec.name, msg.role, seconds))
 
     def _cancel(self, request_id: str) -> None:
         """The client went away: end the request wherever it is; its Result follows (abort)."""

@@ -617,3 +617,43 @@ def test_a_long_tmpdir_still_gives_sockets_the_kernel_takes(tmp_path, monkeypatc
         assert Path(near).parent == Path(short)  # a short TMPDIR is kept
     finally:
         shutil.rmtree(short)
+
+
+def test_workers_switch_roles_mid_run_and_no_request_fails(tmp_path):
+    """Elastic roles (deployment.planner.switches): on 1 prefill + 2 decode workers, decode-1 turns prefill
+    while requests stream on it (they go on on decode-0, after their tokens so far), then prefill-0 turns
+    decode once no decode worker has anything in flight there. Every request finishes with the greedy
+    tokens of the colocated run beside it, each switch is an event and a move with its time, and every
+    page is free on every worker after, whichever roles they ended in."""
+    overrides = [
+        *TINY,
+        "workload.num_requests=24",
+        "workload.concurrency=8",
+        "workload.output_len.value=120",
+    ]
+    overrides += [
+        "deployments=[{name: colocated, kind: colocated, num_workers: 1},"
+        "{name: elastic, kind: disaggregated, num_prefill: 1, num_decode: 2,"
+        " planner: {switches: [[0.3, decode-1, prefill], [0.8, prefill-0, decode]]}}]"
+    ]
+    reference, elastic = run(_cfg(overrides), tmp_path, progress=False)
+    s = elastic["summary"]
+    assert s["completed"] == 24 and s["errors"] == 0, elastic["requests"]
+    assert _outputs(elastic) == _outputs(reference)
+    moves = elastic["role_moves"]
+    assert [(m["worker"], m["from"], m["to"]) for m in moves] == [
+        ("decode-1", "decode", "prefill"),
+        ("prefill-0", "prefill", "decode"),
+    ], elastic["events"]
+    assert all(m["seconds"] < 5 for m in moves), moves
+    assert s["migrations"] > 0  # decode-1 handed requests back mid-stream
+    assert {t["name"]: t["role"] for t in elastic["timelines"]} == {
+        "prefill-0": "decode",
+        "decode-0": "decode",
+        "decode-1": "prefill",
+    }
+    assert all(t["free_pages"] == t["num_pages"] for t in elastic["timelines"])
+    served = {r["worker"] for r in elastic["requests"]}
+    assert "prefill-0" in served  # it decoded requests after its switch
+    log = (tmp_path / "logs" / "elastic" / "decode-1.log").read_text()
+    assert "switched from decode to prefill" in log
