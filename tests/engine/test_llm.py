@@ -314,3 +314,26 @@ def test_vllm_shaped_outputs_and_chat():
 def test_cuda_without_cuda_is_a_clear_error():
     with pytest.raises(ValueError, match="no CUDA device"):
         LLM("tiny-random", device="cuda")
+
+
+def test_set_role_keeps_the_weights_and_changes_only_what_the_role_does():
+    """An elastic worker's engine: prefill -> colocated generates what a fresh engine does (drafts
+    proposed again with speculation), -> prefill counts layers again; never with a request in flight."""
+    prompts = [[5, 9, 13, 2, 7], list(range(3, 30))]
+    params = SamplingParams(max_tokens=6)
+    fresh = [o.token_ids for o in LLM("tiny-random", page_size=4, num_pages=64).generate(prompts, params)]
+    spec = {"method": "ngram", "num_speculative_tokens": 2}
+    llm = LLM("tiny-random", role="prefill", page_size=4, num_pages=64, speculative_config=spec)
+    assert llm.scheduler.propose is None and llm.counter is not None
+    llm.set_role("colocated")
+    assert llm.scheduler.propose is not None and llm.scheduler.role == "colocated"
+    assert [o.token_ids for o in llm.generate(prompts, params)] == fresh
+    llm.add_request([1, 2, 3], params, "busy")
+    with pytest.raises(ValueError, match=r"set_role\('prefill'\) needs an idle engine; 1 requests are here"):
+        llm.set_role("prefill")
+    llm.abort("busy")
+    llm.step()  # hands the aborted request back
+    llm.set_role("prefill")
+    assert llm.scheduler.propose is None and llm.config.scheduler.role == "prefill"
+    with pytest.raises(ValueError, match="role='router' is not allowed"):
+        llm.set_role("router")

@@ -9,7 +9,14 @@ from hypothesis import strategies as st
 
 from engine import LLM
 from engine.disagg import decode_messenger, prefill_messenger
-from experiments.deploy.messages import Result, Submit, driver_codec, worker_codec
+from experiments.deploy.messages import (
+    HandedBack,
+    Result,
+    Submit,
+    SwitchRole,
+    driver_codec,
+    worker_codec,
+)
 from transfer.backends import make_backend
 from transfer.backends.local import _CODEC as LOCAL_METADATA
 from transfer.backends.nixl import _CODEC as NIXL_METADATA
@@ -48,6 +55,8 @@ VALID = [
     Ended("r", 1, None),
     Submit("r", [1, 2], 4),
     Result("r", "w", [1], 0.5, None, [0.6], "length", None),
+    SwitchRole("decode", ["prefill-0"]),
+    HandedBack("decode-1", ["r", "s"]),
     NixlMetadata(b"agent", [(4096, 64, 0)], "DRAM"),
 ]
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
@@ -91,6 +100,14 @@ def test_refusals_are_counted():
         with pytest.raises(WireError):
             codec.decode(data)
     assert codec.dropped == 4
+
+
+def test_a_switch_to_a_role_elastic_workers_do_not_have_is_refused():
+    codec = worker_codec()
+    assert codec.decode(msgspec.msgpack.encode(SwitchRole("prefill"))) == SwitchRole("prefill")
+    forged = msgspec.msgpack.encode({"type": "SwitchRole", "role": "colocated", "prefill": []})
+    with pytest.raises(WireError, match="SwitchRole.role must be 'prefill' or 'decode'"):
+        codec.decode(forged)
 
 
 PAGES = 32
