@@ -83,6 +83,12 @@ class Metrics:
         Gauge(
             "pdk_spec_mean_accepted_length", "Tokens a verify step yields (accepted + 1)", registry=r
         ).set_function(lambda: (self.spec[1] + self.spec[2]) / self.spec[2] if self.spec[2] else 0.0)
+        self.roles = Gauge(
+            "pdk_worker_role", "1 for the role each worker serves now", ["worker", "role"], registry=r
+        )
+        Gauge(
+            "pdk_role_switches", "Workers moved between prefill and decode so far", registry=r
+        ).set_function(lambda: len(runtime.moves))
         self.runtime = runtime
         self.sent: dict[str, float] = {}
 
@@ -125,6 +131,10 @@ class Metrics:
                     gauge.remove(name)
                 except KeyError:
                     pass
+        self.roles.clear()
+        for name, role in list(self.runtime.fleet.roles.items()):
+            if name not in self.runtime.dead:
+                self.roles.labels(name, role).set(1)
         for name, load in list(self.runtime.load.items()):
             self.free_pages.labels(name).set(load.free_pages)
             self.running.labels(name).set(load.running)

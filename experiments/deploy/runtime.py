@@ -15,7 +15,7 @@ import time
 
 import msgspec
 
-from experiments.deploy.messages import Cancel, Failed, Load, Progress, Result, Submit
+from experiments.deploy.messages import Cancel, Failed, HandedBack, Load, Progress, Result, Submit, Switched
 from experiments.deploy.policy import Router
 
 WAIT_MS = 20  # the runtime's longest sleep on its sockets: how often it looks for dead workers
@@ -35,11 +35,16 @@ class Runtime:
         on_worker_death: str = "migrate",
         silent_after_s: float = 10.0,
         router: Router | None = None,
+        deployment=None,
+        slo=None,
     ):
         """on_worker_death: DeploymentConfig's (migrate | fail); silent_after_s: a worker not heard from
         for this long (frozen, or cut off) makes the deployment unhealthy (GET /health 503); router:
-        which worker takes each request (default: cache_aware over the fleet's frontends)."""
+        which worker takes each request (default: cache_aware over the fleet's frontends); deployment,
+        slo: an elastic deployment's (DeploymentConfig.planner) moves its workers between roles."""
         import zmq
+
+        from experiments.deploy.driver import Elastic
 
         self.fleet, self.on_worker_death, self.silent_after_s = fleet, on_worker_death, silent_after_s
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -59,6 +64,12 @@ class Runtime:
         self.requests: dict[str, Submit] = {}  # request -> what it was submitted with
         self.streamed: dict[str, list] = {}  # streamed request -> [token ids, characters, token times] sent
         self.migrated: dict[str, tuple[int, list[float]]] = {}  # -> (migrations, token times before)
+        self.routed_at: dict[str, float] = {}  # request -> when it was routed (perf_counter)
+        self.events: list[tuple[float, str]] = []  # elastic roles: (perf_counter, what happened)
+        self.moves: list[dict] = []
+        self.elastic = None
+        if deployment is not None and deployment.elastic:
+            self.elastic = Elastic(deployment, slo, fleet, self.router, self.events, self.moves)
         # worker -> when it last sent anything (time.monotonic); from now on for each: one that never
         # speaks again is silent after silent_after_s
         self.heard: dict[str, float] = dict.fromkeys(fleet.procs, time.monotonic())
@@ -87,7 +98,11 @@ class Runtime:
     @property
     def can_serve(self) -> bool:
         """Some decode or colocated worker is up: a degraded deployment serves with the workers it has."""
-        return self._thread.is_alive() and any(n not in self.dead for n in self.in_flight)
+        return self._thread.is_alive() and bool(self._live())
+
+    def _live(self) -> list[str]:
+        """The decode or colocated workers requests may go to now."""
+        return [n for n in self.router.workers if n not in self.dead]
 
     def submit(self, msg: Submit, sink) -> None:
         self.commands.put(("submit", msg, sink))
@@ -169,6 +184,12 @@ class Runtime:
             elif isinstance(msg, Load):
                 self.load[name] = msg
                 self.router.observe_load(name, msg)
+            elif isinstance(msg, HandedBack):  # it leaves the decode role: they go on elsewhere
+                for rid in msg.request_ids:
+                    if self.owner.get(rid) == name and not self._migrate(rid, name):
+                        self._finish(Result(rid, name, [], 0.0, None, [], "error", f"{name} left decoding"))
+            elif isinstance(msg, Switched) and self.elastic is not None:
+                self.elastic.switched(name, msg)
             elif isinstance(msg, Failed):
                 log.error("worker %s failed:\n%s", name, msg.error)
         for name, _ in self.fleet.deaths():  # a dead prefill worker's decode peers end its requests
@@ -178,13 +199,15 @@ class Runtime:
             for rid in list(self.in_flight.get(name, ())):
                 if not (self.on_worker_death == "migrate" and self._migrate(rid, name)):
                     self._finish(Result(rid, name, [], 0.0, None, [], "error", f"worker {name} exited"))
+        if self.elastic is not None:
+            self.elastic.tick()
 
     def _migrate(self, request_id: str, dead: str) -> bool:
-        """Resubmit a dead worker's request to the least loaded live one: its prompt and the tokens it
-        streamed so far (their KV is recomputed there), so the client's stream goes on. False when no
-        worker can take it."""
+        """Resubmit a request of a worker that died (or left the decode role) to another live one: its
+        prompt and the tokens it streamed so far (their KV is recomputed there), so the client's stream
+        goes on. False when no worker can take it."""
         msg = self.requests.get(request_id)
-        live = [n for n in self.in_flight if n not in self.dead]
+        live = self._live()
         sent = self.streamed.get(request_id, [[], 0, [], []])
         if msg is None or not live or len(sent[0]) >= msg.max_tokens:
             return False
@@ -204,7 +227,7 @@ class Runtime:
         return self.fleet.send(target, resumed)
 
     def _route(self, msg: Submit, sink) -> None:
-        live = [n for n in self.in_flight if n not in self.dead]
+        live = self._live()
         if not live:
             sink("result", Result(msg.request_id, "", [], 0.0, None, [], "error", "no live worker"))
             return
@@ -220,6 +243,7 @@ class Runtime:
             return
         self.sinks[msg.request_id] = sink
         self.requests[msg.request_id] = msg
+        self.routed_at[msg.request_id] = time.perf_counter()
         self.owner[msg.request_id] = target
         # the router learns when each prompt's first token comes (its queue, its admission): the worker
         # streams every request; only a streamed one's tokens reach its client before the end
@@ -245,6 +269,7 @@ class Runtime:
 
     def _finish(self, result: Result) -> None:
         msg = self.requests.pop(result.request_id, None)
+        routed = self.routed_at.pop(result.request_id, None)
         self.streamed.pop(result.request_id, None)
         migrated = self.migrated.pop(result.request_id, None)
         if migrated is not None:  # its tokens from before: the worker it went on on timed only its own
@@ -254,6 +279,8 @@ class Runtime:
                 result.logprobs = logprobs + result.logprobs
         sink = self.sinks.pop(result.request_id, None)
         worker = self.owner.pop(result.request_id, None)
+        if self.elastic is not None and routed is not None:
+            self.elastic.finished(result, routed)
         if worker in self.in_flight:
             done = result.error is None and msg is not None  # what its worker now caches
             tokens = list(msg.prompt_ids) + list(msg.output_ids) + list(result.output_ids) if done else []

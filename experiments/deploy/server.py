@@ -394,7 +394,7 @@ def serve(cfg: DictConfig, out_dir: Path, ready=None) -> None:
     m = config.model
     prefill = [n for n in fleet.procs if fleet.roles[n] == "prefill"]
     router = Router.of(d, fleet.frontends, m.num_pages, m.page_size, fleet.cache_salt, config.slo, prefill)
-    runtime = Runtime(fleet, d.on_worker_death, config.transfer.peer_timeout_s, router)
+    runtime = Runtime(fleet, d.on_worker_death, config.transfer.peer_timeout_s, router, d, config.slo)
     try:
         state = App(runtime, tokenizer, name, max_position, server.api_key, server)
         app = make_app(state)

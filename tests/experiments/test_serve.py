@@ -686,3 +686,65 @@ def test_admission_refuses_with_503_and_retry_after_streamed_or_not(tmp_path):
             assert r.status == 200
     finally:
         _stop(proc)
+
+
+def test_an_elastic_server_moves_workers_between_roles_while_clients_stream(tmp_path, reference):
+    """1 prefill + 2 decode workers with scripted switches (decode-1 turns prefill 1 s after the server
+    is up, prefill-0 turns decode at 3 s) while three clients keep asking: every answer is LLM.generate's
+    greedy text, none fails, and /metrics shows where the roles ended."""
+    import threading
+
+    proc, url = _start(
+        tmp_path,
+        "deployment=1p1d",
+        "deployment.num_decode=2",
+        "+deployment.planner={switches: [[1, decode-1, prefill], [3, prefill-0, decode]]}",
+    )
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        answers, errors, stop = [], [], time.monotonic() + 5.0
+
+        def ask(k: int) -> None:
+            i = 0
+            while time.monotonic() < stop:
+                prompt = f"{PROMPTS[(k + i) % len(PROMPTS)]} {k}"
+                try:
+                    kw = dict(model="tiny-random", prompt=prompt, max_tokens=48, temperature=0)
+                    if i % 2:  # streamed
+                        text = "".join(
+                            c.choices[0].text for c in client.completions.create(**kw, stream=True)
+                        )
+                    else:
+                        text = client.completions.create(**kw).choices[0].text
+                    answers.append((prompt, text))
+                except Exception as e:  # noqa: BLE001 (any failure is the test's)
+                    errors.append(repr(e))
+                i += 1
+
+        threads = [threading.Thread(target=ask, args=(k,)) for k in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert not errors, errors
+        assert len(answers) > 10
+        params = SamplingParams(max_tokens=48, temperature=0)
+        expected = {
+            p: o.text
+            for p, o in zip(
+                sorted({p for p, _ in answers}),
+                reference.generate(sorted({p for p, _ in answers}), params),
+                strict=True,
+            )
+        }
+        assert all(text == expected[p] for p, text in answers)
+        m = _metrics(url)
+        roles = {k[1]: v for k, v in m.items() if k[0] == "pdk_worker_role"}
+        assert roles == {
+            (("role", "decode"), ("worker", "decode-0")): 1,
+            (("role", "prefill"), ("worker", "decode-1")): 1,
+            (("role", "decode"), ("worker", "prefill-0")): 1,
+        }, roles
+        assert m[("pdk_role_switches", ())] == 2
+    finally:
+        _stop(proc)
