@@ -6,7 +6,7 @@ results.json, schema "pdkernels.results/1" (stable: fields may be added, never r
   models: `environment()`), "runs": one entry per deployment (and rate) run.
 - run: "deployment", "rate" (req/s, or null under fixed concurrency), "concurrency", "summary",
   "requests", "events" ([seconds since start, what happened]: a worker exiting, a role switch),
-  "role_moves" ([{worker, from, to, at (s since start), why, seconds (of the worker's time)}]),
+  "role_moves" ([{worker, from, to, at (s since start), why, seconds (of the worker's time), settle_s}]),
   "workers" ([{name, role, node_id, pid}]: where each worker ran; node_id is a Ray node id or this host's
   name), "timelines" (per worker: name, role (its last), steps [start, end, prefill tokens, decode
   tokens, sequences verifying drafts],

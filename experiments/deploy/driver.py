@@ -329,10 +329,11 @@ class Elastic:
         self.router.join(name, msg.role)
         for move in self.moves:
             if move["worker"] == name and "seconds" not in move:
-                move["seconds"] = msg.seconds
-        self.events.append(
-            (time.perf_counter(), f"{name} serves {msg.role} ({msg.seconds:.3f} s of its time)")
+                move["seconds"], move["settle_s"] = msg.seconds, msg.settle_s
+        what = (
+            f"{name} serves {msg.role} ({msg.seconds:.3f} s of its time, {msg.settle_s:.3f} s of it settling)"
         )
+        self.events.append((time.perf_counter(), what))
 
     def finished(self, result: Result, sent: float) -> None:
         """A request's end, for the planner's percentiles (sent: when it was routed, perf_counter)."""

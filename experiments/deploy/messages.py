@@ -139,12 +139,14 @@ class HandedBack(Message):
 
 
 class Switched(Message):
-    """An elastic worker now serves `role`; seconds: what the switch took of this worker's time (from
-    SwitchRole to now, including the wait for its requests to settle)."""
+    """An elastic worker now serves `role`; seconds: what the switch took of this worker's time, from
+    SwitchRole to now; settle_s of it went to waiting for what was in flight (a prefill worker's step
+    that may still write the pages of a handed-back request, its own last prefills)."""
 
     name: str
     role: str
     seconds: float
+    settle_s: float = 0.0
 
 
 LOAD_EVERY_S = 0.5  # how often a worker sends its Load

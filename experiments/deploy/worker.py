@@ -159,6 +159,8 @@ class Worker:
         self.generation = 0
         self.joining: dict[str, object] = {}
         self.leaving: set[str] = set()
+        self.handing: set[str] = set()  # handed back once their transfer has settled (their prefill
+        # worker still holds them until then: resumed at once, they would meet themselves there)
         self.switch: SwitchRole | None = None
         self.switch_started = 0.0
         if spec.role != "prefill":  # the router routes to this worker by what its cache holds
@@ -397,6 +399,10 @@ class Worker:
         for peer in [p for p in self.leaving if not self.dm.holds(p)]:
             self.leaving.discard(peer)
             self._send(Released(self.spec.name, peer))
+        settled = [rid for rid in self.handing if rid not in self.dm.pending]
+        if settled:
+            self.handing.difference_update(settled)
+            self._send(HandedBack(self.spec.name, settled))
 
     def _begin_switch(self, msg: SwitchRole) -> None:
         """Leave this role: a decode worker hands every request back now (the driver resumes them on
@@ -409,9 +415,10 @@ class Worker:
         log.info("%s: switching from %s to %s", self.spec.name, self.role, msg.role)
         if self.role == "decode":
             handed = list(self.live)
+            self.handing = {rid for rid in handed if rid in self.dm.pending}
             for rid in handed:
                 self._hand_back(rid)
-            self._send(HandedBack(self.spec.name, handed))
+            self._send(HandedBack(self.spec.name, [rid for rid in handed if rid not in self.handing]))
 
     def _hand_back(self, request_id: str) -> None:
         """End a request here without a Result (the driver resumes it elsewhere); its pages free here
@@ -435,6 +442,7 @@ class Worker:
         return not (
             self.llm.seqs
             or self.live
+            or self.handing
             or self.backlog
             or (self.dm is not None and self.dm.pending)
             or (self.pm is not None and self.pm.transfers)
@@ -444,6 +452,7 @@ class Worker:
         """The old role's messenger goes, the engine takes the new role (same weights, cache memory and
         prefix cache), and the new role's messenger comes up; then Switched."""
         msg, self.switch = self.switch, None
+        settled = time.monotonic() - self.switch_started
         old, self.role = self.role, msg.role
         self._close_messenger()
         self.llm.set_role(msg.role)
@@ -454,8 +463,15 @@ class Worker:
         self.generation += 1
         self._connect_messenger(tuple(msg.prefill))
         seconds = time.monotonic() - self.switch_started
-        log.info("%s: switched from %s to %s in %.3f s", self.spec.name, old, msg.role, seconds)
-        self._send(Switched(self.spec.name, msg.role, seconds))
+        log.info(
+            "%s: switched from %s to %s in %.3f s (%.3f s of it waiting for what was in flight)",
+            self.spec.name,
+            old,
+            msg.role,
+            seconds,
+            settled,
+        )
+        self._send(Switched(self.spec.name, msg.role, seconds, settled))
 
     def _cancel(self, request_id: str) -> None:
         """The client went away: end the request wherever it is; its Result follows (abort)."""

@@ -121,6 +121,9 @@ class Instance:
     # time of those steps; decode-only steps, their sequences and time
     speed: list = field(default_factory=lambda: [0, 0.0, 0, 0, 0.0])
     last_step: tuple = (0, 0)  # (prompt tokens, decoding sequences) of the step just scheduled
+    # elastic roles: role -> the settings this instance takes when it moves to that role
+    role_settings: dict = field(default_factory=dict)
+    handed_back: int = 0  # requests it handed back when it left the decode role
 
     def enable_cache(self, pages: int | None = None) -> Instance:
         """Turn prefix caching on, over `pages` pages (None: the instance's KV capacity)."""

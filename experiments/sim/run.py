@@ -42,6 +42,8 @@ from experiments.workload import Conversations, Request, draw
 from transfer.config import TransferConfig
 
 MAX_POSITION = 1 << 20
+# what one role switch takes of an elastic worker's time (the real one: docs/scheduling.md)
+SWITCH_S = 0.1
 
 
 def simulate_deployment(
@@ -61,6 +63,7 @@ def simulate_deployment(
     page_size: int = 16,
     cache_pages: int | None = None,
     slo: SloConfig | None = None,
+    switch_s: float = SWITCH_S,
 ) -> DeploymentRun:
     """trace: (arrival offsets, prompt lengths, output lengths[, conversations, turns]) to replay instead
     of drawing the workload's (a measured run's own requests; a multiturn run's are replayed at the times
@@ -68,9 +71,11 @@ def simulate_deployment(
     capacity in tokens (None: what HBM holds after the weights); its admission and preemption follow the
     deployment's decode_reserved_tokens and decode_preemption, as the real decode workers do.
     cache_pages: each instance's prefix cache (None: its KV capacity; only with deployment.prefix_caching).
-    slo: what deployment.admission=slo holds requests to (the policy's, as the real router's)."""
+    slo: what deployment.admission=slo holds requests to (the policy's, as the real router's), and an
+    elastic deployment's planner too; switch_s: what one role switch takes of an instance's time."""
     multiturn = workload.dataset == "multiturn"
     shared = workload.system_prompt_len if multiturn else 0
+    moves: list[dict] = []
     follow, concurrency, turns = None, None, {}
     if trace is not None:
         arrivals, prompts, outputs, *conv = trace
@@ -131,24 +136,32 @@ def simulate_deployment(
     def caching(instances: list[Instance]) -> list[Instance]:
         return [i.enable_cache(cache_pages) for i in instances] if d.prefix_caching else instances
 
-    def policy(pool: list[Instance]) -> Router:
+    def policy(pool: list[Instance], names) -> Router:
         """The deployment's routing over pool, believing each instance caches as much as it can."""
         pages = pool[0].cache.capacity if pool[0].cache is not None else 0
-        return Router.of(d, range(len(pool)), pages, page_size, slo=slo)
+        return Router.of(d, names, pages, page_size, slo=slo)
 
     if d.kind == "colocated":
         colocated = caching([inst(d.tp, chunked) for _ in range(d.num_workers)])
-        simulate_colocated(colocated, reqs, follow, concurrency, policy(colocated))
+        simulate_colocated(colocated, reqs, follow, concurrency, policy(colocated, range(len(colocated))))
         run_timelines = [_timeline(f"worker-{n}", "colocated", i) for n, i in enumerate(colocated)]
     else:
         prefill = [inst(d.prefill_tp, False, prefill_slowdown, decodes=False) for _ in range(d.num_prefill)]
         decode = [inst(d.decode_tp, True) for _ in range(d.num_decode)]
-        for i in decode:
-            i.kv_tokens, i.reserved_tokens = decode_kv_tokens, d.decode_reserved_tokens
-            i.preemption, i.local_prefill_max_tokens = d.decode_preemption, d.local_prefill_max_tokens
+        roles = {  # an elastic instance takes its new role's settings (its TP stays)
+            "prefill": dict(chunked=False, slowdown=prefill_slowdown, spec_k=0, kv_tokens=None),
+            "decode": dict(chunked=True, slowdown=1.0, spec_k=k, kv_tokens=decode_kv_tokens),
+        }
+        for i in prefill + decode:
+            i.kv_tokens = decode_kv_tokens if i in decode else None
+            i.reserved_tokens, i.preemption = d.decode_reserved_tokens, d.decode_preemption
+            i.local_prefill_max_tokens, i.role_settings = d.local_prefill_max_tokens, roles
         prefill, decode = caching(prefill), caching(decode)
+        names = [f"decode-{n}" for n in range(len(decode))]
+        bounds = (slo.ttft_s, slo.tpot_s) if slo is not None else (float("inf"), float("inf"))
         simulate_disaggregated(
-            prefill, decode, reqs, layerwise, first_token_on, router, follow, concurrency, policy(decode)
+            prefill, decode, reqs, layerwise, first_token_on, router, follow, concurrency,
+            policy(decode, names), d.planner, bounds, switch_s, moves,
         )  # fmt: skip
         run_timelines = [_timeline(f"prefill-{n}", "prefill", i) for n, i in enumerate(prefill)]
         run_timelines += [_timeline(f"decode-{n}", "decode", i) for n, i in enumerate(decode)]
@@ -157,6 +170,7 @@ def simulate_deployment(
         [Request(f"req-{r.rid}", r.arrival, range(r.prompt), r.output, r.conversation, r.turn) for r in reqs],
     )
     run.start, run.end = 0.0, max((r.done or r.arrival) for r in reqs)
+    run.moves = moves
     run.timelines = run_timelines  # no steps: the instances' preemption and prefix cache counts
     for r in reqs:
         rid = f"req-{r.rid}"

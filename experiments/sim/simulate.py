@@ -42,7 +42,7 @@ import heapq
 import numpy as np
 
 from experiments.deploy.messages import LOAD_EVERY_S, Load
-from experiments.deploy.policy import Router
+from experiments.deploy.policy import Planner, PlannerConfig, Router
 from experiments.sim.cost import transfer_time
 from experiments.sim.instance import Instance, SimRequest
 
@@ -158,6 +158,10 @@ def simulate_disaggregated(
     follow=None,
     concurrency: int | None = None,
     policy: Router | None = None,
+    planner: PlannerConfig | None = None,
+    slo: tuple[float, float] = (float("inf"), float("inf")),
+    switch_s: float = 0.05,
+    moves: list | None = None,
 ) -> list[SimRequest]:
     """xPyD: prefill instances compute prompts, the KV moves, decode instances generate.
 
@@ -168,12 +172,27 @@ def simulate_disaggregated(
     forwards it to a prefill instance between its steps, so a request arriving mid-step waits for the
     step to end (this project's workers, and Dynamo's); only then can a decode instance prefill a short
     missing rest itself (local_prefill_max_tokens). follow, concurrency, policy: as simulate_colocated
-    (the policy picks the decode instance under router='decode')."""
+    (the policy picks the decode instance under router='decode'; its workers are named decode-<n> and
+    prefill-<n> by their index in decode and prefill).
+
+    planner: elastic roles (deployment.planner), with slo (TTFT s, TPOT s): the real deployment's
+    Planner on the simulated clock moves instances between the roles, as the real driver does: a decode
+    instance hands its requests back at its next step boundary (each is fetched again, prompt and outputs
+    so far, through a prefill instance, to another decode instance; KV on its way to it is fetched again
+    when it lands); a prefill instance takes no new prompt and finishes those it has; either then serves
+    its new role after switch_s (what the real switch measured) with that role's settings
+    (Instance.role_settings). moves: where each move is recorded ({worker, from, to, at, why,
+    seconds})."""
     if first_token_on not in ("prefill", "decode"):
         raise ValueError(f"first_token_on must be one of ('prefill', 'decode'), got {first_token_on!r}")
     if router not in ("prefill", "decode"):
         raise ValueError(f"router must be one of ('prefill', 'decode'), got {router!r}")
-    return _run(prefill, decode, requests, first_token_on, layerwise, router, follow, concurrency, policy)
+    elastic = None
+    if planner is not None and planner.elastic:
+        elastic = (planner, slo, switch_s, moves if moves is not None else [])
+    return _run(
+        prefill, decode, requests, first_token_on, layerwise, router, follow, concurrency, policy, elastic
+    )
 
 
 def _run(
@@ -186,10 +205,13 @@ def _run(
     follow=None,
     concurrency=None,
     policy=None,
+    elastic=None,
 ) -> list[SimRequest]:
-    """The event loop. front: colocated or prefill instances; back: decode instances (or none)."""
+    """The event loop. front: colocated or prefill instances; back: decode instances (or none); elastic:
+    (PlannerConfig, slo, switch_s, moves) when instances may move between front and back."""
     disagg = bool(back)
     instances = front + back
+    front, back = list(front), list(back)  # an elastic deployment's change
     heap: list = []  # (time, seq, kind, payload)
     seq = 0
 
@@ -207,15 +229,25 @@ def _run(
     pending: list = []  # arrived beyond the concurrency, in order
     busy = 0
     pool = back if disagg else front  # what the policy picks from (router='decode', or colocated)
-    policy = policy or Router(range(len(pool)), "least_loaded", cache_pages=0)
-    routed: dict = {}  # rid -> the index in pool its request went to
+    # the policy's names: colocated instances by index; disaggregated ones as the real workers are named
+    names = {id(inst): n for n, inst in enumerate(pool)}
+    if disagg:
+        names = {id(inst): f"decode-{n}" for n, inst in enumerate(back)}
+        names.update({id(inst): f"prefill-{n}" for n, inst in enumerate(front)})
+    by_name = {names[id(inst)]: inst for inst in instances}
+    policy = policy or Router([names[id(i)] for i in pool], "least_loaded", cache_pages=0)
+    routed: dict = {}  # rid -> the name of the instance in pool its request went to
     clock = [0.0]  # the simulated time, the policy's clock (its admission learns from first tokens)
     policy.clock = lambda: clock[0]
     heard = [-LOAD_EVERY_S]  # when the policy last read the instances' counters (a real worker's Load)
-    names = {id(inst): n for n, inst in enumerate(pool)}
+    page_size = instances[0].page_size
     if disagg:
-        names.update({id(inst): ("prefill", n) for n, inst in enumerate(front)})
-        policy.prefill_workers = [("prefill", n) for n in range(len(front))]
+        policy.prefill_workers = [names[id(i)] for i in front]
+    planner = None
+    leaving: dict = {}  # id(instance) -> the role it moves to, until it serves it
+    if elastic is not None:
+        planner_config, slo, switch_s, moves = elastic
+        planner = Planner(planner_config, slo, clock=lambda: clock[0])
 
     def pick(r, now) -> Instance | None:
         """The instance the policy picks, or None where its admission refuses r (r.rejected says why)."""
@@ -226,14 +258,12 @@ def _run(
                 load = Load("sim", 0, 0, 0, prefill_tokens=tokens, prefill_s=seconds, decode_steps=steps,
                             decode_seqs=seqs, decode_s=decode_s)  # fmt: skip
                 policy.observe_load(names[id(inst)], load)
-        n = policy.route(
-            r.rid, r.names(r.context, pool[0].page_size), r.context, list(range(len(pool))), admit=True
-        )
+        n = policy.route(r.rid, r.names(r.context, page_size), r.context, list(policy.workers), admit=True)
         if n is None:
             r.rejected = policy.why
             return None
         routed[r.rid] = n
-        return pool[n]
+        return by_name[n]
 
     def kick(inst, now):
         if idle[id(inst)]:
@@ -245,7 +275,9 @@ def _run(
         nonlocal busy
         busy -= 1
         if r.rid in routed:  # the policy believes its instance now caches its prompt and reply
-            policy.finished(routed.pop(r.rid), r.rid, r.names(r.prompt + r.generated - 1, pool[0].page_size))
+            policy.finished(routed.pop(r.rid), r.rid, r.names(r.prompt + r.generated - 1, page_size))
+        if planner is not None and r.rejected is None:
+            planner.observe(r.ttft, r.tpot if r.generated > 1 else None)
         nxt = follow(r) if follow is not None and r.rejected is None else None
         if nxt is not None:
             requests.append(nxt)
@@ -254,9 +286,65 @@ def _run(
             busy += 1
             push(now, "route", pending.pop(0))
 
+    def hand_back(inst, now) -> None:
+        """A decode instance leaves its role: every request it has or expects is fetched again (prompt
+        and outputs so far) for another decode instance, as the real driver resumes them."""
+        name = names[id(inst)]
+        mine = inst.running + inst.waiting + inst.recompute + inbox[id(inst)]
+        inst.running, inst.waiting, inst.recompute, inbox[id(inst)] = [], [], [], []
+        inst.kv_used = 0.0
+        inst.handed_back += len(mine)
+        for r in mine:
+            refetch(r, name, now)
+
+    def refetch(r, left, now) -> None:
+        r.held, r.computed, r.drafting = 0, 0, 0
+        if r.generated:
+            r.fetch = r.prompt + r.generated
+        policy.moved(r.rid, left)
+        if router == "decode":
+            target = policy.route(r.rid, r.names(r.context, page_size), r.context, list(policy.workers))
+            routed[r.rid] = target
+            home[r.rid] = by_name[target]
+            homed[id(by_name[target])] += 1
+        push(now, "forward", r)
+
+    def plan(now) -> None:
+        roles = {names[id(i)]: ("prefill" if i in front else "decode") for i in instances}
+        move = planner.decide(roles, policy, busy=bool(leaving))
+        if move is None or move[0] not in by_name:
+            return
+        name, role = move
+        inst = by_name[name]
+        if sum(1 for r in roles.values() if r == roles[name]) < 2:
+            return  # the last of its role stays (as the real fleet refuses)
+        leaving[id(inst)] = role
+        policy.leave(name)
+        moves.append({"worker": name, "from": roles[name], "to": role, "at": now, "why": planner.why})
+        kick(inst, now)  # an idle one moves now; a busy one at its next step boundary
+
+    def serve(inst, role, now) -> None:
+        """inst serves role from now on."""
+        del leaving[id(inst)]
+        (back if role == "decode" else front).append(inst)
+        for key, value in inst.role_settings.get(role, {}).items():
+            setattr(inst, key, value)
+        inbox.setdefault(id(inst), [])
+        homed.setdefault(id(inst), 0)
+        policy.join(names[id(inst)], role)
+        for move in moves:
+            if move["worker"] == names[id(inst)] and "seconds" not in move:
+                move["seconds"] = now - move["at"]
+
     while heap:
         now, _, kind, payload = heapq.heappop(heap)
         clock[0] = now
+        if planner is not None:
+            plan(now)
+        if kind == "switched":
+            serve(payload[0], payload[1], now)
+            kick(payload[0], now)
+            continue
         if kind == "arrive":
             if concurrency is not None and busy >= concurrency:
                 pending.append(payload)
@@ -288,7 +376,8 @@ def _run(
             kick(target, now)
         elif kind in ("route", "forward"):
             chosen = policy.prefill_of(payload.rid)  # the policy's pick (router='decode'), as the real one's
-            inst = front[chosen[1]] if chosen is not None else min(front, key=Instance.load)
+            serving = [i for i in front if id(i) not in leaving] or front
+            inst = by_name[chosen] if chosen in by_name else min(serving, key=Instance.load)
             inst.waiting.append(payload)
             kick(inst, now)
         elif kind == "first":  # the policy's admission: its prompt is no longer ahead of anyone's
@@ -297,6 +386,10 @@ def _run(
             inst, r = payload
             if router == "decode":
                 homed[id(inst)] -= 1
+            if inst not in back or id(inst) in leaving:  # it left decoding meanwhile: fetched again
+                inst.handed_back += 1
+                refetch(r, names[id(inst)], now)
+                continue
             if inst.waiting or inst.recompute or not _admit_decode(inst, r):
                 inst.waiting.append(r)
             else:
@@ -304,6 +397,18 @@ def _run(
             kick(inst, now)
         elif kind == "step":
             inst = payload
+            role = leaving.get(id(inst))
+            if role == "prefill" and inst in back:  # at its step boundary: hands back, then switches
+                back.remove(inst)
+                hand_back(inst, now)
+                push(now + switch_s, "switched", (inst, role))
+                idle[id(inst)] = True
+                continue
+            if role == "decode" and inst in front and not inst.waiting and not inst.running:
+                front.remove(inst)  # its prompts are done
+                push(now + switch_s, "switched", (inst, role))
+                idle[id(inst)] = True
+                continue
             if disagg and inst in back:
                 for r in inbox[id(inst)]:  # forwarded between steps
                     push(now, "forward", r)
@@ -353,7 +458,7 @@ def _run(
                     if router == "decode":
                         target = home.pop(r.rid)
                     else:  # DistServe's: the decode instance is chosen now, and looks its cache up now
-                        target = min(back, key=Instance.load)
+                        target = min([i for i in back if id(i) not in leaving] or back, key=Instance.load)
                         _lookup_decode(target, r)
                     r.cached = r.skip * target.page_size
                     if r.generated >= r.output:  # one token, sampled on the prefill side: no decode

@@ -698,7 +698,7 @@ def test_an_elastic_server_moves_workers_between_roles_while_clients_stream(tmp_
         tmp_path,
         "deployment=1p1d",
         "deployment.num_decode=2",
-        "+deployment.planner={switches: [[1, decode-1, prefill], [3, prefill-0, decode]]}",
+        "deployment.planner.switches=[[1, decode-1, prefill], [3, prefill-0, decode]]",
     )
     try:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)

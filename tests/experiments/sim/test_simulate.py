@@ -226,3 +226,71 @@ def test_the_policy_s_admission_refuses_what_would_be_late_in_the_simulator_too(
     assert all(r.done is not None for r in served)
     assert sum(r.ttft <= 6.0 for r in served) >= 0.9 * len(served)
     assert sum(r.ttft <= 6.0 for r in served) > 2 * sum(r.ttft <= 6.0 for r in taken)
+
+
+# -- elastic roles: the real Planner on the simulated clock
+
+
+FAST_LINKS = Hardware("toy", flops=1e3, hbm_bw=1e2, hbm_bytes=1e9, nvlink_bw=1e9, nic_bw=1e9)
+
+
+def _elastic(n_prefill: int, n_decode: int):
+    """Instances whose KV moves in no time (the toy's slow links would hide what the switches do)."""
+    settings = {"prefill": {"chunked": False}, "decode": {"chunked": True}}
+
+    def cost():
+        return Steps(TOY, FAST_LINKS, eff=Efficiency(comm=1))
+
+    prefill = [Instance(cost(), chunked=False, role_settings=settings) for _ in range(n_prefill)]
+    decode = [Instance(cost(), role_settings=settings) for _ in range(n_decode)]
+    return prefill, decode
+
+
+@pytest.mark.parametrize("router", ["decode", "prefill"])
+def test_scripted_switches_hand_requests_back_and_every_one_finishes(router):
+    """decode-0 turns prefill at t=5 while it decodes (its requests are fetched again, prompt and outputs
+    so far, for decode-1), then prefill-0 turns decode at t=20 once its prompts are done: every request
+    gets all its tokens, each move is recorded with its time, and no instance holds KV after."""
+    from experiments.deploy.policy import PlannerConfig
+
+    prefill, decode = _elastic(1, 2)
+    reqs = [SimRequest(i, 0.5 * i, prompt=10, output=12) for i in range(12)]
+    moves = []
+    planner = PlannerConfig(switches=[[5, "decode-0", "prefill"], [20, "prefill-0", "decode"]])
+    simulate_disaggregated(
+        prefill, decode, reqs, layerwise=False, router=router, planner=planner, switch_s=0.5, moves=moves
+    )
+    assert all(r.done is not None and r.generated == 12 for r in reqs)
+    assert [(m["worker"], m["from"], m["to"]) for m in moves] == [
+        ("decode-0", "decode", "prefill"),
+        ("prefill-0", "prefill", "decode"),
+    ]
+    assert moves[0]["at"] == pytest.approx(5.0, abs=1e-9) and moves[0]["seconds"] >= 0.5
+    assert decode[0].handed_back > 0  # it left mid-decode: they were fetched again with their outputs
+    assert all(i.kv_used == 0 and not i.running and not i.waiting for i in prefill + decode)
+
+
+def test_the_planner_moves_a_decode_instance_to_prefill_when_prompts_queue_and_ttft_drops():
+    """Prefill-heavy load on 1 prefill + 3 decode instances: TTFT far over its SLO while decode has
+    room. With the planner on, decode instances move to prefill (never the last one) and TTFT p90
+    falls below the fixed deployment's."""
+    from experiments.deploy.policy import PlannerConfig, percentile
+
+    def run(enabled):
+        prefill, decode = _elastic(1, 3)
+        reqs = [SimRequest(i, 1.0 * i, prompt=20, output=4) for i in range(80)]  # 3 s of prefill a second
+        moves = []
+        config = PlannerConfig(enabled=enabled, interval_s=5.0, patience=1, window_s=15.0)
+        simulate_disaggregated(
+            prefill, decode, reqs, layerwise=False, router="decode", planner=config, slo=(10.0, 2.0),
+            switch_s=0.5, moves=moves,
+        )  # fmt: skip
+        assert all(r.done is not None for r in reqs)
+        return percentile([r.ttft for r in reqs], 90), moves
+
+    fixed, no_moves = run(False)
+    planned, moves = run(True)
+    assert not no_moves and moves[0]["to"] == "prefill"
+    prefilling = 1 + sum(1 if m["to"] == "prefill" else -1 for m in moves[:3])
+    assert prefilling <= 3  # min_decode: one decode instance always stays
+    assert planned < 0.5 * fixed, (planned, fixed, moves)
