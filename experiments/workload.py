@@ -274,15 +274,19 @@ def synthetic_mooncake(
     mean_blocks: float = 8.0,
     mean_output: float = 128.0,
     seed: int = 0,
+    step: tuple[float, float] | None = None,
 ) -> list[dict]:
     """A Mooncake-like trace (the rows `_mooncake` reads: timestamp ms, input_length, output_length,
     hash_ids of 512-token blocks) for runs longer than a sample, with about `reuse` of its blocks shared:
     each request takes the leading round(reuse x n) blocks of a random earlier request (as many as it
     has), then fresh blocks, so shared blocks are always a prefix, as in a conversation or an agent's
     context. Poisson arrivals at `rate`; block counts and output lengths log-normal around the means. The
-    Mooncake paper's conversation trace reuses about half its blocks (reuse=0.5)."""
+    Mooncake paper's conversation trace reuses about half its blocks (reuse=0.5). step: (at_s, factor):
+    from at_s seconds on, requests arrive factor times as fast (a load step for an elastic deployment)."""
     if not 0 <= reuse < 1:
         raise ValueError(f"reuse must be in [0, 1), got {reuse!r}")
+    if step is not None and not (step[0] >= 0 and step[1] > 0):
+        raise ValueError(f"step must be (at_s >= 0, factor > 0), got {step!r}")
     rng = np.random.default_rng(seed)
     rows, fresh, t = [], 0, 0.0
     for _ in range(num_requests):
@@ -303,7 +307,7 @@ def synthetic_mooncake(
                 "hash_ids": ids,
             }
         )
-        t += rng.exponential(1.0 / rate)
+        t += rng.exponential(1.0 / (rate * step[1] if step is not None and t >= step[0] else rate))
     return rows
 
 
@@ -319,8 +323,9 @@ def block_reuse(rows: list[dict]) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """python -m experiments.workload mooncake OUT.jsonl [--requests N] [--reuse R] [--rate RPS] [--seed S]:
-    write a synthetic Mooncake-like trace (workload.dataset=mooncake workload.dataset_path=OUT.jsonl)."""
+    """python -m experiments.workload mooncake OUT.jsonl [--requests N] [--reuse R] [--rate RPS] [--seed S]
+    [--step-at S --step-factor F]: write a synthetic Mooncake-like trace (workload.dataset=mooncake
+    workload.dataset_path=OUT.jsonl), its arrivals F times as fast from second S on."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m experiments.workload", description=main.__doc__)
@@ -332,12 +337,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--mean-blocks", type=float, default=8.0, help="mean 512-token blocks per prompt")
     parser.add_argument("--mean-output", type=float, default=128.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--step-at", type=float, default=None, help="from this second on, arrivals come")
+    parser.add_argument("--step-factor", type=float, default=3.0, help="this many times as fast")
     args = parser.parse_args(argv)
     if args.requests < 1 or args.rate <= 0 or args.mean_blocks < 1 or args.mean_output < 1:
         parser.error("--requests, --mean-blocks and --mean-output must be >= 1 and --rate > 0")
     try:
+        step = (args.step_at, args.step_factor) if args.step_at is not None else None
         rows = synthetic_mooncake(
-            args.requests, args.reuse, args.rate, args.mean_blocks, args.mean_output, args.seed
+            args.requests, args.reuse, args.rate, args.mean_blocks, args.mean_output, args.seed, step
         )
     except ValueError as e:
         parser.error(str(e))

@@ -189,3 +189,24 @@ def test_multiturn_from_sharegpt_uses_its_human_turns_and_reply_lengths():
         Conversations(w, tok.vocab_size, 2048)
     with pytest.raises(ValueError, match="workload.dataset_path='nope.json' is not allowed"):
         WorkloadConfig(dataset="multiturn", dataset_path="nope.json")
+
+
+def test_a_synthetic_trace_with_a_rate_step_arrives_that_much_faster_after_it(tmp_path):
+    import json
+
+    import pytest
+
+    from experiments.workload import main, synthetic_mooncake
+
+    rows = synthetic_mooncake(2000, 0.5, rate=2.0, seed=3, step=(300.0, 3.0))
+    t = [r["timestamp"] / 1e3 for r in rows]
+    before = sum(1 for x in t if x < 300) / 300
+    after = (len(t) - sum(1 for x in t if x < 300)) / (t[-1] - 300)
+    assert before == pytest.approx(2.0, rel=0.15) and after == pytest.approx(6.0, rel=0.15)
+    path = tmp_path / "step.jsonl"
+    main(["mooncake", str(path), "--requests", "50", "--seed", "3", "--step-at", "5", "--step-factor", "3"])
+    assert [json.loads(line) for line in path.read_text().splitlines()] == synthetic_mooncake(
+        50, 0.5, seed=3, step=(5.0, 3.0)
+    )
+    with pytest.raises(ValueError, match="step must be"):
+        synthetic_mooncake(5, 0.5, step=(1.0, 0.0))
