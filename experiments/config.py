@@ -1,198 +1,21 @@
-"""The experiment config, checked and turned into dataclasses in one place, before any process starts.
+"""The experiment config: the deployment runtime's (experiments/deploy/config.py) plus the workload and
+what the experiment reports, checked and turned into dataclasses in one place, before any process starts.
 
 `from_cfg` takes the composed hydra config (conf/config.yaml) and returns a RunConfig; every wrong value
-fails here with a ValueError naming the key, the value and what is allowed (`check_fits_model` adds the
-checks that need the model: TP against its heads). Nothing below experiments/
+fails here with a ValueError naming the key, the value and what is allowed. Nothing below experiments/
 imports hydra: workers get these dataclasses.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field
 
-from transfer.config import TransferConfig
+from experiments.deploy.config import RuntimeConfig, as_dict, check_positive, of_dict, refuse, runtime_parts
 
 ARRIVALS = ("poisson", "concurrency", "trace")
 DATASETS = ("random", "sharegpt", "mooncake", "multiturn")
-DEPLOYMENT_KINDS = ("colocated", "disaggregated", "endpoint")
-DECODE_PREEMPTIONS = ("refetch", "recompute_local")
-ON_WORKER_DEATH = ("migrate", "fail")
 LENGTH_KINDS = ("fixed", "uniform", "lognormal")
-DTYPES = ("float32", "bfloat16", "float16")
-DEVICES = ("auto", "cpu", "cuda")
-KERNEL_BACKENDS = ("auto", "triton", "flashinfer", "torch")
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
-LAUNCHERS = ("local", "ray")
-ROLES = ("colocated", "prefill", "decode")
-
-
-def _fail(key: str, value, allowed: str) -> None:
-    raise ValueError(f"{key}={value!r} is not allowed: {allowed}")
-
-
-def _positive(key: str, value, integer: bool = False) -> None:
-    ok = isinstance(value, int) if integer else isinstance(value, int | float)
-    if isinstance(value, bool) or not ok or not value > 0:
-        _fail(key, value, f"must be {'an integer' if integer else 'a number'} > 0")
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    name: str  # smollm2-135m | tiny-random[-kv4|-kv8] | random-llama-1b | a Hugging Face model directory
-    dtype: str = "bfloat16"  # or auto: bfloat16 on CUDA and on CPUs with AVX-512 BF16 or AMX, else float32
-    page_size: int = 16
-    num_pages: int = 512  # per worker
-    max_num_seqs: int = 64
-    device: str = "auto"  # auto: cuda when this machine has it, else cpu
-    expert_parallel: bool = False  # an MoE model under TP: whole experts per rank (engine/moe.py)
-
-    def __post_init__(self):
-        if not isinstance(self.expert_parallel, bool):
-            _fail("model.expert_parallel", self.expert_parallel, "true or false")
-        if self.device not in DEVICES:
-            _fail("model.device", self.device, f"one of {DEVICES}")
-        if self.dtype not in DTYPES + ("auto",):
-            _fail("model.dtype", self.dtype, f"one of {DTYPES + ('auto',)}")
-        for key in ("page_size", "num_pages", "max_num_seqs"):
-            _positive(f"model.{key}", getattr(self, key), integer=True)
-        import torch
-
-        cuda = torch.cuda.is_available()
-        if self.device == "cuda" and not cuda:
-            _fail(
-                "model.device",
-                self.device,
-                "this machine has no CUDA device (torch.cuda.is_available() is False): use cpu or auto",
-            )
-        device = self.device if self.device != "auto" else ("cuda" if cuda else "cpu")
-        object.__setattr__(self, "device", device)  # resolved once, in the driver: workers get the same
-        if self.dtype == "auto":
-            from pdkernels.cpu import native_bf16
-
-            bf16 = device == "cuda" or native_bf16()
-            object.__setattr__(self, "dtype", "bfloat16" if bf16 else "float32")
-
-
-@dataclass(frozen=True)
-class KernelsConfig:
-    backend: str = (
-        "auto"  # auto: Triton on CUDA, the torch references on the CPU; or triton | flashinfer | torch
-    )
-
-    def __post_init__(self):
-        if self.backend not in KERNEL_BACKENDS:
-            _fail("kernels.backend", self.backend, f"one of {KERNEL_BACKENDS}")
-
-
-@dataclass(frozen=True)
-class DeploymentConfig:
-    name: str
-    kind: str = "colocated"  # colocated | disaggregated | endpoint (an OpenAI-compatible server's URL)
-    num_workers: int = 1  # colocated engines
-    num_prefill: int = 0
-    num_decode: int = 0
-    tp: int = 1  # colocated workers
-    prefill_tp: int = 1
-    decode_tp: int = 1
-    threads_per_worker: int = 1  # torch threads per process (each TP rank gets one)
-    chunk_size: int = 512  # prefill tokens per forward pass (chunked prefill budget)
-    # prompts at most this long, or whose KV the decode worker's prefix cache lacks for at most this many
-    # tokens, are prefilled on the decode worker (no round trip)
-    local_prefill_max_tokens: int = 0
-    prefix_caching: bool = True  # every worker shares cached KV pages between requests (engine/kv_cache.py)
-    url: str | None = None  # endpoint: the server's base URL (.../v1), ours or vLLM's or any
-    api_key: str | None = None  # endpoint: its key, if it wants one
-    model: str | None = None  # endpoint: the model id it serves (default: model.name)
-    # speculative decoding on the decode / colocated workers, vLLM's names:
-    # {method: ngram, num_speculative_tokens: k, prompt_lookup_min: a, prompt_lookup_max: b}
-    speculative: dict | None = None
-    # Admission with room to finish (engine.scheduler): a decode worker reserves pages for incoming KV,
-    # and any worker starts a prefill, only when the free pages still cover every admitted request's
-    # growth to min(max_tokens, this many tokens). null: to max_tokens.
-    decode_reserved_tokens: int | None = 512
-    # A decode worker's request preempted anyway (past that horizon): refetch (its KV computed again by a
-    # prefill worker, prompt + outputs) | recompute_local (computed again on the decode worker)
-    decode_preemption: str = "refetch"
-    # A decode (or colocated) worker that dies: migrate (its requests go on on another live one: prompt +
-    # the tokens streamed so far, recomputed there) | fail (they end with an error)
-    on_worker_death: str = "migrate"
-    # Which decode (or colocated) worker takes a request (experiments/deploy/policy.py): cache_aware (the
-    # fewest pages to compute there, x routing_overlap_weight, + the pages it has in flight) |
-    # least_loaded (the fewest requests in flight) | round_robin
-    routing: str = "cache_aware"
-    routing_overlap_weight: float = 1.0
-    # none (take every request) | slo (refuse at once one the router predicts will miss the SLO: its
-    # TTFT from the prompt tokens ahead of it over the measured prefill speed, its TPOT from the decode
-    # batch it would join; a refused request is `rejected` in results, an HTTP 503 with Retry-After)
-    admission: str = "none"
-    # elastic roles (disaggregated): {enabled, interval_s, min_prefill, min_decode, patience, headroom,
-    # window_s, switches: [[at_s, worker, role], ...]} (experiments.deploy.policy.PlannerConfig)
-    planner: dict | None = None
-
-    def __post_init__(self):
-        from experiments.deploy.policy import PlannerConfig
-
-        if not isinstance(self.planner, PlannerConfig):
-            object.__setattr__(self, "planner", _dataclass(PlannerConfig, "deployment.planner", self.planner))
-        if self.kind not in DEPLOYMENT_KINDS:
-            _fail(f"deployment.{self.name}.kind", self.kind, f"one of {DEPLOYMENT_KINDS}")
-        if self.speculative is not None:
-            from engine.speculative import SpeculativeConfig
-
-            try:
-                SpeculativeConfig.of(dict(self.speculative))
-            except (ValueError, TypeError) as e:
-                raise ValueError(f"deployment.{self.name}.speculative: {e}") from e
-        if self.kind == "endpoint":
-            if not isinstance(self.url, str) or not self.url.startswith(("http://", "https://")):
-                _fail(f"deployment.{self.name}.url", self.url, "an http:// or https:// base URL (.../v1)")
-            return
-        counts = ("num_workers",) if self.kind == "colocated" else ("num_prefill", "num_decode")
-        for key in counts + ("tp", "prefill_tp", "decode_tp", "threads_per_worker", "chunk_size"):
-            _positive(f"deployment.{key}", getattr(self, key), integer=True)
-        r = self.decode_reserved_tokens
-        if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 0):
-            _fail("deployment.decode_reserved_tokens", r, "null or an integer >= 0")
-        if self.on_worker_death not in ON_WORKER_DEATH:
-            _fail("deployment.on_worker_death", self.on_worker_death, f"one of {ON_WORKER_DEATH}")
-        from experiments.deploy.policy import ADMISSIONS, POLICIES
-
-        if self.routing not in POLICIES:
-            _fail("deployment.routing", self.routing, f"one of {POLICIES}")
-        if self.admission not in ADMISSIONS:
-            _fail("deployment.admission", self.admission, f"one of {ADMISSIONS}")
-        w = self.routing_overlap_weight
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w < float("inf"):
-            _fail("deployment.routing_overlap_weight", w, "a finite number >= 0")
-        if self.decode_preemption not in DECODE_PREEMPTIONS:
-            _fail("deployment.decode_preemption", self.decode_preemption, f"one of {DECODE_PREEMPTIONS}")
-        if not isinstance(self.prefix_caching, bool):
-            _fail("deployment.prefix_caching", self.prefix_caching, "true or false")
-        if not isinstance(self.local_prefill_max_tokens, int) or self.local_prefill_max_tokens < 0:
-            _fail("deployment.local_prefill_max_tokens", self.local_prefill_max_tokens, "an integer >= 0")
-        if self.planner.elastic and self.kind != "disaggregated":
-            _fail("deployment.planner", "enabled or switches", "elastic roles need kind=disaggregated")
-        if self.planner.elastic:
-            names = [f"prefill-{i}" for i in range(self.num_prefill)]
-            names += [f"decode-{i}" for i in range(self.num_decode)]
-            for _, worker, _ in self.planner.switches:
-                if worker not in names:
-                    _fail("deployment.planner.switches", worker, f"a worker of this deployment: {names}")
-
-    @property
-    def elastic(self) -> bool:
-        """Workers may switch between prefill and decode (deployment.planner)."""
-        return self.planner.elastic
-
-    @property
-    def processes(self) -> int:
-        """Worker processes including TP ranks (what the cores are shared by)."""
-        if self.kind == "endpoint":
-            return 0  # nothing runs here
-        if self.kind == "colocated":
-            return self.num_workers * self.tp
-        return self.num_prefill * self.prefill_tp + self.num_decode * self.decode_tp
 
 
 @dataclass(frozen=True)
@@ -206,16 +29,16 @@ class LengthDist:
 
     def check(self, key: str) -> None:
         if self.kind not in LENGTH_KINDS:
-            _fail(f"{key}.kind", self.kind, f"one of {LENGTH_KINDS}")
+            refuse(f"{key}.kind", self.kind, f"one of {LENGTH_KINDS}")
         if self.kind == "fixed":
-            _positive(f"{key}.value", self.value, integer=True)
+            check_positive(f"{key}.value", self.value, integer=True)
         elif self.kind == "uniform":
-            _positive(f"{key}.low", self.low, integer=True)
+            check_positive(f"{key}.low", self.low, integer=True)
             if not isinstance(self.high, int) or self.high < self.low:
-                _fail(f"{key}.high", self.high, f"an integer >= {key}.low ({self.low})")
+                refuse(f"{key}.high", self.high, f"an integer >= {key}.low ({self.low})")
         else:
-            _positive(f"{key}.mean", self.mean)
-            _positive(f"{key}.sigma", self.sigma)
+            check_positive(f"{key}.mean", self.mean)
+            check_positive(f"{key}.sigma", self.sigma)
 
 
 @dataclass(frozen=True)
@@ -243,120 +66,44 @@ class WorkloadConfig:
 
     def __post_init__(self):
         if self.arrival not in ARRIVALS:
-            _fail("workload.arrival", self.arrival, f"one of {ARRIVALS}")
+            refuse("workload.arrival", self.arrival, f"one of {ARRIVALS}")
         if self.dataset not in DATASETS:
-            _fail("workload.dataset", self.dataset, f"one of {DATASETS}")
+            refuse("workload.dataset", self.dataset, f"one of {DATASETS}")
         if self.dataset == "multiturn":
             for key in ("conversations", "turns", "turn_len"):
-                _positive(f"workload.{key}", getattr(self, key), integer=True)
+                check_positive(f"workload.{key}", getattr(self, key), integer=True)
             if isinstance(self.system_prompt_len, bool) or not isinstance(self.system_prompt_len, int):
-                _fail("workload.system_prompt_len", self.system_prompt_len, "an integer >= 0")
+                refuse("workload.system_prompt_len", self.system_prompt_len, "an integer >= 0")
             if self.system_prompt_len < 0:
-                _fail("workload.system_prompt_len", self.system_prompt_len, "an integer >= 0")
+                refuse("workload.system_prompt_len", self.system_prompt_len, "an integer >= 0")
             if not isinstance(self.think_time_s, int | float) or not 0 <= self.think_time_s < float("inf"):
-                _fail("workload.think_time_s", self.think_time_s, "a number of seconds >= 0")
+                refuse("workload.think_time_s", self.think_time_s, "a number of seconds >= 0")
             if self.dataset_path is not None and not os.path.isfile(self.dataset_path):
-                _fail("workload.dataset_path", self.dataset_path, "null or an existing ShareGPT file")
+                refuse("workload.dataset_path", self.dataset_path, "null or an existing ShareGPT file")
         elif self.dataset != "random" and (
             self.dataset_path is None or not os.path.isfile(self.dataset_path)
         ):
-            _fail("workload.dataset_path", self.dataset_path, f"an existing {self.dataset} file")
-        _positive("workload.trace_scale", self.trace_scale)
+            refuse("workload.dataset_path", self.dataset_path, f"an existing {self.dataset} file")
+        check_positive("workload.trace_scale", self.trace_scale)
         if self.arrival == "trace" and self.dataset != "mooncake":
-            _fail("workload.arrival", self.arrival, "trace needs workload.dataset=mooncake (its timestamps)")
+            refuse("workload.arrival", self.arrival, "trace needs workload.dataset=mooncake (its timestamps)")
         if self.arrival == "poisson":
-            _positive("workload.rate", self.rate)
+            check_positive("workload.rate", self.rate)
         elif self.arrival == "concurrency":
-            _positive("workload.concurrency", self.concurrency, integer=True)
-        _positive("workload.num_requests", self.num_requests, integer=True)
+            check_positive("workload.concurrency", self.concurrency, integer=True)
+        check_positive("workload.num_requests", self.num_requests, integer=True)
         self.prompt_len.check("workload.prompt_len")
         self.output_len.check("workload.output_len")
         if self.prompts_file is not None and not os.path.isfile(self.prompts_file):
-            _fail("workload.prompts_file", self.prompts_file, "an existing file (one prompt per line)")
+            refuse("workload.prompts_file", self.prompts_file, "an existing file (one prompt per line)")
 
 
 @dataclass(frozen=True)
-class SloConfig:
-    ttft_s: float = 1.0
-    tpot_s: float = 0.1
-    attainment: float = 90.0  # percent of requests that must meet both
+class RunConfig(RuntimeConfig):
+    """An experiment: the runtime's config, the workload it runs and whether it plots."""
 
-    def __post_init__(self):
-        _positive("slo.ttft_s", self.ttft_s)
-        _positive("slo.tpot_s", self.tpot_s)
-        if not (isinstance(self.attainment, int | float) and 0 < self.attainment <= 100):
-            _fail("slo.attainment", self.attainment, "a percentage in (0, 100]")
-
-
-@dataclass(frozen=True)
-class RayConfig:
-    """Where the `ray` launcher finds its cluster and how it places workers (conf/launcher/ray.yaml)."""
-
-    address: str | None = None  # an existing cluster ("auto" or host:port); None: start a local one
-    local_nodes: int = 2  # address None: nodes of the local cluster (127.0.0.1); node 0 takes prefill
-    cpus_per_node: int = 1  # the local cluster's CPUs per node
-    role_resources: dict = field(
-        default_factory=lambda: {"prefill": "pdk_prefill", "decode": "pdk_decode", "colocated": None}
-    )  # role -> the custom resource a node must have to take that role's workers (None: any node)
-    node_ids: dict = field(default_factory=dict)  # worker name -> Ray node id (explicit placement)
-    max_restarts: int = 0  # Ray restarts a dead worker this many times; it re-handshakes
-    start_timeout_s: float = 120.0  # the cluster up and every worker's placement group placed
-
-    def __post_init__(self):
-        if self.address is not None and not (isinstance(self.address, str) and self.address):
-            _fail("ray.address", self.address, 'null (a local cluster), "auto" or the head\'s host:port')
-        if self.address is None:
-            _positive("ray.local_nodes", self.local_nodes, integer=True)
-        _positive("ray.cpus_per_node", self.cpus_per_node, integer=True)
-        _positive("ray.start_timeout_s", self.start_timeout_s)
-        restarts = self.max_restarts
-        if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
-            _fail("ray.max_restarts", self.max_restarts, "an integer >= 0")
-        unknown = sorted(set(self.role_resources) - set(ROLES))
-        if unknown:
-            _fail("ray.role_resources", dict(self.role_resources), f"keys among {ROLES}; got {unknown}")
-        for role, resource in self.role_resources.items():
-            if resource is not None and not (isinstance(resource, str) and resource):
-                _fail(f"ray.role_resources.{role}", resource, "a custom resource name or null (any node)")
-
-
-@dataclass(frozen=True)
-class LauncherConfig:
-    name: str = "local"  # local: processes on this host | ray: actors on a Ray cluster
-    ray: RayConfig | None = None  # the ray launcher's settings
-    # local: a dead worker is started again this many times (decode workers too); ray: ray.max_restarts
-    max_restarts: int = 0
-
-    def __post_init__(self):
-        if self.name not in LAUNCHERS:
-            _fail("launcher", self.name, f"one of {LAUNCHERS}")
-        r = self.max_restarts
-        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
-            _fail("launcher.max_restarts", r, "an integer >= 0")
-        if self.name == "ray" and self.ray is None:
-            object.__setattr__(self, "ray", RayConfig())
-
-
-@dataclass(frozen=True)
-class RunConfig:
-    model: ModelSpec
-    deployments: tuple[DeploymentConfig, ...]
-    workload: WorkloadConfig
-    slo: SloConfig
-    transfer: TransferConfig
-    kernels: KernelsConfig = field(default_factory=KernelsConfig)
-    launcher: LauncherConfig = field(default_factory=LauncherConfig)
-    run_timeout_s: float = 600.0  # the whole run; requests not finished by then are recorded as errors
-    start_timeout_s: float = 300.0  # every worker up and connected
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     plots: bool = True
-    log_level: str = "INFO"  # of the run folder's logs/ (driver.log, one file per worker)
-
-    def __post_init__(self):
-        if self.log_level not in LOG_LEVELS:
-            _fail("log_level", self.log_level, f"one of {LOG_LEVELS}")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def run_job(fn, cfg) -> None:
@@ -387,90 +134,16 @@ def _check_overrides(cfg, overrides) -> None:
         )
 
 
-def _dataclass(cls, key: str, values) -> object:
-    values = dict(values or {})
-    known = set(cls.__dataclass_fields__)
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ValueError(f"{key} has unknown key(s) {unknown}; allowed: {sorted(known)}")
-    return cls(**values)
-
-
 def from_cfg(cfg) -> RunConfig:
     """The composed hydra config (a DictConfig or a plain dict) -> a checked RunConfig."""
-    try:
-        from omegaconf import OmegaConf
-
-        cfg = OmegaConf.to_container(cfg, resolve=True) if not isinstance(cfg, dict) else cfg
-    except ImportError:  # a plain dict
-        pass
-    model = _dataclass(ModelSpec, "model", cfg.get("model"))
-    transfer = _dataclass(TransferConfig, "transfer", cfg.get("transfer"))
-    kernels = _dataclass(KernelsConfig, "kernels", cfg.get("kernels"))
-    launcher = launcher_of(cfg)
-    if launcher.name == "ray" and transfer.control_transport == "ipc":
-        # workers on other nodes: the control plane is tcp (CURVE), each worker binding its node's address
-        transfer = replace(transfer, control_transport="tcp")
-    run = {k: cfg[k] for k in ("run_timeout_s", "start_timeout_s", "plots", "log_level") if k in cfg}
-    return RunConfig(
-        model, deployments_of(cfg), workload_of(cfg), slo_of(cfg), transfer, kernels, launcher, **run
-    )
-
-
-def launcher_of(cfg: dict) -> LauncherConfig:
-    """`launcher` (a group: {name}, or just its name) and, for ray, the `ray` settings."""
-    launcher = cfg.get("launcher") or {"name": "local"}
-    launcher = {"name": launcher} if isinstance(launcher, str) else dict(launcher)
-    if launcher.get("name") == "ray":
-        launcher["ray"] = _dataclass(RayConfig, "ray", cfg.get("ray"))
-    return _dataclass(LauncherConfig, "launcher", launcher)
-
-
-def deployments_of(cfg: dict) -> tuple[DeploymentConfig, ...]:
-    """`deployments` (a list), else the one `deployment`, checked. Also the simulator's."""
-    return tuple(
-        _dataclass(DeploymentConfig, "deployment", d)
-        for d in (cfg.get("deployments") or [cfg.get("deployment")])
-    )
+    cfg = as_dict(cfg)
+    plots = {"plots": cfg["plots"]} if "plots" in cfg else {}
+    return RunConfig(**runtime_parts(cfg), workload=workload_of(cfg), **plots)
 
 
 def workload_of(cfg: dict) -> WorkloadConfig:
     w = dict(cfg.get("workload") or {})
     for key in ("prompt_len", "output_len"):
         if key in w:
-            w[key] = _dataclass(LengthDist, f"workload.{key}", w[key])
-    return _dataclass(WorkloadConfig, "workload", w)
-
-
-def slo_of(cfg: dict) -> SloConfig:
-    return _dataclass(SloConfig, "slo", cfg.get("slo"))
-
-
-def check_fits_model(config: RunConfig):
-    """Read the model's config and tokenizer (what the driver tokenizes with; not its weights, which only
-    workers load) and check every TP degree against it, through the engine's own EngineConfig checks."""
-    from engine.config import EngineConfig
-    from engine.weights import load_model
-
-    try:
-        loaded = load_model(config.model.name, weights=False)
-    except (ValueError, FileNotFoundError) as e:
-        raise ValueError(f"model.name={config.model.name!r}: {e}") from e
-    for d in config.deployments:
-        if d.kind == "endpoint":
-            continue  # its server checks its own
-        keys = ("tp",) if d.kind == "colocated" else ("prefill_tp", "decode_tp")
-        for key in keys:
-            try:
-                EngineConfig(
-                    model=loaded.config,
-                    tp=getattr(d, key),
-                    dtype=config.model.dtype,
-                    device=config.model.device,
-                    expert_parallel=config.model.expert_parallel,
-                )
-            except ValueError as e:
-                raise ValueError(
-                    f"deployment {d.name}: {key}={getattr(d, key)} does not fit {loaded.config.name}: {e}"
-                ) from e
-    return loaded
+            w[key] = of_dict(LengthDist, f"workload.{key}", w[key])
+    return of_dict(WorkloadConfig, "workload", w)

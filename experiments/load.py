@@ -19,9 +19,10 @@ import asyncio
 import contextlib
 import time
 
-from experiments.config import DeploymentConfig, RunConfig
-from experiments.deploy.messages import DeploymentRun, Result
-from experiments.workload import Conversations, Request
+from experiments.config import RunConfig
+from experiments.deploy.config import DeploymentConfig
+from experiments.deploy.messages import DeploymentRun, Request, Result
+from experiments.workload import Conversations
 
 
 def run_endpoint(

@@ -53,7 +53,8 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments.config import RunConfig, SloConfig
+from experiments.config import RunConfig
+from experiments.deploy.config import SloConfig
 from experiments.deploy.messages import DeploymentRun
 
 SCHEMA = "pdkernels.results/1"

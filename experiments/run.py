@@ -18,7 +18,8 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.config import check_fits_model, from_cfg, run_job
+from experiments.config import from_cfg, run_job
+from experiments.deploy.config import check_fits_model
 from experiments.deploy.launcher import start_fork_server
 
 

@@ -14,21 +14,12 @@ message, and it arrives think_time_s after that reply ended: the KV reuse of cha
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 
 from experiments.config import LengthDist, WorkloadConfig
-
-
-@dataclass(frozen=True)
-class Request:
-    request_id: str
-    arrival_s: float  # offset from the start of the run (poisson); 0 under fixed concurrency
-    prompt_ids: list[int] | range  # a range stands in for a simulated request's prompt
-    max_tokens: int
-    conversation: int = -1  # multiturn: its conversation and turn (0, 1, ...)
-    turn: int = 0
+from experiments.deploy.messages import Request
 
 
 class Conversations:

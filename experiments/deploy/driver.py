@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from experiments.config import DeploymentConfig, RunConfig
+from experiments.deploy.config import DeploymentConfig, RuntimeConfig
 from experiments.deploy.messages import (
     Connect,
     DeploymentRun,
@@ -40,17 +40,18 @@ from experiments.deploy.messages import (
     Progress,
     Ready,
     Released,
+    Request,
     Result,
     Stop,
     Submit,
     Switched,
     SwitchRole,
     Timeline,
+    Turns,
     driver_codec,
 )
 from experiments.deploy.policy import Planner, Router
 from experiments.deploy.worker import WorkerSpec
-from experiments.workload import Conversations, Request
 from transfer.auth import Credentials, keyring
 from transfer.config import TransferConfig
 from transfer.wire import MAX_MESSAGE_BYTES, WireError
@@ -66,7 +67,7 @@ def worker_names(d: DeploymentConfig) -> list[str]:
 
 
 def worker_specs(
-    config: RunConfig,
+    config: RuntimeConfig,
     d: DeploymentConfig,
     driver: str,
     run_dir: str,
@@ -392,7 +393,7 @@ def reap(procs: list[tuple[int, str]], timeout_s: float) -> None:
 
 
 def start_fleet(
-    config: RunConfig, d: DeploymentConfig, log_dir: Path | None = None, first_core: int = 0
+    config: RuntimeConfig, d: DeploymentConfig, log_dir: Path | None = None, first_core: int = 0
 ) -> Fleet:
     """Start the deployment's workers (config.launcher) and wait until every one is Ready (raises, with
     none left running, if one fails or the start times out). log_dir: where each writes <name>.log;
@@ -428,14 +429,14 @@ def start_fleet(
 
 
 def run_deployment(
-    config: RunConfig,
+    config: RuntimeConfig,
     d: DeploymentConfig,
     requests: list[Request],
     progress: bool = True,
     hooks=None,
     log_dir: Path | None = None,
     first_core: int = 0,
-    turns: Conversations | None = None,
+    turns: Turns | None = None,
 ) -> DeploymentRun:
     """Start the deployment's workers, run every request through them, stop them; returns what happened.
 
@@ -549,7 +550,7 @@ def _await_ready(fleet: Fleet, timeout_s: float) -> None:
             )
 
 
-def _serve(run: DeploymentRun, config: RunConfig, fleet: Fleet, progress: bool, hooks) -> None:
+def _serve(run: DeploymentRun, config: RuntimeConfig, fleet: Fleet, progress: bool, hooks) -> None:
     from tqdm import tqdm
 
     w = config.workload

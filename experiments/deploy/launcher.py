@@ -28,7 +28,7 @@ import tempfile
 import threading
 from dataclasses import replace
 
-from experiments.config import RayConfig, launcher_of
+from experiments.deploy.config import RayConfig, launcher_of
 from experiments.deploy.worker import WorkerSpec, worker_main
 
 log = logging.getLogger(__name__)

@@ -10,11 +10,29 @@ Results too; it imports these (and DeploymentRun, the record of a run), not proc
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from experiments.config import DeploymentConfig
-from experiments.workload import Conversations, Request
+from experiments.deploy.config import DeploymentConfig
 from transfer.protocol import check_request, check_request_id
 from transfer.wire import Codec, Message
+
+
+@dataclass(frozen=True)
+class Request:
+    """A request of a run: what the driver sends (experiments.workload makes them)."""
+
+    request_id: str
+    arrival_s: float  # offset from the start of the run (poisson); 0 under fixed concurrency
+    prompt_ids: list[int] | range  # a range stands in for a simulated request's prompt
+    max_tokens: int
+    conversation: int = -1  # multiturn: its conversation and turn (0, 1, ...)
+    turn: int = 0
+
+
+class Turns(Protocol):
+    """A closed-loop workload (experiments.workload.Conversations): the request that follows a reply."""
+
+    def next(self, request: Request, reply_ids: list[int], now_s: float) -> Request | None: ...
 
 
 class Listening(Message):
@@ -246,7 +264,7 @@ class DeploymentRun:
     end: float = 0.0
     interrupted: bool = False  # stopped by SIGTERM or Ctrl-C: unfinished requests are recorded as errors
     workers: list[dict] = field(default_factory=list)  # {name, role, node_id, pid} of each worker
-    turns: Conversations | None = None  # a multiturn workload: where each reply's next turn comes from
+    turns: Turns | None = None  # a multiturn workload: where each reply's next turn comes from
 
     def follow(self, request: Request, reply_ids: list[int], now: float) -> Request | None:
         """A multiturn workload's next turn after request's reply (ended at perf_counter now), added to

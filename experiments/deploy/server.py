@@ -38,7 +38,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from omegaconf import DictConfig
 
-from experiments.config import check_fits_model, from_cfg
 from experiments.deploy.api import (
     DISCONNECT_POLL_S,
     INLINE_BYTES,
@@ -51,6 +50,7 @@ from experiments.deploy.api import (
     parse_json,
     usage_block,
 )
+from experiments.deploy.config import check_fits_model, runtime_of
 from experiments.deploy.launcher import start_fork_server
 from experiments.deploy.messages import Result
 from experiments.deploy.policy import Router
@@ -370,7 +370,7 @@ def serve(cfg: DictConfig, out_dir: Path, ready=None) -> None:
     from experiments.deploy.driver import start_fleet
 
     start_fork_server(cfg)  # beside the checks below: local workers fork from it
-    config = from_cfg(cfg)
+    config = runtime_of(cfg)
     from omegaconf import OmegaConf
 
     server = ServerConfig(**(OmegaConf.to_container(cfg.server) if cfg.get("server") else {}))

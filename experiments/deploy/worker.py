@@ -19,7 +19,7 @@ import traceback
 from collections import deque
 from dataclasses import dataclass, fields
 
-from experiments.config import DeploymentConfig, KernelsConfig, ModelSpec
+from experiments.deploy.config import DeploymentConfig, KernelsConfig, ModelSpec
 from experiments.deploy.messages import (
     LOAD_EVERY_S,
     Cancel,

@@ -50,9 +50,9 @@ def hardware(name: str) -> Hardware:
 
 def hardware_of(cfg: dict) -> Hardware:
     """conf/hardware/: a preset by name, or a machine's measured figures in full."""
-    from experiments.config import _dataclass
+    from experiments.deploy.config import of_dict
 
-    return hardware(cfg["name"]) if set(cfg) == {"name"} else _dataclass(Hardware, "hardware", cfg)
+    return hardware(cfg["name"]) if set(cfg) == {"name"} else of_dict(Hardware, "hardware", cfg)
 
 
 def load_hardware(name: str) -> Hardware:

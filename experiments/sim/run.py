@@ -20,25 +20,15 @@ import hydra
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.config import (
-    DeploymentConfig,
-    ModelSpec,
-    RunConfig,
-    SloConfig,
-    WorkloadConfig,
-    _dataclass,
-    deployments_of,
-    run_job,
-    slo_of,
-    workload_of,
-)
-from experiments.deploy.messages import DeploymentRun, Result, Timeline
+from experiments.config import RunConfig, WorkloadConfig, run_job, workload_of
+from experiments.deploy.config import DeploymentConfig, ModelSpec, SloConfig, deployments_of, of_dict, slo_of
+from experiments.deploy.messages import DeploymentRun, Request, Result, Timeline
 from experiments.deploy.policy import Router
 from experiments.sim.cost import CostModel, Efficiency
 from experiments.sim.hardware import hardware_of
 from experiments.sim.models import sim_model
 from experiments.sim.simulate import Instance, SimRequest, simulate_colocated, simulate_disaggregated
-from experiments.workload import Conversations, Request, draw
+from experiments.workload import Conversations, draw
 from transfer.config import TransferConfig
 
 MAX_POSITION = 1 << 20
@@ -209,7 +199,7 @@ def run_sim(cfg: DictConfig, out_dir: Path) -> list[dict]:
 
     c = OmegaConf.to_container(cfg, resolve=True)
     model, hw = sim_model(c["sim_model"]), hardware_of(c["hardware"])
-    eff = _dataclass(Efficiency, "efficiency", c.get("efficiency"))
+    eff = of_dict(Efficiency, "efficiency", c.get("efficiency"))
     slowdown = c.get("prefill_slowdown", 1.0)
     if not isinstance(slowdown, (int, float)) or slowdown < 1:
         raise ValueError(f"prefill_slowdown={slowdown!r} is not allowed: a number >= 1")
@@ -244,7 +234,12 @@ def run_sim(cfg: DictConfig, out_dir: Path) -> list[dict]:
             " a multiturn workload's closed loop), and no prompts_file"
         )
     config = RunConfig(
-        ModelSpec(model.name), deployments, workload, slo, TransferConfig(), plots=bool(c.get("plots"))
+        model=ModelSpec(model.name),
+        deployments=deployments,
+        workload=workload,
+        slo=slo,
+        transfer=TransferConfig(),
+        plots=bool(c.get("plots")),
     )
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))

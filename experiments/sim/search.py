@@ -18,7 +18,8 @@ from pathlib import Path
 
 import hydra
 
-from experiments.config import _dataclass, run_job, slo_of
+from experiments.config import run_job
+from experiments.deploy.config import of_dict, slo_of
 from experiments.sim.cost import CostModel, Efficiency
 from experiments.sim.models import sim_model
 from experiments.sim.simulate import (
@@ -128,7 +129,7 @@ def run_search(cfg, out_dir: Path) -> list[tuple[float, Placement]]:
 
     c = OmegaConf.to_container(cfg, resolve=True)
     model, hw = sim_model(c["sim_model"]), hardware_of(c["hardware"])
-    eff = _dataclass(Efficiency, "efficiency", c["efficiency"])
+    eff = of_dict(Efficiency, "efficiency", c["efficiency"])
     slo = slo_of(c)
     for key in ("gpus", "prompt", "output", "requests"):
         if not (isinstance(c[key], int) and c[key] > 0):

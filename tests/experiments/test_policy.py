@@ -78,7 +78,7 @@ def test_real_page_names_chain_so_only_a_shared_head_overlaps():
 
 
 def test_the_deployment_config_checks_its_routing():
-    from experiments.config import DeploymentConfig
+    from experiments.deploy.config import DeploymentConfig
 
     with pytest.raises(ValueError, match=r"deployment.routing='fastest' is not allowed: one of \("):
         DeploymentConfig("d", routing="fastest")
@@ -233,7 +233,7 @@ def test_admission_none_takes_everything_and_the_config_checks_it():
     assert all(r.route(f"r{i}", [], 10_000, ["a"], admit=True) == "a" for i in range(5))
     with pytest.raises(ValueError, match="deployment.admission='maybe' is not allowed: one of"):
         Router(["a"], admission="maybe")
-    from experiments.config import DeploymentConfig
+    from experiments.deploy.config import DeploymentConfig
 
     with pytest.raises(ValueError, match="deployment.admission"):
         DeploymentConfig("x", admission="always")
@@ -375,7 +375,7 @@ def test_bad_planner_configs_name_the_field(config, message):
 
 
 def test_a_deployment_s_planner_is_checked_against_its_workers():
-    from experiments.config import DeploymentConfig
+    from experiments.deploy.config import DeploymentConfig
 
     d = DeploymentConfig("e", "disaggregated", num_prefill=1, num_decode=2, planner={"enabled": True})
     assert d.elastic and isinstance(d.planner, PlannerConfig)

@@ -511,7 +511,8 @@ def test_killed_workers_restart_under_the_local_launcher_and_take_requests_again
     requests are served by the restarted decode worker, and every output equals LLM.generate's (a
     transfer the prefill kill cuts is recomputed on its decode worker: on_transfer_failure=recompute)."""
     from engine import LLM, SamplingParams
-    from experiments.config import check_fits_model, from_cfg
+    from experiments.config import from_cfg
+    from experiments.deploy.config import check_fits_model
     from experiments.workload import make_requests
 
     overrides = [*TINY, "workload.arrival=poisson", "workload.rate=4", "workload.num_requests=80"]
@@ -563,7 +564,8 @@ def test_admission_slo_refuses_requests_it_predicts_late_and_serves_the_rest_exa
     speed, and every request it admitted ends with LLM.generate's output; admission=none over the same
     arrivals refuses none."""
     from engine import LLM, SamplingParams
-    from experiments.config import check_fits_model, from_cfg
+    from experiments.config import from_cfg
+    from experiments.deploy.config import check_fits_model
     from experiments.workload import make_requests
 
     overrides = [*TINY, "workload.arrival=poisson", "workload.rate=40", "workload.num_requests=48"]
