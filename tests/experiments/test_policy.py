@@ -390,3 +390,47 @@ def test_a_deployment_s_planner_is_checked_against_its_workers():
         )
     with pytest.raises(ValueError, match="elastic roles need kind=disaggregated"):
         DeploymentConfig("c", "colocated", planner={"enabled": True})
+
+
+def test_the_simulator_and_the_real_driver_route_the_same_recorded_requests_alike():
+    """Six conversations of four turns over a shared system prompt, one request at a time: the router
+    fed the real requests' token ids (the driver's route_tokens / finished_tokens, names hashed as the
+    engine's) and the same router inside the simulator (its requests' page names by conversation) pick the
+    same worker for every request and find the same pages cached there, cache_aware and round_robin
+    alike."""
+    import random
+
+    from experiments.sim.simulate import Instance, SimRequest, simulate_colocated
+    from tests.experiments.sim.test_simulate import _cost
+
+    rng = random.Random(0)
+    system = [rng.randrange(3, 1000) for _ in range(40)]
+    recorded = []  # (conversation, prompt ids, reply ids), in arrival order
+    history = {c: list(system) for c in range(6)}
+    for turn in range(4):
+        for c in rng.sample(range(6), 6):
+            prompt = history[c] + [rng.randrange(3, 1000) for _ in range(rng.randrange(5, 30))]
+            reply = [rng.randrange(3, 1000) for _ in range(rng.randrange(2, 20))]
+            recorded.append((c, prompt, reply))
+            history[c] = prompt + reply
+    for policy in ("cache_aware", "round_robin"):
+        real = Router(["w0", "w1"], policy, page_size=16, cache_pages=64)
+        chosen = []
+        for i, (_, prompt, reply) in enumerate(recorded):
+            worker = real.route_tokens(i, prompt, ["w0", "w1"])
+            real.finished_tokens(worker, i, prompt + reply)
+            chosen.append(int(worker[1]))
+        sim = Router([0, 1], policy, page_size=16, cache_pages=64)
+        routed = []
+        reqs = [
+            SimRequest(i, 1000.0 * i, len(p), len(r), shared=len(system), stream=("conversation", c))
+            for i, (c, p, r) in enumerate(recorded)
+        ]
+        original = sim.route
+        sim.route = lambda rid, *a, **k: routed.append(original(rid, *a, **k)) or routed[-1]
+        simulate_colocated(
+            [Instance(_cost(), page_size=16), Instance(_cost(), page_size=16)], reqs, policy=sim
+        )
+        assert routed == chosen, policy
+        # the same pages found cached: the simulator names pages as the engine does
+        assert sim.overlap_pages == real.overlap_pages > 0 and sim.routed_pages == real.routed_pages
