@@ -659,3 +659,25 @@ def test_workers_switch_roles_mid_run_and_no_request_fails(tmp_path):
     assert "prefill-0" in served  # it decoded requests after its switch
     log = (tmp_path / "logs" / "elastic" / "decode-1.log").read_text()
     assert "switched from decode to prefill" in log
+
+
+def test_the_planner_moves_a_decode_worker_to_prefill_when_ttft_misses_its_slo(tmp_path):
+    """deployment.planner.enabled on 1 prefill + 2 decode workers, a TTFT SLO no prompt can meet and a
+    TPOT SLO every step meets: the planner (looking every 0.3 s) moves one decode worker to prefill and
+    no further (min_decode), says why in the events, and every request finishes with the colocated
+    run's greedy tokens."""
+    overrides = [*TINY, "workload.num_requests=16", "workload.concurrency=4", "workload.output_len.value=64"]
+    overrides += ["slo.ttft_s=0.000001", "slo.tpot_s=10"]
+    overrides += [
+        "deployments=[{name: colocated, kind: colocated, num_workers: 1},"
+        "{name: planned, kind: disaggregated, num_prefill: 1, num_decode: 2,"
+        " planner: {enabled: true, interval_s: 0.3, patience: 1, min_decode: 1}}]"
+    ]
+    reference, planned = run(_cfg(overrides), tmp_path, progress=False)
+    s = planned["summary"]
+    assert s["completed"] == 16 and s["errors"] == 0, planned["requests"]
+    assert _outputs(planned) == _outputs(reference)
+    moves = planned["role_moves"]
+    assert len(moves) == 1 and moves[0]["from"] == "decode" and moves[0]["to"] == "prefill", moves
+    assert moves[0]["why"].startswith("TTFT at ") and "x its SLO" in moves[0]["why"]
+    assert all(t["free_pages"] == t["num_pages"] for t in planned["timelines"])
