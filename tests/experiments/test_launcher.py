@@ -98,8 +98,10 @@ def test_a_killed_prefill_actor_fails_its_requests_frees_decode_pages_and_comes_
     assert free == total  # every decode page came back, the failed requests' too
 
 
+@pytest.mark.slow
 def test_the_http_server_serves_1p1d_across_two_nodes(tmp_path):
-    """experiments.serve with launcher=ray, no other change: a completion prefilled on the other node."""
+    """experiments.serve with launcher=ray, no other change: a completion prefilled on the other node.
+    (slow: the server starts its fleet as the main job does, whose Ray runs make test keeps.)"""
     from engine import LLM, SamplingParams
     from tests.experiments.test_serve import _metrics, _start, _stop
 

@@ -392,6 +392,18 @@ def test_a_deployment_s_planner_is_checked_against_its_workers():
         DeploymentConfig("c", "colocated", planner={"enabled": True})
 
 
+class _Recording(Router):
+    """A Router that keeps the worker of every route() (the simulator's choices)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.routed = []
+
+    def route(self, *args, **kwargs):
+        self.routed.append(super().route(*args, **kwargs))
+        return self.routed[-1]
+
+
 def test_the_simulator_and_the_real_driver_route_the_same_recorded_requests_alike():
     """Six conversations of four turns over a shared system prompt, one request at a time: the router
     fed the real requests' token ids (the driver's route_tokens / finished_tokens, names hashed as the
@@ -407,7 +419,7 @@ def test_the_simulator_and_the_real_driver_route_the_same_recorded_requests_alik
     system = [rng.randrange(3, 1000) for _ in range(40)]
     recorded = []  # (conversation, prompt ids, reply ids), in arrival order
     history = {c: list(system) for c in range(6)}
-    for turn in range(4):
+    for _ in range(4):  # turns
         for c in rng.sample(range(6), 6):
             prompt = history[c] + [rng.randrange(3, 1000) for _ in range(rng.randrange(5, 30))]
             reply = [rng.randrange(3, 1000) for _ in range(rng.randrange(2, 20))]
@@ -420,17 +432,14 @@ def test_the_simulator_and_the_real_driver_route_the_same_recorded_requests_alik
             worker = real.route_tokens(i, prompt, ["w0", "w1"])
             real.finished_tokens(worker, i, prompt + reply)
             chosen.append(int(worker[1]))
-        sim = Router([0, 1], policy, page_size=16, cache_pages=64)
-        routed = []
+        sim = _Recording([0, 1], policy, page_size=16, cache_pages=64)
         reqs = [
             SimRequest(i, 1000.0 * i, len(p), len(r), shared=len(system), stream=("conversation", c))
             for i, (c, p, r) in enumerate(recorded)
         ]
-        original = sim.route
-        sim.route = lambda rid, *a, **k: routed.append(original(rid, *a, **k)) or routed[-1]
         simulate_colocated(
             [Instance(_cost(), page_size=16), Instance(_cost(), page_size=16)], reqs, policy=sim
         )
-        assert routed == chosen, policy
+        assert sim.routed == chosen, policy
         # the same pages found cached: the simulator names pages as the engine does
         assert sim.overlap_pages == real.overlap_pages > 0 and sim.routed_pages == real.routed_pages

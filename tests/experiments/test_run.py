@@ -621,63 +621,51 @@ def test_a_long_tmpdir_still_gives_sockets_the_kernel_takes(tmp_path, monkeypatc
         shutil.rmtree(short)
 
 
-def test_workers_switch_roles_mid_run_and_no_request_fails(tmp_path):
-    """Elastic roles (deployment.planner.switches): on 1 prefill + 2 decode workers, decode-1 turns prefill
-    while requests stream on it (they go on on decode-0, after their tokens so far), then prefill-0 turns
-    decode once no decode worker has anything in flight there. Every request finishes with the greedy
-    tokens of the colocated run beside it, each switch is an event and a move with its time, and every
-    page is free on every worker after, whichever roles they ended in."""
+def test_workers_switch_roles_mid_run_scripted_or_by_the_planner_and_no_request_fails(tmp_path):
+    """Elastic roles on 1 prefill + 2 decode workers, beside a colocated run of the same requests.
+    Scripted (deployment.planner.switches): decode-1 turns prefill while requests stream on it (they go
+    on on decode-0, after their tokens so far), then prefill-0 turns decode once no decode worker has
+    anything in flight there. By the planner (enabled, looking every 0.3 s; a TTFT SLO no prompt meets, a
+    TPOT SLO every step meets): one decode worker moves to prefill and no further (min_decode), the
+    events saying why. Both: every request finishes with the colocated run's greedy tokens, each switch
+    is an event and a move with its time, and every page is free on every worker after, whichever roles
+    they ended in."""
     overrides = [
         *TINY,
         "workload.num_requests=24",
         "workload.concurrency=8",
         "workload.output_len.value=120",
+        "slo.ttft_s=0.000001",
+        "slo.tpot_s=10",
     ]
     overrides += [
         "deployments=[{name: colocated, kind: colocated, num_workers: 1},"
-        "{name: elastic, kind: disaggregated, num_prefill: 1, num_decode: 2,"
-        " planner: {switches: [[0.3, decode-1, prefill], [0.8, prefill-0, decode]]}}]"
+        "{name: scripted, kind: disaggregated, num_prefill: 1, num_decode: 2,"
+        " planner: {switches: [[0.3, decode-1, prefill], [0.8, prefill-0, decode]]}},"
+        "{name: planned, kind: disaggregated, num_prefill: 1, num_decode: 2,"
+        " planner: {enabled: true, interval_s: 0.3, patience: 1, min_decode: 1}}]"
     ]
-    reference, elastic = run(_cfg(overrides), tmp_path, progress=False)
-    s = elastic["summary"]
-    assert s["completed"] == 24 and s["errors"] == 0, elastic["requests"]
-    assert _outputs(elastic) == _outputs(reference)
-    moves = elastic["role_moves"]
+    reference, scripted, planned = run(_cfg(overrides), tmp_path, progress=False)
+    for elastic in (scripted, planned):
+        s = elastic["summary"]
+        assert s["completed"] == 24 and s["errors"] == 0, elastic["requests"]
+        assert _outputs(elastic) == _outputs(reference)
+        assert all(t["free_pages"] == t["num_pages"] for t in elastic["timelines"])
+    moves = scripted["role_moves"]
     assert [(m["worker"], m["from"], m["to"]) for m in moves] == [
         ("decode-1", "decode", "prefill"),
         ("prefill-0", "prefill", "decode"),
-    ], elastic["events"]
+    ], scripted["events"]
     assert all(m["seconds"] < 5 for m in moves), moves
-    assert s["migrations"] > 0  # decode-1 handed requests back mid-stream
-    assert {t["name"]: t["role"] for t in elastic["timelines"]} == {
+    assert scripted["summary"]["migrations"] > 0  # decode-1 handed requests back mid-stream
+    assert {t["name"]: t["role"] for t in scripted["timelines"]} == {
         "prefill-0": "decode",
         "decode-0": "decode",
         "decode-1": "prefill",
     }
-    assert all(t["free_pages"] == t["num_pages"] for t in elastic["timelines"])
-    served = {r["worker"] for r in elastic["requests"]}
-    assert "prefill-0" in served  # it decoded requests after its switch
-    log = (tmp_path / "logs" / "elastic" / "decode-1.log").read_text()
+    assert "prefill-0" in {r["worker"] for r in scripted["requests"]}  # it decoded after its switch
+    log = (tmp_path / "logs" / "scripted" / "decode-1.log").read_text()
     assert "switched from decode to prefill" in log
-
-
-def test_the_planner_moves_a_decode_worker_to_prefill_when_ttft_misses_its_slo(tmp_path):
-    """deployment.planner.enabled on 1 prefill + 2 decode workers, a TTFT SLO no prompt can meet and a
-    TPOT SLO every step meets: the planner (looking every 0.3 s) moves one decode worker to prefill and
-    no further (min_decode), says why in the events, and every request finishes with the colocated
-    run's greedy tokens."""
-    overrides = [*TINY, "workload.num_requests=16", "workload.concurrency=4", "workload.output_len.value=64"]
-    overrides += ["slo.ttft_s=0.000001", "slo.tpot_s=10"]
-    overrides += [
-        "deployments=[{name: colocated, kind: colocated, num_workers: 1},"
-        "{name: planned, kind: disaggregated, num_prefill: 1, num_decode: 2,"
-        " planner: {enabled: true, interval_s: 0.3, patience: 1, min_decode: 1}}]"
-    ]
-    reference, planned = run(_cfg(overrides), tmp_path, progress=False)
-    s = planned["summary"]
-    assert s["completed"] == 16 and s["errors"] == 0, planned["requests"]
-    assert _outputs(planned) == _outputs(reference)
     moves = planned["role_moves"]
     assert len(moves) == 1 and moves[0]["from"] == "decode" and moves[0]["to"] == "prefill", moves
     assert moves[0]["why"].startswith("TTFT at ") and "x its SLO" in moves[0]["why"]
-    assert all(t["free_pages"] == t["num_pages"] for t in planned["timelines"])

@@ -331,7 +331,7 @@ class FaultyPair(RuleBasedStateMachine):
 
 
 FaultyPair.TestCase.settings = settings(
-    max_examples=20, stateful_step_count=40, deadline=None, suppress_health_check=list(HealthCheck)
+    max_examples=15, stateful_step_count=40, deadline=None, suppress_health_check=list(HealthCheck)
 )
 test_messenger_pair_under_faults = FaultyPair.TestCase
 
