@@ -194,8 +194,8 @@ def _sharegpt_chats(workload: WorkloadConfig, tokenizer) -> list[list[tuple[list
     return [chats[i] for i in order]
 
 
-def _mooncake(workload: WorkloadConfig, vocab_size: int, max_position: int):
-    """(prompt ids, output lengths, arrival offsets in s) of the trace's first num_requests lines."""
+def mooncake_rows(workload: WorkloadConfig) -> list[dict]:
+    """The trace's first num_requests lines (timestamp, input_length, output_length, hash_ids)."""
     rows = []
     with open(workload.dataset_path) as f:
         for line in f:
@@ -208,6 +208,12 @@ def _mooncake(workload: WorkloadConfig, vocab_size: int, max_position: int):
             f"workload.dataset_path={workload.dataset_path!r} holds {len(rows)} requests; "
             f"workload.num_requests={workload.num_requests}"
         )
+    return rows
+
+
+def _mooncake(workload: WorkloadConfig, vocab_size: int, max_position: int):
+    """(prompt ids, output lengths, arrival offsets in s) of the trace's first num_requests lines."""
+    rows = mooncake_rows(workload)
     prompts, outputs = [], []
     for row in rows:
         out = max(1, min(int(row["output_length"]), max_position // 2))

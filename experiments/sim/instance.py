@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from experiments.sim.cost import CostModel
+from experiments.workload import MOONCAKE_BLOCK
 
 
 @dataclass
@@ -39,11 +40,22 @@ class SimRequest:
     local: bool = False  # disaggregated: its decode instance computed the missing rest itself
     sent_tokens: int = 0  # KV tokens sent to it (the engine sends whole pages: up to a page more)
     rejected: str | None = None  # why the policy's admission refused it (deployment.admission=slo)
+    # a Mooncake trace's hash ids of its prompt's 512-token blocks (prefix-chained: the same id, the same
+    # tokens before it too), which name its pages as the real run's prompts built from them share them
+    blocks: tuple = ()
 
     def names(self, tokens: int, page: int) -> list:
         """The names of the pages its first `tokens` tokens fill (whole pages only)."""
         own = self.stream if self.stream is not None else ("request", self.rid)
-        return [("shared", i) if (i + 1) * page <= self.shared else (own, i) for i in range(tokens // page)]
+        in_blocks = min(self.prompt, len(self.blocks) * MOONCAKE_BLOCK)
+        return [
+            ("block", self.blocks[i * page // MOONCAKE_BLOCK], i * page % MOONCAKE_BLOCK // page)
+            if (i + 1) * page <= in_blocks and MOONCAKE_BLOCK % page == 0
+            else ("shared", i)
+            if (i + 1) * page <= self.shared
+            else (own, i)
+            for i in range(tokens // page)
+        ]
 
     @property
     def context(self) -> int:

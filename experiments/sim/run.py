@@ -28,7 +28,7 @@ from experiments.sim.cost import CostModel, Efficiency
 from experiments.sim.hardware import hardware_of
 from experiments.sim.models import sim_model
 from experiments.sim.simulate import Instance, SimRequest, simulate_colocated, simulate_disaggregated
-from experiments.workload import Conversations, draw
+from experiments.workload import Conversations, draw, mooncake_rows
 from transfer.config import TransferConfig
 
 MAX_POSITION = 1 << 20
@@ -108,6 +108,9 @@ def simulate_deployment(
     else:
         arrivals, prompts, outputs = draw(workload, MAX_POSITION)
         reqs = [SimRequest(i, float(arrivals[i]), prompts[i], outputs[i]) for i in range(len(prompts))]
+        if workload.dataset == "mooncake":  # its pages named by the trace's blocks, as the real prompts share
+            for r, row in zip(reqs, mooncake_rows(workload), strict=True):
+                r.blocks = tuple(row.get("hash_ids") or ())
 
     k = int((d.speculative or {}).get("num_speculative_tokens", 2)) if d.speculative else 0
 

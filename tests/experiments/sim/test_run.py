@@ -197,3 +197,35 @@ def test_compare_real_on_a_multiturn_run_compares_hits_and_kv_sent(tmp_path, cap
     hits = [line for line in out.splitlines() if "prefix hit" in line]
     assert len(hits) == 2 and all(line.endswith(" 0%") for line in hits)
     assert out.count("KV sent tokens") == 2
+
+
+def test_a_synthetic_mooncake_trace_s_reuse_shows_as_prefix_cache_hits_in_the_simulator(tmp_path):
+    """Pages named by the trace's hash ids: a colocated instance finds cached the blocks an earlier
+    request brought (about the trace's reuse), and none without that naming's reuse."""
+    from experiments.workload import main
+
+    hits = {}
+    for reuse in (0.0, 0.5):
+        trace = tmp_path / f"trace-{reuse}.jsonl"
+        main(["mooncake", str(trace), "--requests", "120", "--reuse", str(reuse), "--rate", "2"])
+        overrides = ["sim_model=llama-3-8b", "hardware=h100", "workload.num_requests=120", "plots=false"]
+        overrides += ["workload.dataset=mooncake", f"workload.dataset_path={trace}", "workload.arrival=trace"]
+        overrides += ["deployments=[{name: c, kind: colocated, num_workers: 1}]"]
+        (record,) = run_sim(_cfg(overrides), tmp_path / str(reuse))
+        s = record["summary"]
+        hits[reuse] = sum(r["cached_tokens"] for r in record["requests"]) / sum(
+            r["prompt_tokens"] for r in record["requests"]
+        )
+        assert s["completed"] == 120
+    assert hits[0.0] == 0.0 and 0.2 < hits[0.5] < 0.6, hits
+
+
+def test_sim_pages_take_their_names_from_the_trace_s_blocks():
+    from experiments.sim.instance import SimRequest
+
+    a = SimRequest(0, 0.0, prompt=1100, output=4, blocks=(7, 8, 9))
+    b = SimRequest(1, 0.0, prompt=700, output=4, blocks=(7, 5))
+    na, nb = a.names(1100, 16), b.names(700, 16)
+    assert na[:32] == nb[:32] and na[32] != nb[32]  # block 7 shared, then they part
+    # past the prompt (a refetch's outputs), its own names
+    assert a.names(1200, 16)[68] == (("request", 0), 68) and a.names(1200, 16)[67] == ("block", 9, 3)
