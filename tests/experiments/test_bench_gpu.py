@@ -1,4 +1,5 @@
 import csv
+import sys
 
 import pytest
 
@@ -119,3 +120,41 @@ def test_the_deepseek_decode_step_script_times_each_backend(tmp_path):
     assert result["ms"]["torch"] > 0
     with pytest.raises(SystemExit):
         mla_step.main(["--batch", "0"])
+
+
+def test_the_flashinfer_warm_up_calls_each_of_its_kernels_once_for_every_geometry_of_the_full_run(
+    monkeypatch, capsys
+):
+    """A stand-in FlashInfer records what the warm-up plans and runs: every head geometry, GQA kind and the
+    MLA latent the full benchmark uses, at small lengths, nothing timed; without FlashInfer it says so."""
+    from unittest import mock
+
+    assert gpu.main(["--warm-flashinfer"]) == 0  # none here
+    assert "no FlashInfer here: nothing to warm up" in capsys.readouterr().out
+    fake = mock.MagicMock()
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    monkeypatch.setattr(gpu, "_flashinfer", lambda: fake)
+    warmed = gpu.warm_flashinfer("cpu")
+    kernels = {k for k, _, _ in warmed}
+    assert kernels >= {"kv_append", "decode_attention", "extend_attention", "mla_decode_attention"}
+    decode_plans = fake.BatchDecodeWithPagedKVCacheWrapper.return_value.plan.call_args_list
+    assert {c.args[3:6] for c in decode_plans} == {(q, kv, d) for _, kv, q, d in gpu.MODELS}
+    tensor_cores = {
+        c.kwargs["use_tensor_cores"] for c in fake.BatchDecodeWithPagedKVCacheWrapper.call_args_list
+    }
+    assert tensor_cores == {True, False}  # both of its decode kernels' kinds
+    mla = fake.mla.BatchMLAPagedAttentionWrapper.return_value.plan.call_args_list
+    assert {c.args[4:7] for c in mla} == {(h, 512, 64) for h, _, _ in gpu.MLA_DECODE}
+    small = ("T=2x8", "B=2 L=64", "(prefix 16 + 16)")  # every case small: the lengths do not matter to it
+    assert all(any(x in shape for x in small) for _, shape, _ in warmed), warmed
+    assert gpu.WARM is False
+
+
+def test_gpu_check_skips_the_warm_up_without_flashinfer_and_names_every_version(tmp_path):
+    from experiments.bench import gpu_check
+
+    step = gpu_check.warmup_step(tmp_path, open(tmp_path / "log", "w"), 10)
+    assert step.status == "skip" and "not installed" in step.figures
+    env = gpu_check.environment()
+    for part in ("driver ", "nvcc ", "torch ", "Triton ", "no FlashInfer"):
+        assert part in env, env
