@@ -32,6 +32,16 @@ if not torch.cuda.is_available():  # before any kernel module is imported
 MODELS = [("smollm2-135m", 3, 9, 64), ("llama-3-8b", 8, 32, 128), ("qwen3-coder-480b", 8, 96, 128)]
 GEMM_MS = [1, 4, 16, 64]
 GEMM_NK = [(4096, 4096), (8192, 4096), (4096, 8192), (8192, 8192)]
+# the engine's own decode GEMMs (N, K): Llama-3-8B's and Llama-3.2-1B's fused qkv, gate+up and down
+ENGINE_GEMMS = [
+    ("llama-3-8b qkv", 6144, 4096),
+    ("llama-3-8b gate_up", 28672, 4096),
+    ("llama-3-8b down", 4096, 14336),
+    ("llama-3.2-1b qkv", 3072, 2048),
+    ("llama-3.2-1b gate_up", 16384, 2048),
+    ("llama-3.2-1b down", 2048, 8192),
+]
+ENGINE_MS = [1, 4, 16]
 DECODE_BATCHES = [(8, 32768), (32, 8192), (64, 4096), (256, 1024)]  # (sequences, tokens each)
 SKEWED = [32768] * 4 + [512] * 60  # a batch of 64: four long sequences among short ones
 PREFILL_M = 4096  # out_proj at prefill M (one 4096-token chunk)
@@ -76,17 +86,47 @@ def timer(device: str, quick: bool) -> Callable[[Callable[[], object]], float]:
 
 
 class Graphed:
-    """A case timed as a CUDA graph replay (triton.testing.do_bench_cudagraph): no launch overhead, as
-    decode steps run. The provider's name says [graph]."""
+    """A case timed as a CUDA graph replay: no launch overhead, as decode steps run. The provider's name
+    says [graph]."""
 
     def __init__(self, fn):
         self.fn = fn
 
 
-def graph_timer(quick: bool) -> Callable[[Callable[[], object]], float]:
-    import triton.testing
+L2_FLUSH_MIN = 256 << 20  # bytes written before each timed replay: at least twice any L2 (H200: 60 MB)
 
-    return lambda fn: triton.testing.do_bench_cudagraph(fn, rep=20 if quick else 100, return_mode="median")
+
+def graph_timer(quick: bool) -> Callable[[Callable[[], object]], float]:
+    """Median milliseconds of one CUDA-graph replay of fn with a cold L2, as the eager rows are timed
+    (do_bench zeroes a buffer between runs): each replay follows the zeroing of a buffer of at least twice
+    the L2, and only the replay lies between its events. Replayed back to back instead, a weight under the
+    L2's size (N = K = 4096 in bf16: 32 MB) would be read from the cache a real layer never finds it in."""
+    reps = 20 if quick else 100
+
+    def bench(fn) -> float:
+        l2 = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "L2_cache_size", 0)
+        flush = torch.empty(max(L2_FLUSH_MIN, 2 * l2), dtype=torch.uint8, device="cuda")
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up (Triton's compile, FlashInfer's plan) off the capture
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        events = [
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)
+        ]
+        for start, end in [events[0]] * 3 + events:  # three untimed replays first
+            flush.zero_()
+            start.record()
+            graph.replay()
+            end.record()
+        torch.cuda.synchronize()
+        return statistics.median(start.elapsed_time(end) for start, end in events)
+
+    return bench
 
 
 def copy_bandwidth(bench, device: str, nbytes: int) -> float:
@@ -142,6 +182,15 @@ def bench_gemms(device, dtype, tiny) -> Iterator[tuple]:
         yield "out_proj", shape, "triton", nbytes, flops, partial(out_proj, x, w, out=y)
     if device == "cuda" and not tiny:
         yield from gemm_sweep(device, dtype)
+    for (name, n, k), m in [] if tiny else [(g, m) for g in ENGINE_GEMMS for m in ENGINE_MS]:
+        x, w, y, nbytes, flops, shape = _gemm_case(m, n, k, device, dtype)
+        shape = f"{shape} ({name})"
+        yield "splitk_gemm", shape, "triton", nbytes, flops, partial(splitk_gemm, x, w, out=y)
+        yield "splitk_gemm", shape, "torch.matmul", nbytes, flops, partial(torch.matmul, x, w.t(), out=y)
+        graphed = Graphed(partial(splitk_gemm, x, w, out=y))
+        yield "splitk_gemm", shape, "triton [graph]", nbytes, flops, graphed
+        matmul = Graphed(partial(torch.matmul, x, w.t(), out=y))
+        yield "splitk_gemm", shape, "torch.matmul [graph]", nbytes, flops, matmul
     for n, k in [] if tiny else [(4096, 4096), (8192, 8192)]:  # prefill M: one pass, no split
         x, w, y, nbytes, flops, shape = _gemm_case(PREFILL_M, n, k, device, dtype)
         counter = make_layer_counter(1, device)
@@ -269,7 +318,7 @@ def bench_extend(device, dtype, tiny) -> Iterator[tuple]:
     from pdkernels.extend_attention import extend_attention
     from pdkernels.testing import make_paged_cache
 
-    cases = [(2, 16, 16)] if tiny else EXTEND_CASES
+    cases = [(2, 0, 16), (2, 16, 16)] if tiny else EXTEND_CASES
     for (name, kv_heads, q_heads, head_dim), (reqs, prefix, new) in (
         (m, c) for m in (MODELS[:1] if tiny and not WARM else MODELS[1:2]) for c in cases
     ):
@@ -288,6 +337,8 @@ def bench_extend(device, dtype, tiny) -> Iterator[tuple]:
         ours = partial(extend_attention, q, qo_indptr, *tables, out=out, max_q_len=new, validate=False)
         yield "extend_attention", shape, "triton", nbytes, flops, ours
         fi = _flashinfer()
+        if fi is None and prefix == 0:  # no FlashInfer: torch's SDPA (its flash kernel on CUDA), causal
+            yield "extend_attention", shape, "torch.sdpa", nbytes, flops, _sdpa_case(q, reqs, kv_heads, new)
         if fi is not None:
             wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(
                 torch.zeros(256 << 20, dtype=torch.uint8, device=device), "HND"
@@ -313,6 +364,27 @@ def bench_extend(device, dtype, tiny) -> Iterator[tuple]:
                 flops,
                 partial(wrapper.run, q, case.cache, out=out),
             )
+
+
+def _sdpa_case(q: torch.Tensor, reqs: int, kv_heads: int, new: int) -> Callable[[], object]:
+    """torch's scaled_dot_product_attention over contiguous [reqs, heads, new, dim] tensors (the same
+    shapes without a page table), causal, GQA; its flash backend on CUDA."""
+    import torch.nn.functional as F
+
+    heads, dim = q.shape[1], q.shape[2]
+    qs = q.view(reqs, new, heads, dim).transpose(1, 2).contiguous()
+    k = torch.randn(reqs, kv_heads, new, dim, device=q.device, dtype=q.dtype)
+    v = torch.randn_like(k)
+
+    def run():
+        if q.is_cuda:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                return F.scaled_dot_product_attention(qs, k, v, is_causal=True, enable_gqa=True)
+        return F.scaled_dot_product_attention(qs, k, v, is_causal=True, enable_gqa=True)
+
+    return run
 
 
 def bench_mla_append(device, dtype, tiny) -> Iterator[tuple]:
@@ -403,14 +475,15 @@ GROUPS = {  # each case builder, and the kernels it yields (only the asked-for b
     "mla": (bench_mla_append, {"kv_append_mla"}),
     "mla_decode": (bench_mla_decode, {"mla_decode_attention"}),
 }
-BASELINES = ("torch.matmul", "flashinfer")  # what each row is compared with, same kernel and shape
+# what each row is compared with, same kernel and shape (torch.sdpa: extend attention without FlashInfer)
+BASELINES = ("torch.matmul", "flashinfer", "torch.sdpa")
 
 
 def run_suite(device: str, tiny: bool, quick: bool, only: list[str] | None = None) -> list[Row]:
     bench = timer(device, quick)
     graph_bench = graph_timer(quick) if device == "cuda" else bench
     dtype = torch.bfloat16 if device == "cuda" else torch.float16
-    copies: dict[int, float] = {}  # bytes moved -> GB/s of a copy moving as many
+    copies: dict[tuple, float] = {}  # (bytes moved, graph?) -> GB/s of a copy moving as many, timed alike
     rows = []
     for group, kernels in GROUPS.values():
         if only and not kernels & set(only):
@@ -418,12 +491,13 @@ def run_suite(device: str, tiny: bool, quick: bool, only: list[str] | None = Non
         for kernel, shape, provider, nbytes, flops, fn in group(device, dtype, tiny):
             if only and kernel not in only:
                 continue
-            ms = graph_bench(fn.fn) if isinstance(fn, Graphed) else bench(fn)
+            graph = isinstance(fn, Graphed)
+            ms = graph_bench(fn.fn) if graph else bench(fn)
             gbps = nbytes / ms / 1e6
-            if nbytes not in copies:
-                copies[nbytes] = copy_bandwidth(bench, device, nbytes)
-            pct = 100 * gbps / copies[nbytes]
-            rows.append(Row(kernel, shape, provider, ms, gbps, copies[nbytes], pct, flops / ms / 1e9))
+            if (nbytes, graph) not in copies:  # a graph row's copy is a cold graph replay too
+                copies[nbytes, graph] = copy_bandwidth(graph_bench if graph else bench, device, nbytes)
+            copy = copies[nbytes, graph]
+            rows.append(Row(kernel, shape, provider, ms, gbps, copy, 100 * gbps / copy, flops / ms / 1e9))
             print(f"{kernel:18s} {shape:36s} {provider:16s} {ms * 1e3:10.1f} us {gbps:8.1f} GB/s", flush=True)
     return rows
 
@@ -458,8 +532,10 @@ def write_results(rows: list[Row], out: Path, device_name: str, note: str = "") 
         writer.writeheader()
         writer.writerows(asdict(r) for r in rows)
     lines = [
-        f"Device: {device_name}; time: median; % of copy: against a device-to-device copy moving the same "
-        "bytes, measured in this run; vs baseline: the baseline's time over this row's (> 1: faster)"
+        f"Device: {device_name}; time: median, L2 cold (eager rows: do_bench zeroes a buffer between "
+        "runs; [graph] rows: one CUDA-graph replay after zeroing twice the L2); % of copy: against a "
+        "device-to-device copy moving the same bytes, timed the same way (eager or graph), in this run; vs "
+        "baseline: the baseline's time over this row's, eager against eager, graph against graph (> 1 faster)"
         + (f"; {note}" if note else ""),
         "",
         "| kernel | shape | provider | time (us) | GB/s | copy GB/s | % of copy | TFLOP/s | vs baseline |",

@@ -23,6 +23,12 @@ def test_gpu_suite_smoke_run_writes_its_tables(tmp_path):
     assert all(float(r["ms"]) > 0 and float(r["gbps"]) > 0 for r in rows)
     table = (tmp_path / "kernels.md").read_text()
     assert "device-to-device copy" in table and table.count("\n| ") == len(rows) + 2  # header and separator
+    # no FlashInfer here: extend attention's baseline is torch's SDPA, and the row says how ours compares
+    sdpa = [
+        line for line in table.splitlines() if "| extend_attention | " in line and "(prefix 0 + 16)" in line
+    ]
+    assert [line.split(" | ")[2] for line in sdpa] == ["triton", "torch.sdpa"], sdpa
+    assert sdpa[0].rstrip(" |").endswith("x") and "L2 cold" in table
 
 
 def test_gpu_suite_refuses_full_shapes_without_cuda(tmp_path, capsys):
@@ -145,7 +151,7 @@ def test_the_flashinfer_warm_up_calls_each_of_its_kernels_once_for_every_geometr
     assert tensor_cores == {True, False}  # both of its decode kernels' kinds
     mla = fake.mla.BatchMLAPagedAttentionWrapper.return_value.plan.call_args_list
     assert {c.args[4:7] for c in mla} == {(h, 512, 64) for h, _, _ in gpu.MLA_DECODE}
-    small = ("T=2x8", "B=2 L=64", "(prefix 16 + 16)")  # every case small: the lengths do not matter to it
+    small = ("T=2x8", "B=2 L=64", " + 16)")  # every case small: the lengths do not matter to it
     assert all(any(x in shape for x in small) for _, shape, _ in warmed), warmed
     assert gpu.WARM is False
 
