@@ -97,7 +97,11 @@ def _decode_split_kernel(
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
     LIVE_SPLIT: tl.constexpr,
+    DIRECT: tl.constexpr,
+    HAS_LSE: tl.constexpr,
 ):
+    """DIRECT (a grid of one split): o_part_ptr and lse_part_ptr are the output [B, H, D] in q's dtype and
+    its LSE [B, H] (natural log; written only with HAS_LSE), and no merge follows."""
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if LIVE_SPLIT:  # under a CUDA graph: the step's plan, written into a buffer before each replay
         split_len = tl.load(split_len_ptr)
@@ -140,7 +144,20 @@ def _decode_split_kernel(
             BLOCK_D,
             UPCAST,
             IEEE,
+            DIRECT,
+            HAS_LSE,
         )
+    elif DIRECT:  # a sequence with no tokens: zeros and LSE -inf, as the merge writes them
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, BLOCK_D)
+        heads = kv_head * group_size + offs_g
+        mask_g = offs_g < group_size
+        o = o_part_ptr + b * stride_op_b + heads[:, None] * stride_op_h + offs_d[None, :]
+        zeros = tl.zeros((BLOCK_G, BLOCK_D), tl.float32).to(o_part_ptr.dtype.element_ty)
+        tl.store(o, zeros, mask=mask_g[:, None] & (offs_d[None, :] < head_dim))
+        if HAS_LSE:
+            empty = tl.full((BLOCK_G,), float("-inf"), tl.float32)
+            tl.store(lse_part_ptr + b * stride_lp_b + heads * stride_lp_h, empty, mask=mask_g)
 
 
 @triton.jit
@@ -179,6 +196,8 @@ def _decode_split(
     BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
+    DIRECT: tl.constexpr,
+    HAS_LSE: tl.constexpr,
 ):
     lo = split * per_split
     hi = tl.minimum(lo + per_split, seq_len)
@@ -229,9 +248,15 @@ def _decode_split(
         )
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = o_part_ptr + b * stride_op_b + heads[:, None] * stride_op_h + split * stride_op_s + offs_d[None, :]
-    tl.store(o, acc / l_safe[:, None], mask=mask_g[:, None] & mask_d[None, :])
+    o_val = acc / l_safe[:, None]
+    if DIRECT:  # the output itself, in its dtype
+        o_val = o_val.to(o_part_ptr.dtype.element_ty)
+    tl.store(o, o_val, mask=mask_g[:, None] & mask_d[None, :])
     lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))  # log2 units; -inf for an empty split
-    tl.store(lse_part_ptr + b * stride_lp_b + heads * stride_lp_h + split, lse, mask=mask_g)
+    if not DIRECT:
+        tl.store(lse_part_ptr + b * stride_lp_b + heads * stride_lp_h + split, lse, mask=mask_g)
+    elif HAS_LSE:  # natural log, as the merge writes it
+        tl.store(lse_part_ptr + b * stride_lp_b + heads * stride_lp_h, lse / 1.4426950408889634, mask=mask_g)
 
 
 @triton.jit
@@ -383,8 +408,15 @@ def decode_attention(
         )
     else:  # asked for: every sequence long enough is cut into num_splits
         split_len = block_n
-    o_part = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
-    lse_part = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    # one split in the grid: each program writes the output itself, and no merge runs (FlashInfer's
+    # scheduler skips it likewise)
+    direct = num_splits == 1
+    if direct:
+        o_part = out.unsqueeze(2)  # [B, H, 1, D]: the split's stride is never used
+        lse_part = (lse if lse is not None else torch.empty((1, 1), device=q.device)).unsqueeze(2)
+    else:
+        o_part = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+        lse_part = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
     sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
     block_d = max(16, next_pow2(head_dim))
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
@@ -417,9 +449,14 @@ def decode_attention(
         UPCAST=INTERPRET and q.dtype == torch.bfloat16,
         IEEE=q.dtype == torch.float32,
         LIVE_SPLIT=live is not None,
+        DIRECT=direct,
+        HAS_LSE=lse is not None,
         num_stages=num_stages(block_d),
     )
-    merge_splits(o_part, lse_part, out, lse, kv_indptr, kv_last_page_len, page_size, split_len, block_n, live)
+    if not direct:
+        merge_splits(
+            o_part, lse_part, out, lse, kv_indptr, kv_last_page_len, page_size, split_len, block_n, live
+        )
     return (out, lse) if return_lse else out
 
 

@@ -148,3 +148,21 @@ def test_a_live_split_length_gives_the_eager_plan_whatever_the_grid():
     assert -(-700 // int(live)) > -(-700 // sized) == 1
     with pytest.raises(ValueError, match="split_len .* needs num_splits"):
         decode_attention(q, *_tables(case), split_len=live)
+
+
+@pytest.mark.parametrize("dtype", list(TOL))
+def test_one_split_writes_the_output_itself_and_no_merge_runs(dtype, monkeypatch):
+    """A grid of one split (short contexts, or num_splits=1): each program stores the output in q's dtype
+    and the natural-log LSE itself, the merge kernel never launches, and the result is the reference's."""
+    import pdkernels.decode_attention as da
+
+    monkeypatch.setattr(da, "merge_splits", lambda *a, **k: pytest.fail("the merge ran for one split"))
+    case, q = _case(4, "NHD", dtype, 4, seq_lens=[9, 0, 40])
+    out, lse = decode_attention(q, *_tables(case), return_lse=True, num_splits=1)
+    ref, ref_lse = decode_attention_ref(q, *_tables(case), return_lse=True)
+    atol, rtol = TOL[dtype]
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
+    torch.testing.assert_close(lse[[0, 2]], ref_lse[[0, 2]], atol=1e-4, rtol=1e-4)
+    assert torch.equal(out[1], torch.zeros_like(out[1])) and bool(torch.isneginf(lse[1]).all())
+    assert torch.equal(decode_attention(q, *_tables(case)), out)  # the default plan: one split here too
