@@ -29,6 +29,7 @@ from pdkernels._paging import (
     require,
     split_kv_cache,
 )
+from pdkernels.cpu import native_bf16
 
 __all__ = [
     "extend_attention",
@@ -425,6 +426,8 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, sm_scale: float) -> Tensor
     is one, with no mask, the two merged by their log-sum-exps (measured on 1 AVX2 core, SmolLM2's heads:
     1024 new tokens 87 -> 61 ms, 1024 over 1024 cached 182 -> 150 ms)."""
     n, L = q.shape[0], k.shape[1]
+    if q.device.type == "cpu" and q.dtype == torch.bfloat16 and native_bf16():
+        return blocked_causal_attention(q, k, v, sm_scale)
     qh = q.transpose(0, 1)[None]  # [1, Hq, n, D]
     group = q.shape[1] // k.shape[0]
     if n == L:
@@ -448,6 +451,35 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, sm_scale: float) -> Tensor
     w_new, w_old = torch.exp(lse_new - top), torch.exp(lse_old - top)  # [1, Hq, n] fp32
     out = (o_new.float() * w_new[..., None] + o_old.float() * w_old[..., None]) / (w_new + w_old)[..., None]
     return out[0].transpose(0, 1).to(q.dtype)
+
+
+BLOCK_ROWS = 64  # query positions per block of blocked_causal_attention (64-512 measured: 64 fastest)
+
+
+def blocked_causal_attention(q: Tensor, k: Tensor, v: Tensor, sm_scale: float) -> Tensor:
+    """causal_attention in blocks of BLOCK_ROWS query positions, each against the keys up to its last
+    position: one batched GEMM for the scores and one for the values per block (a GQA group's heads
+    stacked as rows), the softmax in fp32, only the diagonal block masked. On CPUs that compute in bf16
+    (AVX-512 BF16, AMX) these are oneDNN's bf16 GEMMs, and it beats torch's flash kernel there (one AVX-512
+    BF16 core, SmolLM2's heads, bf16: 1024 new tokens 23.1 -> 16.9 ms a layer, 2048 80.0 -> 46.4 ms;
+    in fp32 the flash kernel is the faster, so causal_attention picks this in bf16 on such CPUs only)."""
+    n, num_heads, dim = q.shape
+    num_kv_heads, L, _ = k.shape
+    group = num_heads // num_kv_heads
+    qg = q.view(n, num_kv_heads, group, dim).permute(1, 2, 0, 3)  # [Hkv, group, n, D]
+    out = torch.empty(num_kv_heads, group, n, dim, dtype=q.dtype, device=q.device)
+    offset = L - n  # the positions before the chunk (a cached prefix or earlier chunks)
+    for i in range(0, n, BLOCK_ROWS):
+        rows = min(BLOCK_ROWS, n - i)
+        end = offset + i + rows  # the keys these positions see
+        qi = qg[:, :, i : i + rows].reshape(num_kv_heads, group * rows, dim)
+        scores = torch.bmm(qi, k[:, :end].transpose(1, 2)).view(num_kv_heads, group, rows, end)
+        scores = scores.float().mul_(sm_scale)
+        diagonal = torch.ones(rows, rows, dtype=torch.bool, device=q.device).triu_(1)
+        scores[..., end - rows :].masked_fill_(diagonal, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(q.dtype).view(num_kv_heads, group * rows, end)
+        out[:, :, i : i + rows] = torch.bmm(probs, v[:, :end]).view(num_kv_heads, group, rows, dim)
+    return out.permute(2, 0, 1, 3).reshape(n, num_heads, dim)
 
 
 def extend_attention_ref(

@@ -27,12 +27,18 @@ def _median_ms(xs):
     return sorted(xs)[len(xs) // 2] * 1e3
 
 
-def _parts(llm, prompts, params, steps=10):
-    """ms per step in each op of pdkernels.ops and each part of engine.model.Model, batch len(prompts)."""
-    from torch.profiler import ProfilerActivity, profile, record_function
+_LABELLED = []
+
+
+def _label_parts():
+    """Each op of pdkernels.ops and each part of engine.model.Model in its own profiler range (once)."""
+    from torch.profiler import record_function
 
     import engine.model as em
     from pdkernels import ops
+
+    if _LABELLED:
+        return
 
     def label(owner, name):
         f = getattr(owner, name)
@@ -44,10 +50,26 @@ def _parts(llm, prompts, params, steps=10):
 
         setattr(owner, name, labelled)
 
-    for name in ("kv_append", "decode_attention", "linear", "out_proj"):
+    for name in ("kv_append", "decode_attention", "extend_attention", "linear", "out_proj", "add_rms_norm"):
         label(ops, name)
-    for name in ("forward", "attention", "rms_norm", "rope", "logits"):
+    for name in ("forward", "attention", "mlp", "rope", "logits"):
         label(em.Model, name)
+    _LABELLED.append(True)
+
+
+def _print_parts(prof, runs: int, unit: str) -> None:
+    rows = sorted(
+        (e for e in prof.key_averages() if e.key.startswith("## ")), key=lambda e: -e.cpu_time_total
+    )
+    for e in rows:
+        print(f"  {e.key[3:]:18s} {e.cpu_time_total / runs / 1e3:7.2f} ms/{unit}  ({e.count // runs} calls)")
+
+
+def _parts(llm, prompts, params, steps=10):
+    """ms per step in each op of pdkernels.ops and each part of engine.model.Model, batch len(prompts)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    _label_parts()
     for p in prompts:
         llm.add_request(p, params)
     while any(s.num_computed < len(s.prompt_ids) for s in llm.scheduler.running) or llm.scheduler.waiting:
@@ -56,11 +78,7 @@ def _parts(llm, prompts, params, steps=10):
         for _ in range(steps):
             with record_function("## step"):
                 llm.step()
-    rows = sorted(
-        (e for e in prof.key_averages() if e.key.startswith("## ")), key=lambda e: -e.cpu_time_total
-    )
-    for e in rows:
-        print(f"  {e.key[3:]:18s} {e.cpu_time_total / steps / 1e3:7.2f} ms/step  ({e.count // steps} calls)")
+    _print_parts(prof, steps, "step")
     while llm.has_unfinished():
         llm.step()
 
@@ -103,6 +121,15 @@ def main():
         each = ", ".join(f"{t * 1e3:.0f}" for t in times[1:])
         print(f"  a {args.long_prompt}-token prompt in chunks of {args.chunk}: prefill median "
               f"{_median_ms(times[1:]):.0f} ms ({each})")  # fmt: skip
+    if args.profile and args.long_prompt:
+        from torch.profiler import ProfilerActivity, profile, record_function
+
+        _label_parts()
+        print(f"the {args.long_prompt}-token prefill, under torch.profiler:")
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            with record_function("## prefill"):
+                long.generate([prompt], first)
+        _print_parts(prof, 1, "prefill")
     if args.profile:
         for batch in (1, 20):
             print(f"batch {batch}, under torch.profiler:")

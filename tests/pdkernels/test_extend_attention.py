@@ -128,3 +128,29 @@ def test_reference_paths_agree(dtype):
     explicit, _ = extend_attention_ref(q, qo_indptr, *tables, return_lse=True)
     atol, rtol = TOL[dtype]
     torch.testing.assert_close(fused, explicit, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seq_lens, q_lens, group", [([150, 40], [150, 40], 3), ([200, 70], [130, 1], 1)])
+def test_the_blocked_bf16_path_is_the_reference_over_several_blocks(
+    seq_lens, q_lens, group, dtype, monkeypatch
+):
+    """blocked_causal_attention (what causal_attention runs in bf16 on CPUs that compute in it): blocks of
+    query rows past BLOCK_ROWS, a prompt whole and a chunk after a prefix, GQA, equal to the reference;
+    taken through the torch backend wherever native_bf16 says so (forced here, so any CPU checks it)."""
+    import pdkernels.extend_attention as ea
+
+    monkeypatch.setattr(ea, "native_bf16", lambda: True)
+    case = make_paged_cache(seq_lens, KV_HEADS, HEAD_DIM, 16, "HND", dtype=dtype)
+    qo_indptr = _qo_indptr(q_lens)
+    q = torch.randn(int(qo_indptr[-1]), KV_HEADS * group, HEAD_DIM).to(dtype)
+    tables = (case.cache, case.kv_indptr, case.kv_indices, case.kv_last_page_len, "HND")
+    ref = extend_attention_ref(q, qo_indptr, *tables, sm_scale=0.2)
+    called = []
+    blocked = ea.blocked_causal_attention
+    monkeypatch.setattr(ea, "blocked_causal_attention", lambda *a: called.append(1) or blocked(*a))
+    got = extend_attention_cpu(q, qo_indptr, *tables, sm_scale=0.2)
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(got, ref, atol=atol, rtol=rtol)
+    assert len(called) == (2 if dtype == torch.bfloat16 else 0)  # fp32 keeps the flash kernel
+    assert max(q_lens) > ea.BLOCK_ROWS
