@@ -470,22 +470,18 @@ class Planner:
             return None
         prefill_p, decode_p = self.pressures(router)
         count = {r: sum(1 for v in roles.values() if v == r) for r in ROLES}
-        h, c = self.config.headroom, self.config
-        give = None
-        if (
-            prefill_p is not None
-            and prefill_p > 1
-            and (decode_p or 0.0) < h
-            and count["decode"] > c.min_decode
-        ):
-            give = "decode"
-        elif (
-            decode_p is not None
-            and decode_p > 1
-            and (prefill_p or 0.0) < h
-            and count["prefill"] > c.min_prefill
-        ):
-            give = "prefill"
+        c = self.config
+        pressure = {"prefill": prefill_p or 0.0, "decode": decode_p or 0.0}
+        minimum = {"prefill": c.min_prefill, "decode": c.min_decode}
+        other = {"prefill": "decode", "decode": "prefill"}
+        give = next(  # the role with room that can spare a worker for the one over its SLO
+            (
+                r
+                for r in ROLES
+                if pressure[other[r]] > 1 and pressure[r] < c.headroom and count[r] > minimum[r]
+            ),
+            None,
+        )
         move, n = self.streak
         self.streak = (give, n + 1 if give == move else 1)
         if give is None or self.streak[1] < c.patience:
