@@ -1,6 +1,6 @@
 """What the simulator simulates: a request (SimRequest), an instance's prefix cache (PageCache) and a
-serving instance with its queues, KV and counters (Instance). experiments/sim/simulate.py runs them: each
-instance's steps and the event loop over all of them (its docstring says how).
+serving instance with its queues, KV and counters (Instance). experiments/sim/steps.py runs one
+instance's step, experiments/sim/simulate.py the event loop over all of them (its docstring says how).
 """
 
 from __future__ import annotations

@@ -1,0 +1,201 @@
+"""One instance's step in the simulator (experiments/sim/simulate.py's event loop calls these): what a
+colocated or prefill instance schedules and how long it takes (continuous batching, chunked prefill or
+whole prompts first), and a decode instance's admission with room to finish, preemption (recompute or
+refetch), speculative verify steps and prefix-cache lookups. Each returns its step's duration from the
+instance's cost model and the events the loop applies at the step's end.
+"""
+
+from __future__ import annotations
+
+from experiments.sim.instance import Instance, SimRequest
+
+
+def _admit(inst: Instance, need: int) -> bool:
+    if inst.kv_used + need > inst.kv_capacity_tokens and inst.running:
+        return False
+    inst.kv_used += need
+    return True
+
+
+def colocated_step(inst: Instance, now: float) -> tuple[float, list]:
+    """Schedule one step; returns (duration, [(request, kind)]) with kind 'prefill_done' | 'token'."""
+    budget = inst.budget
+    decode = [r for r in inst.running if r.computed == r.context][: inst.max_seqs]
+    chunks, events = [], []
+    if inst.chunked or not inst.waiting and not any(r.computed < r.context for r in inst.running):
+        budget -= len(decode)
+    else:
+        decode = []  # a whole-prompt prefill step runs alone
+    for r in [r for r in inst.running if r.computed < r.context]:
+        if budget <= 0:
+            break
+        n = min(r.context - r.computed, budget if inst.chunked else r.context)
+        chunks.append((r, n))
+        budget -= n
+    while inst.waiting and budget > 0 and len(inst.running) < inst.max_seqs:
+        r = inst.waiting[0]
+        cached = len(inst.cache.peek(r, r.context, inst.page_size)) if inst.cache and not r.fetch else 0
+        if not inst.chunked and r.context - cached * inst.page_size > budget and chunks:
+            break
+        if not _admit(inst, r.context + r.output):
+            break
+        inst.waiting.pop(0)
+        inst.running.append(r)
+        if inst.cache is not None and not r.fetch:
+            r.computed = inst.cache.lookup(r, r.context, inst.page_size) * inst.page_size
+            r.cached = r.computed
+        left = r.context - r.computed
+        n = min(left, budget) if inst.chunked else left
+        chunks.append((r, n))
+        budget -= n
+    if not chunks and not decode:
+        return 0.0, []
+    inst.last_step = (sum(n for _, n in chunks), len(decode))
+    verify, decode, drafts = _verify_chunks(inst, decode)
+    sampled = len(decode) + sum(1 for r, n in chunks if r.computed + n == r.context) + drafts
+    dt = inst.cost.step_time(
+        [(n, r.computed) for r, n in chunks] + verify, [r.prompt + r.generated for r in decode], sampled
+    )
+    for r, n in chunks:
+        r.computed += n
+        if r.computed == r.context:
+            events.append((r, "prefill_done"))
+    return dt, events + _decode_events(inst, decode)
+
+
+def _verify_chunks(inst: Instance, decode: list) -> tuple[list, list, int]:
+    """With speculation, each decode sequence's step computes its token and k drafts: (chunks of
+    (k + 1 tokens, KV length) for the cost model, the sequences without drafts, rows sampled)."""
+    if not inst.spec_k:
+        return [], decode, 0
+    chunks, plain, rows = [], [], 0
+    for r in decode:
+        k = min(inst.spec_k, r.output - r.generated - 1)
+        if k <= 0:
+            plain.append(r)
+            continue
+        r.drafting = k
+        chunks.append((k + 1, r.prompt + r.generated))
+        rows += k + 1
+    return chunks, plain, rows
+
+
+def _decode_events(inst: Instance, plain: list) -> list:
+    """('tokens', n) per decoding sequence: 1 without drafts; with k drafts, the accepted prefix (each
+    draft accepted with spec_acceptance while the ones before it were) and the target's next token."""
+    events = [(r, ("tokens", 1)) for r in plain]
+    for r in [r for r in inst.running if r.drafting]:
+        k, r.drafting = r.drafting, 0
+        accepted = 0
+        while accepted < k and inst.rng.random() < inst.spec_acceptance:
+            accepted += 1
+        r.drafted, r.accepted, r.verifies = r.drafted + k, r.accepted + accepted, r.verifies + 1
+        events.append((r, ("tokens", accepted + 1)))
+    return events
+
+
+def maybe_finish(inst: Instance, r: SimRequest, t: float) -> bool:
+    """r is done when it has all its outputs: its KV is freed (and its pages cached). True if done."""
+    if r.generated < r.output:
+        return False
+    r.done = t
+    inst.running.remove(r)
+    inst.kv_used -= r.held if r.held else r.prompt + r.output  # a decode instance's, or a colocated one's
+    r.held = 0
+    if inst.cache is not None:  # the last token sampled has no KV yet
+        inst.cache.add(r, r.prompt + r.generated - 1, inst.page_size)
+    return True
+
+
+def lookup_decode(inst: Instance, r: SimRequest) -> None:
+    """A disaggregated request's decode instance looks up what of its prompt it already holds."""
+    r.skip = 0
+    if inst.cache is not None and not r.fetch:
+        r.skip = inst.cache.lookup(r, r.context, inst.page_size)
+
+
+def prefill_locally(inst: Instance, r: SimRequest) -> bool:
+    """router='decode': r's decode instance looks its cache up; where it lacks at most
+    local_prefill_max_tokens (the last token included) it computes them itself (a prefill chunk in its
+    next step, nothing sent) and True is returned."""
+    lookup_decode(inst, r)
+    have = r.skip * inst.page_size
+    if r.fetch or not inst.local_prefill_max_tokens or r.context - have > inst.local_prefill_max_tokens:
+        return False
+    r.computed, r.cached, r.local = have, have, True
+    return True
+
+
+def admit_decode(inst: Instance, r: SimRequest) -> bool:
+    """Room to finish: r's context plus min(outputs left, reserved_tokens) must fit beside what the
+    admitted requests hold (an idle instance takes it whatever its size)."""
+    context, left = r.prompt + r.generated, r.output - r.generated
+    if inst.reserved_tokens is not None:
+        left = min(left, inst.reserved_tokens)
+    need = context + max(left, 1)
+    if inst.kv_used + need > inst.kv_capacity_tokens and (inst.running or inst.recompute):
+        return False
+    if inst.cache is not None and r.computed >= r.context and not r.fetch:  # landed: its pages are named
+        inst.cache.add(r, r.context, inst.page_size)
+    r.held, r.fetch = need, 0
+    inst.kv_used += need
+    return True
+
+
+def _admit_waiting_decode(inst: Instance) -> list:
+    """Admit preempted requests to recompute first, then landed ones, in order while they fit; returns
+    the recomputed ones admitted (each is a prefill chunk in this step)."""
+    recompute = []
+    while inst.recompute and len(inst.running) < inst.max_seqs and admit_decode(inst, inst.recompute[0]):
+        r = inst.recompute.pop(0)
+        inst.running.append(r)
+        recompute.append(r)
+    while (
+        not inst.recompute
+        and inst.waiting
+        and len(inst.running) < inst.max_seqs
+        and admit_decode(inst, inst.waiting[0])
+    ):
+        inst.running.append(inst.waiting.pop(0))
+    return recompute
+
+
+def _preempt(inst: Instance, r: SimRequest) -> list:
+    """Drop r's KV on its decode instance: recompute it here later, or ('refetch') hand it back."""
+    inst.running.remove(r)
+    inst.kv_used -= r.held
+    r.held = 0
+    inst.preemptions += 1
+    context = r.prompt + r.generated
+    if inst.preemption == "refetch":
+        inst.refetched_tokens += context
+        return [(r, "refetch")]
+    inst.recomputed_tokens += context
+    r.computed = 0
+    inst.recompute.append(r)
+    return []
+
+
+def decode_step(inst: Instance) -> tuple[float, list]:
+    recompute = _admit_waiting_decode(inst)
+    events = []
+    for r in [r for r in inst.running[: inst.max_seqs] if r not in recompute]:  # each decode token's slot
+        if r.prompt + r.generated + 1 <= r.held:
+            continue
+        if inst.kv_used + 1 > inst.kv_capacity_tokens:  # past what it holds, and nothing is free
+            events += _preempt(inst, r)
+            continue
+        r.held += 1
+        inst.kv_used += 1
+    batch = [r for r in inst.running[: inst.max_seqs] if r not in recompute]
+    if not batch and not recompute:
+        return (1e-9 if events else 0.0), events  # it only preempted: the refetches still go out
+    inst.last_step = (sum(r.prompt + r.generated - r.computed for r in recompute), len(batch))
+    verify, plain, drafts = _verify_chunks(inst, batch)
+    chunks = verify + [(r.prompt + r.generated - r.computed, r.computed) for r in recompute]
+    for r in recompute:  # a preempted request's whole context, or a local prefill's missing rest
+        r.computed = r.prompt + r.generated
+    dt = inst.cost.step_time(
+        chunks, [r.prompt + r.generated for r in plain], len(plain) + drafts + len(recompute)
+    )
+    return dt, events + _decode_events(inst, plain + recompute)
