@@ -259,7 +259,7 @@ class DeploymentRun:
     results: dict[str, Result] = field(default_factory=dict)
     timelines: list[Timeline] = field(default_factory=list)
     events: list[tuple[float, str]] = field(default_factory=list)  # (perf_counter, what happened)
-    moves: list[dict] = field(default_factory=list)  # elastic roles: each worker moved (driver.Elastic)
+    moves: list[dict] = field(default_factory=list)  # elastic roles: each worker moved (fleet.Elastic)
     start: float = 0.0
     end: float = 0.0
     interrupted: bool = False  # stopped by SIGTERM or Ctrl-C: unfinished requests are recorded as errors

@@ -44,7 +44,7 @@ class Runtime:
         slo: an elastic deployment's (DeploymentConfig.planner) moves its workers between roles."""
         import zmq
 
-        from experiments.deploy.driver import Elastic
+        from experiments.deploy.fleet import Elastic
 
         self.fleet, self.on_worker_death, self.silent_after_s = fleet, on_worker_death, silent_after_s
         self.commands: queue.SimpleQueue = queue.SimpleQueue()

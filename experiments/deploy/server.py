@@ -3,7 +3,7 @@ endpoint over any deployment (colocated, xPyD, any TP), on FastAPI + uvicorn.
 
 It composes the same hydra config as experiments.run (`model/`, `deployment/`, `transfer/`, `kernels`)
 plus `server` (host, port, api_key, served_model_name), starts the deployment's workers through the
-driver (experiments.deploy.driver.start_fleet) and serves:
+driver (experiments.deploy.fleet.start_fleet) and serves:
 
 - POST /v1/completions, POST /v1/chat/completions: streamed (server-sent events) or not; max_tokens
   (max_completion_tokens for chat), temperature, top_p, seed, stop and vLLM's top_k and ignore_eos.
@@ -367,7 +367,7 @@ def serve(cfg: DictConfig, out_dir: Path, ready=None) -> None:
     """Start the deployment and the HTTP server; returns once the server is stopped (Ctrl-C, SIGTERM)."""
     import uvicorn
 
-    from experiments.deploy.driver import start_fleet
+    from experiments.deploy.fleet import start_fleet
 
     start_fork_server(cfg)  # beside the checks below: local workers fork from it
     config = runtime_of(cfg)

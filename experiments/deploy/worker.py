@@ -1,4 +1,5 @@
-"""One serving worker process (colocated, prefill or decode), started and driven by experiments.deploy.driver.
+"""One serving worker process (colocated, prefill or decode), started by experiments.deploy.fleet and
+driven by the main job's driver or the HTTP server's runtime.
 
 Each worker talks to the driver over a pyzmq DEALER socket (its name as identity, its CURVE key as
 proof: transfer.auth), in the typed messages of experiments.deploy.messages. It says Listening once its engine

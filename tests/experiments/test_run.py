@@ -600,7 +600,7 @@ def test_a_long_tmpdir_still_gives_sockets_the_kernel_takes(tmp_path, monkeypatc
     import shutil
     import tempfile
 
-    from experiments.deploy.driver import IPC_PATH_MAX, private_dir
+    from experiments.deploy.fleet import IPC_PATH_MAX, private_dir
 
     deep = tmp_path / ("d" * 60) / ("e" * 40)
     deep.mkdir(parents=True)

@@ -112,7 +112,7 @@ def test_received_objects_run_their_own_checks():
 
 
 def test_driver_drops_a_worker_that_claims_another_identity(tmp_path):
-    from experiments.deploy.driver import _recv, driver_socket
+    from experiments.deploy.fleet import _recv, driver_socket
     from experiments.deploy.messages import Ready, worker_codec
     from transfer.config import TransferConfig
 
@@ -142,7 +142,7 @@ def test_driver_drops_a_worker_that_claims_another_identity(tmp_path):
 
 
 def test_driver_socket_runs_no_pickle_from_a_stranger_or_a_member(tmp_path):
-    from experiments.deploy.driver import _recv, driver_socket
+    from experiments.deploy.fleet import _recv, driver_socket
     from transfer.config import TransferConfig
 
     keys = keyring(["driver", "decode-0"])
