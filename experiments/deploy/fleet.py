@@ -296,6 +296,8 @@ class Elastic:
         self.fleet, self.router, self.events, self.moves = fleet, router, events, moves
 
     def tick(self) -> None:
+        if not self.planner.due():
+            return
         fleet = self.fleet
         roles = {n: r for n, r in fleet.roles.items() if r != "colocated" and n not in fleet.dead}
         move = self.planner.decide(roles, self.router, busy=bool(fleet.switching))

@@ -452,6 +452,13 @@ class Planner:
             None if tpot is None else tpot / self.slo[1],
         )
 
+    def due(self) -> bool:
+        """Whether decide() could move anything now (a scripted move's time, or the planner's next look):
+        callers skip gathering the roles until then."""
+        now = self.clock()
+        scripted = bool(self.script) and self.script[0][0] <= now - self.start
+        return scripted or (self.config.enabled and now >= self.next_look)
+
     def decide(self, roles: dict, router: Router | None = None, busy: bool = False) -> tuple | None:
         """The move to make now: (worker, new role), or None. roles: each live worker's current role
         (prefill | decode); busy: a move is under way (nothing else moves until it is done)."""

@@ -263,7 +263,7 @@ def _run(
     while heap:
         now, _, kind, payload = heapq.heappop(heap)
         clock[0] = now
-        if planner is not None:
+        if planner is not None and planner.due():
             plan(now)
         if kind == "switched":
             serve(payload[0], payload[1], now)

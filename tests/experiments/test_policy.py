@@ -348,8 +348,9 @@ def test_scripted_switches_run_at_their_times_planner_or_not():
     clock = _Clock()
     planner = Planner(PlannerConfig(switches=[[2, "d1", "prefill"], [1, "p0", "decode"]]), (1.0, 0.1), clock)
     clock.t += 0.5
-    assert planner.decide(ROLES) is None
+    assert not planner.due() and planner.decide(ROLES) is None
     clock.t += 1.0
+    assert planner.due()  # the first scripted move's time: the callers gather the roles now
     assert planner.decide(ROLES) == ("p0", "decode") and planner.why == "scripted"
     clock.t += 1.0
     assert planner.decide(ROLES, busy=True) is None  # the next waits for the move under way
