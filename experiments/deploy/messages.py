@@ -183,7 +183,6 @@ class Load(Message):
     prefix_queries: int = 0  # prompt tokens looked up in its prefix cache, and found there (so far)
     prefix_hits: int = 0
     cached_pages: int = 0  # pages its prefix cache names now
-    role: str = ""  # the role it serves now (an elastic worker's changes)
     # (stored?, page name) since its last Load: the router's view of its cache (Dynamo's KV events)
     cache_events: list[tuple[bool, bytes]] = []
     # so far: prompt tokens computed and the time of the steps that computed them; steps that only

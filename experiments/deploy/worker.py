@@ -292,7 +292,6 @@ class Worker(RoleSwitching):
                         self.llm.allocator.num_free,
                         len(sched.running),
                         len(sched.waiting) + pending,
-                        role=self.role,
                         **self._stats(),
                         cache_events=self.llm.allocator.take_events(),
                         **self.speed,
