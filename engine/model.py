@@ -202,8 +202,7 @@ class Model:
 
     def rope(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """x [T, H, D], cos/sin [T, 1, D/2]: rotate the two halves of each head (Hugging Face's layout)."""
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+        return ops.rope(x, cos, sin, validate=False)
 
     def linear(self, x: Tensor, w: Tensor | cpu.PackedWeight) -> Tensor:
         if x.shape[0] <= 64 or isinstance(w, cpu.PackedWeight):

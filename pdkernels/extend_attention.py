@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from pdkernels import cpu
 from pdkernels._paging import (
     INDEX_DTYPES,
     INTERPRET,
@@ -469,15 +470,20 @@ def blocked_causal_attention(q: Tensor, k: Tensor, v: Tensor, sm_scale: float) -
     qg = q.view(n, num_kv_heads, group, dim).permute(1, 2, 0, 3)  # [Hkv, group, n, D]
     out = torch.empty(num_kv_heads, group, n, dim, dtype=q.dtype, device=q.device)
     offset = L - n  # the positions before the chunk (a cached prefix or earlier chunks)
+    ext = cpu.module() if q.device.type == "cpu" else None
     for i in range(0, n, BLOCK_ROWS):
         rows = min(BLOCK_ROWS, n - i)
         end = offset + i + rows  # the keys these positions see
         qi = qg[:, :, i : i + rows].reshape(num_kv_heads, group * rows, dim)
-        scores = torch.bmm(qi, k[:, :end].transpose(1, 2)).view(num_kv_heads, group, rows, end)
-        scores = scores.float().mul_(sm_scale)
-        diagonal = torch.ones(rows, rows, dtype=torch.bool, device=q.device).triu_(1)
-        scores[..., end - rows :].masked_fill_(diagonal, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(q.dtype).view(num_kv_heads, group * rows, end)
+        scores = torch.bmm(qi, k[:, :end].transpose(1, 2)).view(num_kv_heads * group, rows, end)
+        if ext is not None:  # the scale, mask, fp32 softmax and cast in one C++ pass
+            probs = ext.causal_softmax(scores, sm_scale)
+        else:
+            scores = scores.float().mul_(sm_scale)
+            diagonal = torch.ones(rows, rows, dtype=torch.bool, device=q.device).triu_(1)
+            scores[..., end - rows :].masked_fill_(diagonal, float("-inf"))
+            probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        probs = probs.view(num_kv_heads, group * rows, end)
         out[:, :, i : i + rows] = torch.bmm(probs, v[:, :end]).view(num_kv_heads, group, rows, dim)
     return out.permute(2, 0, 1, 3).reshape(n, num_heads, dim)
 
@@ -518,18 +524,23 @@ def extend_attention_ref(
     return (out, lse) if return_lse else out
 
 
-def _requests_kv(qo_indptr, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, kv_layout):
-    """(first query, end query, K [Hkv, L, D], V) per request with queries and keys, its pages gathered."""
+def _requests_kv(qo_indptr, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, kv_layout, ext=None):
+    """(first query, end query, K [Hkv, L, D], V) per request with queries and keys, its pages gathered
+    (by `ext`, pdkernels.cpu's module, in one C++ pass where it serves the cache)."""
     k_cache, v_cache = split_kv_cache(paged_kv_cache, kv_layout)
     page_size = cache_geometry(k_cache, kv_layout)[2]
     indptr, qo, last = kv_indptr.tolist(), qo_indptr.tolist(), kv_last_page_len.tolist()
+    ext = ext if kv_layout == "HND" and kv_indices.dtype == torch.int32 else None
     for b in range(len(indptr) - 1):
         pages = kv_indices[indptr[b] : indptr[b + 1]]
         seq_len = (len(pages) - 1) * page_size + last[b] if len(pages) else 0
         if qo[b + 1] == qo[b] or seq_len == 0:
             continue
-        k = gather_pages(k_cache, kv_layout, pages[None])[0, :, :seq_len]
-        v = gather_pages(v_cache, kv_layout, pages[None])[0, :, :seq_len]
+        if ext is not None:
+            k, v = ext.gather_kv(paged_kv_cache, pages, seq_len)
+        else:
+            k = gather_pages(k_cache, kv_layout, pages[None])[0, :, :seq_len]
+            v = gather_pages(v_cache, kv_layout, pages[None])[0, :, :seq_len]
         yield qo[b], qo[b + 1], k, v
 
 
@@ -547,8 +558,9 @@ def extend_attention_cpu(
     request's attention by causal_attention instead of one masked SDPA."""
     sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     out = torch.zeros_like(q)
+    ext = cpu.for_cache(paged_kv_cache)
     for lo, hi, k, v in _requests_kv(
-        qo_indptr, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, kv_layout
+        qo_indptr, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, kv_layout, ext
     ):
         out[lo:hi] = causal_attention(q[lo:hi], k, v, sm_scale)
     return out

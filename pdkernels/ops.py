@@ -21,6 +21,7 @@ from pdkernels import kv_append as _kv
 from pdkernels import mla_decode as _mla
 from pdkernels import norm as _norm
 from pdkernels import out_proj as _op
+from pdkernels import rope as _rope
 from pdkernels import splitk_gemm as _gemm
 from pdkernels._paging import INTERPRET, require
 
@@ -156,6 +157,22 @@ def add_rms_norm(x, weight, eps: float, residual=None, validate: bool = True):
     if ext is not None and x.is_contiguous() and (residual is None or residual.is_contiguous()):
         return ext.add_rms_norm(x, residual, weight.contiguous(), eps)
     return _norm.add_rms_norm_ref(x, weight, eps, residual)
+
+
+def rope(x, cos, sin, validate: bool = True):
+    """Rotary embedding of x [T, H, D] by cos, sin [T, 1, D/2] fp32, a new tensor; see pdkernels.rope. On
+    the CPU the C++ pass (pdkernels.cpu) where it is built, else the torch reference."""
+    if validate:
+        _rope.check_rope(x, cos, sin)
+    ext = _cpu.module() if x.device.type == "cpu" else None
+    fits = x.dim() == 3 and x.stride(-1) == 1 and x.shape[-1] % 2 == 0
+    tables = all(
+        t.dtype == torch.float32 and t.is_contiguous() and t.numel() * 2 == x.shape[0] * x.shape[-1]
+        for t in (cos, sin)
+    )
+    if ext is not None and fits and tables:
+        return ext.rope(x, cos, sin)
+    return _rope.rope_ref(x, cos, sin)
 
 
 def _check_packed(x, w, out) -> None:

@@ -239,9 +239,165 @@ torch::Tensor add_rms_norm(torch::Tensor x, std::optional<torch::Tensor> residua
   return out;
 }
 
+// The first seq_len tokens of one sequence's pages [n] of a 5-D HND cache, as kv [2 (K, V), Hkv, seq_len, D]
+// contiguous: each page's row of a head is one block copy (torch's index_select and the transpose after
+// it were two passes, and slow ones on the CPU).
+torch::Tensor gather_kv(torch::Tensor cache, torch::Tensor pages, int64_t seq_len) {
+  TORCH_CHECK(cache.dim() == 5 && cache.is_contiguous() && cache.size(1) == 2, "cache: 5-D HND");
+  TORCH_CHECK(pages.scalar_type() == at::kInt && pages.dim() == 1 && pages.is_contiguous(), "pages: int32 [n]");
+  const int64_t kv_heads = cache.size(2), page_size = cache.size(3), dim = cache.size(4), n = pages.size(0);
+  TORCH_CHECK(seq_len >= 0 && seq_len <= n * page_size, "seq_len: at most the pages' tokens");
+  auto out = torch::empty({2, kv_heads, seq_len, dim}, cache.options());
+  const int32_t* pp = pages.data_ptr<int32_t>();
+  const int64_t num_pages = cache.size(0);
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(pp[i] >= 0 && pp[i] < num_pages, "page id out of range");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, cache.scalar_type(), "gather_kv", [&] {
+    const scalar_t* cp = cache.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    for (int64_t i = 0; i * page_size < seq_len; ++i) {
+      const int64_t tokens = std::min(page_size, seq_len - i * page_size);
+      const scalar_t* page = cp + pp[i] * 2 * kv_heads * page_size * dim;
+      for (int64_t row = 0; row < 2 * kv_heads; ++row)  // K's heads, then V's
+        std::copy_n(page + row * page_size * dim, tokens * dim, op + (row * seq_len + i * page_size) * dim);
+    }
+  });
+  return out;
+}
+
+// float -> bf16 rounded to nearest even on the raw bits (as c10::BFloat16 rounds; finite inputs), so that
+// loops of it vectorize
+inline uint16_t bf16_bits(float x) {
+  const uint32_t u = std::bit_cast<uint32_t>(x);
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+template <typename T>
+inline void store_row(const float* src, T* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
+}
+
+template <>
+inline void store_row(const float* src, c10::BFloat16* dst, int64_t n) {
+  uint16_t* bits = reinterpret_cast<uint16_t*>(dst);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) bits[i] = bf16_bits(src[i]);
+}
+
+// max of x[0..n): omp simd's max reduction stayed a serial chain here (5x slower than the rest of a
+// softmax row), so the lanes are explicit
+inline float row_max(const float* x, int64_t n) {
+  constexpr float lowest = -std::numeric_limits<float>::infinity();
+  float top = lowest;
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_set1_ps(lowest);
+  for (; j + 16 <= n; j += 16) acc = _mm512_max_ps(acc, _mm512_loadu_ps(x + j));
+  top = _mm512_reduce_max_ps(acc);
+#else
+  float lanes[8] = {lowest, lowest, lowest, lowest, lowest, lowest, lowest, lowest};
+  for (; j + 8 <= n; j += 8)
+    for (int l = 0; l < 8; ++l) lanes[l] = lanes[l] > x[j + l] ? lanes[l] : x[j + l];
+  top = *std::max_element(lanes, lanes + 8);
+#endif
+  for (; j < n; ++j) top = std::max(top, x[j]);
+  return top;
+}
+
+// One row of causal_softmax: the first `keep` of its n scores times scale, softmax over them in fp32,
+// zeros after.
+template <typename T>
+void softmax_row(const T* s, T* out, int64_t n, int64_t keep, float scale, float* row) {
+  to_float(s, row, keep);
+#pragma omp simd
+  for (int64_t j = 0; j < keep; ++j) row[j] *= scale;
+  const float top = row_max(row, keep);
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < keep; ++j) {
+    row[j] = exp_nonpositive(row[j] - top);
+    sum += row[j];
+  }
+  const float inv = 1.0f / sum;
+#pragma omp simd
+  for (int64_t j = 0; j < keep; ++j) row[j] *= inv;
+  std::fill(row + keep, row + n, 0.0f);
+  store_row(row, out, n);
+}
+
+// scores [M, rows, n] (the GEMM's Q K^T for `rows` consecutive query positions, the last of which sees
+// all n keys): row r keeps its first n - rows + r + 1 keys (causal), times scale, softmax in fp32, the
+// probabilities in the scores' dtype, masked keys 0. What blocked_causal_attention's mask, cast, scale and
+// torch.softmax did in five passes (torch's exp alone ran at about 0.7 ns an element here).
+torch::Tensor causal_softmax(torch::Tensor scores, double scale) {
+  TORCH_CHECK(scores.dim() == 3 && scores.is_contiguous(), "scores: [M, rows, n] contiguous");
+  const int64_t m = scores.size(0), rows = scores.size(1), n = scores.size(2);
+  TORCH_CHECK(rows <= n, "scores: rows at most n (the last row sees every key)");
+  auto out = torch::empty_like(scores);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, scores.scalar_type(), "causal_softmax", [&] {
+    const scalar_t* sp = scores.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, m * rows, 16, [&](int64_t lo, int64_t hi) {
+      std::vector<float> row(n);
+      for (int64_t i = lo; i < hi; ++i)
+        softmax_row<scalar_t>(sp + i * n, op + i * n, n, n - rows + i % rows + 1, static_cast<float>(scale),
+                              row.data());
+    });
+  });
+  return out;
+}
+
+// One token's heads of rope: x1 * cos - x2 * sin, x2 * cos + x1 * sin on the two halves of each head, in
+// fp32, each product rounded before the sum as torch computes it (no fused multiply-add: fp32 results
+// bit-identical to the torch code, which fp32 greedy parity with transformers rests on).
+template <typename T>
+__attribute__((optimize("fp-contract=off"))) void rope_token(const T* x, int64_t stride_h, T* out,
+                                                             int64_t heads, int64_t half, const float* c,
+                                                             const float* s, float* row) {
+  for (int64_t h = 0; h < heads; ++h) {
+    to_float(x + h * stride_h, row, 2 * half);
+    float* o = row + 2 * half;
+#pragma omp simd
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = row[i] * c[i], b = row[i + half] * s[i];
+      const float e = row[i + half] * c[i], f = row[i] * s[i];
+      o[i] = a - b;
+      o[i + half] = e + f;
+    }
+    store_row(o, out + h * 2 * half, 2 * half);
+  }
+}
+
+// x [T, H, D] (a contiguous last dim, any other strides), cos and sin [T, D / 2] fp32 contiguous: rotary
+// embedding in Hugging Face's half-split layout, a new contiguous [T, H, D] in x's dtype (pdkernels.rope's
+// rope_ref; as torch ops it was nine calls and their temporaries per layer).
+torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0, "x: [T, H, D], D even, last dim contiguous");
+  const int64_t tokens = x.size(0), heads = x.size(1), half = x.size(2) / 2;
+  for (const auto& t : {cos, sin})
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == tokens * half,
+                "cos, sin: [T, D / 2] fp32 contiguous");
+  auto out = torch::empty({tokens, heads, 2 * half}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rope", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const float* cp = cos.data_ptr<float>();
+    const float* sp = sin.data_ptr<float>();
+    at::parallel_for(0, tokens, 16, [&](int64_t lo, int64_t hi) {
+      std::vector<float> row(4 * half);
+      for (int64_t t = lo; t < hi; ++t)
+        rope_token<scalar_t>(xp + t * x.stride(0), x.stride(1), op + t * heads * 2 * half, heads, half,
+                             cp + t * half, sp + t * half, row.data());
+    });
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual add and RMSNorm in one pass (CPU)", py::arg("x"),
         py::arg("residual"), py::arg("weight"), py::arg("eps"));
   m.def("decode_attention", &decode_attention, "paged decode attention over a 5-D HND cache (CPU)");
   m.def("kv_append", &kv_append, "append K and V rows to a 5-D HND paged cache (CPU)");
+  m.def("gather_kv", &gather_kv, "one sequence's K and V from its pages, [2, Hkv, L, D] (CPU)");
+  m.def("causal_softmax", &causal_softmax, "scaled softmax of a causal block of scores (CPU)");
+  m.def("rope", &rope, "rotary embedding, half-split layout (CPU)");
 }

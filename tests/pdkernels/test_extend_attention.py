@@ -154,3 +154,33 @@ def test_the_blocked_bf16_path_is_the_reference_over_several_blocks(
     torch.testing.assert_close(got, ref, atol=atol, rtol=rtol)
     assert len(called) == (2 if dtype == torch.bfloat16 else 0)  # fp32 keeps the flash kernel
     assert max(q_lens) > ea.BLOCK_ROWS
+
+
+def test_the_cpu_extensions_gather_and_softmax_are_the_torch_codes(monkeypatch):
+    """What extend_attention_cpu and the blocked bf16 path call in C++: one sequence's K/V gathered from its
+    pages (as gather_pages), a page id out of range refused; the causal softmax of a block of scores (as
+    the masked torch softmax it replaced), for a block that is a whole prompt (rows = keys) and one row."""
+    from pdkernels import cpu
+    from pdkernels._paging import gather_pages
+
+    ext = cpu.module()
+    if ext is None:
+        pytest.skip("the CPU extension is not built here")
+    case = make_paged_cache([50], KV_HEADS, HEAD_DIM, 16, "HND", dtype=torch.bfloat16)
+    pages = case.kv_indices
+    k, v = ext.gather_kv(case.cache, pages, 50)
+    assert torch.equal(k, gather_pages(case.cache[:, 0], "HND", pages[None].long())[0, :, :50])
+    assert torch.equal(v, gather_pages(case.cache[:, 1], "HND", pages[None].long())[0, :, :50])
+    with pytest.raises(RuntimeError, match="page id out of range"):
+        ext.gather_kv(case.cache, torch.tensor([0, case.cache.shape[0]], dtype=torch.int32), 20)
+    with pytest.raises(RuntimeError, match="seq_len"):
+        ext.gather_kv(case.cache, pages, 16 * len(pages) + 1)
+    for dtype in (torch.float32, torch.bfloat16):
+        for rows, keys in [(40, 40), (1, 70), (28, 100)]:
+            scores = (torch.randn(6, rows, keys) * 8).to(dtype)
+            want = scores.float() * 0.3
+            later = torch.ones(rows, rows, dtype=torch.bool).triu(1)  # keys after each row's position
+            want[..., keys - rows :].masked_fill_(later, float("-inf"))
+            want = torch.softmax(want, dim=-1).to(dtype)
+            atol, rtol = TOL[dtype]
+            torch.testing.assert_close(ext.causal_softmax(scores, 0.3), want, atol=atol, rtol=rtol)
