@@ -48,10 +48,12 @@ def pair(request):
     _close(pm, dm)
 
 
-def _run(prefill, decode, pm, dm, ids, prefill_polls=True, max_iters=5000, tick=None):
+def _run(prefill, decode, pm, dm, ids, prefill_polls=True, timeout_s=60.0, tick=None):
     """Drive both sides until ids finished; tick (a worker's own chores) runs first each turn and says
-    whether it has nothing left to do."""
-    for _ in range(max_iters):
+    whether it has nothing left to do. Bounded in time, not turns: a turn that only polls takes
+    microseconds, and a count of them ran out before a control message arrived under a loaded suite."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
         idle = tick() if tick is not None else True
         if prefill_polls:
             pm.poll()
