@@ -26,6 +26,7 @@ the same). Where torch lacks oneDNN, or the dtype is not bf16, `pack` returns th
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -47,8 +48,11 @@ def enabled() -> bool:
     return os.environ.get("PDKERNELS_CPU_EXT", "1") != "0"
 
 
+@functools.cache
 def _flags() -> str:
-    """This CPU's feature flags (/proc/cpuinfo), or what platform says where there is none."""
+    """This CPU's feature flags (/proc/cpuinfo), or what platform says where there is none. Read once:
+    native_bf16 asks on every extend attention call, and reading /proc/cpuinfo took 50-240 us (7 ms of
+    a 128-token prompt's prefill, measured here)."""
     try:
         return next(
             line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")
