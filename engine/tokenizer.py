@@ -24,6 +24,7 @@ class TextTokenizer:
         self.chat_template = chat_template
         self.bos_token = bos_token
         self._specials: frozenset[int] | None = None
+        self._template: jinja2.Template | None = None  # the chat template, compiled at first use
 
     @property
     def vocab_size(self) -> int:
@@ -68,7 +69,9 @@ class TextTokenizer:
             raise ValueError("this model has no chat template; pass plain prompts (chat=False)")
         previous = sys.gettrace()
         try:
-            template = _sandbox().from_string(self.chat_template)
+            if self._template is None:  # compiled once (3-5 ms a chat request here when compiled each time)
+                self._template = _sandbox().from_string(self.chat_template)
+            template = self._template
             if timeout_s is not None:
                 sys.settrace(_deadline(time.monotonic() + timeout_s))
             return template.render(

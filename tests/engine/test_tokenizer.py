@@ -70,3 +70,19 @@ def test_a_chat_template_that_runs_on_is_stopped_at_its_deadline(template):
     assert sys.gettrace() is None or "coverage" in type(sys.gettrace()).__module__  # the tracer is gone
     ok = "{% for m in messages %}{{ m.content }}{% endfor %}"
     assert _tok(ok).apply_chat_template(messages, timeout_s=0.2) == "hi"  # a quick one renders
+
+
+def test_the_chat_template_is_compiled_once_and_a_broken_one_fails_every_time(monkeypatch):
+    import engine.tokenizer as tk
+
+    made = []
+    sandbox = tk._sandbox
+    monkeypatch.setattr(tk, "_sandbox", lambda: made.append(1) or sandbox())
+    tok = _tok("{% for m in messages %}[{{ m.content }}]{% endfor %}")
+    for text in ("a", "b"):
+        assert tok.apply_chat_template([{"role": "user", "content": text}]) == f"[{text}]"
+    assert len(made) == 1
+    broken = _tok("{% for m in messages %}")  # never closed: a syntax error, each time it is asked
+    for _ in range(2):
+        with pytest.raises(ValueError, match="chat template failed"):
+            broken.apply_chat_template([{"role": "user", "content": "hi"}])
