@@ -32,6 +32,23 @@ def check_positive(key: str, value, integer: bool = False) -> None:
         refuse(key, value, f"must be {'an integer' if integer else 'a number'} > 0")
 
 
+CPU_BF16_CHUNK, DEFAULT_CHUNK = 2048, 512
+
+
+def prefill_budget(chunk_size: int | str, device: str, dtype: str) -> int:
+    """deployment.chunk_size with auto resolved by what computes the step. 2,048 tokens (vLLM's CPU
+    budget) on a CPU that computes in bf16 (AVX-512 BF16 or AMX) running a bf16 model: measured there
+    (docs/engine.md), a colocated worker under a stream of 1,024-token prompts met the SLO more often and
+    a burst of 20 prompts decoded faster than at 512. 512 elsewhere: on an AVX2-only CPU in fp32 a lone
+    prompt prefilled 6% faster in 512-token chunks, and no GPU budget has been measured."""
+    if chunk_size != "auto":
+        return chunk_size
+    from pdkernels.cpu import native_bf16
+
+    native = device == "cpu" and dtype == "bfloat16" and native_bf16()
+    return CPU_BF16_CHUNK if native else DEFAULT_CHUNK
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     name: str  # smollm2-135m | tiny-random[-kv4|-kv8] | random-llama-1b | a Hugging Face model directory
@@ -91,7 +108,9 @@ class DeploymentConfig:
     prefill_tp: int = 1
     decode_tp: int = 1
     threads_per_worker: int = 1  # torch threads per process (each TP rank gets one)
-    chunk_size: int = 512  # prefill tokens per forward pass (chunked prefill budget)
+    # prefill tokens per forward pass (the chunked prefill budget), or auto (prefill_budget: 2,048 where
+    # the CPU computes in bf16, 512 elsewhere)
+    chunk_size: int | str = "auto"
     # prompts at most this long, or whose KV the decode worker's prefix cache lacks for at most this many
     # tokens, are prefilled on the decode worker (no round trip)
     local_prefill_max_tokens: int = 0
@@ -144,8 +163,10 @@ class DeploymentConfig:
                 refuse(f"deployment.{self.name}.url", self.url, "an http:// or https:// base URL (.../v1)")
             return
         counts = ("num_workers",) if self.kind == "colocated" else ("num_prefill", "num_decode")
-        for key in counts + ("tp", "prefill_tp", "decode_tp", "threads_per_worker", "chunk_size"):
+        for key in counts + ("tp", "prefill_tp", "decode_tp", "threads_per_worker"):
             check_positive(f"deployment.{key}", getattr(self, key), integer=True)
+        if self.chunk_size != "auto":
+            check_positive("deployment.chunk_size (or auto)", self.chunk_size, integer=True)
         r = self.decode_reserved_tokens
         if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 0):
             refuse("deployment.decode_reserved_tokens", r, "null or an integer >= 0")

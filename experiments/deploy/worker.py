@@ -20,7 +20,7 @@ import traceback
 from collections import deque
 from dataclasses import dataclass, fields
 
-from experiments.deploy.config import DeploymentConfig, KernelsConfig, ModelSpec
+from experiments.deploy.config import DeploymentConfig, KernelsConfig, ModelSpec, prefill_budget
 from experiments.deploy.messages import (
     LOAD_EVERY_S,
     Cancel,
@@ -133,7 +133,7 @@ class Worker(RoleSwitching):
             num_pages=m.num_pages,
             enable_prefix_caching=d.prefix_caching,
             max_num_seqs=m.max_num_seqs,
-            max_num_batched_tokens=d.chunk_size,
+            max_num_batched_tokens=prefill_budget(d.chunk_size, m.device, m.dtype),
             seed=spec.seed,
             speculative_config=d.speculative if spec.role != "prefill" or d.elastic else None,
             reserved_tokens=d.decode_reserved_tokens,

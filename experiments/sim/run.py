@@ -21,7 +21,15 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.config import RunConfig, WorkloadConfig, run_job, workload_of
-from experiments.deploy.config import DeploymentConfig, ModelSpec, SloConfig, deployments_of, of_dict, slo_of
+from experiments.deploy.config import (
+    DeploymentConfig,
+    ModelSpec,
+    SloConfig,
+    deployments_of,
+    of_dict,
+    prefill_budget,
+    slo_of,
+)
 from experiments.deploy.messages import DeploymentRun, Request, Result, Timeline
 from experiments.deploy.policy import Router
 from experiments.sim.cost import CostModel, Efficiency
@@ -117,7 +125,7 @@ def simulate_deployment(
     def inst(tp: int, chunk: bool, slowdown: float = 1.0, decodes: bool = True) -> Instance:
         return Instance(
             CostModel(model, hw, tp, eff),
-            budget=d.chunk_size,
+            budget=prefill_budget(d.chunk_size, "cpu" if hw.name.startswith("cpu") else "cuda", "bfloat16"),
             chunked=chunk,
             slowdown=slowdown,
             spec_k=k if decodes else 0,

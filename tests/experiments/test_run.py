@@ -159,6 +159,14 @@ def test_a_killed_decode_worker_s_requests_migrate_and_finish_with_the_same_text
             "decode_preemption='drop' is not allowed: one of ('refetch', 'recompute_local')",
         ),
         ("deployment.decode_reserved_tokens=-1", "decode_reserved_tokens=-1 is not allowed: null or an"),
+        (
+            "deployment.chunk_size=big",
+            "deployment.chunk_size (or auto)='big' is not allowed: must be an integer",
+        ),
+        (
+            "deployment.chunk_size=0",
+            "deployment.chunk_size (or auto)=0 is not allowed: must be an integer > 0",
+        ),
         ("log_level=LOUD", "log_level='LOUD' is not allowed: one of ('DEBUG', 'INFO', 'WARNING', 'ERROR')"),
         ("transfer.control_transport=udp", "control_transport must be one of ('ipc', 'tcp')"),
         ("kernels.backend=cutlass", "kernels.backend='cutlass' is not allowed: one of ('auto', 'triton'"),
@@ -669,3 +677,21 @@ def test_workers_switch_roles_mid_run_scripted_or_by_the_planner_and_no_request_
     moves = planned["role_moves"]
     assert len(moves) == 1 and moves[0]["from"] == "decode" and moves[0]["to"] == "prefill", moves
     assert moves[0]["why"].startswith("TTFT at ") and "x its SLO" in moves[0]["why"]
+
+
+def test_the_prefill_budget_auto_is_2048_only_where_the_cpu_computes_in_bf16(monkeypatch):
+    """deployment.chunk_size=auto (the default): vLLM's CPU budget on AVX-512 BF16 or AMX CPUs running a
+    bf16 model, where it was measured better; 512 on a GPU, in fp32, or on a CPU without bf16 compute."""
+    from experiments.deploy.config import DeploymentConfig, prefill_budget
+    from pdkernels import cpu
+
+    assert DeploymentConfig(name="d").chunk_size == "auto"
+    for native, device, dtype, want in [
+        (True, "cpu", "bfloat16", 2048),
+        (True, "cpu", "float32", 512),
+        (True, "cuda", "bfloat16", 512),
+        (False, "cpu", "bfloat16", 512),
+    ]:
+        monkeypatch.setattr(cpu, "native_bf16", lambda native=native: native)
+        assert prefill_budget("auto", device, dtype) == want, (native, device, dtype)
+        assert prefill_budget(300, device, dtype) == 300  # a number is kept as it is
