@@ -132,14 +132,17 @@ def test_reference_paths_agree(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("seq_lens, q_lens, group", [([150, 40], [150, 40], 3), ([200, 70], [130, 1], 1)])
+@pytest.mark.parametrize("ext", ["c++", "torch"])
 def test_the_blocked_bf16_path_is_the_reference_over_several_blocks(
-    seq_lens, q_lens, group, dtype, monkeypatch
+    seq_lens, q_lens, group, dtype, ext, monkeypatch
 ):
     """blocked_causal_attention (what causal_attention runs in bf16 on CPUs that compute in it): blocks of
     query rows past BLOCK_ROWS, a prompt whole and a chunk after a prefix, GQA, equal to the reference;
-    taken through the torch backend wherever native_bf16 says so (forced here, so any CPU checks it)."""
+    taken through the torch backend wherever native_bf16 says so (forced here, so any CPU checks it), its
+    gather and softmax in C++ and, without the extension, in torch."""
     import pdkernels.extend_attention as ea
 
+    monkeypatch.setenv("PDKERNELS_CPU_EXT", "1" if ext == "c++" else "0")
     monkeypatch.setattr(ea, "native_bf16", lambda: True)
     case = make_paged_cache(seq_lens, KV_HEADS, HEAD_DIM, 16, "HND", dtype=dtype)
     qo_indptr = _qo_indptr(q_lens)
