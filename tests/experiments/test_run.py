@@ -510,7 +510,13 @@ def test_cache_aware_routing_keeps_each_conversation_where_its_history_is(tmp_pa
                 switched += 1
                 assert r["cached_tokens"] < r["prompt_tokens"] - 12 - 4
     assert switched >= 1
-    assert cache["summary"]["prefix_hit_rate"] > rr["summary"]["prefix_hit_rate"]
+
+    def later_turns_hit_rate(record):  # the first turns race for the system prompt's pages: left out
+        later = [r for r in record["requests"] if r["turn"] > 0]
+        return sum(r["cached_tokens"] for r in later) / sum(r["prompt_tokens"] for r in later)
+
+    assert later_turns_hit_rate(cache) > later_turns_hit_rate(rr)
+    assert 0 < rr["summary"]["prefix_hit_rate"] < 1 and 0 < cache["summary"]["prefix_hit_rate"] < 1
 
 
 def test_killed_workers_restart_under_the_local_launcher_and_take_requests_again(tmp_path):
