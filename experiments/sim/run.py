@@ -121,11 +121,12 @@ def simulate_deployment(
                 r.blocks = tuple(row.get("hash_ids") or ())
 
     k = int((d.speculative or {}).get("num_speculative_tokens", 2)) if d.speculative else 0
+    budget = prefill_budget(d.chunk_size, "cpu" if hw.name.startswith("cpu") else "cuda", "bfloat16")
 
     def inst(tp: int, chunk: bool, slowdown: float = 1.0, decodes: bool = True) -> Instance:
         return Instance(
             CostModel(model, hw, tp, eff),
-            budget=prefill_budget(d.chunk_size, "cpu" if hw.name.startswith("cpu") else "cuda", "bfloat16"),
+            budget=budget,
             chunked=chunk,
             slowdown=slowdown,
             spec_k=k if decodes else 0,

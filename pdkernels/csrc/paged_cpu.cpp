@@ -63,6 +63,31 @@ inline float exp_nonpositive(float x) {
   return p * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
 }
 
+// One online-softmax step over a chunk of one query head's n scores s (turned into their probabilities
+// against the new running maximum m; l, the running sum, updated). Returns alpha, the factor that
+// rescales what was accumulated before the chunk (~0 at the first chunk: m = -inf, l = 0).
+inline float online_softmax_step(float* s, int64_t n, float& m, float& l) {
+  const float top = std::max(m, *std::max_element(s, s + n));
+  const float alpha = exp_nonpositive(m - top);
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < n; ++t) {
+    s[t] = exp_nonpositive(s[t] - top);
+    sum += s[t];
+  }
+  l = l * alpha + sum;
+  m = top;
+  return alpha;
+}
+
+// Each query head's output [heads, dim] divided by its softmax sum (a sequence with no token: zeros).
+inline void normalize_heads(float* out, const float* l, int64_t heads, int64_t dim) {
+  for (int64_t g = 0; g < heads; ++g) {
+    const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
+    for (int64_t d = 0; d < dim; ++d) out[g * dim + d] *= inv;
+  }
+}
+
 // One sequence: its query heads attend over its pages, a page at a time. A page is one block [K|V, kv
 // heads, tokens, dim] and is read front to back (every kv head's K, then V) while the next page is
 // prefetched: pages lie anywhere in the cache, so the hardware prefetcher alone stalls at each one.
@@ -98,17 +123,7 @@ void attend(const float* q, const T* cache, const int32_t* pages, int64_t num_pa
       }
     }
     for (int64_t g = 0; g < heads; ++g) {
-      float* sg = s + g * page_size;
-      const float top = std::max(m[g], *std::max_element(sg, sg + tokens));
-      const float alpha = exp_nonpositive(m[g] - top);  // ~0 on the first page (m = -inf, l = 0)
-      float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t t = 0; t < tokens; ++t) {
-        sg[t] = exp_nonpositive(sg[t] - top);
-        sum += sg[t];
-      }
-      l[g] = l[g] * alpha + sum;
-      m[g] = top;
+      const float alpha = online_softmax_step(s + g * page_size, tokens, m[g], l[g]);
       float* og = out + g * dim;
 #pragma omp simd
       for (int64_t d = 0; d < dim; ++d) og[d] *= alpha;
@@ -126,10 +141,7 @@ void attend(const float* q, const T* cache, const int32_t* pages, int64_t num_pa
       }
     }
   }
-  for (int64_t g = 0; g < heads; ++g) {
-    const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;  // a sequence with no token: zeros
-    for (int64_t d = 0; d < dim; ++d) out[g * dim + d] *= inv;
-  }
+  normalize_heads(out, l, heads, dim);
 }
 
 #if defined(__AVX512BF16__)
@@ -224,16 +236,7 @@ void attend_bf16(const float* q, const c10::BFloat16* cache, const int32_t* page
         for (int64_t g = h * group; g < (h + 1) * group; ++g) {
           float* pg = p + g * 16;
           _mm512_storeu_ps(pg, _mm512_mul_ps(scores16<CH>(qv.data() + g * chunks, kh + t0 * dim, dim, n), vscale));
-          const float top = std::max(m[g], *std::max_element(pg, pg + n));
-          alpha[g] = exp_nonpositive(m[g] - top);  // ~0 at the first chunk (m = -inf, l = 0)
-          float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t t = 0; t < n; ++t) {
-            pg[t] = exp_nonpositive(pg[t] - top);
-            sum += pg[t];
-          }
-          l[g] = l[g] * alpha[g] + sum;
-          m[g] = top;
+          alpha[g] = online_softmax_step(pg, n, m[g], l[g]);
         }
         for (int64_t g = h * group; g < (h + 1) * group; ++g) {
           float* og = out + g * dim;
@@ -266,10 +269,7 @@ void attend_bf16(const float* q, const c10::BFloat16* cache, const int32_t* page
       }
     }
   }
-  for (int64_t g = 0; g < heads; ++g) {
-    const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
-    for (int64_t d = 0; d < dim; ++d) out[g * dim + d] *= inv;
-  }
+  normalize_heads(out, l, heads, dim);
 }
 #endif
 
