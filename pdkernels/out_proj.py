@@ -25,14 +25,21 @@ from pdkernels._paging import check_tensor, next_pow2, require
 from pdkernels.splitk_gemm import (
     check_linear,
     default_split_k,
+    finish_tile,
     gemm_meta,
     gemm_tile,
     new_out,
-    partials,
+    slice_bounds,
+    split_workspace,
     splitk_gemm_ref,
 )
 
 __all__ = ["out_proj", "out_proj_ref", "make_layer_counter", "host_view"]
+
+GEMMS = ("auto", "triton", "library")
+# From this many rows (prefill) gemm="auto" takes the library GEMM: on the H200 (2026-11-30) our Triton
+# tiles reached 0.76x cuBLAS at M = 4096, while at decode M split-K keeps up with it as a graph replay.
+LIBRARY_M = 128
 
 
 @triton.jit
@@ -94,43 +101,98 @@ def _out_proj_kernel(
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
     if HAS_COUNTER:
         tl.debug_barrier()  # every thread's stores of this tile precede the ticket
-        ticket = tl.atomic_add(ticket_ptr + layer, 1, sem="acq_rel")
-        last = ticket == tl.cdiv(M, BLOCK_M) * num_n - 1
-        # Only the last program gets here with last=True; masks keep it branch-free.
-        tl.atomic_xchg(ticket_ptr + layer, 0, mask=last, sem="relaxed")
-        tl.atomic_add(counter_ptr + layer, 1, mask=last, sem="release", scope="sys")
+        _release(counter_ptr, ticket_ptr, layer, tl.cdiv(M, BLOCK_M) * num_n)
 
 
 @triton.jit
-def _out_proj_reduce_kernel(
-    ws_ptr,
+def _out_proj_split_kernel(
+    x_ptr,
+    w_ptr,
     y_ptr,
+    ws_ptr,
+    tile_tickets_ptr,
     counter_ptr,
     ticket_ptr,
     M,
     N,
-    split_k,
+    K,
     layer,
+    stride_xm,
+    stride_xk,
+    stride_wn,
+    stride_wk,
     stride_ws_s,
     stride_ws_m,
     stride_ym,
+    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
     HAS_COUNTER: tl.constexpr,
 ):
-    """Sum the split-K partials of one row block in a fixed order, cast, store; then the ticket."""
-    m, pid_n = tl.program_id(0), tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = offs_n < N
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for s in range(0, split_k):
-        acc += tl.load(ws_ptr + s * stride_ws_s + m * stride_ws_m + offs_n, mask=mask, other=0.0)
-    tl.store(y_ptr + m.to(tl.int64) * stride_ym + offs_n, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    """Split-K in one launch (splitk_gemm's kernel); each program that finishes a tile then draws the
+    layer's ticket, and the one that finishes the last tile bumps the counter."""
+    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    split_k = tl.num_programs(2)
+    k_lo, k_hi = slice_bounds(K, pid_k, split_k, BLOCK_K)
+    acc = gemm_tile(
+        x_ptr,
+        w_ptr,
+        M,
+        N,
+        stride_xm,
+        stride_xk,
+        stride_wn,
+        stride_wk,
+        pid_m,
+        pid_n,
+        k_lo,
+        k_hi,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+        UPCAST,
+        IEEE,
+    )
+    finished = finish_tile(
+        acc,
+        ws_ptr,
+        y_ptr,
+        tile_tickets_ptr,
+        M,
+        N,
+        pid_m,
+        pid_n,
+        pid_k,
+        split_k,
+        stride_ws_s,
+        stride_ws_m,
+        stride_ym,
+        BLOCK_M,
+        BLOCK_N,
+    )
     if HAS_COUNTER:
-        tl.debug_barrier()
-        ticket = tl.atomic_add(ticket_ptr + layer, 1, sem="acq_rel")
-        last = ticket == M * tl.num_programs(1) - 1
-        tl.atomic_xchg(ticket_ptr + layer, 0, mask=last, sem="relaxed")
-        tl.atomic_add(counter_ptr + layer, 1, mask=last, sem="release", scope="sys")
+        if finished:
+            tl.debug_barrier()  # the tile's stores precede the layer's ticket
+            _release(counter_ptr, ticket_ptr, layer, tl.num_programs(0) * tl.num_programs(1))
+
+
+@triton.jit
+def _release(counter_ptr, ticket_ptr, layer, num_tiles):
+    """Draw the layer's ticket; the program that draws the last of num_tiles resets it and bumps
+    counter[0, layer] with a system-scope release (the host polls it)."""
+    ticket = tl.atomic_add(ticket_ptr + layer, 1, sem="acq_rel")
+    last = ticket == num_tiles - 1
+    # Only the last program gets here with last=True; masks keep it branch-free.
+    tl.atomic_xchg(ticket_ptr + layer, 0, mask=last, sem="relaxed")
+    tl.atomic_add(counter_ptr + layer, 1, mask=last, sem="release", scope="sys")
+
+
+@triton.jit
+def _bump_kernel(counter_ptr, ticket_ptr, layer):
+    """One program after a GEMM on the same stream (so after all of its stores): the layer's bump."""
+    _release(counter_ptr, ticket_ptr, layer, 1)
 
 
 _HOST: dict[int, Tensor] = {}  # data_ptr of a mapped counter -> the pinned host tensor behind it
@@ -210,6 +272,7 @@ def out_proj(
     split_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    gemm: str = "auto",
     validate: bool = True,
 ) -> Tensor:
     """y = x @ w^T with x [M, K] (attention output), w [N, K]; returns (or fills) out [M, N].
@@ -218,14 +281,20 @@ def out_proj(
     after every tile is stored, and counter[1, layer] is back to 0. tile_order [G] int32: program i
     computes tile tile_order[i] (tiles are row-major over [cdiv(M, block_m), cdiv(N, block_n)]); tests
     pass a permutation to emulate any schedule, or part of one to emulate tiles still in flight.
-    split_k: K-slices (default: enough to fill the SMs at decode M, 1 at prefill M). Above 1, the partials
-    go to an fp32 workspace and a reduce kernel, whose last program bumps the counter.
+    split_k: K-slices (default: enough to fill the SMs at decode M, 1 at prefill M). Above 1, each tile's
+    last slice to finish sums the fp32 partials, and the last tile finished bumps the counter, in one launch.
+    gemm: "triton" (these kernels), "library" (torch's GEMM, cuBLAS on a GPU, then a one-program bump on
+    the same stream) or "auto": the library from M = LIBRARY_M rows up (prefill), Triton below (decode,
+    where split-K fills the SMs), and Triton whenever tile_order is given.
     """
+    require(gemm in GEMMS, f"gemm must be one of {GEMMS}, got {gemm!r}")
     if validate:
         check_linear(x, w, out)
         if counter is not None:
             check_counter(counter, layer, x.device)
     (m, k), n = x.shape, w.shape[0]
+    if tile_order is None and (gemm == "library" or (gemm == "auto" and m >= LIBRARY_M)):
+        return _out_proj_library(x, w, new_out(x, w, out), counter, layer)
     big = x.is_cuda and m >= 128  # prefill M: Hopper-sized tiles, 8 warps
     block_m = block_m or (128 if big else min(128, max(16, next_pow2(m))))
     block_n = block_n or (128 if big else 64)
@@ -282,25 +351,42 @@ def out_proj(
 
 
 def _out_proj_split(x, w, out, counter, layer, block_m, block_n, block_k, split_k) -> Tensor:
-    (m, _), n = x.shape, w.shape[0]
-    ws = partials(x, w, block_m, block_n, block_k, split_k)
-    split_k = ws.shape[0]
-    reduce_n = min(1024, next_pow2(n))
-    _out_proj_reduce_kernel[(m, triton.cdiv(n, reduce_n))](
-        ws,
+    (m, k), n = x.shape, w.shape[0]
+    grid, ws, tile_tickets = split_workspace(x, m, n, k, block_m, block_n, block_k, split_k)
+    _out_proj_split_kernel[grid](
+        x,
+        w,
         out,
+        ws,
+        tile_tickets,
         counter if counter is not None else out,
         tickets(counter) if counter is not None else out,
         m,
         n,
-        split_k,
+        k,
         layer,
+        x.stride(0),
+        x.stride(1),
+        w.stride(0),
+        w.stride(1),
         ws.stride(0),
         ws.stride(1),
         out.stride(0),
-        BLOCK_N=reduce_n,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
         HAS_COUNTER=counter is not None,
+        **gemm_meta(x),
     )
+    return out
+
+
+def _out_proj_library(x, w, out, counter, layer) -> Tensor:
+    """Prefill M: the library GEMM (cuBLAS's Hopper kernels lead our Triton tiles there), then one program
+    on the same stream bumps the counter: the stream orders it after every store of the projection."""
+    splitk_gemm_ref(x, w, out)
+    if counter is not None:
+        _bump_kernel[(1,)](counter, tickets(counter), layer)
     return out
 
 

@@ -1,8 +1,10 @@
 """Split-K GEMM ``y = x @ W^T`` for the small-M linears of decode (M = 1..64 tokens).
 
 With few rows, a plain tiled GEMM launches too few programs to read the weight at full bandwidth. Each
-program here reduces one K-slice of one [BLOCK_M, BLOCK_N] tile in fp32 and writes it to a workspace;
-a second kernel sums the SPLIT_K partials in a fixed order (deterministic, no atomics) and casts.
+program here reduces one K-slice of one [BLOCK_M, BLOCK_N] tile in fp32 and writes it to a workspace,
+then draws the tile's ticket; the slice that draws the last one sums the tile's partials in slice order
+(deterministic: the same bits whichever slice finishes last) and casts, in the same launch (the ticket
+pattern of out_proj's layer counter).
 FLOPs: 2*M*N*K. Bytes: N*K*w.itemsize (weight) + M*K + M*N (activations), weight-dominated for small M.
 """
 
@@ -17,7 +19,16 @@ from torch import Tensor
 
 from pdkernels._paging import INTERPRET, check_tensor, next_pow2, require
 
-__all__ = ["splitk_gemm", "splitk_gemm_ref", "gemm_tile", "gemm_meta", "check_linear", "partials"]
+__all__ = [
+    "splitk_gemm",
+    "splitk_gemm_ref",
+    "gemm_tile",
+    "gemm_meta",
+    "check_linear",
+    "slice_bounds",
+    "finish_tile",
+    "split_workspace",
+]
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -68,13 +79,64 @@ def gemm_tile(
 
 
 @triton.jit
-def splitk_partials(
-    x_ptr,
-    w_ptr,
+def slice_bounds(K, pid_k, split_k, BLOCK_K: tl.constexpr):
+    """[k_lo, k_hi) of K-slice pid_k of split_k: whole BLOCK_K blocks dealt out evenly (slices differ by
+    at most one block), so no slice waits on a longer one."""
+    blocks = tl.cdiv(K, BLOCK_K)
+    k_lo = (pid_k * blocks // split_k) * BLOCK_K
+    k_hi = tl.minimum(((pid_k + 1) * blocks // split_k) * BLOCK_K, K)
+    return k_lo, k_hi
+
+
+@triton.jit
+def finish_tile(
+    acc,
     ws_ptr,
+    y_ptr,
+    tickets_ptr,
     M,
     N,
-    k_per_split,
+    pid_m,
+    pid_n,
+    pid_k,
+    split_k,
+    stride_ws_s,
+    stride_ws_m,
+    stride_ym,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Store this K-slice's fp32 partial of tile (pid_m, pid_n) and draw the tile's ticket. The slice that
+    draws the last ticket knows every other partial is stored: it sums them in slice order (the result
+    does not depend on which slice finished last), stores y in its dtype and resets the ticket for the
+    next launch. Returns whether this program finished the tile (shared with out_proj)."""
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    ws = ws_ptr + offs_m[:, None].to(tl.int64) * stride_ws_m + offs_n[None, :]
+    tl.store(ws + pid_k * stride_ws_s, acc, mask=mask)
+    tl.debug_barrier()  # every thread's stores of this partial precede the ticket
+    tile = pid_m * tl.cdiv(N, BLOCK_N) + pid_n
+    last = tl.atomic_add(tickets_ptr + tile, 1, sem="acq_rel") == split_k - 1
+    if last:
+        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for s in range(0, split_k):  # .cg: from L2, never a stale line of this SM's L1
+            total += tl.load(ws + s * stride_ws_s, mask=mask, other=0.0, cache_modifier=".cg")
+        y = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+        tl.store(y, total.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.atomic_xchg(tickets_ptr + tile, 0, sem="relaxed")
+    return last
+
+
+@triton.jit
+def _splitk_kernel(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    ws_ptr,
+    tickets_ptr,
+    M,
+    N,
     K,
     stride_xm,
     stride_xk,
@@ -82,15 +144,19 @@ def splitk_partials(
     stride_wk,
     stride_ws_s,
     stride_ws_m,
+    stride_ym,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
+    ONE_SLICE: tl.constexpr,
 ):
+    """One launch: each program multiplies one K-slice of one tile; the tile's last slice to finish sums
+    the slices (finish_tile). ONE_SLICE: the whole K in one program, stored directly (no workspace)."""
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    k_lo = pid_k * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, K)
+    split_k = tl.num_programs(2)
+    k_lo, k_hi = slice_bounds(K, pid_k, split_k, BLOCK_K)
     acc = gemm_tile(
         x_ptr,
         w_ptr,
@@ -110,23 +176,29 @@ def splitk_partials(
         UPCAST,
         IEEE,
     )
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    ws = ws_ptr + pid_k * stride_ws_s + offs_m[:, None] * stride_ws_m + offs_n[None, :]
-    tl.store(ws, acc, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
-
-
-@triton.jit
-def _splitk_reduce_kernel(
-    ws_ptr, y_ptr, M, N, split_k, stride_ws_s, stride_ws_m, stride_ym, BLOCK_N: tl.constexpr
-):
-    m, pid_n = tl.program_id(0), tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = offs_n < N
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for s in range(0, split_k):
-        acc += tl.load(ws_ptr + s * stride_ws_s + m * stride_ws_m + offs_n, mask=mask, other=0.0)
-    tl.store(y_ptr + m * stride_ym + offs_n, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    if ONE_SLICE:
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        y = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+    else:
+        finish_tile(
+            acc,
+            ws_ptr,
+            y_ptr,
+            tickets_ptr,
+            M,
+            N,
+            pid_m,
+            pid_n,
+            pid_k,
+            split_k,
+            stride_ws_s,
+            stride_ws_m,
+            stride_ym,
+            BLOCK_M,
+            BLOCK_N,
+        )
 
 
 def gemm_meta(x: Tensor) -> dict:
@@ -185,7 +257,9 @@ def splitk_gemm(
 ) -> Tensor:
     """y = x @ w^T. x [M, K], w [N, K] (nn.Linear layout), fp16/bf16/fp32; returns (or fills) out [M, N].
 
-    split_k: number of K-slices (default: from the SM count); the reduction is deterministic.
+    split_k: number of K-slices (default: from the SM count; at most one a BLOCK_K block); the reduction
+    is deterministic (slice order) and happens in the same launch. Launches that split share one ticket
+    scratch per device (split_workspace), so they must run in order on one stream, as the engine's do.
     """
     if validate:
         check_linear(x, w, out)
@@ -199,42 +273,57 @@ def splitk_gemm(
         return out.zero_()
     block_m = min(64, max(16, next_pow2(m)))
     split_k = split_k or default_split_k(m, n, k, block_m, block_n, block_k, x.device)
-    ws = partials(x, w, block_m, block_n, block_k, split_k)
-    reduce_n = min(1024, next_pow2(n))
-    _splitk_reduce_kernel[(m, triton.cdiv(n, reduce_n))](
-        ws, out, m, n, ws.shape[0], ws.stride(0), ws.stride(1), out.stride(0), BLOCK_N=reduce_n
-    )
-    return out
-
-
-def partials(x: Tensor, w: Tensor, block_m: int, block_n: int, block_k: int, split_k: int) -> Tensor:
-    """The fp32 partial products [slices, M, N] of x @ w^T over about split_k K-slices of whole blocks
-    (the first phase of splitk_gemm and of out_proj's split-K path)."""
-    (m, k), n = x.shape, w.shape[0]
-    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
-    split_k = triton.cdiv(k, k_per_split)
-    ws = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)
-    splitk_partials[grid](
+    grid, ws, tickets = split_workspace(x, m, n, k, block_m, block_n, block_k, split_k)
+    _splitk_kernel[grid](
         x,
         w,
-        ws,
+        out,
+        ws if ws is not None else out,
+        tickets if tickets is not None else out,
         m,
         n,
-        k_per_split,
         k,
         x.stride(0),
         x.stride(1),
         w.stride(0),
         w.stride(1),
-        ws.stride(0),
-        ws.stride(1),
+        ws.stride(0) if ws is not None else 0,
+        ws.stride(1) if ws is not None else 0,
+        out.stride(0),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        ONE_SLICE=ws is None,
         **gemm_meta(x),
     )
-    return ws
+    return out
+
+
+# device -> int32 tickets, one per output tile of a split launch; every launch leaves them zero
+_TILE_TICKETS: dict[torch.device, Tensor] = {}
+
+
+def tile_tickets(device: torch.device, tiles: int) -> Tensor:
+    """The device's zeroed ticket scratch, at least `tiles` long (allocated once and grown by doubling, so
+    that a launch costs no memset; a CUDA graph captured after the first eager call reuses it)."""
+    buf = _TILE_TICKETS.get(device)
+    if buf is None or buf.numel() < tiles:
+        buf = torch.zeros(max(1024, next_pow2(tiles)), dtype=torch.int32, device=device)
+        _TILE_TICKETS[device] = buf
+    return buf
+
+
+def split_workspace(
+    x: Tensor, m: int, n: int, k: int, block_m: int, block_n: int, block_k: int, split_k: int
+) -> tuple[tuple[int, int, int], Tensor | None, Tensor | None]:
+    """(grid, fp32 partials [slices, M, N], tile tickets) of a split-K launch of x @ w^T; no workspace
+    (None, None) when one slice covers K. Slices: at most one per BLOCK_K block of K."""
+    split_k = max(1, min(split_k, triton.cdiv(k, block_k)))
+    tiles = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    if split_k == 1:
+        return (*tiles, 1), None, None
+    ws = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
+    return (*tiles, split_k), ws, tile_tickets(x.device, tiles[0] * tiles[1])
 
 
 def splitk_gemm_ref(x: Tensor, w: Tensor, out: Tensor | None = None) -> Tensor:

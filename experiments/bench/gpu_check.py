@@ -166,9 +166,7 @@ def summarize(rows: list[dict]) -> list[tuple[str, str, str]]:
         ratios = [
             (cublas[r["shape"]] / float(r["ms"]), r["shape"])
             for r in rows
-            if r["kernel"] == "out_proj"
-            and r["provider"] == f"triton+counter{graph}"
-            and r["shape"] in cublas
+            if r["kernel"] == "out_proj" and r["provider"] == f"ours+counter{graph}" and r["shape"] in cublas
         ]
         for phase, picked in (
             ("decode M", [x for x in ratios if _m(x[1]) <= 64]),

@@ -88,6 +88,21 @@ def test_splitk_gemm_close_to_ref_on_gpu(m):
     torch.testing.assert_close(splitk_gemm(x, w), splitk_gemm_ref(x, w), atol=3e-2, rtol=1.6e-2)
 
 
+def test_splitk_gemm_one_launch_reduction_is_deterministic_under_concurrency():
+    """200 launches with 16 K-slices racing for each tile's last ticket: the same bits every time (the
+    last slice sums in slice order) and the ticket scratch back to zero."""
+    from pdkernels.splitk_gemm import tile_tickets
+
+    x = torch.randn(4, 8192, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4096, 8192, device="cuda", dtype=torch.bfloat16) / 90
+    first = splitk_gemm(x, w, split_k=16)
+    outs = [splitk_gemm(x, w, split_k=16) for _ in range(200)]
+    torch.cuda.synchronize()
+    assert all(torch.equal(y, first) for y in outs)
+    assert int(tile_tickets(x.device, 1).abs().sum()) == 0
+    torch.testing.assert_close(first, splitk_gemm_ref(x, w), atol=3e-2, rtol=1.6e-2)
+
+
 # ---- what only a real GPU can show: concurrency, visibility, graphs, 64-bit addressing -------------------
 
 
@@ -126,11 +141,13 @@ def test_out_proj_split_k_and_single_pass_match_the_reference(m):
     x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) / 64
     counter = make_layer_counter(2, "cuda")
-    for split_k in (None, 1):
-        y = out_proj(x, w, counter=counter, layer=1, split_k=split_k)
+    # the default (split-K at decode M, cuBLAS + bump at prefill M), one pass of Triton tiles, and split-K
+    # forced at every M (one launch: each tile's last slice reduces it)
+    for split_k, gemm in ((None, "auto"), (1, "triton"), (4, "triton")):
+        y = out_proj(x, w, counter=counter, layer=1, split_k=split_k, gemm=gemm)
         torch.testing.assert_close(y, splitk_gemm_ref(x, w), atol=3e-2, rtol=1.6e-2)
     torch.cuda.synchronize()
-    assert counter.tolist() == [[0, 2], [0, 0]]
+    assert counter.tolist() == [[0, 3], [0, 0]]
 
 
 def test_layer_counter_visible_to_the_host_while_the_pass_runs():

@@ -2,7 +2,8 @@ import pytest
 import torch
 import triton
 
-from pdkernels.out_proj import make_layer_counter, out_proj, out_proj_ref
+from pdkernels.out_proj import LIBRARY_M, make_layer_counter, out_proj, out_proj_ref
+from pdkernels.splitk_gemm import tile_tickets
 
 TOL = {torch.float32: (1e-4, 1e-5), torch.float16: (1e-2, 2e-3), torch.bfloat16: (6e-2, 1.6e-2)}
 BLOCK_M, BLOCK_N = 16, 32
@@ -90,3 +91,35 @@ def test_out_proj_rejects_bad_input():
         out_proj(x, w, tile_order=torch.tensor([0, 0], dtype=torch.int32))
     with pytest.raises(ValueError, match="num_layers must be"):
         make_layer_counter(0)
+
+
+@pytest.mark.parametrize("split_k", [2, 5])
+def test_split_out_proj_bumps_once_in_one_launch(split_k):
+    """Split-K: each tile's last slice sums it, the last tile finished bumps the counter; every ticket
+    (the tiles' scratch and the layer's) is back to zero."""
+    x, w = _inputs(19, 70, 320, torch.float32, seed=5)
+    counter = make_layer_counter(3)
+    for passes in (1, 2):
+        y = out_proj(x, w, counter=counter, layer=1, block_m=BLOCK_M, block_n=BLOCK_N, split_k=split_k)
+        torch.testing.assert_close(y, out_proj_ref(x, w), atol=1e-4, rtol=1e-5)
+        assert counter.tolist() == [[0, passes, 0], [0, 0, 0]]
+    assert int(tile_tickets(x.device, 1).abs().sum()) == 0
+
+
+@pytest.mark.parametrize("m, gemm", [(130, "auto"), (5, "library")])
+def test_library_out_proj_bumps_after_the_gemm(m, gemm):
+    """Prefill M (gemm="auto" from LIBRARY_M rows) or gemm="library": torch's GEMM, bit-equal to the
+    reference, then one program's bump."""
+    assert m < LIBRARY_M or gemm == "auto"
+    x, w = _inputs(m, 48, 64, torch.float32, seed=6)
+    counter = make_layer_counter(2)
+    y = out_proj(x, w, counter=counter, layer=1, gemm=gemm)
+    assert torch.equal(y, out_proj_ref(x, w))
+    assert counter.tolist() == [[0, 1], [0, 0]]
+
+
+def test_out_proj_rejects_unknown_gemm():
+    x, w = _inputs(4, 8, 16, torch.float32)
+    allowed = r"gemm must be one of \('auto', 'triton', 'library'\), got 'cublas'"
+    with pytest.raises(ValueError, match=allowed):
+        out_proj(x, w, gemm="cublas")

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from pdkernels.splitk_gemm import splitk_gemm, splitk_gemm_ref
+from pdkernels.splitk_gemm import splitk_gemm, splitk_gemm_ref, tile_tickets
 
 # (dtype, atol, rtol): fp32 accumulation in both; they differ by summation order and the final cast
 TOL = {torch.float32: (1e-4, 1e-5), torch.float16: (1e-2, 2e-3), torch.bfloat16: (6e-2, 1.6e-2)}
@@ -62,3 +62,21 @@ def test_splitk_gemm_rejects_bad_out_and_split():
         splitk_gemm(x, w, out=torch.empty(4, 2))
     with pytest.raises(ValueError, match="split_k must be"):
         splitk_gemm(x, w, split_k=0)
+
+
+@pytest.mark.parametrize("m, n, k, split_k", [(3, 40, 1000, 3), (17, 130, 640, 5), (1, 64, 128 * 7, 4)])
+def test_splitk_gemm_reduces_in_one_launch_and_leaves_tickets_zero(m, n, k, split_k):
+    """The last K-slice of each tile sums the partials (uneven block counts: 8 blocks in 3 slices, 7 in
+    4); the ticket scratch is back to zero for the next launch, and a second call gives the same bits."""
+    x, w = _inputs(m, n, k, torch.float32, seed=2)
+    y = splitk_gemm(x, w, split_k=split_k)
+    torch.testing.assert_close(y, splitk_gemm_ref(x, w), atol=1e-4, rtol=1e-5)
+    assert int(tile_tickets(x.device, 1).abs().sum()) == 0
+    assert torch.equal(splitk_gemm(x, w, split_k=split_k), y)
+
+
+def test_splitk_gemm_more_slices_than_blocks():
+    """split_k above K's block count is cut to one slice a block (no empty slice reads garbage)."""
+    x, w = _inputs(2, 24, 200, torch.float32, seed=3)
+    torch.testing.assert_close(splitk_gemm(x, w, split_k=64), splitk_gemm_ref(x, w), atol=1e-4, rtol=1e-5)
+    assert int(tile_tickets(x.device, 1).abs().sum()) == 0
