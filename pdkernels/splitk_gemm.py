@@ -301,14 +301,18 @@ def splitk_gemm(
 
 # device -> int32 tickets, one per output tile of a split launch; every launch leaves them zero
 _TILE_TICKETS: dict[torch.device, Tensor] = {}
+_RETIRED: list[Tensor] = []  # outgrown scratch stays allocated: a captured CUDA graph may still use it
 
 
 def tile_tickets(device: torch.device, tiles: int) -> Tensor:
-    """The device's zeroed ticket scratch, at least `tiles` long (allocated once and grown by doubling, so
-    that a launch costs no memset; a CUDA graph captured after the first eager call reuses it)."""
+    """The device's zeroed ticket scratch, at least `tiles` long: allocated once (grown by doubling past
+    16,384 tiles, where a 4096-wide layer at decode M has 64), so that a launch costs no memset, and a CUDA
+    graph captured after the first eager call keeps using the same buffer."""
     buf = _TILE_TICKETS.get(device)
     if buf is None or buf.numel() < tiles:
-        buf = torch.zeros(max(1024, next_pow2(tiles)), dtype=torch.int32, device=device)
+        if buf is not None:
+            _RETIRED.append(buf)
+        buf = torch.zeros(max(16384, next_pow2(tiles)), dtype=torch.int32, device=device)
         _TILE_TICKETS[device] = buf
     return buf
 
