@@ -51,20 +51,19 @@ def _store_rows(
     stride_dst_h,
     stride_dst_p,
     t,
+    h,
     page,
     entry,
     valid,
-    num_heads,
     head_dim,
-    BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    """Copy the rows (token t, head h) [BLOCK_R] of src to (page, entry, h) of dst; invalid rows skip."""
     offs_d = tl.arange(0, BLOCK_D)
-    # `valid` folds into the head bound: the interpreter mishandles scalar & block masks.
-    mask = (offs_h[:, None] < tl.where(valid, num_heads, 0)) & (offs_d[None, :] < head_dim)
-    rows = tl.load(src_ptr + t * stride_src_t + offs_h[:, None] * stride_src_h + offs_d[None, :], mask=mask)
-    dst = dst_ptr + page * stride_dst_page + entry * stride_dst_p + offs_h[:, None] * stride_dst_h
+    mask = valid[:, None] & (offs_d[None, :] < head_dim)
+    src = src_ptr + t[:, None] * stride_src_t + h[:, None] * stride_src_h + offs_d[None, :]
+    rows = tl.load(src, mask=mask)
+    dst = dst_ptr + page[:, None] * stride_dst_page + entry[:, None] * stride_dst_p + h[:, None] * stride_dst_h
     tl.store(dst + offs_d[None, :], rows, mask=mask)
 
 
@@ -81,6 +80,7 @@ def _kv_append_kernel(
     kv_indptr_ptr,
     kv_indices_ptr,
     # sizes
+    num_tokens,
     num_heads,
     head_dim_k,
     head_dim_v,
@@ -98,23 +98,31 @@ def _kv_append_kernel(
     stride_vc_p,
     # meta
     USE_SLOTS: tl.constexpr,
-    BLOCK_H: tl.constexpr,
+    BLOCK_R: tl.constexpr,
     BLOCK_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64)
+    """BLOCK_R (token, head) rows a program, token-major: for contiguous [T, H, D] input one program reads
+    BLOCK_R * D consecutive elements, several tokens' worth where heads are few or narrow (SmolLM2's 3 x
+    64, MLA's one latent row), and looks up each token's page once per row."""
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    in_range = r < num_tokens * num_heads
+    t = tl.where(in_range, r // num_heads, 0)
+    h = r % num_heads
     if USE_SLOTS:
-        slot = tl.load(slots_ptr + t).to(tl.int64)
-        valid = slot >= 0
+        slot = tl.load(slots_ptr + t, mask=in_range, other=-1).to(tl.int64)
+        valid = in_range & (slot >= 0)
         slot = tl.where(valid, slot, 0)
         page = slot // page_size
         entry = slot % page_size
     else:
-        b = tl.load(batch_indices_ptr + t)
-        pos = tl.load(positions_ptr + t).to(tl.int64)
-        page = tl.load(kv_indices_ptr + tl.load(kv_indptr_ptr + b) + pos // page_size).to(tl.int64)
+        b = tl.load(batch_indices_ptr + t, mask=in_range, other=0)
+        pos = tl.load(positions_ptr + t, mask=in_range, other=-1).to(tl.int64)
+        valid = in_range & (pos >= 0)
+        pos = tl.where(valid, pos, 0)
+        first = tl.load(kv_indptr_ptr + b, mask=valid, other=0)
+        page = tl.load(kv_indices_ptr + first + pos // page_size, mask=valid, other=0).to(tl.int64)
         entry = pos % page_size
-        valid = pos >= 0
     _store_rows(
         k_ptr,
         stride_k_t,
@@ -124,12 +132,11 @@ def _kv_append_kernel(
         stride_kc_h,
         stride_kc_p,
         t,
+        h,
         page,
         entry,
         valid,
-        num_heads,
         head_dim_k,
-        BLOCK_H,
         BLOCK_DK,
     )
     _store_rows(
@@ -141,14 +148,17 @@ def _kv_append_kernel(
         stride_vc_h,
         stride_vc_p,
         t,
+        h,
         page,
         entry,
         valid,
-        num_heads,
         head_dim_v,
-        BLOCK_H,
         BLOCK_DV,
     )
+
+
+# Elements a program copies per tensor: enough bytes in flight per program at any head geometry
+ROW_BLOCK_ELEMENTS = 4096
 
 
 def _launch(
@@ -168,15 +178,17 @@ def _launch(
     if num_tokens == 0:
         return
     dk, dv = k.shape[2], v.shape[2]
-    block_h = min(next_pow2(num_heads), max(1, 4096 // next_pow2(max(dk, dv))))
+    rows = num_tokens * num_heads
+    block_r = min(next_pow2(rows), max(1, ROW_BLOCK_ELEMENTS // next_pow2(max(dk, dv))))
     addressing = [slots, batch_indices, positions, kv_indptr, kv_indices]
     placeholder = next(t for t in addressing if t is not None)  # the unused mode's pointers are never read
-    _kv_append_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
+    _kv_append_kernel[(triton.cdiv(rows, block_r),)](
         k,
         v,
         k_cache,
         v_cache,
         *[t if t is not None else placeholder for t in addressing],
+        num_tokens,
         num_heads,
         dk,
         dv,
@@ -188,9 +200,10 @@ def _launch(
         *cache_strides(k_cache, kv_layout),
         *cache_strides(v_cache, kv_layout),
         USE_SLOTS=slots is not None,
-        BLOCK_H=block_h,
+        BLOCK_R=block_r,
         BLOCK_DK=next_pow2(dk),
         BLOCK_DV=next_pow2(dv),
+        num_warps=4 if block_r * next_pow2(max(dk, dv)) >= ROW_BLOCK_ELEMENTS else 2,
     )
 
 

@@ -78,6 +78,21 @@ def test_kv_append_pair_and_strided_rows():
 
 
 @pytest.mark.parametrize("kv_layout", ["HND", "NHD"])
+def test_kv_append_rows_split_across_programs(kv_layout):
+    """SmolLM2's 3 x 64 heads: a program copies 64 (token, head) rows, so a token's heads straddle two
+    programs and the last program is partial; strided rows out of a fused qkv tensor."""
+    case = make_paged_cache(SEQ_LENS, num_heads=3, head_dim=64, page_size=16, kv_layout=kv_layout)
+    batch_indices, positions = append_positions(case, APPEND_LENS["prefill"])
+    qkv = torch.randn(positions.numel(), 15, 64, generator=torch.Generator().manual_seed(4))
+    k, v = qkv[:, 9:12], qkv[:, 12:15]
+    expected, got = case.cache.clone(), case.cache.clone()
+    tables = (case.kv_indices, case.kv_indptr, case.kv_last_page_len)
+    kv_append_ref(k, v, batch_indices, positions, expected, *tables, kv_layout)
+    kv_append(k, v, batch_indices, positions, got, *tables, kv_layout)
+    assert torch.equal(got, expected) and not torch.equal(expected, case.cache)
+
+
+@pytest.mark.parametrize("kv_layout", ["HND", "NHD"])
 @pytest.mark.parametrize("page_size", [4, 16])
 def test_kv_append_slots_matches_ref(kv_layout, page_size):
     case = make_paged_cache(
