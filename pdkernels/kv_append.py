@@ -63,8 +63,8 @@ def _store_rows(
     mask = valid[:, None] & (offs_d[None, :] < head_dim)
     src = src_ptr + t[:, None] * stride_src_t + h[:, None] * stride_src_h + offs_d[None, :]
     rows = tl.load(src, mask=mask)
-    dst = dst_ptr + page[:, None] * stride_dst_page + entry[:, None] * stride_dst_p + h[:, None] * stride_dst_h
-    tl.store(dst + offs_d[None, :], rows, mask=mask)
+    dst = dst_ptr + page[:, None] * stride_dst_page + entry[:, None] * stride_dst_p
+    tl.store(dst + h[:, None] * stride_dst_h + offs_d[None, :], rows, mask=mask)
 
 
 @triton.jit
