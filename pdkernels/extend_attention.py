@@ -63,13 +63,18 @@ def load_kv_block(
     stride_page,
     stride_h,
     stride_p,
+    MASK: tl.constexpr = True,
 ):
-    """[BLOCK_N, BLOCK_D] rows of one kv head at token positions offs_n of one request."""
-    page = tl.load(kv_indices_ptr + page_lo + offs_n // page_size, mask=mask_n, other=0).to(tl.int64)
+    """[BLOCK_N, BLOCK_D] rows of one kv head at token positions offs_n of one request (MASK=False: every
+    position lies inside the sequence, and mask_n is not read)."""
+    if MASK:
+        page = tl.load(kv_indices_ptr + page_lo + offs_n // page_size, mask=mask_n, other=0).to(tl.int64)
+        rows_mask = mask_n[:, None] & (offs_d[None, :] < head_dim)
+    else:
+        page = tl.load(kv_indices_ptr + page_lo + offs_n // page_size).to(tl.int64)
+        rows_mask = offs_d[None, :] < head_dim
     rows = cache_ptr + page * stride_page + kv_head * stride_h + (offs_n % page_size) * stride_p
-    return tl.load(
-        rows[:, None] + offs_d[None, :], mask=mask_n[:, None] & (offs_d[None, :] < head_dim), other=0.0
-    )
+    return tl.load(rows[:, None] + offs_d[None, :], mask=rows_mask, other=0.0)
 
 
 @triton.jit
@@ -98,8 +103,10 @@ def attend_block(
     stride_vc_p,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
+    MASK: tl.constexpr = True,
 ):
-    """One online-softmax step over the keys offs_n: returns the updated (max, sum, acc), log2 units."""
+    """One online-softmax step over the keys offs_n: returns the updated (max, sum, acc), log2 units.
+    MASK=False: a block every row sees whole (keep and mask_n are not read)."""
     k = load_kv_block(
         k_cache_ptr,
         kv_indices_ptr,
@@ -113,6 +120,7 @@ def attend_block(
         stride_kc_page,
         stride_kc_h,
         stride_kc_p,
+        MASK,
     )
     v = load_kv_block(
         v_cache_ptr,
@@ -127,6 +135,7 @@ def attend_block(
         stride_vc_page,
         stride_vc_h,
         stride_vc_p,
+        MASK,
     )
     if UPCAST:  # the interpreter's bf16 arithmetic is wrong
         k = k.to(tl.float32)
@@ -135,7 +144,10 @@ def attend_block(
         qk = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         qk = tl.dot(q, tl.trans(k))
-    s = tl.where(keep, qk * qk_scale, float("-inf"))  # [rows, BLOCK_N]
+    if MASK:
+        s = tl.where(keep, qk * qk_scale, float("-inf"))  # [rows, BLOCK_N]
+    else:
+        s = qk * qk_scale
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing to attend to yet
     p = tl.exp2(s - m_safe[:, None])
@@ -179,6 +191,7 @@ def _extend_attention_kernel(
     stride_vc_p,
     # meta
     BLOCK_M: tl.constexpr,
+    GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     CAUSAL: tl.constexpr,
@@ -186,32 +199,71 @@ def _extend_attention_kernel(
     IEEE: tl.constexpr,
     HAS_LSE: tl.constexpr,
 ):
-    pid_m, head, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """One program: BLOCK_M rows = BLOCK_M // GROUP query tokens x the GROUP query heads (group_size of
+    them real) of one kv head, so each K/V block loaded serves the whole GQA group. Query blocks run
+    latest (heaviest under the causal mask) first. The keys every row sees whole go through an unmasked
+    loop; only the blocks on the causal diagonal (and a partial last block) are masked."""
+    kv_head, b = tl.program_id(0), tl.program_id(1)
+    pid_m = tl.num_programs(2) - 1 - tl.program_id(2)
+    TOKENS: tl.constexpr = BLOCK_M // GROUP
     q_lo = tl.load(qo_indptr_ptr + b)
     q_len = tl.load(qo_indptr_ptr + b + 1) - q_lo
     page_lo = tl.load(kv_indptr_ptr + b)
     num_pages = tl.load(kv_indptr_ptr + b + 1) - page_lo
     seq_len = tl.where(num_pages > 0, (num_pages - 1) * page_size + tl.load(kv_last_page_len_ptr + b), 0)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.arange(0, BLOCK_M)
+    tok = pid_m * TOKENS + rows // GROUP
+    g = rows % GROUP
+    head = kv_head * group_size + g
     offs_d = tl.arange(0, BLOCK_D)
-    mask_m = offs_m < q_len
-    q_pos = seq_len - q_len + offs_m  # absolute position of each query
-    q = tl.load(
-        q_ptr + (q_lo + offs_m[:, None]).to(tl.int64) * stride_q_t + head * stride_q_h + offs_d[None, :],
-        mask=mask_m[:, None] & (offs_d[None, :] < head_dim),
-        other=0.0,
-    )
+    mask_m = (tok < q_len) & (g < group_size)
+    mask_md = mask_m[:, None] & (offs_d[None, :] < head_dim)
+    q_pos = seq_len - q_len + tok  # absolute position of each row's query
+    q_rows = (q_lo + tok[:, None]).to(tl.int64) * stride_q_t + head[:, None] * stride_q_h
+    q = tl.load(q_ptr + q_rows + offs_d[None, :], mask=mask_md, other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
-    kv_head = head // group_size
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    kv_hi = seq_len
-    if CAUSAL:
-        kv_hi = tl.minimum(seq_len, seq_len - q_len + (pid_m + 1) * BLOCK_M)
-    if pid_m * BLOCK_M < q_len:
-        for start in range(0, kv_hi, BLOCK_N):
+    if pid_m * TOKENS < q_len:
+        if CAUSAL:
+            first_pos = seq_len - q_len + pid_m * TOKENS  # the block's first query sees keys [0, first_pos]
+            kv_hi = tl.minimum(seq_len, first_pos + TOKENS)
+            full_hi = ((first_pos + 1) // BLOCK_N) * BLOCK_N
+        else:
+            kv_hi = seq_len
+            full_hi = (seq_len // BLOCK_N) * BLOCK_N
+        for start in range(0, full_hi, BLOCK_N):  # blocks every row sees whole: no mask
+            offs_n = start + tl.arange(0, BLOCK_N)
+            m_i, l_i, acc = attend_block(
+                q,
+                m_i,
+                l_i,
+                acc,
+                None,
+                k_cache_ptr,
+                v_cache_ptr,
+                kv_indices_ptr,
+                page_lo,
+                kv_head,
+                offs_n,
+                None,
+                offs_d,
+                head_dim,
+                page_size,
+                qk_scale,
+                stride_kc_page,
+                stride_kc_h,
+                stride_kc_p,
+                stride_vc_page,
+                stride_vc_h,
+                stride_vc_p,
+                UPCAST,
+                IEEE,
+                False,
+            )
+        for start in range(full_hi, kv_hi, BLOCK_N):  # the causal diagonal and a partial last block
             offs_n = start + tl.arange(0, BLOCK_N)
             mask_n = offs_n < kv_hi
             keep = mask_n[None, :]
@@ -244,15 +296,13 @@ def _extend_attention_kernel(
                 IEEE,
             )
     l_safe = tl.where(l_i > 0, l_i, 1.0)
-    o = o_ptr + (q_lo + offs_m[:, None]).to(tl.int64) * stride_o_t + head * stride_o_h + offs_d[None, :]
+    o_rows = (q_lo + tok[:, None]).to(tl.int64) * stride_o_t + head[:, None] * stride_o_h
     tl.store(
-        o,
-        (acc / l_safe[:, None]).to(o_ptr.dtype.element_ty),
-        mask=mask_m[:, None] & (offs_d[None, :] < head_dim),
+        o_ptr + o_rows + offs_d[None, :], (acc / l_safe[:, None]).to(o_ptr.dtype.element_ty), mask=mask_md
     )
     if HAS_LSE:
         lse = tl.where(l_i > 0, (m_i + tl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
-        tl.store(lse_ptr + (q_lo + offs_m).to(tl.int64) * stride_lse_t + head, lse, mask=mask_m)
+        tl.store(lse_ptr + (q_lo + tok).to(tl.int64) * stride_lse_t + head, lse, mask=mask_m)
 
 
 def check_attention_inputs(
@@ -349,8 +399,11 @@ def extend_attention(
     if num_tokens and max_q_len:
         _, num_kv_heads, page_size, _ = cache_geometry(k_cache, kv_layout)
         sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
+        group = num_heads // num_kv_heads
+        group_pad = next_pow2(group)
         block_m, block_n = (16, 64) if INTERPRET else (64, 64)
-        grid = (triton.cdiv(max_q_len, block_m), num_heads, batch)
+        block_m = max(block_m, group_pad)  # rows: tokens x the padded group
+        grid = (num_kv_heads, batch, triton.cdiv(max_q_len, block_m // group_pad))
         _extend_attention_kernel[grid](
             q,
             k_cache,
@@ -362,7 +415,7 @@ def extend_attention(
             kv_indices,
             kv_last_page_len,
             sm_scale * LOG2E,
-            num_heads // num_kv_heads,
+            group,
             head_dim,
             page_size,
             q.stride(0),
@@ -373,6 +426,7 @@ def extend_attention(
             *cache_strides(k_cache, kv_layout),
             *cache_strides(v_cache, kv_layout),
             BLOCK_M=block_m,
+            GROUP=group_pad,
             BLOCK_N=block_n,
             BLOCK_D=max(16, next_pow2(head_dim)),
             CAUSAL=causal,

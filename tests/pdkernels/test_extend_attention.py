@@ -61,6 +61,21 @@ def test_the_cpu_path_skips_the_masked_blocks_and_equals_the_reference(
     torch.testing.assert_close(got, ref, atol=atol, rtol=rtol)
 
 
+@pytest.mark.parametrize("kv_heads, group, causal", [(2, 1, False), (2, 3, True), (1, 32, True)])
+def test_extend_attention_over_several_key_blocks_and_gqa_groups(kv_heads, group, causal):
+    """Keys over several 64-token blocks (the unmasked loop, then the diagonal and a partial block), a
+    chunk after a cached prefix beside a whole prompt, GQA groups of 1, 3 (padded to 4 rows a token) and
+    32 (more rows than the interpreter's 16-row block holds: one token a program)."""
+    case = make_paged_cache([150, 70], kv_heads, HEAD_DIM, 16, "HND")
+    qo_indptr = _qo_indptr([80, 70])
+    q = torch.randn(150, kv_heads * group, HEAD_DIM, generator=torch.Generator().manual_seed(7))
+    tables = (case.cache, case.kv_indptr, case.kv_indices, case.kv_last_page_len)
+    out, lse = extend_attention(q, qo_indptr, *tables, causal=causal, return_lse=True)
+    ref, ref_lse = extend_attention_ref(q, qo_indptr, *tables, causal=causal, return_lse=True)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+
+
 def test_extend_attention_non_causal_and_out():
     case = make_paged_cache(SEQ_LENS, KV_HEADS, HEAD_DIM, 4, "HND")
     qo_indptr = _qo_indptr(Q_LENS["chunk"])
