@@ -14,6 +14,8 @@ What it holds:
 - gather_kv and causal_softmax: extend attention's torch path (pdkernels.extend_attention) gathers a
   sequence's K/V in one copy and takes the scale, causal mask, fp32 softmax and cast of each block of
   scores in one pass (torch's exp alone ran at about 0.7 ns an element here).
+- q8_linear: fp32 linear layers whose weights are exactly int8 blocks (GGUF's Q8_0 and Q4_1, as SmolLM2's
+  file holds them), multiplied from the int8 copy at decode sizes (Q8Weight).
 - decode_attention on AVX-512 BF16 CPUs, bf16 caches: 16 tokens' scores at a time (vdpbf16ps), their
   lanes reduced together, P V accumulated in registers (2.5x the portable loop at batch 20; docs/engine.md).
 
@@ -38,7 +40,7 @@ import torch
 from torch import Tensor
 
 log = logging.getLogger(__name__)
-SOURCE = Path(__file__).parent / "csrc" / "paged_cpu.cpp"
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_cpu.cpp", "linear_cpu.cpp")]
 _lock = threading.Lock()
 _module = None
 _tried = False
@@ -65,7 +67,7 @@ def _build_tag() -> str:
     """One build per CPU feature set (it is built with -march=native, and a home may be shared by unlike
     machines) and per checkout: torch's build files name the source by its path, so two checkouts sharing
     one build folder rebuilt each other's extension at every switch (a minute each, under a lock)."""
-    return hashlib.sha1(f"{_flags()}\n{SOURCE.resolve()}".encode()).hexdigest()[:10]
+    return hashlib.sha1(f"{_flags()}\n{SOURCES[0].resolve()}".encode()).hexdigest()[:10]
 
 
 def native_bf16() -> bool:
@@ -109,7 +111,7 @@ def _build(name: str):
             stale.unlink()
         return load(
             name=name,
-            sources=[str(SOURCE)],
+            sources=[str(path) for path in SOURCES],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             verbose=False,
@@ -133,9 +135,36 @@ class PackedWeight:
         self.shape, self.dtype, self.device = tuple(w.shape), w.dtype, w.device
 
 
+class Q8Weight(PackedWeight):
+    """An fp32 linear weight [N, K] that is exactly int8 blocks, w = q * scale + offset per 32 of a row
+    (how GGUF's Q8_0 and Q4_1 weights dequantize: SmolLM2's file holds both), kept both ways: up to
+    Q8_MAX_M rows of x (decode steps) multiply the int8 copy (linear_cpu.cpp: 1.25 bytes a weight to
+    stream instead of 4, the same products summed in another order), more rows (prefill) the fp32
+    weight with torch's GEMM as before."""
+
+    __slots__ = ("q", "scales", "offsets")
+
+    def __init__(self, w: Tensor, q: Tensor, scales: Tensor, offsets: Tensor):
+        self.data, self.q, self.scales, self.offsets = w, q, scales, offsets
+        self.shape, self.dtype, self.device = tuple(w.shape), w.dtype, w.device
+
+
+# Rows of x up to which the int8 copy serves: SmolLM2's projections, one thread of an AVX2 EPYC, took
+# 0.4-0.6x the fp32 GEMM's time at M = 1, 0.3-0.4x at 4, 0.6-0.8x at 8, 0.6-0.9x at 12, even at 16 and
+# slower at 24 (docs/engine.md)
+Q8_MAX_M = 12
+
+
 def pack(w: Tensor) -> Tensor | PackedWeight:
-    """w packed for `linear` where that helps (bf16 on the CPU, oneDNN present); otherwise w itself."""
-    if not enabled() or w.device.type != "cpu" or w.dtype != torch.bfloat16:
+    """w packed for `linear` where that helps: bf16 in oneDNN's layout (oneDNN present), fp32 that is
+    exactly int8 blocks also as those (Q8Weight; the C++ extension built); otherwise w itself."""
+    if not enabled() or w.device.type != "cpu":
+        return w
+    if w.dtype == torch.float32:
+        ext = module()
+        exact = ext.q8_quantize_exact(w.contiguous()) if ext is not None else None
+        return Q8Weight(w, *exact) if exact is not None else w
+    if w.dtype != torch.bfloat16:
         return w
     try:
         return PackedWeight(w)
@@ -146,5 +175,10 @@ def pack(w: Tensor) -> Tensor | PackedWeight:
 
 def linear(x: Tensor, w: PackedWeight, out: Tensor | None = None) -> Tensor:
     """x [M, K] @ w^T."""
-    y = torch.ops.mkldnn._linear_pointwise(x.contiguous(), w.data, None, "none", [], "")
+    if isinstance(w, Q8Weight):
+        if x.shape[0] > Q8_MAX_M:
+            return torch.mm(x, w.data.t(), out=out)
+        y = module().q8_linear(x if x.stride(-1) == 1 else x.contiguous(), w.q, w.scales, w.offsets)
+    else:
+        y = torch.ops.mkldnn._linear_pointwise(x.contiguous(), w.data, None, "none", [], "")
     return y if out is None else out.copy_(y)

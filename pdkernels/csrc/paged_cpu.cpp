@@ -543,7 +543,10 @@ torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   return out;
 }
 
+void register_linear(pybind11::module& m);  // linear_cpu.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  register_linear(m);
   m.def("add_rms_norm", &add_rms_norm, "residual add and RMSNorm in one pass (CPU)", py::arg("x"),
         py::arg("residual"), py::arg("weight"), py::arg("eps"));
   m.def("decode_attention", &decode_attention, "paged decode attention over a 5-D HND cache (CPU)");

@@ -1,5 +1,5 @@
-"""pdkernels.cpu's prepacked bf16 weights behind pdkernels.ops (the C++ paged-cache paths are tested
-beside their references in test_decode_attention.py and test_kv_append.py)."""
+"""pdkernels.cpu's prepacked bf16 and int8-block fp32 weights behind pdkernels.ops (the C++ paged-cache
+paths are tested beside their references in test_decode_attention.py and test_kv_append.py)."""
 
 from pathlib import Path
 
@@ -39,7 +39,7 @@ def test_out_proj_on_a_packed_weight_bumps_its_layer_once():
 
 def test_only_bf16_cpu_weights_are_packed_and_bad_inputs_are_named(monkeypatch):
     w32 = torch.randn(8, 4)
-    assert cpu.pack(w32) is w32  # fp32: oneDNN's packed fp32 GEMM rounds differently; left as is
+    assert cpu.pack(w32) is w32  # fp32 that is not int8 blocks: left as is
     _, p = _packed()
     with pytest.raises(ValueError, match=r"x must be \[M, K=64\] torch.bfloat16"):
         ops.linear(torch.randn(2, 64), p)  # fp32 x
@@ -103,3 +103,69 @@ def _has_ninja() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("ninja") is not None
+
+
+def _int8_blocks(n, k, kind, seed=0):
+    """An fp32 weight [n, k] as a GGUF file dequantizes it: per 32 of a row an fp16 scale and q in [-127,
+    127] (Q8_0), or fp16 scale and min and q in [0, 15] (Q4_1), w = q * scale + min rounded once."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = k // 32
+    scale = (torch.rand(n, blocks, 1, generator=g) * 0.02 + 1e-3).half().float()
+    if kind == "q8_0":
+        q = torch.randint(-127, 128, (n, blocks, 32), generator=g).float()
+        q[..., 0] = 127  # the block's largest |w| sets its scale, as the quantizer does
+        return (q * scale).view(n, k)
+    q = torch.randint(0, 16, (n, blocks, 32), generator=g).float()
+    q[..., 0], q[..., 1] = 0, 15  # the block's min and max
+    low = (torch.randn(n, blocks, 1, generator=g) * 0.05).half().float()
+    return (q * scale + low).view(n, k)
+
+
+def _ext():
+    if cpu.module() is None:
+        pytest.skip("pdkernels' CPU extension could not be built here (no C++ compiler)")
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_1"])
+@pytest.mark.parametrize("m", [1, 3, 12, 13, 40])
+def test_an_int8_block_weight_is_packed_and_multiplies_like_the_fp32_one(kind, m):
+    """Up to Q8_MAX_M rows from the int8 copy (the same weights, another summation order), more rows the
+    fp32 GEMM itself (its bits); the copy holds the weights exactly."""
+    _ext()
+    w = _int8_blocks(96, 320, kind)
+    p = cpu.pack(w)
+    assert isinstance(p, cpu.Q8Weight) and p.q.dtype == torch.int8
+    blocks = p.q.view(96, 10, 32).float() * p.scales[..., None] + p.offsets[..., None]
+    assert torch.equal(blocks.view(96, 320), w)
+    x = torch.randn(m, 400)[:, :320]  # a strided view, as the model's slices are
+    y = ops.linear(x, p)
+    if m > cpu.Q8_MAX_M:
+        assert torch.equal(y, torch.mm(x, w.t()))
+    else:
+        torch.testing.assert_close(y, torch.mm(x, w.t()), atol=1e-5, rtol=1e-5)
+    out = torch.full((m, 96), float("nan"))
+    assert ops.linear(x, p, out=out) is out and torch.equal(out, y)
+
+
+def test_an_fp32_weight_that_is_not_exactly_int8_blocks_stays_as_it_is():
+    """Random weights, a block one ulp off, K not a multiple of 32: the plain weight (the int8 copy is
+    only taken where it holds the same numbers)."""
+    _ext()
+    for w in (torch.randn(8, 64), torch.randn(8, 40)):
+        assert cpu.pack(w) is w
+    near = _int8_blocks(16, 128, "q4_1", seed=3)
+    near[7, 77] = torch.nextafter(near[7, 77], torch.tensor(1.0))
+    assert cpu.pack(near) is near
+    zeros = torch.zeros(4, 64)  # all-zero blocks are exact (scale 0)
+    assert isinstance(cpu.pack(zeros), cpu.Q8Weight) and torch.equal(
+        ops.linear(torch.ones(1, 64), cpu.pack(zeros)), torch.zeros(1, 4)
+    )
+
+
+def test_out_proj_on_an_int8_block_weight_bumps_its_layer_once():
+    _ext()
+    w = _int8_blocks(64, 64, "q8_0", seed=4)
+    counter = make_layer_counter(2, torch.device("cpu"))
+    x = torch.randn(2, 64)
+    torch.testing.assert_close(ops.out_proj(x, cpu.pack(w), counter=counter, layer=1), x @ w.t())
+    assert counter[0].tolist() == [0, 1]
