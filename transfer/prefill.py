@@ -90,6 +90,9 @@ class PrefillMessenger:
         self.done_log: deque[tuple[str, float]] = deque(maxlen=LOG_LIMIT)
         self.refused = 0  # requests refused at the boundary
         self._last_seq: dict[int, int] = {}  # id(channel) -> newest request seq taken from it
+        # requests whose id an earlier owner still holds here (moved to another decode worker): taken once
+        # the old transfer's writes are done and its pages back
+        self._waiting: list[tuple[PrefillRequest, object]] = []
         self._jobs: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -198,6 +201,15 @@ class PrefillMessenger:
             self._free_slots.append(self._slots.pop(rid))
             if t.aborted or t.error:
                 self._tell(t.channel, Ended(rid, t.req.seq, t.error or f"aborted: {t.aborted}"))
+        if self._waiting:
+            waiting, self._waiting = self._waiting, []
+            for req, channel in waiting:
+                if channel not in self.channels:
+                    continue  # its decode worker left meanwhile
+                if req.request_id in self.transfers:
+                    self._waiting.append((req, channel))
+                else:
+                    self._take(req, channel)
 
     def _tell(self, channel, msg) -> None:
         if channel not in self.channels:
@@ -211,6 +223,11 @@ class PrefillMessenger:
         """Only the decode worker that sent a request may abort it; one this side does not hold (finished,
         refused, never seen) is answered at once, so the decode side never waits for an Ended, and the
         request itself, should it still arrive (a reordered channel), is dropped."""
+        waiting = [(r, c) for r, c in self._waiting if r.request_id == msg.request_id and c is channel]
+        if waiting and waiting[0][0].seq == msg.seq:  # never started here: gone from the queue
+            self._waiting.remove(waiting[0])
+            self._tell(channel, Ended(msg.request_id, msg.seq, f"aborted: {msg.reason}"))
+            return
         t = self.transfers.get(msg.request_id)
         if t is not None and t.channel is channel and t.req.seq == msg.seq:
             self.abort(msg.request_id, msg.reason)
@@ -227,6 +244,17 @@ class PrefillMessenger:
             log.warning("dropped request %s: seq %d is stale on its channel", req.request_id, req.seq)
             return
         self._last_seq[id(channel)] = req.seq
+        old = self.transfers.get(req.request_id)
+        if old is not None and old.channel is not channel:
+            # the request moved to another decode worker (the first one died or gave it up, and this side
+            # may not have heard yet): the newer owner wins; the old transfer stops, and this one waits
+            # for its writes to finish and its pages to come back
+            self.abort(req.request_id, "the request moved to another decode worker")
+            self._waiting.append((req, channel))
+            return
+        self._take(req, channel)
+
+    def _take(self, req: PrefillRequest, channel) -> None:
         try:
             if req.request_id in self.transfers:
                 raise ValueError(f"request {req.request_id!r} is already being prefilled here")

@@ -323,7 +323,9 @@ def _drain_and_stop(proc: subprocess.Popen, url: str, tmp_path: Path) -> None:
         for _ in stream:
             pass
     assert proc.wait(timeout=60) == 0
-    assert _group_gone(proc.pid, 1), f"processes of the server's group outlived it: {_group(proc.pid)}"
+    # the multiprocessing forkserver leaves when the server's end of its socket closes: within a second
+    # alone, more under a loaded suite
+    assert _group_gone(proc.pid, 5), f"processes of the server's group outlived it: {_group(proc.pid)}"
     for pid in pids.values():
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)

@@ -191,6 +191,56 @@ def test_recompute_policy_prefills_a_failed_transfer_locally():
         _close(pm, dm)
 
 
+def test_a_request_moved_to_another_decode_worker_mid_prefill_is_taken_once_the_old_one_is_reaped():
+    """The driver moved r to decode B (A died) before the prefill worker heard of it: B's request for the
+    same id waits while A's transfer stops, then runs; B gets the colocated tokens, every page is back."""
+    prompt = list(range(100, 160))
+    expected = LLM("tiny-random", page_size=4, num_pages=PAGES).generate([prompt], GREEDY)[0].token_ids
+    prefill = LLM("tiny-random", role="prefill", page_size=4, num_pages=PAGES, max_num_batched_tokens=24)
+    decodes = [LLM("tiny-random", role="decode", page_size=4, num_pages=PAGES) for _ in range(2)]
+    config = TransferConfig(backend="local")
+    keep_outputs(prefill)
+    pm = prefill_messenger(prefill, make_backend("local", "p-moved"), config)
+    dms = []
+    for i, decode in enumerate(decodes):
+        keep_outputs(decode)
+        decode_end, prefill_end = local_channel()
+        pm.add_peer(prefill_end)
+        dm = decode_messenger(decode, make_backend("local", f"d{i}-moved"), config)
+        dm.add_peer("prefill-0", decode_end, wait_hello(decode_end, timeout_s=1))
+        dms.append(dm)
+    try:
+        dms[0].submit("r", prompt, GREEDY)
+        pm.poll()
+        prefill.step()  # A's prefill is under way (24 of 59 tokens)
+        assert "r" in pm.transfers
+        dms[1].submit("r", prompt, GREEDY)
+        deadline = time.monotonic() + 60
+        while not finished(decodes[1], "r") and time.monotonic() < deadline:
+            pm.poll()
+            if prefill.has_unfinished():
+                prefill.step()
+            for dm, decode in zip(dms, decodes, strict=True):
+                dm.poll()
+                if decode.has_unfinished():
+                    decode.step()
+        out = decodes[1].output("r")
+        assert out.finish_reason == "length" and out.token_ids == expected
+        assert pm.refused == 0
+        for _ in range(50):  # A hears its transfer ended; the prefill side reaps what is left
+            pm.poll()
+            dms[0].poll()
+            if not pm.transfers and not dms[0].pending:
+                break
+            time.sleep(0.01)
+        assert prefill.allocator.num_free == PAGES and decodes[1].allocator.num_free == PAGES
+    finally:
+        pm.close()
+        pm.backend.close()
+        for dm in dms:
+            dm.backend.close()
+
+
 def test_transfer_config_rejects_bad_values():
     with pytest.raises(ValueError, match=r"on_transfer_failure must be one of \('fail', 'recompute'\)"):
         TransferConfig(on_transfer_failure="retry")
