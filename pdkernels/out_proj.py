@@ -25,11 +25,10 @@ from pdkernels._paging import check_tensor, next_pow2, require
 from pdkernels.splitk_gemm import (
     check_linear,
     default_split_k,
-    finish_tile,
     gemm_meta,
     gemm_tile,
     new_out,
-    slice_bounds,
+    split_tile,
     split_workspace,
     splitk_gemm_ref,
 )
@@ -131,46 +130,29 @@ def _out_proj_split_kernel(
     IEEE: tl.constexpr,
     HAS_COUNTER: tl.constexpr,
 ):
-    """Split-K in one launch (splitk_gemm's kernel); each program that finishes a tile then draws the
+    """Split-K in one launch (splitk_gemm's split_tile); each program that finishes a tile then draws the
     layer's ticket, and the one that finishes the last tile bumps the counter."""
-    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    split_k = tl.num_programs(2)
-    k_lo, k_hi = slice_bounds(K, pid_k, split_k, BLOCK_K)
-    acc = gemm_tile(
+    finished = split_tile(
         x_ptr,
         w_ptr,
+        y_ptr,
+        ws_ptr,
+        tile_tickets_ptr,
         M,
         N,
+        K,
         stride_xm,
         stride_xk,
         stride_wn,
         stride_wk,
-        pid_m,
-        pid_n,
-        k_lo,
-        k_hi,
-        BLOCK_M,
-        BLOCK_N,
-        BLOCK_K,
-        UPCAST,
-        IEEE,
-    )
-    finished = finish_tile(
-        acc,
-        ws_ptr,
-        y_ptr,
-        tile_tickets_ptr,
-        M,
-        N,
-        pid_m,
-        pid_n,
-        pid_k,
-        split_k,
         stride_ws_s,
         stride_ws_m,
         stride_ym,
         BLOCK_M,
         BLOCK_N,
+        BLOCK_K,
+        UPCAST,
+        IEEE,
     )
     if HAS_COUNTER:
         if finished:

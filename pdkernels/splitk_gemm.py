@@ -27,6 +27,7 @@ __all__ = [
     "check_linear",
     "slice_bounds",
     "finish_tile",
+    "split_tile",
     "split_workspace",
 ]
 
@@ -129,6 +130,72 @@ def finish_tile(
 
 
 @triton.jit
+def split_tile(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    ws_ptr,
+    tickets_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_xk,
+    stride_wn,
+    stride_wk,
+    stride_ws_s,
+    stride_ws_m,
+    stride_ym,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """This program's K-slice of its tile (grid: M tiles, N tiles, slices), then finish_tile; returns
+    whether this program finished the tile (shared with out_proj)."""
+    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    split_k = tl.num_programs(2)
+    k_lo, k_hi = slice_bounds(K, pid_k, split_k, BLOCK_K)
+    acc = gemm_tile(
+        x_ptr,
+        w_ptr,
+        M,
+        N,
+        stride_xm,
+        stride_xk,
+        stride_wn,
+        stride_wk,
+        pid_m,
+        pid_n,
+        k_lo,
+        k_hi,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+        UPCAST,
+        IEEE,
+    )
+    return finish_tile(
+        acc,
+        ws_ptr,
+        y_ptr,
+        tickets_ptr,
+        M,
+        N,
+        pid_m,
+        pid_n,
+        pid_k,
+        split_k,
+        stride_ws_s,
+        stride_ws_m,
+        stride_ym,
+        BLOCK_M,
+        BLOCK_N,
+    )
+
+
+@triton.jit
 def _splitk_kernel(
     x_ptr,
     w_ptr,
@@ -153,51 +220,54 @@ def _splitk_kernel(
     ONE_SLICE: tl.constexpr,
 ):
     """One launch: each program multiplies one K-slice of one tile; the tile's last slice to finish sums
-    the slices (finish_tile). ONE_SLICE: the whole K in one program, stored directly (no workspace)."""
-    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    split_k = tl.num_programs(2)
-    k_lo, k_hi = slice_bounds(K, pid_k, split_k, BLOCK_K)
-    acc = gemm_tile(
-        x_ptr,
-        w_ptr,
-        M,
-        N,
-        stride_xm,
-        stride_xk,
-        stride_wn,
-        stride_wk,
-        pid_m,
-        pid_n,
-        k_lo,
-        k_hi,
-        BLOCK_M,
-        BLOCK_N,
-        BLOCK_K,
-        UPCAST,
-        IEEE,
-    )
+    the slices (split_tile). ONE_SLICE: the whole K in one program, stored directly (no workspace)."""
     if ONE_SLICE:
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        acc = gemm_tile(
+            x_ptr,
+            w_ptr,
+            M,
+            N,
+            stride_xm,
+            stride_xk,
+            stride_wn,
+            stride_wk,
+            pid_m,
+            pid_n,
+            0,
+            K,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+            UPCAST,
+            IEEE,
+        )
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         y = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
         tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
     else:
-        finish_tile(
-            acc,
-            ws_ptr,
+        split_tile(
+            x_ptr,
+            w_ptr,
             y_ptr,
+            ws_ptr,
             tickets_ptr,
             M,
             N,
-            pid_m,
-            pid_n,
-            pid_k,
-            split_k,
+            K,
+            stride_xm,
+            stride_xk,
+            stride_wn,
+            stride_wk,
             stride_ws_s,
             stride_ws_m,
             stride_ym,
             BLOCK_M,
             BLOCK_N,
+            BLOCK_K,
+            UPCAST,
+            IEEE,
         )
 
 
