@@ -1,5 +1,6 @@
 """Fast CPU paths behind pdkernels.ops for the torch backend: C++ for the paged cache
-(pdkernels/csrc/paged_cpu.cpp) and oneDNN's prepacked weights for bf16 GEMMs.
+(pdkernels/csrc/: paged_cpu.cpp, decode_cpu.cpp, linear_cpu.cpp; simd_cpu.h their shared helpers) and
+oneDNN's prepacked weights for bf16 GEMMs.
 
 Built at first use with torch.utils.cpp_extension (g++ and ninja; about 20 s once, then loaded from
 TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions); the engine's Model asks for it when it is
@@ -17,7 +18,8 @@ What it holds:
 - q8_linear: fp32 linear layers whose weights are exactly int8 blocks (GGUF's Q8_0 and Q4_1, as SmolLM2's
   file holds them), multiplied from the int8 copy at decode sizes (Q8Weight).
 - decode_attention on AVX-512 BF16 CPUs, bf16 caches: 16 tokens' scores at a time (vdpbf16ps), their
-  lanes reduced together, P V accumulated in registers (2.5x the portable loop at batch 20; docs/engine.md).
+  lanes reduced together, P V accumulated in registers (2.5x the portable loop at batch 20; docs/engine.md);
+  on AVX2 + FMA CPUs the same shape in 8-lane fp32 for fp32 and bf16 caches (decode_cpu.cpp; 3.7-4x).
 
 `pack(w)` stores a bf16 linear weight in oneDNN's blocked layout (torch.ops.mkldnn, as inductor's
 freezing does), and `linear` multiplies by it: the same oneDNN kernels, bit-identical results, but the
@@ -40,7 +42,9 @@ import torch
 from torch import Tensor
 
 log = logging.getLogger(__name__)
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_cpu.cpp", "linear_cpu.cpp")]
+SOURCES = [
+    Path(__file__).parent / "csrc" / name for name in ("paged_cpu.cpp", "decode_cpu.cpp", "linear_cpu.cpp")
+]
 _lock = threading.Lock()
 _module = None
 _tried = False

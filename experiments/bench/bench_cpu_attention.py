@@ -1,9 +1,10 @@
-"""The CPU paths of a step's attention in bf16, SmolLM2's heads (9 query over 3 kv, 64 wide), one thread:
-the C++ extension (pdkernels.cpu: decode attention over the pages in place, on AVX-512 BF16 CPUs 16
-tokens' scores at a time; extend attention's gather and causal softmax; rope) against the torch code
-that serves where it is not built (PDKERNELS_CPU_EXT=0). Rows: decode at batch 1 x 924 tokens (a shared
-system prompt's answer) and batch 20 x 150 (concurrency 20 of 128/32); extend of the 28 tokens a cached
-924-token prompt computes, and of a whole 128- and 1,024-token prompt; rope on one layer's q and k.
+"""The CPU paths of a step's attention, SmolLM2's heads (9 query over 3 kv, 64 wide), one thread: the C++
+extension (pdkernels.cpu: decode attention over the pages in place, 16 tokens' scores a step on AVX-512
+BF16 CPUs for bf16 caches and with AVX2 + FMA for fp32 and bf16 ones; extend attention's gather and causal
+softmax; rope) against the torch code that serves where it is not built (PDKERNELS_CPU_EXT=0). Rows:
+decode in bf16 and fp32 (what AVX2 machines run) at batch 1 x 924 tokens (a shared system prompt's
+answer) and batch 20 x 150 (concurrency 20 of 128/32); extend in bf16 of the 28 tokens a cached 924-token
+prompt computes, and of a whole 128- and 1,024-token prompt; rope on one layer's q and k.
 """
 
 import pytest
@@ -31,9 +32,10 @@ def path(request, monkeypatch):
 
 @pytest.mark.benchmark(group="cpu-decode-attention")
 @pytest.mark.parametrize("batch,tokens", [(1, 924), (20, 150)])
-def test_decode_attention(benchmark, path, batch, tokens):
-    case = make_paged_cache([tokens] * batch, KV_HEADS, DIM, 16, "HND", dtype=torch.bfloat16)
-    q = torch.randn(batch, HEADS, DIM).to(torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_decode_attention(benchmark, path, batch, tokens, dtype):
+    case = make_paged_cache([tokens] * batch, KV_HEADS, DIM, 16, "HND", dtype=dtype)
+    q = torch.randn(batch, HEADS, DIM).to(dtype)
     args = (q, case.cache, case.kv_indptr, case.kv_indices, case.kv_last_page_len)
     benchmark.pedantic(lambda: ops.decode_attention(*args, validate=False), rounds=100, warmup_rounds=5)
 

@@ -168,23 +168,26 @@ def test_one_split_writes_the_output_itself_and_no_merge_runs(dtype, monkeypatch
     assert torch.equal(decode_attention(q, *_tables(case)), out)  # the default plan: one split here too
 
 
-@pytest.mark.parametrize("head_dim", [64, 96, 128])
-def test_the_cpu_bf16_path_at_the_models_head_widths(head_dim):
-    """The C++ bf16 path (on AVX-512 BF16 CPUs: 16 tokens' scores at a time, unrolled for head widths 64
-    and 128): pages of 32 tokens (two steps each), lengths that end mid-step, a group of 3, against the
-    reference."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [40, 64, 96, 128])
+def test_the_cpu_vector_paths_at_the_models_head_widths(head_dim, dtype):
+    """The C++ vector paths (16 tokens' scores a step: AVX-512 BF16 for bf16 caches, AVX2 + FMA for fp32
+    and bf16; unrolled for head widths 64 and 128; a width not a multiple of 32 takes the portable loop):
+    pages of 32 tokens (two steps each), lengths that end mid-step and within the first 8 of a step, a
+    group of 3, against the reference."""
     from pdkernels import cpu
     from pdkernels.decode_attention import decode_attention_cpu
 
     if cpu.module() is None:
         pytest.skip("pdkernels' CPU extension could not be built here (no C++ compiler)")
-    lens = [1, 15, 16, 47, 200]
-    case = make_paged_cache(lens, 2, head_dim, 32, "HND", dtype=torch.bfloat16, seed=3)
-    q = (torch.randn(len(lens), 6, head_dim, generator=torch.Generator().manual_seed(4)) * 3).to(
-        torch.bfloat16
-    )
+    lens = [1, 8, 9, 15, 16, 47, 200]
+    case = make_paged_cache(lens, 2, head_dim, 32, "HND", dtype=dtype, seed=3)
+    q = (torch.randn(len(lens), 6, head_dim, generator=torch.Generator().manual_seed(4)) * 3).to(dtype)
     table = case.kv_indptr, case.kv_indices, case.kv_last_page_len
     got = decode_attention_cpu(q, case.cache, *table)
     torch.testing.assert_close(
-        got.float(), decode_attention_ref(q, case.cache, *table).float(), atol=8e-3, rtol=0
+        got.float(),
+        decode_attention_ref(q, case.cache, *table).float(),
+        atol=2e-5 if dtype == torch.float32 else 8e-3,
+        rtol=0,
     )

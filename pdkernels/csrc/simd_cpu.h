@@ -1,0 +1,43 @@
+// Helpers shared by the CPU extension's files (pdkernels/cpu.py builds them into one module): element
+// conversion to fp32 and an exp that vectorizes. Inline, in pdk's namespace.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <bit>
+#include <cstdint>
+
+namespace pdk {
+
+template <typename T>
+inline void to_float(const T* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// bf16 is the top half of an fp32: a shift, on the raw bits (c10::BFloat16's conversion does not vectorize)
+template <>
+inline void to_float(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = std::bit_cast<float>(static_cast<uint32_t>(bits[i]) << 16);
+}
+
+// exp(x) for x <= 0 (an online softmax's arguments) in plain arithmetic, so that loops of it vectorize:
+// Cephes' expf (2^n times a degree-6 polynomial on [-ln2/2, ln2/2]), relative error about 1e-7; below
+// -87 it returns exp(-87) ~ 1.6e-38 instead of underflowing (an -inf argument gives that, not 0).
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // rounded (1.5 * 2^23 trick)
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  return p * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
+}
+
+}  // namespace pdk
