@@ -6,6 +6,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "simd_cpu.h"
+
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -54,6 +56,48 @@ void q8_rows(const float* x, int64_t ldx, const int8_t* q, const float* s, const
   }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// 8 weights of a block in fp32: q sign-extended from 8 bytes, q * scale + offset rounded once (weight())
+inline __m256 weights8(const int8_t* q, __m256 scale, __m256 offset) {
+  const __m256i qi = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(qi), scale, offset);
+}
+
+// Rows [n0, n1) of y = w x for one row of x (a batch-1 decode step) with AVX2: 8 weight rows at a time,
+// each block's 32 x values held in registers for the 8, one 8-lane sum per row reduced together at the end
+// (pdk::transpose_sum8). q8_rows<1> spent about as long on each row's final horizontal sum and on zeroing
+// and spilling its 32 sums as on the row's 18 blocks (K = 576).
+void q8_row1(const float* x, const int8_t* q, const float* s, const float* o, float* y, int64_t n0, int64_t n1,
+             int64_t K) {
+  const int64_t nb = K / kBlock;
+  int64_t n = n0;
+  for (; n + 8 <= n1; n += 8) {
+    __m256 acc[8];
+    for (int r = 0; r < 8; ++r) acc[r] = _mm256_setzero_ps();
+    const char* next = reinterpret_cast<const char*>(q + (n + 8) * K);  // the next 8 rows, 8 x 32 bytes a block
+    for (int64_t b = 0; b < nb; ++b) {
+      if (n + 16 <= n1)
+        for (int64_t line = 0; line < 8 * kBlock; line += 64) __builtin_prefetch(next + 8 * b * kBlock + line);
+      const float* xb = x + b * kBlock;
+      const __m256 x0 = _mm256_loadu_ps(xb), x1 = _mm256_loadu_ps(xb + 8);
+      const __m256 x2 = _mm256_loadu_ps(xb + 16), x3 = _mm256_loadu_ps(xb + 24);
+#pragma GCC unroll 8
+      for (int r = 0; r < 8; ++r) {
+        const int8_t* qb = q + (n + r) * K + b * kBlock;
+        const __m256 scale = _mm256_broadcast_ss(s + (n + r) * nb + b);
+        const __m256 offset = _mm256_broadcast_ss(o + (n + r) * nb + b);
+        __m256 a = _mm256_fmadd_ps(weights8(qb, scale, offset), x0, acc[r]);
+        a = _mm256_fmadd_ps(weights8(qb + 8, scale, offset), x1, a);
+        a = _mm256_fmadd_ps(weights8(qb + 16, scale, offset), x2, a);
+        acc[r] = _mm256_fmadd_ps(weights8(qb + 24, scale, offset), x3, a);
+      }
+    }
+    _mm256_storeu_ps(y + n, pdk::transpose_sum8(acc));
+  }
+  if (n < n1) q8_rows<1>(x, K, q, s, o, y, 0, n, n1, K);
+}
+#endif
+
 // x [M, K] fp32 (rows contiguous) @ w^T -> [M, N], w given as q [N, K] int8 and scales, offsets [N, K / 32]
 // fp32; threads over output columns (every thread streams its own rows of the weight).
 torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales,
@@ -73,6 +117,12 @@ torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& q, const to
   const float* op = offsets.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t ldx = x.stride(0);
+#if defined(__AVX2__) && defined(__FMA__)
+  if (M == 1) {
+    at::parallel_for(0, N, 64, [&](int64_t lo, int64_t hi) { q8_row1(xp, qp, sp, op, yp, lo, hi, K); });
+    return y;
+  }
+#endif
   at::parallel_for(0, N, 64, [&](int64_t lo, int64_t hi) {
     int64_t m = 0;
     for (; m + 4 <= M; m += 4) q8_rows<4>(xp + m * ldx, ldx, qp, sp, op, yp + m * N, N, lo, hi, K);
