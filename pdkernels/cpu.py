@@ -16,7 +16,7 @@ What it holds:
   sequence's K/V in one copy and takes the scale, causal mask, fp32 softmax and cast of each block of
   scores in one pass (torch's exp alone ran at about 0.7 ns an element here).
 - q8_linear: fp32 linear layers whose weights are exactly int8 blocks (GGUF's Q8_0 and Q4_1, as SmolLM2's
-  file holds them), multiplied from the int8 copy at decode sizes (Q8Weight).
+  file holds them), multiplied from the int8 copy at decode sizes (Q8Weight; AVX2 + FMA builds only).
 - decode_attention on AVX-512 BF16 CPUs, bf16 caches: 16 tokens' scores at a time (vdpbf16ps), their
   lanes reduced together, P V accumulated in registers (2.5x the portable loop at batch 20; docs/engine.md);
   on AVX2 + FMA CPUs the same shape in 8-lane fp32 for fp32 and bf16 caches (decode_cpu.cpp; 3.7-4x).
@@ -142,9 +142,10 @@ class PackedWeight:
 class Q8Weight(PackedWeight):
     """An fp32 linear weight [N, K] that is exactly int8 blocks, w = q * scale + offset per 32 of a row
     (how GGUF's Q8_0 and Q4_1 weights dequantize: SmolLM2's file holds both), kept both ways: up to
-    Q8_MAX_M rows of x (decode steps) multiply the int8 copy (linear_cpu.cpp: 1.25 bytes a weight to
-    stream instead of 4, the same products summed in another order), more rows (prefill) the fp32
-    weight with torch's GEMM as before."""
+    Q8_MAX_M rows of x (decode steps, small batches) multiply the int8 copy (linear_cpu.cpp: 1.25 bytes a
+    weight to stream instead of 4, the same products summed in another order), more rows (prefill) the
+    fp32 weight with torch's GEMM as before. The copy is in panels of 8 rows: q [N / 8, K, 8] int8,
+    scales and offsets [N / 8, K / 32, 8] fp32."""
 
     __slots__ = ("q", "scales", "offsets")
 
@@ -152,11 +153,18 @@ class Q8Weight(PackedWeight):
         self.data, self.q, self.scales, self.offsets = w, q, scales, offsets
         self.shape, self.dtype, self.device = tuple(w.shape), w.dtype, w.device
 
+    def dequantized(self) -> Tensor:
+        """The copy as the fp32 weight [N, K] it stands for (q * scale + offset, rounded once)."""
+        n, k = self.shape
+        scales, offsets = (t.repeat_interleave(32, dim=1) for t in (self.scales, self.offsets))
+        w = torch.addcmul(offsets.double(), self.q.double(), scales.double()).float()  # exact, then rounded
+        return w.permute(0, 2, 1).reshape(-1, k)[:n]
 
-# Rows of x up to which the int8 copy serves: SmolLM2's projections, one thread of an AVX2 EPYC, took
-# 0.4-0.6x the fp32 GEMM's time at M = 1, 0.3-0.4x at 4, 0.6-0.8x at 8, 0.6-0.9x at 12, even at 16 and
-# slower at 24 (docs/engine.md)
-Q8_MAX_M = 12
+
+# Rows of x up to which the int8 copy serves: SmolLM2's projections on one thread of an AVX2 EPYC, 8 layers'
+# weights in turn: 0.25-0.6x the fp32 GEMM's time at M = 1-4, 0.55-0.7x at 12, 0.7-0.8x at 20, 0.8-0.95x at
+# 32, 1.05-1.1x at 64 (docs/engine.md)
+Q8_MAX_M = 32
 
 
 def pack(w: Tensor) -> Tensor | PackedWeight:
@@ -166,7 +174,9 @@ def pack(w: Tensor) -> Tensor | PackedWeight:
         return w
     if w.dtype == torch.float32:
         ext = module()
-        exact = ext.q8_quantize_exact(w.contiguous()) if ext is not None else None
+        if ext is None or not hasattr(ext, "q8_quantize_exact"):  # built without AVX2: no int8 kernel
+            return w
+        exact = ext.q8_quantize_exact(w.contiguous())
         return Q8Weight(w, *exact) if exact is not None else w
     if w.dtype != torch.bfloat16:
         return w
@@ -182,7 +192,8 @@ def linear(x: Tensor, w: PackedWeight, out: Tensor | None = None) -> Tensor:
     if isinstance(w, Q8Weight):
         if x.shape[0] > Q8_MAX_M:
             return torch.mm(x, w.data.t(), out=out)
-        y = module().q8_linear(x if x.stride(-1) == 1 else x.contiguous(), w.q, w.scales, w.offsets)
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        y = module().q8_linear(x, w.q, w.scales, w.offsets, w.shape[0])
     else:
         y = torch.ops.mkldnn._linear_pointwise(x.contiguous(), w.data, None, "none", [], "")
     return y if out is None else out.copy_(y)

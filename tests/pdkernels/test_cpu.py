@@ -124,21 +124,22 @@ def _int8_blocks(n, k, kind, seed=0):
 def _ext():
     if cpu.module() is None:
         pytest.skip("pdkernels' CPU extension could not be built here (no C++ compiler)")
+    if not hasattr(cpu.module(), "q8_linear"):
+        pytest.skip("the int8-block kernel is built for AVX2 + FMA CPUs only")
 
 
 @pytest.mark.parametrize("kind", ["q8_0", "q4_1"])
-@pytest.mark.parametrize("m", [1, 3, 12, 13, 40])
+@pytest.mark.parametrize("m", [1, 3, 13, 25, 32, 33])
 @pytest.mark.parametrize("n", [96, 101])
 def test_an_int8_block_weight_is_packed_and_multiplies_like_the_fp32_one(kind, m, n):
-    """Up to Q8_MAX_M rows from the int8 copy (the same weights, another summation order; one row on AVX2
-    takes 8 weight rows at a time, 101 leaves a tail), more rows the fp32 GEMM itself (its bits); the copy
-    holds the weights exactly."""
+    """Up to Q8_MAX_M rows from the int8 copy (the same weights, another summation order; passes of up to
+    12 rows, 13 and 25 split unevenly; 101 columns leave a part-filled last panel of 8), more rows the fp32
+    GEMM itself (its bits); the copy holds the weights exactly."""
     _ext()
     w = _int8_blocks(n, 320, kind)
     p = cpu.pack(w)
-    assert isinstance(p, cpu.Q8Weight) and p.q.dtype == torch.int8
-    blocks = p.q.view(n, 10, 32).float() * p.scales[..., None] + p.offsets[..., None]
-    assert torch.equal(blocks.view(n, 320), w)
+    assert isinstance(p, cpu.Q8Weight) and p.q.dtype == torch.int8 and p.q.shape == (-(-n // 8), 320, 8)
+    assert torch.equal(p.dequantized(), w)
     x = torch.randn(m, 400, generator=torch.Generator().manual_seed(m))[:, :320]  # a view, as the model's
     y = ops.linear(x, p)
     if m > cpu.Q8_MAX_M:
@@ -149,6 +150,19 @@ def test_an_int8_block_weight_is_packed_and_multiplies_like_the_fp32_one(kind, m
         assert bool(((y.double() - exact).abs() <= bound).all())
     out = torch.full((m, n), float("nan"))
     assert ops.linear(x, p, out=out) is out and torch.equal(out, y)
+
+
+def test_the_int8_kernel_refuses_a_copy_that_does_not_fit():
+    """q8_linear checks the panels against x and N (a wrong call is an error, not a read past the end)."""
+    _ext()
+    p = cpu.pack(_int8_blocks(16, 64, "q8_0"))
+    ext = cpu.module()
+    with pytest.raises(RuntimeError, match="N must be"):
+        ext.q8_linear(torch.randn(2, 64), p.q, p.scales, p.offsets, 17)
+    with pytest.raises(RuntimeError, match="K = x's columns"):
+        ext.q8_linear(torch.randn(2, 96), p.q, p.scales, p.offsets, 16)
+    with pytest.raises(RuntimeError, match="scales and offsets"):
+        ext.q8_linear(torch.randn(2, 64), p.q, p.scales[:1], p.offsets, 16)
 
 
 def test_an_fp32_weight_that_is_not_exactly_int8_blocks_stays_as_it_is():
