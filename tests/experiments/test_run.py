@@ -294,6 +294,7 @@ def test_config_maps_to_dataclasses():
     assert one_at_a_time.workload.arrival == "concurrency" and one_at_a_time.workload.num_requests == 20
     assert one_at_a_time.model.dtype == "bfloat16"
     assert from_cfg(_cfg(["model=random-llama-1b"])).model.dtype == bf16
+    assert from_cfg(_cfg([])).model.dtype == bf16  # the default, smollm2-135m: fp32 where bf16 only converts
     assert from_cfg(_cfg(["model=tiny-random-deepseek", "model.expert_parallel=true"])).model.expert_parallel
 
 
