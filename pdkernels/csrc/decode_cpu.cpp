@@ -128,6 +128,51 @@ void attend(const float* q, const T* cache, const int32_t* pages, int64_t num_pa
   normalize_heads(out, l, heads, dim);
 }
 
+// The walk both vector paths share, in steps of 16 tokens: one sequence's pages front to back, per kv head
+// the next page's rows of that head prefetched first (spread over the heads' work), then per step each
+// query head g of the head's group gets its scaled scores (scores(g, k, n, p): p[0..n) for the n rows from
+// k on), one online-softmax step, and its output rescaled and given the step's P V (pv(o, p, alpha, v, n),
+// the output o [dim] accumulated in registers over the n rows from v on).
+template <typename T, typename Scores, typename PV>
+inline void attend_steps(const T* cache, const int32_t* pages, int64_t num_pages, int64_t last_len, int64_t heads,
+                         int64_t kv_heads, int64_t page_size, int64_t dim, float* out, std::vector<float>& work,
+                         Scores&& scores, PV&& pv) {
+  const int64_t group = heads / kv_heads;
+  work.assign(heads * 16 + 3 * heads, 0.0f);
+  float* p = work.data();  // [heads, 16]: one step's scores, then its probabilities
+  float* m = p + heads * 16;
+  float* l = m + heads;
+  float* alpha = l + heads;
+  std::fill(m, m + heads, -std::numeric_limits<float>::infinity());
+  std::fill(out, out + heads * dim, 0.0f);
+  const int64_t block = 2 * kv_heads * page_size * dim;
+  for (int64_t pi = 0; pi < num_pages; ++pi) {
+    const int64_t tokens = pi + 1 == num_pages ? last_len : page_size;
+    const T* k = cache + pages[pi] * block;
+    const T* v = k + kv_heads * page_size * dim;
+    const T* next = pi + 1 < num_pages ? cache + pages[pi + 1] * block : nullptr;
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const T* kh = k + h * page_size * dim;
+      const T* vh = v + h * page_size * dim;
+      if (next != nullptr)
+        for (int64_t kv = 0; kv < 2; ++kv) {
+          const char* rows = reinterpret_cast<const char*>(next + (kv * kv_heads + h) * page_size * dim);
+          for (int64_t byte = 0; byte < page_size * dim * static_cast<int64_t>(sizeof(T)); byte += 64)
+            __builtin_prefetch(rows + byte);
+        }
+      for (int64_t t0 = 0; t0 < tokens; t0 += 16) {
+        const int64_t n = std::min<int64_t>(16, tokens - t0);
+        for (int64_t g = h * group; g < (h + 1) * group; ++g) {
+          scores(g, kh + t0 * dim, n, p + g * 16);
+          alpha[g] = online_softmax_step(p + g * 16, n, m[g], l[g]);
+        }
+        for (int64_t g = h * group; g < (h + 1) * group; ++g) pv(out + g * dim, p + g * 16, alpha[g], vh + t0 * dim, n);
+      }
+    }
+  }
+  normalize_heads(out, l, heads, dim);
+}
+
 #if defined(__AVX512BF16__)
 // Lane i of the result: the sum of v[i]'s 16 lanes (16 dot products' partial sums reduced at once, where
 // one _mm512_reduce_add_ps per dot product cost more than the dot product itself).
@@ -187,73 +232,43 @@ template <int CH>
 void attend_bf16(const float* q, const c10::BFloat16* cache, const int32_t* pages, int64_t num_pages,
                  int64_t last_len, int64_t heads, int64_t kv_heads, int64_t page_size, int64_t dim, float scale,
                  float* out, std::vector<float>& work) {
-  const int64_t group = heads / kv_heads, chunks = dim / 32;
+  const int64_t chunks = dim / 32;
   std::vector<__m512bh> qv(heads * chunks);
   for (int64_t g = 0; g < heads; ++g)
     for (int64_t c = 0; c < chunks; ++c)
       qv[g * chunks + c] =
           _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + g * dim + 32 * c + 16), _mm512_loadu_ps(q + g * dim + 32 * c));
-  work.assign(heads * 16 + 3 * heads, 0.0f);
-  float* p = work.data();  // [heads, 16]: one chunk's scores, then its probabilities
-  float* m = p + heads * 16;
-  float* l = m + heads;
-  float* alpha = l + heads;
-  std::fill(m, m + heads, -std::numeric_limits<float>::infinity());
-  std::fill(out, out + heads * dim, 0.0f);
-  const int64_t block = 2 * kv_heads * page_size * dim;
   const __m512 vscale = _mm512_set1_ps(scale);
-  for (int64_t pi = 0; pi < num_pages; ++pi) {
-    const int64_t tokens = pi + 1 == num_pages ? last_len : page_size;
-    const c10::BFloat16* k = cache + pages[pi] * block;
-    const c10::BFloat16* v = k + kv_heads * page_size * dim;
-    const c10::BFloat16* next = pi + 1 < num_pages ? cache + pages[pi + 1] * block : nullptr;
-    for (int64_t h = 0; h < kv_heads; ++h) {
-      const c10::BFloat16* kh = k + h * page_size * dim;
-      const c10::BFloat16* vh = v + h * page_size * dim;
-      if (next != nullptr)  // the next page's rows of this head, spread over the heads' work
-        for (int64_t kv = 0; kv < 2; ++kv) {
-          const char* rows = reinterpret_cast<const char*>(next + (kv * kv_heads + h) * page_size * dim);
-          for (int64_t byte = 0; byte < page_size * dim * 2; byte += 64) __builtin_prefetch(rows + byte);
-        }
-      for (int64_t t0 = 0; t0 < tokens; t0 += 16) {
-        const int64_t n = std::min<int64_t>(16, tokens - t0);
-        for (int64_t g = h * group; g < (h + 1) * group; ++g) {
-          float* pg = p + g * 16;
-          _mm512_storeu_ps(pg, _mm512_mul_ps(scores16<CH>(qv.data() + g * chunks, kh + t0 * dim, dim, n), vscale));
-          alpha[g] = online_softmax_step(pg, n, m[g], l[g]);
-        }
-        for (int64_t g = h * group; g < (h + 1) * group; ++g) {
-          float* og = out + g * dim;
-          const float* pg = p + g * 16;
-          const __m512 a = _mm512_set1_ps(alpha[g]);
-          for (int64_t d = 0; d < dim; d += 64) {  // four independent accumulators (dim: a multiple of 32)
-            const bool wide = d + 64 <= dim;
-            __m512 o0 = _mm512_mul_ps(_mm512_loadu_ps(og + d), a);
-            __m512 o1 = _mm512_mul_ps(_mm512_loadu_ps(og + d + 16), a);
-            __m512 o2 = wide ? _mm512_mul_ps(_mm512_loadu_ps(og + d + 32), a) : _mm512_setzero_ps();
-            __m512 o3 = wide ? _mm512_mul_ps(_mm512_loadu_ps(og + d + 48), a) : _mm512_setzero_ps();
-            for (int64_t t = 0; t < n; ++t) {
-              const __m512 pt = _mm512_set1_ps(pg[t]);
-              const c10::BFloat16* row = vh + (t0 + t) * dim + d;
-              o0 = _mm512_fmadd_ps(pt, load_bf16x16(row), o0);
-              o1 = _mm512_fmadd_ps(pt, load_bf16x16(row + 16), o1);
-              if (wide) {
-                o2 = _mm512_fmadd_ps(pt, load_bf16x16(row + 32), o2);
-                o3 = _mm512_fmadd_ps(pt, load_bf16x16(row + 48), o3);
-              }
-            }
-            _mm512_storeu_ps(og + d, o0);
-            _mm512_storeu_ps(og + d + 16, o1);
-            if (wide) {
-              _mm512_storeu_ps(og + d + 32, o2);
-              _mm512_storeu_ps(og + d + 48, o3);
-            }
-          }
+  auto scores = [&](int64_t g, const c10::BFloat16* k, int64_t n, float* pg) {
+    _mm512_storeu_ps(pg, _mm512_mul_ps(scores16<CH>(qv.data() + g * chunks, k, dim, n), vscale));
+  };
+  auto pv = [&](float* og, const float* pg, float alpha, const c10::BFloat16* v, int64_t n) {
+    const __m512 a = _mm512_set1_ps(alpha);
+    for (int64_t d = 0; d < dim; d += 64) {  // four independent accumulators (dim: a multiple of 32)
+      const bool wide = d + 64 <= dim;
+      __m512 o0 = _mm512_mul_ps(_mm512_loadu_ps(og + d), a);
+      __m512 o1 = _mm512_mul_ps(_mm512_loadu_ps(og + d + 16), a);
+      __m512 o2 = wide ? _mm512_mul_ps(_mm512_loadu_ps(og + d + 32), a) : _mm512_setzero_ps();
+      __m512 o3 = wide ? _mm512_mul_ps(_mm512_loadu_ps(og + d + 48), a) : _mm512_setzero_ps();
+      for (int64_t t = 0; t < n; ++t) {
+        const __m512 pt = _mm512_set1_ps(pg[t]);
+        const c10::BFloat16* row = v + t * dim + d;
+        o0 = _mm512_fmadd_ps(pt, load_bf16x16(row), o0);
+        o1 = _mm512_fmadd_ps(pt, load_bf16x16(row + 16), o1);
+        if (wide) {
+          o2 = _mm512_fmadd_ps(pt, load_bf16x16(row + 32), o2);
+          o3 = _mm512_fmadd_ps(pt, load_bf16x16(row + 48), o3);
         }
       }
+      _mm512_storeu_ps(og + d, o0);
+      _mm512_storeu_ps(og + d + 16, o1);
+      if (wide) {
+        _mm512_storeu_ps(og + d + 32, o2);
+        _mm512_storeu_ps(og + d + 48, o3);
+      }
     }
-  }
-  normalize_heads(out, l, heads, dim);
+  };
+  attend_steps(cache, pages, num_pages, last_len, heads, kv_heads, page_size, dim, out, work, scores, pv);
 }
 #endif
 
@@ -299,70 +314,38 @@ template <int CH, typename T>
 void attend_avx2(const float* q, const T* cache, const int32_t* pages, int64_t num_pages, int64_t last_len,
                  int64_t heads, int64_t kv_heads, int64_t page_size, int64_t dim, float scale, float* out,
                  std::vector<float>& work) {
-  const int64_t group = heads / kv_heads, chunks = dim / 8;
+  const int64_t chunks = dim / 8;
   std::vector<__m256> qv(heads * chunks);
   for (int64_t g = 0; g < heads; ++g)
     for (int64_t c = 0; c < chunks; ++c) qv[g * chunks + c] = _mm256_loadu_ps(q + g * dim + 8 * c);
-  work.assign(heads * 16 + 3 * heads, 0.0f);
-  float* p = work.data();  // [heads, 16]: one step's scores, then its probabilities
-  float* m = p + heads * 16;
-  float* l = m + heads;
-  float* alpha = l + heads;
-  std::fill(m, m + heads, -std::numeric_limits<float>::infinity());
-  std::fill(out, out + heads * dim, 0.0f);
-  const int64_t block = 2 * kv_heads * page_size * dim;
   const __m256 vscale = _mm256_set1_ps(scale);
-  for (int64_t pi = 0; pi < num_pages; ++pi) {
-    const int64_t tokens = pi + 1 == num_pages ? last_len : page_size;
-    const T* k = cache + pages[pi] * block;
-    const T* v = k + kv_heads * page_size * dim;
-    const T* next = pi + 1 < num_pages ? cache + pages[pi + 1] * block : nullptr;
-    for (int64_t h = 0; h < kv_heads; ++h) {
-      const T* kh = k + h * page_size * dim;
-      const T* vh = v + h * page_size * dim;
-      if (next != nullptr)  // the next page's rows of this head, spread over the heads' work
-        for (int64_t kv = 0; kv < 2; ++kv) {
-          const char* rows = reinterpret_cast<const char*>(next + (kv * kv_heads + h) * page_size * dim);
-          for (int64_t byte = 0; byte < page_size * dim * static_cast<int64_t>(sizeof(T)); byte += 64)
-            __builtin_prefetch(rows + byte);
-        }
-      for (int64_t t0 = 0; t0 < tokens; t0 += 16) {
-        const int64_t n = std::min<int64_t>(16, tokens - t0);
-        for (int64_t g = h * group; g < (h + 1) * group; ++g) {
-          float* pg = p + g * 16;
-          const __m256* qg = qv.data() + g * chunks;
-          _mm256_storeu_ps(pg, _mm256_mul_ps(scores8<CH>(qg, kh + t0 * dim, dim, std::min<int64_t>(n, 8)), vscale));
-          if (n > 8)
-            _mm256_storeu_ps(pg + 8, _mm256_mul_ps(scores8<CH>(qg, kh + (t0 + 8) * dim, dim, n - 8), vscale));
-          alpha[g] = online_softmax_step(pg, n, m[g], l[g]);
-        }
-        for (int64_t g = h * group; g < (h + 1) * group; ++g) {
-          float* og = out + g * dim;
-          const float* pg = p + g * 16;
-          const __m256 a = _mm256_set1_ps(alpha[g]);
-          for (int64_t d = 0; d < dim; d += 32) {  // four independent accumulators (dim: a multiple of 32)
-            __m256 o0 = _mm256_mul_ps(_mm256_loadu_ps(og + d), a);
-            __m256 o1 = _mm256_mul_ps(_mm256_loadu_ps(og + d + 8), a);
-            __m256 o2 = _mm256_mul_ps(_mm256_loadu_ps(og + d + 16), a);
-            __m256 o3 = _mm256_mul_ps(_mm256_loadu_ps(og + d + 24), a);
-            for (int64_t t = 0; t < n; ++t) {
-              const __m256 pt = _mm256_set1_ps(pg[t]);
-              const T* row = vh + (t0 + t) * dim + d;
-              o0 = _mm256_fmadd_ps(pt, load8(row), o0);
-              o1 = _mm256_fmadd_ps(pt, load8(row + 8), o1);
-              o2 = _mm256_fmadd_ps(pt, load8(row + 16), o2);
-              o3 = _mm256_fmadd_ps(pt, load8(row + 24), o3);
-            }
-            _mm256_storeu_ps(og + d, o0);
-            _mm256_storeu_ps(og + d + 8, o1);
-            _mm256_storeu_ps(og + d + 16, o2);
-            _mm256_storeu_ps(og + d + 24, o3);
-          }
-        }
+  auto scores = [&](int64_t g, const T* k, int64_t n, float* pg) {
+    const __m256* qg = qv.data() + g * chunks;
+    _mm256_storeu_ps(pg, _mm256_mul_ps(scores8<CH>(qg, k, dim, std::min<int64_t>(n, 8)), vscale));
+    if (n > 8) _mm256_storeu_ps(pg + 8, _mm256_mul_ps(scores8<CH>(qg, k + 8 * dim, dim, n - 8), vscale));
+  };
+  auto pv = [&](float* og, const float* pg, float alpha, const T* v, int64_t n) {
+    const __m256 a = _mm256_set1_ps(alpha);
+    for (int64_t d = 0; d < dim; d += 32) {  // four independent accumulators (dim: a multiple of 32)
+      __m256 o0 = _mm256_mul_ps(_mm256_loadu_ps(og + d), a);
+      __m256 o1 = _mm256_mul_ps(_mm256_loadu_ps(og + d + 8), a);
+      __m256 o2 = _mm256_mul_ps(_mm256_loadu_ps(og + d + 16), a);
+      __m256 o3 = _mm256_mul_ps(_mm256_loadu_ps(og + d + 24), a);
+      for (int64_t t = 0; t < n; ++t) {
+        const __m256 pt = _mm256_set1_ps(pg[t]);
+        const T* row = v + t * dim + d;
+        o0 = _mm256_fmadd_ps(pt, load8(row), o0);
+        o1 = _mm256_fmadd_ps(pt, load8(row + 8), o1);
+        o2 = _mm256_fmadd_ps(pt, load8(row + 16), o2);
+        o3 = _mm256_fmadd_ps(pt, load8(row + 24), o3);
       }
+      _mm256_storeu_ps(og + d, o0);
+      _mm256_storeu_ps(og + d + 8, o1);
+      _mm256_storeu_ps(og + d + 16, o2);
+      _mm256_storeu_ps(og + d + 24, o3);
     }
-  }
-  normalize_heads(out, l, heads, dim);
+  };
+  attend_steps(cache, pages, num_pages, last_len, heads, kv_heads, page_size, dim, out, work, scores, pv);
 }
 #endif
 
