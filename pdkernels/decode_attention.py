@@ -550,7 +550,7 @@ def decode_attention_cpu(
     _, _, num_kv_heads, page_size, _ = paged_kv_cache.shape
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
     ext = cpu.for_cache(paged_kv_cache)
-    if ext is not None:  # C++: over the pages where they lie (pdkernels/csrc/paged_cpu.cpp)
+    if ext is not None:  # C++: over the pages where they lie (pdkernels/csrc/decode_cpu.cpp)
         tables = (t.to(torch.int32).contiguous() for t in (kv_indptr, kv_indices, kv_last_page_len))
         return ext.decode_attention(q.float().contiguous(), paged_kv_cache, *tables, scale).to(q.dtype)
     group = num_heads // num_kv_heads
