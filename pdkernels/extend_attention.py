@@ -17,7 +17,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from pdkernels import cpu
 from pdkernels._paging import (
     INDEX_DTYPES,
     INTERPRET,
@@ -30,12 +29,10 @@ from pdkernels._paging import (
     require,
     split_kv_cache,
 )
-from pdkernels.cpu import native_bf16
 
 __all__ = [
     "extend_attention",
     "extend_attention_ref",
-    "extend_attention_cpu",
     "check_attention_inputs",
     "check_extend_attention",
 ]
@@ -473,75 +470,6 @@ def grouped_attention_ref(
     )
 
 
-def causal_attention(q: Tensor, k: Tensor, v: Tensor, sm_scale: float) -> Tensor:
-    """The last n = len(q) positions of a sequence attending causally over its L keys: q [n, Hq, D], k, v
-    [Hkv, L, D] -> [n, Hq, D]. What extend_attention_ref's masked SDPA computes, with the masked blocks
-    skipped: torch's flash kernel with is_causal over the chunk's own keys (upper-left aligned,
-    which for the chunk's square is the causal mask), and over the context before the chunk, when there
-    is one, with no mask, the two merged by their log-sum-exps (measured on 1 AVX2 core, SmolLM2's heads:
-    1024 new tokens 87 -> 61 ms, 1024 over 1024 cached 182 -> 150 ms)."""
-    n, L = q.shape[0], k.shape[1]
-    if q.device.type == "cpu" and q.dtype == torch.bfloat16 and native_bf16():
-        return blocked_causal_attention(q, k, v, sm_scale)
-    qh = q.transpose(0, 1)[None]  # [1, Hq, n, D]
-    group = q.shape[1] // k.shape[0]
-    if n == L:
-        out = F.scaled_dot_product_attention(
-            qh, k[None], v[None], is_causal=True, scale=sm_scale, enable_gqa=True
-        )
-        return out[0].transpose(0, 1)
-    flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-    if flash is None or q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16):
-        keep = (
-            torch.arange(L, device=q.device)[None, :] <= (L - n + torch.arange(n, device=q.device))[:, None]
-        )
-        out = F.scaled_dot_product_attention(
-            qh, k[None], v[None], attn_mask=keep, scale=sm_scale, enable_gqa=True
-        )
-        return out[0].transpose(0, 1)
-    kh, vh = (t.repeat_interleave(group, 0)[None] for t in (k, v))  # the private op has no GQA
-    o_new, lse_new = flash(qh, kh[:, :, L - n :], vh[:, :, L - n :], 0.0, True, scale=sm_scale)[:2]
-    o_old, lse_old = flash(qh, kh[:, :, : L - n], vh[:, :, : L - n], 0.0, False, scale=sm_scale)[:2]
-    top = torch.maximum(lse_new, lse_old)
-    w_new, w_old = torch.exp(lse_new - top), torch.exp(lse_old - top)  # [1, Hq, n] fp32
-    out = (o_new.float() * w_new[..., None] + o_old.float() * w_old[..., None]) / (w_new + w_old)[..., None]
-    return out[0].transpose(0, 1).to(q.dtype)
-
-
-BLOCK_ROWS = 64  # query positions per block of blocked_causal_attention (64-512 measured: 64 fastest)
-
-
-def blocked_causal_attention(q: Tensor, k: Tensor, v: Tensor, sm_scale: float) -> Tensor:
-    """causal_attention in blocks of BLOCK_ROWS query positions, each against the keys up to its last
-    position: one batched GEMM for the scores and one for the values per block (a GQA group's heads
-    stacked as rows), the softmax in fp32, only the diagonal block masked. On CPUs that compute in bf16
-    (AVX-512 BF16, AMX) these are oneDNN's bf16 GEMMs, and it beats torch's flash kernel there (one AVX-512
-    BF16 core, SmolLM2's heads, bf16: 1024 new tokens 23.1 -> 16.9 ms a layer, 2048 80.0 -> 46.4 ms;
-    in fp32 the flash kernel is the faster, so causal_attention picks this in bf16 on such CPUs only)."""
-    n, num_heads, dim = q.shape
-    num_kv_heads, L, _ = k.shape
-    group = num_heads // num_kv_heads
-    qg = q.view(n, num_kv_heads, group, dim).permute(1, 2, 0, 3)  # [Hkv, group, n, D]
-    out = torch.empty(num_kv_heads, group, n, dim, dtype=q.dtype, device=q.device)
-    offset = L - n  # the positions before the chunk (a cached prefix or earlier chunks)
-    ext = cpu.module() if q.device.type == "cpu" else None
-    for i in range(0, n, BLOCK_ROWS):
-        rows = min(BLOCK_ROWS, n - i)
-        end = offset + i + rows  # the keys these positions see
-        qi = qg[:, :, i : i + rows].reshape(num_kv_heads, group * rows, dim)
-        scores = torch.bmm(qi, k[:, :end].transpose(1, 2)).view(num_kv_heads * group, rows, end)
-        if ext is not None:  # the scale, mask, fp32 softmax and cast in one C++ pass
-            probs = ext.causal_softmax(scores, sm_scale)
-        else:
-            scores = scores.float().mul_(sm_scale)
-            diagonal = torch.ones(rows, rows, dtype=torch.bool, device=q.device).triu_(1)
-            scores[..., end - rows :].masked_fill_(diagonal, float("-inf"))
-            probs = torch.softmax(scores, dim=-1).to(q.dtype)
-        probs = probs.view(num_kv_heads, group * rows, end)
-        out[:, :, i : i + rows] = torch.bmm(probs, v[:, :end]).view(num_kv_heads, group, rows, dim)
-    return out.permute(2, 0, 1, 3).reshape(n, num_heads, dim)
-
-
 def extend_attention_ref(
     q: Tensor,
     qo_indptr: Tensor,
@@ -559,7 +487,7 @@ def extend_attention_ref(
     sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
     out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.full((num_tokens, num_heads), float("-inf"), device=q.device)
-    for lo, hi, k, v in _requests_kv(
+    for lo, hi, k, v in requests_kv(
         qo_indptr, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, kv_layout
     ):
         n, seq_len = hi - lo, k.shape[1]
@@ -578,7 +506,7 @@ def extend_attention_ref(
     return (out, lse) if return_lse else out
 
 
-def _requests_kv(qo_indptr, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, kv_layout, ext=None):
+def requests_kv(qo_indptr, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, kv_layout, ext=None):
     """(first query, end query, K [Hkv, L, D], V) per request with queries and keys, its pages gathered
     (by `ext`, pdkernels.cpu's module, in one C++ pass where it serves the cache)."""
     k_cache, v_cache = split_kv_cache(paged_kv_cache, kv_layout)
@@ -596,25 +524,3 @@ def _requests_kv(qo_indptr, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_
             k = gather_pages(k_cache, kv_layout, pages[None])[0, :, :seq_len]
             v = gather_pages(v_cache, kv_layout, pages[None])[0, :, :seq_len]
         yield qo[b], qo[b + 1], k, v
-
-
-def extend_attention_cpu(
-    q: Tensor,
-    qo_indptr: Tensor,
-    paged_kv_cache: Tensor | tuple[Tensor, Tensor],
-    kv_indptr: Tensor,
-    kv_indices: Tensor,
-    kv_last_page_len: Tensor,
-    kv_layout: str = "HND",
-    sm_scale: float | None = None,
-) -> Tensor:
-    """The torch backend's causal extend attention (pdkernels.ops): extend_attention_ref's gathers, each
-    request's attention by causal_attention instead of one masked SDPA."""
-    sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    out = torch.zeros_like(q)
-    ext = cpu.for_cache(paged_kv_cache)
-    for lo, hi, k, v in _requests_kv(
-        qo_indptr, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, kv_layout, ext
-    ):
-        out[lo:hi] = causal_attention(q[lo:hi], k, v, sm_scale)
-    return out

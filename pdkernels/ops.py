@@ -24,6 +24,7 @@ from pdkernels import out_proj as _op
 from pdkernels import rope as _rope
 from pdkernels import splitk_gemm as _gemm
 from pdkernels._paging import INTERPRET, require
+from pdkernels.extend_attention_cpu import extend_attention_cpu
 
 BACKENDS = ("auto", "triton", "torch", "flashinfer")
 FLASHINFER_OPS = (
@@ -311,7 +312,7 @@ def extend_attention(
     if kind == "flashinfer":
         return _flashinfer().extend_attention(*args, out=out, **kwargs)
     if causal and not return_lse:  # the reference's math, the masked blocks skipped
-        return _into(out, _ext.extend_attention_cpu(*args, sm_scale=sm_scale), False)
+        return _into(out, extend_attention_cpu(*args, sm_scale=sm_scale), False)
     return _into(out, _ext.extend_attention_ref(*args, **kwargs), return_lse)
 
 

@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from pdkernels import ops
-from pdkernels.extend_attention import extend_attention, extend_attention_cpu, extend_attention_ref
+from pdkernels.extend_attention import extend_attention, extend_attention_ref
+from pdkernels.extend_attention_cpu import extend_attention_cpu
 from pdkernels.kv_append import kv_append
 from pdkernels.testing import all_pairs, append_positions, make_paged_cache
 
@@ -155,7 +156,7 @@ def test_the_blocked_bf16_path_is_the_reference_over_several_blocks(
     query rows past BLOCK_ROWS, a prompt whole and a chunk after a prefix, GQA, equal to the reference;
     taken through the torch backend wherever native_bf16 says so (forced here, so any CPU checks it), its
     gather and softmax in C++ and, without the extension, in torch."""
-    import pdkernels.extend_attention as ea
+    import pdkernels.extend_attention_cpu as ea
 
     monkeypatch.setenv("PDKERNELS_CPU_EXT", "1" if ext == "c++" else "0")
     monkeypatch.setattr(ea, "native_bf16", lambda: True)
