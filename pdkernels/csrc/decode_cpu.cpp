@@ -24,9 +24,6 @@ namespace {
 
 using pdk::exp_nonpositive;
 using pdk::to_float;
-#if defined(__AVX2__) && defined(__FMA__)
-using pdk::transpose_sum8;
-#endif
 
 // a . b; the lanes summed as a tree (a loop's in-order sum of its lanes would cost a chain of adds)
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -278,6 +275,15 @@ inline __m256 load8(const float* src) { return _mm256_loadu_ps(src); }
 inline __m256 load8(const c10::BFloat16* src) {
   const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+// Lane i of the result: the sum of v[i]'s 8 lanes (8 dot products' partial sums reduced at once,
+// where one horizontal sum each cost about as much as the dot product)
+inline __m256 transpose_sum8(const __m256* v) {
+  // per 128-bit half: [sum of v[4j + e]'s lanes 0-3 (low half) or 4-7 (high half)], e = 0..3
+  const __m256 lo = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 hi = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
 }
 
 // The scores (unscaled) of up to 8 consecutive K rows against one query head q (dim / 8 fp32 vectors),

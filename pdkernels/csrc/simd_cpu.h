@@ -1,13 +1,8 @@
 // Helpers shared by the CPU extension's files (pdkernels/cpu.py builds them into one module): element
-// conversion to fp32, an exp that vectorizes, and (AVX2) eight horizontal sums at once. Inline, in pdk's
-// namespace.
+// conversion to fp32 and an exp that vectorizes. Inline, in pdk's namespace.
 #pragma once
 
 #include <torch/extension.h>
-
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
 
 #include <algorithm>
 #include <bit>
@@ -45,15 +40,5 @@ inline float exp_nonpositive(float x) {
   return p * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
-// Lane i of the result: the sum of v[i]'s 8 lanes (8 dot products' partial sums reduced at once,
-// where one horizontal sum each cost about as much as the dot product)
-inline __m256 transpose_sum8(const __m256* v) {
-  // per 128-bit half: [sum of v[4j + e]'s lanes 0-3 (low half) or 4-7 (high half)], e = 0..3
-  const __m256 lo = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-  const __m256 hi = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
-}
-#endif
 
 }  // namespace pdk
