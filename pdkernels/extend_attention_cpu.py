@@ -97,11 +97,27 @@ def extend_attention_cpu(
     kv_layout: str = "HND",
     sm_scale: float | None = None,
 ) -> Tensor:
-    """The torch backend's causal extend attention (pdkernels.ops): extend_attention_ref's gathers, each
-    request's attention by causal_attention instead of one masked SDPA."""
+    """The torch backend's causal extend attention (pdkernels.ops). On a 5-D HND cache where the CPU
+    extension has it (built with AVX2 + FMA), in C++ over the pages where they lie (extend_cpu.cpp: a
+    flash-style online softmax in fp32, the query heads of a GQA group sharing each key's load), except in
+    bf16 on CPUs that compute in it, where oneDNN's bf16 GEMMs serve (blocked_causal_attention). Else
+    extend_attention_ref's gathers, then each request's attention by causal_attention. One AVX2 core,
+    SmolLM2's heads (9 over 3, dim 64), fp32, one layer of a whole prompt: 128 tokens 0.93 -> 0.38 ms,
+    512 10.8 -> 4.8, 1024 26.2 -> 19.8 ms (about 61 GFLOP/s)."""
     sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    out = torch.zeros_like(q)
     ext = cpu.for_cache(paged_kv_cache)
+    if (
+        ext is not None
+        and hasattr(ext, "extend_attention")
+        and kv_layout == "HND"
+        and q.shape[-1] % 32 == 0
+        and not (q.dtype == torch.bfloat16 and native_bf16())
+    ):
+        tables = (
+            t.to(torch.int32).contiguous() for t in (qo_indptr, kv_indptr, kv_indices, kv_last_page_len)
+        )
+        return ext.extend_attention(q.float().contiguous(), paged_kv_cache, *tables, sm_scale).to(q.dtype)
+    out = torch.zeros_like(q)
     for lo, hi, k, v in requests_kv(
         qo_indptr, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, kv_layout, ext
     ):

@@ -1,10 +1,12 @@
 """The CPU paths of a step's attention, SmolLM2's heads (9 query over 3 kv, 64 wide), one thread: the C++
 extension (pdkernels.cpu: decode attention over the pages in place, 16 tokens' scores a step on AVX-512
-BF16 CPUs for bf16 caches and with AVX2 + FMA for fp32 and bf16 ones; extend attention's gather and causal
-softmax; rope) against the torch code that serves where it is not built (PDKERNELS_CPU_EXT=0). Rows:
+BF16 CPUs for bf16 caches and with AVX2 + FMA for fp32 and bf16 ones; extend attention over the pages with
+AVX2 + FMA (oneDNN's bf16 GEMMs with the C++ gather and causal softmax in bf16 on CPUs that compute in it);
+rope) against the torch code that serves where it is not built (PDKERNELS_CPU_EXT=0). Rows:
 decode in bf16 and fp32 (what AVX2 machines run) at batch 1 x 924 tokens (a shared system prompt's
-answer) and batch 20 x 150 (concurrency 20 of 128/32); extend in bf16 of the 28 tokens a cached 924-token
-prompt computes, and of a whole 128- and 1,024-token prompt; rope on one layer's q and k.
+answer) and batch 20 x 150 (concurrency 20 of 128/32); extend in bf16 and fp32 of the 28 tokens a cached
+924-token prompt computes, of a whole 128- and 1,024-token prompt, and of a 1,024-token prompt's second
+512-token chunk; rope on one layer's q and k.
 """
 
 import pytest
@@ -41,10 +43,11 @@ def test_decode_attention(benchmark, path, batch, tokens, dtype):
 
 
 @pytest.mark.benchmark(group="cpu-extend-attention")
-@pytest.mark.parametrize("new,cached", [(28, 896), (128, 0), (1024, 0)])
-def test_extend_attention(benchmark, path, new, cached):
-    case = make_paged_cache([new + cached], KV_HEADS, DIM, 16, "HND", dtype=torch.bfloat16)
-    q = torch.randn(new, HEADS, DIM).to(torch.bfloat16)
+@pytest.mark.parametrize("new,cached", [(28, 896), (128, 0), (512, 512), (1024, 0)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_extend_attention(benchmark, path, new, cached, dtype):
+    case = make_paged_cache([new + cached], KV_HEADS, DIM, 16, "HND", dtype=dtype)
+    q = torch.randn(new, HEADS, DIM).to(dtype)
     qo = torch.tensor([0, new], dtype=torch.int32)
     args = (q, qo, case.cache, case.kv_indptr, case.kv_indices, case.kv_last_page_len)
     rounds = 10 if new >= 1024 else 100

@@ -203,3 +203,93 @@ def test_the_cpu_extensions_gather_and_softmax_are_the_torch_codes(monkeypatch):
             want = torch.softmax(want, dim=-1).to(dtype)
             atol, rtol = TOL[dtype]
             torch.testing.assert_close(ext.causal_softmax(scores, 0.3), want, atol=atol, rtol=rtol)
+
+
+def _cpp_extend():
+    from pdkernels import cpu
+
+    ext = cpu.module()
+    if ext is None or not hasattr(ext, "extend_attention"):
+        pytest.skip("the CPU extension's extend attention needs AVX2 + FMA")
+    return ext
+
+
+@pytest.mark.parametrize(
+    "kv_heads, group, dim, page_size, dtype",
+    [
+        (2, 1, 32, 4, torch.float32),
+        (3, 3, 64, 16, torch.float32),  # SmolLM2's heads
+        (1, 8, 128, 16, torch.float32),
+        (2, 5, 64, 7, torch.float32),  # a page size that cuts the 16-key tiles, rows not a multiple of 6
+        (3, 3, 64, 16, torch.bfloat16),
+        (2, 4, 32, 8, torch.float16),
+    ],
+)
+def test_the_cpp_extend_attention_is_the_reference(kv_heads, group, dim, page_size, dtype):
+    """extend_cpu.cpp over its cases: whole prompts and chunks after a cached prefix over several 64-key
+    blocks, a one-token request, a request with no new tokens; what extend_attention_cpu returns."""
+    ext = _cpp_extend()
+    seq_lens, q_lens = [1, 17, 150, 70, 300, 40], [1, 9, 150, 1, 100, 0]
+    case = make_paged_cache(seq_lens, kv_heads, dim, page_size, "HND", dtype=dtype)
+    qo_indptr = _qo_indptr(q_lens)
+    q = torch.randn(int(qo_indptr[-1]), kv_heads * group, dim, generator=torch.Generator().manual_seed(3))
+    tables = (case.cache, case.kv_indptr, case.kv_indices, case.kv_last_page_len)
+    ref = extend_attention_ref(q, qo_indptr, case.cache.float(), *tables[1:], sm_scale=0.3)  # fp32 arithmetic
+    got = ext.extend_attention(q, case.cache, qo_indptr, *tables[1:], 0.3)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(
+        extend_attention_cpu(q, qo_indptr, *tables, sm_scale=0.3), ref, atol=2e-5, rtol=2e-5
+    )
+
+
+def test_the_cpp_extend_attention_gives_the_same_bits_on_any_number_of_threads():
+    ext = _cpp_extend()
+    case = make_paged_cache([300, 90], 3, 64, 16, "HND")
+    qo_indptr = _qo_indptr([300, 20])
+    q = torch.randn(320, 9, 64)
+    tables = (case.cache, case.kv_indptr, case.kv_indices, case.kv_last_page_len)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = ext.extend_attention(q, case.cache, qo_indptr, *tables[1:], 0.125)
+        torch.set_num_threads(2)
+        two = ext.extend_attention(q, case.cache, qo_indptr, *tables[1:], 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+def test_the_cpp_extend_attention_refuses_a_page_table_that_would_read_out_of_bounds():
+    """Every index is checked before a page is read: a page id past the cache or negative, a last-page
+    length of 0 or past the page, indptrs that run backwards or past the table, more queries than keys."""
+    ext = _cpp_extend()
+    case = make_paged_cache([20, 30], 2, 32, 8, "HND")
+    q = torch.randn(10, 2, 32)
+    qo, indptr, indices, last = _qo_indptr([5, 5]), case.kv_indptr, case.kv_indices, case.kv_last_page_len
+
+    def call(qo=qo, indptr=indptr, indices=indices, last=last, q=q):
+        return ext.extend_attention(q, case.cache, qo, indptr, indices, last, 0.2)
+
+    call()  # the well-formed table runs
+    bad = indices.clone()
+    bad[1] = case.cache.shape[0]
+    with pytest.raises(RuntimeError, match="page id out of range"):
+        call(indices=bad)
+    bad[1] = -1
+    with pytest.raises(RuntimeError, match="page id out of range"):
+        call(indices=bad)
+    for length in (0, 9):
+        with pytest.raises(RuntimeError, match="kv_last_page_len"):
+            call(last=torch.tensor([length, 6], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="kv_indptr"):
+        call(indptr=torch.tensor([0, 3, len(indices) + 1], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="non-decreasing"):
+        call(qo=torch.tensor([0, 6, 5], dtype=torch.int32), q=torch.randn(5, 2, 32))
+    with pytest.raises(RuntimeError, match="qo_indptr"):
+        call(qo=torch.tensor([0, 5, 9], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="more queries than keys"):
+        call(qo=torch.tensor([0, 25, 30], dtype=torch.int32), q=torch.randn(30, 2, 32))
+    with pytest.raises(RuntimeError, match="D % 32"):
+        ext.extend_attention(
+            torch.randn(10, 2, 16), case.cache[..., :16].contiguous(), qo, indptr, indices, last, 0.2
+        )
