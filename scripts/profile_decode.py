@@ -98,9 +98,9 @@ def main():
 
     llm = LLM("smollm2-135m", dtype=args.dtype, page_size=16, num_pages=512, max_num_seqs=64)
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(100, 40000, (128,), generator=g).tolist() for _ in range(20)]
+    prompts = [torch.randint(100, 40000, (128,), generator=g).tolist() for _ in range(21)]
     params = SamplingParams(max_tokens=32, ignore_eos=True)
-    _steps(llm, prompts[:1], params)  # warm up
+    _steps(llm, prompts[20:], params)  # warm up on a prompt of its own: a repeated one hits the prefix cache
     one = _steps(llm, prompts[:1], params)
     twenty = _steps(llm, prompts, params)
     print(f"{args.dtype}, {args.threads} thread(s), 128-token prompts, 32 tokens each:")

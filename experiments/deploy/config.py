@@ -32,19 +32,23 @@ def check_positive(key: str, value, integer: bool = False) -> None:
         refuse(key, value, f"must be {'an integer' if integer else 'a number'} > 0")
 
 
-CPU_BF16_CHUNK, DEFAULT_CHUNK = 2048, 512
+CPU_BF16_CHUNK, CPU_FP32_CHUNK, DEFAULT_CHUNK = 2048, 1024, 512
 
 
 def prefill_budget(chunk_size: int | str, device: str, dtype: str) -> int:
     """deployment.chunk_size with auto resolved by what computes the step. 2,048 tokens (vLLM's CPU
     budget) on a CPU that computes in bf16 (AVX-512 BF16 or AMX) running a bf16 model: measured there
     (docs/engine.md), a colocated worker under a stream of 1,024-token prompts met the SLO more often and
-    a burst of 20 prompts decoded faster than at 512. 512 elsewhere: on an AVX2-only CPU in fp32 a lone
-    prompt prefilled 6% faster in 512-token chunks, and no GPU budget has been measured."""
+    a burst of 20 prompts decoded faster than at 512. 1,024 on a CPU in fp32: measured on an AVX2-only CPU
+    (docs/engine.md), a burst of 20 prompts decoded 20% faster than at 512 or 256 (2,048 swung with how the
+    burst's arrivals split) and a stream of 1,024-token prompts met the SLO more often; a lone prompt
+    prefilled as fast. 512 elsewhere (bf16 converted by each GEMM, a GPU): no budget measured there."""
     if chunk_size != "auto":
         return chunk_size
     from pdkernels.cpu import native_bf16
 
+    if device == "cpu" and dtype == "float32":
+        return CPU_FP32_CHUNK
     native = device == "cpu" and dtype == "bfloat16" and native_bf16()
     return CPU_BF16_CHUNK if native else DEFAULT_CHUNK
 
@@ -109,7 +113,7 @@ class DeploymentConfig:
     decode_tp: int = 1
     threads_per_worker: int = 1  # torch threads per process (each TP rank gets one)
     # prefill tokens per forward pass (the chunked prefill budget), or auto (prefill_budget: 2,048 where
-    # the CPU computes in bf16, 512 elsewhere)
+    # the CPU computes in bf16, 1,024 on a CPU in fp32, 512 elsewhere)
     chunk_size: int | str = "auto"
     # prompts at most this long, or whose KV the decode worker's prefix cache lacks for at most this many
     # tokens, are prefilled on the decode worker (no round trip)

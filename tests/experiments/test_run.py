@@ -686,17 +686,20 @@ def test_workers_switch_roles_mid_run_scripted_or_by_the_planner_and_no_request_
     assert moves[0]["why"].startswith("TTFT at ") and "x its SLO" in moves[0]["why"]
 
 
-def test_the_prefill_budget_auto_is_2048_only_where_the_cpu_computes_in_bf16(monkeypatch):
+def test_the_prefill_budget_auto_is_picked_by_what_computes_the_step(monkeypatch):
     """deployment.chunk_size=auto (the default): vLLM's CPU budget on AVX-512 BF16 or AMX CPUs running a
-    bf16 model, where it was measured better; 512 on a GPU, in fp32, or on a CPU without bf16 compute."""
+    bf16 model, 1,024 on a CPU in fp32, each where it was measured better; 512 on a GPU or in bf16 on a
+    CPU without bf16 compute."""
     from experiments.deploy.config import DeploymentConfig, prefill_budget
     from pdkernels import cpu
 
     assert DeploymentConfig(name="d").chunk_size == "auto"
     for native, device, dtype, want in [
         (True, "cpu", "bfloat16", 2048),
-        (True, "cpu", "float32", 512),
+        (True, "cpu", "float32", 1024),
+        (False, "cpu", "float32", 1024),
         (True, "cuda", "bfloat16", 512),
+        (True, "cuda", "float32", 512),
         (False, "cpu", "bfloat16", 512),
     ]:
         monkeypatch.setattr(cpu, "native_bf16", lambda native=native: native)
