@@ -1,6 +1,8 @@
-"""The torch backend's causal extend attention on the CPU (pdkernels.ops): extend_attention_ref's page
-gathers, then each request's attention over its keys with the masked blocks skipped: torch's flash kernel,
-or, in bf16 on CPUs that compute in it, blocks of query rows on oneDNN's bf16 GEMMs with the C++ softmax.
+"""The torch backend's causal extend attention on the CPU (pdkernels.ops): in C++ over the pages where the
+extension is built with AVX2 + FMA (pdkernels/csrc/extend_cpu.cpp), except in bf16 on CPUs that compute in
+it; else extend_attention_ref's page gathers, then each request's attention over its keys with the masked
+blocks skipped: torch's flash kernel, or, in bf16 on CPUs that compute in it, blocks of query rows on
+oneDNN's bf16 GEMMs with the C++ softmax.
 """
 
 from __future__ import annotations
