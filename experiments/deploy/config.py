@@ -119,6 +119,9 @@ class DeploymentConfig:
     # tokens, are prefilled on the decode worker (no round trip)
     local_prefill_max_tokens: int = 0
     prefix_caching: bool = True  # every worker shares cached KV pages between requests (engine/kv_cache.py)
+    # a worker that was idle keeps reading requests for this many ms before its first step, so that a burst
+    # reaching it spread out (over HTTP) shares that step; a lone request's TTFT pays it. 0: step at once
+    gather_ms: float = 0.0
     url: str | None = None  # endpoint: the server's base URL (.../v1), ours or vLLM's or any
     api_key: str | None = None  # endpoint: its key, if it wants one
     model: str | None = None  # endpoint: the model id it serves (default: model.name)
@@ -169,6 +172,9 @@ class DeploymentConfig:
         counts = ("num_workers",) if self.kind == "colocated" else ("num_prefill", "num_decode")
         for key in counts + ("tp", "prefill_tp", "decode_tp", "threads_per_worker"):
             check_positive(f"deployment.{key}", getattr(self, key), integer=True)
+        g = self.gather_ms
+        if isinstance(g, bool) or not isinstance(g, int | float) or not 0 <= g <= 1000:
+            refuse(f"deployment.{self.name}.gather_ms", g, "a number of milliseconds from 0 to 1000")
         if self.chunk_size != "auto":
             check_positive("deployment.chunk_size (or auto)", self.chunk_size, integer=True)
         r = self.decode_reserved_tokens

@@ -14,6 +14,7 @@ when told to, or when its parent (the driver) is gone.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 import traceback
@@ -116,6 +117,7 @@ class Worker(RoleSwitching):
         from pdkernels import ops
 
         self.spec, self.sock, self.parent = spec, sock, os.getppid()
+        self.gather_s = spec.deployment.gather_ms / 1e3
         self.role = spec.role  # an elastic worker's changes (SwitchRole)
         self.codec = worker_codec()
         if spec.cores:
@@ -225,6 +227,26 @@ class Worker(RoleSwitching):
     def _send(self, msg) -> None:
         self.sock.send(self.codec.encode(msg))
 
+    def _drain(self) -> bool:
+        """Handle every message waiting; True when one was the driver's Stop (its timeline sent back)."""
+        import zmq
+
+        while self.sock.poll(0, zmq.POLLIN):
+            msg = self._recv()
+            if isinstance(msg, Stop):
+                a = self.llm.allocator
+                for key, value in self._stats().items():
+                    setattr(self.timeline, key, value)
+                self.timeline.free_pages, self.timeline.num_pages = a.num_free, a.num_pages
+                self.timeline.role = self.role
+                self._send(self.timeline)
+                log.info(
+                    "%s stopped by the driver (%d of %d pages free)", self.spec.name, a.num_free, a.num_pages
+                )
+                return True
+            self._handle(msg)
+        return False
+
     def _recv(self):
         """The next message from the driver, or None for one that does not decode (dropped, logged)."""
         try:
@@ -253,23 +275,15 @@ class Worker(RoleSwitching):
         while os.getppid() == self.parent:
             busy = self.llm.has_unfinished() or self.backlog or (self.dm and self.dm.pending) or self.switch
             if self.sock.poll(0 if busy or self.pm else 1, zmq.POLLIN):
-                while self.sock.poll(0, zmq.POLLIN):
-                    msg = self._recv()
-                    if isinstance(msg, Stop):
-                        a = self.llm.allocator
-                        for key, value in self._stats().items():
-                            setattr(self.timeline, key, value)
-                        self.timeline.free_pages, self.timeline.num_pages = a.num_free, a.num_pages
-                        self.timeline.role = self.role
-                        self._send(self.timeline)
-                        log.info(
-                            "%s stopped by the driver (%d of %d pages free)",
-                            self.spec.name,
-                            a.num_free,
-                            a.num_pages,
-                        )
-                        return
-                    self._handle(msg)
+                if self._drain():
+                    return
+                if not busy and self.gather_s > 0 and self.llm.has_unfinished():
+                    until = time.monotonic() + self.gather_s  # the rest of a burst joins the first step
+                    while (left := until - time.monotonic()) > 0 and self.sock.poll(
+                        math.ceil(left * 1e3), zmq.POLLIN
+                    ):
+                        if self._drain():
+                            return
             if self.pm is not None:
                 self.pm.poll()
             if self.dm is not None:

@@ -167,6 +167,15 @@ def test_a_killed_decode_worker_s_requests_migrate_and_finish_with_the_same_text
             "deployment.chunk_size=0",
             "deployment.chunk_size (or auto)=0 is not allowed: must be an integer > 0",
         ),
+        ("deployment.gather_ms=-1", "gather_ms=-1 is not allowed: a number of milliseconds from 0 to 1000"),
+        (
+            "deployment.gather_ms=5000",
+            "gather_ms=5000 is not allowed: a number of milliseconds from 0 to 1000",
+        ),
+        (
+            "deployment.gather_ms=true",
+            "gather_ms=True is not allowed: a number of milliseconds from 0 to 1000",
+        ),
         ("log_level=LOUD", "log_level='LOUD' is not allowed: one of ('DEBUG', 'INFO', 'WARNING', 'ERROR')"),
         ("transfer.control_transport=udp", "control_transport must be one of ('ipc', 'tcp')"),
         ("kernels.backend=cutlass", "kernels.backend='cutlass' is not allowed: one of ('auto', 'triton'"),
@@ -413,6 +422,22 @@ def _descendants(pid: int) -> list[int]:
 
 def _prefill_tokens(record, role):
     return [step[2] for t in record["timelines"] if t["role"] == role for step in t["steps"] if step[2]]
+
+
+def test_an_idle_worker_with_gather_ms_lets_a_spread_out_burst_share_its_first_step(tmp_path):
+    """Four prompts arriving about 100 ms apart (as a burst does over HTTP, request by request): a worker
+    that steps at once takes the first alone; with gather_ms it keeps reading for that long after the first
+    and prefills all four in its first step. The outputs are the same."""
+    spread = [*TINY[:1], *TINY[8:], "workload.num_requests=4", "workload.arrival=poisson", "workload.rate=10"]
+    spread += ["workload.prompt_len.kind=fixed", "workload.prompt_len.value=30"]
+    deployments = (
+        "deployments=[{name: now, kind: colocated, num_workers: 1},"
+        "{name: gather, kind: colocated, num_workers: 1, gather_ms: 1000}]"
+    )
+    now, gather = run(_cfg([*spread, deployments]), tmp_path, progress=False)
+    assert _outputs(now) == _outputs(gather)
+    assert _prefill_tokens(now, "colocated")[0] < 120
+    assert _prefill_tokens(gather, "colocated")[0] == 120
 
 
 def test_a_decode_worker_under_memory_pressure_admits_with_room_to_finish_and_refetches(tmp_path):
