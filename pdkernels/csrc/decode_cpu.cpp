@@ -36,9 +36,7 @@ inline float dot(const float* a, const float* b, int64_t n) {
 #elif defined(__AVX2__) && defined(__FMA__)
   __m256 acc = _mm256_setzero_ps();
   for (; d + 8 <= n; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc);
-  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
-  sum = _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
+  sum = pdk::hsum8(acc);
 #endif
   for (; d < n; ++d) sum += a[d] * b[d];
   return sum;

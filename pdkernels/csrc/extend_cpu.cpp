@@ -119,9 +119,7 @@ inline float row_max(const float* s, int64_t n) {
   __m256 top = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t t = 0; t < n; t += 8)
     top = _mm256_max_ps(top, _mm256_blendv_ps(top, _mm256_loadu_ps(s + t), tail_mask(n, t)));
-  const __m128 half = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
-  const __m128 pair = _mm_max_ps(half, _mm_movehl_ps(half, half));
-  return _mm_cvtss_f32(_mm_max_ss(pair, _mm_movehdup_ps(pair)));
+  return pdk::hmax8(top);
 }
 
 // s[t] = exp(s[t] - top) for t < n, 0 from n to width (a multiple of 8 or the block's end); their sum.
@@ -130,14 +128,13 @@ inline float exp_row(float* s, int64_t n, float top, int64_t width) {
   const __m256 shift = _mm256_set1_ps(top);
   int64_t t = 0;
   for (; t < n; t += 8) {
-    const __m256 e = pdk::exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(s + t), shift));
-    _mm256_storeu_ps(s + t, _mm256_and_ps(e, tail_mask(n, t)));
-    sum = _mm256_add_ps(sum, _mm256_and_ps(e, tail_mask(n, t)));
+    const __m256 e = _mm256_and_ps(pdk::exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(s + t), shift)),
+                                   tail_mask(n, t));
+    _mm256_storeu_ps(s + t, e);
+    sum = _mm256_add_ps(sum, e);
   }
   std::fill(s + t, s + std::max(t, width), 0.0f);
-  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
-  const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
-  return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
+  return pdk::hsum8(sum);
 }
 
 // The work buffers of one query block: its rows scaled [R, dim], scores [R, kKeyBlock], output [R, dim],

@@ -1,5 +1,5 @@
 // Helpers shared by the CPU extension's files (pdkernels/cpu.py builds them into one module): element
-// conversion to fp32 and an exp that vectorizes. Inline, in pdk's namespace.
+// conversion to fp32, an exp that vectorizes and (AVX2) 8-lane sums and maxima. Inline, in pdk's namespace.
 #pragma once
 
 #include <torch/extension.h>
@@ -45,6 +45,19 @@ inline float exp_nonpositive(float x) {
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
+// The sum and the maximum of v's 8 lanes, as trees (halves, then pairs, then the last two).
+inline float hsum8(__m256 v) {
+  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
+}
+
+inline float hmax8(__m256 v) {
+  const __m128 half = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 pair = _mm_max_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_max_ss(pair, _mm_movehdup_ps(pair)));
+}
+
 // exp_nonpositive on 8 lanes (compilers left the scalar one's loops scalar where a loop also took a maximum
 // or masked its tail).
 inline __m256 exp_nonpositive8(__m256 x) {
