@@ -365,17 +365,6 @@ class LLM(DecodeHandoff):
                 if not c.drafts:
                     plain.append(r)
                 r += 1 + len(c.drafts)
-            for c, (lo, hi) in zip(sampling, rows, strict=True):  # grammars first: what the rest sees
-                if c.seq.grammar is not None:
-                    self._constrain(c, out.logits[lo:hi])
-            eos = self.config.model.eos_token_ids
-            tokens = sample(out.logits[plain], [c.seq for c in sampling if not c.drafts], eos)
-            verified = {
-                id(c): self._verify(c, out.logits[lo:hi])
-                for c, (lo, hi) in zip(sampling, rows, strict=True)
-                if c.drafts
-            }
-            logprobs = self._logprobs(sampling, rows, out.logits, iter(tokens), verified)
         except RankDied:  # not this step's fault: the engine itself is gone, and its caller must know
             raise
         except Exception as e:  # the step's sequences fail with the error; the engine serves on
@@ -383,9 +372,16 @@ class LLM(DecodeHandoff):
             for chunk in batch.chunks:
                 self._fail(chunk.seq, f"engine step failed: {e!r}")
             return
+        tokens, verified, logprobs, failed = self._sample(sampling, rows, plain, out.logits)
         now, sampled, row = time.perf_counter(), iter(tokens), 0
         for i, chunk in enumerate(batch.chunks):
             seq = chunk.seq
+            if id(chunk) in failed:  # its own parameters failed the sampler: it ends, the others go on
+                row += chunk.num_tokens
+                if not chunk.drafts:
+                    next(sampled)
+                self._fail(seq, f"sampling failed: {failed[id(chunk)]!r}")
+                continue
             seq.num_computed = chunk.end
             if chunk.samples and chunk.drafts:  # rejected drafts' KV is void
                 seq.num_computed = chunk.end - len(chunk.drafts) + verified[id(chunk)][1]
@@ -410,6 +406,34 @@ class LLM(DecodeHandoff):
             elif self.scheduler.role == "prefill" and seq.num_computed == self.scheduler.target(seq):
                 self.scheduler.remove(seq, free_pages=False)
                 self._prefilled(seq, out.last_hidden[i])
+
+    def _sample(self, sampling, rows, plain, logits: torch.Tensor):
+        """(plain chunks' tokens in order, id(chunk) -> verified drafts, id(chunk) -> logprobs, id(chunk)
+        -> the exception that failed it). Each chunk is sampled on its own, so a row whose parameters
+        break the arithmetic fails its own sequence only (a failed plain chunk's token is -1)."""
+        eos = self.config.model.eos_token_ids
+        greedy = logits[plain].argmax(-1).tolist() if plain else []  # the common case in one call
+        tokens, verified, logprobs, failed, k = [], {}, {}, {}, 0
+        for c, (lo, hi) in zip(sampling, rows, strict=True):
+            try:
+                if c.seq.grammar is not None:  # grammars first: what the rest sees
+                    self._constrain(c, logits[lo:hi])
+                if c.drafts:
+                    verified[id(c)] = self._verify(c, logits[lo:hi])
+                    new = verified[id(c)][0]
+                else:
+                    p = c.seq.params
+                    plain_row = p.greedy and not p.processes_logits and c.seq.grammar is None
+                    new = [greedy[k] if plain_row else sample(logits[lo:hi], [c.seq], eos)[0]]
+                if c.seq.params.logprobs is not None:
+                    logprobs[id(c)] = self._logprobs_of(c, logits[lo : lo + len(new)], new)
+            except Exception as e:  # this request's own: logged, and only it ends
+                log.warning("sampling failed for %s: %r", c.seq.request_id, e)
+                failed[id(c)], new = e, [-1]
+            if not c.drafts:
+                tokens.append(new[0])
+                k += 1
+        return tokens, verified, logprobs, failed
 
     def _verify(self, chunk, logits: torch.Tensor) -> tuple[list[int], int]:
         """(tokens to append, drafts accepted) of a chunk with drafts, from its 1 + k rows of logits."""
@@ -436,20 +460,13 @@ class LLM(DecodeHandoff):
         if taken:
             matcher.rollback(taken)
 
-    def _logprobs(self, sampling, rows, logits, plain_tokens, verified) -> dict[int, dict]:
-        """id(chunk) -> {j: its j-th new token's Logprob entry}, for the chunks whose request asks."""
-        found = {}
-        for c, (lo, _) in zip(sampling, rows, strict=True):
-            new = verified[id(c)][0] if c.drafts else [next(plain_tokens)]
-            k = c.seq.params.logprobs
-            if k is None:
-                continue
-            entries = logprobs_of(logits[lo : lo + len(new)], new, k)
-            for entry in entries:
-                for token, lp in entry.items():
-                    lp.decoded_token = self.tokenizer.decode([token], skip_special_tokens=False)
-            found[id(c)] = dict(enumerate(entries))
-        return found
+    def _logprobs_of(self, chunk, logits: torch.Tensor, new: list[int]) -> dict[int, dict]:
+        """{j: the chunk's j-th new token's Logprob entry} (its request asked for logprobs)."""
+        entries = logprobs_of(logits, new, chunk.seq.params.logprobs)
+        for entry in entries:
+            for token, lp in entry.items():
+                lp.decoded_token = self.tokenizer.decode([token], skip_special_tokens=False)
+        return dict(enumerate(entries))
 
     def generate(
         self,

@@ -87,6 +87,7 @@ def probabilities(logits: Tensor, p: SamplingParams) -> Tensor:
         sorted_probs, order = probs.sort(descending=True)
         # keep the smallest prefix whose mass reaches top_p (always at least the top token)
         drop = sorted_probs.cumsum(-1) - sorted_probs >= p.top_p
+        drop[..., 0] = False  # the likeliest stays whatever top_p rounds to in fp32
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
     return probs / probs.sum(-1, keepdim=True)

@@ -39,11 +39,14 @@ class SamplingParams:
     def __post_init__(self):
         _integer("max_tokens", self.max_tokens, 1, "an integer >= 1")
         _number("temperature", self.temperature)
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.temperature != 0 and not MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(
+                f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}], "
+                f"got {self.temperature}"
+            )
         _number("top_p", self.top_p)
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not MIN_TOP_P <= self.top_p <= 1:
+            raise ValueError(f"top_p must be in [{MIN_TOP_P}, 1], got {self.top_p}")
         _integer("top_k", self.top_k, 0, "an integer >= 0 (0 turns it off)")
         if self.seed is not None:
             _integer("seed", self.seed, 0, "None or an integer in [0, 2**63)", 1 << 63)
@@ -59,9 +62,10 @@ class SamplingParams:
             if not -2 <= getattr(self, key) <= 2:
                 raise ValueError(f"{key} must be in [-2, 2], got {getattr(self, key)}")
         _number("repetition_penalty", self.repetition_penalty)
-        if not 0 < self.repetition_penalty <= 100:
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
             raise ValueError(
-                f"repetition_penalty must be in (0, 100] (1: off), got {self.repetition_penalty}"
+                f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}] "
+                f"(1: off), got {self.repetition_penalty}"
             )
         _number("min_p", self.min_p)
         if not 0 <= self.min_p <= 1:
@@ -115,6 +119,13 @@ class SamplingParams:
 
 
 MAX_N = 64  # completions one request may ask for
+# Bounds that keep the sampler's arithmetic finite in fp32: logits over a temperature of 1e-300 (or a
+# repetition penalty of 1e-300) are infinities, and their softmax NaN. vLLM raises temperatures under
+# 0.01 to 0.01; we refuse them instead, naming the bound (docs/serving.md). The sampler keeps the likeliest
+# token whatever top_p rounds to, and one sequence whose sampling still fails ends alone (LLM._sample).
+MIN_TEMPERATURE, MAX_TEMPERATURE = 0.01, 100.0
+MIN_TOP_P = 1e-6  # 1e-300 is 0 in fp32: every token was dropped
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 MAX_LOGPROBS = 20  # the most alternatives a request may ask for (OpenAI's top_logprobs bound)
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import msgspec
 from fastapi.responses import JSONResponse
 
+from engine.sequence import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY, MIN_TEMPERATURE, MIN_TOP_P
 from experiments.deploy.messages import Result, Submit
 from experiments.deploy.metrics import Metrics
 from experiments.deploy.runtime import Runtime
@@ -141,6 +142,16 @@ def _number(body: dict, key: str, default, low=None, high=None, integer=False, l
     return value
 
 
+def _temperature(body: dict) -> float:
+    """0 (greedy) or [MIN_TEMPERATURE, 2] (OpenAI's top): below the floor the sampler's logits overflow."""
+    value = float(_number(body, "temperature", 1.0, 0, 2))
+    if 0 < value < MIN_TEMPERATURE:
+        raise ApiError(
+            400, f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, 2], got {value!r}", "temperature"
+        )
+    return value
+
+
 @dataclass
 class Parsed:
     prompt_ids: list[int]
@@ -248,8 +259,8 @@ class App:
             f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}",
             prompt_ids,
             max_tokens,
-            temperature=float(_number(body, "temperature", 1.0, 0, 2)),
-            top_p=float(_number(body, "top_p", 1.0, 0, 1, low_open=True)),
+            temperature=_temperature(body),
+            top_p=float(_number(body, "top_p", 1.0, MIN_TOP_P, 1)),
             top_k=max(0, _number(body, "top_k", 0, -1, MAX_TOP_K, integer=True)),  # -1 or 0: off (vLLM)
             seed=seed,
             stop=stop,
@@ -266,7 +277,9 @@ class App:
         out = {
             "presence_penalty": float(_number(body, "presence_penalty", 0.0, -2, 2)),
             "frequency_penalty": float(_number(body, "frequency_penalty", 0.0, -2, 2)),
-            "repetition_penalty": float(_number(body, "repetition_penalty", 1.0, 0, 100, low_open=True)),
+            "repetition_penalty": float(
+                _number(body, "repetition_penalty", 1.0, MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY)
+            ),
             "min_p": float(_number(body, "min_p", 0.0, 0, 1)),
             "min_tokens": _number(body, "min_tokens", 0, 0, max_tokens, integer=True),
         }
@@ -279,7 +292,8 @@ class App:
             )
         out["logit_bias"] = {}
         for key, value in bias.items():
-            token = int(key) if isinstance(key, str) and key.isdigit() and len(key) < 10 else -1
+            ascii_digits = isinstance(key, str) and key.isascii() and key.isdigit()  # "²", "٥": no
+            token = int(key) if ascii_digits and len(key) < 10 else -1
             if not 0 <= token < vocab:
                 raise ApiError(
                     400, f"logit_bias keys must be token ids in [0, {vocab}), got {key!r}", "logit_bias"

@@ -191,7 +191,7 @@ VOCAB = 49152  # tiny-random's vocabulary
         (["a", "b"], {}, TypeError, r"prompt\[0\]"),
         (b"hello", {}, TypeError, "prompt must be a string or a list of token ids"),
         ([1], {"temperature": float("nan")}, ValueError, "temperature must be finite"),
-        ([1], {"temperature": -1}, ValueError, "temperature must be >= 0"),
+        ([1], {"temperature": -1}, ValueError, "temperature must be 0 \\(greedy\\) or in"),
         ([1], {"top_p": float("inf")}, ValueError, "top_p must be finite"),
         ([1], {"top_p": 0}, ValueError, "top_p must be in"),
         ([1], {"top_k": -1}, ValueError, "top_k must be an integer >= 0"),
@@ -230,6 +230,34 @@ def test_a_step_that_raises_fails_its_sequences_and_frees_their_pages():
     assert all("injected" in o.error for o in outs) and llm.allocator.num_free == 16
     again = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))[0]
     assert again.finish_reason == "length" and llm.allocator.num_free == 16
+
+
+@pytest.mark.parametrize("key", ["temperature", "repetition_penalty"])
+def test_a_request_whose_sampling_fails_ends_alone(key):
+    """Parameters that slipped past the checks (1e-300, set after them) make the sampler raise ("probability
+    tensor contains inf/nan"): only that request ends with the error; 4 greedy streams beside it finish."""
+    llm = LLM("tiny-random", page_size=4, num_pages=64)
+    bad = SamplingParams(max_tokens=6, ignore_eos=True, temperature=1.0, seed=1)
+    object.__setattr__(bad, key, 1e-300)  # as a request that got past validation would be
+    good = SamplingParams(max_tokens=6, ignore_eos=True)
+    prompts = _prompts(5, seed=3)
+    outs = llm.generate(prompts, [good, good, bad, good, good])
+    assert outs[2].finish_reason == "error" and "sampling failed" in outs[2].error
+    others = [o for i, o in enumerate(outs) if i != 2]
+    assert all(o.finish_reason == "length" and len(o.token_ids) == 6 for o in others)
+    alone = llm.generate([prompts[0]], good)[0]
+    assert alone.token_ids == outs[0].token_ids  # the failure changed nothing for its neighbours
+    assert llm.allocator.num_free == 64
+
+
+def test_a_top_p_that_rounds_to_zero_keeps_the_likeliest_token():
+    llm = LLM("tiny-random", page_size=4, num_pages=64)
+    tiny = SamplingParams(max_tokens=6, ignore_eos=True, temperature=1.0, seed=1)
+    object.__setattr__(tiny, "top_p", 1e-300)  # 0 in fp32: once every token was dropped (NaN)
+    prompt = _prompts(1, seed=4)
+    out = llm.generate(prompt, tiny)[0]
+    assert out.finish_reason == "length"
+    assert out.token_ids == llm.generate(prompt, SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids
 
 
 def test_a_finished_request_id_can_be_used_again_once_forgotten():

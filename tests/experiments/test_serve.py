@@ -461,6 +461,8 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):
         (dict(ok, extra_body={"logit_bias": {"abc": 1}}), "logit_bias"),
         (dict(ok, extra_body={"logit_bias": {"5": 101}}), "logit_bias"),
         (dict(ok, extra_body={"logit_bias": {"99999999": 1}}), "logit_bias"),
+        (dict(ok, extra_body={"logit_bias": {"\u00b2": 1}}), "logit_bias"),  # "²": isdigit(), int() raises
+        (dict(ok, extra_body={"logit_bias": {"\u0665": 1}}), "logit_bias"),  # Arabic-Indic 5: not token 5
         (dict(ok, extra_body={"stop_token_ids": [10**9]}), "stop_token_ids"),
         (dict(ok, extra_body={"stop_token_ids": "7"}), "stop_token_ids"),
         (dict(ok, presence_penalty=2.5), "presence_penalty"),
@@ -475,6 +477,9 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):
         (dict(ok, model="gpt-4"), "model"),
         (dict(ok, temperature=-1), "temperature"),
         (dict(ok, top_p=0), "top_p"),
+        (dict(ok, temperature=1e-300), "temperature"),  # the sampler's logits would overflow
+        (dict(ok, top_p=1e-300), "top_p"),
+        (dict(ok, extra_body={"repetition_penalty": 1e-300}), "repetition_penalty"),
         (dict(ok, extra_body={"best_of": 3}), "best_of"),
         (dict(ok, extra_body={"max_tokens": "many"}), "max_tokens"),
     ]
