@@ -89,6 +89,20 @@ class Metrics:
         Gauge(
             "pdk_role_switches", "Workers moved between prefill and decode so far", registry=r
         ).set_function(lambda: len(runtime.moves))
+        router = runtime.router
+        Gauge(
+            "pdk_admission_refusing_seconds",
+            "How long admission=slo has refused every new request (0: it admitted the last one)",
+            registry=r,
+        ).set_function(lambda: router.refusing or 0.0)
+        Gauge(
+            "pdk_admission_rejected", "New requests admission=slo refused so far", registry=r
+        ).set_function(lambda: router.rejected)
+        Gauge(
+            "pdk_admission_probes",
+            "Requests admitted while everything else was refused, to measure the deployment again",
+            registry=r,
+        ).set_function(lambda: router.probes)
         self.runtime = runtime
         self.sent: dict[str, float] = {}
 

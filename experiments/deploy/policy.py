@@ -27,11 +27,15 @@ on it and on the requests behind it:
 - TTFT = the prompt tokens ahead of it (routed, not yet at their first token, on its colocated worker or
   its chosen prefill worker) plus its own not-cached tokens, over that worker's prefill speed as it
   measures it (its Loads: prompt tokens over the time of the steps that computed them), plus a learned
-  bias (the mean of what the first tokens took beyond that prediction);
+  bias (the mean of what the first tokens of the last BIAS_WINDOW_S took beyond that prediction);
 - TPOT = the decode step time at the batch it would join (least squares of step time on batch over the
   worker's recent Loads).
 Until a worker's speed is known (its first busy Load; a measured peer's stands in for it) the router
-admits.
+admits. It cannot lock itself out: a refused request never yields a first token, so refusals alone
+would leave a bias (or a slow decode step) in place for good. Evidence therefore expires (a first token
+counts for BIAS_WINDOW_S), and while the router refuses everything it still admits one request per
+probe interval (slo.ttft_s, within [PROBE_MIN_S, PROBE_MAX_S]) to measure the deployment again. `refusing` says how
+long it has refused every new request (GET /health, /metrics).
 """
 
 from __future__ import annotations
@@ -42,6 +46,9 @@ from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 
 POLICIES = ("round_robin", "least_loaded", "cache_aware")
+BIAS_WINDOW_S = 20.0  # a first token's lateness (and a decode step's time) counts this long
+BIAS_SAMPLES = 64  # and only the most recent this many
+PROBE_MIN_S, PROBE_MAX_S = 0.5, 10.0  # while all is refused, one request is admitted every slo.ttft_s in these
 ADMISSIONS = ("none", "slo")
 ROLES = ("prefill", "decode")
 
@@ -59,9 +66,9 @@ class Speed:
 
     counters: tuple = ()  # the last Load's (prefill tokens, prefill s, decode steps, seqs, decode s)
     prefill_tok_s: float | None = None  # moving average over Loads that computed prompt tokens
-    decode: deque = field(default_factory=lambda: deque(maxlen=32))  # (mean batch, mean step s) per Load
+    decode: deque = field(default_factory=lambda: deque(maxlen=32))  # (mean batch, mean step s, when)
 
-    def observe(self, counters: tuple) -> None:
+    def observe(self, counters: tuple, when: float = 0.0) -> None:
         last, self.counters = self.counters, counters
         if not last or any(now < before for now, before in zip(counters, last, strict=True)):
             last = (0,) * len(counters)  # the first Load seen, or a restarted worker's: since it started
@@ -72,14 +79,19 @@ class Speed:
             rate = tokens / seconds
             self.prefill_tok_s = rate if self.prefill_tok_s is None else 0.7 * self.prefill_tok_s + 0.3 * rate
         if steps:
-            self.decode.append((seqs / steps, decode_s / steps))
+            self.decode.append((seqs / steps, decode_s / steps, when))
+
+    def expire(self, before: float) -> None:
+        """Forget the decode steps measured before this time (a slow step long ago says nothing now)."""
+        while self.decode and self.decode[0][2] < before:
+            self.decode.popleft()
 
     def step_s(self, batch: int) -> float | None:
         """A decode step's predicted time at this batch: a line through the recent (batch, time) pairs,
         their mean where they do not span two batch sizes or the line falls."""
         if not self.decode:
             return None
-        xs, ys = zip(*self.decode, strict=True)
+        xs, ys, _ = zip(*self.decode, strict=True)
         mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
         var = sum((x - mx) ** 2 for x in xs)
         slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var > 0.25 else 0.0
@@ -113,8 +125,10 @@ class Router:
         self.prefill_live: set = set()  # prefill workers heard from (a Load) and not dead since
         self.speed: dict[str, Speed] = {}  # worker (prefill ones too) -> what its Loads measured
         self.waiting: dict = {}  # request -> (worker, its prompt tokens to compute, when, predicted TTFT)
-        self.ttft_bias = 0.0  # moving average of first tokens' time beyond the prediction
-        self.rejected = 0
+        self.late: deque = deque(maxlen=BIAS_SAMPLES)  # (when, first token's time beyond its prediction)
+        self.rejected = self.probes = 0
+        self.admitted_at: float | None = None  # when it last admitted a new request (None: not yet)
+        self.refusing_since: float | None = None  # the first refusal since then (None: it admitted last)
         self.why: str | None = None  # why the last route() refused its request
         self.policy, self.overlap_weight = policy, overlap_weight
         self.cache_pages, self.page_size, self.salt = cache_pages, page_size, salt
@@ -165,9 +179,28 @@ class Router:
         """A worker's Load: its cache events, and the counters its speed comes from."""
         self.observe(worker, load.cache_events)
         counters = (load.prefill_tokens, load.prefill_s, load.decode_steps, load.decode_seqs, load.decode_s)
-        self.speed.setdefault(worker, Speed()).observe(counters)
+        self.speed.setdefault(worker, Speed()).observe(counters, self.clock())
         if worker in self.prefill_workers:  # it talks: requests may go to it
             self.prefill_live.add(worker)
+
+    @property
+    def ttft_bias(self) -> float:
+        """The mean of what the first tokens of the last BIAS_WINDOW_S took beyond their prediction (0
+        without any: old lateness is no evidence that the deployment is late now)."""
+        now = self.clock()
+        while self.late and now - self.late[0][0] > BIAS_WINDOW_S:
+            self.late.popleft()
+        return sum(e for _, e in self.late) / len(self.late) if self.late else 0.0
+
+    @property
+    def probe_s(self) -> float:
+        """While every new request is refused, one is admitted this often (to measure again)."""
+        return min(max(self.slo[0], PROBE_MIN_S), PROBE_MAX_S)
+
+    @property
+    def refusing(self) -> float | None:
+        """Seconds for which the router has refused every new request (None: it admitted the last one)."""
+        return None if self.refusing_since is None else self.clock() - self.refusing_since
 
     def predict(self, target: str, tokens: int) -> tuple[float | None, float | None]:
         """(TTFT, TPOT) a request with `tokens` prompt tokens to compute would see on target (None: not
@@ -178,6 +211,8 @@ class Router:
         """predict() with the queue it joins already chosen."""
         ttft = self._queue_s(queue, tokens)
         speed = self.speed.get(target)
+        if speed is not None:
+            speed.expire(self.clock() - BIAS_WINDOW_S)
         tpot = speed.step_s(len(self.in_flight[target]) + 1) if speed else None
         return (None if ttft is None else ttft + max(self.ttft_bias, 0.0)), tpot
 
@@ -218,7 +253,8 @@ class Router:
         beyond the prediction moves the bias."""
         entry = self.waiting.pop(request_id, None)
         if entry is not None and entry[3] is not None:
-            self.ttft_bias = 0.9 * self.ttft_bias + 0.1 * (self.clock() - entry[2] - entry[3])
+            now = self.clock()
+            self.late.append((now, now - entry[2] - entry[3]))
 
     def _admit(self, target: str, queue: str | None, tokens: int) -> str | None:
         """Why admission=slo refuses a request with `tokens` prompt tokens to compute on target, joining
@@ -275,10 +311,17 @@ class Router:
         to_compute = max(tokens - hit * self.page_size, 1)
         queue = self._prefill_queue(target, to_compute) if admit else None
         if admit and self.admission == "slo":
-            self.why = self._admit(target, queue, to_compute)
-            if self.why is not None:
+            why, now = self._admit(target, queue, to_compute), self.clock()
+            last = self.admitted_at if self.admitted_at is not None else self.refusing_since
+            if why is not None and last is not None and now - last >= self.probe_s:
+                self.probes += 1  # refusing everything for a probe interval: measure again with this one
+            elif why is not None:
+                self.why = why
                 self.rejected += 1
+                if self.refusing_since is None:
+                    self.refusing_since = now
                 return None
+            self.admitted_at, self.refusing_since = now, None
         if admit:  # a new request's prompt: ahead of the next ones in its queue until its first token
             self.waiting[request_id] = (queue, to_compute, self.clock(), self._queue_s(queue, to_compute))
         self.routed_pages += len(names)

@@ -9,7 +9,8 @@ driver (experiments.deploy.fleet.start_fleet) and serves:
   (max_completion_tokens for chat), temperature, top_p, seed, stop and vLLM's top_k and ignore_eos.
   Tokens flow from the decode (or colocated) worker through the driver as they are sampled. A client
   that goes away mid-stream cancels its request, which frees its pages on both sides.
-- GET /v1/models, GET /health (200 only while every worker is up), GET /metrics (Prometheus text).
+- GET /v1/models, GET /health (200 only while every worker is up and admission takes requests),
+  GET /metrics (Prometheus text).
 
 Errors have OpenAI's shape ({"error": {"message", "type", "param", "code"}}), never plain text: 400 for
 a bad request (naming the field), 401 for a missing or wrong API key, 403 for a foreign Host or Origin,
@@ -142,6 +143,13 @@ def make_app(state: App) -> FastAPI:
         if not state.runtime.healthy:
             return JSONResponse(
                 {"status": "degraded", "dead": sorted(state.runtime.dead), "silent": state.runtime.silent},
+                status_code=503,
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
+        refusing = state.runtime.router.refusing
+        if refusing is not None:  # admission=slo refuses every new request now (it probes meanwhile)
+            return JSONResponse(
+                {"status": "refusing", "refusing_s": round(refusing, 3)},
                 status_code=503,
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )

@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from experiments.deploy.policy import POLICIES, Planner, PlannerConfig, Router, Speed, page_names
+from experiments.deploy.policy import BIAS_WINDOW_S, POLICIES, Planner, PlannerConfig, Router, Speed, page_names
 
 
 def _names(conversation: str, pages: int) -> list:
@@ -169,10 +169,59 @@ def test_admission_learns_the_bias_from_first_tokens_on_a_driven_clock():
         now[0] += 0.9
         r.first_token(f"r{i}")
         r.finished("a", f"r{i}")
-    assert 0.3 < r.ttft_bias < 0.4  # approaching the 0.4 s it missed by
+    assert r.ttft_bias == pytest.approx(0.4)  # the 0.4 s each missed by
     ttft, _ = r.predict("a", 500)
     assert ttft == pytest.approx(0.5 + r.ttft_bias)
     assert r.route("next", [], 700, ["a"], admit=True) is None  # 0.7 + ~0.35 > 1 s
+
+
+def test_admission_cannot_lock_itself_out():
+    """The lockout recipe (issue 46): one first token 20 s late (a slow grammar) raised the bias past the
+    SLO, and since a refused request never has a first token, every request after it was refused for
+    good. Now one is admitted per probe interval while all are refused, and lateness counts for
+    BIAS_WINDOW_S only: within that time requests are admitted as before."""
+    r, now = _slo_router()
+    r.observe_load("a", _Load(0, 0.0))
+    r.observe_load("a", _Load(1000, 1.0))  # 1,000 tokens/s: a 200-token prompt alone, 0.2 s
+    assert r.route("slow", [], 200, ["a"], admit=True) == "a"
+    now[0] += 20.2
+    r.first_token("slow")
+    r.finished("a", "slow")
+    assert r.ttft_bias == pytest.approx(20.0)
+    # the first request after a probe interval with no admission is a probe; the rest are refused
+    assert r.route("x0", [], 200, ["a"], admit=True) == "a" and r.probes == 1
+    for i in range(1, 30):  # predicted 20 s late
+        now[0] += 0.02
+        assert r.route(f"x{i}", [], 200, ["a"], admit=True) is None
+    assert r.refusing == pytest.approx(0.56) and r.rejected == 29
+    now[0] += r.probe_s  # a probe interval of refusing everything: the next one is measured
+    assert r.route("probe", [], 200, ["a"], admit=True) == "a" and r.probes == 2 and r.refusing is None
+    r.first_token("x0")  # it waited behind the probe's worker: on time too, here
+    r.finished("a", "x0")
+    now[0] += 0.2
+    r.first_token("probe")  # on time
+    r.finished("a", "probe")
+    assert r.route("still", [], 200, ["a"], admit=True) is None  # the old lateness still weighs (10 s)
+    served_at = None
+    for i in range(200):  # normal requests, one every 0.25 s: admitted again in bounded time
+        now[0] += 0.25
+        if r.route(f"n{i}", [], 200, ["a"], admit=True) == "a":
+            served_at = served_at or now[0]
+            now[0] += 0.2
+            r.first_token(f"n{i}")
+            r.finished("a", f"n{i}")
+    assert served_at is not None and served_at - 20.2 <= BIAS_WINDOW_S + r.probe_s
+    assert r.refusing is None and r.ttft_bias == pytest.approx(0.0, abs=1e-9)
+
+
+def test_a_slow_decode_step_long_ago_does_not_refuse_requests_for_good():
+    r, now = _slo_router()
+    r.observe_load("a", _Load())
+    r.observe_load("a", _Load(decode_steps=2, decode_seqs=2, decode_s=10.0))  # 5 s steps (a compile)
+    assert r.route("x", [], 16, ["a"], admit=True) is None and "TPOT" in r.why
+    now[0] += BIAS_WINDOW_S + 0.1
+    assert r.predict("a", 16)[1] is None  # nothing recent measured: admitted, as before any Load
+    assert r.route("y", [], 16, ["a"], admit=True) == "a"
 
 
 def test_admission_predicts_tpot_from_the_batch_it_would_join():
