@@ -114,3 +114,30 @@ def test_backend_names_are_checked():
     pytest.importorskip("nixl_cu12")
     with pytest.raises(ValueError, match="NIXL engine must be one of"):
         make_backend("nixl", "x", engine="TCP")
+
+
+@pytest.mark.parametrize(
+    "devices, expected",
+    [
+        ("lo", {"UCX_NET_DEVICES": "lo", "UCX_MODULES": "^ib"}),  # loopback: no IB (its exit crash)
+        ("mlx5_0:1", {"UCX_NET_DEVICES": "mlx5_0:1"}),  # InfiniBand stays on for a real device
+        ("mlx5_0:1,eth0", {"UCX_NET_DEVICES": "mlx5_0:1,eth0"}),
+        ("all", {}),
+    ],
+)
+def test_ucx_modules_are_left_alone_unless_the_devices_are_loopback_only(devices, expected):
+    from transfer.backends.nixl import ucx_environment
+
+    assert ucx_environment(devices) == expected
+
+
+def test_importing_the_nixl_backend_sets_no_ucx_variable():
+    """Importing used to set UCX_MODULES=^ib for every user, turning InfiniBand off for nixl_devices=mlx5_0:1."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
+    code = "import os, transfer.backends.nixl; print(sorted(k for k in os.environ if k.startswith('UCX_')))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -15,8 +15,6 @@ from torch import Tensor
 from transfer.backends.base import Backend, TransferError, as_ops
 from transfer.wire import Codec, Message
 
-# Set before UCX loads: without it, a process that created a UCX backend crashes at exit here.
-os.environ.setdefault("UCX_MODULES", "^ib")
 ENGINES = ("UCX", "LIBFABRIC")
 log = logging.getLogger(__name__)
 MEM_TYPES = ("DRAM", "VRAM")
@@ -42,6 +40,17 @@ _CODEC = Codec(NixlMetadata)
 NIXL_PACKAGES = ("nixl_cu12", "nixl_cu13")  # NIXL's builds for CUDA 12 and 13 (same API)
 
 
+def ucx_environment(devices: str) -> dict[str, str]:
+    """The UCX variables an agent on these devices sets (where the user has not set them): the devices
+    ('lo': loopback only, 'all': UCX chooses); and for loopback alone, no InfiniBand module, without
+    which a process that created a UCX backend crashed at exit on VMs with an IB stack and no IB port.
+    On real devices (nixl_devices=mlx5_0:1) InfiniBand must stay: UCX_MODULES is left alone."""
+    env = {} if devices == "all" else {"UCX_NET_DEVICES": devices}
+    if devices == "lo":
+        env["UCX_MODULES"] = "^ib"
+    return env
+
+
 def _nixl():
     import importlib
 
@@ -59,8 +68,8 @@ class NixlBackend(Backend):
         lets it choose). Read once per process, when its first agent starts UCX."""
         if engine not in ENGINES:
             raise ValueError(f"NIXL engine must be one of {ENGINES}, got {engine!r}")
-        if devices != "all":
-            os.environ.setdefault("UCX_NET_DEVICES", devices)
+        for key, value in ucx_environment(devices).items():  # read once, when UCX loads: set first
+            os.environ.setdefault(key, value)
         api = _nixl()
         self.name, self.engine = name, engine
         self.agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False, backends=[engine]))
