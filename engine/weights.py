@@ -255,11 +255,14 @@ def load_hf_dir(path: Path, weights: bool = True) -> LoadedModel:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors weight file in {path}")
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
+    shapes = {}
+    for file in files:  # the headers only: every tensor's shape, before any is read
+        with safe_open(str(file), "pt") as f:
+            shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
     state = {}
-    for file in files if weights else ():
-        state.update({k: v.float() for k, v in load_file(str(file)).items()})
     rope = cfg.get("rope_parameters") or {}
     scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type") not in (None, "default") else None)
     eos = cfg.get("eos_token_id")
@@ -284,6 +287,9 @@ def load_hf_dir(path: Path, weights: bool = True) -> LoadedModel:
     )
     fields.update(_deepseek(arch, cfg, scaling) if arch in DEEPSEEK else {})
     config = ModelConfig(**fields)
+    check_shapes(config, shapes, str(path))
+    for file in files if weights else ():
+        state.update({k: v.float() for k, v in load_file(str(file)).items()})
     if (path / "tokenizer.json").is_file():
         return LoadedModel(config, state, from_hf_dir(path))
     return LoadedModel(config, state, NoTokenizer(config.vocab_size, path))
@@ -441,6 +447,42 @@ def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, Tensor]:
     def normal(*shape, std=0.05):
         return torch.randn(*shape, generator=g) * std
 
+    return _weights(config, normal)
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the engine reads for this config and its shape (nothing allocated: meta tensors)."""
+
+    def normal(*shape, std=0.05):
+        return torch.empty(*shape, device="meta")
+
+    return {name: tuple(t.shape) for name, t in _weights(config, normal).items()}
+
+
+def check_shapes(config: ModelConfig, shapes: dict[str, tuple[int, ...]], where: str) -> None:
+    """ValueError unless every tensor the config sizes is in shapes (name -> shape, a checkpoint's) with
+    the shape the config gives it: a config.json that disagrees with its tensors (a vocab of 1e10 over a
+    49,152-row embedding) must not load and then size buffers, masks and token checks by the lie."""
+    dims = (
+        f"vocab_size={config.vocab_size}, hidden_size={config.hidden_size}, "
+        f"intermediate_size={config.intermediate_size}, num_attention_heads={config.num_heads}, "
+        f"num_key_value_heads={config.num_kv_heads}, head_dim={config.head_dim}"
+    )
+    for name, shape in expected_shapes(config).items():
+        found = shapes.get(name)
+        if found is None and name == "lm_head.weight":
+            continue
+        if found is None:
+            raise ValueError(f"{where}: tensor {name} is missing; config.json ({dims}) needs it")
+        if tuple(found) != shape:
+            raise ValueError(
+                f"{where}: tensor {name} has shape {list(found)} but config.json ({dims}) gives it "
+                f"{list(shape)}: the config does not describe these weights"
+            )
+
+
+def _weights(config: ModelConfig, normal) -> dict[str, Tensor]:
+    """The engine's tensors for config, each made by normal(*shape, std=...)."""
     h, d = config.hidden_size, config.head_dim
     weights = {
         "model.embed_tokens.weight": normal(config.vocab_size, h, std=0.5),

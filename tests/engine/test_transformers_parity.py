@@ -1,6 +1,7 @@
 """Greedy tokens equal transformers' on the same weights (transformers is a test-only dependency)."""
 
 import functools
+import re
 
 import pytest
 import torch
@@ -137,3 +138,38 @@ def test_hf_directory_errors(tmp_path):
     (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
     with pytest.raises(ValueError, match="architectures must be one of"):
         LLM(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "key, value, tensor",
+    [
+        ("vocab_size", 10**10, "model.embed_tokens.weight"),  # issue 46's lies: the vocabulary,
+        ("hidden_size", 10**7, "model.embed_tokens.weight"),  # the hidden size
+        ("intermediate_size", 10**9, "model.layers.0.mlp.gate_proj.weight"),  # and the MLP's width
+        ("num_key_value_heads", 4, "model.layers.0.self_attn.k_proj.weight"),
+        ("num_hidden_layers", 3, "model.layers.2."),  # a layer the weights do not have
+    ],
+)
+def test_a_config_that_disagrees_with_its_tensors_does_not_load(tmp_path, key, value, tensor):
+    """Every config.json dimension that sizes a tensor is checked against the safetensors headers (before
+    any tensor is read, and for a scheduler-only load too): a clear error naming the tensor and the config."""
+    import json
+
+    from engine.weights import load_model
+
+    config = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256,
+    )  # fmt: skip
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    assert load_model(str(tmp_path)).config.vocab_size == 512  # as saved: it loads
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg[key] = value
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    for weights in (True, False):
+        with pytest.raises(ValueError, match=re.escape(tensor)) as err:
+            load_model(str(tmp_path), weights=weights)
+        message = str(err.value)
+        assert str(tmp_path) in message and "config.json" in message
+        if key != "num_hidden_layers":  # the shape's mismatch names the dimension's value
+            assert f"{key}={value}" in message, message
