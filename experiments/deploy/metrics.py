@@ -95,9 +95,8 @@ class Metrics:
             "How long admission=slo has refused every new request (0: it admitted the last one)",
             registry=r,
         ).set_function(lambda: router.refusing or 0.0)
-        Gauge(
-            "pdk_admission_rejected", "New requests admission=slo refused so far", registry=r
-        ).set_function(lambda: router.rejected)
+        rejected = Gauge("pdk_admission_rejected", "New requests admission=slo refused so far", registry=r)
+        rejected.set_function(lambda: router.rejected)
         Gauge(
             "pdk_admission_probes",
             "Requests admitted while everything else was refused, to measure the deployment again",

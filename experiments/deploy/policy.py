@@ -34,8 +34,8 @@ Until a worker's speed is known (its first busy Load; a measured peer's stands i
 admits. It cannot lock itself out: a refused request never yields a first token, so refusals alone
 would leave a bias (or a slow decode step) in place for good. Evidence therefore expires (a first token
 counts for BIAS_WINDOW_S), and while the router refuses everything it still admits one request per
-probe interval (slo.ttft_s, within [PROBE_MIN_S, PROBE_MAX_S]) to measure the deployment again. `refusing` says how
-long it has refused every new request (GET /health, /metrics).
+probe interval (slo.ttft_s, within [PROBE_MIN_S, PROBE_MAX_S]) to measure the deployment again.
+`refusing` says how long it has refused every new request (GET /health, /metrics).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 POLICIES = ("round_robin", "least_loaded", "cache_aware")
 BIAS_WINDOW_S = 20.0  # a first token's lateness (and a decode step's time) counts this long
 BIAS_SAMPLES = 64  # and only the most recent this many
-PROBE_MIN_S, PROBE_MAX_S = 0.5, 10.0  # while all is refused, one request is admitted every slo.ttft_s in these
+PROBE_MIN_S, PROBE_MAX_S = 0.5, 10.0  # while all is refused, one is admitted every slo.ttft_s in these
 ADMISSIONS = ("none", "slo")
 ROLES = ("prefill", "decode")
 

@@ -132,7 +132,7 @@ def test_ucx_modules_are_left_alone_unless_the_devices_are_loopback_only(devices
 
 
 def test_importing_the_nixl_backend_sets_no_ucx_variable():
-    """Importing used to set UCX_MODULES=^ib for every user, turning InfiniBand off for nixl_devices=mlx5_0:1."""
+    """Importing used to set UCX_MODULES=^ib for every user (InfiniBand off for nixl_devices=mlx5_0:1)."""
     import os
     import subprocess
     import sys
