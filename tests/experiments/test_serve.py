@@ -670,25 +670,39 @@ def test_a_repeated_prompt_is_served_from_the_prefix_cache(server, reference):
 
 def test_admission_refuses_with_503_and_retry_after_streamed_or_not(tmp_path):
     """deployment.admission=slo with a TTFT bound no prompt can meet: the first request is taken (the
-    prefill speed is not known yet); once a Load has measured it, every request is refused at once, a
-    stream too (503 with Retry-After before any event), counted in /metrics, and the server stays up."""
+    prefill speed is not known yet); once a Load has measured it, requests are refused at once, a stream
+    too (503 with Retry-After before any event), counted in /metrics, and the server stays up. While it
+    refuses everything it still admits one request per probe interval (it cannot lock itself out), and
+    GET /health says that it is refusing."""
     proc, url = _start(tmp_path, "deployment=colocated", "deployment.admission=slo", "slo.ttft_s=0.000001")
     try:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
         first = client.completions.create(model="tiny-random", prompt="Taken", max_tokens=2, temperature=0)
         assert first.choices[0].finish_reason == "length"
-        time.sleep(1.5)  # a Load or two: the worker's prefill speed is measured
-        for stream in (False, True):
-            with pytest.raises(openai.APIStatusError) as err:
-                out = client.completions.create(
-                    model="tiny-random", prompt="Refused", max_tokens=2, temperature=0, stream=stream
-                )
-                list(out) if stream else None
-            assert err.value.status_code == 503 and err.value.response.headers["retry-after"]
-            assert "predicted TTFT" in str(err.value) and "slo.ttft_s" in str(err.value)
-        assert _metrics(url)[("pdk_requests_total", (("finish_reason", "rejected"),))] == 2
-        with urllib.request.urlopen(f"{url}/health", timeout=10) as r:
-            assert r.status == 200
+        refused, probes, give_up = 0, 0, time.monotonic() + 120
+        for stream in (False, True):  # until one of each is refused (once a Load measured the worker)
+            while True:
+                assert time.monotonic() < give_up, "no request was refused"
+                try:
+                    out = client.completions.create(
+                        model="tiny-random", prompt="Refused", max_tokens=2, temperature=0, stream=stream
+                    )
+                    list(out) if stream else None
+                    probes += refused > 0  # admitted after a refusal: a probe
+                except openai.APIStatusError as err:
+                    assert err.status_code == 503
+                    assert err.response.headers["retry-after"]
+                    assert "predicted TTFT" in str(err) and "slo.ttft_s" in str(err)
+                    refused += 1
+                    break
+        metrics = _metrics(url)
+        assert metrics[("pdk_requests_total", (("finish_reason", "rejected"),))] == refused
+        assert metrics[("pdk_admission_rejected", ())] == refused
+        assert metrics[("pdk_admission_probes", ())] >= probes
+        with pytest.raises(urllib.error.HTTPError) as err:  # the last request was refused: it refuses
+            urllib.request.urlopen(f"{url}/health", timeout=10)
+        assert err.value.code == 503 and json.loads(err.value.read())["status"] == "refusing"
+        assert client.models.list().data  # still serving
     finally:
         _stop(proc)
 
