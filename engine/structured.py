@@ -74,6 +74,18 @@ class StructuredOutputs:
             return kind, json.dumps(value)  # key order kept: the schema's property order is the output's
         return kind, value
 
+    @property
+    def key(self) -> tuple[str, str]:
+        """The spec's canonical form, what compiled grammars are cached by: a JSON schema compact, its
+        keys in their order (added whitespace must not compile it again)."""
+        kind, text = self.wire()
+        if kind == "json":
+            try:
+                text = json.dumps(json.loads(text), separators=(",", ":"), ensure_ascii=False)
+            except ValueError:
+                pass  # not JSON: grammar_of() says so
+        return kind, text
+
     @staticmethod
     def of_wire(kind: str, text: str) -> StructuredOutputs:
         if kind not in KINDS:
@@ -105,12 +117,52 @@ class StructuredOutputs:
                 return xgr.Grammar.from_ebnf(f"root ::= {alternatives}")
             return xgr.Grammar.from_ebnf(text)
         except Exception as e:  # xgrammar raises RuntimeError/ValueError subclasses with its parser's message
+            if "bad_alloc" in str(
+                e
+            ):  # C++ out of memory (a process's address-space cap): not the spec's text
+                raise MemoryError(f"structured_outputs.{kind}: {e}") from e
             raise ValueError(f"structured_outputs.{kind} is not valid: {e}") from e
 
 
 def check(spec: StructuredOutputs) -> None:
-    """Build the spec's grammar once (the server calls this, so a bad schema is a 400 before any worker)."""
+    """Build the spec's grammar once (a bad schema is a ValueError naming the field)."""
     spec.grammar_of()
+
+
+def tokenizer_info(tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...]):
+    """xgrammar's view of a vocabulary: special tokens as empty strings (a grammar never spells text with
+    them), byte-level or raw pieces."""
+    import xgrammar as xgr
+
+    inner = tokenizer.tokenizer
+    if inner is None:  # engine.tokenizer.NoTokenizer
+        raise ValueError("structured_outputs needs a tokenizer and this model has none (no tokenizer.json)")
+    vocab = ["" if tokenizer.is_special(i) else (inner.id_to_token(i) or "") for i in range(vocab_size)]
+    kind = xgr.VocabType.BYTE_LEVEL if _byte_level(inner) else xgr.VocabType.RAW
+    return xgr.TokenizerInfo(vocab, kind, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids))
+
+
+class Compiler:
+    """Compiles specs (their wire form) against a vocabulary given as TokenizerInfo JSON into xgrammar's
+    serialized CompiledGrammar: what the HTTP server's sandbox process runs, under its time and memory
+    limits, so that a worker only loads the result (Grammars.load)."""
+
+    def __init__(self, info_json: str):
+        import xgrammar as xgr
+
+        info = xgr.TokenizerInfo.deserialize_json(info_json)
+        self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+
+    def compile_json(self, kind: str, text: str) -> str:
+        """ValueError naming the field when the spec is bad or does not compile."""
+        spec = StructuredOutputs.of_wire(kind, text)
+        grammar = spec.grammar_of()
+        try:
+            return self.compiler.compile_grammar(grammar).serialize_json()
+        except Exception as e:
+            if isinstance(e, MemoryError) or "bad_alloc" in str(e):
+                raise MemoryError(f"structured_outputs.{kind}: {e}") from e
+            raise ValueError(f"structured_outputs.{kind} did not compile: {e}") from e
 
 
 class Grammars:
@@ -120,25 +172,31 @@ class Grammars:
         import xgrammar as xgr
 
         self.xgr, self.vocab_size = xgr, vocab_size
-        inner = tokenizer.tokenizer
-        if inner is None:  # engine.tokenizer.NoTokenizer
-            raise ValueError(
-                "structured_outputs needs a tokenizer and this model has none (no tokenizer.json)"
-            )
-        # special tokens as empty strings: xgrammar then never lets a grammar spell text with them
-        vocab = ["" if tokenizer.is_special(i) else (inner.id_to_token(i) or "") for i in range(vocab_size)]
-        kind = xgr.VocabType.BYTE_LEVEL if _byte_level(inner) else xgr.VocabType.RAW
-        info = xgr.TokenizerInfo(vocab, kind, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids))
-        self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self.info = tokenizer_info(tokenizer, vocab_size, stop_token_ids)
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
         self.tokenizer = tokenizer
         self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)  # filled afresh for each row
         self._controls: Tensor | None = None  # token ids holding a control byte (JSON never has one raw)
         self.compiled: OrderedDict[tuple[str, str], object] = OrderedDict()  # by spec, least recent first
         self.compile_s: list[float] = []  # each compile's time (a spec found in the cache: none)
 
+    def load(self, spec: StructuredOutputs, compiled_json: str) -> None:
+        """Take spec's grammar as compiled elsewhere (compile_to_json, against this vocabulary), so that
+        matcher() finds it: the worker then never compiles a client's spec on its step loop. A spec
+        already here is not loaded again. ValueError if the grammar was compiled for another vocabulary."""
+        key = spec.key
+        if key in self.compiled:
+            return
+        try:
+            self.compiled[key] = self.xgr.CompiledGrammar.deserialize_json(compiled_json, self.info)
+        except Exception as e:
+            raise ValueError(f"structured_outputs.{key[0]}: the compiled grammar does not load: {e}") from e
+        while len(self.compiled) > CACHED_GRAMMARS:
+            self.compiled.popitem(last=False)
+
     def matcher(self, spec: StructuredOutputs):
         """A new matcher for spec (ValueError naming the field if it does not compile)."""
-        key = spec.wire()
+        key = spec.key
         compiled = self.compiled.pop(key, None)
         if compiled is None:
             grammar, start = spec.grammar_of(), time.perf_counter()

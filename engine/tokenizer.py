@@ -67,23 +67,9 @@ class TextTokenizer:
         timeout_s: a template still running after this long (nested loops) is stopped: ValueError."""
         if not self.chat_template:
             raise ValueError("this model has no chat template; pass plain prompts (chat=False)")
-        previous = sys.gettrace()
-        try:
-            if self._template is None:  # compiled once (3-5 ms a chat request here when compiled each time)
-                self._template = _sandbox().from_string(self.chat_template)
-            template = self._template
-            if timeout_s is not None:
-                sys.settrace(_deadline(time.monotonic() + timeout_s))
-            return template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, bos_token=self.bos_token or ""
-            )
-        except jinja2.TemplateError as e:
-            raise ValueError(f"the model's chat template failed: {type(e).__name__}: {e}") from e
-        except TemplateTimeout as e:
-            raise ValueError(f"the model's chat template ran past {timeout_s} s (template_timeout_s)") from e
-        finally:
-            if timeout_s is not None:
-                sys.settrace(previous)
+        if self._template is None:  # compiled once (3-5 ms a chat request here when compiled each time)
+            self._template = compile_template(self.chat_template)
+        return render_template(self._template, messages, self.bos_token, add_generation_prompt, timeout_s)
 
 
 class NoTokenizer:
@@ -176,13 +162,78 @@ def _raise_exception(message: str):
     raise jinja2.TemplateError(message)
 
 
+MAX_TEMPLATE_VALUE = 1 << 24  # a template's `*` may make a string or list of at most this many items
+MAX_TEMPLATE_EXPONENT_BITS = 4096  # and `**` a number of at most this many bits
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """transformers' environment (sandboxed, immutable, loop controls) whose `*` and `**` refuse results
+    past a bound before computing them: `10 ** 30000000` ran 35 s in one C call holding the GIL (no trace
+    function can stop it) and `'x' * 200000000` made 200 MB at once."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context, operator: str, left, right):
+        if operator == "**" and _integer(left) and _integer(right) and right > 0:
+            if right * max(abs(left), 2).bit_length() > MAX_TEMPLATE_EXPONENT_BITS:
+                raise jinja2.TemplateError(f"the template's {left} ** {right} is too large")
+        if operator == "*":
+            for seq, count in ((left, right), (right, left)):
+                if (
+                    isinstance(seq, str | list | tuple)
+                    and _integer(count)
+                    and len(seq) * count > MAX_TEMPLATE_VALUE
+                ):
+                    raise jinja2.TemplateError("the template's `*` makes a value too large")
+        return super().call_binop(context, operator, left, right)
+
+
+def _integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _sandbox() -> ImmutableSandboxedEnvironment:
-    """The environment transformers renders chat templates in: sandboxed, immutable, loop controls."""
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
+    """The environment chat templates render in (model files are untrusted input)."""
+    env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.globals["raise_exception"] = _raise_exception
     return env
+
+
+def compile_template(source: str) -> jinja2.Template:
+    """A chat template compiled in the sandbox (ValueError if it does not parse)."""
+    try:
+        return _sandbox().from_string(source)
+    except jinja2.TemplateError as e:
+        raise ValueError(f"the model's chat template failed: {type(e).__name__}: {e}") from e
+
+
+def render_template(
+    template: jinja2.Template,
+    messages: list[dict],
+    bos_token: str | None,
+    add_generation_prompt: bool = True,
+    timeout_s: float | None = None,
+) -> str:
+    """Render a compiled chat template; whatever it raises becomes a ValueError. timeout_s: a template
+    still running after this long (nested loops) is stopped between two of its lines: ValueError. A
+    single C-level operation cannot be stopped so; the HTTP server renders in a process it can kill
+    (experiments.deploy.sandbox)."""
+    previous = sys.gettrace()
+    try:
+        if timeout_s is not None:
+            sys.settrace(_deadline(time.monotonic() + timeout_s))
+        return template.render(
+            messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos_token or ""
+        )
+    except jinja2.TemplateError as e:
+        raise ValueError(f"the model's chat template failed: {type(e).__name__}: {e}") from e
+    except TemplateTimeout as e:
+        raise ValueError(f"the model's chat template ran past {timeout_s} s (template_timeout_s)") from e
+    except (OverflowError, RecursionError) as e:  # MemoryError goes up: the sandbox recycles its child
+        raise ValueError(f"the model's chat template failed: {type(e).__name__}: {e}") from e
+    finally:
+        if timeout_s is not None:
+            sys.settrace(previous)
 
 
 def from_gguf_fields(fields: dict) -> TextTokenizer:

@@ -9,6 +9,7 @@ import logging
 import math
 import secrets
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import msgspec
@@ -32,7 +33,11 @@ class ServerConfig:
     max_body_bytes: int = 4 << 20  # a larger request body is refused (413) before it is read whole
     max_prompt_chars: int | None = None  # characters of prompt or messages (None: 16 per context token)
     body_timeout_s: float = 30.0  # the whole body must arrive within this (408)
-    template_timeout_s: float = 2.0  # a chat template rendering longer is stopped (400)
+    template_timeout_s: float = 2.0  # a chat template rendering longer is killed (400)
+    template_max_bytes: int = 256 << 20  # memory a chat template's rendering may take (400 past it)
+    grammar_timeout_s: float = 5.0  # a structured-output spec compiling longer is killed (400)
+    grammar_max_bytes: int = 1 << 30  # memory its conversion and compile may take (400 past it)
+    sandbox_processes: int = 2  # processes rendering templates, and as many compiling grammars
     timeout_keep_alive_s: float = 5.0  # an idle kept-alive connection is closed after this
     shutdown_timeout_s: float = 5.0  # SIGTERM/Ctrl-C: requests in flight may finish this long (new: 503)
     # Host headers served besides this machine's loopback names and the bound address ("*": any)
@@ -45,13 +50,15 @@ class ServerConfig:
             raise ValueError(f"server.port={self.port!r} is not allowed: an integer in [0, 65536)")
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
             raise ValueError("server.api_key must be a non-empty string or null")
-        for key in ("max_body_bytes", "max_prompt_chars", "max_n"):
+        for key in ("max_body_bytes", "max_prompt_chars", "max_n", "template_max_bytes", "grammar_max_bytes",
+                    "sandbox_processes"):  # fmt: skip
             value = getattr(self, key)
             if (value is not None or key != "max_prompt_chars") and (
                 isinstance(value, bool) or not isinstance(value, int) or value < 1
             ):
                 raise ValueError(f"server.{key}={value!r} is not allowed: an integer >= 1")
-        for key in ("body_timeout_s", "template_timeout_s", "timeout_keep_alive_s", "shutdown_timeout_s"):
+        for key in ("body_timeout_s", "template_timeout_s", "grammar_timeout_s", "timeout_keep_alive_s",
+                    "shutdown_timeout_s"):  # fmt: skip
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1e6:
                 raise ValueError(f"server.{key}={value!r} is not allowed: a number of seconds > 0")
@@ -124,6 +131,7 @@ UNSUPPORTED_UNLESS = {
 }
 MAX_TOP_LOGPROBS = {True: 20, False: 5}  # chat's top_logprobs, completions' logprobs (OpenAI's bounds)
 MAX_TOKEN_LIST = 1024  # entries of logit_bias or stop_token_ids
+COMPILED_CHARS = 256 << 20  # compiled grammars the server keeps, by their serialized length
 
 
 def _number(body: dict, key: str, default, low=None, high=None, integer=False, low_open=False):
@@ -150,6 +158,16 @@ def _temperature(body: dict) -> float:
             400, f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, 2], got {value!r}", "temperature"
         )
     return value
+
+
+@dataclass
+class Prepared:
+    """What the sandboxes made of a request (App.prepare): its chat rendered by the model's template, and
+    its structured-output spec with the grammar compiled for it (xgrammar's serialized form)."""
+
+    text: str | None = None
+    spec: object = None  # engine.StructuredOutputs
+    grammar: str | None = None
 
 
 @dataclass
@@ -188,12 +206,20 @@ class App:
         max_position: int,
         api_key: str | None,
         config: ServerConfig | None = None,
+        templates=None,
+        grammars=None,
     ):
+        """templates, grammars: the sandboxes (experiments.deploy.sandbox.Sandbox) chat templates render
+        and grammars compile in (grammars None: the model has no tokenizer, so no structured output)."""
         self.runtime, self.tokenizer, self.model_name = runtime, tokenizer, model_name
         self.max_position, self.api_key = max_position, api_key
         self.config = config or ServerConfig(api_key=api_key)
         self.max_prompt_chars = self.config.max_prompt_chars or 16 * max_position
+        self.templates, self.grammars = templates, grammars
+        self.compiled: OrderedDict[tuple[str, str], str] = OrderedDict()  # spec's key -> its grammar
+        self.compiled_chars = self.compiles = 0
         self.metrics = Metrics(runtime)
+        self.metrics.sandboxes(templates, grammars, lambda: self.compiles)
         self.logprobs = LogprobShapes(tokenizer)
         self.stopping = False  # set when the server drains before it stops: new requests get 503
 
@@ -216,10 +242,60 @@ class App:
                 400, f"model {model!r} is not served here; this server serves {self.model_name!r}", "model"
             )
 
-    def parse(self, body: dict, chat: bool) -> Parsed:
+    async def prepare(self, body, chat: bool) -> Prepared:
+        """The parts of a request that run code of a model file or grow with a client's input without a
+        bound, each in its sandbox: the chat template, and the structured-output spec's conversion and
+        compile (once per spec: compiled grammars are kept by the spec's canonical form)."""
+        if not isinstance(body, dict):
+            return Prepared()  # parse() says what is wrong
+        self.check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
+        text = await self._render(body.get("messages")) if chat else None
+        found = _structured(body)
+        if found is None:
+            return Prepared(text)
+        spec, param = found
+        return Prepared(text, spec, await self._compile(spec, param))
+
+    async def _render(self, messages) -> str:
+        from experiments.deploy.sandbox import SandboxError, Task
+
+        _check_messages(messages)
+        self._check_chars(sum(len(m["content"]) for m in messages), "messages")
+        if not self.tokenizer.chat_template:
+            raise ApiError(400, "this model has no chat template; use /v1/completions", "messages")
+        task = Task(
+            self.config.template_timeout_s, [{"role": m["role"], "content": m["content"]} for m in messages]
+        )
+        try:
+            return await self.templates.run(task)
+        except SandboxError as e:  # the template is the model's (untrusted): its failures are the request's
+            raise ApiError(400, f"the chat template refused these messages: {e}", "messages") from e
+
+    async def _compile(self, spec, param: str) -> str:
+        from experiments.deploy.sandbox import SandboxError, Task
+
+        if self.grammars is None:
+            raise ApiError(400, "structured output needs a tokenizer and this model has none", param)
+        key = spec.key
+        if key in self.compiled:  # compiled for an earlier request (whitespace and all aside)
+            self.compiled.move_to_end(key)
+            return self.compiled[key]
+        self.compiles += 1
+        try:
+            grammar = await self.grammars.run(Task(self.config.grammar_timeout_s, spec=spec.wire()))
+        except SandboxError as e:
+            limits = "server.grammar_timeout_s, server.grammar_max_bytes"
+            raise ApiError(400, f"{param}: {e} ({limits})", param) from e
+        self.compiled[key] = grammar
+        self.compiled_chars += len(grammar)
+        while self.compiled_chars > COMPILED_CHARS and len(self.compiled) > 1:
+            self.compiled_chars -= len(self.compiled.popitem(last=False)[1])
+        return grammar
+
+    def parse(self, body: dict, chat: bool, prepared: Prepared) -> Parsed:
         self.check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
         if chat:
-            prompt_ids = self._chat_prompt(body.get("messages"))
+            prompt_ids = self._chat_prompt(prepared.text)
             max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
             key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
         else:
@@ -266,12 +342,12 @@ class App:
             stop=stop,
             ignore_eos=ignore_eos,
             stream=stream,
-            **self._sampling(body, chat, max_tokens),
+            **self._sampling(body, chat, max_tokens, prepared),
         )
         n = _number(body, "n", 1, 1, self.config.max_n, integer=True)  # server.max_n
         return Parsed(prompt_ids, submit, stream, bool(options.get("include_usage")), n)
 
-    def _sampling(self, body: dict, chat: bool, max_tokens: int) -> dict:
+    def _sampling(self, body: dict, chat: bool, max_tokens: int, prepared: Prepared) -> dict:
         """vLLM's further sampling fields and logprobs, checked, as Submit's keyword arguments."""
         vocab = self.tokenizer.vocab_size
         out = {
@@ -331,8 +407,9 @@ class App:
             out["logprobs"] = (top or 0) if wanted else None
         else:
             out["logprobs"] = _number(body, "logprobs", None, 0, most, integer=True)
-        spec = _structured(body)
+        spec = prepared.spec
         out["structured_outputs"] = spec.wire() if spec is not None else None
+        out["grammar"] = prepared.grammar
         return out
 
     def _completion_prompt(self, prompt) -> list[int]:
@@ -356,28 +433,8 @@ class App:
             400, "prompt must be a non-empty string or list of token ids (one prompt per request)", "prompt"
         )
 
-    def _chat_prompt(self, messages) -> list[int]:
-        if not isinstance(messages, list) or not messages:
-            raise ApiError(400, "messages must be a non-empty list of {role, content}", "messages")
-        for m in messages:
-            if not (
-                isinstance(m, dict)
-                and m.get("role") in ("system", "user", "assistant")
-                and isinstance(m.get("content"), str)
-            ):
-                raise ApiError(
-                    400, "each message must be {role: system|user|assistant, content: string}", "messages"
-                )
-        self._check_chars(sum(len(m["content"]) for m in messages), "messages")
-        try:
-            text = self.tokenizer.apply_chat_template(
-                [{"role": m["role"], "content": m["content"]} for m in messages],
-                timeout_s=self.config.template_timeout_s,
-            )
-        except (
-            Exception
-        ) as e:  # the template is the model's (untrusted, sandboxed): its errors are the request's
-            raise ApiError(400, f"the chat template refused these messages: {e}", "messages") from e
+    def _chat_prompt(self, text: str | None) -> list[int]:
+        """The rendered chat's tokens (its length was checked in the sandbox: at most max_prompt_chars)."""
         ids = self.tokenizer.encode(text) if isinstance(text, str) else []
         if not ids:
             raise ApiError(400, "the model's chat template rendered these messages to nothing", "messages")
@@ -440,10 +497,24 @@ class App:
             )
 
 
+def _check_messages(messages) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages must be a non-empty list of {role, content}", "messages")
+    for m in messages:
+        if not (
+            isinstance(m, dict)
+            and m.get("role") in ("system", "user", "assistant")
+            and isinstance(m.get("content"), str)
+        ):
+            raise ApiError(
+                400, "each message must be {role: system|user|assistant, content: string}", "messages"
+            )
+
+
 def _structured(body: dict):
-    """engine.StructuredOutputs from chat's response_format or vLLM's structured_outputs (either, not both),
-    its grammar built once here so that a bad schema, regex or grammar is a 400 naming the field."""
-    from engine.structured import KINDS, StructuredOutputs, check
+    """(engine.StructuredOutputs, the field it came from) from chat's response_format or vLLM's
+    structured_outputs (either, not both), or None; its grammar is built in the sandbox (App._compile)."""
+    from engine.structured import KINDS, StructuredOutputs
 
     fmt, extra = body.get("response_format"), body.get("structured_outputs")
     if fmt is not None and extra is not None:
@@ -472,10 +543,9 @@ def _structured(body: dict):
         return None
     try:
         spec = StructuredOutputs(**kwargs)
-        check(spec)
     except (TypeError, ValueError) as e:
         raise ApiError(400, str(e), param) from e
-    return spec
+    return spec, param
 
 
 def _reject_constant(name: str):

@@ -79,6 +79,9 @@ class Submit(Message):
     logprobs: int | None = None
     # engine.StructuredOutputs.wire(): (kind, text); only decode and colocated workers build its grammar
     structured_outputs: tuple[str, str] | None = None
+    # its grammar compiled by the server's sandbox (xgrammar's serialized CompiledGrammar, for this model's
+    # vocabulary): the worker loads it instead of compiling a client's spec on its step loop
+    grammar: str | None = None
     # n > 1: the server sends one Submit per completion; a later one names the first (its request_id),
     # goes to the same worker and starts once that one's prompt KV is there, sharing its pages
     after: str | None = None

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+from prometheus_client import Gauge
+
 from experiments.deploy.messages import Result
 from experiments.deploy.runtime import Runtime
 
@@ -104,6 +106,23 @@ class Metrics:
         ).set_function(lambda: router.probes)
         self.runtime = runtime
         self.sent: dict[str, float] = {}
+
+    def sandboxes(self, templates, grammars, compiles) -> None:
+        """Gauges of the server's sandboxes (experiments.deploy.sandbox): children killed, specs compiled."""
+        killed = Gauge(
+            "pdk_sandbox_killed",
+            "Sandbox processes killed (past their deadline, their caller gone, or out of memory)",
+            ["kind"],
+            registry=self.registry,
+        )
+        for kind, pool in (("template", templates), ("grammar", grammars)):
+            if pool is not None:
+                killed.labels(kind).set_function(lambda p=pool: p.killed)
+        Gauge(
+            "pdk_grammar_compiles",
+            "Structured-output specs compiled in the sandbox (not found compiled)",
+            registry=self.registry,
+        ).set_function(compiles)
 
     def started(self, request_id: str) -> None:
         """A sequence the workers serve began: a request, or each of its n completions."""

@@ -175,12 +175,12 @@ def make_app(state: App) -> FastAPI:
     async def generate(request: Request, chat: bool):
         guard(request)
         body = await body_of(request)
+        prepared = await unless_gone(request, state.prepare(body, chat))  # templates, grammars: sandboxed
         prompt = body.get("prompt") if isinstance(body, dict) and not chat else None
-        constrained = isinstance(body, dict) and ("response_format" in body or "structured_outputs" in body)
-        if isinstance(prompt, list | str) and len(prompt) <= INLINE_BYTES // 4 and not constrained:
-            parsed = state.parse(body, chat)  # a short completion prompt: well under a millisecond
-        else:  # chat templates (untrusted, time-limited), long prompts and grammars: off the loop
-            parsed = await asyncio.to_thread(state.parse, body, chat)
+        if isinstance(prompt, list | str) and len(prompt) <= INLINE_BYTES // 4:
+            parsed = state.parse(body, chat, prepared)  # a short completion prompt: well under a millisecond
+        else:  # rendered chats and long prompts tokenize off the loop
+            parsed = await asyncio.to_thread(state.parse, body, chat, prepared)
         loop = asyncio.get_running_loop()
         events = state.start(parsed, loop)
         if parsed.stream:  # a request refused at once (admission, no worker) is an HTTP error, not a stream
@@ -210,6 +210,22 @@ def make_app(state: App) -> FastAPI:
             state.cancel(parsed)
             raise
         return JSONResponse(complete(parsed, [results[i] for i in range(parsed.n)], chat))
+
+    async def unless_gone(request: Request, work):
+        """Await work (a coroutine), cancelled if the client goes away meanwhile (a sandboxed task's
+        process is then killed): 408, which nobody reads."""
+        task = asyncio.ensure_future(work)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    return task.result()
+                if await request.is_disconnected():
+                    task.cancel()
+                    raise ApiError(408, "the client went away")
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
 
     def fail(parsed: Parsed, result: Result) -> None:
         """A failed completion fails its request (the ApiError it answers with): the others end too."""
@@ -338,6 +354,24 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def sandboxes(server: ServerConfig, loaded, max_chars: int):
+    """The processes chat templates render in and grammars compile in (none for grammars where the
+    model has no tokenizer), started now: their children fork from the fork server meanwhile."""
+    from engine.structured import tokenizer_info
+    from experiments.deploy.sandbox import MAX_COMPILED_CHARS, Sandbox, Setup
+
+    tok, model = loaded.tokenizer, loaded.config
+    n = server.sandbox_processes
+    setup = Setup("template", server.template_max_bytes, max_chars, tok.chat_template, tok.bos_token)
+    templates = Sandbox(setup, n)
+    if tok.tokenizer is None:  # NoTokenizer: token ids only
+        return templates, None
+    info = tokenizer_info(tok, model.vocab_size, model.eos_token_ids).serialize_json()
+    return templates, Sandbox(
+        Setup("grammar", server.grammar_max_bytes, MAX_COMPILED_CHARS, tokenizer_info=info), n
+    )
+
+
 class _Server:
     """Made a subclass of uvicorn.Server in serve() (uvicorn is imported there): a drain on SIGTERM or
     Ctrl-C. New requests get 503 while the ones in flight finish, for up to shutdown_timeout_s; those
@@ -393,6 +427,7 @@ def serve(cfg: DictConfig, out_dir: Path, ready=None) -> None:
         loaded.tokenizer,
         min(loaded.config.max_position, pages * config.model.page_size),
     )
+    templates, grammars = sandboxes(server, loaded, server.max_prompt_chars or 16 * max_position)
     del loaded
     logging.getLogger().setLevel(config.log_level)
     name = server.served_model_name or config.model.name
@@ -404,7 +439,7 @@ def serve(cfg: DictConfig, out_dir: Path, ready=None) -> None:
     router = Router.of(d, fleet.frontends, m.num_pages, m.page_size, fleet.cache_salt, config.slo, prefill)
     runtime = Runtime(fleet, d.on_worker_death, config.transfer.peer_timeout_s, router, d, config.slo)
     try:
-        state = App(runtime, tokenizer, name, max_position, server.api_key, server)
+        state = App(runtime, tokenizer, name, max_position, server.api_key, server, templates, grammars)
         app = make_app(state)
         host, port = sock.getsockname()[:2]
         url = f"http://{host}:{port}"
@@ -423,4 +458,7 @@ def serve(cfg: DictConfig, out_dir: Path, ready=None) -> None:
         server_class(uvicorn_config, state, server.shutdown_timeout_s).run(sockets=[sock])
     finally:
         runtime.close(timeout_s=server.shutdown_timeout_s)
+        for sandbox in (templates, grammars):
+            if sandbox is not None:
+                sandbox.close()
         sock.close()

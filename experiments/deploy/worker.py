@@ -358,6 +358,8 @@ class Worker(RoleSwitching):
                 values = {f.name: getattr(msg, f.name) for f in fields(SamplingParams) if f.name != "n"}
                 if msg.structured_outputs is not None:
                     values["structured_outputs"] = StructuredOutputs.of_wire(*msg.structured_outputs)
+                    if msg.grammar is not None:  # compiled by the server: loaded, not compiled here
+                        self.llm.grammars.load(values["structured_outputs"], msg.grammar)
                 params = SamplingParams(**values)
                 if msg.request_id in self.live:
                     raise ValueError(f"request_id {msg.request_id!r} is already in flight here")

@@ -86,3 +86,19 @@ def test_the_chat_template_is_compiled_once_and_a_broken_one_fails_every_time(mo
     for _ in range(2):
         with pytest.raises(ValueError, match="chat template failed"):
             broken.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+@pytest.mark.parametrize(
+    "expression",
+    [
+        "(10 ** 30000000) % 7",  # 35 s in one C call holding the GIL: no trace function stops it
+        "'x' * 200000000",  # 200 MB at once
+        "[0] * 100000000",
+        "200000000 * 'x'",
+    ],
+)
+def test_a_template_s_huge_power_or_repetition_is_refused_before_it_is_computed(expression):
+    with pytest.raises(ValueError, match="too large"):  # refused before the operation runs
+        _tok("{{ " + expression + " }}").apply_chat_template([{"role": "user", "content": "hi"}])
+    fine = "{{ 2 ** 10 }} {{ 'ab' * 3 }} {{ 2.5 ** 2 }} {{ -3 ** 3 }}"
+    assert _tok(fine).apply_chat_template([{"role": "user", "content": "hi"}]) == "1024 ababab 6.25 -27"

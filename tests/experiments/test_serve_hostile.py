@@ -71,7 +71,13 @@ def _group_gone(pgid: int, within_s: float) -> bool:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hostile")
-    proc, url = _start(tmp, "deployment=1p1d", "server.max_body_bytes=1000000", "server.template_timeout_s=1")
+    proc, url = _start(
+        tmp,
+        "deployment=1p1d",
+        "server.max_body_bytes=1000000",
+        "server.template_timeout_s=1",
+        "server.grammar_timeout_s=2",
+    )
     yield url
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=60)
@@ -392,3 +398,129 @@ def test_a_decode_worker_killed_mid_stream_loses_no_request(tmp_path):
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
     assert _group_gone(proc.pid, 15)
+
+
+def _stream_beside(url: str, hostile) -> tuple[int, object]:
+    """(tokens a greedy stream received while hostile() ran, what hostile() returned): the stream is
+    running (its first token came) before hostile() starts, and runs on after it ends."""
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    started, stop, counts = threading.Event(), threading.Event(), [0]
+
+    def stream():
+        for _ in _long_stream(client, "Stream on:"):
+            counts[0] += 1
+            started.set()
+            if stop.is_set():
+                break
+
+    t = threading.Thread(target=stream)
+    t.start()
+    assert started.wait(60), "the stream did not start"
+    before = counts[0]
+    out = hostile()
+    during = counts[0] - before
+    stop.set()
+    t.join(timeout=120)
+    return during, out
+
+
+HOSTILE_SPECS = {  # issue 46: 137 bytes that froze every stream on the decode worker for 21.6 s
+    "pattern": {"json": {"type": "string", "pattern": "[a-z]{0,20000}"}},
+    "nested": {"json": json.loads('{"items":' * 600 + "{}" + "}" * 600)},  # stalled a worker 6.3 s
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE_SPECS))
+def test_a_hostile_grammar_is_refused_in_its_sandbox_while_streams_go_on(server, name):
+    """The spec converts and compiles in the server's sandbox (a process killed past
+    server.grammar_timeout_s), never on a worker's step loop: a 400 naming the field, and a stream on
+    the decode worker kept receiving tokens all the while."""
+    body = dict(OK, structured_outputs=HOSTILE_SPECS[name])
+    during, answer = _stream_beside(server, lambda: _post(server, json.dumps(body)))
+    status, _, raw = answer
+    err = json.loads(raw)["error"]
+    if name == "pattern":  # 23 s to convert here before the sandbox: now stopped at 2 s
+        assert status == 400 and err["param"] == "structured_outputs", err
+        assert "grammar_timeout_s" in err["message"], err
+    else:  # either within the limits (then it was compiled in the sandbox, not the worker) or refused
+        assert status in (200, 400), raw[:300]
+    assert during > 0  # the stream was not frozen while it compiled
+    _still_serving(server)
+
+
+def test_the_same_schema_with_other_whitespace_compiles_once(server):
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    before = _metrics(server)[("pdk_grammar_compiles", ())]
+    for indent in (None, 2, 8):
+        text = json.dumps({"model": "tiny-random", "prompt": "Hi", "max_tokens": 16,
+                           "structured_outputs": {"json": schema}}, indent=indent)  # fmt: skip
+        status, _, raw = _post(server, text)
+        assert status == 200, raw[:300]
+    compiled = _metrics(server)[("pdk_grammar_compiles", ())] - before
+    assert compiled == 1  # the server's cache keys on the canonical form
+
+
+def _hostile_model(tmp: Path) -> Path:
+    """A tiny Llama folder whose chat template attacks by the first message: pow, a 200 MB repetition,
+    a loop that runs for hours, a 1.2 GB rendering by concatenation; else a normal template."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256,
+    )  # fmt: skip
+    folder = tmp / "hostile-model"
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    from engine import LLM
+
+    LLM("tiny-random").tokenizer.tokenizer.save(str(folder / "tokenizer.json"))
+    loop = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    big = "{% set ns = namespace(s='x' * 10000000) %}{% for i in range(7) %}{% set ns.s = ns.s ~ ns.s %}"
+    template = (
+        "{% if messages[0].content == 'pow' %}{{ (10 ** 30000000) % 7 }}"
+        "{% elif messages[0].content == 'mul' %}{{ ('x' * 200000000) ~ ('x' * 200000000) }}"
+        "{% elif messages[0].content == 'loop' %}" + loop + ""
+        "{% elif messages[0].content == 'big' %}" + big + "{% endfor %}{{ ns.s }}"
+        "{% else %}{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% endif %}"
+    )
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    return folder
+
+
+def test_a_hostile_chat_template_is_killed_and_health_answers_meanwhile(tmp_path):
+    """A model folder's template is untrusted: each attack is a 400 naming messages, /health answers
+    while it runs (before its answer comes), and chats after it render."""
+    folder = _hostile_model(tmp_path)
+    proc, url = _start(
+        tmp_path / "run", "model=hf", f"model.name={folder}", "model.dtype=float32", "model.page_size=4",
+        "model.num_pages=128", "server.template_timeout_s=1", "server.template_max_bytes=268435456",
+        "server.served_model_name=hostile",
+    )  # fmt: skip
+    model = "hostile"
+    try:
+
+        def chat(content: str):
+            body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 2}
+            return _raw(url, "POST", "/v1/chat/completions", json.dumps(body).encode(),
+                        {"Content-Type": "application/json"})  # fmt: skip
+
+        for attack in ("pow", "mul", "loop", "big"):
+            answers, health = [], []  # health: (status, whether the attack was still unanswered)
+            t = threading.Thread(target=lambda a=attack, out=answers: out.append(chat(a)))
+            t.start()
+            while t.is_alive():  # /health answers while the template runs (it froze 33 s before)
+                health.append((_raw(url, "GET", "/health", timeout=30)[0], not answers))
+            t.join()
+            status, _, raw = answers[0]
+            assert status == 400 and json.loads(raw)["error"]["param"] == "messages", (attack, raw[:300])
+            assert all(h == 200 for h, _ in health), (attack, health)
+            if attack == "loop":  # killed at 1 s: /health answered before the attack's answer came
+                assert any(in_flight for _, in_flight in health), health
+            status, _, raw = chat("hi")
+            assert status == 200, raw[:300]
+        assert _metrics(url)[("pdk_sandbox_killed", (("kind", "template"),))] >= 1
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        if not _group_gone(proc.pid, 15):
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise AssertionError("processes of the server's group outlived it")

@@ -1,0 +1,149 @@
+"""Chat templates and grammar compiles in killable child processes (experiments/deploy/sandbox.py): the
+hostile recipes of issue 46 end as errors within their limits, the pool serves on, and a caller that
+gives up kills its child. Every child runs under its own address-space cap (RLIMIT_AS), so none of these
+cases can take the machine's memory."""
+
+import asyncio
+import json
+
+import pytest
+
+from engine.structured import Grammars, StructuredOutputs, tokenizer_info
+from engine.tokenizer import TextTokenizer
+from engine.weights import load_model
+from experiments.deploy.sandbox import MAX_COMPILED_CHARS, Sandbox, SandboxError, Setup, Task
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+LOOP = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+TEMPLATE = (
+    "{% if messages[0].content == 'pow' %}{{ (10 ** 30000000) % 7 }}"
+    "{% elif messages[0].content == 'loop' %}" + LOOP + ""
+    "{% elif messages[0].content == 'center' %}{{ 'x'|center(300000000) }}"
+    "{% elif messages[0].content == 'long' %}{{ 'y' * 5000 }}"
+    "{% else %}{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model("tiny-random", weights=False)
+
+
+@pytest.fixture(scope="module")
+def templates():
+    pool = Sandbox(Setup("template", 64 << 20, 4096, TEMPLATE, "<s>"), processes=2)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="module")
+def grammars(model):
+    info = tokenizer_info(model.tokenizer, model.config.vocab_size, model.config.eos_token_ids)
+    pool = Sandbox(Setup("grammar", 512 << 20, MAX_COMPILED_CHARS, tokenizer_info=info.serialize_json()), 1)
+    yield pool
+    pool.close()
+
+
+def _render(pool, content: str, timeout_s: float = 1.0) -> str:
+    return asyncio.run(pool.run(Task(timeout_s, [{"role": "user", "content": content}])))
+
+
+def test_a_template_renders_as_the_tokenizer_renders_it(templates):
+    tok = TextTokenizer(None, TEMPLATE, "<s>")
+    assert _render(templates, "hi") == tok.apply_chat_template(MESSAGES) == "<user>hi"
+
+
+@pytest.mark.parametrize(
+    "content, error",
+    [
+        ("pow", "too large"),  # refused before it runs (35 s in one C call holding the GIL)
+        ("loop", "ran past 1.0 s"),  # 10^10 iterations: its process is killed at the deadline
+        ("center", "memory|stopped"),  # 300 MB in one C call, past the 64 MiB cap
+        ("long", "at most 4096"),  # a rendered chat longer than the prompt may be
+    ],
+)
+def test_a_hostile_template_fails_alone_and_the_pool_serves_on(templates, content, error):
+    killed = templates.killed
+    with pytest.raises(SandboxError, match=error):
+        _render(templates, content)
+    if content in ("loop", "center"):
+        assert templates.killed > killed  # that child is gone; a fresh one took its place
+    assert _render(templates, "after") == "<user>after"
+
+
+def test_a_slow_template_does_not_hold_up_the_other_child():
+    """Two children: while one runs a template to its deadline, a normal chat renders on the other
+    (before the slow one has ended)."""
+    pool = Sandbox(Setup("template", 64 << 20, 4096, TEMPLATE, None), processes=2)
+    try:
+
+        async def both():
+            slow = asyncio.ensure_future(pool.run(Task(30.0, [{"role": "user", "content": "loop"}])))
+            quick = await pool.run(Task(30.0, MESSAGES))
+            assert not slow.done()  # the slow one is still running when the quick one is back
+            slow.cancel()
+            return quick
+
+        assert asyncio.run(both()) == "<user>hi"
+    finally:
+        pool.close()
+
+
+def test_a_caller_that_gives_up_kills_its_child():
+    pool = Sandbox(Setup("template", 64 << 20, 4096, TEMPLATE, None), processes=1)
+    try:
+
+        async def abandon():
+            slow = asyncio.ensure_future(pool.run(Task(600.0, [{"role": "user", "content": "loop"}])))
+            while not pool._children or not next(iter(pool._children)).ready:  # the task is running
+                await asyncio.sleep(0.05)
+            first = next(iter(pool._children))
+            slow.cancel()  # the client went away
+            with pytest.raises(asyncio.CancelledError):
+                await slow
+            while first.proc.is_alive():  # killed at the thread's next look (POLL_S), not in 600 s
+                await asyncio.sleep(0.05)
+            return await pool.run(Task(30.0, MESSAGES))  # the fresh child serves
+
+        assert asyncio.run(abandon()) == "<user>hi" and pool.killed == 1
+    finally:
+        pool.close()
+
+
+def _schema_depth(depth: int) -> str:
+    return '{"items":' * depth + "{}" + "}" * depth  # issue 46's: depth 5,000 is 50 KB
+
+
+def test_a_compiled_grammar_loads_on_the_worker_side_and_constrains_as_its_own(model, grammars):
+    spec = StructuredOutputs(json={"type": "object", "properties": {"a": {"type": "integer"}}})
+    compiled = asyncio.run(grammars.run(Task(30.0, spec=spec.wire())))
+    worker = Grammars(model.tokenizer, model.config.vocab_size, model.config.eos_token_ids)
+    worker.load(spec, compiled)
+    matcher = worker.matcher(spec)
+    assert worker.compile_s == []  # found loaded: nothing compiled on the worker
+    for token in model.tokenizer.encode('{"a": 12}'):
+        assert matcher.accept_token(token)
+    # the same schema with other whitespace is the same grammar (its canonical form)
+    spaced = StructuredOutputs(json=json.dumps(json.loads(spec.wire()[1]), indent=4))
+    worker.matcher(spaced)
+    assert worker.compile_s == []
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        ("json", '{"type": "string", "pattern": "[a-z]{0,20000}"}'),  # 23 s to convert, 21.6 s to compile
+        ("json", _schema_depth(5000)),  # conversion grows with depth cubed, 200 MB/s
+    ],
+)
+def test_a_hostile_spec_is_stopped_within_its_limits(grammars, spec):
+    killed = grammars.killed
+    with pytest.raises(SandboxError, match="ran past 1.0 s|memory|stopped"):
+        asyncio.run(grammars.run(Task(1.0, spec=spec)))
+    assert grammars.killed > killed
+    assert asyncio.run(grammars.run(Task(30.0, spec=("regex", "[a-z]+"))))  # the pool serves on
+
+
+def test_a_bad_spec_is_an_error_naming_the_field(grammars):
+    with pytest.raises(SandboxError, match="structured_outputs.regex"):
+        asyncio.run(grammars.run(Task(30.0, spec=("regex", "(unclosed"))))
