@@ -39,6 +39,8 @@ class ServerConfig:
     grammar_max_bytes: int = 1 << 30  # memory its conversion and compile may take (400 past it)
     sandbox_processes: int = 2  # processes rendering templates, and as many compiling grammars
     timeout_keep_alive_s: float = 5.0  # an idle kept-alive connection is closed after this
+    header_timeout_s: float = 10.0  # a request line and headers must arrive within this, else it closes
+    max_connections: int = 512  # open at once; past it, a new connection gets 503 and is closed
     shutdown_timeout_s: float = 5.0  # SIGTERM/Ctrl-C: requests in flight may finish this long (new: 503)
     # Host headers served besides this machine's loopback names and the bound address ("*": any)
     allowed_hosts: tuple[str, ...] = ()
@@ -51,14 +53,14 @@ class ServerConfig:
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
             raise ValueError("server.api_key must be a non-empty string or null")
         for key in ("max_body_bytes", "max_prompt_chars", "max_n", "template_max_bytes", "grammar_max_bytes",
-                    "sandbox_processes"):  # fmt: skip
+                    "sandbox_processes", "max_connections"):  # fmt: skip
             value = getattr(self, key)
             if (value is not None or key != "max_prompt_chars") and (
                 isinstance(value, bool) or not isinstance(value, int) or value < 1
             ):
                 raise ValueError(f"server.{key}={value!r} is not allowed: an integer >= 1")
         for key in ("body_timeout_s", "template_timeout_s", "grammar_timeout_s", "timeout_keep_alive_s",
-                    "shutdown_timeout_s"):  # fmt: skip
+                    "header_timeout_s", "shutdown_timeout_s"):  # fmt: skip
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1e6:
                 raise ValueError(f"server.{key}={value!r} is not allowed: a number of seconds > 0")

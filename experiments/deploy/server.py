@@ -52,6 +52,7 @@ from experiments.deploy.api import (
     usage_block,
 )
 from experiments.deploy.config import check_fits_model, runtime_of
+from experiments.deploy.connections import guarded_h11
 from experiments.deploy.launcher import start_fork_server
 from experiments.deploy.messages import Result
 from experiments.deploy.policy import Router
@@ -449,6 +450,7 @@ def serve(cfg: DictConfig, out_dir: Path, ready=None) -> None:
             ready(url)
         uvicorn_config = uvicorn.Config(
             app,
+            http=guarded_h11(server.header_timeout_s, server.max_connections),
             log_level="warning",
             timeout_graceful_shutdown=5,
             timeout_keep_alive=server.timeout_keep_alive_s,

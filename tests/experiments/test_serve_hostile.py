@@ -524,3 +524,57 @@ def test_a_hostile_chat_template_is_killed_and_health_answers_meanwhile(tmp_path
         if not _group_gone(proc.pid, 15):
             os.killpg(proc.pid, signal.SIGKILL)
             raise AssertionError("processes of the server's group outlived it")
+
+
+def _closed_by_server(sock, give_up: float, trickle: bytes | None = None) -> bool:
+    """Whether the server closes sock before give_up (monotonic); trickle: a header line sent every
+    0.2 s meanwhile (slowloris)."""
+    import socket
+
+    sock.settimeout(0.2)
+    while time.monotonic() < give_up:
+        try:
+            if trickle is not None:
+                sock.sendall(trickle)
+            if sock.recv(4096) == b"":
+                return True
+        except TimeoutError:
+            continue
+        except (ConnectionResetError, BrokenPipeError, socket.error):
+            return True
+    return False
+
+
+def test_slowloris_and_idle_connections_are_closed_and_connections_are_capped(tmp_path):
+    """server.header_timeout_s: a connection that sends nothing, or trickles header lines without ever
+    ending them, is closed (they stayed open for as long as the client liked); server.max_connections:
+    one more is answered 503 in OpenAI's shape and closed, and once they are gone requests are served."""
+    import socket
+
+    proc, url = _start(
+        tmp_path, "deployment=colocated", "server.header_timeout_s=3", "server.max_connections=4"
+    )
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    try:
+        idle = socket.create_connection((host, int(port)))
+        slow = socket.create_connection((host, int(port)))
+        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        busy = [socket.create_connection((host, int(port))) for _ in range(2)]  # 4 open now: the cap
+        status, headers, body = _post(url, json.dumps(OK))  # the fifth
+        assert status == 503 and headers.get("retry-after") and json.loads(body)["error"]["code"], body
+        for s in busy:
+            s.close()
+        give_up = time.monotonic() + 60  # generous: the deadline is 3 s
+        assert _closed_by_server(slow, give_up, trickle=b"X-Slow: 1\r\n"), "the slowloris was kept open"
+        assert _closed_by_server(idle, give_up), "the idle connection was kept open"
+        _still_serving(url)
+        # a kept-alive connection's next request is due within the deadline too
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        conn.request("POST", "/v1/completions", json.dumps(OK), {"Content-Type": "application/json"})
+        assert conn.getresponse().read() and conn.sock is not None
+        conn.sock.sendall(b"POST /v1/completions HTTP/1.1\r\n")  # the next request's line, never ended
+        assert _closed_by_server(conn.sock, time.monotonic() + 60, trickle=b"X-Slow: 1\r\n")
+        conn.close()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)

@@ -1,0 +1,86 @@
+"""The HTTP server's connections, bounded (uvicorn's h11 protocol, two limits added):
+
+- a header deadline: a connection must send a whole request line and headers within header_timeout_s
+  of connecting, or of its previous response's end, else it is closed. uvicorn times only the gap
+  between the requests of a kept-alive connection, and a byte of a header cancels that: 600 slowloris
+  connections (a header line every few seconds) and 600 that never sent a byte were held open for as
+  long as their clients liked;
+- a connection cap: past max_connections open at once, a new connection is answered 503 (OpenAI's
+  error shape, Retry-After) and closed at once, before anything of it is read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+RETRY_AFTER_S = 1
+
+
+def _busy_response() -> bytes:
+    body = json.dumps(
+        {
+            "error": {
+                "message": "too many connections are open (server.max_connections); retry shortly",
+                "type": "service_unavailable",
+                "param": None,
+                "code": "service_unavailable",
+            }
+        }
+    ).encode()
+    head = (
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+        f"retry-after: {RETRY_AFTER_S}\r\nconnection: close\r\ncontent-length: {len(body)}\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+BUSY = _busy_response()
+
+
+def guarded_h11(header_timeout_s: float, max_connections: int) -> type[H11Protocol]:
+    """uvicorn's h11 protocol with these limits (uvicorn.Config(http=...))."""
+
+    class Guarded(H11Protocol):
+        _header_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:
+            super().connection_made(transport)
+            if len(self.connections) > max_connections:
+                transport.write(BUSY)
+                transport.close()
+                return
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.conn.their_state is not h11.IDLE:  # its request line and headers are in
+                self._disarm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self._arm()  # the next request's headers are due too (a byte of them stops keep-alive)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._header_timer = self.loop.call_later(header_timeout_s, self._headers_late)
+
+        def _disarm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _headers_late(self) -> None:
+            self._header_timer = None
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self.transport.close()
+
+    return Guarded
