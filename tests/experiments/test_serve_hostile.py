@@ -529,7 +529,6 @@ def test_a_hostile_chat_template_is_killed_and_health_answers_meanwhile(tmp_path
 def _closed_by_server(sock, give_up: float, trickle: bytes | None = None) -> bool:
     """Whether the server closes sock before give_up (monotonic); trickle: a header line sent every
     0.2 s meanwhile (slowloris)."""
-    import socket
 
     sock.settimeout(0.2)
     while time.monotonic() < give_up:
@@ -540,7 +539,7 @@ def _closed_by_server(sock, give_up: float, trickle: bytes | None = None) -> boo
                 return True
         except TimeoutError:
             continue
-        except (ConnectionResetError, BrokenPipeError, socket.error):
+        except (OSError, ConnectionResetError, BrokenPipeError):
             return True
     return False
 
