@@ -41,8 +41,9 @@ class PrefillSide:
     def __init__(self, llm: LLM):
         self.llm = llm
 
-    def start(self, request_id: str, prompt_ids: list[int]) -> None:
-        self.llm.add_request(prompt_ids, SamplingParams(max_tokens=1), request_id=request_id)
+    def start(self, request_id: str, prompt_ids: list[int], cache_salt: str = "") -> None:
+        params = SamplingParams(max_tokens=1, cache_salt=cache_salt or None)
+        self.llm.add_request(prompt_ids, params, request_id=request_id)
 
     def pages(self, request_id: str) -> list[int]:
         return self.llm.allocator.pages(request_id)

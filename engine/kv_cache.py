@@ -50,6 +50,14 @@ def page_hashes(token_ids: list[int], page_size: int, salt: bytes, known: list[b
     return known
 
 
+def request_salt(salt: bytes, cache_salt: str | None) -> bytes:
+    """The first page's seed for a request with a cache_salt (vLLM's): its pages are named apart from
+    every other salt's, so no request can find (or time) a prefix another tenant computed."""
+    if not cache_salt:
+        return salt
+    return hashlib.blake2b(salt + b"\0cache_salt\0" + cache_salt.encode(), digest_size=32).digest()
+
+
 class PageAllocator:
     def __init__(self, num_pages: int, page_size: int):
         self.num_pages, self.page_size = num_pages, page_size

@@ -28,7 +28,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
-from engine.kv_cache import PageAllocator, page_hashes
+from engine.kv_cache import PageAllocator, page_hashes, request_salt
 from engine.sequence import Sequence, Status
 
 
@@ -247,8 +247,12 @@ class Scheduler:
         if usable <= 0:
             return []
         if len(seq.page_hashes) < usable:
-            page_hashes(seq.all_ids[: usable * size], size, self.salt, seq.page_hashes)
+            page_hashes(seq.all_ids[: usable * size], size, self._salt(seq), seq.page_hashes)
         return self.allocator.lookup(seq.page_hashes[:usable])
+
+    def _salt(self, seq: Sequence) -> bytes:
+        """What seq's page names start from: the engine's salt, and its request's cache_salt."""
+        return request_salt(self.salt, seq.params.cache_salt)
 
     def _start(self, seq: Sequence, hit: list[int]) -> None:
         """seq, holding no pages, is admitted: it shares the cached pages hit and computes from there."""
@@ -271,7 +275,7 @@ class Scheduler:
         if full <= seq.pages_named:
             return
         if len(seq.page_hashes) < full:
-            page_hashes(seq.all_ids[: full * size], size, self.salt, seq.page_hashes)
+            page_hashes(seq.all_ids[: full * size], size, self._salt(seq), seq.page_hashes)
         seq.pages_named = self.allocator.name(seq.request_id, seq.page_hashes[:full], seq.pages_named)
 
     def _drafts(self, seq: Sequence, room: int) -> list[int]:

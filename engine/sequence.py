@@ -35,6 +35,7 @@ class SamplingParams:
     logprobs: int | None = None  # the sampled token's log-probability and this many of the likeliest
     structured_outputs: StructuredOutputs | None = None  # a JSON schema, regex, choice or grammar to keep to
     n: int = 1  # completions of the prompt: computed once, its pages shared (child i seeded seed + i)
+    cache_salt: str | None = None  # prefix-cache pages are shared only among requests of the same salt
 
     def __post_init__(self):
         _integer("max_tokens", self.max_tokens, 1, "an integer >= 1")
@@ -97,6 +98,10 @@ class SamplingParams:
                 f"structured_outputs must be StructuredOutputs or a dict, got {self.structured_outputs!r}"
             )
         _integer("n", self.n, 1, f"an integer in [1, {MAX_N}]", MAX_N + 1)
+        if self.cache_salt is not None and (
+            not isinstance(self.cache_salt, str) or not 0 < len(self.cache_salt) <= MAX_CACHE_SALT
+        ):
+            raise ValueError(f"cache_salt must be None or a string of 1-{MAX_CACHE_SALT} characters")
         if self.logprobs is not None:
             _integer(
                 "logprobs", self.logprobs, 0, f"None or an integer in [0, {MAX_LOGPROBS}]", MAX_LOGPROBS + 1
@@ -126,6 +131,7 @@ MAX_N = 64  # completions one request may ask for
 MIN_TEMPERATURE, MAX_TEMPERATURE = 0.01, 100.0
 MIN_TOP_P = 1e-6  # 1e-300 is 0 in fp32: every token was dropped
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+MAX_CACHE_SALT = 256  # characters of a cache_salt
 MAX_LOGPROBS = 20  # the most alternatives a request may ask for (OpenAI's top_logprobs bound)
 
 

@@ -148,12 +148,14 @@ class DecodeMessenger:
         peer: str | None = None,
         local_max_tokens: int = 0,
         prefer: str | None = None,
+        cache_salt: str = "",
     ) -> bool:
         """Reserve pages and ask a prefill worker (peer if named; else prefer, the router's choice, while
         it is live; else the least loaded live one) for prompt_ids[:-1],
         past the pages the engine holds already; when the tokens the engine would still have to compute
         (those missing and the last) are at most local_max_tokens, or only the last, it computes them itself
-        instead. Returns whether a prefill worker was asked.
+        instead. cache_salt: the request's, for the prefill side's prefix cache. Returns whether a prefill
+        worker was asked.
 
         Raises what engine.reserve raises (out of pages, a bad request) with nothing taken."""
         for name, p in self.peers.items():  # a process gone (seen from this host) but not yet silent:
@@ -199,7 +201,7 @@ class DecodeMessenger:
         pending = _Pending(seq, target, slot, self.clock(), len(prompt_ids) - 1, timing)
         self.pending[request_id] = pending
         request = PrefillRequest(
-            request_id, list(prompt_ids[:-1]), pages, self.spec, self._metadata, slot, seq, skip
+            request_id, list(prompt_ids[:-1]), pages, self.spec, self._metadata, slot, seq, skip, cache_salt
         )
         try:
             target.channel.send(request)

@@ -39,7 +39,7 @@ LOG_LIMIT = 4096  # entries kept in post_log / done_log (diagnostics, not per-re
 
 
 class PrefillEngine(Protocol):
-    def start(self, request_id: str, prompt_ids: list[int]) -> None: ...  # compute these tokens' KV
+    def start(self, request_id: str, prompt_ids: list[int], cache_salt: str = "") -> None: ...  # their KV
 
     def pages(self, request_id: str) -> list[int]: ...
 
@@ -262,7 +262,7 @@ class PrefillMessenger:
                 raise ValueError("no free context slot (transfer.context_slots)")
             peer = self._connect(req.dst_metadata)
             self._check_plan(req, peer)
-            self.engine.start(req.request_id, req.prompt_ids)  # checks the token ids
+            self.engine.start(req.request_id, req.prompt_ids, req.cache_salt)  # checks the token ids
         except Exception as e:  # whatever a peer sent, it fails its own request only
             self.refused += 1
             log.warning("refused request %s: %s", req.request_id, e)

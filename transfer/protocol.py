@@ -64,6 +64,7 @@ class PrefillRequest(Message):
     # replica rotation (both sides plan with it)
     skip_pages: int = 0  # the decode side holds these leading pages already (its prefix cache): write
     # only dst_pages[skip_pages:]
+    cache_salt: str = ""  # the request's (the prefill side names and looks up its pages with it too)
 
     def __post_init__(self):
         check_request(self.request_id, self.prompt_ids)
@@ -81,6 +82,8 @@ class PrefillRequest(Message):
             raise ValueError("dst_pages names a page twice")
         if self.context_slot < 0 or not 0 <= self.seq < 1 << 63:
             raise ValueError("context_slot must be >= 0 and seq in [0, 2**63)")
+        if len(self.cache_salt) > 256:
+            raise ValueError("cache_salt holds at most 256 characters")
 
 
 class Hello(Message):

@@ -179,7 +179,7 @@ def _messenger_decode(page_bytes, creds, commands, results):
 
 
 class _Source:
-    def start(self, request_id, prompt_ids):
+    def start(self, request_id, prompt_ids, cache_salt=""):
         pass
 
     def pages(self, request_id):

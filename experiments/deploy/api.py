@@ -4,6 +4,7 @@ checking and tokenizing, logprobs and errors in OpenAI's shape (its Prometheus m
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import math
@@ -46,6 +47,9 @@ class ServerConfig:
     allowed_hosts: tuple[str, ...] = ()
     cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API ("*": any); none by default
     max_n: int = 16  # the most completions one request may ask for (n)
+    # whose requests share prefix-cache pages: none (all with the same cache_salt, none given: all), user
+    # (the request's `user` is part of its salt), salt (only requests that give the same cache_salt)
+    cache_isolation: str = "none"
 
     def __post_init__(self):
         if not isinstance(self.port, int) or not 0 <= self.port < 65536:
@@ -69,8 +73,15 @@ class ServerConfig:
             if not isinstance(value, list | tuple) or not all(isinstance(v, str) and v for v in value):
                 raise ValueError(f"server.{key}={value!r} is not allowed: a list of non-empty strings")
             object.__setattr__(self, key, tuple(value))
+        if self.cache_isolation not in CACHE_ISOLATION:
+            raise ValueError(
+                f"server.cache_isolation={self.cache_isolation!r} is not allowed: one of {CACHE_ISOLATION}"
+            )
         if not isinstance(self.public_health, bool):
             raise ValueError(f"server.public_health={self.public_health!r} is not allowed: true or false")
+
+
+CACHE_ISOLATION = ("none", "user", "salt")
 
 
 class ApiError(Exception):
@@ -125,6 +136,7 @@ COMMON = {
     "stop_token_ids",
     "include_stop_str_in_output",
     "structured_outputs",
+    "cache_salt",
 }
 COMPLETION_FIELDS = COMMON | {"prompt", "echo"}
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs", "response_format"}
@@ -133,6 +145,7 @@ UNSUPPORTED_UNLESS = {
 }
 MAX_TOP_LOGPROBS = {True: 20, False: 5}  # chat's top_logprobs, completions' logprobs (OpenAI's bounds)
 MAX_TOKEN_LIST = 1024  # entries of logit_bias or stop_token_ids
+MAX_SALT_CHARS = 256  # of cache_salt and user
 COMPILED_CHARS = 256 << 20  # compiled grammars the server keeps, by their serialized length
 
 
@@ -344,6 +357,7 @@ class App:
             stop=stop,
             ignore_eos=ignore_eos,
             stream=stream,
+            cache_salt=cache_salt_of(body, self.config.cache_isolation),
             **self._sampling(body, chat, max_tokens, prepared),
         )
         n = _number(body, "n", 1, 1, self.config.max_n, integer=True)  # server.max_n
@@ -497,6 +511,21 @@ class App:
                 f"the request failed: {result.error}",
                 kind="service_unavailable" if status == 503 else "server_error",
             )
+
+
+def cache_salt_of(body: dict, isolation: str) -> str | None:
+    """The salt a request's prefix-cache pages are named with (server.cache_isolation): requests of
+    different salts share no page, so none can find or time a prefix another one computed, and
+    usage.prompt_tokens_details.cached_tokens counts only its own salt's pages."""
+    salt, user = body.get("cache_salt"), body.get("user")
+    for key, value in (("cache_salt", salt), ("user", user)):
+        if value is not None and (not isinstance(value, str) or not 0 < len(value) <= MAX_SALT_CHARS):
+            raise ApiError(400, f"{key} must be a string of 1-{MAX_SALT_CHARS} characters", key)
+    if isolation == "user" and user is not None:
+        return hashlib.sha256(json.dumps([user, salt]).encode()).hexdigest()  # unambiguous, 64 chars
+    if isolation == "salt" and salt is None:
+        return secrets.token_hex(16)  # no salt given: it shares nothing
+    return salt
 
 
 def _check_messages(messages) -> None:

@@ -85,6 +85,7 @@ class Submit(Message):
     # n > 1: the server sends one Submit per completion; a later one names the first (its request_id),
     # goes to the same worker and starts once that one's prompt KV is there, sharing its pages
     after: str | None = None
+    cache_salt: str | None = None  # prefix-cache pages are shared only among requests of the same salt
 
     def __post_init__(self):
         check_request(self.request_id, self.prompt_ids)

@@ -53,11 +53,14 @@ ADMISSIONS = ("none", "slo")
 ROLES = ("prefill", "decode")
 
 
-def page_names(token_ids, page_size: int, salt: bytes = b"router") -> list[bytes]:
-    """The names of token_ids' full pages: the engine's chained hash (with its salt, the same names)."""
-    from engine.kv_cache import page_hashes  # here: the simulator imports this module without torch
+def page_names(
+    token_ids, page_size: int, salt: bytes = b"router", cache_salt: str | None = None
+) -> list[bytes]:
+    """The names of token_ids' full pages: the engine's chained hash (with its salt and the request's
+    cache_salt, the same names)."""
+    from engine.kv_cache import page_hashes, request_salt  # here: the simulator imports this without torch
 
-    return page_hashes(list(token_ids), page_size, salt or b"router", [])
+    return page_hashes(list(token_ids), page_size, request_salt(salt or b"router", cache_salt), [])
 
 
 @dataclass
@@ -167,10 +170,12 @@ class Router:
             prefill_workers,
         )
 
-    def route_tokens(self, request_id, token_ids, live: list[str], admit: bool = False) -> str | None:
+    def route_tokens(
+        self, request_id, token_ids, live: list[str], admit: bool = False, cache_salt: str | None = None
+    ) -> str | None:
         """route() for a real request: its tokens (prompt, and any outputs it resumes after). admit: a
         new request, which admission=slo may refuse (None; `why` says why); a migrated one is not."""
-        names = page_names(token_ids, self.page_size, self.salt)
+        names = page_names(token_ids, self.page_size, self.salt, cache_salt)
         return self.route(request_id, names, len(token_ids), live, admit)
 
     # -- admission
@@ -269,11 +274,11 @@ class Router:
 
     # -- routing
 
-    def finished_tokens(self, worker: str, request_id, token_ids) -> None:
+    def finished_tokens(self, worker: str, request_id, token_ids, cache_salt: str | None = None) -> None:
         """finished() for a real request: its prompt and outputs (the last output has no KV yet); with
         cache events the worker says what it named itself."""
         tokens = [] if self.events else list(token_ids)[:-1]
-        self.finished(worker, request_id, page_names(tokens, self.page_size, self.salt))
+        self.finished(worker, request_id, page_names(tokens, self.page_size, self.salt, cache_salt))
 
     def observe(self, worker: str, events: list[tuple[bool, bytes]]) -> None:
         """A worker's cache events, in order: (True, name) stored, (False, name) dropped."""

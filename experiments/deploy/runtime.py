@@ -213,7 +213,8 @@ class Runtime:
             return False
         resumed = msgspec.structs.replace(msg, output_ids=list(sent[0]), text_sent=sent[1], after=None)
         self.router.moved(request_id, dead)
-        target = self.router.route_tokens(request_id, list(msg.prompt_ids) + list(sent[0]), live)
+        tokens = list(msg.prompt_ids) + list(sent[0])
+        target = self.router.route_tokens(request_id, tokens, live, cache_salt=msg.cache_salt)
         self.owner[request_id] = target
         count = self.migrated.get(request_id, (0,))[0] + 1
         self.migrated[request_id] = (count, list(sent[2]), list(sent[3]))
@@ -233,11 +234,12 @@ class Runtime:
             return
         tokens = list(msg.prompt_ids) + list(msg.output_ids)
         first = self.owner.get(msg.after) if msg.after is not None else None
+        salt = msg.cache_salt
         if first in live:  # n > 1: a later completion goes where the first one went (admitted with it)
-            target = self.router.route_tokens(msg.request_id, tokens, [first])
+            target = self.router.route_tokens(msg.request_id, tokens, [first], cache_salt=salt)
         else:
             msg = msgspec.structs.replace(msg, after=None)
-            target = self.router.route_tokens(msg.request_id, tokens, live, admit=True)
+            target = self.router.route_tokens(msg.request_id, tokens, live, admit=True, cache_salt=salt)
         if target is None:  # admission=slo: it would miss the SLO anyway
             sink("result", Result(msg.request_id, "", [], 0.0, None, [], "rejected", self.router.why))
             return
@@ -284,6 +286,7 @@ class Runtime:
         if worker in self.in_flight:
             done = result.error is None and msg is not None  # what its worker now caches
             tokens = list(msg.prompt_ids) + list(msg.output_ids) + list(result.output_ids) if done else []
-            self.router.finished_tokens(worker, result.request_id, tokens)
+            salt = msg.cache_salt if msg is not None else None
+            self.router.finished_tokens(worker, result.request_id, tokens, salt)
         if sink is not None:
             sink("result", result)

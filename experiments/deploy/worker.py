@@ -436,9 +436,11 @@ class Worker(RoleSwitching):
                 continue
             try:
                 d = self.spec.deployment
+                salt = params.cache_salt or ""
                 if not self.dm.submit(
-                    request_id, token_ids, params, local_max_tokens=d.local_prefill_max_tokens, prefer=peer
-                ):
+                    request_id, token_ids, params, local_max_tokens=d.local_prefill_max_tokens, prefer=peer,
+                    cache_salt=salt,
+                ):  # fmt: skip
                     self.prefilled_here.add(request_id)
             except OutOfPages:
                 return  # pages come back as running requests finish (engine.scheduler: room to finish)

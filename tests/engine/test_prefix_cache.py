@@ -150,3 +150,25 @@ def test_prefill_role_computes_only_what_its_cache_lacks():
         assert computed == (33 if rid == "a" else 32 - 28)
         prefill.release(rid)
     assert prefill.allocator.num_free == 64
+
+
+def test_requests_of_different_cache_salts_share_no_page():
+    """cache_salt (vLLM's): the same prompt under another salt finds nothing cached (no timing or
+    cached_tokens oracle across tenants); under its own salt it finds its prefix; no salt is a salt of
+    its own too."""
+    from engine import LLM, SamplingParams
+
+    llm = LLM("tiny-random", page_size=4, num_pages=128)
+    prompt = list(range(10, 60))
+
+    def cached(salt):
+        out = llm.generate([prompt], SamplingParams(max_tokens=2, ignore_eos=True, cache_salt=salt))[0]
+        return out.num_cached_tokens
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-b") == 0  # another tenant's prefix is not found
+    assert cached(None) == 0
+    assert cached("tenant-a") == 48 and cached("tenant-b") == 48 and cached(None) == 48
+    greedy = [llm.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True, cache_salt=s))[0].token_ids
+              for s in ("tenant-a", "tenant-c")]  # fmt: skip
+    assert greedy[0] == greedy[1]  # the same tokens, cached or not

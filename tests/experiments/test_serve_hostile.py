@@ -577,3 +577,39 @@ def test_slowloris_and_idle_connections_are_closed_and_connections_are_capped(tm
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
+
+
+def test_the_prefix_cache_is_no_oracle_across_cache_salts(server):
+    """Issue 46's oracle: a prefix another tenant cached answered 15x faster, and cached_tokens said so.
+    With different cache_salts nothing is shared, on the decode worker (cached_tokens 0) and on the
+    prefill worker (its prefix-cache hits do not grow); the same salt still finds its prefix."""
+    prompt = "A prefix that one tenant sends and another probes for. " * 12
+
+    def ask(salt: str) -> int:
+        status, _, raw = _post(server, json.dumps(dict(OK, prompt=prompt, max_tokens=2, cache_salt=salt)))
+        assert status == 200, raw[:300]
+        return json.loads(raw)["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    def prefill_counts() -> tuple[float, float]:
+        m, worker = _metrics(server), (("worker", "prefill-0"),)
+        return m.get(("pdk_prefix_cache_queries_total", worker), 0), m.get(
+            ("pdk_prefix_cache_hits_total", worker), 0
+        )
+
+    def after_prefill(queries: float) -> tuple[float, float]:
+        """The prefill worker's counters once a Load reports the prefill just asked of it."""
+        give_up = time.monotonic() + 60
+        while (counts := prefill_counts())[0] <= queries:
+            assert time.monotonic() < give_up, "no Load of the prefill worker came"
+            time.sleep(0.1)
+        return counts
+
+    queries, hits = prefill_counts()
+    assert ask("tenant-a") == 0
+    queries, hits_a = after_prefill(queries)
+    assert ask("tenant-b") == 0  # another tenant: nothing found on the decode worker
+    _, hits_b = after_prefill(queries)
+    assert hits_b == hits_a  # nor on the prefill worker (no faster first token to time)
+    assert ask("tenant-a") > 0  # its own prefix is found
+    err = _error(_post(server, json.dumps(dict(OK, cache_salt=""))))
+    assert err["param"] == "cache_salt"
