@@ -226,9 +226,16 @@ class SchedulerConfig:
     # What a preempted decode-role sequence does: "refetch" (its pages freed; the worker asks a prefill
     # worker again for prompt + outputs) or "recompute" (computed again here). Other roles recompute.
     preemption: str = "recompute"
+    # Fair share: an admitted request is owed growth only up to its share of the cache (the cache's
+    # tokens over the requests admitted or waiting), so a new request does not wait for others' long
+    # outputs; one that grows past its share when the pages run out is preempted instead.
+    fair_share: bool = True
 
     def __post_init__(self):
         _check(self.role in ROLES, f"role must be one of {ROLES}, got {self.role!r}")
+        _check(
+            isinstance(self.fair_share, bool), f"fair_share must be true or false, got {self.fair_share!r}"
+        )
         _check(
             self.reserved_tokens is None
             or (isinstance(self.reserved_tokens, int) and self.reserved_tokens >= 0),

@@ -86,11 +86,12 @@ class LLM(DecodeHandoff):
         preemption: str = "recompute",
         enable_prefix_caching: bool = True,
         expert_parallel: bool = False,
+        fair_share: bool = True,
     ):
         """cuda_graphs: replay decode steps as CUDA graphs (engine.graphs); None: on CUDA with tp 1 outside
         the prefill role (which never decodes). One page is kept back as the padding rows' scratch page.
-        reserved_tokens, preemption: admission with room to finish and what a preempted decode-role
-        sequence does (engine.config.SchedulerConfig). enable_prefix_caching: share the KV of leading
+        reserved_tokens, preemption, fair_share: admission with room to finish, what a preempted
+        decode-role sequence does, and each request's share of the cache (engine.config.SchedulerConfig). enable_prefix_caching: share the KV of leading
         full pages between requests (engine/kv_cache.py; vLLM's name and default). expert_parallel: an MoE
         model under TP holds whole experts per rank (engine/moe.py) instead of a slice of each."""
         loaded = load_model(model)
@@ -98,7 +99,7 @@ class LLM(DecodeHandoff):
             model=loaded.config,
             cache=CacheConfig(page_size, num_pages, kv_layout, enable_prefix_caching),
             scheduler=SchedulerConfig(
-                role, max_num_seqs, max_num_batched_tokens, reserved_tokens, preemption
+                role, max_num_seqs, max_num_batched_tokens, reserved_tokens, preemption, fair_share
             ),
             device=device,
             dtype=dtype,

@@ -11,8 +11,11 @@ new ones) under a token budget: the Sarathi/vLLM mix of prefill and decode in on
 Admission with room to finish: a sequence starts (a new prefill, or pages reserved for KV a prefill
 worker will write) only when the free pages then still cover every admitted sequence's growth to
 min(max_tokens, reserved_tokens) past the length it was admitted at; otherwise it waits. So an admitted
-sequence never runs out of pages within that horizon. One that runs past it grows into pages no one is
-owed, or is preempted: its KV is dropped and recomputed here later, or (decode role, preemption
+sequence never runs out of pages within that horizon. With fair_share (the default) the horizon is also
+capped at the sequence's share of the cache (its pages over the sequences admitted or waiting), so a new
+request waits only while the others are within their share, never for their long outputs to end (three
+900-token streams kept a 5-token request waiting 1,791 steps). One that runs past its horizon grows into
+pages no one is owed, or is preempted: its KV is dropped and recomputed here later, or (decode role, preemption
 "refetch") handed back to the worker, which asks a prefill worker for prompt + outputs again, so that a
 decode step never carries a whole prompt.
 Prefix caching (salt set): a sequence that starts holding no pages first looks up the names of its full
@@ -83,6 +86,7 @@ class Scheduler:
         self.num_recomputed_tokens = 0  # tokens computed again here because a preemption dropped their KV
         self.num_refetched_tokens = 0  # tokens whose KV a preemption dropped, to be fetched again
         self.propose = None  # speculative decoding: seq -> draft token ids for its next decode step
+        self._candidates = 0  # has_room: a sequence not yet queued that asks for room
 
     @property
     def role(self) -> str:
@@ -139,7 +143,16 @@ class Scheduler:
         if self.config.reserved_tokens is not None:
             left = min(left, self.config.reserved_tokens)
         final = start + max(left, 1)
+        if self.config.fair_share:  # no more than its share of the cache while others wait for room
+            final = min(final, max(start + 1, self.fair_tokens))
         return final if self.context is None else min(final, self.context)
+
+    @property
+    def fair_tokens(self) -> int:
+        """A sequence's share of the cache: its tokens over the sequences admitted or waiting."""
+        active = len(self.running) + len(self.reserved) + len(self.waiting) + len(self.refetching)
+        share = self.allocator.num_pages // max(active + self._candidates, 1)  # whole pages: the shares fit
+        return share * self.allocator.page_size
 
     def need(self, seq: Sequence) -> int:
         """Pages seq still lacks to reach final_tokens."""
@@ -155,7 +168,12 @@ class Scheduler:
         """Whether seq, not yet admitted and holding no pages, may start now (sharing the cached pages
         hit: they count as its own, and those no request holds leave the free pages)."""
         free = self.allocator.num_free - self.allocator.num_unused(hit)
-        return self.need(seq) - len(hit) + self.debt() <= free
+        queued = seq in self.waiting or seq.request_id in self.refetching
+        self._candidates = 0 if queued else 1  # it counts among those sharing the cache
+        try:
+            return self.need(seq) - len(hit) + self.debt() <= free
+        finally:
+            self._candidates = 0
 
     def _excess(self, seq: Sequence, num_tokens: int) -> int:
         """Pages seq needs for num_tokens beyond what it is owed."""

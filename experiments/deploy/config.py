@@ -132,6 +132,9 @@ class DeploymentConfig:
     # and any worker starts a prefill, only when the free pages still cover every admitted request's
     # growth to min(max_tokens, this many tokens). null: to max_tokens.
     decode_reserved_tokens: int | None = 512
+    # ... but no more than its share of the worker's cache (its pages over the requests it holds or
+    # queues), so a new request does not wait for others' long outputs; past it, preempted if need be
+    fair_share: bool = True
     # A decode worker's request preempted anyway (past that horizon): refetch (its KV computed again by a
     # prefill worker, prompt + outputs) | recompute_local (computed again on the decode worker)
     decode_preemption: str = "refetch"
@@ -180,6 +183,8 @@ class DeploymentConfig:
         r = self.decode_reserved_tokens
         if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 0):
             refuse("deployment.decode_reserved_tokens", r, "null or an integer >= 0")
+        if not isinstance(self.fair_share, bool):
+            refuse("deployment.fair_share", self.fair_share, "true or false")
         if self.on_worker_death not in ON_WORKER_DEATH:
             refuse("deployment.on_worker_death", self.on_worker_death, f"one of {ON_WORKER_DEATH}")
         from experiments.deploy.policy import ADMISSIONS, POLICIES

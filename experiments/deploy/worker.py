@@ -139,6 +139,7 @@ class Worker(RoleSwitching):
             seed=spec.seed,
             speculative_config=d.speculative if spec.role != "prefill" or d.elastic else None,
             reserved_tokens=d.decode_reserved_tokens,
+            fair_share=d.fair_share,
             preemption="refetch" if d.decode_preemption == "refetch" else "recompute",
             expert_parallel=m.expert_parallel,
         )
