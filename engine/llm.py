@@ -91,9 +91,10 @@ class LLM(DecodeHandoff):
         """cuda_graphs: replay decode steps as CUDA graphs (engine.graphs); None: on CUDA with tp 1 outside
         the prefill role (which never decodes). One page is kept back as the padding rows' scratch page.
         reserved_tokens, preemption, fair_share: admission with room to finish, what a preempted
-        decode-role sequence does, and each request's share of the cache (engine.config.SchedulerConfig). enable_prefix_caching: share the KV of leading
-        full pages between requests (engine/kv_cache.py; vLLM's name and default). expert_parallel: an MoE
-        model under TP holds whole experts per rank (engine/moe.py) instead of a slice of each."""
+        decode-role sequence does, and each request's share of the cache (engine.config.SchedulerConfig).
+        enable_prefix_caching: share the KV of leading full pages between requests (engine/kv_cache.py;
+        vLLM's name and default). expert_parallel: an MoE model under TP holds whole experts per rank
+        (engine/moe.py) instead of a slice of each."""
         loaded = load_model(model)
         self.config = EngineConfig(
             model=loaded.config,
