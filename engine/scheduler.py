@@ -16,8 +16,8 @@ capped at the sequence's share of the cache (its pages over the sequences admitt
 request waits only while the others are within their share, never for their long outputs to end (three
 900-token streams kept a 5-token request waiting 1,791 steps). One that runs past its horizon grows into
 pages no one is owed, or is preempted: its KV is dropped and recomputed here later, or (decode role,
-preemption "refetch") handed back to the worker, which asks a prefill worker for prompt + outputs again, so that a
-decode step never carries a whole prompt.
+preemption "refetch") handed back to the worker, which asks a prefill worker for prompt + outputs again,
+so that a decode step never carries a whole prompt.
 Prefix caching (salt set): a sequence that starts holding no pages first looks up the names of its full
 pages (engine/kv_cache.py); the leading ones that are cached are shared and count as computed, but at
 least its last `min_compute` tokens are computed (the one that samples; two when an MTP head needs the
