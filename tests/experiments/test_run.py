@@ -445,12 +445,13 @@ def test_a_decode_worker_under_memory_pressure_admits_with_room_to_finish_and_re
     Before admission with room to finish, the decode worker reserved every prompt while pages were free,
     ran out as they grew, and recomputed preempted prompts in its decode steps. Now: it queues them, and
     a request that still runs out (no horizon: decode_reserved_tokens=0) is refetched from the prefill
-    worker, unless recompute_local says otherwise. Greedy output never changes."""
+    worker, unless recompute_local says otherwise. Greedy output never changes. (With fair_share, the
+    default, a request is owed only its share of the cache: more start at once and some are preempted.)"""
     pressure = ["model.num_pages=80", "workload.num_requests=8", "workload.arrival=poisson"]
     pressure += ["workload.rate=1000", "workload.prompt_len.value=60", "workload.output_len.value=30"]
     common = "kind: disaggregated, num_prefill: 1, num_decode: 1"
     deployments = (
-        f"deployments=[{{name: room, {common}}},"
+        f"deployments=[{{name: room, {common}, fair_share: false}},"
         f"{{name: refetch, {common}, decode_reserved_tokens: 0}},"
         f"{{name: local, {common}, decode_reserved_tokens: 0, decode_preemption: recompute_local}}]"
     )
