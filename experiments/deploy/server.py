@@ -53,7 +53,7 @@ from experiments.deploy.api import (
 )
 from experiments.deploy.config import check_fits_model, runtime_of
 from experiments.deploy.connections import guarded_h11
-from experiments.deploy.launcher import start_fork_server
+from experiments.deploy.launcher import start_fork_server, stop_fork_server
 from experiments.deploy.messages import Result
 from experiments.deploy.policy import Router
 from experiments.deploy.runtime import Runtime
@@ -464,3 +464,4 @@ def serve(cfg: DictConfig, out_dir: Path, ready=None) -> None:
             if sandbox is not None:
                 sandbox.close()
         sock.close()
+        stop_fork_server()  # last: nothing of the server's outlives its pid
