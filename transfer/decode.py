@@ -118,6 +118,9 @@ class DecodeMessenger:
         self.pending: dict[str, _Pending] = {}
         # transfer timing of each admitted request, until `forget` (its context goes to the engine)
         self.timings: dict[str, Timing] = {}
+        # requests that failed because their prefill worker died or went silent (nothing of theirs is
+        # wrong: the caller may send them again); kept until forget()
+        self.peer_lost: set[str] = set()
         self.dropped: Counter[str] = Counter()  # messages not counted, by why
         # request numbers keep growing across restarts of this worker: a prefill worker drops stale ones
         self._seqs = itertools.count(time.time_ns())
@@ -183,6 +186,7 @@ class DecodeMessenger:
             self.engine.recompute(request_id)  # what is missing is short: computed here, no round trip
             return False
         if target.lost:  # nothing was sent: the pages are safe at once
+            self.peer_lost.add(request_id)
             if self.config.on_transfer_failure == "fail":
                 self.engine.fail(request_id, f"no live prefill worker ({peer} is lost)")
                 self.engine.free(request_id)
@@ -276,6 +280,7 @@ class DecodeMessenger:
     def forget(self, request_id: str) -> None:
         """Drop what was kept of an admitted request (its transfer timing) once its caller is done."""
         self.timings.pop(request_id, None)
+        self.peer_lost.discard(request_id)
 
     def _late(self, p: _Pending, now: float) -> str | None:
         c = self.config
@@ -298,6 +303,7 @@ class DecodeMessenger:
             reason = f"prefill worker {peer.name} silent for over peer_timeout_s={self.config.peer_timeout_s}"
             for rid in mine:
                 if self.pending[rid].failed is None:
+                    self.peer_lost.add(rid)
                     self._fail(rid, self.pending[rid], reason)
         elif not silent:
             peer.lost = False
@@ -323,6 +329,7 @@ class DecodeMessenger:
         for rid, p in list(self.pending.items()):
             if p.peer is peer:
                 if p.failed is None:
+                    self.peer_lost.add(rid)
                     self._fail(rid, p, f"prefill worker {name} exited", notify=False)
                 self._pages_safe(rid)
 

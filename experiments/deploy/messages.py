@@ -219,6 +219,8 @@ class Result(Message):
     migrations: int = 0  # times its worker died under it and it went on on another (set by the driver)
     cached_tokens: int = 0  # prompt tokens whose KV its worker's prefix cache held (not computed or sent)
     logprobs: list[TokenLogprobs] | None = None  # Submit.logprobs: one per output token
+    # it failed only because its prefill worker died or went silent: the runtime sends it again
+    prefill_lost: bool = False
 
 
 class Timeline(Message):

@@ -92,6 +92,12 @@ class Metrics:
             "pdk_role_switches", "Workers moved between prefill and decode so far", registry=r
         ).set_function(lambda: len(runtime.moves))
         router = runtime.router
+        resent = Gauge(
+            "pdk_prefill_resent",
+            "Requests prefilled again because their prefill worker died or went silent mid-transfer",
+            registry=r,
+        )
+        resent.set_function(lambda: runtime.prefill_resent)
         Gauge(
             "pdk_admission_refusing_seconds",
             "How long admission=slo has refused every new request (0: it admitted the last one)",

@@ -19,6 +19,7 @@ from experiments.deploy.messages import Cancel, Failed, HandedBack, Load, Progre
 from experiments.deploy.policy import Router
 
 WAIT_MS = 20  # the runtime's longest sleep on its sockets: how often it looks for dead workers
+MAX_PREFILL_RETRIES = 3  # times a request whose prefill worker died is prefilled again
 log = logging.getLogger(__name__)
 
 
@@ -65,6 +66,8 @@ class Runtime:
         self.streamed: dict[str, list] = {}  # streamed request -> [token ids, characters, token times] sent
         self.migrated: dict[str, tuple[int, list[float]]] = {}  # -> (migrations, token times before)
         self.routed_at: dict[str, float] = {}  # request -> when it was routed (perf_counter)
+        self.prefill_retries: dict[str, int] = {}  # request -> times it was prefilled again
+        self.prefill_resent = 0  # requests sent again after their prefill worker died
         self.events: list[tuple[float, str]] = []  # elastic roles: (perf_counter, what happened)
         self.moves: list[dict] = []
         self.elastic = None
@@ -101,8 +104,9 @@ class Runtime:
         return self._thread.is_alive() and bool(self._live())
 
     def _live(self) -> list[str]:
-        """The decode or colocated workers requests may go to now."""
-        return [n for n in self.router.workers if n not in self.dead]
+        """The decode or colocated workers requests may go to now (up, and heard from lately)."""
+        silent = set(self.silent)
+        return [n for n in self.router.workers if n not in self.dead and n not in silent]
 
     def submit(self, msg: Submit, sink) -> None:
         self.commands.put(("submit", msg, sink))
@@ -180,7 +184,8 @@ class Runtime:
                         sink("progress", (ids, text, logprobs))
             elif isinstance(msg, Result):
                 if self.owner.get(msg.request_id) == name:  # not a late one from before a migration
-                    self._finish(msg)
+                    if not (msg.prefill_lost and self._prefill_again(msg, name)):
+                        self._finish(msg)
             elif isinstance(msg, Load):
                 self.load[name] = msg
                 self.router.observe_load(name, msg)
@@ -192,6 +197,7 @@ class Runtime:
                 self.elastic.switched(name, msg)
             elif isinstance(msg, Failed):
                 log.error("worker %s failed:\n%s", name, msg.error)
+        self._leave_silent()
         for name, _ in self.fleet.deaths():  # a dead prefill worker's decode peers end its requests
             self.load.pop(name, None)
             self.heard.pop(name, None)
@@ -202,28 +208,53 @@ class Runtime:
         if self.elastic is not None:
             self.elastic.tick()
 
-    def _migrate(self, request_id: str, dead: str) -> bool:
+    def _leave_silent(self) -> None:
+        """A decode or colocated worker silent past silent_after_s (frozen: SIGSTOP, a wedged step) is
+        treated as dead for its requests: they go on elsewhere (on_worker_death), and it is told to cancel
+        them, which it does if it ever wakes (its late messages about them are ignored: not the owner)."""
+        for name in self.silent:
+            rids = list(self.in_flight.get(name, ()))
+            for rid in rids:
+                self.fleet.send(name, Cancel(rid))
+                if not (self.on_worker_death == "migrate" and self._migrate(rid, name)):
+                    error = f"worker {name} is silent for {self.silent_after_s} s"
+                    self._finish(Result(rid, name, [], 0.0, None, [], "error", error))
+            if rids:
+                log.warning("worker %s is silent: its %d requests went on elsewhere", name, len(rids))
+
+    def _prefill_again(self, result: Result, worker: str) -> bool:
+        """A request that failed only because its prefill worker died (or went silent) mid-transfer is
+        sent again, its prompt prefilled by a live prefill worker (or a restarted one): a prefill death
+        loses nothing under HTTP either. At most MAX_PREFILL_RETRIES times; False: it ends as it is."""
+        rid = result.request_id
+        tries = self.prefill_retries.get(rid, 0)
+        if self.on_worker_death != "migrate" or tries >= MAX_PREFILL_RETRIES or result.output_ids:
+            return False
+        self.prefill_retries[rid] = tries + 1
+        self.prefill_resent += 1
+        log.warning("request %s: %s; prefilled again (%d)", rid, result.error, tries + 1)
+        return self._migrate(rid, worker, count=False)
+
+    def _migrate(self, request_id: str, dead: str, count: bool = True) -> bool:
         """Resubmit a request of a worker that died (or left the decode role) to another live one: its
         prompt and the tokens it streamed so far (their KV is recomputed there), so the client's stream
-        goes on. False when no worker can take it."""
+        goes on. False when no worker can take it. count: a migration (not a prefill sent again)."""
         msg = self.requests.get(request_id)
         live = self._live()
         sent = self.streamed.get(request_id, [[], 0, [], []])
         if msg is None or not live or len(sent[0]) >= msg.max_tokens:
             return False
-        resumed = msgspec.structs.replace(msg, output_ids=list(sent[0]), text_sent=sent[1], after=None)
+        resumed = msgspec.structs.replace(
+            msg, output_ids=list(sent[0]), text_sent=sent[1], after=None, stream=True
+        )
         self.router.moved(request_id, dead)
         tokens = list(msg.prompt_ids) + list(sent[0])
         target = self.router.route_tokens(request_id, tokens, live, cache_salt=msg.cache_salt)
         self.owner[request_id] = target
-        count = self.migrated.get(request_id, (0,))[0] + 1
-        self.migrated[request_id] = (count, list(sent[2]), list(sent[3]))
+        times = self.migrated.get(request_id, (0,))[0] + count
+        self.migrated[request_id] = (times, list(sent[2]), list(sent[3]))
         log.warning(
-            "request %s: worker %s died; it goes on on %s (%d tokens so far)",
-            request_id,
-            dead,
-            target,
-            len(sent[0]),
+            "request %s goes on on %s after %s (%d tokens so far)", request_id, target, dead, len(sent[0])
         )
         return self.fleet.send(target, resumed)
 
@@ -274,6 +305,7 @@ class Runtime:
         routed = self.routed_at.pop(result.request_id, None)
         self.streamed.pop(result.request_id, None)
         migrated = self.migrated.pop(result.request_id, None)
+        self.prefill_retries.pop(result.request_id, None)
         if migrated is not None:  # its tokens from before: the worker it went on on timed only its own
             result.migrations, before, logprobs = migrated
             result.token_times = before + list(result.token_times)

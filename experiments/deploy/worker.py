@@ -531,6 +531,7 @@ class Worker(RoleSwitching):
             result.prefill = "remote"  # its transfer failed (or it was recomputed here)
         if out.error is not None:
             log.warning("%s: request %s failed: %s", self.spec.name, rid, out.error)
+            result.prefill_lost = self.dm is not None and rid in self.dm.peer_lost
         self._send(result)
         if self.dm is not None:
             self.dm.forget(rid)

@@ -329,9 +329,9 @@ def _drain_and_stop(proc: subprocess.Popen, url: str, tmp_path: Path) -> None:
         for _ in stream:
             pass
     assert proc.wait(timeout=60) == 0
-    # the multiprocessing forkserver leaves when the server's end of its socket closes: within a second
-    # alone, more under a loaded suite
-    assert _group_gone(proc.pid, 5), f"processes of the server's group outlived it: {_group(proc.pid)}"
+    # the fork server and the sandboxes' children too are gone when the server's pid is (issue 46: the
+    # fork server outlived it by 1-2 s)
+    assert not _group(proc.pid), f"processes of the server's group outlived it: {_group(proc.pid)}"
     for pid in pids.values():
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
@@ -613,3 +613,103 @@ def test_the_prefix_cache_is_no_oracle_across_cache_salts(server):
     assert ask("tenant-a") > 0  # its own prefix is found
     err = _error(_post(server, json.dumps(dict(OK, cache_salt=""))))
     assert err["param"] == "cache_salt"
+
+
+def test_a_frozen_decode_worker_s_streams_go_on_elsewhere(tmp_path):
+    """Issue 46: a SIGSTOPped decode worker's streams waited it out. Silent past transfer.peer_timeout_s,
+    its requests go on on the other decode worker (prompt + the tokens streamed so far): every stream
+    finishes with the fault-free greedy text and the migration is counted; once it wakes, it cancels
+    them (every one of its pages back) and takes requests again."""
+    from engine import LLM, SamplingParams
+
+    prompts = [f"Frozen {i}: and then, {i}," for i in range(4)]
+    reference = LLM("tiny-random", page_size=4, num_pages=256)
+    want = [o.text for o in reference.generate(prompts, SamplingParams(max_tokens=300, ignore_eos=True))]
+    proc, url = _start(
+        tmp_path, "deployment=1p1d", "deployment.num_decode=2", "deployment.routing=round_robin",
+        "transfer.peer_timeout_s=2",
+    )  # fmt: skip
+    pid = _worker_pid(tmp_path, "decode-0")
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+        got, errors, first = {}, [], threading.Semaphore(0)
+
+        def one(i: int) -> None:
+            text, kw = "", dict(model="tiny-random", prompt=prompts[i], max_tokens=300, temperature=0)
+            try:
+                for chunk in client.completions.create(stream=True, extra_body={"ignore_eos": True}, **kw):
+                    if not text and chunk.choices[0].text:
+                        first.release()
+                    text += chunk.choices[0].text
+                got[i] = text
+            except Exception as e:  # every failure is the test's finding
+                errors.append((i, repr(e)))
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for _ in range(4):  # every stream has its first token: two of them on decode-0 (round robin)
+            assert first.acquire(timeout=120)
+        os.kill(pid, signal.SIGSTOP)
+        for t in threads:
+            t.join(timeout=180)
+        assert not errors, errors
+        assert [got[i] for i in range(4)] == want
+        assert _metrics(url)[("pdk_migrations_total", ())] >= 1
+        os.kill(pid, signal.SIGCONT)
+        give_up = time.monotonic() + 30  # awake: it hears the cancels, and its pages come back
+        while time.monotonic() < give_up:
+            free = {k[1][0][1]: v for k, v in _metrics(url).items() if k[0] == "pdk_kv_free_pages"}
+            if free.get("decode-0") == PAGES and _raw(url, "GET", "/health")[0] == 200:
+                break
+            time.sleep(0.3)
+        assert free.get("decode-0") == PAGES, free
+        _still_serving(url)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    assert _group_gone(proc.pid, 15)
+
+
+def test_a_prefill_worker_that_dies_mid_transfer_loses_no_request(tmp_path):
+    """Issue 46's soak: requests whose prefill worker died under them ended with 503 "prefill worker ...
+    exited". 2 prefill + 1 decode worker: prefill-0 is frozen, so the requests sent to it stay in
+    flight, then killed; the decode worker fails them as lost, and the server sends them again, to
+    prefill-1. Every request answers with the fault-free greedy text."""
+    from engine import LLM, SamplingParams
+
+    prompts = [f"Prefill {i}: " + "words to prefill " * 20 for i in range(6)]
+    reference = LLM("tiny-random", page_size=4, num_pages=256)
+    want = [o.text for o in reference.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))]
+    proc, url = _start(tmp_path, "deployment=1p1d", "deployment.num_prefill=2")
+    pid = _worker_pid(tmp_path, "prefill-0")
+    try:
+        os.kill(pid, signal.SIGSTOP)  # what is sent to it now waits there
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+        got, errors = {}, []
+
+        def one(i: int) -> None:
+            kw = dict(model="tiny-random", prompt=prompts[i], max_tokens=16, temperature=0)
+            try:
+                got[i] = client.completions.create(extra_body={"ignore_eos": True}, **kw).choices[0].text
+            except Exception as e:  # every failure is the test's finding
+                errors.append((i, repr(e)))
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        give_up = time.monotonic() + 60  # the decode worker waits on transfers prefill-0 cannot make
+        while _metrics(url).get(("pdk_requests_waiting", (("worker", "decode-0"),)), 0) < 1:
+            assert time.monotonic() < give_up, "no request waited on the frozen prefill worker"
+            time.sleep(0.1)
+        os.kill(pid, signal.SIGKILL)
+        for t in threads:
+            t.join(timeout=180)
+        assert not errors, errors
+        assert [got[i] for i in range(6)] == want
+        assert _metrics(url)[("pdk_prefill_resent", ())] >= 1
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    assert _group_gone(proc.pid, 15)
