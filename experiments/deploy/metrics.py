@@ -33,6 +33,12 @@ class Metrics:
         self.waiting = Gauge("pdk_requests_waiting", "Sequences queued, per worker", ["worker"], registry=r)
         self.in_flight = Gauge("pdk_requests_in_flight", "Requests the server is answering", registry=r)
         self.free_pages = Gauge("pdk_kv_free_pages", "Free KV pages per worker", ["worker"], registry=r)
+        self.report_age = Gauge(
+            "pdk_worker_report_age_seconds",
+            "Seconds since the worker's last message (its gauges here are from its last Load)",
+            ["worker"],
+            registry=r,
+        )
         self.kv_bytes = Counter("pdk_kv_transfer_bytes", "KV bytes written prefill -> decode", registry=r)
         self.transfer_failures = Counter(
             "pdk_transfer_failures", "Requests whose KV transfer failed", registry=r
@@ -164,7 +170,7 @@ class Metrics:
         from prometheus_client import generate_latest
 
         for name in self.runtime.dead:  # a dead worker's gauges go (a restarted one's Load brings them back)
-            for gauge in (self.free_pages, self.running, self.waiting, self.cached_pages):
+            for gauge in (self.free_pages, self.running, self.waiting, self.cached_pages, self.report_age):
                 try:
                     gauge.remove(name)
                 except KeyError:
@@ -173,6 +179,9 @@ class Metrics:
         for name, role in list(self.runtime.fleet.roles.items()):
             if name not in self.runtime.dead:
                 self.roles.labels(name, role).set(1)
+        now = time.monotonic()
+        for name, heard in list(self.runtime.heard.items()):
+            self.report_age.labels(name).set(round(now - heard, 3))
         for name, load in list(self.runtime.load.items()):
             self.free_pages.labels(name).set(load.free_pages)
             self.running.labels(name).set(load.running)

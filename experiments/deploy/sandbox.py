@@ -145,8 +145,10 @@ class _Child:
 
 
 class Sandbox:
-    """A pool of `processes` children of one kind. run() is for the event loop: it waits in the pool's
-    own threads (the default executor stays free), and a caller that is cancelled kills its child."""
+    """A pool of up to `processes` children of one kind, each started when a task first finds none idle
+    (a server that never renders a chat or compiles a grammar starts none: a grammar child's start costs
+    about a second of CPU). run() is for the event loop: it waits in the pool's own threads (the default
+    executor stays free), and a caller that is cancelled kills its child."""
 
     def __init__(self, setup: Setup, processes: int = 2, ctx=None):
         if setup.kind not in KINDS:
@@ -160,24 +162,30 @@ class Sandbox:
         self._executor = ThreadPoolExecutor(processes, thread_name_prefix=f"sandbox-{setup.kind}")
         self._children: set[_Child] = set()
         self._lock = threading.Lock()
+        self.processes = processes
         self.killed = 0  # children killed past a deadline, on a cancel, or dead on their own
         self._closed = False
-        for _ in range(processes):
-            self._idle.put(self._new())
 
-    def _new(self) -> _Child:
-        child = _Child(self._ctx, self._json)
+    def _take(self) -> _Child:
+        """An idle child; a new one while the pool has fewer than `processes`; else wait for one (a
+        task runs in one of the pool's `processes` threads, so a child is free or about to be)."""
+        try:
+            return self._idle.get_nowait()
+        except queue.Empty:
+            pass
         with self._lock:
-            self._children.add(child)
-        return child
+            start = len(self._children) < self.processes
+            if start:
+                child = _Child(self._ctx, self._json)
+                self._children.add(child)
+        return child if start else self._idle.get()
 
     def _replace(self, child: _Child) -> None:
+        """Kill a child (its next task starts a fresh one)."""
         child.kill()
         with self._lock:
             self._children.discard(child)
             self.killed += 1
-        if not self._closed:
-            self._idle.put(self._new())
 
     async def run(self, task: Task) -> str:
         """The task's output, or SandboxError (failed, too slow, too big, or its child died)."""
@@ -195,7 +203,7 @@ class Sandbox:
     def _run(self, task: Task, gave_up: threading.Event) -> Reply:
         if gave_up.is_set():
             return Reply(error="cancelled")
-        child = self._idle.get()
+        child = self._take()
         if not child.ready:
             if not child.conn.poll(START_TIMEOUT_S) or child.conn.recv_bytes() != b"ready":
                 self._replace(child)
