@@ -176,7 +176,13 @@ def make_app(state: App) -> FastAPI:
     async def generate(request: Request, chat: bool):
         guard(request)
         body = await body_of(request)
-        prepared = await unless_gone(request, state.prepare(body, chat))  # templates, grammars: sandboxed
+        sandboxed = chat or (
+            isinstance(body, dict) and ("structured_outputs" in body or "response_format" in body)
+        )
+        work = state.prepare(
+            body, chat
+        )  # templates and grammars: in the sandboxes, cancelled with the client
+        prepared = await (unless_gone(request, work) if sandboxed else work)
         prompt = body.get("prompt") if isinstance(body, dict) and not chat else None
         if isinstance(prompt, list | str) and len(prompt) <= INLINE_BYTES // 4:
             parsed = state.parse(body, chat, prepared)  # a short completion prompt: well under a millisecond
