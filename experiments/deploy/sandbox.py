@@ -137,8 +137,11 @@ class _Child:
         self.proc.start()
         theirs.close()
         self.ready = False
+        self._killed = threading.Lock()  # a task's thread and close() may both kill it: once
 
     def kill(self) -> None:
+        if not self._killed.acquire(blocking=False):
+            return
         self.proc.kill()
         self.proc.join(timeout=5)
         self.conn.close()
@@ -205,8 +208,15 @@ class Sandbox:
             return Reply(error="cancelled")
         child = self._take()
         if not child.ready:
-            if not child.conn.poll(START_TIMEOUT_S) or child.conn.recv_bytes() != b"ready":
+            try:
+                started = child.conn.poll(START_TIMEOUT_S) and child.conn.recv_bytes() == b"ready"
+            except (EOFError, OSError):  # it died starting (its memory cap below what it imports)
+                started = False
+            if not started:
                 self._replace(child)
+                log.error(
+                    "a %s sandbox process did not start (exit code %s)", self.setup.kind, child.proc.exitcode
+                )
                 return Reply(error=f"the {self.setup.kind} sandbox did not start")
             child.ready = True
         try:

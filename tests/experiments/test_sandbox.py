@@ -147,3 +147,17 @@ def test_a_hostile_spec_is_stopped_within_its_limits(grammars, spec):
 def test_a_bad_spec_is_an_error_naming_the_field(grammars):
     with pytest.raises(SandboxError, match="structured_outputs.regex"):
         asyncio.run(grammars.run(Task(30.0, spec=("regex", "(unclosed"))))
+
+
+def test_a_child_that_cannot_start_is_an_error_not_a_crash(model):
+    """A memory cap below what a grammar child imports: it dies starting; the task says so (a 400 at
+    the API), and the pool tries a fresh child for the next task."""
+    info = tokenizer_info(model.tokenizer, model.config.vocab_size, model.config.eos_token_ids)
+    pool = Sandbox(Setup("grammar", 1 << 20, MAX_COMPILED_CHARS, tokenizer_info=info.serialize_json()), 1)
+    try:
+        for _ in range(2):
+            with pytest.raises(SandboxError, match="did not start"):
+                asyncio.run(pool.run(Task(30.0, spec=("regex", "[a-z]+"))))
+        assert pool.killed == 2
+    finally:
+        pool.close()
