@@ -16,12 +16,15 @@ Errors have OpenAI's shape ({"error": {"message", "type", "param", "code"}}), ne
 a bad request (naming the field), 401 for a missing or wrong API key, 403 for a foreign Host or Origin,
 413/415 for a body too large or not JSON, 503 (with Retry-After) for a request no live worker can take
 and while stopping. One request's failure is its own: the runtime's loop and the other requests go on.
-A decode or colocated worker that dies hands its requests to another (DeploymentConfig.on_worker_death:
-migrate): prompt + the tokens streamed so far, recomputed there. The server keeps serving with the
-workers it has left (GET /health says 503 meanwhile, and for a worker silent past peer_timeout_s).
-It binds 127.0.0.1 unless server.host says otherwise; every request's body, prompt, template time and
-numbers are bounded (ServerConfig); parsing, tokenizing and templating run off the event loop. Ctrl-C
-or SIGTERM drain it, then stop every worker and remove the run's directory before the process exits.
+A decode or colocated worker that dies, or is silent past peer_timeout_s, hands its requests to another
+(DeploymentConfig.on_worker_death: migrate): prompt + the tokens streamed so far, recomputed there; a
+request whose prefill worker died mid-transfer is prefilled again by a live one. The server keeps serving
+with the workers it has left (GET /health says 503 meanwhile).
+It binds 127.0.0.1 unless server.host says otherwise; every request's body, prompt, headers' arrival,
+template and grammar time and memory, and numbers are bounded (ServerConfig); chat templates and grammar
+compiles run in killable child processes (experiments.deploy.sandbox), parsing and tokenizing off the
+event loop. Ctrl-C or SIGTERM drain it, then stop every worker, the sandboxes and the fork server, and
+remove the run's directory before the process exits.
 """
 
 from __future__ import annotations
