@@ -25,7 +25,6 @@ from engine.kv_cache import PageAllocator, allocate_kv_cache
 from engine.model import Model, Shard
 from engine.mtp import MTPDrafter, load_head_weights
 from engine.runner import ModelRunner
-from engine.sampler import logprobs_of, probabilities, processed, sample
 from engine.scheduler import Batch, Scheduler
 from engine.sequence import (
     CompletionOutput,
@@ -35,7 +34,8 @@ from engine.sequence import (
     Status,
     check_token_ids,
 )
-from engine.speculative import SpeculativeConfig, ngram_drafts, verify_greedy, verify_sampled
+from engine.speculative import SpeculativeConfig, ngram_drafts
+from engine.step_sampling import StepSampling
 from engine.tp import RankDied, TPGroup
 from engine.weights import load_model
 from pdkernels.out_proj import make_layer_counter
@@ -64,7 +64,7 @@ class StepStats:
     verify_steps: int = 0  # sequences whose drafts this step verified
 
 
-class LLM(DecodeHandoff):
+class LLM(DecodeHandoff, StepSampling):
     def __init__(
         self,
         model: str = "smollm2-135m",
@@ -408,67 +408,6 @@ class LLM(DecodeHandoff):
             elif self.scheduler.role == "prefill" and seq.num_computed == self.scheduler.target(seq):
                 self.scheduler.remove(seq, free_pages=False)
                 self._prefilled(seq, out.last_hidden[i])
-
-    def _sample(self, sampling, rows, plain, logits: torch.Tensor):
-        """(plain chunks' tokens in order, id(chunk) -> verified drafts, id(chunk) -> logprobs, id(chunk)
-        -> the exception that failed it). Each chunk is sampled on its own, so a row whose parameters
-        break the arithmetic fails its own sequence only (a failed plain chunk's token is -1)."""
-        eos = self.config.model.eos_token_ids
-        greedy = logits[plain].argmax(-1).tolist() if plain else []  # the common case in one call
-        tokens, verified, logprobs, failed, k = [], {}, {}, {}, 0
-        for c, (lo, hi) in zip(sampling, rows, strict=True):
-            try:
-                if c.seq.grammar is not None:  # grammars first: what the rest sees
-                    self._constrain(c, logits[lo:hi])
-                if c.drafts:
-                    verified[id(c)] = self._verify(c, logits[lo:hi])
-                    new = verified[id(c)][0]
-                else:
-                    p = c.seq.params
-                    plain_row = p.greedy and not p.processes_logits and c.seq.grammar is None
-                    new = [greedy[k] if plain_row else sample(logits[lo:hi], [c.seq], eos)[0]]
-                if c.seq.params.logprobs is not None:
-                    logprobs[id(c)] = self._logprobs_of(c, logits[lo : lo + len(new)], new)
-            except Exception as e:  # this request's own: logged, and only it ends
-                log.warning("sampling failed for %s: %r", c.seq.request_id, e)
-                failed[id(c)], new = e, [-1]
-            if not c.drafts:
-                tokens.append(new[0])
-                k += 1
-        return tokens, verified, logprobs, failed
-
-    def _verify(self, chunk, logits: torch.Tensor) -> tuple[list[int], int]:
-        """(tokens to append, drafts accepted) of a chunk with drafts, from its 1 + k rows of logits."""
-        seq, p = chunk.seq, chunk.seq.params
-        if p.processes_logits:  # row j follows the outputs and the first j drafts
-            eos = self.config.model.eos_token_ids
-            logits = torch.stack([processed(row, seq, eos, chunk.drafts[:j]) for j, row in enumerate(logits)])
-        if p.greedy:
-            return verify_greedy(logits, chunk.drafts)
-        probs = torch.stack([probabilities(row, p) for row in logits]).cpu()
-        return verify_sampled(probs, chunk.drafts, seq.generator)
-
-    def _constrain(self, chunk, logits: torch.Tensor) -> None:
-        """Mask a constrained chunk's rows in place: row j as the grammar stands after its first j drafts
-        (each accepted into the matcher to mask the next row, then all rolled back: _append_token
-        accepts the tokens the step keeps)."""
-        matcher, drafts, taken = chunk.seq.grammar, chunk.drafts, 0
-        for j, row in enumerate(logits):
-            if not self.grammars.mask(row, matcher, chunk.seq.params.structured_outputs) or j == len(drafts):
-                break
-            if not matcher.accept_token(drafts[j]):
-                break  # this draft is masked out: verification rejects it, later rows are never read
-            taken += 1
-        if taken:
-            matcher.rollback(taken)
-
-    def _logprobs_of(self, chunk, logits: torch.Tensor, new: list[int]) -> dict[int, dict]:
-        """{j: the chunk's j-th new token's Logprob entry} (its request asked for logprobs)."""
-        entries = logprobs_of(logits, new, chunk.seq.params.logprobs)
-        for entry in entries:
-            for token, lp in entry.items():
-                lp.decoded_token = self.tokenizer.decode([token], skip_special_tokens=False)
-        return dict(enumerate(entries))
 
     def generate(
         self,

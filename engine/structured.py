@@ -124,11 +124,6 @@ class StructuredOutputs:
             raise ValueError(f"structured_outputs.{kind} is not valid: {e}") from e
 
 
-def check(spec: StructuredOutputs) -> None:
-    """Build the spec's grammar once (a bad schema is a ValueError naming the field)."""
-    spec.grammar_of()
-
-
 def tokenizer_info(tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...]):
     """xgrammar's view of a vocabulary: special tokens as empty strings (a grammar never spells text with
     them), byte-level or raw pieces."""

@@ -50,9 +50,7 @@ from experiments.deploy.api import (
     App,
     Parsed,
     ServerConfig,
-    finish_reason_of,
     parse_json,
-    usage_block,
 )
 from experiments.deploy.config import check_fits_model, runtime_of
 from experiments.deploy.connections import guarded_h11
@@ -60,6 +58,7 @@ from experiments.deploy.launcher import start_fork_server, stop_fork_server
 from experiments.deploy.messages import Result
 from experiments.deploy.policy import Router
 from experiments.deploy.runtime import Runtime
+from experiments.deploy.shapes import finish_reason_of, usage_block
 
 log = logging.getLogger(__name__)
 __all__ = ["ServerConfig", "listening_socket", "make_app", "serve"]
