@@ -37,7 +37,7 @@ from engine import mla, moe
 from engine.config import ModelConfig
 from engine.model import Model
 from engine.sequence import Sequence
-from engine.weights import random_weights
+from engine.tensors import random_weights
 
 BASE_SHAPES = ("enorm.weight", "hnorm.weight", "shared_head.norm.weight", "input_layernorm.weight")
 QK_NORM_KEYS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
