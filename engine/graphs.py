@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from engine.model import BatchMeta, Model
-from pdkernels.decode_attention import cap_splits, live_split_len
+from pdkernels.splits import cap_splits, live_split_len
 
 log = logging.getLogger(__name__)
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)

@@ -22,7 +22,8 @@ from pdkernels._paging import (
     INTERPRET,
     cache_geometry,
     cache_strides,
-    check_page_table,
+    check_attention_inputs,
+    check_out,
     check_tensor,
     gather_pages,
     next_pow2,
@@ -33,7 +34,6 @@ from pdkernels._paging import (
 __all__ = [
     "extend_attention",
     "extend_attention_ref",
-    "check_attention_inputs",
     "check_extend_attention",
 ]
 
@@ -300,36 +300,6 @@ def _extend_attention_kernel(
     if HAS_LSE:
         lse = tl.where(l_i > 0, (m_i + tl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
         tl.store(lse_ptr + (q_lo + tok).to(tl.int64) * stride_lse_t + head, lse, mask=mask_m)
-
-
-def check_attention_inputs(
-    q: Tensor,
-    paged_kv_cache: Tensor | tuple[Tensor, Tensor],
-    kv_indptr: Tensor,
-    kv_indices: Tensor,
-    kv_last_page_len: Tensor,
-    kv_layout: str,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Check q [T, Hq, D] against the cache and page table; return (k_cache, v_cache, seq_lens)."""
-    k_cache, v_cache = split_kv_cache(paged_kv_cache, kv_layout)
-    num_pages, num_kv_heads, page_size, head_dim = cache_geometry(k_cache, kv_layout)
-    check_tensor("q", q, 3, (torch.float16, torch.bfloat16, torch.float32), k_cache.device)
-    require(q.dtype == k_cache.dtype, f"q dtype {q.dtype} must equal the cache dtype {k_cache.dtype}")
-    require(q.shape[2] == head_dim, f"q head_dim {q.shape[2]} differs from the cache's {head_dim}")
-    require(
-        q.shape[1] % num_kv_heads == 0,
-        f"q heads ({q.shape[1]}) must be a multiple of the cache's kv heads ({num_kv_heads})",
-    )
-    seq_lens = check_page_table(kv_indptr, kv_indices, kv_last_page_len, num_pages, page_size, k_cache.device)
-    return k_cache, v_cache, seq_lens
-
-
-def check_out(name: str, t: Tensor | None, shape: tuple, dtype: torch.dtype, device: torch.device) -> Tensor:
-    if t is None:
-        return torch.empty(shape, dtype=dtype, device=device)
-    check_tensor(name, t, len(shape), (dtype,), device)
-    require(tuple(t.shape) == shape, f"{name} must have shape {shape}, got {tuple(t.shape)}")
-    return t
 
 
 def check_extend_attention(

@@ -8,12 +8,10 @@ the append. ``kv_append_slots`` takes flat slots ``page * P + entry`` instead (-
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from pdkernels import cpu
 from pdkernels._paging import (
     INDEX_DTYPES,
     cache_geometry,
@@ -453,28 +451,6 @@ def kv_append_ref(
     page, entry = page_entry_of(batch_indices, positions, kv_indptr, kv_indices, page_size)
     _scatter_ref(append_key, k_cache, kv_layout, page, entry)
     _scatter_ref(append_value, v_cache, kv_layout, page, entry)
-
-
-def kv_append_cpu(
-    append_key: Tensor,
-    append_value: Tensor,
-    batch_indices: Tensor,
-    positions: Tensor,
-    paged_kv_cache: Tensor | tuple[Tensor, Tensor],
-    kv_indices: Tensor,
-    kv_indptr: Tensor,
-    kv_last_page_len: Tensor,
-    kv_layout: str = "HND",
-) -> None:
-    """The torch backend's kv_append: C++ row copies (pdkernels.cpu) for a 5-D HND cache on the CPU where
-    it is built, kv_append_ref otherwise."""
-    ext = cpu.for_cache(paged_kv_cache) if kv_layout == "HND" else None
-    if ext is None:
-        return kv_append_ref(append_key, append_value, batch_indices, positions, paged_kv_cache, kv_indices,
-                             kv_indptr, kv_last_page_len, kv_layout)  # fmt: skip
-    i32 = [t.to(torch.int32).contiguous() for t in (batch_indices, positions, kv_indices, kv_indptr)]
-    k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (append_key, append_value))
-    ext.kv_append(k, v, i32[0], i32[1], paged_kv_cache, i32[2], i32[3])
 
 
 def kv_append_slots_ref(

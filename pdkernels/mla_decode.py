@@ -24,8 +24,8 @@ from pdkernels._paging import (
     require,
     seq_lens_from_page_table,
 )
-from pdkernels.decode_attention import MAX_SPLITS, _seq_splits, merge_splits, split_plan
 from pdkernels.extend_attention import LOG2E, load_kv_block
+from pdkernels.splits import MAX_SPLITS, _seq_splits, merge_splits, split_plan
 
 __all__ = ["mla_decode_attention", "mla_decode_attention_ref", "mla_decode_attention_cpu", "check_mla_decode"]
 

@@ -23,8 +23,10 @@ from pdkernels import norm as _norm
 from pdkernels import out_proj as _op
 from pdkernels import rope as _rope
 from pdkernels import splitk_gemm as _gemm
-from pdkernels._paging import INTERPRET, require
+from pdkernels._paging import INTERPRET, check_attention_inputs, require
+from pdkernels.decode_attention_cpu import decode_attention_cpu
 from pdkernels.extend_attention_cpu import extend_attention_cpu
+from pdkernels.kv_append_cpu import kv_append_cpu
 
 BACKENDS = ("auto", "triton", "torch", "flashinfer")
 FLASHINFER_OPS = (
@@ -102,7 +104,7 @@ def kv_append(
         return _kv.kv_append(*args, validate=validate)
     if validate:
         _kv.check_kv_append(*args)
-    (_kv.kv_append_cpu if kind == "torch" else _flashinfer().kv_append)(*args)
+    (kv_append_cpu if kind == "torch" else _flashinfer().kv_append)(*args)
 
 
 def kv_append_slots(
@@ -250,11 +252,11 @@ def decode_attention(
             num_splits=num_splits,
         )
     if validate:
-        _ext.check_attention_inputs(*args)
+        check_attention_inputs(*args)
     if kind == "flashinfer":
         return _flashinfer().decode_attention(*args, sm_scale=sm_scale, out=out, return_lse=return_lse)
     if kv_layout == "HND" and not return_lse and isinstance(paged_kv_cache, torch.Tensor):
-        o = _dec.decode_attention_cpu(*args[:5], sm_scale=sm_scale, max_seq_len=max_seq_len)
+        o = decode_attention_cpu(*args[:5], sm_scale=sm_scale, max_seq_len=max_seq_len)
         return _into(out, o, False)  # the reference's math: in C++ over the pages in place, or fewer passes
     return _into(out, _dec.decode_attention_ref(*args, sm_scale=sm_scale, return_lse=return_lse), return_lse)
 

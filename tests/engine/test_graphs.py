@@ -53,7 +53,7 @@ def test_cuda_graphs_need_a_cuda_device():
 def test_each_replay_writes_the_steps_own_split_plan():
     """The graph's split-length buffer holds, after each step's fill, what an eager launch would plan from
     that step's page tables (live_split_len), not one planned from the buffers' size."""
-    from pdkernels.decode_attention import live_split_len
+    from pdkernels.splits import live_split_len
 
     llm = LLM("tiny-random", page_size=4, num_pages=128)
     graphs = DecodeGraphs(llm.model, llm.kv_cache, 4, scratch_page=127, max_num_seqs=8, capture=False)

@@ -46,7 +46,7 @@ def test_decode_attention_split_counts(num_splits):
 def test_a_long_sequence_among_short_ones_gets_its_own_splits(max_seq_len):
     """The default plan splits by tokens: the 700-token sequence takes several splits, the short ones one,
     and the splits past each sequence's end are never read by the merge (they write nothing)."""
-    from pdkernels.decode_attention import MIN_SPLIT_TOKENS, split_plan
+    from pdkernels.splits import MIN_SPLIT_TOKENS, split_plan
 
     lens = [1, 700, 5, 0]
     grid, split_len = split_plan(sum(lens), max_seq_len, KV_HEADS, 64, torch.device("cpu"))
@@ -109,7 +109,7 @@ def test_the_cpu_path_is_the_reference_in_fewer_passes(
     torch (one gather of whole pages, fp32): one sequence whose last page is full or not, several, an
     empty one (zeros), with and without the host's max_seq_len hint."""
     from pdkernels import cpu
-    from pdkernels.decode_attention import decode_attention_cpu
+    from pdkernels.decode_attention_cpu import decode_attention_cpu
 
     monkeypatch.setenv("PDKERNELS_CPU_EXT", "1" if ext == "c++" else "0")
     if ext == "c++" and cpu.module() is None:
@@ -133,7 +133,7 @@ def test_a_live_split_length_gives_the_eager_plan_whatever_the_grid():
     """A CUDA graph sized for a long context launches the grid its longest sequence could need and reads
     the step's split length from a device buffer (live_split_len): the outputs are the eager launch's,
     bit for bit, and a short sequence gets more splits than the buffers' size would have planned."""
-    from pdkernels.decode_attention import cap_splits, live_split_len, split_plan
+    from pdkernels.splits import cap_splits, live_split_len, split_plan
 
     lens = [1, 40, 300, 700]
     case, q = _case(16, "HND", torch.float32, 2, seq_lens=lens, seed=5)
@@ -176,7 +176,7 @@ def test_the_cpu_vector_paths_at_the_models_head_widths(head_dim, dtype):
     pages of 32 tokens (two steps each), lengths that end mid-step and within the first 8 of a step, a
     group of 3, against the reference."""
     from pdkernels import cpu
-    from pdkernels.decode_attention import decode_attention_cpu
+    from pdkernels.decode_attention_cpu import decode_attention_cpu
 
     if cpu.module() is None:
         pytest.skip("pdkernels' CPU extension could not be built here (no C++ compiler)")

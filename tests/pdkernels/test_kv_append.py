@@ -48,7 +48,7 @@ def test_the_cpu_path_equals_the_reference(mode, dtype):
     """The torch backend's kv_append (C++ row copies where built) against the reference, rows sliced out
     of a fused qkv tensor as the engine passes them."""
     from pdkernels import cpu
-    from pdkernels.kv_append import kv_append_cpu
+    from pdkernels.kv_append_cpu import kv_append_cpu
 
     if cpu.module() is None:
         pytest.skip("pdkernels' CPU extension could not be built here (no C++ compiler)")
