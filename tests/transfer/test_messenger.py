@@ -110,14 +110,16 @@ def test_each_stage_deadline_fails_the_request_but_holds_pages_until_the_prefill
     """The prefill worker stalls after 0 (never reads), 1 (accepts, computes nothing) or 2 (one chunk sent)
     steps; the stage's deadline fails the request, and its pages wait for the prefill side's answer."""
     prefill, decode, pm, dm = pair
-    dm.config = replace(dm.config, **{stage: 0.05})
     dm.submit("stuck", list(range(100, 160)), GREEDY)  # three 24-token chunks
     if prefill_progress >= 1:
         pm.poll()
+    give_up = time.monotonic() + 10
     if prefill_progress >= 2:
         prefill.step()
-        time.sleep(0.05)  # the sender thread posts the chunk's pages
-    give_up = time.monotonic() + 10
+        while not dm.pending["stuck"].received:  # the sender thread posts the chunk's pages: landed
+            dm.poll()
+            assert time.monotonic() < give_up
+    dm.config = replace(dm.config, **{stage: 1e-6})  # only now is the stalled stage past its deadline
     while not finished(decode, "stuck"):
         dm.poll()
         decode.step()  # hands the failed request back
