@@ -42,6 +42,46 @@ class LengthDist:
 
 
 @dataclass(frozen=True)
+class WorkloadSampling:
+    """How every request of the workload samples (workload.sampling.*): engine.SamplingParams' fields, the
+    same the server takes. ignore_eos (default true) makes each request run to its output length;
+    structured_outputs: one of {json: <schema>, json_object: true, regex: ..., choice: [...],
+    grammar: ...}."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    ignore_eos: bool = True
+    structured_outputs: dict | None = None
+
+    def __post_init__(self):
+        try:
+            self.params(1)
+        except (ValueError, TypeError) as e:
+            key = str(e).split(" ", 1)[0]
+            raise ValueError(f"workload.sampling.{key}: {e}") from e
+
+    def params(self, max_tokens: int):
+        """engine.SamplingParams of a request of max_tokens output tokens."""
+        from engine.sequence import SamplingParams
+        from engine.structured import StructuredOutputs
+
+        spec = self.structured_outputs
+        if spec is not None and not isinstance(spec, dict):
+            raise TypeError(f"structured_outputs must be a mapping such as {{regex: ...}}, got {spec!r}")
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            ignore_eos=self.ignore_eos,
+            structured_outputs=StructuredOutputs(**spec) if spec is not None else None,
+        )
+
+
+@dataclass(frozen=True)
 class WorkloadConfig:
     arrival: str = "poisson"  # poisson: `rate` requests/s | concurrency: `concurrency` requests in flight
     rate: float = 1.0
@@ -63,6 +103,7 @@ class WorkloadConfig:
     system_prompt_len: int = 256
     turn_len: int = 128
     think_time_s: float = 1.0
+    sampling: WorkloadSampling = field(default_factory=WorkloadSampling)
 
     def __post_init__(self):
         if self.arrival not in ARRIVALS:
@@ -146,4 +187,6 @@ def workload_of(cfg: dict) -> WorkloadConfig:
     for key in ("prompt_len", "output_len"):
         if key in w:
             w[key] = of_dict(LengthDist, f"workload.{key}", w[key])
+    if "sampling" in w:
+        w["sampling"] = of_dict(WorkloadSampling, "workload.sampling", w["sampling"])
     return of_dict(WorkloadConfig, "workload", w)

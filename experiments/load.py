@@ -4,8 +4,9 @@
         model: HuggingFaceTB/SmolLM2-135M-Instruct}]'
 
 Each request of the workload goes out on the workload's schedule (Poisson arrivals or a fixed number in
-flight) as a streamed completion of its prompt token ids, with `max_tokens`, greedy sampling and
-`ignore_eos` (vLLM's extra, so every server produces the asked-for length), through the official
+flight) as a streamed completion of its prompt token ids, with `max_tokens` and the workload's sampling
+(workload.sampling: greedy and vLLM's `ignore_eos` by default, so every server produces the asked-for
+length), through the official
 `openai` client. The first text chunk's arrival is the first token, each later chunk an inter-token
 gap; the usage chunk gives the output token count (and, where the server reports it, the prompt tokens
 its cache held); a 503 (a server shedding load: our deployment.admission=slo) is a `rejected` request,
@@ -21,7 +22,8 @@ import time
 
 from experiments.config import RunConfig
 from experiments.deploy.config import DeploymentConfig
-from experiments.deploy.messages import DeploymentRun, Request, Result
+from experiments.deploy.messages import ErrorKind, Result
+from experiments.record import DeploymentRun, Request
 from experiments.workload import Conversations
 
 
@@ -72,11 +74,9 @@ async def _drive(
                 stream = await client.completions.create(
                     model=model,
                     prompt=list(req.prompt_ids),
-                    max_tokens=req.max_tokens,
-                    temperature=0.0,
                     stream=True,
                     stream_options={"include_usage": True},
-                    extra_body={"ignore_eos": True},
+                    **_sampling(w.sampling, req.max_tokens),
                 )
                 async for chunk in stream:
                     now = time.perf_counter()
@@ -95,11 +95,16 @@ async def _drive(
                 result.output_tokens = n if n is not None else len(times)
                 result.cached_tokens = cached
             except openai.APIStatusError as e:  # a 503 is the server shedding load: rejected, not failed
-                result = _failed(req.request_id, f"{type(e).__name__}: {e}", sent)
-                if e.status_code == 503:
-                    result.finish_reason = "rejected"
+                kind = (
+                    ErrorKind.REJECTED
+                    if e.status_code == 503
+                    else _KINDS.get(e.status_code, ErrorKind.INTERNAL)
+                )
+                result = Result.failed(req.request_id, kind, f"{type(e).__name__}: {e}", d.name, sent)
             except Exception as e:  # the server went away: this request fails alone
-                result = _failed(req.request_id, f"{type(e).__name__}: {e}", sent)
+                result = Result.failed(
+                    req.request_id, ErrorKind.WORKER_LOST, f"{type(e).__name__}: {e}", d.name, sent
+                )
             run.results[req.request_id] = result
             bar.update()
         if result.error is None and run.turns is not None:  # the reply as text: our tokens of it
@@ -128,3 +133,20 @@ async def _drive(
         run.end = time.perf_counter()
         bar.close()
         await client.close()
+
+
+_KINDS = {400: ErrorKind.BAD_REQUEST, 408: ErrorKind.CANCELLED, 504: ErrorKind.DEADLINE}  # else internal
+
+
+def _sampling(sampling, max_tokens: int) -> dict:
+    """The workload's sampling (experiments.config.WorkloadSampling) as a completion's arguments: OpenAI's
+    own, and vLLM's extras (top_k, ignore_eos, structured_outputs) in the body as vLLM and ours take them."""
+    args = {"max_tokens": max_tokens, "temperature": sampling.temperature, "top_p": sampling.top_p}
+    if sampling.seed is not None:
+        args["seed"] = sampling.seed
+    extra = {"ignore_eos": sampling.ignore_eos}
+    if sampling.top_k:
+        extra["top_k"] = sampling.top_k
+    if sampling.structured_outputs is not None:
+        extra["structured_outputs"] = dict(sampling.structured_outputs)
+    return {**args, "extra_body": extra}

@@ -27,9 +27,11 @@ results.json, schema "pdkernels.results/1" (stable: fields may be added, never r
   requests, ttft_p50_s, prompt_tokens_mean, new_tokens_mean, cached_tokens_mean, transfer_bytes_mean).
 - request: "request_id", "worker", "prefill" (local | remote), "prefill_worker", "prompt_tokens",
   "output_tokens", "arrival_s", "queue_s", "ttft_s", "tpot_s", "e2e_s", "itl_s" (list),
-  "output_ids", "transfer_bytes", "transfer_s", "finish_reason", "error", "meets_slo", "cached_tokens"
-  (its prompt tokens the serving worker's prefix cache held); multiturn: "conversation", "turn",
-  "new_tokens" (its prompt past the previous turn's: that turn's reply and this message).
+  "output_ids", "text" (the output detokenized), "transfer_bytes", "transfer_s", "finish_reason",
+  "error", "error_kind" (bad_request | rejected | cancelled | worker_lost | deadline | internal),
+  "meets_slo", "cached_tokens" (its prompt tokens the serving worker's prefix cache held); multiturn:
+  "conversation", "turn", "new_tokens" (its prompt past the previous turn's: that turn's reply and this
+  message).
 
 Times are seconds; arrival_s counts from the run's start; queue_s ends when the first forward pass
 that computes the request's tokens starts (for a remote prefill: when its first KV write lands); a
@@ -55,13 +57,13 @@ import numpy as np
 
 from experiments.config import RunConfig
 from experiments.deploy.config import SloConfig
-from experiments.deploy.messages import DeploymentRun
+from experiments.record import DeploymentRun
 
 SCHEMA = "pdkernels.results/1"
 CSV_FIELDS = (
     "request_id", "worker", "prefill", "prefill_worker", "prompt_tokens", "output_tokens", "arrival_s",
     "queue_s", "ttft_s", "tpot_s", "e2e_s", "transfer_bytes", "transfer_s", "finish_reason", "error",
-    "meets_slo", "cached_tokens", "conversation", "turn", "new_tokens",
+    "error_kind", "meets_slo", "cached_tokens", "conversation", "turn", "new_tokens",
 )  # fmt: skip
 
 
@@ -89,11 +91,13 @@ def request_rows(run: DeploymentRun, slo: SloConfig) -> list[dict]:
             "e2e_s": times[-1] - sent if ok else None,
             "itl_s": np.diff(times).tolist() if ok else [],
             "output_ids": list(res.output_ids) if res else [],
+            "text": res.text if res else "",
             "transfer_bytes": res.transfer_bytes if res else 0,
             "cached_tokens": res.cached_tokens if res else 0,
             "transfer_s": res.transfer_s if res else None,
             "finish_reason": res.finish_reason if res else "error",
             "error": (res.error if res else "no result") if not ok else None,
+            "error_kind": (str(res.error_kind) if res and res.error_kind else None) if not ok else None,
         }
         row["meets_slo"] = bool(ok and ttft <= slo.ttft_s and (tpot is None or tpot <= slo.tpot_s))
         if req.conversation >= 0:  # multiturn: new tokens are the previous reply and this message

@@ -25,7 +25,7 @@ from experiments.deploy.launcher import start_fork_server
 
 def run(cfg: DictConfig, out_dir: Path, progress: bool = True, hooks=None) -> list[dict]:
     from experiments import metrics
-    from experiments.deploy.driver import run_deployment
+    from experiments.driver import run_deployment
     from experiments.load import run_endpoint
     from experiments.workload import Conversations, make_requests
 

@@ -19,7 +19,7 @@ from dataclasses import replace
 import numpy as np
 
 from experiments.config import LengthDist, WorkloadConfig
-from experiments.deploy.messages import Request
+from experiments.record import Request
 
 
 class Conversations:

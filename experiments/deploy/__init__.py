@@ -1,5 +1,40 @@
-"""The deployment runtime: its config (config.py), the fleet of worker processes (fleet.py), the main
-job's driver (driver.py), the Router and Planner (policy.py), the worker processes (worker.py), the typed
-messages between them (messages.py) and the HTTP front (server.py). The experiment tools around it
-(experiments.run, metrics, plots, workload, load, the simulator, the benchmarks) use it; the simulator
-imports only its message and record types and the router's policy (policy.py), never process code."""
+"""The deployment runtime: a deployment's worker processes and the one request loop over them.
+
+The life of a request (each step names where it happens):
+
+ 1. It arrives. Over HTTP: `routes.generate` (guard, body_of) -> `api.App.prepare` (chat template and
+    grammar in the sandboxes, `sandbox.py`) -> `api.App.parse` (every field checked, `fields.py`: one
+    engine `SamplingParams` inside a `messages.Submit`) -> `api.App.start` -> `Runtime.submit`. From the
+    main job: `experiments.driver._generate` submits each arrival of the workload the same way.
+ 2. The runtime routes it (`runtime.Runtime._route`, on its own thread): `policy.Router.route_tokens`
+    picks the decode (or colocated) worker by cache overlap and load, and the prefill worker; admission
+    (deployment.admission=slo) may refuse it at once (`ErrorKind.REJECTED`). `fleet.Fleet.send` sends
+    the Submit over the authenticated control socket (`control.py`).
+ 3. The decode worker takes it (`worker.Worker._handle`): a colocated worker, or a short prompt, goes
+    straight to its engine (`engine.LLM.add_request`); otherwise `decode_front.DecodeFront.take` queues
+    it and `DecodeFront.drain` asks a prefill worker: `transfer.decode.DecodeMessenger.submit` reserves
+    its pages and sends a PrefillRequest naming those the decode worker's prefix cache lacks.
+ 4. The prefill worker computes the prompt (`transfer.prefill.PrefillMessenger.poll` -> its engine's
+    `EngineCore.step`, chunk by chunk) and writes each page into the decode worker's memory layer by
+    layer while later layers still compute (`PrefillMessenger.on_batch`; NIXL writes), then the last
+    position's hidden state (`on_prefilled`), and says Ended.
+ 5. The decode worker admits it once every write has landed (`DecodeMessenger.poll` ->
+    `engine.LLM.admit_prefilled`) and decodes it with the others (`Worker._step` -> `EngineCore.step`:
+    schedule, run, sample, post-process).
+ 6. Each step's new tokens stream back (`Worker._progress`: Progress) to the runtime
+    (`Runtime._message`), which times them and passes them to the request's sink: the client's
+    server-sent events (`routes.stream`) or the main job's record. The end comes as a Result
+    (`Worker._report` -> `Runtime._finish`), its pages free on both sides.
+ 7. If a worker dies, goes silent or leaves the decode role, the runtime resubmits its requests
+    elsewhere after the tokens they had (`Runtime._migrate`), or prefills one again when only its prefill
+    worker died (`Runtime._prefill_again`); a failure that ends a request carries its ErrorKind, which
+    `errors.STATUS` maps to an HTTP status.
+
+Modules: config.py (the deployment's config), fleet.py (start, watch, restart and stop the workers;
+launcher.py: local processes or Ray actors; procs.py: their children), runtime.py (the request loop),
+policy.py (the Router), planner.py and elastic.py (moving workers between roles), worker.py and
+decode_front.py (a worker process), messages.py (the runtime's wire messages), and the HTTP front:
+server.py (serve), routes.py, api.py, fields.py, errors.py, shapes.py, sandbox.py, connections.py,
+metrics.py. The experiment tools (experiments.run and its driver, metrics, workload, the load client,
+the simulator) use it; nothing here imports them.
+"""

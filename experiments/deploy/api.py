@@ -5,20 +5,33 @@ Prometheus metrics: metrics.py)."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import json
+import dataclasses
 import logging
-import math
 import secrets
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import msgspec
-from fastapi.responses import JSONResponse
 
-from engine.sequence import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY, MIN_TEMPERATURE, MIN_TOP_P
-from experiments.deploy.messages import Result, Submit
+from engine.sequence import (
+    MIN_TOP_P,
+    SamplingParams,
+)
+from experiments.deploy.errors import STATUS, ApiError
+from experiments.deploy.fields import (
+    CHAT_FIELDS,
+    COMPILED_CHARS,
+    COMPLETION_FIELDS,
+    UNSUPPORTED_UNLESS,
+    cache_salt_of,
+    check_messages,
+    number,
+    sampling_fields,
+    structured_of,
+    temperature_of,
+)
+from experiments.deploy.messages import ErrorKind, Result, Submit
 from experiments.deploy.metrics import Metrics
 from experiments.deploy.runtime import Runtime
 from experiments.deploy.shapes import LogprobShapes
@@ -86,95 +99,9 @@ class ServerConfig:
 CACHE_ISOLATION = ("none", "user", "salt")
 
 
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-        self.kind = kind or (
-            "authentication_error"
-            if status == 401
-            else "invalid_request_error"
-            if 400 <= status < 500
-            else "service_unavailable"
-            if status == 503
-            else "server_error"
-        )
-
-    def body(self) -> dict:
-        code = {401: "invalid_api_key", 503: "service_unavailable"}.get(self.status)
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": code}}
-
-    def response(self) -> JSONResponse:
-        headers = {"Retry-After": str(RETRY_AFTER_S)} if self.status == 503 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
-
-
 INLINE_BYTES = 16 * 1024  # bodies and completion prompts up to this size are parsed on the event loop
 DISCONNECT_POLL_S = 0.25  # how often a non-streamed request looks for its client's disconnect
-RETRY_AFTER_S = 1  # what a 503 (overload, no live worker, stopping) tells the client to wait
 MAX_TOP_K = (1 << 31) - 1
-
-
-COMMON = {
-    "model",
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "seed",
-    "stop",
-    "ignore_eos",
-    "stream",
-    "stream_options",
-    "n",
-    "user",
-    "logprobs",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "min_p",
-    "min_tokens",
-    "logit_bias",
-    "stop_token_ids",
-    "include_stop_str_in_output",
-    "structured_outputs",
-    "cache_salt",
-}
-COMPLETION_FIELDS = COMMON | {"prompt", "echo"}
-CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs", "response_format"}
-UNSUPPORTED_UNLESS = {
-    "echo": (None, False),
-}
-MAX_TOP_LOGPROBS = {True: 20, False: 5}  # chat's top_logprobs, completions' logprobs (OpenAI's bounds)
-MAX_TOKEN_LIST = 1024  # entries of logit_bias or stop_token_ids
-MAX_SALT_CHARS = 256  # of cache_salt and user
-COMPILED_CHARS = 256 << 20  # compiled grammars the server keeps, by their serialized length
-
-
-def _number(body: dict, key: str, default, low=None, high=None, integer=False, low_open=False):
-    value = body.get(key, default)
-    if value is None:
-        return default
-    kinds = (int,) if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds):
-        raise ApiError(400, f"{key} must be {'an integer' if integer else 'a number'}, got {value!r}", key)
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ApiError(400, f"{key} must be a finite number, got {value!r}", key)
-    if low is not None and (value <= low if low_open else value < low):
-        raise ApiError(400, f"{key} must be {'>' if low_open else '>='} {low}, got {value!r}", key)
-    if high is not None and value > high:
-        raise ApiError(400, f"{key} must be <= {high}, got {value!r}", key)
-    return value
-
-
-def _temperature(body: dict) -> float:
-    """0 (greedy) or [MIN_TEMPERATURE, 2] (OpenAI's top): below the floor the sampler's logits overflow."""
-    value = float(_number(body, "temperature", 1.0, 0, 2))
-    if 0 < value < MIN_TEMPERATURE:
-        raise ApiError(
-            400, f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, 2], got {value!r}", "temperature"
-        )
-    return value
 
 
 @dataclass
@@ -203,10 +130,11 @@ class Parsed:
         first = self.submit
         out = [first]
         for i in range(1, self.n):
-            seed = None if first.seed is None else (first.seed + i) % (1 << 63)
+            seed = None if first.sampling.seed is None else (first.sampling.seed + i) % (1 << 63)
+            sampling = dataclasses.replace(first.sampling, seed=seed)
             out.append(
                 msgspec.structs.replace(
-                    first, request_id=f"{first.request_id}#{i}", seed=seed, after=first.request_id
+                    first, request_id=f"{first.request_id}#{i}", sampling=sampling, after=first.request_id
                 )
             )
         return out
@@ -239,6 +167,16 @@ class App:
         self.metrics.sandboxes(templates, grammars, lambda: self.compiles)
         self.logprobs = LogprobShapes(tokenizer)
         self.stopping = False  # set when the server drains before it stops: new requests get 503
+        # the Host names served (a browser page on another site cannot forge one: DNS rebinding)
+        cfg = self.config
+        self.hosts = {
+            "localhost",
+            "127.0.0.1",
+            "::1",
+            cfg.host.lower(),
+            *(h.lower() for h in cfg.allowed_hosts),
+        }
+        self.any_host = "*" in self.hosts or (cfg.host in ("0.0.0.0", "::") and not cfg.allowed_hosts)
 
     # -- checking requests
 
@@ -267,7 +205,7 @@ class App:
             return Prepared()  # parse() says what is wrong
         self.check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
         text = await self._render(body.get("messages")) if chat else None
-        found = _structured(body)
+        found = structured_of(body)
         if found is None:
             return Prepared(text)
         spec, param = found
@@ -276,7 +214,7 @@ class App:
     async def _render(self, messages) -> str:
         from experiments.deploy.sandbox import SandboxError, Task
 
-        _check_messages(messages)
+        check_messages(messages)
         self._check_chars(sum(len(m["content"]) for m in messages), "messages")
         if not self.tokenizer.chat_template:
             raise ApiError(400, "this model has no chat template; use /v1/completions", "messages")
@@ -325,7 +263,7 @@ class App:
                 f"the prompt has {len(prompt_ids)} tokens; this model's context is {self.max_position}",
                 "messages" if chat else "prompt",
             )
-        max_tokens = room if max_tokens is None else _number({key: max_tokens}, key, None, 1, integer=True)
+        max_tokens = room if max_tokens is None else number({key: max_tokens}, key, None, 1, integer=True)
         if len(prompt_ids) + max_tokens > self.max_position:
             raise ApiError(
                 400,
@@ -347,88 +285,31 @@ class App:
             raise ApiError(400, "stream_options may hold include_usage (a boolean)", "stream_options")
         seed = body.get("seed")
         if seed is not None:
-            seed = _number(body, "seed", None, 0, (1 << 63) - 1, integer=True)
+            seed = number(body, "seed", None, 0, (1 << 63) - 1, integer=True)
+        fields = sampling_fields(body, chat, max_tokens, self.tokenizer.vocab_size, prepared.spec)
+        try:  # every field was checked above with the API's own message; SamplingParams checks them again
+            sampling = SamplingParams(
+                max_tokens=max_tokens,
+                temperature=temperature_of(body),
+                top_p=float(number(body, "top_p", 1.0, MIN_TOP_P, 1)),
+                top_k=max(0, number(body, "top_k", 0, -1, MAX_TOP_K, integer=True)),  # -1 or 0: off (vLLM)
+                seed=seed,
+                stop=tuple(stop),
+                ignore_eos=ignore_eos,
+                cache_salt=cache_salt_of(body, self.config.cache_isolation),
+                **fields,
+            )
+        except (ValueError, TypeError) as e:
+            raise ApiError(400, str(e), str(e).split(" ", 1)[0].split("[", 1)[0]) from e
         submit = Submit(
             f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}",
             prompt_ids,
-            max_tokens,
-            temperature=_temperature(body),
-            top_p=float(_number(body, "top_p", 1.0, MIN_TOP_P, 1)),
-            top_k=max(0, _number(body, "top_k", 0, -1, MAX_TOP_K, integer=True)),  # -1 or 0: off (vLLM)
-            seed=seed,
-            stop=stop,
-            ignore_eos=ignore_eos,
+            sampling,
             stream=stream,
-            cache_salt=cache_salt_of(body, self.config.cache_isolation),
-            **self._sampling(body, chat, max_tokens, prepared),
+            grammar=prepared.grammar,
         )
-        n = _number(body, "n", 1, 1, self.config.max_n, integer=True)  # server.max_n
+        n = number(body, "n", 1, 1, self.config.max_n, integer=True)  # server.max_n
         return Parsed(prompt_ids, submit, stream, bool(options.get("include_usage")), n)
-
-    def _sampling(self, body: dict, chat: bool, max_tokens: int, prepared: Prepared) -> dict:
-        """vLLM's further sampling fields and logprobs, checked, as Submit's keyword arguments."""
-        vocab = self.tokenizer.vocab_size
-        out = {
-            "presence_penalty": float(_number(body, "presence_penalty", 0.0, -2, 2)),
-            "frequency_penalty": float(_number(body, "frequency_penalty", 0.0, -2, 2)),
-            "repetition_penalty": float(
-                _number(body, "repetition_penalty", 1.0, MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY)
-            ),
-            "min_p": float(_number(body, "min_p", 0.0, 0, 1)),
-            "min_tokens": _number(body, "min_tokens", 0, 0, max_tokens, integer=True),
-        }
-        bias = body.get("logit_bias") or {}
-        if not isinstance(bias, dict) or len(bias) > MAX_TOKEN_LIST:
-            raise ApiError(
-                400,
-                f"logit_bias must map at most {MAX_TOKEN_LIST} token ids to biases in [-100, 100]",
-                "logit_bias",
-            )
-        out["logit_bias"] = {}
-        for key, value in bias.items():
-            ascii_digits = isinstance(key, str) and key.isascii() and key.isdigit()  # "²", "٥": no
-            token = int(key) if ascii_digits and len(key) < 10 else -1
-            if not 0 <= token < vocab:
-                raise ApiError(
-                    400, f"logit_bias keys must be token ids in [0, {vocab}), got {key!r}", "logit_bias"
-                )
-            out["logit_bias"][token] = float(_number({"logit_bias": value}, "logit_bias", 0.0, -100, 100))
-        ids = body.get("stop_token_ids") or []
-        if (
-            not isinstance(ids, list)
-            or len(ids) > MAX_TOKEN_LIST
-            or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids)
-        ):
-            raise ApiError(
-                400,
-                f"stop_token_ids must be a list of at most {MAX_TOKEN_LIST} token ids in [0, {vocab})",
-                "stop_token_ids",
-            )
-        out["stop_token_ids"] = list(ids)
-        keep = body.get("include_stop_str_in_output", False)
-        if not isinstance(keep, bool):
-            raise ApiError(
-                400,
-                f"include_stop_str_in_output must be a boolean, got {keep!r}",
-                "include_stop_str_in_output",
-            )
-        out["include_stop_str_in_output"] = keep
-        # chat: logprobs (a boolean) and top_logprobs (0-20); completions: logprobs (0-5)
-        most = MAX_TOP_LOGPROBS[chat]
-        if chat:
-            wanted = body.get("logprobs", False)
-            if wanted is not None and not isinstance(wanted, bool):
-                raise ApiError(400, f"logprobs must be a boolean, got {wanted!r}", "logprobs")
-            top = _number(body, "top_logprobs", None, 0, most, integer=True)
-            if top is not None and not wanted:
-                raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-            out["logprobs"] = (top or 0) if wanted else None
-        else:
-            out["logprobs"] = _number(body, "logprobs", None, 0, most, integer=True)
-        spec = prepared.spec
-        out["structured_outputs"] = spec.wire() if spec is not None else None
-        out["grammar"] = prepared.grammar
-        return out
 
     def _completion_prompt(self, prompt) -> list[int]:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
@@ -499,102 +380,11 @@ class App:
             self.runtime.cancel(submit.request_id)
 
     def finished(self, parsed: Parsed, result: Result) -> None:
-        """Raise the ApiError a failed or cancelled request answers with."""
-        if result.finish_reason == "rejected":  # deployment.admission=slo: it would miss the SLO anyway
-            raise ApiError(503, f"the request was refused: {result.error}", kind="service_unavailable")
-        if result.finish_reason == "abort":  # cancelled: its client went away, or the server is stopping
-            raise ApiError(503, "the request was cancelled before it finished (the server is stopping)")
-        if result.finish_reason == "error":
-            signs = ("exited", "no live worker", "no live prefill worker", "is gone", "silent for")
-            gone = any(w in (result.error or "") for w in signs)
-            status = 503 if gone else 500  # a worker died under it: the deployment, not the request
-            raise ApiError(
-                status,
-                f"the request failed: {result.error}",
-                kind="service_unavailable" if status == 503 else "server_error",
-            )
-
-
-def cache_salt_of(body: dict, isolation: str) -> str | None:
-    """The salt a request's prefix-cache pages are named with (server.cache_isolation): requests of
-    different salts share no page, so none can find or time a prefix another one computed, and
-    usage.prompt_tokens_details.cached_tokens counts only its own salt's pages."""
-    salt, user = body.get("cache_salt"), body.get("user")
-    for key, value in (("cache_salt", salt), ("user", user)):
-        if value is not None and (not isinstance(value, str) or not 0 < len(value) <= MAX_SALT_CHARS):
-            raise ApiError(400, f"{key} must be a string of 1-{MAX_SALT_CHARS} characters", key)
-    if isolation == "user" and user is not None:
-        return hashlib.sha256(json.dumps([user, salt]).encode()).hexdigest()  # unambiguous, 64 chars
-    if isolation == "salt" and salt is None:
-        return secrets.token_hex(16)  # no salt given: it shares nothing
-    return salt
-
-
-def _check_messages(messages) -> None:
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "messages must be a non-empty list of {role, content}", "messages")
-    for m in messages:
-        if not (
-            isinstance(m, dict)
-            and m.get("role") in ("system", "user", "assistant")
-            and isinstance(m.get("content"), str)
-        ):
-            raise ApiError(
-                400, "each message must be {role: system|user|assistant, content: string}", "messages"
-            )
-
-
-def _structured(body: dict):
-    """(engine.StructuredOutputs, the field it came from) from chat's response_format or vLLM's
-    structured_outputs (either, not both), or None; its grammar is built in the sandbox (App._compile)."""
-    from engine.structured import KINDS, StructuredOutputs
-
-    fmt, extra = body.get("response_format"), body.get("structured_outputs")
-    if fmt is not None and extra is not None:
-        raise ApiError(400, "give response_format or structured_outputs, not both", "structured_outputs")
-    if fmt is not None:
-        param, kind = "response_format", fmt.get("type") if isinstance(fmt, dict) else None
-        if kind == "text":
-            return None
-        if kind == "json_object":
-            kwargs = {"json_object": True}
-        elif kind == "json_schema" and isinstance(fmt.get("json_schema"), dict):
-            kwargs = {"json": fmt["json_schema"].get("schema", {})}
-        else:
-            raise ApiError(
-                400,
-                "response_format must be {type: text | json_object} or {type: json_schema, json_schema: "
-                "{name, schema}}",
-                param,
-            )
-    elif extra is not None:
-        param = "structured_outputs"
-        if not isinstance(extra, dict) or len(extra) != 1 or next(iter(extra)) not in KINDS:
-            raise ApiError(400, f"structured_outputs must be an object with exactly one of {KINDS}", param)
-        kwargs = dict(extra)
-    else:
-        return None
-    try:
-        spec = StructuredOutputs(**kwargs)
-    except (TypeError, ValueError) as e:
-        raise ApiError(400, str(e), param) from e
-    return spec, param
-
-
-def _reject_constant(name: str):
-    raise ValueError(f"{name} is not a JSON number")
-
-
-def parse_json(raw: bytes) -> dict:
-    """A request body's JSON, or a 400 that says why not."""
-    try:
-        body = json.loads(raw, parse_constant=_reject_constant)
-    except RecursionError as e:
-        raise ApiError(400, "the request body is nested too deeply") from e
-    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, NaN, an integer past 4,300 digits
-        raise ApiError(400, f"the request body is not JSON this server takes: {e}") from e
-    try:  # a lone surrogate ("\\ud800") parses, but is no text: refuse it here, not in the tokenizer
-        json.dumps(body, ensure_ascii=False).encode()
-    except UnicodeEncodeError as e:
-        raise ApiError(400, "the request body holds a lone surrogate (not valid Unicode text)") from e
-    return body
+        """Raise the ApiError a failed, refused or cancelled request answers with (STATUS)."""
+        if result.finish_reason not in ("error", "rejected", "abort"):
+            return
+        kind = result.error_kind or {"rejected": ErrorKind.REJECTED, "abort": ErrorKind.CANCELLED}.get(
+            result.finish_reason, ErrorKind.INTERNAL
+        )
+        status, error_type, what = STATUS[kind]
+        raise ApiError(status, f"{what}: {result.error}" if result.error else what, kind=error_type)

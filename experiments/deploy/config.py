@@ -155,7 +155,7 @@ class DeploymentConfig:
     planner: dict | None = None
 
     def __post_init__(self):
-        from experiments.deploy.policy import PlannerConfig
+        from experiments.deploy.planner import PlannerConfig
 
         if not isinstance(self.planner, PlannerConfig):
             object.__setattr__(self, "planner", of_dict(PlannerConfig, "deployment.planner", self.planner))
@@ -301,7 +301,7 @@ class RuntimeConfig:
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     run_timeout_s: float = 600.0  # the whole run; requests not finished by then are recorded as errors
     start_timeout_s: float = 300.0  # every worker up and connected
-    log_level: str = "INFO"  # of the run folder's logs/ (driver.log, one file per worker)
+    log_level: str = "INFO"  # of the run's log (run.log in the run folder) and logs/ (one file per worker)
 
     def __post_init__(self):
         if self.log_level not in LOG_LEVELS:

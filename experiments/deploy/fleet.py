@@ -17,12 +17,12 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from experiments.deploy.config import DeploymentConfig, RuntimeConfig
+from experiments.deploy.control import driver_socket, private_dir, recv_all, send_to
 from experiments.deploy.messages import (
     Connect,
     Failed,
@@ -31,21 +31,16 @@ from experiments.deploy.messages import (
     PeerLeaving,
     Ready,
     Released,
-    Result,
     Stop,
     Switched,
     SwitchRole,
     Timeline,
-    driver_codec,
 )
-from experiments.deploy.policy import Planner, Router
+from experiments.deploy.procs import descendants, reap
 from experiments.deploy.worker import WorkerSpec
 from transfer.auth import Credentials, keyring
-from transfer.config import TransferConfig
-from transfer.wire import MAX_MESSAGE_BYTES, WireError
 
 log = logging.getLogger(__name__)
-_CODEC = driver_codec()
 
 
 def worker_names(d: DeploymentConfig) -> list[str]:
@@ -142,7 +137,7 @@ class Fleet:
         return [n for n, r in self.roles.items() if r != "prefill"]
 
     def send(self, name: str, msg) -> bool:
-        return _send(self.sock, name, msg)
+        return send_to(self.sock, name, msg)
 
     def switch(self, name: str, role: str) -> None:
         """Move a live elastic worker to role (prefill | decode); the caller has stopped routing to it
@@ -179,7 +174,7 @@ class Fleet:
     def receive(self) -> list[tuple[str, object]]:
         """Messages from the workers; the ones that bring a restarted worker back are handled here."""
         out = []
-        for name, msg in _recv(self.sock):
+        for name, msg in recv_all(self.sock):
             if isinstance(msg, Released):
                 self.releasing.get(msg.peer, set()).discard(name)
                 self._released(msg.peer)
@@ -283,105 +278,6 @@ class Fleet:
             shutil.rmtree(self.run_dir, ignore_errors=True)
 
 
-class Elastic:
-    """An elastic deployment's moves (deployment.planner), for the main job's driver and the server's
-    runtime alike: each turn, tick() asks the Planner (its scripted switches, or its look at the SLO) and
-    starts the move it names (the router stops routing to the worker, the fleet tells it); switched()
-    makes the worker's new role the router's. Every step is an event (when, what): results.json's."""
-
-    def __init__(self, deployment, slo, fleet: Fleet, router: Router, events: list, moves: list):
-        """events: where (when, what) go; moves: where each move goes, {worker, from, to, at (perf_counter),
-        why, seconds (what the switch took of the worker's time, once done)}."""
-        self.planner = Planner(deployment.planner, (slo.ttft_s, slo.tpot_s))
-        self.fleet, self.router, self.events, self.moves = fleet, router, events, moves
-
-    def tick(self) -> None:
-        if not self.planner.due():
-            return
-        fleet = self.fleet
-        roles = {n: r for n, r in fleet.roles.items() if r != "colocated" and n not in fleet.dead}
-        move = self.planner.decide(roles, self.router, busy=bool(fleet.switching))
-        if move is None:
-            return
-        worker, role = move
-        now = time.perf_counter()
-        try:
-            fleet.switch(worker, role)
-        except ValueError as e:
-            self.events.append((now, f"planner: no move: {e}"))
-            return
-        self.router.leave(worker)
-        old = fleet.roles[worker]
-        self.moves.append({"worker": worker, "from": old, "to": role, "at": now, "why": self.planner.why})
-        self.events.append((now, f"{worker}: {old} -> {role} begins ({self.planner.why})"))
-        log.info("%s: %s -> %s (%s)", worker, old, role, self.planner.why)
-
-    def switched(self, name: str, msg: Switched) -> None:
-        self.router.join(name, msg.role)
-        for move in self.moves:
-            if move["worker"] == name and "seconds" not in move:
-                move["seconds"], move["settle_s"] = msg.seconds, msg.settle_s
-        what = (
-            f"{name} serves {msg.role} ({msg.seconds:.3f} s of its time, {msg.settle_s:.3f} s of it settling)"
-        )
-        self.events.append((time.perf_counter(), what))
-
-    def finished(self, result: Result, sent: float) -> None:
-        """A request's end, for the planner's percentiles (sent: when it was routed, perf_counter)."""
-        if result.error is None and result.token_times:
-            times = result.token_times
-            tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
-            self.planner.observe(times[0] - sent, tpot)
-
-
-def descendants(pid: int | None) -> list[tuple[int, str]]:
-    """(pid, start time) of every process below pid on this host, from /proc ([] elsewhere, or for a
-    process that is not local: a Ray actor's pid lives on its node)."""
-    if not isinstance(pid, int) or not os.path.isdir("/proc"):
-        return []
-    children: dict[int, list[tuple[int, str]]] = {}
-    for entry in os.listdir("/proc"):
-        fields = _stat(entry) if entry.isdigit() else None
-        if fields is not None:
-            children.setdefault(int(fields[1]), []).append((int(entry), fields[19]))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child[0])
-    return out
-
-
-def _stat(pid) -> list[str] | None:
-    """/proc/<pid>/stat's fields after "(comm)": state, ppid, ..., starttime at [19]; None once gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-
-
-def reap(procs: list[tuple[int, str]], timeout_s: float) -> None:
-    """Wait up to timeout_s for these processes (pid, start time) to exit, then SIGKILL the rest (a pid
-    reused since, with another start time, is left alone)."""
-    import signal
-
-    def alive(pid: int, start: str) -> bool:
-        fields = _stat(pid)
-        return fields is not None and fields[19] == start and fields[0] != "Z"
-
-    give_up = time.monotonic() + timeout_s
-    while any(alive(*p) for p in procs) and time.monotonic() < give_up:
-        time.sleep(0.05)
-    for pid, start in procs:
-        if alive(pid, start):
-            log.warning("process %d of a stopped worker was still running: killed", pid)
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-
 def start_fleet(
     config: RuntimeConfig, d: DeploymentConfig, log_dir: Path | None = None, first_core: int = 0
 ) -> Fleet:
@@ -416,68 +312,6 @@ def start_fleet(
         fleet.stop()
         raise
     return fleet
-
-
-def driver_socket(keys: dict[str, Credentials], run_dir: str, transfer: TransferConfig):
-    """The driver's ROUTER socket, bound and accepting only the keyring's workers."""
-    import zmq
-
-    from transfer.auth import serve
-
-    sock = zmq.Context.instance().socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-    serve(sock, keys["driver"], f"driver:{run_dir}", [n for n in keys if n != "driver"])
-    t = transfer
-    sock.bind(f"ipc://{run_dir}/driver" if t.control_transport == "ipc" else f"tcp://{t.control_host}:0")
-    return sock
-
-
-def _recv(sock) -> list[tuple[str, object]]:
-    """(worker, message) for every valid message waiting; a frame whose identity is not the worker its
-    key belongs to, or that does not decode, is dropped and logged."""
-    import zmq
-
-    from transfer.auth import sender
-
-    out = []
-    while sock.poll(0, zmq.POLLIN):
-        frames = sock.recv_multipart(copy=False)
-        name = frames[0].bytes.decode(errors="replace")
-        if len(frames) != 2 or sender(frames[1]) != name:
-            log.warning("dropped a message whose identity %r is not its sender's", name)
-            continue
-        try:
-            out.append((name, _CODEC.decode(frames[1].bytes)))
-        except WireError as e:
-            log.warning("from %s: %s", name, e)
-    return out
-
-
-def _send(sock, name: str, msg) -> bool:
-    import zmq
-
-    try:
-        sock.send_multipart([name.encode(), _CODEC.encode(msg)], zmq.NOBLOCK)
-        return True
-    except zmq.ZMQError:  # the worker is gone (ROUTER_MANDATORY) or not taking messages
-        return False
-
-
-IPC_PATH_MAX = 107  # bytes of a unix socket's path (sockaddr_un.sun_path, less its terminator)
-
-
-def private_dir(names: list[str]) -> str:
-    """A new directory (mode 0700: only this user reaches its sockets) for the run's ipc:// sockets, in
-    TMPDIR; in /tmp when TMPDIR is so long that a socket's path would pass the kernel's limit."""
-    # (+ 4: an elastic worker's sockets carry the generation of its messenger)
-    longest = max(len(f"{a}-{b}") for a in [*names, "driver"] for b in names) + 1 + 4
-    run_dir = tempfile.mkdtemp(prefix="pdk-")
-    if len(run_dir.encode()) + longest > IPC_PATH_MAX:
-        os.rmdir(run_dir)
-        run_dir = tempfile.mkdtemp(prefix="pdk-", dir="/tmp")
-    return run_dir
 
 
 def _await_ready(fleet: Fleet, timeout_s: float) -> None:

@@ -1,38 +1,19 @@
-"""What crosses between the driver and its workers: typed messages (transfer.wire), one decoder per side.
+"""What crosses between the runtime and its workers: typed messages (transfer.wire), one decoder per side.
 
-Worker -> driver: Listening (the control addresses a decode worker bound), Ready, Progress (the tokens
-and text each step added to streamed requests), Load, Result, Timeline, Failed, and for elastic roles
-Released, HandedBack, Switched. Driver -> worker: Connect (where a prefill worker finds its decode peers),
-Submit, Cancel, PeerDead, Stop, and SwitchRole, PeerLeaving. The simulator builds
-Results too; it imports these (and DeploymentRun, the record of a run), not process code.
+Worker -> runtime: Listening (the control addresses a decode worker bound), Ready, Progress (the tokens
+and text each step added to a request), Load, Result, Timeline, Failed, and for elastic roles Released,
+HandedBack, Switched. Runtime -> worker: Connect (where a prefill worker finds its decode peers), Submit,
+Cancel, PeerDead, Stop, and SwitchRole, PeerLeaving. Only the runtime's messages live here: the main job's
+requests and its record of a run are experiments/record.py's.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Protocol
+from enum import StrEnum
 
-from experiments.deploy.config import DeploymentConfig
+from engine.sequence import SamplingParams
 from transfer.protocol import check_request, check_request_id
 from transfer.wire import Codec, Message
-
-
-@dataclass(frozen=True)
-class Request:
-    """A request of a run: what the driver sends (experiments.workload makes them)."""
-
-    request_id: str
-    arrival_s: float  # offset from the start of the run (poisson); 0 under fixed concurrency
-    prompt_ids: list[int] | range  # a range stands in for a simulated request's prompt
-    max_tokens: int
-    conversation: int = -1  # multiturn: its conversation and turn (0, 1, ...)
-    turn: int = 0
-
-
-class Turns(Protocol):
-    """A closed-loop workload (experiments.workload.Conversations): the request that follows a reply."""
-
-    def next(self, request: Request, reply_ids: list[int], now_s: float) -> Request | None: ...
 
 
 class Listening(Message):
@@ -50,47 +31,34 @@ class Ready(Message):
 
 
 class Submit(Message):
-    """A request and its sampling parameters (the engine's SamplingParams checks them on arrival)."""
+    """A request: its prompt and its engine.SamplingParams, the one declaration of the sampling fields
+    (checked where it is built, and again on decode). The worker hands `sampling` to the engine as is."""
 
     request_id: str
     prompt_ids: list[int]
-    max_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: list[str] = []
-    ignore_eos: bool = True  # the main job's workloads fix output lengths
+    sampling: SamplingParams
     stream: bool = False  # send Progress as tokens come
     # a request migrated from a worker that died: the tokens it generated there (it resumes after them,
     # their KV recomputed), and how many characters of their text the client already has
     output_ids: list[int] = []
     text_sent: int = 0
     prefill_worker: str | None = None  # the router's choice of prefill worker (None: the decode worker's)
-    # the rest of engine.SamplingParams, by its names (its checks apply on the worker)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_p: float = 0.0
-    min_tokens: int = 0
-    logit_bias: dict[int, float] = {}
-    stop_token_ids: list[int] = []
-    include_stop_str_in_output: bool = False
-    logprobs: int | None = None
-    # engine.StructuredOutputs.wire(): (kind, text); only decode and colocated workers build its grammar
-    structured_outputs: tuple[str, str] | None = None
     # its grammar compiled by the server's sandbox (xgrammar's serialized CompiledGrammar, for this model's
-    # vocabulary): the worker loads it instead of compiling a client's spec on its step loop
+    # vocabulary): the worker loads it instead of compiling a client's spec on its step loop; None: the
+    # worker compiles sampling.structured_outputs itself (the main job's workload, a trusted config)
     grammar: str | None = None
     # n > 1: the server sends one Submit per completion; a later one names the first (its request_id),
     # goes to the same worker and starts once that one's prompt KV is there, sharing its pages
     after: str | None = None
-    cache_salt: str | None = None  # prefix-cache pages are shared only among requests of the same salt
 
     def __post_init__(self):
         check_request(self.request_id, self.prompt_ids)
         if self.after is not None:
             check_request_id(self.after)
+        if self.sampling.n != 1:
+            raise ValueError(
+                f"Submit.sampling.n must be 1 (one Submit per completion), got {self.sampling.n}"
+            )
 
 
 # per output token: (token id, log-probability, rank) of the picked token, then of the likeliest others
@@ -124,8 +92,8 @@ class Stop(Message):
 
 
 class SwitchRole(Message):
-    """Driver -> an elastic worker: serve `role` (prefill | decode) from now on. A decode worker hands
-    its requests back at once (HandedBack: the driver resumes them elsewhere), lets what is in flight
+    """Runtime -> an elastic worker: serve `role` (prefill | decode) from now on. A decode worker hands
+    its requests back at once (HandedBack: the runtime resumes them elsewhere), lets what is in flight
     settle, then switches; a prefill worker is told only once no decode worker will send it more
     (Released from each), finishes its prefills, then switches. It answers Switched. prefill: the prefill
     workers a new decode worker waits for (their Hello) before it says so."""
@@ -139,22 +107,22 @@ class SwitchRole(Message):
 
 
 class PeerLeaving(Message):
-    """Driver -> decode worker: prefill worker `name` is leaving that role: send it nothing new; answer
+    """Runtime -> decode worker: prefill worker `name` is leaving that role: send it nothing new; answer
     Released once nothing of this worker's is in flight there."""
 
     name: str
 
 
 class Released(Message):
-    """Decode worker -> driver: nothing of this worker's is in flight on prefill worker `peer`."""
+    """Decode worker -> runtime: nothing of this worker's is in flight on prefill worker `peer`."""
 
     name: str
     peer: str
 
 
 class HandedBack(Message):
-    """A worker leaving the decode role -> driver: these requests end here without a Result; the
-    driver resumes each on another decode worker after the tokens it streamed so far."""
+    """A worker leaving the decode role -> runtime: these requests end here without a Result; the
+    runtime resumes each on another decode worker after the tokens it streamed so far."""
 
     name: str
     request_ids: list[str]
@@ -198,6 +166,18 @@ class Load(Message):
     decode_s: float = 0.0
 
 
+class ErrorKind(StrEnum):
+    """Why a request ended without its output, set where it failed (the HTTP status is the API's one
+    table of these, experiments.deploy.api.STATUS)."""
+
+    BAD_REQUEST = "bad_request"  # its own fault: a worker refused what it asked
+    REJECTED = "rejected"  # admission (deployment.admission=slo) refused it: it would miss its SLO
+    CANCELLED = "cancelled"  # its client went away, the server is stopping, or the job was interrupted
+    WORKER_LOST = "worker_lost"  # the workers that had it died, went silent or left (none could go on)
+    DEADLINE = "deadline"  # not finished in time (the main job's run_timeout_s)
+    INTERNAL = "internal"  # a fault of ours (an engine or runtime error)
+
+
 class Result(Message):
     request_id: str
     worker: str
@@ -216,11 +196,21 @@ class Result(Message):
     drafted: int = 0  # speculative decoding: drafts proposed, accepted, verify steps
     accepted: int = 0
     verify_steps: int = 0
-    migrations: int = 0  # times its worker died under it and it went on on another (set by the driver)
+    migrations: int = 0  # times its worker died under it and it went on on another (set by the runtime)
     cached_tokens: int = 0  # prompt tokens whose KV its worker's prefix cache held (not computed or sent)
     logprobs: list[TokenLogprobs] | None = None  # Submit.logprobs: one per output token
     # it failed only because its prefill worker died or went silent: the runtime sends it again
     prefill_lost: bool = False
+    error_kind: ErrorKind | None = None  # set with error (and for finish_reason abort: cancelled)
+
+    @classmethod
+    def failed(
+        cls, request_id: str, kind: ErrorKind, error: str | None, worker: str = "", received: float = 0.0
+    ) -> Result:
+        """A request that ended without output: finish_reason rejected (admission), abort (cancelled)
+        or error, its error text and kind."""
+        reason = {ErrorKind.REJECTED: "rejected", ErrorKind.CANCELLED: "abort"}.get(kind, "error")
+        return cls(request_id, worker, [], received, None, [], reason, error, error_kind=kind)
 
 
 class Timeline(Message):
@@ -244,39 +234,10 @@ class Failed(Message):
 
 
 def driver_codec() -> Codec:
-    """What the driver decodes (from its workers)."""
+    """What the runtime decodes (from its workers)."""
     return Codec(Listening, Ready, Progress, Load, Result, Timeline, Failed, Released, HandedBack, Switched)
 
 
 def worker_codec() -> Codec:
-    """What a worker decodes (from the driver)."""
+    """What a worker decodes (from the runtime)."""
     return Codec(Connect, Submit, Cancel, PeerDead, Stop, SwitchRole, PeerLeaving)
-
-
-@dataclass
-class DeploymentRun:
-    """The record of one deployment's run: what the driver, the load client and the simulator produce
-    and experiments.metrics reads."""
-
-    deployment: DeploymentConfig
-    requests: list[Request]
-    sent: dict[str, float] = field(default_factory=dict)  # perf_counter when each request was routed
-    results: dict[str, Result] = field(default_factory=dict)
-    timelines: list[Timeline] = field(default_factory=list)
-    events: list[tuple[float, str]] = field(default_factory=list)  # (perf_counter, what happened)
-    moves: list[dict] = field(default_factory=list)  # elastic roles: each worker moved (fleet.Elastic)
-    start: float = 0.0
-    end: float = 0.0
-    interrupted: bool = False  # stopped by SIGTERM or Ctrl-C: unfinished requests are recorded as errors
-    workers: list[dict] = field(default_factory=list)  # {name, role, node_id, pid} of each worker
-    turns: Turns | None = None  # a multiturn workload: where each reply's next turn comes from
-
-    def follow(self, request: Request, reply_ids: list[int], now: float) -> Request | None:
-        """A multiturn workload's next turn after request's reply (ended at perf_counter now), added to
-        requests; None when there is none (another workload, or the conversation is over)."""
-        if self.turns is None:
-            return None
-        nxt = self.turns.next(request, reply_ids, now - self.start)
-        if nxt is not None:
-            self.requests.append(nxt)
-        return nxt

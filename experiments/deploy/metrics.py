@@ -142,7 +142,7 @@ class Metrics:
         self.in_flight.inc()
 
     def finished(self, request_id: str, result: Result) -> None:
-        """Latencies from the worker's token times (perf_counter: one clock for every process here)."""
+        """Latencies from the token times the runtime took as each token arrived (perf_counter)."""
         now = time.perf_counter()
         sent = self.sent.pop(request_id, now)
         self.in_flight.dec()

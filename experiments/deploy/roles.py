@@ -78,12 +78,9 @@ class RoleSwitching:
         """End a request here without a Result (the driver resumes it elsewhere); its pages free here
         once no transfer can touch them."""
         self.live.pop(request_id)
-        for kept in (self.streamed, self.holdback, self.after):
+        for kept in (self.streamed, self.holdback):
             kept.pop(request_id, None)
-        self.prefilled_here.discard(request_id)
-        waiting = [item for item in self.backlog if item[0] == request_id]
-        if waiting:
-            self.backlog.remove(waiting[0])
+        self.front.drop(request_id)
         if request_id in self.dm.pending:
             self.llm.stop(request_id)  # its pages stay until the transfer has settled
             self.dm.abort(request_id, "handed back: its decode worker is switching roles")
@@ -97,7 +94,7 @@ class RoleSwitching:
             self.llm.seqs
             or self.live
             or self.handing
-            or self.backlog
+            or self.front.backlog
             or (self.dm is not None and self.dm.pending)
             or (self.pm is not None and self.pm.transfers)
         )

@@ -1,8 +1,11 @@
-"""The driver side of the HTTP server: one thread owns the workers' socket (experiments.deploy.server).
+"""The one request loop: a thread that owns the workers' socket, for the HTTP server and the main job alike.
 
-It routes each request to a decode or colocated worker (the deployment's Router), passes the tokens it
-streams to the request's sink, fails only the request whose routing raised, and, when a worker dies,
-hands its requests to another live one (DeploymentConfig.on_worker_death: migrate) or fails them.
+It routes each request to a decode or colocated worker (the deployment's Router and its admission),
+passes what the worker streams to the request's sink, times every token as it arrives, fails only the
+request whose routing raised, and when a worker dies, goes silent or leaves the decode role, hands its
+requests to another live one (DeploymentConfig.on_worker_death: migrate) or fails them. It records what
+happens to the workers (deaths, restarts, failures, elastic moves) as events. experiments.deploy.server
+feeds it HTTP requests; the main job's driver (experiments.driver) feeds it a workload's arrivals.
 """
 
 from __future__ import annotations
@@ -12,10 +15,22 @@ import os
 import queue
 import threading
 import time
+from dataclasses import dataclass, field
 
 import msgspec
 
-from experiments.deploy.messages import Cancel, Failed, HandedBack, Load, Progress, Result, Submit, Switched
+from experiments.deploy.messages import (
+    Cancel,
+    ErrorKind,
+    Failed,
+    HandedBack,
+    Load,
+    Progress,
+    Ready,
+    Result,
+    Submit,
+    Switched,
+)
 from experiments.deploy.policy import Router
 
 WAIT_MS = 20  # the runtime's longest sleep on its sockets: how often it looks for dead workers
@@ -23,12 +38,48 @@ MAX_PREFILL_RETRIES = 3  # times a request whose prefill worker died is prefille
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class Flight:
+    """One request in flight: what it was submitted with, where it is, what reached the runtime so far."""
+
+    submit: Submit
+    sink: object
+    worker: str
+    routed_at: float  # perf_counter
+    ids: list[int] = field(default_factory=list)  # its tokens so far (what a migration resumes after)
+    chars: int = 0  # characters of their text sent on to the client
+    times: list[float] = field(default_factory=list)  # perf_counter when each token reached the runtime
+    logprobs: list = field(default_factory=list)
+    migrations: int = 0  # times it went on on another worker after its own died or left
+    prefill_retries: int = 0  # times it was prefilled again after its prefill worker died
+
+
+def start_runtime(config, d, log_dir=None, first_core: int = 0) -> Runtime:
+    """Start deployment d's workers (experiments.deploy.fleet) and the Runtime over them, its router made
+    from the deployment (routing, admission) and the model's cache; the one way both the server and the
+    main job start a deployment."""
+    from experiments.deploy.fleet import start_fleet
+
+    fleet = start_fleet(config, d, log_dir, first_core)
+    try:
+        m = config.model
+        prefill = [n for n in fleet.procs if fleet.roles[n] == "prefill"]
+        router = Router.of(
+            d, fleet.frontends, m.num_pages, m.page_size, fleet.cache_salt, config.slo, prefill
+        )
+        return Runtime(fleet, d.on_worker_death, config.transfer.peer_timeout_s, router, d, config.slo)
+    except BaseException:
+        fleet.stop()
+        raise
+
+
 class Runtime:
     """A served deployment: its workers (a Fleet), the router, and the thread that talks to them.
 
     submit() and cancel() may be called from any thread; each request's sink(kind, message) is called
     on the runtime's thread with ("routed", worker) once a worker has it (not for one refused at once),
-    ("progress", (token ids, text)) for streamed requests and finally ("result", Result)."""
+    ("progress", (token ids, text, logprobs)) for streamed requests and finally ("result", Result), whose
+    token_times are when each token reached the runtime."""
 
     def __init__(
         self,
@@ -40,12 +91,13 @@ class Runtime:
         slo=None,
     ):
         """on_worker_death: DeploymentConfig's (migrate | fail); silent_after_s: a worker not heard from
-        for this long (frozen, or cut off) makes the deployment unhealthy (GET /health 503); router:
-        which worker takes each request (default: cache_aware over the fleet's frontends); deployment,
-        slo: an elastic deployment's (DeploymentConfig.planner) moves its workers between roles."""
+        for this long (frozen, or cut off) makes the deployment unhealthy (GET /health 503) and its
+        requests go on elsewhere; router: which worker takes each request (default: cache_aware over the
+        fleet's frontends); deployment, slo: an elastic deployment's (DeploymentConfig.planner) moves its
+        workers between roles."""
         import zmq
 
-        from experiments.deploy.fleet import Elastic
+        from experiments.deploy.elastic import Elastic
 
         self.fleet, self.on_worker_death, self.silent_after_s = fleet, on_worker_death, silent_after_s
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -57,19 +109,13 @@ class Runtime:
         self._poller = zmq.Poller()
         self._poller.register(fleet.sock, zmq.POLLIN)
         self._poller.register(self._wake_r, zmq.POLLIN)
-        self.sinks: dict[str, object] = {}
         self.router = router or Router(fleet.frontends)
         self.in_flight = self.router.in_flight  # worker -> its requests
-        self.owner: dict[str, str] = {}  # request -> the worker it went to
+        self.flights: dict[str, Flight] = {}  # request -> its state, while in flight
         self.load: dict[str, Load] = {}
-        self.requests: dict[str, Submit] = {}  # request -> what it was submitted with
-        self.streamed: dict[str, list] = {}  # streamed request -> [token ids, characters, token times] sent
-        self.migrated: dict[str, tuple[int, list[float]]] = {}  # -> (migrations, token times before)
-        self.routed_at: dict[str, float] = {}  # request -> when it was routed (perf_counter)
-        self.prefill_retries: dict[str, int] = {}  # request -> times it was prefilled again
         self.prefill_resent = 0  # requests sent again after their prefill worker died
-        self.events: list[tuple[float, str]] = []  # elastic roles: (perf_counter, what happened)
-        self.moves: list[dict] = []
+        self.events: list[tuple[float, str]] = []  # (perf_counter, what happened to the workers)
+        self.moves: list[dict] = []  # elastic roles: each worker moved (experiments.deploy.elastic)
         self.elastic = None
         if deployment is not None and deployment.elastic:
             self.elastic = Elastic(deployment, slo, fleet, self.router, self.events, self.moves)
@@ -103,36 +149,54 @@ class Runtime:
         """Some decode or colocated worker is up: a degraded deployment serves with the workers it has."""
         return self._thread.is_alive() and bool(self._live())
 
+    @property
+    def num_in_flight(self) -> int:
+        return len(self.flights)
+
+    def owner(self, request_id: str) -> str | None:
+        """The worker that has request_id now (None: not in flight)."""
+        flight = self.flights.get(request_id)
+        return flight.worker if flight is not None else None
+
     def _live(self) -> list[str]:
         """The decode or colocated workers requests may go to now (up, and heard from lately)."""
         silent = set(self.silent)
         return [n for n in self.router.workers if n not in self.dead and n not in silent]
 
     def submit(self, msg: Submit, sink) -> None:
-        self.commands.put(("submit", msg, sink))
-        os.write(self._wake_w, b"s")
+        self._command("submit", msg, sink)
 
     def cancel(self, request_id: str) -> None:
-        self.commands.put(("cancel", request_id, None))
-        os.write(self._wake_w, b"c")
+        self._command("cancel", request_id)
+
+    def move(self, worker: str, role: str) -> None:
+        """Move an elastic deployment's worker to role (prefill | decode) as the planner would: its
+        requests go on elsewhere first (events and moves record it)."""
+        if self.elastic is None:
+            raise ValueError("moving workers needs an elastic deployment (deployment.planner)")
+        self._command("move", (worker, role))
 
     def cancel_all(self) -> None:
         """Cancel every request in flight (a stop whose drain time ran out)."""
-        self.commands.put(("cancel_all", None, None))
+        self._command("cancel_all")
+
+    def _command(self, kind: str, arg=None, sink=None) -> None:
+        self.commands.put((kind, arg, sink))
         os.write(self._wake_w, b"c")
 
-    @property
-    def num_in_flight(self) -> int:
-        return len(self.sinks)
-
-    def close(self, timeout_s: float = 10.0) -> None:
-        """Stop the thread, then every worker (Stop; killed after timeout_s) and the run's directory."""
+    def close(self, timeout_s: float = 10.0, on_message=None) -> None:
+        """Stop the thread, then every worker (Stop; killed after timeout_s) and the run's directory;
+        on_message(name, msg) sees what the workers send meanwhile (their Timelines, late Results)."""
         self._stop.set()
         os.write(self._wake_w, b"q")
         self._thread.join(timeout=30)
-        self.fleet.stop(timeout_s=timeout_s)
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        try:
+            self.fleet.stop(on_message, timeout_s=timeout_s)
+        finally:
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+
+    # -- the loop (its own thread)
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -140,27 +204,11 @@ class Runtime:
                 self._turn()
             except Exception:  # never leave requests hanging: fail them and keep going
                 log.exception("runtime loop")
-                for rid in list(self.sinks):
-                    self._finish(Result(rid, "", [], 0.0, None, [], "error", "internal error in the server"))
+                for rid in list(self.flights):
+                    self._finish(Result.failed(rid, ErrorKind.INTERNAL, "internal error in the server"))
 
     def _turn(self) -> None:
-        while True:
-            try:
-                kind, arg, sink = self.commands.get_nowait()
-            except queue.Empty:
-                break
-            try:
-                if kind == "submit":
-                    self._route(arg, sink)
-                elif kind == "cancel_all":
-                    for rid, owner in list(self.owner.items()):
-                        self.fleet.send(owner, Cancel(rid))
-                elif arg in self.owner:
-                    self.fleet.send(self.owner[arg], Cancel(arg))
-            except Exception as e:  # one request's failure is its own: the loop and the others go on
-                log.exception("runtime: %s of a request failed", kind)
-                if kind == "submit":
-                    self._fail_one(arg.request_id, sink, f"the server could not route it: {e!r}")
+        self._commands()
         if self._wake_r in dict(self._poller.poll(WAIT_MS)):
             try:
                 os.read(self._wake_r, 4096)
@@ -169,44 +217,84 @@ class Runtime:
         now = time.monotonic()
         for name, msg in self.fleet.receive():
             self.heard[name] = now
-            if isinstance(msg, Progress):
-                for rid, ids, text, logprobs in msg.items:
-                    sink = self.sinks.get(rid)
-                    if sink is not None and self.owner.get(rid) == name:
-                        self.router.first_token(rid)
-                        if not self.requests[rid].stream:
-                            continue  # streamed from the worker only for the router's sake
-                        sent = self.streamed.setdefault(rid, [[], 0, [], []])
-                        sent[0] += ids
-                        sent[1] += len(text)
-                        sent[2] += [time.perf_counter()] * len(ids)
-                        sent[3] += logprobs
-                        sink("progress", (ids, text, logprobs))
-            elif isinstance(msg, Result):
-                if self.owner.get(msg.request_id) == name:  # not a late one from before a migration
-                    if not (msg.prefill_lost and self._prefill_again(msg, name)):
-                        self._finish(msg)
-            elif isinstance(msg, Load):
-                self.load[name] = msg
-                self.router.observe_load(name, msg)
-            elif isinstance(msg, HandedBack):  # it leaves the decode role: they go on elsewhere
-                for rid in msg.request_ids:
-                    if self.owner.get(rid) == name and not self._migrate(rid, name):
-                        self._finish(Result(rid, name, [], 0.0, None, [], "error", f"{name} left decoding"))
-            elif isinstance(msg, Switched) and self.elastic is not None:
-                self.elastic.switched(name, msg)
-            elif isinstance(msg, Failed):
-                log.error("worker %s failed:\n%s", name, msg.error)
+            self._message(name, msg)
         self._leave_silent()
-        for name, _ in self.fleet.deaths():  # a dead prefill worker's decode peers end its requests
+        for name, code in self.fleet.deaths():  # a dead prefill worker's decode peers end its requests
+            again = " (restarting)" if name in self.fleet.restarting else ""
+            self.events.append((time.perf_counter(), f"{name} exited (code {code}){again}"))
             self.load.pop(name, None)
             self.heard.pop(name, None)
             self.router.forget(name)
-            for rid in list(self.in_flight.get(name, ())):
-                if not (self.on_worker_death == "migrate" and self._migrate(rid, name)):
-                    self._finish(Result(rid, name, [], 0.0, None, [], "error", f"worker {name} exited"))
+            self._left(name, ErrorKind.WORKER_LOST, f"worker {name} exited")
         if self.elastic is not None:
             self.elastic.tick()
+
+    def _commands(self) -> None:
+        while True:
+            try:
+                kind, arg, sink = self.commands.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                if kind == "submit":
+                    self._route(arg, sink)
+                elif kind == "move":
+                    self.elastic.move(*arg, "asked")
+                elif kind == "cancel_all":
+                    for rid, flight in list(self.flights.items()):
+                        self.fleet.send(flight.worker, Cancel(rid))
+                elif arg in self.flights:
+                    self.fleet.send(self.flights[arg].worker, Cancel(arg))
+            except Exception as e:  # one request's failure is its own: the loop and the others go on
+                log.exception("runtime: %s of a request failed", kind)
+                if kind == "submit":
+                    self._fail_one(arg.request_id, sink, f"the server could not route it: {e!r}")
+
+    def _message(self, name: str, msg) -> None:
+        """One message of worker `name`'s: every kind a worker sends is handled here, and only here."""
+        if isinstance(msg, Progress):
+            for rid, ids, text, logprobs in msg.items:
+                flight = self.flights.get(rid)
+                if flight is None or flight.worker != name:
+                    continue  # ended, or a late one from a worker it has migrated from
+                self.router.first_token(rid)
+                flight.ids += ids
+                flight.times += [time.perf_counter()] * len(ids)
+                flight.logprobs += logprobs
+                if flight.submit.stream:  # streamed from the worker for the router's and the clock's sake
+                    flight.chars += len(text)
+                    flight.sink("progress", (ids, text, logprobs))
+        elif isinstance(msg, Result):
+            flight = self.flights.get(msg.request_id)
+            if flight is not None and flight.worker == name:  # not a late one from before a migration
+                if not (msg.prefill_lost and self._prefill_again(msg, flight)):
+                    self._finish(msg)
+        elif isinstance(msg, Load):
+            self.load[name] = msg
+            self.router.observe_load(name, msg)
+        elif isinstance(msg, Ready):  # a restarted worker is back (Fleet.receive reconnected it)
+            self.events.append((time.perf_counter(), f"{name} back after a restart"))
+        elif isinstance(msg, HandedBack):  # it leaves the decode role: they go on elsewhere
+            for rid in msg.request_ids:
+                flight = self.flights.get(rid)
+                if flight is not None and flight.worker == name and not self._migrate(flight, always=True):
+                    self._finish(Result.failed(rid, ErrorKind.WORKER_LOST, f"{name} left decoding", name))
+        elif isinstance(msg, Switched) and self.elastic is not None:
+            self.elastic.switched(name, msg)
+        elif isinstance(msg, Failed):  # it exits next: deaths() then hands its requests on
+            log.error("worker %s failed:\n%s", name, msg.error)
+            last = msg.error.strip().splitlines()[-1] if msg.error.strip() else "no traceback"
+            self.events.append((time.perf_counter(), f"{name} failed: {last}"))
+
+    def _left(self, name: str, kind: ErrorKind, error: str) -> None:
+        """Worker `name` has gone (died, silent): its requests go on elsewhere (on_worker_death: migrate)
+        or end with the error."""
+        for rid in list(self.in_flight.get(name, ())):
+            flight = self.flights.get(rid)
+            if flight is None:
+                self.router.moved(rid, name)
+            elif not self._migrate(flight):
+                self._finish(Result.failed(rid, kind, error, name))
 
     def _leave_silent(self) -> None:
         """A decode or colocated worker silent past silent_after_s (frozen: SIGSTOP, a wedged step) is
@@ -216,109 +304,113 @@ class Runtime:
             rids = list(self.in_flight.get(name, ()))
             for rid in rids:
                 self.fleet.send(name, Cancel(rid))
-                if not (self.on_worker_death == "migrate" and self._migrate(rid, name)):
-                    error = f"worker {name} is silent for {self.silent_after_s} s"
-                    self._finish(Result(rid, name, [], 0.0, None, [], "error", error))
+            self._left(name, ErrorKind.WORKER_LOST, f"worker {name} is silent for {self.silent_after_s} s")
             if rids:
                 log.warning("worker %s is silent: its %d requests went on elsewhere", name, len(rids))
 
-    def _prefill_again(self, result: Result, worker: str) -> bool:
+    def _prefill_again(self, result: Result, flight: Flight) -> bool:
         """A request that failed only because its prefill worker died (or went silent) mid-transfer is
         sent again, its prompt prefilled by a live prefill worker (or a restarted one): a prefill death
-        loses nothing under HTTP either. At most MAX_PREFILL_RETRIES times; False: it ends as it is."""
-        rid = result.request_id
-        tries = self.prefill_retries.get(rid, 0)
-        if self.on_worker_death != "migrate" or tries >= MAX_PREFILL_RETRIES or result.output_ids:
+        loses nothing. At most MAX_PREFILL_RETRIES times; False: it ends as it is."""
+        if self.on_worker_death != "migrate" or flight.prefill_retries >= MAX_PREFILL_RETRIES:
             return False
-        self.prefill_retries[rid] = tries + 1
+        if result.output_ids:
+            return False
+        flight.prefill_retries += 1
         self.prefill_resent += 1
-        log.warning("request %s: %s; prefilled again (%d)", rid, result.error, tries + 1)
-        return self._migrate(rid, worker, count=False)
+        log.warning(
+            "request %s: %s; prefilled again (%d)", result.request_id, result.error, flight.prefill_retries
+        )
+        return self._migrate(flight, count=False, always=True)
 
-    def _migrate(self, request_id: str, dead: str, count: bool = True) -> bool:
-        """Resubmit a request of a worker that died (or left the decode role) to another live one: its
-        prompt and the tokens it streamed so far (their KV is recomputed there), so the client's stream
-        goes on. False when no worker can take it. count: a migration (not a prefill sent again)."""
-        msg = self.requests.get(request_id)
+    def _migrate(self, flight: Flight, count: bool = True, always: bool = False) -> bool:
+        """Resubmit a request whose worker died (or left the decode role) to another live one: its prompt
+        and the tokens that reached the runtime so far (their KV is recomputed there), so the client's
+        stream goes on. False when no worker can take it, or on_worker_death is fail (always: whatever it
+        is). count: a migration (not a prefill sent again)."""
+        rid, msg, left = flight.submit.request_id, flight.submit, flight.worker
         live = self._live()
-        sent = self.streamed.get(request_id, [[], 0, [], []])
-        if msg is None or not live or len(sent[0]) >= msg.max_tokens:
+        self.router.moved(rid, left)
+        if not (always or self.on_worker_death == "migrate") or not live:
+            return False
+        if len(flight.ids) >= msg.sampling.max_tokens:
             return False
         resumed = msgspec.structs.replace(
-            msg, output_ids=list(sent[0]), text_sent=sent[1], after=None, stream=True
+            msg, output_ids=list(flight.ids), text_sent=flight.chars, after=None, stream=True
         )
-        self.router.moved(request_id, dead)
-        tokens = list(msg.prompt_ids) + list(sent[0])
-        target = self.router.route_tokens(request_id, tokens, live, cache_salt=msg.cache_salt)
-        self.owner[request_id] = target
-        times = self.migrated.get(request_id, (0,))[0] + count
-        self.migrated[request_id] = (times, list(sent[2]), list(sent[3]))
+        tokens = list(msg.prompt_ids) + list(flight.ids)
+        target = self.router.route_tokens(rid, tokens, live, cache_salt=msg.sampling.cache_salt)
+        flight.worker = target
+        flight.migrations += count
         log.warning(
-            "request %s goes on on %s after %s (%d tokens so far)", request_id, target, dead, len(sent[0])
+            "request %s goes on on %s after %s (%d tokens so far)", rid, target, left, len(flight.ids)
         )
         return self.fleet.send(target, resumed)
 
     def _route(self, msg: Submit, sink) -> None:
+        rid = msg.request_id
+        if rid in self.flights:
+            sink(
+                "result",
+                Result.failed(rid, ErrorKind.BAD_REQUEST, f"request_id {rid!r} is already in flight"),
+            )
+            return
         live = self._live()
         if not live:
-            sink("result", Result(msg.request_id, "", [], 0.0, None, [], "error", "no live worker"))
+            sink("result", Result.failed(rid, ErrorKind.WORKER_LOST, "no live worker"))
             return
         tokens = list(msg.prompt_ids) + list(msg.output_ids)
-        first = self.owner.get(msg.after) if msg.after is not None else None
-        salt = msg.cache_salt
+        first = self.owner(msg.after) if msg.after is not None else None
+        salt = msg.sampling.cache_salt
         if first in live:  # n > 1: a later completion goes where the first one went (admitted with it)
-            target = self.router.route_tokens(msg.request_id, tokens, [first], cache_salt=salt)
+            target = self.router.route_tokens(rid, tokens, [first], cache_salt=salt)
         else:
             msg = msgspec.structs.replace(msg, after=None)
-            target = self.router.route_tokens(msg.request_id, tokens, live, admit=True, cache_salt=salt)
+            target = self.router.route_tokens(rid, tokens, live, admit=True, cache_salt=salt)
         if target is None:  # admission=slo: it would miss the SLO anyway
-            sink("result", Result(msg.request_id, "", [], 0.0, None, [], "rejected", self.router.why))
+            sink("result", Result.failed(rid, ErrorKind.REJECTED, self.router.why))
             return
-        self.sinks[msg.request_id] = sink
-        self.requests[msg.request_id] = msg
-        self.routed_at[msg.request_id] = time.perf_counter()
-        self.owner[msg.request_id] = target
-        # the router learns when each prompt's first token comes (its queue, its admission): the worker
-        # streams every request; only a streamed one's tokens reach its client before the end
-        prefill = self.router.prefill_of(msg.request_id)
-        wire = msgspec.structs.replace(msg, stream=True, prefill_worker=prefill)
+        self.flights[rid] = Flight(msg, sink, target, time.perf_counter())
+        # the router learns when each prompt's first token comes (its queue, its admission) and the
+        # runtime times every token: the worker streams every request; only a streamed one's tokens
+        # reach its client before the end
+        wire = msgspec.structs.replace(msg, stream=True, prefill_worker=self.router.prefill_of(rid))
         if not self.fleet.send(target, wire):
-            self._finish(
-                Result(msg.request_id, target, [], 0.0, None, [], "error", f"worker {target} is gone")
-            )
+            self._finish(Result.failed(rid, ErrorKind.WORKER_LOST, f"worker {target} is gone", target))
             return
         sink("routed", target)
 
     def _fail_one(self, request_id: str, sink, error: str) -> None:
         """End one request with an error; if a worker has it, cancel it there (its pages come back)."""
-        owner = self.owner.get(request_id)
-        if owner is not None:
+        flight = self.flights.get(request_id)
+        if flight is not None:
             try:
-                self.fleet.send(owner, Cancel(request_id))
+                self.fleet.send(flight.worker, Cancel(request_id))
             except Exception:
                 log.exception("runtime: cancelling %s", request_id)
-        self.sinks.setdefault(request_id, sink)
-        self._finish(Result(request_id, owner or "", [], 0.0, None, [], "error", error))
+        result = Result.failed(request_id, ErrorKind.INTERNAL, error, flight.worker if flight else "")
+        if flight is None:
+            sink("result", result)
+        else:
+            self._finish(result)
 
     def _finish(self, result: Result) -> None:
-        msg = self.requests.pop(result.request_id, None)
-        routed = self.routed_at.pop(result.request_id, None)
-        self.streamed.pop(result.request_id, None)
-        migrated = self.migrated.pop(result.request_id, None)
-        self.prefill_retries.pop(result.request_id, None)
-        if migrated is not None:  # its tokens from before: the worker it went on on timed only its own
-            result.migrations, before, logprobs = migrated
-            result.token_times = before + list(result.token_times)
-            if result.logprobs is not None:
-                result.logprobs = logprobs + result.logprobs
-        sink = self.sinks.pop(result.request_id, None)
-        worker = self.owner.pop(result.request_id, None)
-        if self.elastic is not None and routed is not None:
-            self.elastic.finished(result, routed)
-        if worker in self.in_flight:
-            done = result.error is None and msg is not None  # what its worker now caches
-            tokens = list(msg.prompt_ids) + list(msg.output_ids) + list(result.output_ids) if done else []
-            salt = msg.cache_salt if msg is not None else None
-            self.router.finished_tokens(worker, result.request_id, tokens, salt)
-        if sink is not None:
-            sink("result", result)
+        flight = self.flights.pop(result.request_id, None)
+        if flight is None:
+            return
+        result.migrations = flight.migrations
+        now = time.perf_counter()
+        if result.error is None:  # every token timed on arrival here; the last ones came with the Result
+            result.token_times = flight.times + [now] * (len(result.output_ids) - len(flight.times))
+        if flight.migrations and result.logprobs is not None:  # the worker it went on on has only its own
+            result.logprobs = (
+                flight.logprobs[: len(result.output_ids) - len(result.logprobs)] + result.logprobs
+            )
+        if self.elastic is not None:
+            self.elastic.finished(result, flight.routed_at)
+        msg = flight.submit
+        if flight.worker in self.in_flight:
+            done = result.error is None  # what its worker now caches
+            tokens = list(msg.prompt_ids) + list(result.output_ids) if done else []
+            self.router.finished_tokens(flight.worker, result.request_id, tokens, msg.sampling.cache_salt)
+        flight.sink("result", result)

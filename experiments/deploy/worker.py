@@ -18,14 +18,15 @@ import math
 import os
 import time
 import traceback
-from collections import deque
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from experiments.deploy.config import DeploymentConfig, KernelsConfig, ModelSpec, prefill_budget
+from experiments.deploy.decode_front import DecodeFront
 from experiments.deploy.messages import (
     LOAD_EVERY_S,
     Cancel,
     Connect,
+    ErrorKind,
     Failed,
     HandedBack,
     Listening,
@@ -150,12 +151,8 @@ class Worker(RoleSwitching):
         self.load_at = 0.0  # when the last Load went
         self._last_stats = None  # the engine's latest step already in the timeline
         self.speed = dict(prefill_tokens=0, prefill_s=0.0, decode_steps=0, decode_seqs=0, decode_s=0.0)
-        # decode: (request id, token ids, SamplingParams) waiting for pages or a peer: new requests, and
-        # preempted ones (at the front) whose KV is fetched again
-        self.backlog: deque = deque()
-        self.returning: dict[str, float] = {}  # restarting prefill worker -> when to stop waiting
-        self.prefilled_here: set[str] = set()  # decode: what its prefix cache lacked was short, done here
-        self.after: dict[str, str] = {}  # decode: a later completion in the backlog -> its first one
+        # decode: what waits for a prefill worker's KV, and for a restarted prefill worker
+        self.front = DecodeFront(self.llm, d.local_prefill_max_tokens, spec.restart_wait_s)
         self.pm = self.dm = self.backend = None
         # elastic roles: the messenger's generation (a new transfer agent and control sockets each
         # switch), peers not yet heard from (decode), prefill peers leaving that role, a switch under way
@@ -274,7 +271,12 @@ class Worker(RoleSwitching):
             ops.resolve("decode_attention", kv.device),
         )
         while os.getppid() == self.parent:
-            busy = self.llm.has_unfinished() or self.backlog or (self.dm and self.dm.pending) or self.switch
+            busy = (
+                self.llm.has_unfinished()
+                or self.front.backlog
+                or (self.dm and self.dm.pending)
+                or self.switch
+            )
             if self.sock.poll(0 if busy or self.pm else 1, zmq.POLLIN):
                 if self._drain():
                     return
@@ -288,7 +290,7 @@ class Worker(RoleSwitching):
             if self.pm is not None:
                 self.pm.poll()
             if self.dm is not None:
-                self._drain_backlog()
+                self.front.drain(self.dm, lambda rid, e: self._refuse(rid, self.live.pop(rid), e))
                 self.dm.poll()
                 self._join_and_release()
             if self.llm.has_unfinished():
@@ -300,7 +302,7 @@ class Worker(RoleSwitching):
             if time.monotonic() - self.load_at > LOAD_EVERY_S:
                 self.load_at = time.monotonic()
                 sched = self.llm.scheduler
-                pending = len(self.backlog) + (len(self.dm.pending) if self.dm is not None else 0)
+                pending = len(self.front.backlog) + (len(self.dm.pending) if self.dm is not None else 0)
                 self._send(
                     Load(
                         self.spec.name,
@@ -324,8 +326,6 @@ class Worker(RoleSwitching):
         }
 
     def _handle(self, msg) -> None:
-        from engine import SamplingParams, StructuredOutputs
-
         if isinstance(msg, Connect) and self.pm is not None:  # a decode worker's new sockets (or none)
             from transfer.channel import ZmqEndpoint
             from transfer.protocol import prefill_codec
@@ -347,57 +347,42 @@ class Worker(RoleSwitching):
                 return  # not a peer, or about a process of it already replaced by a restarted one
             log.warning("%s: prefill worker %s died; its requests end", self.spec.name, msg.name)
             self.dm.peer_dead(msg.name)
-            self.returning[msg.name] = time.monotonic() + msg.back_within_s  # 0: not coming back
+            self.front.returning[msg.name] = time.monotonic() + msg.back_within_s  # 0: not coming back
         elif isinstance(msg, Cancel):
             self._cancel(msg.request_id)
         elif isinstance(msg, Submit) and self.switch is not None:  # sent before the driver knew: back
             self._send(HandedBack(self.spec.name, [msg.request_id]))
         elif isinstance(msg, Submit):
             received = time.perf_counter()
-            d = self.spec.deployment
             try:  # a bad request fails alone, with its error
-                values = {f.name: getattr(msg, f.name) for f in fields(SamplingParams) if f.name != "n"}
-                if msg.structured_outputs is not None:
-                    values["structured_outputs"] = StructuredOutputs.of_wire(*msg.structured_outputs)
-                    if msg.grammar is not None:  # compiled by the server: loaded, not compiled here
-                        self.llm.grammars.load(values["structured_outputs"], msg.grammar)
-                params = SamplingParams(**values)
+                params = msg.sampling  # checked where it was built and again on decode
+                if msg.grammar is not None:  # compiled by the server: loaded, not compiled here
+                    self.llm.grammars.load(params.structured_outputs, msg.grammar)
                 if msg.request_id in self.live:
                     raise ValueError(f"request_id {msg.request_id!r} is already in flight here")
-                tokens = len(msg.prompt_ids) + len(msg.output_ids)
-                if self.dm is None or tokens <= d.local_prefill_max_tokens:
+                if self.dm is None:
                     self.llm.add_request(msg.prompt_ids, params, msg.request_id, msg.output_ids, msg.after)
-                elif msg.output_ids:  # migrated: its prompt and outputs so far come from a prefill worker
-                    seq = self.llm.make_sequence(msg.prompt_ids, params, msg.request_id, msg.output_ids)
-                    self.llm.resume(seq)
-                    self.backlog.append((msg.request_id, seq.all_ids, params, None))
                 else:
-                    self.llm.make_sequence(msg.prompt_ids, params, msg.request_id)  # check it now
-                    self.backlog.append((msg.request_id, msg.prompt_ids, params, msg.prefill_worker))
-                    if msg.after in self.live:  # n > 1: its KV comes with the first completion's
-                        self.after[msg.request_id] = msg.after
+                    self.front.take(msg, params, self.live)
             except (ValueError, TypeError) as e:
                 self._refuse(msg.request_id, received, e)
                 return
             self.live[msg.request_id] = received
             if msg.stream:
                 self.streamed[msg.request_id] = [len(msg.output_ids), msg.text_sent]
-                self.holdback[msg.request_id] = max((len(s) - 1 for s in msg.stop), default=0)
+                self.holdback[msg.request_id] = max((len(s) - 1 for s in params.stop), default=0)
 
     def _cancel(self, request_id: str) -> None:
         """The client went away: end the request wherever it is; its Result follows (abort)."""
         if request_id not in self.live:
             return
-        waiting = [item for item in self.backlog if item[0] == request_id]
-        self.after.pop(request_id, None)
+        waiting = self.front.drop(request_id)
         if waiting and request_id in self.llm.seqs:  # preempted, waiting to be fetched again
-            self.backlog.remove(waiting[0])
             self.llm.abort(request_id)  # its Result (abort, with its tokens so far) follows a step
         elif waiting:  # not yet sent to a prefill worker: nothing to undo
-            self.backlog.remove(waiting[0])
             self.streamed.pop(request_id, None)
             received = self.live.pop(request_id)
-            self._send(Result(request_id, self.spec.name, [], received, None, [], "abort", None))
+            self._send(Result.failed(request_id, ErrorKind.CANCELLED, None, self.spec.name, received))
         elif self.dm is not None and request_id in self.dm.pending:
             self.dm.abort(request_id, "aborted: the client went away")  # its pages free once safe
         else:
@@ -406,59 +391,14 @@ class Worker(RoleSwitching):
     def _refuse(self, request_id: str, received: float, error: Exception) -> None:
         """A request this worker cannot take ends alone, its error in its Result."""
         log.warning("%s: refused request %s: %s", self.spec.name, request_id, error)
-        self._send(Result(request_id, self.spec.name, [], received, None, [], "error", str(error)))
-
-    def _await_prefill_restart(self) -> bool:
-        """Every prefill worker is down and one may come back (restarted): hold new requests for it.
-        A peer this worker sees gone (lost, or its pid gone on this host) is waited for restart_wait_s
-        from then, or as long as the driver's PeerDead says (0: it is not restarted)."""
-        now, down = time.monotonic(), []
-        for name, peer in self.dm.peers.items():
-            if peer.down():
-                down.append(name)
-                self.returning.setdefault(name, now + self.spec.restart_wait_s)
-            else:
-                self.returning.pop(name, None)  # up (again): a later death waits afresh
-        return len(down) == len(self.dm.peers) and any(self.returning[n] > now for n in down)
-
-    def _drain_backlog(self) -> None:
-        from engine.kv_cache import OutOfPages
-
-        if self.backlog and self._await_prefill_restart():
-            return
-        while self.backlog:
-            request_id, token_ids, params, peer = self.backlog[0]  # peer: the router's choice, or None
-            first = self.llm.seqs.get(self.after.pop(request_id, ""))
-            if first is not None and not first.finished and first.prompt_ids == token_ids:
-                # n > 1: the first completion's transfer serves this one too (engine: add_request after)
-                self.backlog.popleft()
-                self.llm.add_request(token_ids, params, request_id, after=first.request_id)
-                self.prefilled_here.add(request_id)
-                continue
-            try:
-                d = self.spec.deployment
-                salt = params.cache_salt or ""
-                if not self.dm.submit(
-                    request_id, token_ids, params, local_max_tokens=d.local_prefill_max_tokens, prefer=peer,
-                    cache_salt=salt,
-                ):  # fmt: skip
-                    self.prefilled_here.add(request_id)
-            except OutOfPages:
-                return  # pages come back as running requests finish (engine.scheduler: room to finish)
-            except (ValueError, TypeError) as e:  # the plan or the engine refused it
-                if request_id in self.llm.seqs:  # a refetch: it ends with its tokens so far
-                    self.llm.abort(request_id, f"could not fetch its KV again: {e}")
-                else:
-                    self._refuse(request_id, self.live.pop(request_id), e)
-            self.backlog.popleft()
+        self._send(Result.failed(request_id, ErrorKind.BAD_REQUEST, str(error), self.spec.name, received))
 
     def _step(self) -> None:
         """One engine step: its timeline entry, Progress for streamed requests, a Result for each that
         finished (the engine hands each finished request back once)."""
         outputs = self.llm.step()
         if self.dm is not None:  # preempted: fetched again, before any new request
-            refetch = [(s.request_id, s.all_ids, s.params, None) for s in self.llm.take_refetches()]
-            self.backlog.extendleft(reversed(refetch))
+            self.front.refetch(self.llm.take_refetches())
         stats = self.llm.last_step
         if stats is not None and stats is not self._last_stats:
             self._last_stats = stats
@@ -515,8 +455,8 @@ class Worker(RoleSwitching):
             logprobs=_wire_logprobs(out, 0) if out.logprobs is not None else None,
         )
         self.streamed.pop(rid, None)
-        here = rid in self.prefilled_here
-        self.prefilled_here.discard(rid)
+        here = rid in self.front.prefilled_here
+        self.front.prefilled_here.discard(rid)
         timing = self.dm.timings.get(rid) if self.dm is not None else None
         if timing is not None:
             result.prefill, result.transfer_bytes = "remote", timing.nbytes
@@ -532,6 +472,9 @@ class Worker(RoleSwitching):
         if out.error is not None:
             log.warning("%s: request %s failed: %s", self.spec.name, rid, out.error)
             result.prefill_lost = self.dm is not None and rid in self.dm.peer_lost
+            result.error_kind = ErrorKind.WORKER_LOST if result.prefill_lost else ErrorKind.INTERNAL
+        elif out.finish_reason == "abort":
+            result.error_kind = ErrorKind.CANCELLED
         self._send(result)
         if self.dm is not None:
             self.dm.forget(rid)

@@ -30,8 +30,9 @@ from experiments.deploy.config import (
     prefill_budget,
     slo_of,
 )
-from experiments.deploy.messages import DeploymentRun, Request, Result, Timeline
+from experiments.deploy.messages import Result, Timeline
 from experiments.deploy.policy import Router
+from experiments.record import DeploymentRun, Request
 from experiments.sim.cost import CostModel, Efficiency
 from experiments.sim.hardware import hardware_of
 from experiments.sim.models import sim_model

@@ -42,7 +42,8 @@ import heapq
 import numpy as np
 
 from experiments.deploy.messages import LOAD_EVERY_S, Load
-from experiments.deploy.policy import Planner, PlannerConfig, Router
+from experiments.deploy.planner import Planner, PlannerConfig
+from experiments.deploy.policy import Router
 from experiments.sim.cost import transfer_time
 from experiments.sim.instance import Instance, SimRequest
 from experiments.sim.steps import (
@@ -133,281 +134,314 @@ def _run(
 ) -> list[SimRequest]:
     """The event loop. front: colocated or prefill instances; back: decode instances (or none); elastic:
     (PlannerConfig, slo, switch_s, moves) when instances may move between front and back."""
-    disagg = bool(back)
-    instances = front + back
-    front, back = list(front), list(back)  # an elastic deployment's change
-    heap: list = []  # (time, seq, kind, payload)
-    seq = 0
-
-    def push(t, kind, payload):
-        nonlocal seq
-        heapq.heappush(heap, (t, seq, kind, payload))
-        seq += 1
-
-    for r in requests:
-        push(r.arrival, "arrive", r)
-    idle = {id(i): True for i in instances}
-    inbox = {id(i): [] for i in back}  # router='decode': requests a busy decode instance has yet to forward
-    home = {}  # rid -> the decode instance a request was routed to (router='decode')
-    homed = {id(i): 0 for i in back}  # requests routed to a decode instance and not landed yet
-    pending: list = []  # arrived beyond the concurrency, in order
-    busy = 0
-    pool = back if disagg else front  # what the policy picks from (router='decode', or colocated)
-    # the policy's names: colocated instances by index; disaggregated ones as the real workers are named
-    names = {id(inst): n for n, inst in enumerate(pool)}
-    if disagg:
-        names = {id(inst): f"decode-{n}" for n, inst in enumerate(back)}
-        names.update({id(inst): f"prefill-{n}" for n, inst in enumerate(front)})
-    by_name = {names[id(inst)]: inst for inst in instances}
-    policy = policy or Router([names[id(i)] for i in pool], "least_loaded", cache_pages=0)
-    routed: dict = {}  # rid -> the name of the instance in pool its request went to
-    clock = [0.0]  # the simulated time, the policy's clock (its admission learns from first tokens)
-    policy.clock = lambda: clock[0]
-    heard = [-LOAD_EVERY_S]  # when the policy last read the instances' counters (a real worker's Load)
-    page_size = instances[0].page_size
-    if disagg:
-        policy.prefill_workers = [names[id(i)] for i in front]
-    planner = None
-    leaving: dict = {}  # id(instance) -> the role it moves to, until it serves it
+    sim = _Simulation(front, back, requests, first_token_on, layerwise, router, follow, concurrency, policy)
     if elastic is not None:
-        planner_config, slo, switch_s, moves = elastic
-        planner = Planner(planner_config, slo, clock=lambda: clock[0])
+        planner_config, slo, switch_s, sim.moves = elastic
+        sim.planner, sim.switch_s = Planner(planner_config, slo, clock=lambda: sim.clock), switch_s
+    return sim.run()
 
-    def pick(r, now) -> Instance | None:
+
+class _Simulation:
+    """One simulated run: the event heap (time, seq, kind, payload) and what each instance holds."""
+
+    def __init__(self, front, back, requests, first_token_on, layerwise, router, follow, concurrency, policy):
+        self.disagg = bool(back)
+        self.instances = front + back
+        self.front, self.back = list(front), list(back)  # an elastic deployment's change
+        self.requests, self.first_token_on, self.layerwise = requests, first_token_on, layerwise
+        self.router, self.follow, self.concurrency = router, follow, concurrency
+        self.heap: list = []
+        self.seq = 0
+        self.idle = {id(i): True for i in self.instances}
+        self.inbox = {id(i): [] for i in back}  # router='decode': what a busy decode instance forwards next
+        self.home = {}  # rid -> the decode instance a request was routed to (router='decode')
+        self.homed = {id(i): 0 for i in back}  # requests routed to a decode instance and not landed yet
+        self.pending: list = []  # arrived beyond the concurrency, in order
+        self.busy = 0
+        pool = back if self.disagg else front  # what the policy picks from (router='decode', or colocated)
+        # the policy's names: colocated instances by index; disaggregated ones as the real workers are named
+        self.names = {id(inst): n for n, inst in enumerate(pool)}
+        if self.disagg:
+            self.names = {id(inst): f"decode-{n}" for n, inst in enumerate(back)}
+            self.names.update({id(inst): f"prefill-{n}" for n, inst in enumerate(front)})
+        self.by_name = {self.names[id(inst)]: inst for inst in self.instances}
+        self.policy = policy or Router([self.names[id(i)] for i in pool], "least_loaded", cache_pages=0)
+        self.routed: dict = {}  # rid -> the name of the instance in pool its request went to
+        self.clock = 0.0  # the simulated time, the policy's clock (its admission learns from first tokens)
+        self.policy.clock = lambda: self.clock
+        self.heard = -LOAD_EVERY_S  # when the policy last read the instances' counters (a worker's Load)
+        self.page_size = self.instances[0].page_size
+        if self.disagg:
+            self.policy.prefill_workers = [self.names[id(i)] for i in front]
+        self.planner, self.switch_s, self.moves = None, 0.0, []
+        self.leaving: dict = {}  # id(instance) -> the role it moves to, until it serves it
+        for r in requests:
+            self.push(r.arrival, "arrive", r)
+
+    def push(self, t, kind, payload):
+        heapq.heappush(self.heap, (t, self.seq, kind, payload))
+        self.seq += 1
+
+    def run(self) -> list[SimRequest]:
+        while self.heap:
+            now, _, kind, payload = heapq.heappop(self.heap)
+            self.clock = now
+            if self.planner is not None and self.planner.due():
+                self.plan(now)
+            if kind == "switched":
+                self.serve(payload[0], payload[1], now)
+                self.kick(payload[0], now)
+            elif kind == "step":
+                self.step(payload, now)
+            else:
+                self.request_event(kind, payload, now)
+        return self.requests
+
+    def request_event(self, kind, payload, now) -> None:
+        """A request arrives, is routed, forwarded to a prefill instance, at its first token, or lands."""
+        router = self.router
+        if kind == "arrive":
+            if self.concurrency is not None and self.busy >= self.concurrency:
+                self.pending.append(payload)
+                return
+            self.busy += 1
+            kind = "route"
+        if kind == "route" and not self.disagg:
+            inst = self.pick(payload, now)
+            if inst is None:
+                self.finished(payload, now)
+                return
+            inst.waiting.append(payload)
+            self.kick(inst, now)
+        elif kind == "route" and router == "decode":
+            target = self.pick(payload, now)
+            if target is None:
+                self.finished(payload, now)
+                return
+            self.home[payload.rid] = target
+            self.homed[id(target)] += 1
+            if self.idle[id(target)]:
+                self.push(now, "forward", payload)
+            else:
+                self.inbox[id(target)].append(payload)
+        elif kind == "forward" and router == "decode" and prefill_locally(self.home[payload.rid], payload):
+            target = self.home.pop(payload.rid)
+            self.homed[id(target)] -= 1
+            target.recompute.append(payload)
+            self.kick(target, now)
+        elif kind in ("route", "forward"):
+            chosen = self.policy.prefill_of(
+                payload.rid
+            )  # the policy's pick (router='decode'), as the real one's
+            serving = [i for i in self.front if id(i) not in self.leaving] or self.front
+            inst = self.by_name[chosen] if chosen in self.by_name else min(serving, key=Instance.load)
+            inst.waiting.append(payload)
+            self.kick(inst, now)
+        elif kind == "first":  # the policy's admission: its prompt is no longer ahead of anyone's
+            self.policy.first_token(payload.rid)
+        elif kind == "land":  # KV arrived at a decode instance
+            self.land(*payload, now)
+
+    def land(self, inst, r, now) -> None:
+        if self.router == "decode":
+            self.homed[id(inst)] -= 1
+        if inst not in self.back or id(inst) in self.leaving:  # it left decoding meanwhile: fetched again
+            inst.handed_back += 1
+            self.refetch(r, self.names[id(inst)], now)
+            return
+        if inst.waiting or inst.recompute or not admit_decode(inst, r):
+            inst.waiting.append(r)
+        else:
+            inst.running.append(r)
+        self.kick(inst, now)
+
+    def step(self, inst, now) -> None:
+        """inst's step boundary: a move it makes, or its next step and what that step did."""
+        role = self.leaving.get(id(inst))
+        if role == "prefill" and inst in self.back:  # at its step boundary: hands back, then switches
+            self.back.remove(inst)
+            self.hand_back(inst, now)
+            self.push(now + self.switch_s, "switched", (inst, role))
+            self.idle[id(inst)] = True
+            return
+        if role == "decode" and inst in self.front and not inst.waiting and not inst.running:
+            self.front.remove(inst)  # its prompts are done
+            self.push(now + self.switch_s, "switched", (inst, role))
+            self.idle[id(inst)] = True
+            return
+        if self.disagg and inst in self.back:
+            for r in self.inbox[id(inst)]:  # forwarded between steps
+                self.push(now, "forward", r)
+            self.inbox[id(inst)].clear()
+            dt, events = decode_step(inst)
+        else:
+            dt, events = colocated_step(inst, now)
+        if dt == 0.0:
+            self.idle[id(inst)] = True
+            return
+        dt *= inst.slowdown
+        end = now + dt
+        prompt_tokens, decoding = inst.last_step
+        if prompt_tokens:
+            inst.speed[0] += prompt_tokens
+            inst.speed[1] += dt
+        elif decoding:
+            inst.speed[2] += 1
+            inst.speed[3] += decoding
+            inst.speed[4] += dt
+        for r, what in events:
+            if what == "refetch":  # preempted on a decode instance: its KV is computed again
+                r.computed, r.fetch = 0, r.prompt + r.generated
+                if self.router == "decode":
+                    self.home[r.rid] = inst
+                    self.homed[id(inst)] += 1
+                self.push(end, "forward", r)
+            elif what == "prefill_done":
+                self.prefilled(inst, r, end, dt)
+            else:  # ("tokens", n): n new tokens
+                r.generated += what[1]
+                r.token_times += [end] * what[1]
+                if r.first_token is None:
+                    r.first_token = end
+                    self.push(end, "first", r)
+                if maybe_finish(inst, r, end):
+                    self.finished(r, end)
+        self.push(end, "step", inst)
+
+    def prefilled(self, inst, r, end, dt) -> None:
+        """r's prompt is computed on inst (a step of dt that ended at end): colocated, its first token;
+        disaggregated, its KV leaves for its decode instance."""
+        if not self.disagg:
+            if inst.cache is not None:
+                inst.cache.add(r, r.context, inst.page_size)
+            r.first_token, r.generated = end, 1
+            self.push(end, "first", r)
+            r.token_times.append(end)
+            if maybe_finish(inst, r, end):
+                self.finished(r, end)
+            return
+        inst.running.remove(r)
+        inst.kv_used -= r.context + r.output
+        if inst.cache is not None:
+            inst.cache.add(r, r.context, inst.page_size)
+        if self.first_token_on == "prefill" and not r.fetch:
+            r.first_token, r.generated = end, 1
+            self.push(end, "first", r)
+            r.token_times.append(end)
+        if self.router == "decode":
+            target = self.home.pop(r.rid)
+        else:  # DistServe's: the decode instance is chosen now, and looks its cache up now
+            target = min([i for i in self.back if id(i) not in self.leaving] or self.back, key=Instance.load)
+            lookup_decode(target, r)
+        r.cached = r.skip * target.page_size
+        if r.generated >= r.output:  # one token, sampled on the prefill side: no decode
+            r.done = end
+            if self.router == "decode":
+                self.homed[id(target)] -= 1
+            self.finished(r, end)
+            return
+        sent = r.context - r.skip * target.page_size  # only what it lacks (the engine
+        r.sent_tokens += sent  # sends whole pages: up to a page more)
+        kv = sent * inst.cost.model.kv_bytes_per_token()
+        links = min(inst.cost.tp, target.cost.tp)
+        layers = inst.cost.model.layers if self.layerwise else 1
+        x = transfer_time(kv, inst.cost.hw, links, inst.cost.eff, prefill_s=dt, layers=layers)
+        self.push(end + x, "land", (target, r))
+
+    def pick(self, r, now) -> Instance | None:
         """The instance the policy picks, or None where its admission refuses r (r.rejected says why)."""
-        if now - heard[0] >= LOAD_EVERY_S:  # the Loads the real router would have by now
-            heard[0] = now
-            for inst in instances:
+        policy = self.policy
+        if now - self.heard >= LOAD_EVERY_S:  # the Loads the real router would have by now
+            self.heard = now
+            for inst in self.instances:
                 tokens, seconds, steps, seqs, decode_s = inst.speed
                 load = Load("sim", 0, 0, 0, prefill_tokens=tokens, prefill_s=seconds, decode_steps=steps,
                             decode_seqs=seqs, decode_s=decode_s)  # fmt: skip
-                policy.observe_load(names[id(inst)], load)
-        n = policy.route(r.rid, r.names(r.context, page_size), r.context, list(policy.workers), admit=True)
+                policy.observe_load(self.names[id(inst)], load)
+        n = policy.route(
+            r.rid, r.names(r.context, self.page_size), r.context, list(policy.workers), admit=True
+        )
         if n is None:
             r.rejected = policy.why
             return None
-        routed[r.rid] = n
-        return by_name[n]
+        self.routed[r.rid] = n
+        return self.by_name[n]
 
-    def kick(inst, now):
-        if idle[id(inst)]:
-            idle[id(inst)] = False
-            push(now, "step", inst)
+    def kick(self, inst, now):
+        if self.idle[id(inst)]:
+            self.idle[id(inst)] = False
+            self.push(now, "step", inst)
 
-    def finished(r, now):
+    def finished(self, r, now):
         """r is done: a slot frees (the next pending request goes), and its next turn is due."""
-        nonlocal busy
-        busy -= 1
-        if r.rid in routed:  # the policy believes its instance now caches its prompt and reply
-            policy.finished(routed.pop(r.rid), r.rid, r.names(r.prompt + r.generated - 1, page_size))
-        if planner is not None and r.rejected is None:
-            planner.observe(r.ttft, r.tpot if r.generated > 1 else None)
-        nxt = follow(r) if follow is not None and r.rejected is None else None
+        self.busy -= 1
+        if r.rid in self.routed:  # the policy believes its instance now caches its prompt and reply
+            self.policy.finished(
+                self.routed.pop(r.rid), r.rid, r.names(r.prompt + r.generated - 1, self.page_size)
+            )
+        if self.planner is not None and r.rejected is None:
+            self.planner.observe(r.ttft, r.tpot if r.generated > 1 else None)
+        nxt = self.follow(r) if self.follow is not None and r.rejected is None else None
         if nxt is not None:
-            requests.append(nxt)
-            push(nxt.arrival, "arrive", nxt)
-        if pending:
-            busy += 1
-            push(now, "route", pending.pop(0))
+            self.requests.append(nxt)
+            self.push(nxt.arrival, "arrive", nxt)
+        if self.pending:
+            self.busy += 1
+            self.push(now, "route", self.pending.pop(0))
 
-    def hand_back(inst, now) -> None:
+    def hand_back(self, inst, now) -> None:
         """A decode instance leaves its role: every request it has or expects is fetched again (prompt
-        and outputs so far) for another decode instance, as the real driver resumes them."""
-        name = names[id(inst)]
-        mine = inst.running + inst.waiting + inst.recompute + inbox[id(inst)]
-        inst.running, inst.waiting, inst.recompute, inbox[id(inst)] = [], [], [], []
+        and outputs so far) for another decode instance, as the real runtime resumes them."""
+        name = self.names[id(inst)]
+        mine = inst.running + inst.waiting + inst.recompute + self.inbox[id(inst)]
+        inst.running, inst.waiting, inst.recompute, self.inbox[id(inst)] = [], [], [], []
         inst.kv_used = 0.0
         inst.handed_back += len(mine)
         for r in mine:
-            refetch(r, name, now)
+            self.refetch(r, name, now)
 
-    def refetch(r, left, now) -> None:
+    def refetch(self, r, left, now) -> None:
         r.held, r.computed, r.drafting = 0, 0, 0
         if r.generated:
             r.fetch = r.prompt + r.generated
-        policy.moved(r.rid, left)
-        if router == "decode":
-            target = policy.route(r.rid, r.names(r.context, page_size), r.context, list(policy.workers))
-            routed[r.rid] = target
-            home[r.rid] = by_name[target]
-            homed[id(by_name[target])] += 1
-        push(now, "forward", r)
+        self.policy.moved(r.rid, left)
+        if self.router == "decode":
+            target = self.policy.route(
+                r.rid, r.names(r.context, self.page_size), r.context, list(self.policy.workers)
+            )
+            self.routed[r.rid] = target
+            self.home[r.rid] = self.by_name[target]
+            self.homed[id(self.by_name[target])] += 1
+        self.push(now, "forward", r)
 
-    def plan(now) -> None:
-        roles = {names[id(i)]: ("prefill" if i in front else "decode") for i in instances}
-        move = planner.decide(roles, policy, busy=bool(leaving))
-        if move is None or move[0] not in by_name:
+    def plan(self, now) -> None:
+        roles = {self.names[id(i)]: ("prefill" if i in self.front else "decode") for i in self.instances}
+        move = self.planner.decide(roles, self.policy, busy=bool(self.leaving))
+        if move is None or move[0] not in self.by_name:
             return
         name, role = move
-        inst = by_name[name]
+        inst = self.by_name[name]
         if sum(1 for r in roles.values() if r == roles[name]) < 2:
             return  # the last of its role stays (as the real fleet refuses)
-        leaving[id(inst)] = role
-        policy.leave(name)
-        moves.append({"worker": name, "from": roles[name], "to": role, "at": now, "why": planner.why})
-        kick(inst, now)  # an idle one moves now; a busy one at its next step boundary
+        self.leaving[id(inst)] = role
+        self.policy.leave(name)
+        self.moves.append(
+            {"worker": name, "from": roles[name], "to": role, "at": now, "why": self.planner.why}
+        )
+        self.kick(inst, now)  # an idle one moves now; a busy one at its next step boundary
 
-    def serve(inst, role, now) -> None:
+    def serve(self, inst, role, now) -> None:
         """inst serves role from now on."""
-        del leaving[id(inst)]
-        (back if role == "decode" else front).append(inst)
+        del self.leaving[id(inst)]
+        (self.back if role == "decode" else self.front).append(inst)
         for key, value in inst.role_settings.get(role, {}).items():
             setattr(inst, key, value)
-        inbox.setdefault(id(inst), [])
-        homed.setdefault(id(inst), 0)
-        policy.join(names[id(inst)], role)
-        for move in moves:
-            if move["worker"] == names[id(inst)] and "seconds" not in move:
+        self.inbox.setdefault(id(inst), [])
+        self.homed.setdefault(id(inst), 0)
+        self.policy.join(self.names[id(inst)], role)
+        for move in self.moves:
+            if move["worker"] == self.names[id(inst)] and "seconds" not in move:
                 move["seconds"] = now - move["at"]
-
-    while heap:
-        now, _, kind, payload = heapq.heappop(heap)
-        clock[0] = now
-        if planner is not None and planner.due():
-            plan(now)
-        if kind == "switched":
-            serve(payload[0], payload[1], now)
-            kick(payload[0], now)
-            continue
-        if kind == "arrive":
-            if concurrency is not None and busy >= concurrency:
-                pending.append(payload)
-                continue
-            busy += 1
-            kind = "route"
-        if kind == "route" and not disagg:
-            inst = pick(payload, now)
-            if inst is None:
-                finished(payload, now)
-                continue
-            inst.waiting.append(payload)
-            kick(inst, now)
-        elif kind == "route" and router == "decode":
-            target = pick(payload, now)
-            if target is None:
-                finished(payload, now)
-                continue
-            home[payload.rid] = target
-            homed[id(target)] += 1
-            if idle[id(target)]:
-                push(now, "forward", payload)
-            else:
-                inbox[id(target)].append(payload)
-        elif kind == "forward" and router == "decode" and prefill_locally(home[payload.rid], payload):
-            target = home.pop(payload.rid)
-            homed[id(target)] -= 1
-            target.recompute.append(payload)
-            kick(target, now)
-        elif kind in ("route", "forward"):
-            chosen = policy.prefill_of(payload.rid)  # the policy's pick (router='decode'), as the real one's
-            serving = [i for i in front if id(i) not in leaving] or front
-            inst = by_name[chosen] if chosen in by_name else min(serving, key=Instance.load)
-            inst.waiting.append(payload)
-            kick(inst, now)
-        elif kind == "first":  # the policy's admission: its prompt is no longer ahead of anyone's
-            policy.first_token(payload.rid)
-        elif kind == "land":  # KV arrived at a decode instance
-            inst, r = payload
-            if router == "decode":
-                homed[id(inst)] -= 1
-            if inst not in back or id(inst) in leaving:  # it left decoding meanwhile: fetched again
-                inst.handed_back += 1
-                refetch(r, names[id(inst)], now)
-                continue
-            if inst.waiting or inst.recompute or not admit_decode(inst, r):
-                inst.waiting.append(r)
-            else:
-                inst.running.append(r)
-            kick(inst, now)
-        elif kind == "step":
-            inst = payload
-            role = leaving.get(id(inst))
-            if role == "prefill" and inst in back:  # at its step boundary: hands back, then switches
-                back.remove(inst)
-                hand_back(inst, now)
-                push(now + switch_s, "switched", (inst, role))
-                idle[id(inst)] = True
-                continue
-            if role == "decode" and inst in front and not inst.waiting and not inst.running:
-                front.remove(inst)  # its prompts are done
-                push(now + switch_s, "switched", (inst, role))
-                idle[id(inst)] = True
-                continue
-            if disagg and inst in back:
-                for r in inbox[id(inst)]:  # forwarded between steps
-                    push(now, "forward", r)
-                inbox[id(inst)].clear()
-                dt, events = decode_step(inst)
-            else:
-                dt, events = colocated_step(inst, now)
-            if dt == 0.0:
-                idle[id(inst)] = True
-                continue
-            dt *= inst.slowdown
-            end = now + dt
-            prompt_tokens, decoding = inst.last_step
-            if prompt_tokens:
-                inst.speed[0] += prompt_tokens
-                inst.speed[1] += dt
-            elif decoding:
-                inst.speed[2] += 1
-                inst.speed[3] += decoding
-                inst.speed[4] += dt
-            for r, what in events:
-                if what == "refetch":  # preempted on a decode instance: its KV is computed again
-                    r.computed, r.fetch = 0, r.prompt + r.generated
-                    if router == "decode":
-                        home[r.rid] = inst
-                        homed[id(inst)] += 1
-                    push(end, "forward", r)
-                    continue
-                if what == "prefill_done":
-                    if not disagg:
-                        if inst.cache is not None:
-                            inst.cache.add(r, r.context, inst.page_size)
-                        r.first_token, r.generated = end, 1
-                        push(end, "first", r)
-                        r.token_times.append(end)
-                        if maybe_finish(inst, r, end):
-                            finished(r, end)
-                        continue
-                    inst.running.remove(r)
-                    inst.kv_used -= r.context + r.output
-                    if inst.cache is not None:
-                        inst.cache.add(r, r.context, inst.page_size)
-                    if first_token_on == "prefill" and not r.fetch:
-                        r.first_token, r.generated = end, 1
-                        push(end, "first", r)
-                        r.token_times.append(end)
-                    if router == "decode":
-                        target = home.pop(r.rid)
-                    else:  # DistServe's: the decode instance is chosen now, and looks its cache up now
-                        target = min([i for i in back if id(i) not in leaving] or back, key=Instance.load)
-                        lookup_decode(target, r)
-                    r.cached = r.skip * target.page_size
-                    if r.generated >= r.output:  # one token, sampled on the prefill side: no decode
-                        r.done = end
-                        if router == "decode":
-                            homed[id(target)] -= 1
-                        finished(r, end)
-                        continue
-                    sent = r.context - r.skip * target.page_size  # only what it lacks (the engine
-                    r.sent_tokens += sent  # sends whole pages: up to a page more)
-                    kv = sent * inst.cost.model.kv_bytes_per_token()
-                    links = min(inst.cost.tp, target.cost.tp)
-                    layers = inst.cost.model.layers if layerwise else 1
-                    x = transfer_time(kv, inst.cost.hw, links, inst.cost.eff, prefill_s=dt, layers=layers)
-                    push(end + x, "land", (target, r))
-                else:  # ("tokens", n): n new tokens
-                    r.generated += what[1]
-                    r.token_times += [end] * what[1]
-                    if r.first_token is None:
-                        r.first_token = end
-                        push(end, "first", r)
-                    if maybe_finish(inst, r, end):
-                        finished(r, end)
-            push(end, "step", inst)
-    return requests
 
 
 def poisson_requests(rate: float, n: int, prompt: int | np.ndarray, output: int | np.ndarray, seed: int = 0):

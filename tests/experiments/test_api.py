@@ -2,7 +2,9 @@
 
 import pytest
 
-from experiments.deploy.api import ApiError, ServerConfig, cache_salt_of
+from experiments.deploy.api import ServerConfig
+from experiments.deploy.errors import ApiError
+from experiments.deploy.fields import cache_salt_of
 
 
 def test_cache_isolation_decides_who_shares_pages():

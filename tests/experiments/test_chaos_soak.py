@@ -13,12 +13,14 @@ import threading
 import time
 from pathlib import Path
 
+import openai
 import pytest
 
-openai = pytest.importorskip("openai")
-pytest.importorskip("nixl_cu12")
+from tests import needs
 
-from tests.experiments.test_serve import _pages_and_ends  # noqa: E402
+needs.nixl()
+
+from tests.experiments.serving import _pages_and_ends  # noqa: E402
 from tests.experiments.test_serve_hostile import PAGES, _group_gone, _start  # noqa: E402
 
 WORKERS = ("prefill-0", "prefill-1", "decode-0", "decode-1")

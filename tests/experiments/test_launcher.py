@@ -11,10 +11,12 @@ import time
 from pathlib import Path
 
 import pytest
+import ray  # noqa: F401  (make test installs it: missing, this module fails)
 from hydra import compose, initialize_config_dir
 
-pytest.importorskip("ray")
-pytest.importorskip("nixl_cu12")
+from tests import needs
+
+needs.nixl()
 
 from experiments.deploy import launcher  # noqa: E402
 from experiments.run import run  # noqa: E402
@@ -77,7 +79,8 @@ def test_a_killed_prefill_actor_fails_its_requests_frees_decode_pages_and_comes_
     overrides += ["deployment.chunk_size=8"]  # 25 passes a prompt: 50 ms after the first result, the next
     killed, first = [], []  # two are mid-transfer
 
-    def kill_prefill_after_first_result(run_state, procs):
+    def kill_prefill_after_first_result(run_state, runtime):
+        procs = runtime.fleet.procs
         if run_state.results and not first:
             first.append(time.monotonic())
         if first and not killed and time.monotonic() > first[0] + 0.05:
@@ -103,7 +106,7 @@ def test_the_http_server_serves_1p1d_across_two_nodes(tmp_path):
     """experiments.serve with launcher=ray, no other change: a completion prefilled on the other node.
     (slow: the server starts its fleet as the main job does, whose Ray runs make test keeps.)"""
     from engine import LLM, SamplingParams
-    from tests.experiments.test_serve import _metrics, _start, _stop
+    from tests.experiments.serving import _metrics, _start, _stop
 
     openai = pytest.importorskip("openai")
     proc, url = _start(tmp_path, "deployment=1p1d", *RAY)

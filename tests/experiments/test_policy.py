@@ -4,15 +4,8 @@ import re
 
 import pytest
 
-from experiments.deploy.policy import (
-    BIAS_WINDOW_S,
-    POLICIES,
-    Planner,
-    PlannerConfig,
-    Router,
-    Speed,
-    page_names,
-)
+from experiments.deploy.planner import Planner, PlannerConfig
+from experiments.deploy.policy import BIAS_WINDOW_S, POLICIES, Router, Speed, page_names
 
 
 def _names(conversation: str, pages: int) -> list:

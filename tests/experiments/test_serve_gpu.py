@@ -3,7 +3,7 @@
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.experiments.test_serve import PROMPTS, _start, _stop
+from tests.experiments.serving import PROMPTS, _start, _stop
 
 openai = pytest.importorskip("openai")
 

@@ -14,11 +14,10 @@ import threading
 import time
 from pathlib import Path
 
+import openai
 import pytest
 
-openai = pytest.importorskip("openai")
-
-from tests.experiments.test_serve import _long_stream, _metrics, _pages_and_ends, _stopped  # noqa: E402
+from tests.experiments.serving import _long_stream, _metrics, _pages_and_ends, _stopped  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = 256  # tiny-random's pages per worker
@@ -114,6 +113,14 @@ def _error(status_body) -> dict:
     return json.loads(body)["error"]
 
 
+def _until_in_flight(url: str, n: int, within_s: float = 60) -> None:
+    """Wait until the server answers at least n requests (its gauge), which the test acts beside."""
+    give_up = time.monotonic() + within_s
+    while _metrics(url).get(("pdk_requests_in_flight", ()), 0) < n:
+        assert time.monotonic() < give_up, f"{n} requests never were in flight together"
+        time.sleep(0.05)
+
+
 def _still_serving(url: str) -> None:
     status, _, body = _post(url, json.dumps(OK))
     assert status == 200 and json.loads(body)["choices"][0]["finish_reason"] == "length", body
@@ -136,7 +143,7 @@ def test_a_field_the_wire_cannot_carry_fails_alone(server):
     threads = [threading.Thread(target=long_one, args=(i % 2 == 0,)) for i in range(6)]
     for t in threads:
         t.start()
-    time.sleep(0.3)
+    _until_in_flight(server, 6)
     for field, value in (("top_k", 2**64), ("seed", 2**64), ("max_tokens", 2**64), ("top_k", -(2**70))):
         err = _error(_post(server, json.dumps(dict(OK, temperature=1.0, **{field: value}))))
         assert err["param"] == field and err["type"] == "invalid_request_error", err
@@ -252,7 +259,7 @@ def test_a_non_streamed_request_whose_client_goes_away_is_cancelled(server):
     conn = http.client.HTTPConnection(host, int(port), timeout=30)
     body = json.dumps(dict(OK, prompt="Long:", max_tokens=1000, ignore_eos=True, n=3))
     conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
-    time.sleep(0.5)
+    _until_in_flight(server, 3)  # its 3 completions are with the workers
     conn.sock.close()  # gone, without reading the answer
     give_up = time.monotonic() + 20
     while time.monotonic() < give_up:
@@ -318,7 +325,10 @@ def _drain_and_stop(proc: subprocess.Popen, url: str, tmp_path: Path) -> None:
         time.sleep(0.2)
     assert status == 503 and json.loads(body)["silent"] == ["prefill-0"], body
     proc.send_signal(signal.SIGTERM)
-    time.sleep(0.3)
+    give_up = time.monotonic() + 30
+    while b"stopping" not in _raw(url, "GET", "/health")[2]:  # the signal handled: it drains
+        assert time.monotonic() < give_up, "SIGTERM did not start the drain"
+        time.sleep(0.05)
     status, headers, body = _post(url, json.dumps(OK))
     assert (
         status == 503

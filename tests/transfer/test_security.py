@@ -112,7 +112,7 @@ def test_received_objects_run_their_own_checks():
 
 
 def test_driver_drops_a_worker_that_claims_another_identity(tmp_path):
-    from experiments.deploy.fleet import _recv, driver_socket
+    from experiments.deploy.control import driver_socket, recv_all
     from experiments.deploy.messages import Ready, worker_codec
     from transfer.config import TransferConfig
 
@@ -132,9 +132,9 @@ def test_driver_drops_a_worker_that_claims_another_identity(tmp_path):
     got, give_up = [], time.monotonic() + 2
     while len(got) < 1 and time.monotonic() < give_up:
         sock.poll(50)
-        got += _recv(sock)
+        got += recv_all(sock)
     time.sleep(0.2)
-    got += _recv(sock)
+    got += recv_all(sock)
     assert got == [("prefill-0", Ready("prefill-0"))]  # prefill-0's key cannot speak as decode-0
     for w in workers:
         w.close()
@@ -142,7 +142,7 @@ def test_driver_drops_a_worker_that_claims_another_identity(tmp_path):
 
 
 def test_driver_socket_runs_no_pickle_from_a_stranger_or_a_member(tmp_path):
-    from experiments.deploy.fleet import _recv, driver_socket
+    from experiments.deploy.control import driver_socket, recv_all
     from transfer.config import TransferConfig
 
     keys = keyring(["driver", "decode-0"])
@@ -162,7 +162,7 @@ def test_driver_socket_runs_no_pickle_from_a_stranger_or_a_member(tmp_path):
     got, give_up = [], time.monotonic() + 1
     while time.monotonic() < give_up:
         sock.poll(50)
-        got += _recv(sock)
+        got += recv_all(sock)
     assert got == [] and not marker.exists()
     for s in (stranger, member, sock):
         s.close()

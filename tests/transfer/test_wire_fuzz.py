@@ -7,9 +7,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine import LLM
+from engine import LLM, SamplingParams
 from engine.disagg import decode_messenger, prefill_messenger
 from experiments.deploy.messages import (
+    ErrorKind,
     HandedBack,
     Result,
     Submit,
@@ -53,7 +54,8 @@ VALID = [
     Hello.of(SPEC, "agent"),
     Accepted("r", 1),
     Ended("r", 1, None),
-    Submit("r", [1, 2], 4),
+    Submit("r", [1, 2], SamplingParams(max_tokens=4, stop=("x",), logit_bias={3: 1.0})),
+    Result.failed("r", ErrorKind.WORKER_LOST, "worker w exited", "w"),
     Result("r", "w", [1], 0.5, None, [0.6], "length", None),
     SwitchRole("decode", ["prefill-0"]),
     HandedBack("decode-1", ["r", "s"]),

@@ -251,7 +251,7 @@ def test_scripted_switches_hand_requests_back_and_every_one_finishes(router):
     """decode-0 turns prefill at t=5 while it decodes (its requests are fetched again, prompt and outputs
     so far, for decode-1), then prefill-0 turns decode at t=20 once its prompts are done: every request
     gets all its tokens, each move is recorded with its time, and no instance holds KV after."""
-    from experiments.deploy.policy import PlannerConfig
+    from experiments.deploy.planner import PlannerConfig
 
     prefill, decode = _elastic(1, 2)
     reqs = [SimRequest(i, 0.5 * i, prompt=10, output=12) for i in range(12)]
@@ -274,7 +274,7 @@ def test_the_planner_moves_a_decode_instance_to_prefill_when_prompts_queue_and_t
     """Prefill-heavy load on 1 prefill + 3 decode instances: TTFT far over its SLO while decode has
     room. With the planner on, decode instances move to prefill (never the last one) and TTFT p90
     falls below the fixed deployment's."""
-    from experiments.deploy.policy import PlannerConfig, percentile
+    from experiments.deploy.planner import PlannerConfig, percentile
 
     def run(enabled):
         prefill, decode = _elastic(1, 3)

@@ -1,0 +1,118 @@
+"""A decode worker's requests before its engine runs them: the backlog of prompts whose KV a prefill
+worker is to send (new requests, migrated ones, and preempted ones whose KV is fetched again, at the
+front), n > 1 completions that wait for their first one's KV (`after`), and the wait for a prefill worker
+being restarted. The worker (experiments.deploy.worker) owns its socket and steps its engine; this is
+the one place its decode-side state lives.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Waiting:
+    """A request waiting for its KV from a prefill worker."""
+
+    request_id: str
+    token_ids: list[int]  # its prompt (and, migrated or refetched, its outputs so far)
+    params: object  # engine.SamplingParams
+    peer: str | None = None  # the router's choice of prefill worker (None: the messenger's)
+
+
+@dataclass
+class DecodeFront:
+    """What a decode worker holds of its requests outside the engine's scheduler."""
+
+    llm: object  # engine.LLM
+    local_max_tokens: int  # deployment.local_prefill_max_tokens: shorter prompts are prefilled here
+    restart_wait_s: float  # how long a prefill worker that went down is waited for (it may restart)
+    backlog: deque = field(default_factory=deque)  # of Waiting, in the order they go to prefill
+    after: dict[str, str] = field(default_factory=dict)  # a later completion waiting -> its first one
+    prefilled_here: set[str] = field(default_factory=set)  # what the prefix cache lacked was short: here
+    returning: dict[str, float] = field(default_factory=dict)  # restarting prefill worker -> until when
+
+    def take(self, msg, params, live) -> None:
+        """A Submit this decode worker's messenger serves (raises ValueError/TypeError for one the engine
+        refuses): a prompt short enough is prefilled here; the rest wait for a prefill worker's KV."""
+        if len(msg.prompt_ids) + len(msg.output_ids) <= self.local_max_tokens:
+            self.llm.add_request(msg.prompt_ids, params, msg.request_id, msg.output_ids, msg.after)
+        elif msg.output_ids:  # migrated: its prompt and outputs so far come from a prefill worker
+            seq = self.llm.make_sequence(msg.prompt_ids, params, msg.request_id, msg.output_ids)
+            self.llm.resume(seq)
+            self.backlog.append(Waiting(msg.request_id, seq.all_ids, params))
+        else:
+            self.llm.make_sequence(msg.prompt_ids, params, msg.request_id)  # check it now
+            self.backlog.append(Waiting(msg.request_id, msg.prompt_ids, params, msg.prefill_worker))
+            if msg.after in live:  # n > 1: its KV comes with the first completion's
+                self.after[msg.request_id] = msg.after
+
+    def drop(self, request_id: str) -> bool:
+        """Take a request out of the backlog (cancelled, handed back); whether it was there."""
+        self.after.pop(request_id, None)
+        self.prefilled_here.discard(request_id)
+        for item in self.backlog:
+            if item.request_id == request_id:
+                self.backlog.remove(item)
+                return True
+        return False
+
+    def refetch(self, seqs) -> None:
+        """Preempted sequences whose KV is fetched again: before any new request."""
+        self.backlog.extendleft(reversed([Waiting(s.request_id, s.all_ids, s.params) for s in seqs]))
+
+    def waiting_for_restart(self, dm) -> bool:
+        """Every prefill worker is down and one may come back (restarted): hold new requests for it.
+        A peer this worker sees gone (lost, or its pid gone on this host) is waited for restart_wait_s
+        from then, or as long as the runtime's PeerDead says (0: it is not restarted)."""
+        now, down = time.monotonic(), []
+        for name, peer in dm.peers.items():
+            if peer.down():
+                down.append(name)
+                self.returning.setdefault(name, now + self.restart_wait_s)
+            else:
+                self.returning.pop(name, None)  # up (again): a later death waits afresh
+        return len(down) == len(dm.peers) and any(self.returning[n] > now for n in down)
+
+    def drain(self, dm, refuse) -> None:
+        """Send what waits to the prefill workers (dm: the decode messenger), while pages last; refuse(
+        request_id, error) ends one the plan or the engine refuses."""
+        from engine.kv_cache import OutOfPages
+
+        if self.backlog and self.waiting_for_restart(dm):
+            return
+        while self.backlog:
+            item = self.backlog[0]
+            rid = item.request_id
+            first = self.llm.seqs.get(self.after.pop(rid, ""))
+            if first is not None and not first.finished and first.prompt_ids == item.token_ids:
+                # n > 1: the first completion's transfer serves this one too (engine: add_request after)
+                self.backlog.popleft()
+                self.llm.add_request(item.token_ids, item.params, rid, after=first.request_id)
+                self.prefilled_here.add(rid)
+                continue
+            try:
+                salt = item.params.cache_salt or ""
+                local = self.local_max_tokens
+                if not dm.submit(
+                    rid,
+                    item.token_ids,
+                    item.params,
+                    local_max_tokens=local,
+                    prefer=item.peer,
+                    cache_salt=salt,
+                ):
+                    self.prefilled_here.add(rid)
+            except OutOfPages:
+                return  # pages come back as running requests finish (engine.scheduler: room to finish)
+            except (ValueError, TypeError) as e:  # the plan or the engine refused it
+                if rid in self.llm.seqs:  # a refetch: it ends with its tokens so far
+                    self.llm.abort(rid, f"could not fetch its KV again: {e}")
+                else:
+                    refuse(rid, e)
+            self.backlog.popleft()

@@ -1,0 +1,142 @@
+"""The main job's load generator: it starts a deployment through the same Runtime the HTTP server runs
+(experiments.deploy.runtime: routing, admission, deaths, migration, restarts, elastic moves), submits
+each request of the workload on its schedule (Poisson, a fixed number in flight, a trace, or a multiturn
+workload's turns after each reply), and records what comes back. Whatever happens (an error, Ctrl-C,
+SIGTERM), every worker process is stopped before `run_deployment` returns. A request's token times are
+when its tokens reached the runtime, not any worker's clock.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import queue
+import time
+from pathlib import Path
+
+from experiments.deploy.messages import ErrorKind, Result, Submit, Timeline
+from experiments.deploy.runtime import WAIT_MS, Runtime, start_runtime
+from experiments.record import DeploymentRun, Request, Turns
+
+log = logging.getLogger(__name__)
+
+
+def run_deployment(
+    config,
+    d,
+    requests: list[Request],
+    progress: bool = True,
+    hooks=None,
+    log_dir: Path | None = None,
+    first_core: int = 0,
+    turns: Turns | None = None,
+) -> DeploymentRun:
+    """Start deployment d's workers, run every request through them, stop them; returns what happened.
+
+    config: the experiment's RunConfig (its workload, SLO, run_timeout_s). hooks: an optional
+    callable(run, runtime) called as the run goes (each result, and every WAIT_MS at least): a script's
+    or a test's way to act at a point of progress (kill a worker: runtime.fleet.procs; move one:
+    runtime.move). log_dir: where each worker writes <name>.log (None:
+    workers do not log to files). turns: a multiturn workload's conversations (requests are their first
+    turns)."""
+    run = DeploymentRun(d, list(requests), turns=turns)
+    runtime = None
+    try:
+        runtime = start_runtime(config, d, log_dir, first_core)
+        run.events, run.moves = runtime.events, runtime.moves  # the runtime's, as they happen
+        _generate(run, config, runtime, progress, hooks)
+    except KeyboardInterrupt:  # SIGTERM (experiments.run raises it) or Ctrl-C: keep what was measured
+        run.interrupted = True
+        _unfinished(run, ErrorKind.CANCELLED, "interrupted (SIGTERM or Ctrl-C)")
+    finally:
+        run.end = run.end or time.perf_counter()
+        if runtime is not None:
+            run.workers = runtime.fleet.workers()
+            runtime.close(on_message=lambda name, msg: _late(run, msg))
+    return run
+
+
+def _late(run: DeploymentRun, msg) -> None:
+    """What workers send while stopping: their timelines, and results that were already on the way."""
+    if isinstance(msg, Timeline):
+        run.timelines.append(msg)
+    elif isinstance(msg, Result) and msg.request_id not in run.results:
+        run.results[msg.request_id] = msg
+
+
+def _generate(run: DeploymentRun, config, runtime: Runtime, progress: bool, hooks) -> None:
+    """Submit each request when it is due (and, under fixed concurrency, a slot is free); take each
+    result, and a multiturn conversation's next turn after it."""
+    from tqdm import tqdm
+
+    w = config.workload
+    due = list(run.requests)  # in arrival order
+    by_id = {r.request_id: r for r in run.requests}
+    results: queue.SimpleQueue = queue.SimpleQueue()  # filled on the runtime's thread
+    busy = 0  # submitted, not yet ended
+    bar = tqdm(total=len(due), desc=run.deployment.name, disable=not progress, unit="req")
+
+    def sink_of(rid: str):
+        def sink(kind, payload):  # on the runtime's thread
+            if kind == "routed":
+                run.tokens[rid] = [payload, 0]
+            elif kind == "progress":
+                run.tokens[rid][1] += len(payload[0])
+            else:
+                results.put(payload)
+
+        return sink
+
+    run.start = time.perf_counter()
+    give_up = time.monotonic() + config.run_timeout_s
+    try:
+        while len(run.results) < len(run.requests):
+            now = time.perf_counter()
+            while (
+                due
+                and run.start + due[0].arrival_s <= now
+                and (w.arrival != "concurrency" or busy < w.concurrency)
+            ):
+                req = due.pop(0)
+                run.sent[req.request_id] = time.perf_counter()
+                submit = Submit(
+                    req.request_id, list(req.prompt_ids), w.sampling.params(req.max_tokens), stream=True
+                )
+                runtime.submit(submit, sink_of(req.request_id))
+                busy += 1
+            wait_s = WAIT_MS / 1e3
+            if due and (w.arrival != "concurrency" or due[0].arrival_s > 0):
+                wait_s = max(0.0, min(wait_s, run.start + due[0].arrival_s - time.perf_counter()))
+            try:
+                result = results.get(timeout=wait_s)
+            except queue.Empty:
+                result = None
+            while result is not None:
+                busy -= 1
+                run.results[result.request_id] = result
+                bar.update()
+                if result.error is None:
+                    nxt = run.follow(by_id[result.request_id], result.output_ids, time.perf_counter())
+                    if nxt is not None:  # the conversation's next turn, after its think time
+                        by_id[nxt.request_id] = nxt
+                        bisect.insort(due, nxt, key=lambda r: r.arrival_s)
+                        bar.total += 1
+                try:
+                    result = results.get_nowait()
+                except queue.Empty:
+                    result = None
+            if hooks is not None:
+                hooks(run, runtime)
+            if time.monotonic() > give_up:
+                _unfinished(
+                    run, ErrorKind.DEADLINE, f"not finished within run_timeout_s={config.run_timeout_s}"
+                )
+                break
+    finally:
+        run.end = time.perf_counter()
+        bar.close()
+
+
+def _unfinished(run: DeploymentRun, kind: ErrorKind, error: str) -> None:
+    for rid in {r.request_id for r in run.requests} - set(run.results):
+        run.results[rid] = Result.failed(rid, kind, error)

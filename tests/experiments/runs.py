@@ -1,0 +1,39 @@
+"""What the main job's end-to-end tests share: the hydra config of a small tiny-random run."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+
+CONF = str(Path(__file__).resolve().parents[2] / "conf")
+TINY = [
+    "model=tiny-random",
+    "workload.num_requests=6",
+    "workload.arrival=concurrency",
+    "workload.concurrency=3",
+]
+TINY += ["workload.prompt_len.kind=uniform", "workload.prompt_len.low=2", "workload.prompt_len.high=40"]
+TINY += ["workload.output_len.value=8", "plots=false", "start_timeout_s=120", "run_timeout_s=180"]
+
+
+def _cfg(overrides):
+    with initialize_config_dir(config_dir=CONF, version_base=None):
+        return compose("config", overrides=overrides)
+
+
+def _outputs(record):
+    return {r["request_id"]: r["output_ids"] for r in record["requests"]}
+
+
+def _cli(args, cwd):
+    env = dict(os.environ, PYTHONPATH=str(Path(CONF).parent))
+    return subprocess.run(
+        [sys.executable, "-m", "experiments.run", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=env,
+        timeout=600,
+    )

@@ -1,0 +1,168 @@
+"""The main job's config and CLI: every wrong value refused before any process starts, naming the key."""
+
+import multiprocessing as mp
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from experiments.config import from_cfg
+from experiments.run import run
+from tests import needs
+from tests.experiments.runs import TINY, _cfg, _cli
+
+needs.nixl()
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("deployment.decode_tp=3", "decode_tp=3 does not fit tiny-random"),
+        ("+model.expert_parallel=true", "does not fit tiny-random: expert_parallel needs an MoE model"),
+        ("slo.ttft_s=0", "slo.ttft_s=0 is not allowed: must be a number > 0"),
+        ("workload.rate=-1", "workload.rate=-1 is not allowed: must be a number > 0"),
+        (
+            "workload.prompts_file=/nonexistent/prompts.txt",
+            "workload.prompts_file='/nonexistent/prompts.txt'",
+        ),
+        ("transfer.on_transfer_failure=retry", "on_transfer_failure must be one of ('fail', 'recompute')"),
+        (
+            "workload.arrival=burst",
+            "workload.arrival='burst' is not allowed: one of ('poisson', 'concurrency', 'trace')",
+        ),
+        (
+            "deployment.decode_preemption=drop",
+            "decode_preemption='drop' is not allowed: one of ('refetch', 'recompute_local')",
+        ),
+        ("deployment.decode_reserved_tokens=-1", "decode_reserved_tokens=-1 is not allowed: null or an"),
+        (
+            "deployment.chunk_size=big",
+            "deployment.chunk_size (or auto)='big' is not allowed: must be an integer",
+        ),
+        (
+            "deployment.chunk_size=0",
+            "deployment.chunk_size (or auto)=0 is not allowed: must be an integer > 0",
+        ),
+        ("deployment.gather_ms=-1", "gather_ms=-1 is not allowed: a number of milliseconds from 0 to 1000"),
+        (
+            "deployment.gather_ms=5000",
+            "gather_ms=5000 is not allowed: a number of milliseconds from 0 to 1000",
+        ),
+        (
+            "deployment.gather_ms=true",
+            "gather_ms=True is not allowed: a number of milliseconds from 0 to 1000",
+        ),
+        ("log_level=LOUD", "log_level='LOUD' is not allowed: one of ('DEBUG', 'INFO', 'WARNING', 'ERROR')"),
+        ("transfer.control_transport=udp", "control_transport must be one of ('ipc', 'tcp')"),
+        ("kernels.backend=cutlass", "kernels.backend='cutlass' is not allowed: one of ('auto', 'triton'"),
+        ("model.device=tpu", "model.device='tpu' is not allowed: one of ('auto', 'cpu', 'cuda')"),
+        ("workload.sampling.temperature=-1", "workload.sampling.temperature: temperature must be 0 (greedy)"),
+        ("+workload.sampling.tempreature=1", "workload.sampling has unknown key(s) ['tempreature']"),
+        (
+            "workload.sampling.structured_outputs={regex: 1}",
+            "workload.sampling.structured_outputs.regex: structured_outputs.regex must be a non-empty string",
+        ),
+    ]
+    + (
+        []
+        if torch.cuda.is_available()
+        else [("model.device=cuda", "model.device='cuda' is not allowed: this machine has no CUDA device")]
+    ),
+)
+def test_bad_configs_fail_before_any_process_starts(tmp_path, override, message):
+    with pytest.raises(ValueError) as err:
+        run(_cfg(["model=tiny-random", "deployment=1p1d", override]), tmp_path, progress=False)
+    assert message in str(err.value)
+    assert not mp.active_children()
+
+
+def test_a_deployment_that_an_experiment_would_ignore_is_refused(tmp_path):
+    out = _cli(["experiment=compare", "deployment=2p1d", f"hydra.run.dir={tmp_path}"], tmp_path)
+    assert out.returncode == 2 and "deployment is ignored here" in out.stderr, out.stderr[-2000:]
+    assert "['colocated', '1p1d']" in out.stderr
+
+
+def test_unknown_deployment_is_refused_by_the_cli(tmp_path):
+    out = _cli(["deployment=3p9d", f"hydra.run.dir={tmp_path}"], tmp_path)
+    assert out.returncode != 0
+    assert "deployment/3p9d" in out.stderr and "1p1d" in out.stderr  # hydra lists the options
+
+
+@pytest.mark.slow  # make test-all: 13 s of joblib workers starting before each refuses
+def test_a_parallel_sweep_whose_jobs_cannot_each_have_their_own_cores_is_refused(tmp_path):
+    n_jobs = len(os.sched_getaffinity(0)) + 1  # one core each: one job too many
+    rates = ",".join(str(r + 1) for r in range(n_jobs))
+    args = ["-m", *TINY, "experiment=rate_sweep", f"hydra.launcher.n_jobs={n_jobs}", "deployment=colocated"]
+    args += ["workload.arrival=poisson", f"workload.rate={rates}", f"hydra.sweep.dir={tmp_path}"]
+    out = _cli(args, tmp_path)
+    assert out.returncode != 0 and f"hydra.launcher.n_jobs={n_jobs} parallel jobs" in out.stderr, out.stderr
+    assert "would measure each other" in out.stderr
+
+
+def test_config_maps_to_dataclasses():
+    from pdkernels.cpu import native_bf16
+
+    config = from_cfg(_cfg(["experiment=compare"]))
+    assert [d.name for d in config.deployments] == ["colocated", "1p1d"]
+    assert config.workload.arrival == "poisson" and config.workload.num_requests == 14
+    assert config.transfer.backend == "nixl" and config.model.name == "smollm2-135m"
+    assert config.kernels.backend == "auto"
+    cpu = not torch.cuda.is_available()
+    assert config.model.device == ("cpu" if cpu else "cuda")  # auto, resolved once in the driver
+    bf16 = "bfloat16" if not cpu or native_bf16() else "float32"  # auto: by the CPU's ISA
+    assert config.model.dtype == bf16
+    one_at_a_time = from_cfg(_cfg(["experiment=compare_concurrency1"]))
+    assert one_at_a_time.workload.arrival == "concurrency" and one_at_a_time.workload.num_requests == 20
+    assert one_at_a_time.model.dtype == "bfloat16"
+    assert from_cfg(_cfg(["model=random-llama-1b"])).model.dtype == bf16
+    assert from_cfg(_cfg([])).model.dtype == bf16  # the default, smollm2-135m: fp32 where bf16 only converts
+    assert from_cfg(_cfg(["model=tiny-random-deepseek", "model.expert_parallel=true"])).model.expert_parallel
+
+
+def test_a_long_tmpdir_still_gives_sockets_the_kernel_takes(tmp_path, monkeypatch):
+    """A unix socket's path holds 107 bytes: under a TMPDIR so deep that a worker's socket would pass it,
+    the run's private directory goes to /tmp (still 0700) instead of failing with a ZMQ error at start."""
+    import shutil
+    import tempfile
+
+    from experiments.deploy.control import IPC_PATH_MAX, private_dir
+
+    deep = tmp_path / ("d" * 60) / ("e" * 40)
+    deep.mkdir(parents=True)
+    names = ["prefill-0", "decode-0"]
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    made = private_dir(names)
+    try:
+        assert Path(made).parent == Path("/tmp") and len(made) + len("/decode-0-prefill-0") <= IPC_PATH_MAX
+        assert os.stat(made).st_mode & 0o777 == 0o700 and list(deep.iterdir()) == []
+    finally:
+        os.rmdir(made)
+    short = tempfile.mkdtemp(prefix="pdkt-", dir="/tmp")
+    monkeypatch.setattr(tempfile, "tempdir", short)
+    try:
+        near = private_dir(names)
+        assert Path(near).parent == Path(short)  # a short TMPDIR is kept
+    finally:
+        shutil.rmtree(short)
+
+
+def test_the_prefill_budget_auto_is_picked_by_what_computes_the_step(monkeypatch):
+    """deployment.chunk_size=auto (the default): vLLM's CPU budget on AVX-512 BF16 or AMX CPUs running a
+    bf16 model, 1,024 on a CPU in fp32, each where it was measured better; 512 on a GPU or in bf16 on a
+    CPU without bf16 compute."""
+    from experiments.deploy.config import DeploymentConfig, prefill_budget
+    from pdkernels import cpu
+
+    assert DeploymentConfig(name="d").chunk_size == "auto"
+    for native, device, dtype, want in [
+        (True, "cpu", "bfloat16", 2048),
+        (True, "cpu", "float32", 1024),
+        (False, "cpu", "float32", 1024),
+        (True, "cuda", "bfloat16", 512),
+        (True, "cuda", "float32", 512),
+        (False, "cpu", "bfloat16", 512),
+    ]:
+        monkeypatch.setattr(cpu, "native_bf16", lambda native=native: native)
+        assert prefill_budget("auto", device, dtype) == want, (native, device, dtype)
+        assert prefill_budget(300, device, dtype) == 300  # a number is kept as it is
