@@ -11,7 +11,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from experiments.deploy.config import RuntimeConfig, as_dict, check_positive, of_dict, refuse, runtime_parts
+from experiments.deploy.config import (
+    RuntimeConfig,
+    as_dict,
+    check_positive,
+    of_dict,
+    refuse,
+    runtime_parts,
+)
 
 ARRIVALS = ("poisson", "concurrency", "trace")
 DATASETS = ("random", "sharegpt", "mooncake", "multiturn")
@@ -140,8 +147,27 @@ class WorkloadConfig:
 
 
 @dataclass(frozen=True)
+class EndpointConfig:
+    """A deployment of `kind: endpoint` in `deployments`: any running OpenAI-compatible server, measured
+    by URL with the same workload by the load client (experiments.load), beside the runtime's own."""
+
+    name: str
+    kind: str = "endpoint"
+    url: str | None = None  # the server's base URL (.../v1), ours or vLLM's or any
+    api_key: str | None = None  # its key, if it wants one
+    model: str | None = None  # the model id it serves (default: model.name)
+    processes: int = 0  # nothing of it runs here (a parallel sweep's share of the cores)
+    threads_per_worker: int = 1
+
+    def __post_init__(self):
+        if not isinstance(self.url, str) or not self.url.startswith(("http://", "https://")):
+            refuse(f"deployment.{self.name}.url", self.url, "an http:// or https:// base URL (.../v1)")
+
+
+@dataclass(frozen=True)
 class RunConfig(RuntimeConfig):
-    """An experiment: the runtime's config, the workload it runs and whether it plots."""
+    """An experiment: the runtime's config, the workload it runs and whether it plots. Its deployments
+    are the runtime's (DeploymentConfig) and endpoints (EndpointConfig), in the order they run."""
 
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     plots: bool = True
@@ -179,7 +205,18 @@ def from_cfg(cfg) -> RunConfig:
     """The composed hydra config (a DictConfig or a plain dict) -> a checked RunConfig."""
     cfg = as_dict(cfg)
     plots = {"plots": cfg["plots"]} if "plots" in cfg else {}
-    return RunConfig(**runtime_parts(cfg), workload=workload_of(cfg), **plots)
+    listed = list(cfg.get("deployments") or [cfg.get("deployment")])
+    endpoints = {
+        i: of_dict(EndpointConfig, "deployment", d)
+        for i, d in enumerate(listed)
+        if isinstance(d, dict) and d.get("kind") == "endpoint"
+    }
+    ours = [d for i, d in enumerate(listed) if i not in endpoints]
+    # the runtime's parts, checked (with endpoints only, a placeholder deployment stands in for the check)
+    parts = runtime_parts({**cfg, "deployments": ours or [{"name": "none"}], "deployment": None})
+    runtime = iter(parts["deployments"])
+    parts["deployments"] = tuple(endpoints.get(i) or next(runtime) for i in range(len(listed)))
+    return RunConfig(**parts, workload=workload_of(cfg), **plots)
 
 
 def workload_of(cfg: dict) -> WorkloadConfig:

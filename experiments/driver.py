@@ -52,16 +52,15 @@ def run_deployment(
         run.end = run.end or time.perf_counter()
         if runtime is not None:
             run.workers = runtime.fleet.workers()
-            runtime.close(on_message=lambda name, msg: _late(run, msg))
+            runtime.close(on_message=lambda name, msg: _timeline(run, msg))
     return run
 
 
-def _late(run: DeploymentRun, msg) -> None:
-    """What workers send while stopping: their timelines, and results that were already on the way."""
+def _timeline(run: DeploymentRun, msg) -> None:
+    """What workers send while stopping: each one's timeline (every request has ended by then: its
+    Result, or one _unfinished made)."""
     if isinstance(msg, Timeline):
         run.timelines.append(msg)
-    elif isinstance(msg, Result) and msg.request_id not in run.results:
-        run.results[msg.request_id] = msg
 
 
 def _generate(run: DeploymentRun, config, runtime: Runtime, progress: bool, hooks) -> None:

@@ -20,8 +20,7 @@ import asyncio
 import contextlib
 import time
 
-from experiments.config import RunConfig
-from experiments.deploy.config import DeploymentConfig
+from experiments.config import EndpointConfig, RunConfig
 from experiments.deploy.messages import ErrorKind, Result
 from experiments.record import DeploymentRun, Request
 from experiments.workload import Conversations
@@ -29,7 +28,7 @@ from experiments.workload import Conversations
 
 def run_endpoint(
     config: RunConfig,
-    d: DeploymentConfig,
+    d: EndpointConfig,
     requests: list[Request],
     progress: bool = True,
     turns: Conversations | None = None,
@@ -43,17 +42,12 @@ def run_endpoint(
     except KeyboardInterrupt:
         run.interrupted = True
     for r in run.requests:  # never sent (interrupted, timed out)
-        run.results.setdefault(r.request_id, _failed(r.request_id, "not finished", 0.0))
+        kind = ErrorKind.CANCELLED if run.interrupted else ErrorKind.DEADLINE
+        run.results.setdefault(r.request_id, Result.failed(r.request_id, kind, "not finished", d.name))
     return run
 
 
-def _failed(request_id: str, error: str, received: float) -> Result:
-    return Result(request_id, "endpoint", [], received, None, [], "error", error)
-
-
-async def _drive(
-    run: DeploymentRun, config: RunConfig, d: DeploymentConfig, progress: bool, tokenizer
-) -> None:
+async def _drive(run: DeploymentRun, config: RunConfig, d: EndpointConfig, progress: bool, tokenizer) -> None:
     import openai
     from tqdm import tqdm
 

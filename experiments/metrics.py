@@ -55,7 +55,7 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments.config import RunConfig
+from experiments.config import EndpointConfig, RunConfig
 from experiments.deploy.config import SloConfig
 from experiments.record import DeploymentRun
 
@@ -254,7 +254,7 @@ def run_record(run: DeploymentRun, config: RunConfig, rate: float | None) -> dic
         "deployment": d.name,
         **(
             {"endpoint": {"url": d.url, "model": d.model or config.model.name}}
-            if d.kind == "endpoint"
+            if isinstance(d, EndpointConfig)
             else {}
         ),
         "rate": rate,

@@ -18,7 +18,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.config import from_cfg, run_job
+from experiments.config import EndpointConfig, from_cfg, run_job
 from experiments.deploy.config import check_fits_model
 from experiments.deploy.launcher import start_fork_server
 
@@ -56,7 +56,7 @@ def run(cfg: DictConfig, out_dir: Path, progress: bool = True, hooks=None) -> li
                 turns, requests = None, make_requests(workload, tokenizer, vocab, max_position)
             run_config = replace(config, workload=workload)
             for d in config.deployments:
-                if d.kind == "endpoint":  # a running server, by URL: the load client measures it
+                if isinstance(d, EndpointConfig):  # a running server, by URL: the load client measures it
                     result = run_endpoint(run_config, d, requests, progress, turns, tokenizer)
                 else:
                     log_dir = out_dir / "logs" / d.name

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from transfer.config import TransferConfig
 
-DEPLOYMENT_KINDS = ("colocated", "disaggregated", "endpoint")
+DEPLOYMENT_KINDS = ("colocated", "disaggregated")
 DECODE_PREEMPTIONS = ("refetch", "recompute_local")
 ON_WORKER_DEATH = ("migrate", "fail")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -104,7 +104,7 @@ class KernelsConfig:
 @dataclass(frozen=True)
 class DeploymentConfig:
     name: str
-    kind: str = "colocated"  # colocated | disaggregated | endpoint (an OpenAI-compatible server's URL)
+    kind: str = "colocated"  # colocated | disaggregated (the main job also measures URLs: EndpointConfig)
     num_workers: int = 1  # colocated engines
     num_prefill: int = 0
     num_decode: int = 0
@@ -122,9 +122,6 @@ class DeploymentConfig:
     # a worker that was idle keeps reading requests for this many ms before its first step, so that a burst
     # reaching it spread out (over HTTP) shares that step; a lone request's TTFT pays it. 0: step at once
     gather_ms: float = 0.0
-    url: str | None = None  # endpoint: the server's base URL (.../v1), ours or vLLM's or any
-    api_key: str | None = None  # endpoint: its key, if it wants one
-    model: str | None = None  # endpoint: the model id it serves (default: model.name)
     # speculative decoding on the decode / colocated workers, vLLM's names:
     # {method: ngram, num_speculative_tokens: k, prompt_lookup_min: a, prompt_lookup_max: b}
     speculative: dict | None = None
@@ -168,10 +165,6 @@ class DeploymentConfig:
                 SpeculativeConfig.of(dict(self.speculative))
             except (ValueError, TypeError) as e:
                 raise ValueError(f"deployment.{self.name}.speculative: {e}") from e
-        if self.kind == "endpoint":
-            if not isinstance(self.url, str) or not self.url.startswith(("http://", "https://")):
-                refuse(f"deployment.{self.name}.url", self.url, "an http:// or https:// base URL (.../v1)")
-            return
         counts = ("num_workers",) if self.kind == "colocated" else ("num_prefill", "num_decode")
         for key in counts + ("tp", "prefill_tp", "decode_tp", "threads_per_worker"):
             check_positive(f"deployment.{key}", getattr(self, key), integer=True)
@@ -219,8 +212,6 @@ class DeploymentConfig:
     @property
     def processes(self) -> int:
         """Worker processes including TP ranks (what the cores are shared by)."""
-        if self.kind == "endpoint":
-            return 0  # nothing runs here
         if self.kind == "colocated":
             return self.num_workers * self.tp
         return self.num_prefill * self.prefill_tp + self.num_decode * self.decode_tp
@@ -391,8 +382,8 @@ def check_fits_model(config: RuntimeConfig):
     except (ValueError, FileNotFoundError) as e:
         raise ValueError(f"model.name={config.model.name!r}: {e}") from e
     for d in config.deployments:
-        if d.kind == "endpoint":
-            continue  # its server checks its own
+        if not isinstance(d, DeploymentConfig):
+            continue  # an endpoint (experiments.config.EndpointConfig): its server checks its own
         keys = ("tp",) if d.kind == "colocated" else ("prefill_tp", "decode_tp")
         for key in keys:
             try:

@@ -39,8 +39,8 @@ def test_greedy_outputs_are_identical_colocated_1p1d_and_tp_1_to_2(tmp_path):
 
 
 def test_a_sampled_structured_workload_runs_through_the_main_job(tmp_path):
-    """workload.sampling: every request samples (temperature, seed) within a regex, colocated and 1P1D: each
-    text keeps to it and the run is repeatable (the same seed, the same texts)."""
+    """workload.sampling: every request samples (temperature, top_p, seed) within a regex, colocated and
+    1P1D: each text keeps to it and ends at the grammar's end."""
     sampling = (
         "workload.sampling={temperature: 1.0, top_p: 0.9, seed: 7, structured_outputs: {regex: '(yes|no)!'}}"
     )
@@ -54,12 +54,6 @@ def test_a_sampled_structured_workload_runs_through_the_main_job(tmp_path):
         texts = [r["text"] for r in rec["requests"]]
         assert all(t in ("yes!", "no!") for t in texts), texts
         assert all(r["finish_reason"] == "stop" for r in rec["requests"])  # the grammar's end, before 8
-    again = run(_cfg([*TINY, sampling, deployments]), tmp_path / "again", progress=False)
-    assert [_texts(r) for r in again] == [_texts(r) for r in records]
-
-
-def _texts(record):
-    return {r["request_id"]: r["text"] for r in record["requests"]}
 
 
 def test_control_plane_over_tcp_with_curve(tmp_path):

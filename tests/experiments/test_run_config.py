@@ -120,6 +120,25 @@ def test_config_maps_to_dataclasses():
     assert from_cfg(_cfg(["model=tiny-random-deepseek", "model.expert_parallel=true"])).model.expert_parallel
 
 
+def test_an_endpoint_is_the_experiment_s_config_not_the_runtime_s():
+    """`kind: endpoint` (a URL the load client measures) is experiments.config.EndpointConfig, kept in its
+    place among the deployments; the runtime's own config (the server's) has no such kind."""
+    from experiments.config import EndpointConfig
+    from experiments.deploy.config import DeploymentConfig, runtime_of
+
+    url = "http://127.0.0.1:9/v1"
+    listed = f"deployments=[{{name: a, kind: endpoint, url: '{url}'}}, {{name: b, kind: colocated}}]"
+    config = from_cfg(_cfg([listed]))
+    assert [type(d) for d in config.deployments] == [EndpointConfig, DeploymentConfig]
+    assert config.deployments[0].url == url and config.deployments[0].processes == 0
+    only = from_cfg(_cfg([f"deployments=[{{name: a, kind: endpoint, url: '{url}'}}]"]))
+    assert [d.name for d in only.deployments] == ["a"]
+    with pytest.raises(ValueError, match="deployment.a.url=.* is not allowed: an http:// or https://"):
+        from_cfg(_cfg(["deployments=[{name: a, kind: endpoint, url: 'ftp://x'}]"]))
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['url'\]"):
+        runtime_of(_cfg([listed]))
+
+
 def test_a_long_tmpdir_still_gives_sockets_the_kernel_takes(tmp_path, monkeypatch):
     """A unix socket's path holds 107 bytes: under a TMPDIR so deep that a worker's socket would pass it,
     the run's private directory goes to /tmp (still 0700) instead of failing with a ZMQ error at start."""

@@ -9,6 +9,7 @@ import pytest
 import zmq
 
 from engine import SamplingParams
+from experiments.deploy.config import DeploymentConfig, SloConfig
 from experiments.deploy.messages import (
     Cancel,
     ErrorKind,
@@ -18,6 +19,7 @@ from experiments.deploy.messages import (
     Ready,
     Result,
     Submit,
+    Switched,
 )
 from experiments.deploy.runtime import MAX_PREFILL_RETRIES, Runtime
 
@@ -52,6 +54,7 @@ class FakeFleet:
         self._push.connect(f"tcp://127.0.0.1:{port}")
         self.roles, self.procs = dict(roles), {n: FakeProc() for n in roles}
         self.dead, self.restarting = set(), set()
+        self.switching: dict[str, str] = {}  # an elastic move under way: worker -> its new role
         self.sent: queue.SimpleQueue = queue.SimpleQueue()  # (worker, message) the runtime sent
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.stopped = False
@@ -100,6 +103,18 @@ class FakeFleet:
         self.dead.discard(name)
         self.restarting.discard(name)
         self.deliver(name, Ready(name))
+
+    def switch(self, name, role):
+        """What Fleet.switch checks and records (the worker is told; here nothing runs)."""
+        if self.switching or self.roles.get(name) == role:
+            raise ValueError(f"{name} cannot move to {role}")
+        self.switching[name] = role
+
+    def switched(self, name, msg):
+        """A worker's Switched, as Fleet.receive takes it (its role changes) and passes it on."""
+        del self.switching[name]
+        self.roles[name] = msg.role
+        self.deliver(name, msg)
 
     def workers(self):
         return [{"name": n, "role": r} for n, r in self.roles.items()]
@@ -333,3 +348,31 @@ def test_an_exception_in_one_request_s_routing_fails_it_alone(runtime_of, monkey
     worker, _ = fleet.next_sent()
     fleet.deliver(worker, _done("good", worker, [1, 2]))
     assert good.result().error is None
+
+
+def test_an_asked_move_hands_the_worker_s_requests_on_and_its_switch_is_recorded(runtime_of):
+    d = DeploymentConfig("e", "disaggregated", num_prefill=1, num_decode=2, planner={"manual": True})
+    fleet, runtime = runtime_of(deployment=d, slo=SloConfig())
+    sink = Sink()
+    runtime.submit(_submit(), sink)
+    first, _ = fleet.next_sent()
+    runtime.move(first, "prefill")
+    _until(lambda: fleet.switching == {first: "prefill"})
+    fleet.deliver(first, HandedBack(first, ["r1"]))  # it leaves decoding: its request goes on elsewhere
+    second, resumed = fleet.next_sent()
+    assert second != first and resumed.request_id == "r1"
+    fleet.switched(first, Switched(first, "prefill", 0.25, 0.1))
+    _until(lambda: runtime.moves and "seconds" in runtime.moves[0])
+    move = runtime.moves[0]
+    assert (move["worker"], move["from"], move["to"], move["why"]) == (first, "decode", "prefill", "asked")
+    assert (move["seconds"], move["settle_s"]) == (0.25, 0.1)
+    assert any(what.startswith(f"{first} serves prefill") for _, what in runtime.events)
+    runtime.submit(_submit("later"), Sink())
+    assert fleet.next_sent()[0] == second  # the only decode worker left
+    assert runtime.router.prefill_workers.count(first) == 1  # and prompts may go to it now
+
+
+def test_moving_a_worker_needs_an_elastic_deployment(runtime_of):
+    _, runtime = runtime_of()
+    with pytest.raises(ValueError, match="elastic deployment"):
+        runtime.move("decode-0", "prefill")
