@@ -10,7 +10,7 @@ from engine import LLM, SamplingParams
 from engine.disagg import decode_messenger, prefill_messenger
 from tests.kept import keep_outputs
 from tests.pdkernels.test_gpu import _report
-from tests.transfer.test_messenger import _run
+from tests.transfer.messengers import _run
 from transfer.backends import make_backend
 from transfer.config import TransferConfig
 from transfer.protocol import local_channel, wait_hello

@@ -21,7 +21,7 @@ from engine import LLM, SamplingParams
 from engine.disagg import DecodeSide, PrefillSide, decode_messenger, prefill_messenger, shard_spec
 from engine.kv_cache import OutOfPages
 from tests.kept import keep_outputs
-from tests.transfer.test_messenger import _full_heads
+from tests.transfer.messengers import _full_heads
 from transfer.backends.local import LocalBackend
 from transfer.config import TransferConfig
 from transfer.protocol import (

@@ -12,7 +12,7 @@ import torch
 from engine import LLM
 from engine.disagg import DecodeSide, PrefillSide, decode_messenger, prefill_messenger, shard_spec
 from tests.kept import finished, keep_outputs
-from tests.transfer.test_messenger import GREEDY, _full_heads, _prompts
+from tests.transfer.messengers import GREEDY, _full_heads, _prompts
 from transfer.backends import make_backend
 from transfer.config import TransferConfig
 from transfer.plan import plan_array

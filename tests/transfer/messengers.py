@@ -1,0 +1,69 @@
+"""The messenger tests' two engines and both messenger halves in one process (local backend)."""
+
+import random
+import time
+
+import torch
+
+from engine import SamplingParams
+from engine.disagg import DecodeSide, PrefillSide, decode_messenger, prefill_messenger
+from tests.kept import finished, keep_outputs
+from transfer.backends import make_backend
+from transfer.config import TransferConfig
+from transfer.protocol import local_channel, wait_hello
+
+GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
+
+
+PAGES = 128
+
+
+def _local_pair(prefill, decode, tag, source=PrefillSide, sink=DecodeSide, **config):
+    """Both messenger halves in this process: local backend, in-process control queues."""
+    config = TransferConfig(backend="local", **config)
+    keep_outputs(prefill), keep_outputs(decode)
+    decode_end, prefill_end = local_channel()
+    pm = prefill_messenger(prefill, make_backend("local", f"p-{tag}"), config, side=source)
+    pm.add_peer(prefill_end)
+    dm = decode_messenger(decode, make_backend("local", f"d-{tag}"), config, side=sink)
+    dm.add_peer("prefill-0", decode_end, wait_hello(decode_end, timeout_s=1))
+    return pm, dm
+
+
+def _close(pm, dm):
+    pm.close()
+    pm.backend.close()
+    dm.backend.close()
+
+
+def _run(prefill, decode, pm, dm, ids, prefill_polls=True, timeout_s=60.0, tick=None):
+    """Drive both sides until ids finished; tick (a worker's own chores) runs first each turn and says
+    whether it has nothing left to do. Bounded in time, not turns: a turn that only polls takes
+    microseconds, and a count of them ran out before a control message arrived under a loaded suite."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        idle = tick() if tick is not None else True
+        if prefill_polls:
+            pm.poll()
+            if prefill.has_unfinished():
+                prefill.step()
+        dm.poll()
+        if decode.has_unfinished():
+            decode.step()
+        if idle and all(finished(decode, i) for i in ids) and not dm.pending and not pm.transfers:
+            return
+    raise AssertionError("requests did not finish")
+
+
+def _prompts(n, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 49000) for _ in range(rng.choice([1, 2, 9, 17, 33]))] for _ in range(n)]
+
+
+def _full_heads(caches, spec, pages):
+    """[layers, pages, 2, all kv heads, P, D] assembled from each head's first holder rank."""
+    parts = []
+    for head in range(spec.num_kv_heads):
+        rank = spec.holders(head)[0]
+        parts.append(caches[rank][:, pages, :, head - spec.first_head(rank)])
+    return torch.stack(parts, dim=3)
