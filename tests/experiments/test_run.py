@@ -2,6 +2,7 @@
 
 import json
 import multiprocessing as mp
+import os
 from pathlib import Path
 
 import pytest
@@ -89,6 +90,8 @@ def test_conditional_disaggregation_prefills_short_prompts_on_the_decode_worker(
 )
 def test_a_sweep_over_two_rates_gives_two_run_folders_and_a_goodput(tmp_path, launcher):
     args = ["-m", *TINY, *launcher, "deployment=colocated", "deployment.num_workers=1"]  # a core per job
+    if launcher:  # side by side where each job has a core of its own (one core: one job at a time)
+        args.append(f"hydra.launcher.n_jobs={min(2, len(os.sched_getaffinity(0)))}")
     args += ["workload.arrival=poisson", "workload.rate=2,4"]
     args += ["slo.ttft_s=5", "slo.tpot_s=1", f"hydra.sweep.dir={tmp_path}"]
     out = _cli(args, tmp_path)
