@@ -103,9 +103,12 @@ def _generate(run: DeploymentRun, config, runtime: Runtime, progress: bool, hook
                 )
                 runtime.submit(submit, sink_of(req.request_id))
                 busy += 1
+            # a result frees a slot or ends the run; the next arrival may come sooner (if it is due and
+            # waits for a slot, only a result can let it go)
             wait_s = WAIT_MS / 1e3
-            if due and (w.arrival != "concurrency" or due[0].arrival_s > 0):
-                wait_s = max(0.0, min(wait_s, run.start + due[0].arrival_s - time.perf_counter()))
+            until = run.start + due[0].arrival_s - time.perf_counter() if due else 0.0
+            if until > 0:
+                wait_s = min(wait_s, until)
             try:
                 result = results.get(timeout=wait_s)
             except queue.Empty:
