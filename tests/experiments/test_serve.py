@@ -16,7 +16,6 @@ from tests.engine.test_structured import SCHEMAS
 from tests.experiments.serving import (
     KEY,
     PROMPTS,
-    ROOT,
     _async_client,
     _client,
     _long_stream,
@@ -466,42 +465,6 @@ def test_metrics_parse_and_count(server):
     rate, length = m[("pdk_spec_acceptance_rate", ())], m[("pdk_spec_mean_accepted_length", ())]
     assert rate == (accepted / drafted if drafted else 0.0)
     assert length == ((accepted + steps) / steps if steps else 0.0)
-
-
-def test_the_load_client_measures_a_server_by_url_beside_an_in_process_run(server, tmp_path):
-    """experiment-style: the same workload through our server's URL (kind: endpoint) and in-process;
-    the endpoint's row has every request, its token counts, and vLLM's bench fields beside results.json."""
-    from hydra import compose, initialize_config_dir
-
-    from experiments.run import run
-
-    kind, url = server
-    if kind != "colocated":
-        pytest.skip("one server is enough")
-    endpoint = f'{{name: http, kind: endpoint, url: "{url}/v1", api_key: {KEY}}}'
-    overrides = ["model=tiny-random", "workload.num_requests=8", "workload.arrival=concurrency"]
-    overrides += ["workload.concurrency=4", "workload.output_len.value=6", "workload.prompt_len.value=20"]
-    overrides += [
-        "plots=false",
-        f"deployments=[{{name: inproc, kind: colocated, num_workers: 1}},{endpoint}]",
-    ]
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        cfg = compose("config", overrides=overrides)
-    records = run(cfg, tmp_path, progress=False)
-    by_name = {r["deployment"]: r for r in records}
-    http = by_name["http"]
-    assert http["summary"]["completed"] == 8 and http["endpoint"]["url"] == f"{url}/v1"
-    assert all(r["output_tokens"] == 6 and r["ttft_s"] > 0 and r["tpot_s"] > 0 for r in http["requests"])
-    assert all(len(r["itl_s"]) == 5 for r in http["requests"])  # one chunk per token
-    # one workload, the main job's runtime in process and the server's over HTTP: the same greedy texts
-    texts = {name: {r["request_id"]: r["text"] for r in rec["requests"]} for name, rec in by_name.items()}
-    assert texts["http"] == texts["inproc"] and all(texts["http"].values()), texts
-    bench = json.loads((tmp_path / "bench-http.json").read_text())
-    assert bench["completed"] == 8 and bench["total_output_tokens"] == 48 and bench["max_concurrency"] == 4
-    assert bench["median_ttft_ms"] > 0 and bench["p99_itl_ms"] > 0 and bench["model_id"] == "tiny-random"
-    assert json.loads((tmp_path / "bench-inproc.json").read_text())["completed"] == 8
-    env = json.loads((tmp_path / "results.json").read_text())["environment"]
-    assert env["versions"]["torch"] and env["cpu"] and len(env["git_commit"] or "x" * 40) == 40
 
 
 def test_a_repeated_prompt_is_served_from_the_prefix_cache(server, reference):
