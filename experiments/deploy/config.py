@@ -82,7 +82,7 @@ class ModelSpec:
                 "this machine has no CUDA device (torch.cuda.is_available() is False): use cpu or auto",
             )
         device = self.device if self.device != "auto" else ("cuda" if cuda else "cpu")
-        object.__setattr__(self, "device", device)  # resolved once, in the driver: workers get the same
+        object.__setattr__(self, "device", device)  # resolved once, in the main process: workers get the same
         if self.dtype == "auto":
             from pdkernels.cpu import native_bf16
 
@@ -281,8 +281,8 @@ class LauncherConfig:
 
 @dataclass(frozen=True)
 class RuntimeConfig:
-    """What the deployment runtime needs to start and serve deployments (the driver, the HTTP server):
-    experiments.config.RunConfig adds the workload and what the experiment reports."""
+    """What the deployment runtime needs to start and serve deployments, for the main job and the HTTP
+    server alike: experiments.config.RunConfig adds the workload and what the experiment reports."""
 
     model: ModelSpec
     deployments: tuple[DeploymentConfig, ...]
@@ -372,7 +372,7 @@ def slo_of(cfg: dict) -> SloConfig:
 
 
 def check_fits_model(config: RuntimeConfig):
-    """Read the model's config and tokenizer (what the driver tokenizes with; not its weights, which only
+    """Read the model's config and tokenizer (what the runtime tokenizes with; not its weights, which only
     workers load) and check every TP degree against it, through the engine's own EngineConfig checks."""
     from engine.config import EngineConfig
     from engine.weights import load_model

@@ -1,7 +1,7 @@
 """A deployment's worker processes, held for the main job's driver and the HTTP server's runtime.
 
 `start_fleet` starts every worker through its launcher (local processes or Ray actors; each starts its
-own TP ranks) and waits until each is Ready; a `Fleet` then holds the driver's socket to them. It makes
+own TP ranks) and waits until each is Ready; a `Fleet` then holds the runtime's socket to them. It makes
 the deployment's keyring (transfer.auth) and binds one ROUTER socket that accepts only its workers' keys;
 a message counts only when its ZMQ identity is the worker its key belongs to. Control sockets live in a
 private directory (`ipc://`, the default) or bind to `transfer.control_host` (`tcp://`), always behind
@@ -113,7 +113,7 @@ def worker_specs(
 
 @dataclass
 class Fleet:
-    """A deployment's workers, started (by its launcher), connected and Ready, and the driver's socket
+    """A deployment's workers, started (by its launcher), connected and Ready, and the runtime's socket
     to them. It also notices workers that die, has the launcher restart them where it can, and brings
     a restarted one back (Connect again, then its Ready)."""
 

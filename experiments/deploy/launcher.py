@@ -1,5 +1,5 @@
 """Launchers start a deployment's workers and say whether each is still alive; everything above them
-(the driver's routing, the control plane, KV over NIXL) is the same for both.
+(the runtime's routing, the control plane, KV over NIXL) is the same for both.
 
 - `local`: one process per worker on this host (each starts its own TP ranks), forked from
   multiprocessing's fork server, a fresh interpreter that imported torch and read the built-in models'
@@ -11,7 +11,7 @@
   ranks, which it starts as its own processes, on one node), placed by role: on a node with the role's
   custom resource (`ray.role_resources`), or on the node `ray.node_ids` names. The driver and the workers
   still talk over our control plane (tcp://, CURVE); each worker binds on its node's address. Ray is told
-  to restart a dead prefill or colocated worker `ray.max_restarts` times; the driver then runs it again
+  to restart a dead prefill or colocated worker `ray.max_restarts` times; the runtime then runs it again
   and it re-handshakes (a decode worker is not restarted: its prefill peers hold its old addresses).
 
 A worker handle answers like multiprocessing.Process: is_alive(), exitcode, pid, join(), kill().
@@ -134,7 +134,7 @@ class LocalLauncher:
         self._control_host, self.max_restarts = control_host, max_restarts
 
     def control_host(self) -> str:
-        """Where the driver binds its tcp:// control socket (transfer.control_host)."""
+        """Where the runtime binds its tcp:// control socket (transfer.control_host)."""
         return self._control_host
 
     def start(self, specs: list[WorkerSpec]) -> dict[str, LocalWorker]:

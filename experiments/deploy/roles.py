@@ -1,7 +1,7 @@
 """An elastic worker's role switches, as methods of experiments.deploy.worker.Worker (a mixin: Worker is
 its only user; self is the Worker).
 
-The driver's SwitchRole starts a switch: a decode worker hands its requests back (HandedBack: the driver
+The runtime's SwitchRole starts a switch: a decode worker hands its requests back (HandedBack: the runtime
 resumes them on others), one whose KV is still landing once that transfer has settled; a prefill worker
 is told only when every decode worker has Released it (after PeerLeaving, nothing of theirs is in flight
 there). Once nothing of the worker's is anywhere, the old role's messenger goes, the engine takes the new
@@ -59,7 +59,7 @@ class RoleSwitching:
             self._send(HandedBack(self.spec.name, settled))
 
     def _begin_switch(self, msg: SwitchRole) -> None:
-        """Leave this role: a decode worker hands every request back now (the driver resumes them on
+        """Leave this role: a decode worker hands every request back now (the runtime resumes them on
         others) and switches once what is in flight has settled; a prefill worker, told only when no
         decode worker sends it more, switches once its prefills are sent."""
         if msg.role == self.role or self.spec.role == "colocated":
@@ -75,7 +75,7 @@ class RoleSwitching:
             self._send(HandedBack(self.spec.name, [rid for rid in handed if rid not in self.handing]))
 
     def _hand_back(self, request_id: str) -> None:
-        """End a request here without a Result (the driver resumes it elsewhere); its pages free here
+        """End a request here without a Result (the runtime resumes it elsewhere); its pages free here
         once no transfer can touch them."""
         self.live.pop(request_id)
         for kept in (self.streamed, self.holdback):

@@ -7,7 +7,7 @@ runtime the main job runs (experiments.deploy.runtime.start_runtime) and serves:
 
 - POST /v1/completions, POST /v1/chat/completions: streamed (server-sent events) or not; max_tokens
   (max_completion_tokens for chat), temperature, top_p, seed, stop and vLLM's top_k and ignore_eos.
-  Tokens flow from the decode (or colocated) worker through the driver as they are sampled. A client
+  Tokens flow from the decode (or colocated) worker through the runtime as they are sampled. A client
   that goes away mid-stream cancels its request, which frees its pages on both sides.
 - GET /v1/models, GET /health (200 only while every worker is up and admission takes requests),
   GET /metrics (Prometheus text).

@@ -1,14 +1,14 @@
 """One serving worker process (colocated, prefill or decode), started by experiments.deploy.fleet and
 driven by the main job's driver or the HTTP server's runtime.
 
-Each worker talks to the driver over a pyzmq DEALER socket (its name as identity, its CURVE key as
+Each worker talks to the runtime over a pyzmq DEALER socket (its name as identity, its CURVE key as
 proof: transfer.auth), in the typed messages of experiments.deploy.messages. It says Listening once its engine
 is up (a decode worker with the control addresses it bound, one authenticated PAIR socket per prefill
 worker), then Ready once every messenger peer is connected (a prefill worker connects to the addresses
-the driver forwards in Connect and announces itself with a Hello). It takes Submit, Cancel and
+the runtime forwards in Connect and announces itself with a Hello). It takes Submit, Cancel and
 PeerDead, sends Progress after each step for requests submitted with stream=True, answers each request
 with a Result (a bad or cancelled request too), and sends its per-step timeline on Stop. A worker exits
-when told to, or when its parent (the driver) is gone.
+when told to, or when its parent (the runtime's process) is gone.
 """
 
 from __future__ import annotations
@@ -169,7 +169,7 @@ class Worker(RoleSwitching):
             self._connect_messenger(spec.wait_for)
 
     def _connect_messenger(self, wait_for) -> None:
-        """This role's messenger: a prefill worker connects to the decode workers' addresses (the driver's
+        """This role's messenger: a prefill worker connects to the decode workers' addresses (the runtime's
         Connect); a decode worker binds one control socket per peer and waits for the Hello of each in
         wait_for (None: all); the others join when they say Hello (an elastic worker turning prefill)."""
         from engine.disagg import decode_messenger, prefill_messenger
@@ -211,7 +211,7 @@ class Worker(RoleSwitching):
             log.info("%s: prefill worker %s connected", spec.name, peer)
 
     def _await_connect(self) -> dict[str, str]:
-        """The decode workers' addresses, from the driver's Connect."""
+        """The decode workers' addresses, from the runtime's Connect."""
         import zmq
 
         give_up = time.monotonic() + HELLO_TIMEOUT_S
@@ -220,13 +220,13 @@ class Worker(RoleSwitching):
                 msg = self._recv()
                 if isinstance(msg, Connect):
                     return msg.addresses
-        raise TimeoutError(f"{self.spec.name}: no Connect from the driver within {HELLO_TIMEOUT_S} s")
+        raise TimeoutError(f"{self.spec.name}: no Connect from the runtime within {HELLO_TIMEOUT_S} s")
 
     def _send(self, msg) -> None:
         self.sock.send(self.codec.encode(msg))
 
     def _drain(self) -> bool:
-        """Handle every message waiting; True when one was the driver's Stop (its timeline sent back)."""
+        """Handle every message waiting; True when one was the runtime's Stop (its timeline sent back)."""
         import zmq
 
         while self.sock.poll(0, zmq.POLLIN):
@@ -246,7 +246,7 @@ class Worker(RoleSwitching):
         return False
 
     def _recv(self):
-        """The next message from the driver, or None for one that does not decode (dropped, logged)."""
+        """The next message from the runtime, or None for one that does not decode (dropped, logged)."""
         try:
             return self.codec.decode(self.sock.recv())
         except WireError as e:
@@ -350,7 +350,7 @@ class Worker(RoleSwitching):
             self.front.returning[msg.name] = time.monotonic() + msg.back_within_s  # 0: not coming back
         elif isinstance(msg, Cancel):
             self._cancel(msg.request_id)
-        elif isinstance(msg, Submit) and self.switch is not None:  # sent before the driver knew: back
+        elif isinstance(msg, Submit) and self.switch is not None:  # sent before the runtime knew: back
             self._send(HandedBack(self.spec.name, [msg.request_id]))
         elif isinstance(msg, Submit):
             received = time.perf_counter()
@@ -482,7 +482,7 @@ class Worker(RoleSwitching):
 
 def _wire_logprobs(out, start: int) -> list:
     """The logprobs of out's tokens from `start` on, as Result and Progress carry them (a request that
-    resumed after tokens made elsewhere has none for those: the driver keeps them)."""
+    resumed after tokens made elsewhere has none for those: the runtime keeps them)."""
     if out.logprobs is None:
         return []
     offset = len(out.token_ids) - len(out.logprobs)
