@@ -14,7 +14,7 @@ import queue
 import time
 from pathlib import Path
 
-from experiments.deploy.messages import ErrorKind, Result, Submit, Timeline
+from experiments.deploy.messages import ErrorKind, Submit, Timeline
 from experiments.deploy.runtime import WAIT_MS, Runtime, start_runtime
 from experiments.record import DeploymentRun, Request, Turns
 
@@ -47,7 +47,7 @@ def run_deployment(
         _generate(run, config, runtime, progress, hooks)
     except KeyboardInterrupt:  # SIGTERM (experiments.run raises it) or Ctrl-C: keep what was measured
         run.interrupted = True
-        _unfinished(run, ErrorKind.CANCELLED, "interrupted (SIGTERM or Ctrl-C)")
+        run.end_unfinished(ErrorKind.CANCELLED, "interrupted (SIGTERM or Ctrl-C)")
     finally:
         run.end = run.end or time.perf_counter()
         if runtime is not None:
@@ -58,7 +58,7 @@ def run_deployment(
 
 def _timeline(run: DeploymentRun, msg) -> None:
     """What workers send while stopping: each one's timeline (every request has ended by then: its
-    Result, or one _unfinished made)."""
+    Result, or the failed one DeploymentRun.end_unfinished made)."""
     if isinstance(msg, Timeline):
         run.timelines.append(msg)
 
@@ -130,15 +130,10 @@ def _generate(run: DeploymentRun, config, runtime: Runtime, progress: bool, hook
             if hooks is not None:
                 hooks(run, runtime)
             if time.monotonic() > give_up:
-                _unfinished(
-                    run, ErrorKind.DEADLINE, f"not finished within run_timeout_s={config.run_timeout_s}"
+                run.end_unfinished(
+                    ErrorKind.DEADLINE, f"not finished within run_timeout_s={config.run_timeout_s}"
                 )
                 break
     finally:
         run.end = time.perf_counter()
         bar.close()
-
-
-def _unfinished(run: DeploymentRun, kind: ErrorKind, error: str) -> None:
-    for rid in {r.request_id for r in run.requests} - set(run.results):
-        run.results[rid] = Result.failed(rid, kind, error)

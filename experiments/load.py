@@ -41,9 +41,8 @@ def run_endpoint(
         asyncio.run(_drive(run, config, d, progress, tokenizer))
     except KeyboardInterrupt:
         run.interrupted = True
-    for r in run.requests:  # never sent (interrupted, timed out)
-        kind = ErrorKind.CANCELLED if run.interrupted else ErrorKind.DEADLINE
-        run.results.setdefault(r.request_id, Result.failed(r.request_id, kind, "not finished", d.name))
+    kind = ErrorKind.CANCELLED if run.interrupted else ErrorKind.DEADLINE  # never sent, or timed out
+    run.end_unfinished(kind, "not finished", d.name)
     return run
 
 

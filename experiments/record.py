@@ -53,6 +53,13 @@ class DeploymentRun:
     tokens: dict[str, list] = field(default_factory=dict)
     turns: Turns | None = None  # a multiturn workload: where each reply's next turn comes from
 
+    def end_unfinished(self, kind, error: str, worker: str = "") -> None:
+        """Every request without a Result (never sent, or cut off) ends as failed: kind (an ErrorKind)
+        and error say why."""
+        for r in self.requests:
+            if r.request_id not in self.results:
+                self.results[r.request_id] = Result.failed(r.request_id, kind, error, worker)
+
     def follow(self, request: Request, reply_ids: list[int], now: float) -> Request | None:
         """A multiturn workload's next turn after request's reply (ended at perf_counter now), added to
         requests; None when there is none (another workload, or the conversation is over)."""

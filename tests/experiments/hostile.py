@@ -89,12 +89,20 @@ def _error(status_body) -> dict:
     return json.loads(body)["error"]
 
 
+def _until_gauge(url: str, key: tuple, at_least: float, within_s: float, never: str) -> None:
+    """Wait until the server's /metrics sample key (name, labels) reaches at_least: the state a test acts
+    in (never: the failure's message, past within_s)."""
+    give_up = time.monotonic() + within_s
+    while _metrics(url).get(key, 0) < at_least:
+        assert time.monotonic() < give_up, never
+        time.sleep(0.05)
+
+
 def _until_in_flight(url: str, n: int, within_s: float = 60) -> None:
     """Wait until the server answers at least n requests (its gauge), which the test acts beside."""
-    give_up = time.monotonic() + within_s
-    while _metrics(url).get(("pdk_requests_in_flight", ()), 0) < n:
-        assert time.monotonic() < give_up, f"{n} requests never were in flight together"
-        time.sleep(0.05)
+    _until_gauge(
+        url, ("pdk_requests_in_flight", ()), n, within_s, f"{n} requests never were in flight together"
+    )
 
 
 def _still_serving(url: str) -> None:

@@ -25,6 +25,7 @@ from tests.experiments.hostile import (
     _raw,
     _start,
     _still_serving,
+    _until_gauge,
 )
 from tests.experiments.serving import _long_stream, _metrics
 
@@ -143,10 +144,9 @@ def test_a_decode_worker_killed_mid_stream_loses_no_request(tmp_path):
         threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
         for t in threads:
             t.start()
-        give_up = time.monotonic() + 30  # kill it mid-stream: once it is decoding requests, not before
-        while _metrics(url).get(("pdk_requests_running", (("worker", "decode-0"),)), 0) < 2:
-            assert time.monotonic() < give_up, "decode-0 never took requests"
-            time.sleep(0.05)
+        # kill it mid-stream: once it is decoding requests, not before
+        running = ("pdk_requests_running", (("worker", "decode-0"),))
+        _until_gauge(url, running, 2, 30, "decode-0 never took requests")
         time.sleep(0.1)
         os.kill(pid, signal.SIGKILL)
         for t in threads:
@@ -370,10 +370,9 @@ def test_a_prefill_worker_that_dies_mid_transfer_loses_no_request(tmp_path):
         threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
         for t in threads:
             t.start()
-        give_up = time.monotonic() + 60  # the decode worker waits on transfers prefill-0 cannot make
-        while _metrics(url).get(("pdk_requests_waiting", (("worker", "decode-0"),)), 0) < 1:
-            assert time.monotonic() < give_up, "no request waited on the frozen prefill worker"
-            time.sleep(0.1)
+        # the decode worker waits on transfers prefill-0 cannot make
+        waiting = ("pdk_requests_waiting", (("worker", "decode-0"),))
+        _until_gauge(url, waiting, 1, 60, "no request waited on the frozen prefill worker")
         os.kill(pid, signal.SIGKILL)
         for t in threads:
             t.join(timeout=180)
