@@ -214,6 +214,60 @@ class CacheConfig:
         )
 
 
+TIER_POLICIES = ("on_evict", "write_through")
+STORES = ("none", "mooncake")
+
+
+@dataclass(frozen=True)
+class KVTiersConfig:
+    """KV below device memory (engine/kv_tiers.py): a host pool, files, a pool shared between workers.
+
+    Full prefix pages leave device memory into the host pool (LRU) and from it into files (LRU): when a
+    device page is evicted ("on_evict") or as soon as it is named ("write_through", which also keeps the
+    files warm for a restarted worker). The disk tier and the shared pool stage through the host pool."""
+
+    host_bytes: int = 0  # 0: no host tier
+    disk_bytes: int = 0  # 0: no disk tier
+    disk_dir: str | None = None  # this engine's own folder for the disk tier (locked while in use)
+    policy: str = "on_evict"
+    store: str = "none"  # "mooncake": Mooncake Store, shared by every worker of a deployment
+    store_master: str = "127.0.0.1:50051"  # its master's RPC address
+    store_metadata: str = ""  # its metadata server's URL (http://127.0.0.1:port/metadata)
+    store_deadline_s: float = 2.0  # every store call's deadline; past it the pool is a miss
+    secret: str = ""  # keys each page's MAC in files and the pool (a deployment's secret)
+
+    def __post_init__(self):
+        for key in ("host_bytes", "disk_bytes"):
+            value = getattr(self, key)
+            _check(
+                isinstance(value, int) and not isinstance(value, bool) and value >= 0,
+                f"kv_tiers.{key} must be an integer >= 0 (bytes), got {value!r}",
+            )
+        _check(
+            self.policy in TIER_POLICIES,
+            f"kv_tiers.policy must be one of {TIER_POLICIES}, got {self.policy!r}",
+        )
+        _check(self.store in STORES, f"kv_tiers.store must be one of {STORES}, got {self.store!r}")
+        _check(
+            self.disk_bytes == 0 or bool(self.disk_dir),
+            f"kv_tiers.disk_bytes={self.disk_bytes} needs kv_tiers.disk_dir (a folder of this engine's own)",
+        )
+        _check(
+            (self.disk_bytes == 0 and self.store == "none") or self.host_bytes > 0,
+            "kv_tiers.disk_bytes and kv_tiers.store stage pages through the host pool: set "
+            f"kv_tiers.host_bytes too (got host_bytes={self.host_bytes}, disk_bytes={self.disk_bytes}, "
+            f"store={self.store!r})",
+        )
+        _check(
+            isinstance(self.store_deadline_s, int | float) and 0 < self.store_deadline_s <= 60,
+            f"kv_tiers.store_deadline_s must be in (0, 60] seconds, got {self.store_deadline_s!r}",
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return self.host_bytes > 0
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     role: str = "colocated"
@@ -262,6 +316,7 @@ class EngineConfig:
     tp: int = 1
     seed: int = 0
     expert_parallel: bool = False  # MoE under TP: whole experts per rank instead of a slice of each
+    kv_tiers: KVTiersConfig = field(default_factory=KVTiersConfig)
 
     def __post_init__(self):
         _check(self.dtype in DTYPES, f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")

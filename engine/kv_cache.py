@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict, deque
+from collections.abc import Callable
 
 import torch
 
@@ -71,6 +72,10 @@ class PageAllocator:
         self.num_evicted = 0  # named pages whose name an allocation dropped
         # (stored?, name) as names come and go, for a router's view of this cache (record_events())
         self.events: list[tuple[bool, bytes]] | None = None
+        # the KV tiers below (engine/kv_tiers.py): told of a named page about to be evicted, whose KV
+        # still holds, or (write-through) of a page just named
+        self.on_evict: Callable[[int, bytes], None] | None = None
+        self.on_named: Callable[[int, bytes], None] | None = None
 
     MAX_EVENTS = 50_000  # kept between take_events() calls; the oldest go first
 
@@ -124,6 +129,8 @@ class PageAllocator:
         else:  # evict the least recently released cached page
             page, _ = self._evictable.popitem(last=False)
             name = self._name.pop(page)
+            if self.on_evict is not None:
+                self.on_evict(page, name)
             del self._page[name]
             self.num_evicted += 1
             self._event(False, name)
@@ -200,6 +207,8 @@ class PageAllocator:
             if page not in self._name and h not in self._page:
                 self._name[page], self._page[h] = h, page
                 self._event(True, h)
+                if self.on_named is not None:
+                    self.on_named(page, h)
         return max(first, end)
 
     def reset_cache(self) -> int:

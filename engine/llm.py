@@ -17,11 +17,13 @@ from typing import Protocol
 
 import torch
 
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.config import CacheConfig, EngineConfig, KVTiersConfig, SchedulerConfig
 from engine.core import EngineCore, StepStats
 from engine.decode_role import DecodeHandoff
 from engine.graphs import DecodeGraphs
 from engine.kv_cache import PageAllocator, allocate_kv_cache
+from engine.kv_pages import namespace
+from engine.kv_tiers import KVTiers
 from engine.model import Model, Shard
 from engine.mtp import MTPDrafter, load_head_weights
 from engine.runner import ModelRunner
@@ -74,6 +76,7 @@ class LLM(EngineCore, DecodeHandoff, StepSampling):
         enable_prefix_caching: bool = True,
         expert_parallel: bool = False,
         fair_share: bool = True,
+        kv_tiers: dict | KVTiersConfig | None = None,
     ):
         """cuda_graphs: replay decode steps as CUDA graphs (engine.graphs); None: on CUDA with tp 1 outside
         the prefill role (which never decodes). One page is kept back as the padding rows' scratch page.
@@ -81,7 +84,8 @@ class LLM(EngineCore, DecodeHandoff, StepSampling):
         decode-role sequence does, and each request's share of the cache (engine.config.SchedulerConfig).
         enable_prefix_caching: share the KV of leading full pages between requests (engine/kv_cache.py;
         vLLM's name and default). expert_parallel: an MoE model under TP holds whole experts per rank
-        (engine/moe.py) instead of a slice of each."""
+        (engine/moe.py) instead of a slice of each. kv_tiers: KV below device memory under the prefix cache
+        (engine.config.KVTiersConfig's fields: host_bytes, disk_bytes, disk_dir, policy, ...)."""
         loaded = load_model(model)
         self.config = EngineConfig(
             model=loaded.config,
@@ -94,6 +98,7 @@ class LLM(EngineCore, DecodeHandoff, StepSampling):
             tp=tp,
             seed=seed,
             expert_parallel=expert_parallel,
+            kv_tiers=kv_tiers if isinstance(kv_tiers, KVTiersConfig) else KVTiersConfig(**(kv_tiers or {})),
         )
         torch.manual_seed(seed)
         self.tokenizer = loaded.tokenizer
@@ -121,6 +126,7 @@ class LLM(EngineCore, DecodeHandoff, StepSampling):
         self.allocator = PageAllocator(num_pages - 1 if cuda_graphs else num_pages, page_size)
         salt = f"{loaded.config.name}|{dtype}|{page_size}".encode() if enable_prefix_caching else None
         self.scheduler = Scheduler(self.config.scheduler, self.allocator, loaded.config.max_position, salt)
+        self.tiers = self._make_tiers(loaded.config.name) if self.config.kv_tiers.enabled else None
         # speculative decoding (vLLM's names: {"method": "ngram" | "mtp", "num_speculative_tokens": k, ...})
         # (a prefill-role engine given one builds its drafter too: set_role may make it decode)
         self.speculative = SpeculativeConfig.of(speculative_config)
@@ -150,6 +156,20 @@ class LLM(EngineCore, DecodeHandoff, StepSampling):
         self.last_step: StepStats | None = None  # what the latest step ran
         self._ids = itertools.count()
         self._grammars = None  # engine.structured.Grammars, on the first constrained request
+
+    def _make_tiers(self, model: str) -> KVTiers:
+        """The host and disk tiers under the prefix cache, hooked to the allocator and the scheduler."""
+        c = self.config
+        if not c.cache.prefix_caching:
+            raise ValueError("kv_tiers keep prefix-cache pages: they need enable_prefix_caching=True")
+        space = namespace(model, self.kv_cache, c.dtype, c.cache.kv_layout, c.tp)
+        tiers = KVTiers(c.kv_tiers, self.kv_caches, space, c.cache.page_size)
+        if c.kv_tiers.policy == "write_through":
+            self.allocator.on_named = tiers.save
+        else:
+            self.allocator.on_evict = tiers.save
+        self.scheduler.tiers = tiers
+        return tiers
 
     def _wire_drafts(self) -> None:
         """The scheduler proposes drafts in the decode and colocated roles, when speculation is set."""
@@ -183,6 +203,9 @@ class LLM(EngineCore, DecodeHandoff, StepSampling):
 
     def close(self) -> None:
         """Stop the TP rank processes (also done when the LLM is garbage-collected or at exit)."""
+        if self.tiers is not None:
+            self.tiers.close()
+            self.tiers = self.scheduler.tiers = None
         if self.tp_group is not None:
             self._finalizer()
 
@@ -292,8 +315,15 @@ class LLM(EngineCore, DecodeHandoff, StepSampling):
             "evicted_pages": a.num_evicted,
         }
 
+    @property
+    def kv_tier_stats(self) -> dict[str, dict]:
+        """Per tier below device memory: hit tokens, bytes moved, loads and their time, evictions, pages
+        dropped by a check, pages held (empty without tiers)."""
+        return self.tiers.summary() if self.tiers is not None else {}
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached page (vLLM's name): pages no request holds become free, pages in use stay
         with their requests, unnamed (pages they fill from now on are named). Returns how many names
         were dropped."""
-        return self.allocator.reset_cache()
+        dropped = self.allocator.reset_cache()
+        return dropped + (self.tiers.clear() if self.tiers is not None else 0)

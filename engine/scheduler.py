@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
 from engine.kv_cache import PageAllocator, page_hashes, request_salt
+from engine.kv_tiers import KVTiers, Load
 from engine.sequence import Sequence, Status
 
 
@@ -86,6 +87,8 @@ class Scheduler:
         self.num_recomputed_tokens = 0  # tokens computed again here because a preemption dropped their KV
         self.num_refetched_tokens = 0  # tokens whose KV a preemption dropped, to be fetched again
         self.propose = None  # speculative decoding: seq -> draft token ids for its next decode step
+        self.tiers: KVTiers | None = None  # KV below device memory (engine/kv_tiers.py)
+        self.loading: dict[str, tuple[Sequence, Load]] = {}  # admitted, its cached pages coming up
         self._candidates = 0  # has_room: a sequence not yet queued that asks for room
 
     @property
@@ -129,7 +132,7 @@ class Scheduler:
         return new
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     # ---- admission with room to finish -----------------------------------------------------------
 
@@ -151,6 +154,7 @@ class Scheduler:
     def fair_tokens(self) -> int:
         """A sequence's share of the cache: its tokens over the sequences admitted or waiting."""
         active = len(self.running) + len(self.reserved) + len(self.waiting) + len(self.refetching)
+        active += len(self.loading)
         share = self.allocator.num_pages // max(active + self._candidates, 1)  # whole pages: the shares fit
         return share * self.allocator.page_size
 
@@ -162,6 +166,7 @@ class Scheduler:
     def debt(self) -> int:
         """Pages the admitted sequences (running, reserved, or queued with pages) are owed."""
         queued = [s for s in self.waiting if self.allocator.pages(s.request_id)]
+        queued += [s for s, _ in self.loading.values()]
         return sum(self.need(s) for s in (*self.running, *self.reserved.values(), *queued))
 
     def has_room(self, seq: Sequence, hit: list[int] = ()) -> bool:
@@ -181,6 +186,7 @@ class Scheduler:
         return max(0, self.allocator.pages_for(num_tokens) - owned - self.need(seq))
 
     def schedule(self) -> Batch | None:
+        self._landed()
         batch, budget = Batch(), self.config.max_num_batched_tokens
         decoding = [s for s in self.running if self.target(s) - s.num_computed == 1]
         prefilling = [s for s in self.running if self.target(s) - s.num_computed > 1]
@@ -209,6 +215,7 @@ class Scheduler:
             seq = self.waiting[0]
             holds = bool(self.allocator.pages(seq.request_id))  # then already counted in debt
             hit = [] if holds else self.lookup(seq)
+            below = [] if holds else self._below(seq, len(hit))
             if not holds:
                 seq.admitted_at = seq.num_tokens
             start = len(hit) * self.allocator.page_size if hit else seq.num_computed
@@ -227,6 +234,10 @@ class Scheduler:
             self.waiting.popleft()
             if not holds:
                 self._start(seq, hit)
+            if below:  # it waits out of the batch while they load
+                self._load(seq, below)
+                debt = others + self.need(seq)
+                continue
             seq.status = Status.RUNNING
             seq.scheduled_time = seq.scheduled_time or time.perf_counter()
             self.running.append(seq)
@@ -267,6 +278,36 @@ class Scheduler:
         if len(seq.page_hashes) < usable:
             page_hashes(seq.all_ids[: usable * size], size, self._salt(seq), seq.page_hashes)
         return self.allocator.lookup(seq.page_hashes[:usable])
+
+    def _below(self, seq: Sequence, device: int) -> list[str]:
+        """The tiers of seq's next leading pages (after its device hits) found below device memory."""
+        usable = (self.target(seq) - self.min_compute) // self.allocator.page_size
+        if self.tiers is None or self.salt is None or device >= usable:
+            return []
+        return self.tiers.find(seq.page_hashes[device:usable])
+
+    def _load(self, seq: Sequence, tiers: list[str]) -> None:
+        """Take device pages for seq's pages found below and start loading them."""
+        size, first = self.allocator.page_size, seq.pages_named
+        pages = self.allocator.grow(seq.request_id, (first + len(tiers)) * size)
+        names = seq.page_hashes[first : first + len(tiers)]
+        self.loading[seq.request_id] = (seq, self.tiers.load(names, tiers, pages[first:]))
+
+    def _landed(self) -> None:
+        """Sequences whose loads ended (or passed their deadline) queue first, computing from there."""
+        if self.tiers is None:
+            return
+        self.tiers.poll()
+        for rid, (seq, job) in list(self.loading.items()):
+            if not job.due:
+                continue
+            del self.loading[rid]
+            loaded = job.cancel() * self.allocator.page_size
+            seq.num_computed += loaded
+            self.num_prefix_hits += loaded
+            seq.num_cached_tokens = (seq.num_cached_tokens or 0) + loaded
+            self.computed(seq)
+            self.waiting.appendleft(seq)
 
     def _salt(self, seq: Sequence) -> bytes:
         """What seq's page names start from: the engine's salt, and its request's cache_salt."""
@@ -358,6 +399,9 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.reserved.pop(seq.request_id, None)
+        loading = self.loading.pop(seq.request_id, None)
+        if loading is not None:
+            loading[1].cancel()  # no page of it is written after this: they may be freed
         if self.refetching.pop(seq.request_id, None) is not None and seq in self._refetch_new:
             self._refetch_new.remove(seq)
         if free_pages:

@@ -1,0 +1,156 @@
+"""The disk tier: page slots in one file of an engine's own folder, moved by NIXL's POSIX backend.
+
+The folder holds `pages` (the slots, preallocated: a disk too small fails at start, with one warning,
+not mid-run), `index` (one line "slot name" per page written, replayed at start so that a restarted
+worker starts warm; the slot's own header and MAC are the truth, the index only a hint), `namespace`
+(the index is dropped when it differs) and `lock` (one engine per folder). A file transfer that fails
+turns the tier off with one warning; what it was loading is recomputed.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import time
+from collections import Counter, OrderedDict, deque
+
+from torch import Tensor
+
+from transfer.backends.base import TransferError
+from transfer.backends.files import NixlFiles
+
+log = logging.getLogger(__name__)
+
+
+class DiskTier:
+    def __init__(self, folder: str, num_slots: int, slot_bytes: int, space: bytes, memory: Tensor):
+        """memory: the host pool's buffer (slots move between it and the file). Raises ValueError when
+        another engine holds the folder and OSError when the folder or file cannot be made."""
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        self.folder, self.num_slots = folder, num_slots
+        self._lock = open(os.path.join(folder, "lock"), "a+")  # noqa: SIM115 (held until close)
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock.close()
+            raise ValueError(
+                f"kv_tiers.disk_dir={folder!r} is in use by another engine: give each its own"
+            ) from None
+        try:  # first, so that a disk too small for disk_bytes fails here
+            self.files = NixlFiles(os.path.join(folder, "pages"), num_slots, slot_bytes, memory)
+        except Exception:
+            self._lock.close()
+            raise
+        self._slot: OrderedDict[bytes, int] = OrderedDict()  # name -> slot, least recently used first
+        self.busy: Counter[int] = Counter()  # slots being read or written
+        self.num_evicted = 0
+        self.alive = True
+        self._replay(space)
+        used = set(self._slot.values())
+        self._next = max(used, default=-1) + 1  # slots from here on were never written
+        self._free: deque[int] = deque(s for s in range(self._next) if s not in used)
+
+    def _replay(self, space: bytes) -> None:
+        """Names from the index of an earlier run in this namespace (later lines win); rewrite it compact."""
+        ns_path, index_path = os.path.join(self.folder, "namespace"), os.path.join(self.folder, "index")
+        same = os.path.exists(ns_path) and open(ns_path).read().strip() == space.hex()
+        if same and os.path.exists(index_path):
+            by_slot: dict[int, bytes] = {}
+            for line in open(index_path):
+                parts = line.split()
+                try:
+                    slot, name = int(parts[0]), bytes.fromhex(parts[1])
+                except (IndexError, ValueError):
+                    continue  # a line cut short by a kill
+                if 0 <= slot < self.num_slots and len(name) == 32:
+                    by_slot[slot] = name
+            for slot, name in by_slot.items():
+                self._slot.pop(name, None)
+                self._slot[name] = slot
+            self._slot = OrderedDict((n, s) for n, s in self._slot.items() if by_slot.get(s) == n)
+        with open(ns_path, "w") as f:
+            f.write(space.hex())
+        with open(index_path, "w") as f:
+            f.writelines(f"{s} {n.hex()}\n" for n, s in self._slot.items())
+        self._index = open(index_path, "a")  # noqa: SIM115 (appended to while the tier lives)
+
+    def __contains__(self, name: bytes) -> bool:
+        return self.alive and name in self._slot
+
+    def __len__(self) -> int:
+        return len(self._slot)
+
+    def get(self, name: bytes) -> int | None:
+        slot = self._slot.get(name) if self.alive else None
+        if slot is not None:
+            self._slot.move_to_end(name)
+        return slot
+
+    def take(self) -> int | None:
+        """A slot to write: a free one, else the least recently used idle one; None when all are busy."""
+        if not self.alive:
+            return None
+        if self._free:
+            return self._free.popleft()
+        if self._next < self.num_slots:
+            self._next += 1
+            return self._next - 1
+        for name, slot in self._slot.items():
+            if not self.busy[slot]:
+                del self._slot[name]
+                self.num_evicted += 1
+                return slot
+        return None
+
+    def written(self, name: bytes, slot: int, ok: bool) -> None:
+        """A write into slot (taken) ended."""
+        if not ok or name in self._slot:
+            self._free.append(slot)
+            return
+        self._slot[name] = slot
+        self._index.write(f"{slot} {name.hex()}\n")
+        self._index.flush()
+
+    def drop(self, name: bytes) -> None:
+        """A slot that failed its check is never read again."""
+        slot = self._slot.pop(name, None)
+        if slot is not None:
+            self._free.append(slot)
+
+    def clear(self) -> int:
+        idle = [n for n, s in self._slot.items() if not self.busy[s]]
+        for name in idle:
+            self.drop(name)
+        return len(idle)
+
+    def fail(self, why: str) -> None:
+        """Turn the tier off (once, with a warning): its pages become misses."""
+        if self.alive:
+            log.warning("the disk tier in %s is off from now on: %s", self.folder, why)
+            self.alive = False
+
+    def move(self, op: str, pairs: list[tuple[int, int]], nbytes: int, deadline: float) -> str:
+        """Run a READ (file -> host slots) or WRITE of (host offset, file slot) pairs, off the engine's
+        thread: 'DONE', 'ERR', or 'STUCK' (past the deadline, time.monotonic(): the tier turns off and
+        the host slots must stay busy, since the transfer may still land in them)."""
+        try:
+            handle = self.files.start(op, pairs, nbytes)
+        except TransferError as e:
+            self.fail(f"a {op} failed: {e}")
+            return "ERR"
+        while (state := self.files.state(handle)) == "PROC":
+            if time.monotonic() > deadline:
+                self.fail(f"a {op} of {len(pairs)} pages passed its deadline")
+                return "STUCK"  # its handle is left alone: releasing it mid-flight is not safe
+            time.sleep(0.0002)
+        self.files.release(handle)
+        if state != "DONE":
+            self.fail(f"a {op} of {len(pairs)} pages failed ({state})")
+            return "ERR"
+        return "DONE"
+
+    def close(self) -> None:
+        self.files.close()
+        self._index.close()
+        self._lock.close()

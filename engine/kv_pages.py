@@ -1,0 +1,155 @@
+"""A KV page as it lives below device memory: one slot of bytes, and the host pool of such slots.
+
+A slot is a header (magic, version, payload size, namespace, the page's chained-hash name, a MAC) and the
+page's KV over all layers and TP ranks (rank order, each rank's [layers, planes, heads, page, dim] as the
+device cache holds it). The namespace says what else must match for the bytes to mean the same KV (model,
+dtype, layout, page size, TP shard); the MAC (HMAC-SHA256, keyed by the deployment's secret) covers header
+and payload, so a slot read back from a file or the shared pool is used only if it is exactly the page
+that was saved under that name, in this namespace, by a holder of the secret. Host slots never leave the
+process and are not checked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import struct
+from collections import OrderedDict, deque
+
+import torch
+from torch import Tensor
+
+MAGIC, VERSION = b"PDKV", 1
+_FIELDS = struct.Struct("<4sHHQ16s32s")  # magic, version, flags, payload bytes, namespace, name: 64 bytes
+MAC_BYTES = 32
+HEADER_BYTES = 128  # the fields, the MAC, padding
+ALIGN = 4096  # slots are whole file blocks
+
+
+def namespace(model: str, cache: Tensor, dtype: str, layout: str, tp: int) -> bytes:
+    """What else a page's bytes depend on besides its name (16 bytes)."""
+    key = f"pdkv|{VERSION}|{model}|{tuple(cache.shape[:1] + cache.shape[2:])}|{dtype}|{layout}|tp={tp}"
+    return hashlib.blake2b(key.encode(), digest_size=16).digest()
+
+
+class PageFormat:
+    """Copies pages between the device caches and slots, and stamps and checks slots' headers."""
+
+    def __init__(self, caches: list[Tensor], space: bytes, secret: bytes):
+        self.caches, self.space, self.secret = caches, space, secret or b"pdkv"
+        self.rank_bytes = [c[:, 0].numel() * c.element_size() for c in caches]
+        self.payload = sum(self.rank_bytes)
+        self.slot_bytes = -(-(HEADER_BYTES + self.payload) // ALIGN) * ALIGN
+
+    def _ranks(self, slot: Tensor):
+        """(device cache, this rank's part of the slot viewed as one page) per rank."""
+        at = HEADER_BYTES
+        for cache, n in zip(self.caches, self.rank_bytes, strict=True):
+            yield cache, slot[at : at + n].view(cache.dtype).view(cache[:, 0].shape)
+            at += n
+
+    def save(self, page: int, slot: Tensor) -> None:
+        """Device page -> slot's payload (the header is stamped later, off the engine's thread)."""
+        for cache, view in self._ranks(slot):
+            view.copy_(cache[:, page], non_blocking=cache.is_cuda)
+        if self.caches[0].is_cuda:
+            torch.cuda.current_stream().synchronize()
+
+    def load(self, slot: Tensor, page: int) -> None:
+        """Slot's payload -> device page."""
+        for cache, view in self._ranks(slot):
+            cache[:, page].copy_(view, non_blocking=cache.is_cuda)
+        if self.caches[0].is_cuda:
+            torch.cuda.current_stream().synchronize()
+
+    def _mac(self, fields: bytes, slot: Tensor) -> bytes:
+        mac = hmac.new(self.secret, fields, hashlib.sha256)
+        mac.update(memoryview(slot[HEADER_BYTES : HEADER_BYTES + self.payload].numpy()))
+        return mac.digest()
+
+    def stamp(self, slot: Tensor, name: bytes) -> None:
+        """Write slot's header for the payload it holds under name."""
+        fields = _FIELDS.pack(MAGIC, VERSION, 0, self.payload, self.space, name)
+        header = fields + self._mac(fields, slot)
+        slot[: len(header)].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
+
+    def check(self, slot: Tensor, name: bytes) -> str | None:
+        """Why slot is not the page name in this namespace (None: it is)."""
+        raw = bytes(slot[:HEADER_BYTES].numpy())
+        magic, version, _, payload, space, named = _FIELDS.unpack_from(raw)
+        if magic != MAGIC or version != VERSION:
+            return "not a page slot (magic or version)"
+        if payload != self.payload:
+            return f"payload of {payload} bytes, expected {self.payload}"
+        if space != self.space:
+            return "another namespace (model, dtype, layout, page size or TP shard)"
+        if named != name:
+            return "another page's name"
+        mac = raw[_FIELDS.size : _FIELDS.size + MAC_BYTES]
+        if not hmac.compare_digest(mac, self._mac(raw[: _FIELDS.size], slot)):
+            return "checksum (MAC) mismatch"
+        return None
+
+
+class HostPool:
+    """The host tier: fixed slots of one buffer (pinned when the cache is on a GPU), LRU by name. A busy
+    slot (being read or written off the engine's thread) is never handed out again until it is idle."""
+
+    def __init__(self, num_slots: int, slot_bytes: int, pin: bool):
+        self.num_slots, self.slot_bytes = num_slots, slot_bytes
+        self.memory = torch.empty(num_slots * slot_bytes, dtype=torch.uint8, pin_memory=pin)
+        self._free: deque[int] = deque(range(num_slots))
+        self._slot: OrderedDict[bytes, int] = OrderedDict()  # name -> slot, least recently used first
+        self.busy = [0] * num_slots
+        self.num_evicted = 0
+
+    def view(self, slot: int) -> Tensor:
+        return self.memory[slot * self.slot_bytes : (slot + 1) * self.slot_bytes]
+
+    def __contains__(self, name: bytes) -> bool:
+        return name in self._slot
+
+    def __len__(self) -> int:
+        return len(self._slot)
+
+    def get(self, name: bytes) -> int | None:
+        slot = self._slot.get(name)
+        if slot is not None:
+            self._slot.move_to_end(name)
+        return slot
+
+    def take(self) -> tuple[int, bytes | None] | None:
+        """A slot to fill: a free one, else the least recently used idle one (and the name it dropped);
+        None when every slot is busy."""
+        if self._free:
+            return self._free.popleft(), None
+        for name, slot in self._slot.items():
+            if not self.busy[slot]:
+                del self._slot[name]
+                self.num_evicted += 1
+                return slot, name
+        return None
+
+    def put(self, name: bytes, slot: int) -> bool:
+        """slot (taken) now holds name; False (and the slot freed) when another slot holds it already."""
+        if name in self._slot:
+            self._free.append(slot)
+            return False
+        self._slot[name] = slot
+        return True
+
+    def give_back(self, slot: int) -> None:
+        """A taken slot that was not filled."""
+        self._free.append(slot)
+
+    def drop(self, name: bytes) -> None:
+        slot = self._slot.pop(name, None)
+        if slot is not None:
+            self._free.append(slot)
+
+    def clear(self) -> int:
+        """Forget every idle name (busy slots keep theirs until idle); returns how many were dropped."""
+        idle = [n for n, s in self._slot.items() if not self.busy[s]]
+        for name in idle:
+            self.drop(name)
+        return len(idle)

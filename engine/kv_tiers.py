@@ -1,0 +1,300 @@
+"""KV below device memory: the host pool, then files, under the prefix cache (engine/kv_cache.py).
+
+Saving: a named device page is copied into a host slot when the allocator evicts it (policy "on_evict")
+or as soon as it is named ("write_through"); every page that reaches the host pool is written behind it
+into the disk tier, so that dropping a host slot never waits for the disk. Loading: the scheduler asks
+`find` which of a new request's next page names sit below device memory, takes device pages for them
+and starts a `Load`; the request waits out of the batch while one I/O thread reads files into host
+slots, checks them and copies them into its pages, and the other requests keep stepping. A load that
+fails a check or passes its deadline stops there: the pages it did load count, the rest are computed.
+
+Threads: the engine's thread owns every index (host, disk) and the busy counts; the I/O thread only
+moves bytes and hands its results back through `poll`, which the scheduler calls every step. Loads go
+before writes in the I/O thread's queue.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+from torch import Tensor
+
+from engine.config import KVTiersConfig
+from engine.kv_disk import DiskTier
+from engine.kv_pages import HostPool, PageFormat
+
+log = logging.getLogger(__name__)
+TIERS = ("host", "disk")
+_LOAD, _WRITE = 0, 1  # I/O queue priorities
+
+
+@dataclass
+class TierStats:
+    hit_tokens: int = 0  # prompt tokens loaded from this tier instead of computed
+    bytes_in: int = 0  # bytes loaded from it into device pages
+    bytes_out: int = 0  # bytes saved into it
+    loads: int = 0  # load jobs that took pages from it
+    load_s: float = 0.0  # their total time, queueing included
+    load_max_s: float = 0.0
+    evictions: int = 0  # names it dropped for room
+    dropped: int = 0  # pages that failed a check (size, namespace, MAC) or a read, recomputed instead
+
+
+class Load:
+    """One request's pages coming up from below device memory. `ok` leading pages are loaded; after
+    `cancel` no more are written into device pages (so they may be freed or computed at once)."""
+
+    def __init__(self, plan: list[tuple[str, bytes, int, int | None]], pages: list[int], deadline: float):
+        self.plan, self.pages, self.deadline = plan, pages, deadline  # plan: (tier, name, host, disk slot)
+        self.lock = threading.Lock()
+        self.ok, self.cancelled, self.finished = 0, False, False
+        self.started = time.monotonic()
+
+    @property
+    def due(self) -> bool:
+        return self.finished or time.monotonic() > self.deadline
+
+    def cancel(self) -> int:
+        with self.lock:
+            self.cancelled = True
+            return self.ok
+
+
+class KVTiers:
+    def __init__(self, config: KVTiersConfig, caches: list[Tensor], space: bytes, page_size: int):
+        """caches: every TP rank's device cache (rank order); space: kv_pages.namespace(...)."""
+        self.config, self.page_size = config, page_size
+        self.fmt = PageFormat(caches, space, config.secret.encode())
+        slot = self.fmt.slot_bytes
+        if config.host_bytes < slot:
+            raise ValueError(
+                f"kv_tiers.host_bytes={config.host_bytes} holds no page: one takes {slot} bytes here"
+            )
+        self.host = HostPool(config.host_bytes // slot, slot, pin=caches[0].is_cuda)
+        self.disk: DiskTier | None = None
+        if config.disk_bytes:
+            if config.disk_bytes < slot:
+                raise ValueError(
+                    f"kv_tiers.disk_bytes={config.disk_bytes} holds no page: one takes {slot} bytes here"
+                )
+            try:
+                self.disk = DiskTier(
+                    config.disk_dir, config.disk_bytes // slot, slot, space, self.host.memory
+                )
+            except OSError as e:  # a full or missing disk: the engine serves without this tier
+                log.warning("kv_tiers: no disk tier in %s: %s", config.disk_dir, e)
+        self.stats = {tier: TierStats() for tier in TIERS}
+        self._results: queue.SimpleQueue = queue.SimpleQueue()  # callbacks for the engine's thread
+        self._jobs: queue.PriorityQueue = queue.PriorityQueue()
+        self._order = itertools.count()
+        self._landed = threading.Event()  # a load finished (wait() sleeps on it)
+        self._writes = 0  # disk writes in flight (each holds a host slot busy)
+        self._io = threading.Thread(target=self._serve, name="kv-tiers-io", daemon=True)
+        self._io.start()
+
+    # ---- the engine's thread -------------------------------------------------------------------------
+
+    def find(self, names: list[bytes]) -> list[str]:
+        """The tiers of the leading names found below device memory (stops at the first miss)."""
+        found = []
+        for name in names:
+            if name in self.host:
+                found.append("host")
+            elif self.disk is not None and name in self.disk:
+                found.append("disk")
+            else:
+                break
+        return found
+
+    def load(self, names: list[bytes], tiers: list[str], pages: list[int]) -> Load:
+        """Start loading names (found in tiers by find) into the device pages (owned by the caller)."""
+        plan = []
+        for name, tier in zip(names, tiers, strict=True):
+            if tier == "host":
+                slot, disk_slot = self.host.get(name), None
+                if slot is None:
+                    break
+            else:  # staged through a host slot; one load takes at most half of them
+                disk_slot = self.disk.get(name)
+                full = len(plan) >= self.host.num_slots // 2
+                taken = self._take_host() if disk_slot is not None and not full else None
+                if taken is None:
+                    break
+                slot, dropped = taken
+                self.stats["host"].evictions += dropped is not None
+                self.disk.busy[disk_slot] += 1
+            self.host.busy[slot] += 1
+            plan.append((tier, name, slot, disk_slot))
+        job = Load(plan, pages[: len(plan)], time.monotonic() + self.config.store_deadline_s)
+        self._submit(_LOAD, lambda: self._run_load(job))
+        return job
+
+    def save(self, page: int, name: bytes) -> None:
+        """Device page (holding name's KV) into the host pool, and behind it into the disk tier."""
+        if self.host.get(name) is not None:
+            return
+        taken = self._take_host()
+        if taken is None:  # every slot stayed busy: a cache may skip a page
+            return
+        slot, dropped = taken
+        self.stats["host"].evictions += dropped is not None
+        self.fmt.save(page, self.host.view(slot))
+        self.host.put(name, slot)
+        self.stats["host"].bytes_out += self.fmt.payload
+        if self.disk is not None and name not in self.disk:
+            self._write_disk(name, slot)
+
+    def _take_host(self) -> tuple[int, bytes | None] | None:
+        """A host slot to fill; when every slot is busy writing to disk, wait for one (backpressure from
+        a disk slower than the evictions), up to the deadline."""
+        deadline = time.monotonic() + self.config.store_deadline_s
+        while (taken := self.host.take()) is None:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._writes:
+                return None
+            try:
+                self._results.get(timeout=left)()
+            except queue.Empty:
+                return None
+        return taken
+
+    def poll(self) -> None:
+        """Apply what the I/O thread finished (indexes, busy counts, stats)."""
+        while True:
+            try:
+                done = self._results.get_nowait()
+            except queue.Empty:
+                return
+            done()
+
+    def drain(self, timeout: float = 10.0) -> bool:
+        """Wait until every I/O job queued so far has run, then apply the results; False on timeout."""
+        done = threading.Event()
+        self._submit(_WRITE, done.set)
+        finished = done.wait(timeout)
+        self.poll()
+        return finished
+
+    def wait(self, timeout: float) -> None:
+        """Sleep until a load finishes or timeout passes (an engine with nothing else to step)."""
+        self._landed.wait(timeout)
+        self._landed.clear()
+
+    def summary(self) -> dict[str, dict]:
+        out = {}
+        for tier, s in self.stats.items():
+            if tier == "disk" and self.disk is None:
+                continue
+            out[tier] = {**asdict(s), "pages": len(self.host if tier == "host" else self.disk)}
+        return out
+
+    def clear(self) -> int:
+        """Forget every idle page of the host and disk tiers; returns how many names were dropped."""
+        return self.host.clear() + (self.disk.clear() if self.disk is not None else 0)
+
+    def close(self) -> None:
+        """Finish the writes in flight (so that the files hold them), then stop the I/O thread."""
+        self.drain(timeout=2 * self.config.store_deadline_s)
+        self._jobs.put((-1, 0, None))
+        self._io.join(timeout=5)
+        if self.disk is not None:
+            self.disk.close()
+
+    def _write_disk(self, name: bytes, slot: int) -> None:
+        disk_slot = self.disk.take()
+        if disk_slot is None:
+            return
+        self.host.busy[slot] += 1
+        self.disk.busy[disk_slot] += 1
+        self._writes += 1
+        size = self.fmt.slot_bytes
+
+        def write():
+            self.fmt.stamp(self.host.view(slot), name)
+            deadline = time.monotonic() + self.config.store_deadline_s
+            state = self.disk.move("WRITE", [(slot * size, disk_slot)], size, deadline)
+            self._results.put(lambda: self._disk_written(name, slot, disk_slot, state))
+
+        self._submit(_WRITE, write)
+
+    def _disk_written(self, name: bytes, slot: int, disk_slot: int, state: str) -> None:
+        self.disk.busy[disk_slot] -= 1
+        self._writes -= 1
+        if state != "STUCK":
+            self.host.busy[slot] -= 1
+        self.disk.written(name, disk_slot, state == "DONE")
+        if state == "DONE":
+            self.stats["disk"].bytes_out += self.fmt.payload
+
+    def _loaded(self, job: Load, read: str) -> None:
+        now = time.monotonic()
+        for i, (tier, name, slot, disk_slot) in enumerate(job.plan):
+            if tier == "disk":
+                self.disk.busy[disk_slot] -= 1
+                if read == "STUCK":
+                    continue  # the read may still land in its host slot: that slot stays busy
+            self.host.busy[slot] -= 1
+            if tier == "disk":
+                if i < job.ok:
+                    self.host.put(name, slot)  # it is a host page now too
+                else:
+                    self.host.give_back(slot)
+        for tier in TIERS:
+            loaded = sum(1 for t, *_ in job.plan[: job.ok] if t == tier)
+            if loaded:
+                s = self.stats[tier]
+                s.hit_tokens += loaded * self.page_size
+                s.bytes_in += loaded * self.fmt.payload
+                s.loads += 1
+                s.load_s += now - job.started
+                s.load_max_s = max(s.load_max_s, now - job.started)
+
+    # ---- the I/O thread --------------------------------------------------------------------------
+
+    def _submit(self, priority: int, fn) -> None:
+        self._jobs.put((priority, next(self._order), fn))
+
+    def _serve(self) -> None:
+        while True:
+            _, _, fn = self._jobs.get()
+            if fn is None:
+                return
+            try:
+                fn()
+            except Exception:  # a bug here must not stop the thread: the job's pages become misses
+                log.exception("kv_tiers: an I/O job failed")
+
+    def _run_load(self, job: Load) -> None:
+        size, read = self.fmt.slot_bytes, "DONE"
+        disk = [(slot * size, d) for tier, _, slot, d in job.plan if tier == "disk"]
+        try:
+            if disk:
+                read = self.disk.move("READ", disk, size, job.deadline)
+            for i, (tier, name, slot, _) in enumerate(job.plan):
+                view = self.host.view(slot)
+                if tier == "disk":
+                    why = f"the read {read}" if read != "DONE" else self.fmt.check(view, name)
+                    if why is not None:
+                        self._results.put(lambda name=name, why=why: self._bad("disk", name, why))
+                        break
+                with job.lock:
+                    if job.cancelled:
+                        break
+                    self.fmt.load(view, job.pages[i])
+                    job.ok += 1
+        finally:
+            job.finished = True
+            self._results.put(lambda: self._loaded(job, read))
+            self._landed.set()
+
+    def _bad(self, tier: str, name: bytes, why: str) -> None:
+        """A page that failed its check is dropped from its tier and computed instead."""
+        log.warning("kv_tiers: a %s page was dropped and will be recomputed: %s", tier, why)
+        self.stats[tier].dropped += 1
+        if tier == "disk" and self.disk is not None:
+            self.disk.drop(name)
