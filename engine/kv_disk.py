@@ -3,7 +3,8 @@
 The folder holds `pages` (the slots, preallocated: a disk too small fails at start, with one warning,
 not mid-run), `index` (one line "slot name" per page written, replayed at start so that a restarted
 worker starts warm; the slot's own header and MAC are the truth, the index only a hint), `namespace`
-(the index is dropped when it differs) and `lock` (one engine per folder). A file transfer that fails
+(the index is dropped when it differs), `key` (what its slots' MACs are keyed with, made once: pages
+outlive a deployment's secret) and `lock` (one engine per folder). A file transfer that fails
 turns the tier off with one warning; what it was loading is recomputed.
 """
 
@@ -21,6 +22,23 @@ from transfer.backends.base import TransferError
 from transfer.backends.files import NixlFiles
 
 log = logging.getLogger(__name__)
+
+
+def _key(path: str) -> bytes:
+    """The folder's MAC key: 32 random bytes, made on first use, readable by this user only."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        with open(path, "rb") as f:
+            key = f.read()
+        if len(key) == 32:
+            return key
+        os.unlink(path)  # cut short: a new key (the slots it keyed fail their check and are recomputed)
+        return _key(path)
+    key = os.urandom(32)
+    with os.fdopen(fd, "wb") as f:
+        f.write(key)
+    return key
 
 
 class DiskTier:
@@ -46,6 +64,7 @@ class DiskTier:
         self.busy: Counter[int] = Counter()  # slots being read or written
         self.num_evicted = 0
         self.alive = True
+        self.key = _key(os.path.join(folder, "key"))
         self._replay(space)
         used = set(self._slot.values())
         self._next = max(used, default=-1) + 1  # slots from here on were never written

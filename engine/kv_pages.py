@@ -62,18 +62,18 @@ class PageFormat:
         if self.caches[0].is_cuda:
             torch.cuda.current_stream().synchronize()
 
-    def _mac(self, fields: bytes, slot: Tensor) -> bytes:
-        mac = hmac.new(self.secret, fields, hashlib.sha256)
+    def _mac(self, fields: bytes, slot: Tensor, key: bytes | None) -> bytes:
+        mac = hmac.new(key or self.secret, fields, hashlib.sha256)
         mac.update(memoryview(slot[HEADER_BYTES : HEADER_BYTES + self.payload].numpy()))
         return mac.digest()
 
-    def stamp(self, slot: Tensor, name: bytes) -> None:
-        """Write slot's header for the payload it holds under name."""
+    def stamp(self, slot: Tensor, name: bytes, key: bytes | None = None) -> None:
+        """Write slot's header for the payload it holds under name (MAC keyed by key, else the secret)."""
         fields = _FIELDS.pack(MAGIC, VERSION, 0, self.payload, self.space, name)
-        header = fields + self._mac(fields, slot)
+        header = fields + self._mac(fields, slot, key)
         slot[: len(header)].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
 
-    def check(self, slot: Tensor, name: bytes) -> str | None:
+    def check(self, slot: Tensor, name: bytes, key: bytes | None = None) -> str | None:
         """Why slot is not the page name in this namespace (None: it is)."""
         raw = bytes(slot[:HEADER_BYTES].numpy())
         magic, version, _, payload, space, named = _FIELDS.unpack_from(raw)
@@ -86,7 +86,7 @@ class PageFormat:
         if named != name:
             return "another page's name"
         mac = raw[_FIELDS.size : _FIELDS.size + MAC_BYTES]
-        if not hmac.compare_digest(mac, self._mac(raw[: _FIELDS.size], slot)):
+        if not hmac.compare_digest(mac, self._mac(raw[: _FIELDS.size], slot, key)):
             return "checksum (MAC) mismatch"
         return None
 

@@ -53,7 +53,7 @@ class Load:
         self.plan, self.pages, self.deadline = plan, pages, deadline  # plan: (tier, name, host, disk slot)
         self.lock = threading.Lock()
         self.ok, self.cancelled, self.finished = 0, False, False
-        self.started = time.monotonic()
+        self.started, self.began = time.monotonic(), time.perf_counter()
 
     @property
     def due(self) -> bool:
@@ -94,6 +94,7 @@ class KVTiers:
         self._order = itertools.count()
         self._landed = threading.Event()  # a load finished (wait() sleeps on it)
         self._writes = 0  # disk writes in flight (each holds a host slot busy)
+        self._loads: list[tuple[float, float, str, int]] = []  # (start, end, main tier, pages): take_loads
         self._io = threading.Thread(target=self._serve, name="kv-tiers-io", daemon=True)
         self._io.start()
 
@@ -185,6 +186,12 @@ class KVTiers:
         self._landed.wait(timeout)
         self._landed.clear()
 
+    def take_loads(self) -> list[tuple[float, float, str, int]]:
+        """Loads that ended since the last call: perf_counter start and end, the tier most of its pages
+        came from, pages loaded (the timeline draws them beside the steps)."""
+        out, self._loads = self._loads, []
+        return out
+
     def summary(self) -> dict[str, dict]:
         out = {}
         for tier, s in self.stats.items():
@@ -215,7 +222,7 @@ class KVTiers:
         size = self.fmt.slot_bytes
 
         def write():
-            self.fmt.stamp(self.host.view(slot), name)
+            self.fmt.stamp(self.host.view(slot), name, self.disk.key)
             deadline = time.monotonic() + self.config.store_deadline_s
             state = self.disk.move("WRITE", [(slot * size, disk_slot)], size, deadline)
             self._results.put(lambda: self._disk_written(name, slot, disk_slot, state))
@@ -244,8 +251,11 @@ class KVTiers:
                     self.host.put(name, slot)  # it is a host page now too
                 else:
                     self.host.give_back(slot)
+        tiers = [t for t, *_ in job.plan[: job.ok]]
+        if tiers and len(self._loads) < 10_000:
+            self._loads.append((job.began, time.perf_counter(), max(set(tiers), key=tiers.count), len(tiers)))
         for tier in TIERS:
-            loaded = sum(1 for t, *_ in job.plan[: job.ok] if t == tier)
+            loaded = tiers.count(tier)
             if loaded:
                 s = self.stats[tier]
                 s.hit_tokens += loaded * self.page_size
@@ -278,7 +288,7 @@ class KVTiers:
             for i, (tier, name, slot, _) in enumerate(job.plan):
                 view = self.host.view(slot)
                 if tier == "disk":
-                    why = f"the read {read}" if read != "DONE" else self.fmt.check(view, name)
+                    why = f"the read {read}" if read != "DONE" else self.fmt.check(view, name, self.disk.key)
                     if why is not None:
                         self._results.put(lambda name=name, why=why: self._bad("disk", name, why))
                         break

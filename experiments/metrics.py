@@ -9,7 +9,7 @@ results.json, schema "pdkernels.results/1" (stable: fields may be added, never r
   "role_moves" ([{worker, from, to, at (s since start), why, seconds (of the worker's time), settle_s}]),
   "workers" ([{name, role, node_id, pid}]: where each worker ran; node_id is a Ray node id or this host's
   name), "timelines" (per worker: name, role (its last), steps [start, end, prefill tokens, decode
-  tokens, sequences verifying drafts],
+  tokens, sequences verifying drafts], loads [start, end, tier, pages] (KV loaded from below device memory),
   free_pages and num_pages when it stopped).
 - summary: "num_requests", "completed", "errors", "rejected" (refused at once by deployment.admission=slo;
   not errors), "duration_s", "throughput_rps",
@@ -22,7 +22,9 @@ results.json, schema "pdkernels.results/1" (stable: fields may be added, never r
   ({name: count}) "preemptions", "recomputed_prompt_tokens" (computed again there after a preemption)
   and "refetched_tokens" (a decode worker's, fetched again from a prefill worker), "prefix_queries" and
   "prefix_hits" (prompt tokens looked up in its prefix cache, and found); "migrations" (requests that
-  went on on another worker after theirs died: deployment.on_worker_death); "prefix_hit_rate" (cached
+  went on on another worker after theirs died: deployment.on_worker_death); "kv_tiers" (per tier below
+  device memory, host | disk | pool, over the workers: hit_tokens, bytes_in, bytes_out, loads,
+  load_mean_s, load_max_s, evictions, dropped (failed a check), pages); "prefix_hit_rate" (cached
   prompt tokens over prompt tokens, the serving worker's cache); multiturn: "by_turn" (per turn index:
   requests, ttft_p50_s, prompt_tokens_mean, new_tokens_mean, cached_tokens_mean, transfer_bytes_mean).
 - request: "request_id", "worker", "prefill" (local | remote), "prefill_worker", "prompt_tokens",
@@ -195,6 +197,26 @@ def percentiles(values: list[float]) -> dict:
     }
 
 
+TIER_SUMS = ("hit_tokens", "bytes_in", "bytes_out", "loads", "load_s", "evictions", "dropped", "pages")
+
+
+def kv_tiers(run: DeploymentRun) -> dict:
+    """Per tier below device memory (host, disk, pool), over the workers' last reports: prompt tokens
+    loaded instead of computed, bytes loaded and saved, loads and their mean and longest time, names
+    evicted for room, pages dropped by a check, pages held at the end."""
+    out: dict[str, dict] = {}
+    for t in run.timelines:
+        for tier, c in t.kv_tiers.items():
+            s = out.setdefault(tier, {k: 0 for k in TIER_SUMS} | {"load_max_s": 0.0})
+            for k in TIER_SUMS:
+                s[k] += getattr(c, k)
+            s["load_max_s"] = max(s["load_max_s"], c.load_max_s)
+    for s in out.values():
+        total = s.pop("load_s")
+        s["load_mean_s"] = total / s["loads"] if s["loads"] else None
+    return out
+
+
 def summarize(run: DeploymentRun, rows: list[dict], slo: SloConfig, rate: float | None) -> dict:
     done = [r for r in rows if r["error"] is None]
     duration = max(run.end - run.start, 1e-9)
@@ -231,6 +253,7 @@ def summarize(run: DeploymentRun, rows: list[dict], slo: SloConfig, rate: float 
                 ("prefix_hits", "prefix_hits"),
             )
         },
+        "kv_tiers": kv_tiers(run),
         "migrations": sum(r.migrations for r in run.results.values()),
         **({"by_turn": by_turn(rows)} if any("turn" in r for r in rows) else {}),
         "remote_prefills": sum(r["prefill"] == "remote" for r in rows),
@@ -270,6 +293,7 @@ def run_record(run: DeploymentRun, config: RunConfig, rate: float | None) -> dic
                 "name": t.name,
                 "role": t.role,
                 "steps": [[s - run.start, e - run.start, *rest] for s, e, *rest in t.steps],
+                "loads": [[s - run.start, e - run.start, *rest] for s, e, *rest in t.loads],
                 "free_pages": t.free_pages,
                 "num_pages": t.num_pages,
             }
@@ -380,6 +404,11 @@ def table(records: list[dict]) -> str:
         ("transfer p50 ms", [_ms(x["transfer_s"], "p50") for x in s]),
         ("KV moved MiB", [f"{x['transfer_bytes'] / 2**20:.1f}" for x in s]),
         ("prefix cache hit %", [_pct(x.get("prefix_hit_rate")) for x in s]),
+        *(
+            [("tier hit tokens host/disk/pool", [_tier_hits(x.get("kv_tiers") or {}) for x in s])]
+            if any(x.get("kv_tiers") for x in s)
+            else []
+        ),
         ("throughput req/s", [f"{x['throughput_rps']:.2f}" for x in s]),
         ("output tok/s", [f"{x['output_tokens_per_s']:.1f}" for x in s]),
         ("SLO attainment %", [f"{x['attainment_pct']:.0f}" for x in s]),
@@ -397,6 +426,10 @@ def table(records: list[dict]) -> str:
         " | ".join([k.ljust(w0)] + [x.rjust(w) for x, w in zip(v, widths, strict=True)]) for k, v in lines
     ]
     return "\n".join(out)
+
+
+def _tier_hits(tiers: dict) -> str:
+    return "/".join(str(tiers[t]["hit_tokens"]) if t in tiers else "-" for t in ("host", "disk", "pool"))
 
 
 def _pct(x: float | None) -> str:

@@ -279,6 +279,58 @@ class LauncherConfig:
             object.__setattr__(self, "ray", RayConfig())
 
 
+UNITS = {"": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+
+
+def byte_count(key: str, value) -> int:
+    """A size in bytes: an integer, or a string with a binary unit ("512MiB", "4 GiB")."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if isinstance(value, str):
+        number = value.rstrip("BKMGTi ")
+        unit = value[len(number) :].strip()
+        if unit in UNITS and number.strip().isdigit():
+            return int(number) * UNITS[unit]
+    refuse(key, value, f"a size in bytes: an integer >= 0 or a number with a unit of {list(UNITS)[2:]}")
+
+
+@dataclass(frozen=True)
+class KVTiersSpec:
+    """`kv_tiers`: KV below every worker's device pages (engine.config.KVTiersConfig; off by default):
+    a host pool and files per worker, and the pool every worker shares (Mooncake Store)."""
+
+    host_bytes: int | str = 0  # per worker; 0: no host tier
+    disk_bytes: int | str = 0  # per worker; 0: no disk tier
+    # where each worker's files go (<disk_dir>/<deployment>/<worker>, kept after the run); null: in the
+    # run's private directory, removed when the deployment stops
+    disk_dir: str | None = None
+    policy: str = "on_evict"  # on_evict | write_through (engine.config.KVTiersConfig)
+    store: str = "none"  # none | mooncake: a pool every worker of the deployment shares
+    store_bytes: int | str = "1GiB"  # the pool's memory (held by the store's own process)
+    store_host: str = "127.0.0.1"  # where its master and memory listen
+    store_deadline_s: float = 2.0  # every store call's deadline; past it the pool is a miss
+
+    def __post_init__(self):
+        for key in ("host_bytes", "disk_bytes", "store_bytes"):
+            object.__setattr__(self, key, byte_count(f"kv_tiers.{key}", getattr(self, key)))
+        self.engine(disk_dir="/")  # the engine's own checks, with kv_tiers.* names
+
+    def engine(self, disk_dir: str | None = None, secret: str = "", **store):
+        """This worker's engine.config.KVTiersConfig (disk_dir resolved, the store's addresses)."""
+        from engine.config import KVTiersConfig
+
+        return KVTiersConfig(
+            host_bytes=self.host_bytes,
+            disk_bytes=self.disk_bytes,
+            disk_dir=disk_dir if self.disk_bytes else None,
+            policy=self.policy,
+            store=self.store,
+            store_deadline_s=self.store_deadline_s,
+            secret=secret,
+            **store,
+        )
+
+
 @dataclass(frozen=True)
 class RuntimeConfig:
     """What the deployment runtime needs to start and serve deployments, for the main job and the HTTP
@@ -290,6 +342,7 @@ class RuntimeConfig:
     transfer: TransferConfig = field(default_factory=TransferConfig)
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    kv_tiers: KVTiersSpec = field(default_factory=KVTiersSpec)
     run_timeout_s: float = 600.0  # the whole run; requests not finished by then are recorded as errors
     start_timeout_s: float = 300.0  # every worker up and connected
     log_level: str = "INFO"  # of the run's log (run.log in the run folder) and logs/ (one file per worker)
@@ -337,6 +390,7 @@ def runtime_parts(cfg: dict) -> dict:
         transfer=transfer,
         kernels=kernels,
         launcher=launcher,
+        kv_tiers=of_dict(KVTiersSpec, "kv_tiers", cfg.get("kv_tiers")),
         **run,
     )
 

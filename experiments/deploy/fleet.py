@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import shutil
 import time
 from dataclasses import dataclass, field, replace
@@ -73,6 +74,9 @@ def worker_specs(
         return out
 
     names = worker_names(d)
+    tiers, secret = config.kv_tiers, secrets.token_hex(32)  # keys the pages' MACs in the shared pool
+    disk = os.path.join(tiers.disk_dir, d.name) if tiers.disk_dir else os.path.join(run_dir, "kv")
+    tiered = tiers.host_bytes > 0 and d.prefix_caching  # the tiers keep prefix-cache pages
     prefill = tuple(n for n in names if n.startswith("prefill-"))
     decode = tuple(n for n in names if n.startswith("decode-"))
     common = dict(
@@ -102,6 +106,8 @@ def worker_specs(
                 cores=cores(tp),
                 seed=seed,
                 wait_for=wait_for,
+                # a restarted worker finds its own files again
+                kv_tiers=tiers.engine(os.path.join(disk, name), secret) if tiered else None,
                 **common,
             )
         )

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from enum import StrEnum
 
+import msgspec
+
 from engine.sequence import SamplingParams
 from transfer.protocol import check_request, check_request_id
 from transfer.wire import Codec, Message
@@ -142,6 +144,20 @@ class Switched(Message):
 LOAD_EVERY_S = 0.5  # how often a worker sends its Load
 
 
+class TierCounters(msgspec.Struct, forbid_unknown_fields=True):
+    """One KV tier of a worker, so far (engine.kv_tiers.TierStats, and the pages it holds now)."""
+
+    hit_tokens: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    loads: int = 0
+    load_s: float = 0.0
+    load_max_s: float = 0.0
+    evictions: int = 0
+    dropped: int = 0
+    pages: int = 0
+
+
 class Load(Message):
     """A worker's state, every LOAD_EVERY_S (the server's /metrics, the router's cache and speed)."""
 
@@ -155,6 +171,7 @@ class Load(Message):
     prefix_queries: int = 0  # prompt tokens looked up in its prefix cache, and found there (so far)
     prefix_hits: int = 0
     cached_pages: int = 0  # pages its prefix cache names now
+    kv_tiers: dict[str, TierCounters] = {}  # host, disk, pool (kv_tiers): per tier, so far
     # (stored?, page name) since its last Load: the router's view of its cache (Dynamo's KV events)
     cache_events: list[tuple[bool, bytes]] = []
     # so far: prompt tokens computed and the time of the steps that computed them; steps that only
@@ -224,6 +241,9 @@ class Timeline(Message):
     prefix_queries: int = 0  # as in Load
     prefix_hits: int = 0
     cached_pages: int = 0
+    kv_tiers: dict[str, TierCounters] = {}
+    # loads from the tiers below device memory: (start, end, tier of most of its pages, pages loaded)
+    loads: list[tuple[float, float, str, int]] = []
     free_pages: int = -1  # when it stopped, of num_pages (every page free: nothing leaked)
     num_pages: int = -1
 

@@ -81,6 +81,20 @@ class Metrics:
             "pdk_prefix_cached_pages", "KV pages a worker's prefix cache names", ["worker"], registry=r
         )
         self._preemption_seen: dict[tuple[str, str], int] = {}
+        # per worker and tier below device memory (kv_tiers), from its Load reports
+        self.tier_counters = {
+            key: Counter(f"pdk_kv_tier_{key}", what, ["worker", "tier"], registry=r)
+            for key, what in (
+                ("hit_tokens", "Prompt tokens loaded from a KV tier instead of computed"),
+                ("bytes_in", "Bytes loaded from a KV tier into device pages"),
+                ("bytes_out", "Bytes saved into a KV tier"),
+                ("loads", "Loads that took pages from a KV tier"),
+                ("load_s", "Seconds those loads took, queueing included"),
+                ("evictions", "Pages a KV tier dropped for room"),
+                ("dropped", "Pages that failed a check (size, namespace, MAC) or a read, recomputed"),
+            )
+        }
+        self.tier_pages = Gauge("pdk_kv_tier_pages", "Pages a KV tier holds", ["worker", "tier"], registry=r)
         self.drafted = Counter("pdk_spec_drafted_tokens", "Speculative tokens proposed", registry=r)
         self.accepted = Counter("pdk_spec_accepted_tokens", "Speculative tokens accepted", registry=r)
         self.verifies = Counter("pdk_spec_verify_steps", "Steps that verified drafts", registry=r)
@@ -191,4 +205,10 @@ class Metrics:
                 now, seen = getattr(load, key), self._preemption_seen.get((name, key), 0)
                 counter.labels(name).inc(now - seen if now >= seen else now)  # < seen: restarted
                 self._preemption_seen[name, key] = now
+            for tier, c in load.kv_tiers.items():
+                self.tier_pages.labels(name, tier).set(c.pages)
+                for key, counter in self.tier_counters.items():
+                    now, seen = getattr(c, key), self._preemption_seen.get((name, f"{tier}.{key}"), 0)
+                    counter.labels(name, tier).inc(now - seen if now >= seen else now)
+                    self._preemption_seen[name, f"{tier}.{key}"] = now
         return generate_latest(self.registry)

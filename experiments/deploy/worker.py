@@ -39,6 +39,7 @@ from experiments.deploy.messages import (
     Stop,
     Submit,
     SwitchRole,
+    TierCounters,
     Timeline,
     worker_codec,
 )
@@ -73,6 +74,7 @@ class WorkerSpec:
     # decode: the peers whose Hello it waits for before it is Ready (None: every one). An elastic
     # deployment's workers are each other's peers; those not prefilling yet join when they Hello
     wait_for: tuple[str, ...] | None = None
+    kv_tiers: object = None  # engine.config.KVTiersConfig: its host, disk and pool tiers (None: off)
 
 
 def worker_main(spec: WorkerSpec) -> None:
@@ -143,6 +145,7 @@ class Worker(RoleSwitching):
             fair_share=d.fair_share,
             preemption="refetch" if d.decode_preemption == "refetch" else "recompute",
             expert_parallel=m.expert_parallel,
+            kv_tiers=spec.kv_tiers,
         )
         self.timeline = Timeline(spec.name, spec.role)
         self.live: dict[str, float] = {}  # request -> when it was received
@@ -323,6 +326,7 @@ class Worker(RoleSwitching):
             "prefix_queries": cache["queries"],
             "prefix_hits": cache["hits"],
             "cached_pages": cache["cached_pages"],
+            "kv_tiers": {t: TierCounters(**c) for t, c in self.llm.kv_tier_stats.items()},
         }
 
     def _handle(self, msg) -> None:
@@ -405,6 +409,8 @@ class Worker(RoleSwitching):
             self.timeline.steps.append(
                 (stats.start, stats.end, stats.prefill_tokens, stats.decode_tokens, stats.verify_steps)
             )
+            if self.llm.tiers is not None:  # loads from below device memory, drawn beside the steps
+                self.timeline.loads += self.llm.tiers.take_loads()
             speed = self.speed
             if stats.prefill_tokens:
                 speed["prefill_tokens"] += stats.prefill_tokens

@@ -60,6 +60,16 @@ needs.nixl()
         ("workload.sampling.temperature=-1", "workload.sampling.temperature: temperature must be 0 (greedy)"),
         ("+workload.sampling.tempreature=1", "workload.sampling has unknown key(s) ['tempreature']"),
         (
+            "kv_tiers.host_bytes=lots",
+            "kv_tiers.host_bytes='lots' is not allowed: a size in bytes: an integer >= 0 or a number with a "
+            "unit of ['KiB', 'MiB', 'GiB', 'TiB']",
+        ),
+        ("kv_tiers.host_bytes=-1", "kv_tiers.host_bytes=-1 is not allowed: a size in bytes"),
+        ("kv_tiers.policy=lru", "kv_tiers.policy must be one of ('on_evict', 'write_through'), got 'lru'"),
+        ("kv_tiers.store=redis", "kv_tiers.store must be one of ('none', 'mooncake'), got 'redis'"),
+        ("kv_tiers.disk_bytes=1GiB", "kv_tiers.disk_bytes and kv_tiers.store stage pages through the host"),
+        ("+kv_tiers.hots_bytes=1", "kv_tiers has unknown key(s) ['hots_bytes']"),
+        (
             "workload.sampling.structured_outputs={regex: 1}",
             "workload.sampling.structured_outputs.regex: structured_outputs.regex must be a non-empty string",
         ),

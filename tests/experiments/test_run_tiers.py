@@ -1,0 +1,46 @@
+"""KV tiers through the main job (kv_tiers.*): workers whose device cache is too small for the
+conversations they serve bring each history back from the host pool (and files) instead of computing it,
+with the same replies as no cache at all, and report it per tier."""
+
+from experiments.run import run
+from tests import needs
+from tests.experiments.runs import TINY, _cfg, _outputs
+
+needs.nixl()
+
+MULTITURN = ["workload=multiturn", "workload.conversations=4", "workload.turns=3", "workload.concurrency=4"]
+MULTITURN += ["workload.system_prompt_len=40", "workload.turn_len=12", "workload.think_time_s=0.05"]
+MULTITURN += ["workload.output_len.value=8", "model.page_size=4", "model.num_pages=40"]
+ONE = "kind: colocated, num_workers: 1"
+PAIR = f"deployments=[{{name: tiers, {ONE}}}, {{name: plain, {ONE}, prefix_caching: false}}]"
+
+
+def _later_turns(record):
+    return [r for r in record["requests"] if r["turn"] > 0]
+
+
+def test_later_turns_load_their_history_from_the_host_pool(tmp_path):
+    tiers, plain = run(
+        _cfg([*TINY[:1], *TINY[8:], *MULTITURN, PAIR, "kv_tiers.host_bytes=64MiB"]), tmp_path, progress=False
+    )
+    assert tiers["summary"]["completed"] == plain["summary"]["completed"] == 12
+    assert _outputs(tiers) == _outputs(plain)
+    for r in _later_turns(tiers):  # its whole history (to a page), from the device cache or the host pool
+        assert r["cached_tokens"] >= r["prompt_tokens"] - r["new_tokens"] - 4
+    host = tiers["summary"]["kv_tiers"]["host"]
+    assert host["hit_tokens"] > 0 and host["bytes_in"] > 0 and host["load_mean_s"] > 0
+    assert plain["summary"]["kv_tiers"] == {}  # no prefix cache, no tiers
+    loads = [x for t in tiers["timelines"] for x in t["loads"]]
+    assert loads and all(end >= start and tier == "host" and pages > 0 for start, end, tier, pages in loads)
+    assert all(t["free_pages"] == t["num_pages"] for rec in (tiers, plain) for t in rec["timelines"])
+
+
+def test_files_behind_a_small_host_pool_in_the_run_folder(tmp_path):
+    overrides = ["kv_tiers.host_bytes=64KiB", "kv_tiers.disk_bytes=8MiB", f"kv_tiers.disk_dir={tmp_path}/kv"]
+    overrides += ["kv_tiers.policy=write_through"]
+    (tiers, plain) = run(_cfg([*TINY[:1], *TINY[8:], *MULTITURN, PAIR, *overrides]), tmp_path, progress=False)
+    assert _outputs(tiers) == _outputs(plain)
+    disk = tiers["summary"]["kv_tiers"]["disk"]
+    assert disk["hit_tokens"] > 0 and disk["bytes_out"] > 0 and disk["dropped"] == 0
+    assert (tmp_path / "kv" / "tiers" / "colocated-0" / "pages").exists()  # <disk_dir>/<deployment>/<worker>
+    assert not (tmp_path / "kv" / "plain").exists()
