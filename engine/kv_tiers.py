@@ -27,9 +27,10 @@ from torch import Tensor
 from engine.config import KVTiersConfig
 from engine.kv_disk import DiskTier
 from engine.kv_pages import HostPool, PageFormat
+from engine.kv_pool import PoolTier
 
 log = logging.getLogger(__name__)
-TIERS = ("host", "disk")
+TIERS = ("host", "disk", "pool")
 _LOAD, _WRITE = 0, 1  # I/O queue priorities
 
 
@@ -53,6 +54,7 @@ class Load:
         self.plan, self.pages, self.deadline = plan, pages, deadline  # plan: (tier, name, host, disk slot)
         self.lock = threading.Lock()
         self.ok, self.cancelled, self.finished = 0, False, False
+        self.late: set[int] = set()  # host slots a pool get past its deadline may still write
         self.started, self.began = time.monotonic(), time.perf_counter()
 
     @property
@@ -88,6 +90,19 @@ class KVTiers:
                 )
             except OSError as e:  # a full or missing disk: the engine serves without this tier
                 log.warning("kv_tiers: no disk tier in %s: %s", config.disk_dir, e)
+        self.pool: PoolTier | None = None
+        self.share = True  # put the pages it computes into the pool (not a decode worker's: set_role)
+        if config.store == "mooncake":
+            try:
+                self.pool = PoolTier(
+                    config.store_master,
+                    config.store_metadata,
+                    self.host.memory,
+                    space,
+                    config.store_deadline_s,
+                )
+            except Exception as e:  # a store that is not there: the engine serves without the pool
+                log.warning("kv_tiers: no shared pool at %s: %s", config.store_master, e)
         self.stats = {tier: TierStats() for tier in TIERS}
         self._results: queue.SimpleQueue = queue.SimpleQueue()  # callbacks for the engine's thread
         self._jobs: queue.PriorityQueue = queue.PriorityQueue()
@@ -110,6 +125,8 @@ class KVTiers:
                 found.append("disk")
             else:
                 break
+        if self.pool is not None and len(found) < len(names):
+            found += ["pool"] * self.pool.find(names[len(found) :])
         return found
 
     def load(self, names: list[bytes], tiers: list[str], pages: list[int]) -> Load:
@@ -121,19 +138,37 @@ class KVTiers:
                 if slot is None:
                     break
             else:  # staged through a host slot; one load takes at most half of them
-                disk_slot = self.disk.get(name)
+                disk_slot = self.disk.get(name) if tier == "disk" else None
                 full = len(plan) >= self.host.num_slots // 2
-                taken = self._take_host() if disk_slot is not None and not full else None
+                taken = None if full or (tier == "disk" and disk_slot is None) else self._take_host()
                 if taken is None:
                     break
                 slot, dropped = taken
                 self.stats["host"].evictions += dropped is not None
-                self.disk.busy[disk_slot] += 1
+                if disk_slot is not None:
+                    self.disk.busy[disk_slot] += 1
             self.host.busy[slot] += 1
             plan.append((tier, name, slot, disk_slot))
         job = Load(plan, pages[: len(plan)], time.monotonic() + self.config.store_deadline_s)
         self._submit(_LOAD, lambda: self._run_load(job))
         return job
+
+    def evicted(self, page: int, name: bytes) -> None:
+        """The allocator is about to reuse a named page whose KV still holds (policy on_evict)."""
+        if self.config.policy == "on_evict":
+            self.save(page, name)
+
+    def named(self, page: int, name: bytes) -> None:
+        """A page was just computed and named: write-through saves it, and the pool gets a copy."""
+        if self.config.policy == "write_through":
+            self.save(page, name)
+        if self.pool is not None and self.share and self.pool.client.up and not self.pool.holds(name):
+            slot = self.host.get(name)
+            if slot is None:
+                self.save(page, name)
+                slot = self.host.get(name)
+            if slot is not None:
+                self._put_pool(name, slot)
 
     def save(self, page: int, name: bytes) -> None:
         """Device page (holding name's KV) into the host pool, and behind it into the disk tier."""
@@ -194,10 +229,11 @@ class KVTiers:
 
     def summary(self) -> dict[str, dict]:
         out = {}
+        held = {"host": len(self.host), "disk": len(self.disk or ()), "pool": self.pool and self.pool.puts}
         for tier, s in self.stats.items():
-            if tier == "disk" and self.disk is None:
+            if (tier == "disk" and self.disk is None) or (tier == "pool" and self.pool is None):
                 continue
-            out[tier] = {**asdict(s), "pages": len(self.host if tier == "host" else self.disk)}
+            out[tier] = {**asdict(s), "pages": held[tier]}  # the pool's: pages this worker put
         return out
 
     def clear(self) -> int:
@@ -211,6 +247,8 @@ class KVTiers:
         self._io.join(timeout=5)
         if self.disk is not None:
             self.disk.close()
+        if self.pool is not None:
+            self.pool.close()
 
     def _write_disk(self, name: bytes, slot: int) -> None:
         disk_slot = self.disk.take()
@@ -229,6 +267,31 @@ class KVTiers:
 
         self._submit(_WRITE, write)
 
+    def _put_pool(self, name: bytes, slot: int) -> None:
+        self.host.busy[slot] += 1
+        self.pool.stored(name)  # so that no other step puts it again meanwhile
+        size = self.fmt.slot_bytes
+
+        def put():
+            key = self.pool.key(name)
+            if self.pool.client.exists([key])[0]:  # another worker's: an RPC is cheaper than a page
+                state = "held"
+            else:
+                self.fmt.stamp(self.host.view(slot), name)
+                state = self.pool.client.put(key, slot * size, size)
+            self._results.put(lambda: self._pool_put(name, slot, state))
+
+        self._submit(_WRITE, put)
+
+    def _pool_put(self, name: bytes, slot: int, state: str) -> None:
+        if state != "late":  # a put still reading its slot keeps it busy
+            self.host.busy[slot] -= 1
+        if state == "ok":
+            self.stats["pool"].bytes_out += self.fmt.payload
+            self.pool.puts += 1
+        elif state != "held":
+            self.pool.forget(name)
+
     def _disk_written(self, name: bytes, slot: int, disk_slot: int, state: str) -> None:
         self.disk.busy[disk_slot] -= 1
         self._writes -= 1
@@ -245,8 +308,10 @@ class KVTiers:
                 self.disk.busy[disk_slot] -= 1
                 if read == "STUCK":
                     continue  # the read may still land in its host slot: that slot stays busy
+            if tier == "pool" and slot in job.late:
+                continue  # likewise a get past its deadline
             self.host.busy[slot] -= 1
-            if tier == "disk":
+            if tier != "host":
                 if i < job.ok:
                     self.host.put(name, slot)  # it is a host page now too
                 else:
@@ -292,6 +357,16 @@ class KVTiers:
                     if why is not None:
                         self._results.put(lambda name=name, why=why: self._bad("disk", name, why))
                         break
+                elif tier == "pool":
+                    if job.cancelled or time.monotonic() > job.deadline:
+                        break
+                    got = self.pool.client.get(self.pool.key(name), slot * size, size)
+                    if got == "late":
+                        job.late.add(slot)
+                    why = f"the get {got}" if got != "ok" else self.fmt.check(view, name)
+                    if why is not None:
+                        self._results.put(lambda name=name, why=why: self._bad("pool", name, why))
+                        break
                 with job.lock:
                     if job.cancelled:
                         break
@@ -304,7 +379,11 @@ class KVTiers:
 
     def _bad(self, tier: str, name: bytes, why: str) -> None:
         """A page that failed its check is dropped from its tier and computed instead."""
-        log.warning("kv_tiers: a %s page was dropped and will be recomputed: %s", tier, why)
         self.stats[tier].dropped += 1
         if tier == "disk" and self.disk is not None:
             self.disk.drop(name)
+        if tier == "pool":
+            self.pool.forget(name)
+            if "get miss" in why or "get failed" in why:  # evicted meanwhile, or the store is down
+                return
+        log.warning("kv_tiers: a %s page was dropped and will be recomputed: %s", tier, why)

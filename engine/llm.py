@@ -164,10 +164,8 @@ class LLM(EngineCore, DecodeHandoff, StepSampling):
             raise ValueError("kv_tiers keep prefix-cache pages: they need enable_prefix_caching=True")
         space = namespace(model, self.kv_cache, c.dtype, c.cache.kv_layout, c.tp)
         tiers = KVTiers(c.kv_tiers, self.kv_caches, space, c.cache.page_size)
-        if c.kv_tiers.policy == "write_through":
-            self.allocator.on_named = tiers.save
-        else:
-            self.allocator.on_evict = tiers.save
+        self.allocator.on_evict, self.allocator.on_named = tiers.evicted, tiers.named
+        tiers.share = c.scheduler.role != "decode"  # a decode worker's pages came from a prefill worker
         self.scheduler.tiers = tiers
         return tiers
 
@@ -195,6 +193,8 @@ class LLM(EngineCore, DecodeHandoff, StepSampling):
         if role == "prefill" and self.counter is None:
             self.counter = make_layer_counter(self.config.model.num_layers, self.kv_cache.device)
         self.listener = None  # the new role's messenger sets its own
+        if self.tiers is not None:
+            self.tiers.share = role != "decode"
 
     @property
     def kv_caches(self) -> list[torch.Tensor]:

@@ -24,7 +24,8 @@ results.json, schema "pdkernels.results/1" (stable: fields may be added, never r
   "prefix_hits" (prompt tokens looked up in its prefix cache, and found); "migrations" (requests that
   went on on another worker after theirs died: deployment.on_worker_death); "kv_tiers" (per tier below
   device memory, host | disk | pool, over the workers: hit_tokens, bytes_in, bytes_out, loads,
-  load_mean_s, load_max_s, evictions, dropped (failed a check), pages); "prefix_hit_rate" (cached
+  load_mean_s, load_max_s, evictions, dropped (failed a check), pages), "kv_tier_hits" ({worker: {tier:
+  hit tokens}}); "prefix_hit_rate" (cached
   prompt tokens over prompt tokens, the serving worker's cache); multiturn: "by_turn" (per turn index:
   requests, ttft_p50_s, prompt_tokens_mean, new_tokens_mean, cached_tokens_mean, transfer_bytes_mean).
 - request: "request_id", "worker", "prefill" (local | remote), "prefill_worker", "prompt_tokens",
@@ -254,6 +255,12 @@ def summarize(run: DeploymentRun, rows: list[dict], slo: SloConfig, rate: float 
             )
         },
         "kv_tiers": kv_tiers(run),
+        # per worker and tier: prompt tokens loaded from it (which worker reused what)
+        "kv_tier_hits": {
+            t.name: {tier: c.hit_tokens for tier, c in t.kv_tiers.items()}
+            for t in run.timelines
+            if t.kv_tiers
+        },
         "migrations": sum(r.migrations for r in run.results.values()),
         **({"by_turn": by_turn(rows)} if any("turn" in r for r in rows) else {}),
         "remote_prefills": sum(r["prefill"] == "remote" for r in rows),

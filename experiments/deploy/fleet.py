@@ -57,6 +57,7 @@ def worker_specs(
     run_dir: str,
     keys: dict[str, Credentials],
     first_core: int = 0,
+    store=None,
 ) -> list[WorkerSpec]:
     """Every worker of a deployment, with its peers, keys and cores (threads x TP each, round robin from
     first_core; none on an existing Ray cluster, whose nodes' cores this host cannot see: Ray reserves
@@ -77,6 +78,7 @@ def worker_specs(
     tiers, secret = config.kv_tiers, secrets.token_hex(32)  # keys the pages' MACs in the shared pool
     disk = os.path.join(tiers.disk_dir, d.name) if tiers.disk_dir else os.path.join(run_dir, "kv")
     tiered = tiers.host_bytes > 0 and d.prefix_caching  # the tiers keep prefix-cache pages
+    pool = {"store_master": store.master, "store_metadata": store.metadata} if store is not None else {}
     prefill = tuple(n for n in names if n.startswith("prefill-"))
     decode = tuple(n for n in names if n.startswith("decode-"))
     common = dict(
@@ -107,7 +109,7 @@ def worker_specs(
                 seed=seed,
                 wait_for=wait_for,
                 # a restarted worker finds its own files again
-                kv_tiers=tiers.engine(os.path.join(disk, name), secret) if tiered else None,
+                kv_tiers=tiers.engine(os.path.join(disk, name), secret, **pool) if tiered else None,
                 **common,
             )
         )
@@ -136,6 +138,7 @@ class Fleet:
     switching: dict[str, str] = field(default_factory=dict)  # elastic worker -> the role it moves to
     releasing: dict[str, set] = field(default_factory=dict)  # leaving prefill worker -> decode workers
     # that may still have something in flight there (their Released has not come)
+    store: object = None  # the KV pool's processes (kv_tiers.store: transfer.backends.mooncake)
 
     @property
     def frontends(self) -> list[str]:
@@ -281,6 +284,8 @@ class Fleet:
             self.sock.close()
             if self.launcher is not None:
                 self.launcher.shutdown(self.procs)
+            if self.store is not None:  # after the workers, its clients
+                self.store.stop()
             shutil.rmtree(self.run_dir, ignore_errors=True)
 
 
@@ -304,13 +309,20 @@ def start_fleet(
     keys = keyring(["driver"] + worker_names(d))
     sock = driver_socket(keys, run_dir, replace(config.transfer, control_host=launcher.control_host()))
     driver_address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-    specs = worker_specs(config, d, driver_address, run_dir, keys, first_core)
+    try:
+        store = _start_store(config, d, log_dir or Path(run_dir))
+    except BaseException:
+        sock.close()
+        shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+    specs = worker_specs(config, d, driver_address, run_dir, keys, first_core, store)
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
         specs = [
             replace(s, log_file=str(log_dir / f"{s.name}.log"), log_level=config.log_level) for s in specs
         ]
     fleet = Fleet(sock, {}, {s.name: s.role for s in specs}, run_dir, launcher, config.start_timeout_s)
+    fleet.store = store
     try:
         fleet.procs = launcher.start(specs)
         _await_ready(fleet, config.start_timeout_s)
@@ -318,6 +330,16 @@ def start_fleet(
         fleet.stop()
         raise
     return fleet
+
+
+def _start_store(config: RuntimeConfig, d: DeploymentConfig, log_dir: Path):
+    """The deployment's KV pool (kv_tiers.store), started before its workers, who are its clients."""
+    tiers = config.kv_tiers
+    if tiers.store == "none" or not tiers.host_bytes or not d.prefix_caching:
+        return None
+    from transfer.backends.mooncake import StoreProcesses
+
+    return StoreProcesses(tiers.store_host, tiers.store_bytes, str(log_dir), config.start_timeout_s)
 
 
 def _await_ready(fleet: Fleet, timeout_s: float) -> None:

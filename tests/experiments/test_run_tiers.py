@@ -2,6 +2,8 @@
 conversations they serve bring each history back from the host pool (and files) instead of computing it,
 with the same replies as no cache at all, and report it per tier."""
 
+import subprocess
+
 from experiments.run import run
 from tests import needs
 from tests.experiments.runs import TINY, _cfg, _outputs
@@ -13,6 +15,11 @@ MULTITURN += ["workload.system_prompt_len=40", "workload.turn_len=12", "workload
 MULTITURN += ["workload.output_len.value=8", "model.page_size=4", "model.num_pages=40"]
 ONE = "kind: colocated, num_workers: 1"
 PAIR = f"deployments=[{{name: tiers, {ONE}}}, {{name: plain, {ONE}, prefix_caching: false}}]"
+
+
+def _store_pids() -> set[str]:
+    ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()
+    return {line.split()[0] for line in ps if "mooncake" in line and "ps -eo" not in line}
 
 
 def _later_turns(record):
@@ -44,3 +51,32 @@ def test_files_behind_a_small_host_pool_in_the_run_folder(tmp_path):
     assert disk["hit_tokens"] > 0 and disk["bytes_out"] > 0 and disk["dropped"] == 0
     assert (tmp_path / "kv" / "tiers" / "colocated-0" / "pages").exists()  # <disk_dir>/<deployment>/<worker>
     assert not (tmp_path / "kv" / "plain").exists()
+
+
+def test_round_robin_turns_find_their_history_in_the_shared_pool(tmp_path):
+    """Two colocated workers, each turn to the other one: the history another worker computed comes
+    from the Mooncake Store pool the launcher started (and stopped: nothing of it is left)."""
+    two = "kind: colocated, num_workers: 2, routing: round_robin"
+    pair = f"deployments=[{{name: pool, {two}}}, {{name: plain, {two}, prefix_caching: false}}]"
+    overrides = ["kv_tiers.host_bytes=64MiB", "kv_tiers.store=mooncake", "kv_tiers.store_bytes=64MiB"]
+    before = _store_pids()
+    pool, plain = run(_cfg([*TINY[:1], *TINY[8:], *MULTITURN, pair, *overrides]), tmp_path, progress=False)
+    assert _outputs(pool) == _outputs(plain)
+    for r in _later_turns(pool):
+        assert r["cached_tokens"] >= r["prompt_tokens"] - r["new_tokens"] - 4
+    hits = pool["summary"]["kv_tier_hits"]
+    assert hits["colocated-0"]["pool"] > 0 and hits["colocated-1"]["pool"] > 0  # each reused the other's
+    assert pool["summary"]["kv_tiers"]["pool"]["dropped"] == 0
+    assert _store_pids() <= before  # the pool's processes stopped with the deployment
+
+
+def test_a_second_prefill_worker_reuses_the_first_ones_prefixes_through_the_pool(tmp_path):
+    deployment = "deployment={name: 2p1d, kind: disaggregated, num_prefill: 2, num_decode: 1}"
+    overrides = ["kv_tiers.host_bytes=64MiB", "kv_tiers.store=mooncake", "kv_tiers.store_bytes=64MiB"]
+    (record,) = run(
+        _cfg([*TINY[:1], *TINY[8:], *MULTITURN, deployment, *overrides]), tmp_path, progress=False
+    )
+    assert record["summary"]["completed"] == 12
+    hits = record["summary"]["kv_tier_hits"]
+    assert hits["prefill-0"]["pool"] + hits["prefill-1"]["pool"] > 0
+    assert all(t["free_pages"] == t["num_pages"] for t in record["timelines"])

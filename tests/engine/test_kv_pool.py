@@ -1,0 +1,125 @@
+"""The shared KV pool (engine/kv_pool.py over Mooncake Store, transfer/backends/mooncake.py): an engine
+loads what another one computed, with the same greedy text as no cache; a page of another secret, salt,
+size or namespace is never used; a store that dies or hangs turns into misses within the deadline."""
+
+import logging
+import os
+import random
+import signal
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.kv_cache import page_hashes
+from tests import needs
+from transfer.backends.mooncake import StoreClient, StoreProcesses, link_libraries
+
+needs.nixl()
+GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
+SMALL = {"model": "tiny-random", "page_size": 4, "num_pages": 48, "max_num_seqs": 2}
+
+
+def _prompts(n=3, seed=0, length=120):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 49000) for _ in range(length)] for _ in range(n)]
+
+
+def _one_by_one(llm, prompts, params=GREEDY):
+    return [llm.generate([p], params)[0] for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return [o.token_ids for o in _one_by_one(LLM(enable_prefix_caching=False, **SMALL), _prompts())]
+
+
+@pytest.fixture
+def store(tmp_path):
+    processes = StoreProcesses("127.0.0.1", 64 << 20, str(tmp_path / "logs"))
+    yield processes
+    processes.stop()
+    assert not processes.procs
+
+
+def _tiers(store, **more):
+    return {
+        "host_bytes": 1 << 20,
+        "store": "mooncake",
+        "store_master": store.master,
+        "store_metadata": store.metadata,
+        "secret": "deployment secret",
+        **more,
+    }
+
+
+def test_the_libraries_mooncake_needs_are_linked_once():
+    assert link_libraries() == []  # make did it; a second time links nothing
+
+
+def test_an_engine_loads_what_another_computed(store, reference):
+    first = LLM(**SMALL, kv_tiers=_tiers(store))
+    _one_by_one(first, _prompts())
+    assert first.tiers.drain()
+    assert first.kv_tier_stats["pool"]["pages"] == 3 * 31  # every full page it computed, outputs too
+    second = LLM(**SMALL, kv_tiers=_tiers(store))  # another worker, or this one restarted: warm
+    outs = _one_by_one(second, _prompts())
+    assert [o.token_ids for o in outs] == reference
+    assert [o.num_cached_tokens for o in outs] == [116] * 3  # all but the page of the last token
+    pool = second.kv_tier_stats["pool"]
+    assert pool["hit_tokens"] == 3 * 116 and pool["bytes_in"] == 3 * 29 * second.tiers.fmt.payload
+    assert pool["dropped"] == 0 and pool["pages"] == 0  # the pool held every page it computed
+    assert second.tiers.drain() and second.allocator.num_free == second.allocator.num_pages
+
+
+def test_pages_of_another_secret_or_salt_are_never_used(store, reference, caplog):
+    _one_by_one(LLM(**SMALL, kv_tiers=_tiers(store)), _prompts())
+    other = LLM(**SMALL, kv_tiers=_tiers(store, secret="someone else's"))
+    with caplog.at_level(logging.WARNING, logger="engine.kv_tiers"):
+        outs = _one_by_one(other, _prompts())
+    assert [o.token_ids for o in outs] == reference
+    assert all(o.num_cached_tokens == 0 for o in outs) and "MAC" in caplog.text
+    assert other.kv_tier_stats["pool"]["dropped"] == 3
+    salted = LLM(**SMALL, kv_tiers=_tiers(store))
+    mallory = SamplingParams(max_tokens=6, ignore_eos=True, cache_salt="mallory")
+    assert all(o.num_cached_tokens == 0 for o in _one_by_one(salted, _prompts(), mallory))
+    assert salted.kv_tier_stats["pool"]["dropped"] == 0  # other names: nothing to check, nothing found
+
+
+def test_an_object_of_the_wrong_size_or_bytes_is_a_miss(store, reference):
+    writer = LLM(**SMALL, kv_tiers=_tiers(store))  # the first page's name of each prompt, as it names it
+    firsts = [page_hashes(p, 4, writer.scheduler.salt, [])[0] for p in _prompts()]
+    junk = torch.randint(0, 255, (writer.tiers.fmt.slot_bytes,), dtype=torch.uint8)
+    client = StoreClient(store.master, store.metadata, junk, 2.0)
+    assert client.put(writer.tiers.pool.key(firsts[0]), 0, 100) == "ok"  # too short
+    assert client.put(writer.tiers.pool.key(firsts[1]), 0, junk.numel()) == "ok"  # garbage
+    client.close()
+    reader = LLM(**SMALL, kv_tiers=_tiers(store))
+    outs = _one_by_one(reader, _prompts()[:2])
+    assert [o.token_ids for o in outs] == reference[:2]
+    assert [o.num_cached_tokens for o in outs] == [0, 0]
+    assert reader.kv_tier_stats["pool"]["dropped"] == 2
+
+
+@pytest.mark.parametrize("fault", ["killed", "hung"])
+def test_a_store_that_dies_or_hangs_mid_run_is_a_miss_within_the_deadline(store, reference, fault, caplog):
+    first = LLM(**SMALL, kv_tiers=_tiers(store, store_deadline_s=0.5))
+    _one_by_one(first, _prompts())
+    assert first.tiers.drain()
+    second = LLM(**SMALL, kv_tiers=_tiers(store, store_deadline_s=0.5))  # up while the store is
+    master = store.procs[0]
+    if fault == "killed":
+        master.kill()
+        master.wait()
+    else:
+        os.kill(master.pid, signal.SIGSTOP)
+    try:
+        with caplog.at_level(logging.WARNING, logger="transfer.backends.mooncake"):
+            outs = _one_by_one(second, _prompts())
+        assert [o.token_ids for o in outs] == reference
+        assert all(o.num_cached_tokens == 0 for o in outs)  # recomputed: the pool was a miss
+        assert not second.tiers.pool.client.up and "the pool is a miss" in caplog.text
+        assert second.tiers.drain() and second.allocator.num_free == second.allocator.num_pages
+    finally:
+        if fault == "hung":
+            os.kill(master.pid, signal.SIGCONT)

@@ -1,0 +1,297 @@
+"""Mooncake Store (https://github.com/kvcache-ai/Mooncake) as the KV pool every worker shares; the only
+module that imports `mooncake`.
+
+`StoreProcesses` is what a launcher starts beside the workers: the master (metadata of every object), an
+HTTP metadata server (Mooncake's own, bound to the host we give it: the master's built-in one binds every
+interface) and one memory process that holds the pool's bytes (`mooncake_client`, so that the pool
+outlives any worker). `StoreClient` is a worker's client: it mounts no memory of its own, registers its
+host pool's buffer and moves pages between it and the pool; every call runs on one thread of its own
+and has a deadline, past which the store counts as down for a while (a miss, never an error).
+
+On a CPU machine the wheel is `mooncake-transfer-engine-non-cuda`; its libraries need `libibverbs.so.1`
+and libnl, which NIXL's wheel ships under hashed names: `link_libraries()` links them where Mooncake's
+libraries look (its RPATH), once per environment (`make` does it; `python -m transfer.backends.mooncake`).
+
+Mooncake's TCP transfer engine listens on every interface (its port search binds INADDR_ANY) and does not
+authenticate peers; run the pool on a trusted network. What we keep: the master, the metadata server and
+the memory process's service bind to `host`, and every page carries a MAC keyed by the deployment's
+secret, so a page written by anyone else fails its check and is recomputed (engine/kv_pages.py).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import ctypes
+import glob
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+log = logging.getLogger(__name__)
+DOWN_FOR_S = 5.0  # after a failed or late call, the pool is skipped this long
+NO_OBJECT, TOO_SMALL = -704, -600  # Mooncake's codes for a key it does not hold, a buffer too small
+LATE, FAILED = object(), object()
+
+
+def _site() -> str:
+    import importlib.util
+
+    spec = importlib.util.find_spec("mooncake")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(
+            "kv_tiers.store=mooncake needs Mooncake Store: pip install '.[store]' (on a CPU machine "
+            "mooncake-transfer-engine-non-cuda), then python -m transfer.backends.mooncake"
+        )
+    return os.path.dirname(list(spec.submodule_search_locations)[0])
+
+
+def link_libraries() -> list[str]:
+    """Link the RDMA libraries NIXL's wheel ships (hashed names) under the names Mooncake's libraries
+    need, in the folder their RPATH reads; returns the links made (none when they exist)."""
+    site = _site()
+    libs = os.path.join(site, "mooncake_transfer_engine_non_cuda.libs")
+    if not os.path.isdir(libs):
+        return []  # the CUDA build links its own
+    made = []
+    for package in ("nixl_cu12.libs", "nixl_cu13.libs"):
+        for path in glob.glob(os.path.join(site, package, "lib*.so*")):
+            base = os.path.basename(path)
+            names = [base]
+            if base.startswith("libibverbs-"):
+                names.append("libibverbs.so.1")
+            elif not base.startswith("libnl-"):
+                continue
+            for name in names:
+                link = os.path.join(libs, name)
+                if not os.path.lexists(link):
+                    os.symlink(os.path.relpath(path, libs), link)
+                    made.append(link)
+    return made
+
+
+def _store_class():
+    # Mooncake logs through glog to stderr (a worker's console): its failures reach us as return codes,
+    # which this module logs; its INFO lines are noise there (errors it still prints)
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    try:
+        from mooncake.store import MooncakeDistributedStore
+    except ImportError as e:
+        raise ImportError(
+            f"Mooncake Store could not load ({e}): run `python -m transfer.backends.mooncake` once to "
+            "link the libraries it needs from NIXL's wheel"
+        ) from e
+    return MooncakeDistributedStore
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def local_address(master: str) -> str:
+    """This machine's address on the route to the master (loopback for a master on loopback)."""
+    host = master.rsplit(":", 1)[0]
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))  # no packet is sent: it only picks the route
+        return s.getsockname()[0]
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL when the process that started it dies (nothing left behind)."""
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+class StoreProcesses:
+    """A pool's master, metadata server and memory, started on host, stopped by stop()."""
+
+    def __init__(self, host: str, pool_bytes: int, log_dir: str, timeout_s: float = 60.0):
+        site = os.path.join(_site(), "mooncake")
+        self.host = host
+        rpc, metrics, meta, mem = (free_port(host) for _ in range(4))
+        self.master = f"{host}:{rpc}"
+        self.metadata = f"http://{host}:{meta}/metadata"
+        self.procs: list[subprocess.Popen] = []
+        os.makedirs(log_dir, exist_ok=True)
+        commands = {
+            "master": [
+                os.path.join(site, "mooncake_master"),
+                f"--rpc_address={host}",
+                f"--rpc_port={rpc}",
+                f"--metrics_host={host}",
+                f"--metrics_port={metrics}",
+                "--enable_http_metadata_server=false",
+            ],
+            "metadata": [
+                sys.executable,
+                "-m",
+                "mooncake.http_metadata_server",
+                "--host",
+                host,
+                "--port",
+                str(meta),
+            ],
+            "memory": [
+                os.path.join(site, "mooncake_client"),
+                f"--host={host}",
+                f"--port={mem}",
+                f"--master_server_address={self.master}",
+                f"--metadata_server={self.metadata}",
+                f"--global_segment_size={pool_bytes}",
+                "--local_buffer_size=16777216",
+                "--protocol=tcp",
+            ],
+        }
+        try:
+            for name, port in (("master", rpc), ("metadata", meta), ("memory", mem)):
+                with open(os.path.join(log_dir, f"store-{name}.log"), "ab") as out:
+                    self.procs.append(
+                        subprocess.Popen(
+                            commands[name],
+                            stdout=out,
+                            stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL,
+                            preexec_fn=_die_with_parent,
+                        )
+                    )
+                self._await_port(name, port, time.monotonic() + timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        log.warning(
+            "Mooncake Store pool of %d bytes: master %s (its transfer engine listens on every interface "
+            "without authenticating peers: keep it on a trusted network)",
+            pool_bytes,
+            self.master,
+        )
+
+    def _await_port(self, name: str, port: int, deadline: float) -> None:
+        while True:
+            if self.procs[-1].poll() is not None:
+                raise RuntimeError(
+                    f"the Mooncake Store {name} exited at start (code {self.procs[-1].returncode})"
+                )
+            try:
+                with socket.create_connection((self.host, port), timeout=1):
+                    return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"the Mooncake Store {name} did not listen on {port} in time"
+                    ) from None
+                time.sleep(0.05)
+
+    def alive(self) -> bool:
+        return all(p.poll() is None for p in self.procs)
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        for p in reversed(self.procs):
+            if p.poll() is None:
+                p.terminate()
+        for p in reversed(self.procs):
+            try:
+                p.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=5)
+        self.procs = []
+
+
+class StoreClient:
+    """A worker's client of the pool: pages move between its registered host buffer and the pool."""
+
+    def __init__(self, master: str, metadata: str, memory, deadline_s: float):
+        host = local_address(master)
+        os.environ.setdefault("MC_TCP_BIND_ADDRESS", host)  # the address it tells peers (not its bind)
+        self.deadline_s, self.down_until = deadline_s, 0.0
+        self._lock = threading.Lock()
+        self._calls = cf.ThreadPoolExecutor(1, thread_name_prefix="kv-pool")
+        self.store = _store_class()()
+        rc = self._call(self.store.setup, host, metadata, 0, 16 << 20, "tcp", "", master, wait=30.0)
+        if rc is LATE or rc is FAILED or rc != 0:
+            raise RuntimeError(f"Mooncake Store client setup failed (code {rc}) against master {master}")
+        self.base = memory.data_ptr()
+        self._memory = memory  # registered: must outlive the client's use of it
+        rc = self._call(self.store.register_buffer, self.base, memory.numel(), wait=30.0)
+        if rc is LATE or rc is FAILED or rc != 0:
+            raise RuntimeError(f"Mooncake Store could not register the host pool's buffer (code {rc})")
+
+    @property
+    def up(self) -> bool:
+        return time.monotonic() >= self.down_until
+
+    def _call(self, fn, *args, wait: float | None = None):
+        """fn(*args) on the client's own thread, within the deadline: its value, or LATE (it goes on on
+        that thread, so memory it was given stays in use) or FAILED (it raised)."""
+        future = self._calls.submit(fn, *args)
+        try:
+            return future.result(timeout=wait or self.deadline_s)
+        except cf.TimeoutError:
+            self._failed(getattr(fn, "__name__", "a call"), "past its deadline")
+            return LATE
+        except Exception as e:
+            self._failed(getattr(fn, "__name__", "a call"), repr(e))
+            return FAILED
+
+    def _failed(self, what: str, why) -> None:
+        """The pool is down for DOWN_FOR_S (one warning per outage)."""
+        with self._lock:
+            if self.up:
+                log.warning(
+                    "Mooncake Store %s failed (%s): the pool is a miss for %s s", what, why, DOWN_FOR_S
+                )
+            self.down_until = time.monotonic() + DOWN_FOR_S
+
+    def exists(self, keys: list[str]) -> list[bool]:
+        """Which keys the pool holds (all False while it is down)."""
+        if not self.up or not keys:
+            return [False] * len(keys)
+        found = self._call(self.store.batch_is_exist, keys)
+        if found in (LATE, FAILED) or any(f < 0 for f in found):
+            if found not in (LATE, FAILED):
+                self._failed("batch_is_exist", found)
+            return [False] * len(keys)
+        return [f == 1 for f in found]
+
+    def get(self, key: str, offset: int, nbytes: int) -> str:
+        """The object key into the buffer at offset (exactly nbytes): 'ok', 'miss' (evicted since, or
+        another size), 'failed' or 'late' (the buffer may still be written: keep it)."""
+        if not self.up:
+            return "failed"
+        n = self._call(self.store.get_into, key, self.base + offset, nbytes)
+        if n is LATE:
+            return "late"
+        if n is FAILED:
+            return "failed"
+        if n == nbytes:
+            return "ok"
+        if n in (NO_OBJECT, TOO_SMALL) or n >= 0:
+            return "miss"
+        self._failed("get_into", n)
+        return "failed"
+
+    def put(self, key: str, offset: int, nbytes: int) -> str:
+        """The buffer at offset as the object key: 'ok', 'failed' or 'late' (still being read)."""
+        if not self.up:
+            return "failed"
+        rc = self._call(self.store.put_from, key, self.base + offset, nbytes)
+        if rc is LATE:
+            return "late"
+        if rc is FAILED:
+            return "failed"
+        if rc != 0:
+            self._failed("put_from", rc)
+            return "failed"
+        return "ok"
+
+    def close(self) -> None:
+        self._calls.shutdown(wait=False, cancel_futures=True)
+
+
+if __name__ == "__main__":
+    print("\n".join(link_libraries()) or "Mooncake's libraries are linked already")
