@@ -50,24 +50,35 @@ def _site() -> str:
     return os.path.dirname(list(spec.submodule_search_locations)[0])
 
 
+ALIASES = {"libibverbs.so.1": "libibverbs-", "libnuma.so.1": "libnuma-", "libcurl.so.4": "libcurl-"}
+
+
+def _system_has(soname: str) -> bool:
+    try:
+        ctypes.CDLL(soname)
+        return True
+    except OSError:
+        return False
+
+
 def link_libraries() -> list[str]:
-    """Link the RDMA libraries NIXL's wheel ships (hashed names) under the names Mooncake's libraries
-    need, in the folder their RPATH reads; returns the links made (none when they exist)."""
+    """Link the libraries NIXL's wheel ships (hashed names, and the sonames Mooncake asks for: always
+    libibverbs, libnuma and libcurl where the system lacks them) into the folder Mooncake's libraries
+    read (their RPATH); returns the links made (none when they exist)."""
     site = _site()
     libs = os.path.join(site, "mooncake_transfer_engine_non_cuda.libs")
     if not os.path.isdir(libs):
         return []  # the CUDA build links its own
     made = []
     for package in ("nixl_cu12.libs", "nixl_cu13.libs"):
-        for path in glob.glob(os.path.join(site, package, "lib*.so*")):
+        for path in sorted(glob.glob(os.path.join(site, package, "lib*.so*"))):
             base = os.path.basename(path)
-            names = [base]
-            if base.startswith("libibverbs-"):
-                names.append("libibverbs.so.1")
-            elif not base.startswith("libnl-"):
-                continue
+            names = [base]  # what the aliased ones need, found through the same RPATH
+            names += [a for a, prefix in ALIASES.items() if base.startswith(prefix)]
             for name in names:
                 link = os.path.join(libs, name)
+                if name in ALIASES and name != "libibverbs.so.1" and _system_has(name):
+                    continue
                 if not os.path.lexists(link):
                     os.symlink(os.path.relpath(path, libs), link)
                     made.append(link)
