@@ -63,6 +63,7 @@ class DiskTier:
         self._slot: OrderedDict[bytes, int] = OrderedDict()  # name -> slot, least recently used first
         self.busy: Counter[int] = Counter()  # slots being read or written
         self.num_evicted = 0
+        self.notify = None  # (stored?, name) as names come and go (KVTiers' events for the router)
         self.alive = True
         self.key = _key(os.path.join(folder, "key"))
         self._replay(space)
@@ -119,6 +120,8 @@ class DiskTier:
             if not self.busy[slot]:
                 del self._slot[name]
                 self.num_evicted += 1
+                if self.notify is not None:
+                    self.notify(False, name)
                 return slot
         return None
 
@@ -128,6 +131,8 @@ class DiskTier:
             self._free.append(slot)
             return
         self._slot[name] = slot
+        if self.notify is not None:
+            self.notify(True, name)
         self._index.write(f"{slot} {name.hex()}\n")
         self._index.flush()
 
@@ -136,6 +141,8 @@ class DiskTier:
         slot = self._slot.pop(name, None)
         if slot is not None:
             self._free.append(slot)
+            if self.notify is not None:
+                self.notify(False, name)
 
     def clear(self) -> int:
         idle = [n for n, s in self._slot.items() if not self.busy[s]]

@@ -102,6 +102,7 @@ class HostPool:
         self._slot: OrderedDict[bytes, int] = OrderedDict()  # name -> slot, least recently used first
         self.busy = [0] * num_slots
         self.num_evicted = 0
+        self.notify = None  # (stored?, name) as names come and go (KVTiers' events for the router)
 
     def view(self, slot: int) -> Tensor:
         return self.memory[slot * self.slot_bytes : (slot + 1) * self.slot_bytes]
@@ -127,6 +128,8 @@ class HostPool:
             if not self.busy[slot]:
                 del self._slot[name]
                 self.num_evicted += 1
+                if self.notify is not None:
+                    self.notify(False, name)
                 return slot, name
         return None
 
@@ -136,6 +139,8 @@ class HostPool:
             self._free.append(slot)
             return False
         self._slot[name] = slot
+        if self.notify is not None:
+            self.notify(True, name)
         return True
 
     def give_back(self, slot: int) -> None:
@@ -146,6 +151,8 @@ class HostPool:
         slot = self._slot.pop(name, None)
         if slot is not None:
             self._free.append(slot)
+            if self.notify is not None:
+                self.notify(False, name)
 
     def clear(self) -> int:
         """Forget every idle name (busy slots keep theirs until idle); returns how many were dropped."""

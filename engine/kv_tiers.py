@@ -110,6 +110,11 @@ class KVTiers:
         self._landed = threading.Event()  # a load finished (wait() sleeps on it)
         self._writes = 0  # disk writes in flight (each holds a host slot busy)
         self._loads: list[tuple[float, float, str, int]] = []  # (start, end, main tier, pages): take_loads
+        # (tier, stored?, name) as names come and go below device memory, for a router (record_events)
+        self.events: list[tuple[str, bool, bytes]] | None = None
+        self.host.notify = lambda stored, name: self._event("host", stored, name)
+        if self.disk is not None:
+            self.disk.notify = lambda stored, name: self._event("disk", stored, name)
         self._io = threading.Thread(target=self._serve, name="kv-tiers-io", daemon=True)
         self._io.start()
 
@@ -221,6 +226,27 @@ class KVTiers:
         self._landed.wait(timeout)
         self._landed.clear()
 
+    MAX_EVENTS = 50_000  # kept between take_events() calls; the oldest go first
+
+    def record_events(self) -> None:
+        """From now on keep (tier, stored?, name) for each name a tier gains or drops (the pool's: the
+        pages this worker put, or found there when it went to put them)."""
+        self.events = []
+        for name in self.host._slot:
+            self.events.append(("host", True, name))
+        for name in self.disk._slot if self.disk is not None else ():
+            self.events.append(("disk", True, name))
+
+    def take_events(self) -> list[tuple[str, bool, bytes]]:
+        out, self.events = self.events or [], [] if self.events is not None else None
+        return out
+
+    def _event(self, tier: str, stored: bool, name: bytes) -> None:
+        if self.events is not None:
+            self.events.append((tier, stored, name))
+            if len(self.events) > self.MAX_EVENTS:
+                del self.events[: len(self.events) - self.MAX_EVENTS]
+
     def take_loads(self) -> list[tuple[float, float, str, int]]:
         """Loads that ended since the last call: perf_counter start and end, the tier most of its pages
         came from, pages loaded (the timeline draws them beside the steps)."""
@@ -291,6 +317,8 @@ class KVTiers:
             self.pool.puts += 1
         elif state != "held":
             self.pool.forget(name)
+            return
+        self._event("pool", True, name)
 
     def _disk_written(self, name: bytes, slot: int, disk_slot: int, state: str) -> None:
         self.disk.busy[disk_slot] -= 1

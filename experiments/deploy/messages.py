@@ -174,6 +174,8 @@ class Load(Message):
     kv_tiers: dict[str, TierCounters] = {}  # host, disk, pool (kv_tiers): per tier, so far
     # (stored?, page name) since its last Load: the router's view of its cache (Dynamo's KV events)
     cache_events: list[tuple[bool, bytes]] = []
+    # (tier, stored?, page name) below device memory since its last Load: host, disk, pool (kv_tiers)
+    tier_events: list[tuple[str, bool, bytes]] = []
     # so far: prompt tokens computed and the time of the steps that computed them; steps that only
     # decoded, their sequences and time (the router's admission measures the worker's speed by these)
     prefill_tokens: int = 0

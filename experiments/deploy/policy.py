@@ -8,6 +8,9 @@ Policies (`deployment.routing`):
   request's pages minus the leading ones the router believes that worker caches) + the pages of the
   requests it already has in flight (Dynamo's KV router's cost, in pages; SGLang's cache-aware router
   keeps the same kind of approximate index). Ties go to the fewest in flight, then the first worker.
+  With KV tiers (kv_tiers), a leading page below the worker's device memory (its host pool or files,
+  or the shared pool) counts at its price: its load time over its compute time (experiments/deploy/
+  below.py), so a worker that can load a history beats one that must compute it.
 
 What a worker caches is the router's belief: the pages of every prompt it routed there (at once, before
 the worker has computed them), and what the worker reports, batched in its Load about once a second:
@@ -44,6 +47,8 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
+
+from experiments.deploy.below import Below
 
 POLICIES = ("round_robin", "least_loaded", "cache_aware")
 BIAS_WINDOW_S = 20.0  # a first token's lateness (and a decode step's time) counts this long
@@ -142,6 +147,7 @@ class Router:
         self._pages: dict = {}  # request -> pages of its prompt (the load it adds)
         self._turn = 0
         self.routed_pages = self.overlap_pages = 0  # what it routed, and found cached where it went
+        self.below = Below(page_size)  # what sits below each worker's device pages, and its price
 
     @classmethod
     def of(
@@ -183,8 +189,11 @@ class Router:
     def observe_load(self, worker: str, load) -> None:
         """A worker's Load: its cache events, and the counters its speed comes from."""
         self.observe(worker, load.cache_events)
+        self.below.observe(worker, load.tier_events)
         counters = (load.prefill_tokens, load.prefill_s, load.decode_steps, load.decode_seqs, load.decode_s)
-        self.speed.setdefault(worker, Speed()).observe(counters, self.clock())
+        speed = self.speed.setdefault(worker, Speed())
+        speed.observe(counters, self.clock())
+        self.below.observe_load(worker, load.kv_tiers, speed.prefill_tok_s)
         if worker in self.prefill_workers:  # it talks: requests may go to it
             self.prefill_live.add(worker)
 
@@ -346,7 +355,21 @@ class Router:
 
     def cost(self, worker: str, names: list[Hashable], pages: int) -> float:
         load = sum(self._pages.get(r, 0) for r in self.in_flight[worker])
-        return self.overlap_weight * (pages - self.overlap(worker, names)) + load
+        return self.overlap_weight * self.compute_pages(worker, names, pages) + load
+
+    def compute_pages(self, worker: str, names: list[Hashable], pages: int) -> float:
+        """What the request's pages cost on worker, in pages computed: its leading device pages 0, the
+        next ones below device memory their price (as the engine looks them up: device first, then
+        below), the rest 1 each."""
+        hit = self.overlap(worker, names)
+        priced = 0.0
+        for name in names[hit:]:
+            price = self.below.price_of(worker, name)
+            if price is None:
+                break
+            priced += price
+            hit += 1
+        return priced + (pages - hit)
 
     def finished(self, worker: str, request_id, names: list[Hashable] = ()) -> None:
         """request_id ended on worker; names: the pages its prompt and reply filled (now cached there)."""
@@ -388,6 +411,7 @@ class Router:
         """worker died (or restarted): its cache is gone, its speed is measured again."""
         if worker in self.cached:
             self.cached[worker].clear()
+        self.below.forget(worker)
         self.speed.pop(worker, None)
         self.prefill_live.discard(worker)
 

@@ -168,6 +168,8 @@ class Worker(RoleSwitching):
         self.switch_started = 0.0
         if spec.role != "prefill":  # the router routes to this worker by what its cache holds
             self.llm.allocator.record_events()
+        if self.llm.tiers is not None:  # ... and below (a prefill worker's pool puts too)
+            self.llm.tiers.record_events()
         if spec.role != "colocated":
             self._connect_messenger(spec.wait_for)
 
@@ -314,6 +316,7 @@ class Worker(RoleSwitching):
                         len(sched.waiting) + pending,
                         **self._stats(),
                         cache_events=self.llm.allocator.take_events(),
+                        tier_events=self.llm.tiers.take_events() if self.llm.tiers is not None else [],
                         **self.speed,
                     )
                 )
