@@ -279,6 +279,7 @@ class LauncherConfig:
             object.__setattr__(self, "ray", RayConfig())
 
 
+STORE_MIN_BYTES = 16 << 20
 UNITS = {"": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
 
 
@@ -314,6 +315,10 @@ class KVTiersSpec:
         for key in ("host_bytes", "disk_bytes", "store_bytes"):
             object.__setattr__(self, key, byte_count(f"kv_tiers.{key}", getattr(self, key)))
         self.engine(disk_dir="/")  # the engine's own checks, with kv_tiers.* names
+        if self.store == "mooncake" and self.store_bytes < STORE_MIN_BYTES:
+            refuse(
+                "kv_tiers.store_bytes", self.store_bytes, "at least 16MiB (Mooncake Store's smallest segment)"
+            )
 
     def engine(self, disk_dir: str | None = None, secret: str = "", **store):
         """This worker's engine.config.KVTiersConfig (disk_dir resolved, the store's addresses)."""

@@ -70,6 +70,10 @@ needs.nixl()
         ("kv_tiers.disk_bytes=1GiB", "kv_tiers.disk_bytes and kv_tiers.store stage pages through the host"),
         ("+kv_tiers.hots_bytes=1", "kv_tiers has unknown key(s) ['hots_bytes']"),
         (
+            "kv_tiers.store=mooncake",  # with host_bytes 0
+            "kv_tiers.disk_bytes and kv_tiers.store stage pages through the host pool",
+        ),
+        (
             "workload.sampling.structured_outputs={regex: 1}",
             "workload.sampling.structured_outputs.regex: structured_outputs.regex must be a non-empty string",
         ),
