@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST := $(BIN)/python -m pytest
 
-.PHONY: run test test-all test-gpu gpu-check soak bench bench-gpu repro lint clean
+.PHONY: run test test-all test-gpu gpu-check soak bench bench-tiers bench-gpu repro lint clean
 
 $(STAMP): setup.py pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -37,6 +37,11 @@ soak: $(STAMP)
 bench: $(STAMP)
 	$(PYTEST) experiments/bench -q -p no:cacheprovider --benchmark-enable \
 		--benchmark-columns=min,median,max,rounds --benchmark-sort=name
+
+# issue 43's targets for the KV tiers over the main job (SmolLM2, multiturn 16 x 8, 2 colocated workers;
+# about 30 minutes on 2 cores): none, tiers, full, cache_aware, pool, restart, 2p2d
+bench-tiers: $(STAMP)
+	$(BIN)/python -m experiments.bench.kv_tiers --out bench_results/tiers-$$(date +%Y%m%d-%H%M%S)
 
 # The GPU side (a CUDA machine): its own venv with CUDA torch, FlashInfer and NIXL (scripts/gpu_env.sh)
 GPU_VENV := .venv-gpu

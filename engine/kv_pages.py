@@ -11,6 +11,7 @@ process and are not checked.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import struct
@@ -40,6 +41,7 @@ class PageFormat:
         self.rank_bytes = [c[:, 0].numel() * c.element_size() for c in caches]
         self.payload = sum(self.rank_bytes)
         self.slot_bytes = -(-(HEADER_BYTES + self.payload) // ALIGN) * ALIGN
+        self._streams: dict[str, torch.cuda.Stream] = {}  # on a GPU: "save" (engine thread), "load" (I/O)
 
     def _ranks(self, slot: Tensor):
         """(device cache, this rank's part of the slot viewed as one page) per rank."""
@@ -49,18 +51,34 @@ class PageFormat:
             at += n
 
     def save(self, page: int, slot: Tensor) -> None:
-        """Device page -> slot's payload (the header is stamped later, off the engine's thread)."""
-        for cache, view in self._ranks(slot):
-            view.copy_(cache[:, page], non_blocking=cache.is_cuda)
-        if self.caches[0].is_cuda:
-            torch.cuda.current_stream().synchronize()
+        """Device page -> slot's payload (the header is stamped later, off the engine's thread). On a GPU
+        on a side stream, after what the compute stream queued (the page's last writes)."""
+        with self._stream(after_compute=True):
+            for cache, view in self._ranks(slot):
+                view.copy_(cache[:, page], non_blocking=cache.is_cuda)
 
     def load(self, slot: Tensor, page: int) -> None:
-        """Slot's payload -> device page."""
-        for cache, view in self._ranks(slot):
-            cache[:, page].copy_(view, non_blocking=cache.is_cuda)
-        if self.caches[0].is_cuda:
-            torch.cuda.current_stream().synchronize()
+        """Slot's payload -> device page (on a GPU on a side stream: no request reads the page before its
+        load is done)."""
+        with self._stream(after_compute=False):
+            for cache, view in self._ranks(slot):
+                cache[:, page].copy_(view, non_blocking=cache.is_cuda)
+
+    @contextlib.contextmanager
+    def _stream(self, after_compute: bool):
+        """Copies on the side stream of the calling thread's role, waited for before returning."""
+        if not self.caches[0].is_cuda:
+            yield
+            return
+        key = "save" if after_compute else "load"
+        stream = self._streams.get(key)
+        if stream is None:
+            stream = self._streams[key] = torch.cuda.Stream(self.caches[0].device)
+        if after_compute:
+            stream.wait_stream(torch.cuda.current_stream(self.caches[0].device))
+        with torch.cuda.stream(stream):
+            yield
+        stream.synchronize()
 
     def _mac(self, fields: bytes, slot: Tensor, key: bytes | None) -> bytes:
         mac = hmac.new(key or self.secret, fields, hashlib.sha256)

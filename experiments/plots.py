@@ -65,7 +65,8 @@ def timeline(record: dict, path: Path, max_workers: int = 8) -> None:
     """Every worker's forward passes over time (the first max_workers), coloured by what each step
     computed: decode only blue, prefill only red, prefill and decode together orange (those decodes waited
     for the prompt's chunk: a colocated worker's interference), decode steps that verified speculative
-    drafts green; below, the prefill tokens of each step per worker, so a decode worker that recomputes
+    drafts green; KV loaded from below the device (kv_tiers) a thin bar under them, by tier; below, the
+    prefill tokens of each step per worker, so a decode worker that recomputes
     prompts (thrashing) shows at a glance. Legends sit outside the bars."""
     picks = record["timelines"][:max_workers]
     if not picks:
@@ -91,6 +92,10 @@ def timeline(record: dict, path: Path, max_workers: int = 8) -> None:
         for name, color, bars in kinds:
             if bars:
                 ax.broken_barh(bars, (row - 0.35, 0.7), color=color, label=once(name))
+        for tier, color in (("host", "tab:purple"), ("disk", "tab:brown"), ("pool", "tab:cyan")):
+            loads = [(s, max(e - s, 1e-3)) for s, e, which, _ in t.get("loads", ()) if which == tier]
+            if loads:  # KV loaded from below the device: a thin bar under the steps
+                ax.broken_barh(loads, (row - 0.48, 0.12), color=color, label=once(f"load from {tier}"))
         prefill = [(s, p) for s, _, p, *_ in steps if p > 0]
         tokens.plot([s for s, _ in prefill], [p for _, p in prefill], ".", ms=4, label=t["name"])
     ax.set_yticks(range(len(picks)), [t["name"] for t in picks])

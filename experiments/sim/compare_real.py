@@ -28,10 +28,31 @@ from experiments.metrics import request_rows, summarize
 from experiments.sim.calibrate import calibrate_from_run
 from experiments.sim.cost import Efficiency
 from experiments.sim.hardware import load_hardware
+from experiments.sim.instance import TierSpec
 from experiments.sim.models import sim_model
 from experiments.sim.run import simulate_deployment
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def tier_spec(config, model, summary: dict) -> TierSpec | None:
+    """The run's kv_tiers in pages (a slot: header and payload in whole 4 KiB blocks, as engine/kv_pages.py
+    lays them out), and each tier's load time per page as the run measured it."""
+    from engine.kv_pages import ALIGN, HEADER_BYTES
+
+    t = config.kv_tiers
+    if not t.host_bytes:
+        return None
+    page = config.model.page_size
+    payload = page * model.kv_bytes_per_token() // model.activation_bytes * DTYPE_BYTES[config.model.dtype]
+    slot = -(-(HEADER_BYTES + payload) // ALIGN) * ALIGN
+    spec = TierSpec(
+        t.host_bytes // slot, t.disk_bytes // slot, t.store_bytes // slot if t.store != "none" else 0
+    )
+    for tier, c in summary.get("kv_tiers", {}).items():
+        if c["hit_tokens"] and c["loads"]:
+            spec.page_s[tier] = c["load_mean_s"] * c["loads"] / (c["hit_tokens"] / page)
+    return spec
 
 
 def main(argv=None) -> int:
@@ -74,7 +95,7 @@ def main(argv=None) -> int:
         sim = simulate_deployment(
             d, workload, model, hw, eff, first_token_on="decode", chunked=True, prefill_slowdown=slowdown,
             trace=trace, router="decode", page_size=config.model.page_size,
-            cache_pages=config.model.num_pages,
+            cache_pages=config.model.num_pages, tiers=tier_spec(config, model, rec["summary"]),
         )  # fmt: skip
         rows = request_rows(sim, slo)
         simulated = summarize(sim, rows, slo, rec["rate"])
@@ -93,6 +114,9 @@ def main(argv=None) -> int:
         if d.prefix_caching:
             hit = ("prefix hit", rec["summary"]["prefix_hit_rate"], simulated["prefix_hit_rate"], 100, "%")
             pairs.append(hit)
+        for tier, real in rec["summary"].get("kv_tiers", {}).items():
+            ours = simulated["kv_tiers"].get(tier, {}).get("hit_tokens", 0)
+            pairs.append((f"{tier} hits", real["hit_tokens"], ours, 1, "tokens"))
         if d.kind == "disaggregated":  # in tokens: the run's dtype and the preset's differ
             dtype = config.model.dtype if config.model.dtype != "auto" else "float32"  # auto, on a CPU
             real_bytes = model.kv_bytes_per_token() // model.activation_bytes * DTYPE_BYTES[dtype]

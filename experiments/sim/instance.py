@@ -71,27 +71,72 @@ class SimRequest:
         return (self.done - self.first_token) / (self.output - 1) if self.output > 1 else 0.0
 
 
-class PageCache:
-    """An instance's prefix cache: page names, least recently used first, at most `capacity` of them."""
+TIER_PAGE_S = {"host": 2e-4, "disk": 1e-3, "pool": 1e-3}  # a page's load, until a run measures it
 
-    def __init__(self, capacity: int):
+
+@dataclass
+class TierSpec:
+    """KV tiers below every instance's device cache (kv_tiers): the host pool's and the files' capacity
+    in pages per instance (0: none), the shared pool's in pages (0: none), and one page's load time from
+    each (seconds; compare_real takes them from the run it checks)."""
+
+    host_pages: int = 0
+    disk_pages: int = 0
+    pool_pages: int = 0
+    page_s: dict = field(default_factory=lambda: dict(TIER_PAGE_S))
+
+
+def _lru_put(names: OrderedDict, name, capacity: int):
+    """Add name as the most recently used; the name that fell out, if any."""
+    names[name] = None
+    names.move_to_end(name)
+    return names.popitem(last=False)[0] if len(names) > capacity else None
+
+
+class PageCache:
+    """An instance's prefix cache: page names, least recently used first, at most `capacity` of them;
+    with tiers, what it evicts goes to its host pool (and behind it, every host page, to its files), and
+    every page it names goes to the pool all instances share, as engine/kv_tiers.py does."""
+
+    def __init__(self, capacity: int, tiers: TierSpec | None = None, pool: OrderedDict | None = None):
         self.capacity, self.pages = max(int(capacity), 0), OrderedDict()
-        self.queries = self.hits = 0  # prompt tokens looked up, and found
+        self.queries = self.hits = 0  # prompt tokens looked up, and found (on the device or below)
+        self.tiers, self.pool = tiers, pool
+        self.host: OrderedDict = OrderedDict()
+        self.disk: OrderedDict = OrderedDict()
+        self.tier_hits = {"host": 0, "disk": 0, "pool": 0}  # tokens loaded from each
+        self.load_s = 0.0  # loads of the step being scheduled (its duration takes them)
 
     def peek(self, r: SimRequest, context: int, page: int) -> list:
         """The names of the pages at the head of r's first `context` tokens that are cached (at most what
-        leaves its last token to compute)."""
+        leaves its last token to compute), on the device or, with tiers, below it."""
         names = r.names(context - 1, page)
-        for n, name in enumerate(names):
-            if name not in self.pages:
-                return names[:n]
-        return names
+        n = 0
+        while n < len(names) and names[n] in self.pages:
+            n += 1
+        while n < len(names) and self._below(names[n]) is not None:
+            n += 1
+        return names[:n]
+
+    def _below(self, name) -> str | None:
+        if self.tiers is None:
+            return None
+        if name in self.host:
+            return "host"
+        if name in self.disk:
+            return "disk"
+        return "pool" if self.pool is not None and name in self.pool else None
 
     def lookup(self, r: SimRequest, context: int, page: int) -> int:
-        """How many pages peek finds, counted as a query; they become the most recently used."""
+        """How many pages peek finds, counted as a query; they become the most recently used (those below
+        the device are loaded: their time goes to load_s)."""
         names = self.peek(r, context, page)
         for name in names:
-            self.pages.move_to_end(name)
+            tier = None if name in self.pages else self._below(name)
+            if tier is not None:
+                self.tier_hits[tier] += page
+                self.load_s += self.tiers.page_s[tier]
+            self._put(name)
         n = len(names)
         self.queries += context
         self.hits += n * page
@@ -99,10 +144,20 @@ class PageCache:
 
     def add(self, r: SimRequest, tokens: int, page: int) -> None:
         for name in r.names(tokens, page):
-            self.pages[name] = None
-            self.pages.move_to_end(name)
-        while len(self.pages) > self.capacity:
-            self.pages.popitem(last=False)
+            self._put(name)
+            if self.pool is not None and self.tiers.pool_pages:
+                _lru_put(self.pool, name, self.tiers.pool_pages)
+
+    def _put(self, name) -> None:
+        evicted = _lru_put(self.pages, name, self.capacity)
+        if evicted is not None and self.tiers is not None and self.tiers.host_pages:
+            _lru_put(self.host, evicted, self.tiers.host_pages)
+            if self.tiers.disk_pages:  # written behind the host pool
+                _lru_put(self.disk, evicted, self.tiers.disk_pages)
+
+    def take_load_s(self) -> float:
+        out, self.load_s = self.load_s, 0.0
+        return out
 
 
 @dataclass(eq=False)  # identity: two idle instances of one config are still two
@@ -137,10 +192,13 @@ class Instance:
     role_settings: dict = field(default_factory=dict)
     handed_back: int = 0  # requests it handed back when it left the decode role
 
-    def enable_cache(self, pages: int | None = None) -> Instance:
-        """Turn prefix caching on, over `pages` pages (None: the instance's KV capacity)."""
+    def enable_cache(
+        self, pages: int | None = None, tiers: TierSpec | None = None, pool: OrderedDict | None = None
+    ) -> Instance:
+        """Turn prefix caching on, over `pages` pages (None: the instance's KV capacity), with tiers below
+        it (pool: the one all instances share)."""
         capacity = self.kv_capacity_tokens // self.page_size if pages is None else pages
-        self.cache = PageCache(min(capacity, 1 << 40))
+        self.cache = PageCache(min(capacity, 1 << 40), tiers, pool)
         return self
 
     @property

@@ -13,6 +13,7 @@ the real drivers run it, a closed loop whose next turn is due think_time_s after
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import replace
 from pathlib import Path
 
@@ -30,11 +31,12 @@ from experiments.deploy.config import (
     prefill_budget,
     slo_of,
 )
-from experiments.deploy.messages import Result, Timeline
+from experiments.deploy.messages import Result, TierCounters, Timeline
 from experiments.deploy.policy import Router
 from experiments.record import DeploymentRun, Request
 from experiments.sim.cost import CostModel, Efficiency
 from experiments.sim.hardware import hardware_of
+from experiments.sim.instance import TierSpec
 from experiments.sim.models import sim_model
 from experiments.sim.simulate import Instance, SimRequest, simulate_colocated, simulate_disaggregated
 from experiments.workload import Conversations, draw, mooncake_rows
@@ -63,6 +65,7 @@ def simulate_deployment(
     cache_pages: int | None = None,
     slo: SloConfig | None = None,
     switch_s: float = SWITCH_S,
+    tiers: TierSpec | None = None,
 ) -> DeploymentRun:
     """trace: (arrival offsets, prompt lengths, output lengths[, conversations, turns]) to replay instead
     of drawing the workload's (a measured run's own requests; a multiturn run's are replayed at the times
@@ -71,7 +74,8 @@ def simulate_deployment(
     deployment's decode_reserved_tokens and decode_preemption, as the real decode workers do.
     cache_pages: each instance's prefix cache (None: its KV capacity; only with deployment.prefix_caching).
     slo: what deployment.admission=slo holds requests to (the policy's, as the real router's), and an
-    elastic deployment's planner too; switch_s: what one role switch takes of an instance's time."""
+    elastic deployment's planner too; switch_s: what one role switch takes of an instance's time. tiers:
+    KV below each instance's prefix cache (kv_tiers: host pool, files, the shared pool)."""
     multiturn = workload.dataset == "multiturn"
     shared = workload.system_prompt_len if multiturn else 0
     moves: list[dict] = []
@@ -136,8 +140,12 @@ def simulate_deployment(
             page_size=page_size,
         )
 
+    shared_pool = OrderedDict() if tiers is not None and tiers.pool_pages else None
+
     def caching(instances: list[Instance]) -> list[Instance]:
-        return [i.enable_cache(cache_pages) for i in instances] if d.prefix_caching else instances
+        if not d.prefix_caching:
+            return instances
+        return [i.enable_cache(cache_pages, tiers, shared_pool) for i in instances]
 
     def policy(pool: list[Instance], names) -> Router:
         """The deployment's routing over pool, believing each instance caches as much as it can."""
@@ -193,7 +201,10 @@ def simulate_deployment(
 def _timeline(name: str, role: str, i: Instance) -> Timeline:
     """An instance's counts as a real worker's Timeline carries them (no steps)."""
     queries, hits = (i.cache.queries, i.cache.hits) if i.cache is not None else (0, 0)
-    return Timeline(name, role, [], i.preemptions, i.recomputed_tokens, i.refetched_tokens, queries, hits)
+    timeline = Timeline(name, role, [], i.preemptions, i.recomputed_tokens, i.refetched_tokens, queries, hits)
+    if i.cache is not None and i.cache.tiers is not None:
+        timeline.kv_tiers = {t: TierCounters(hit_tokens=n) for t, n in i.cache.tier_hits.items()}
+    return timeline
 
 
 def _conversations(workload: WorkloadConfig) -> Conversations:

@@ -56,6 +56,8 @@ def colocated_step(inst: Instance, now: float) -> tuple[float, list]:
     dt = inst.cost.step_time(
         [(n, r.computed) for r, n in chunks] + verify, [r.prompt + r.generated for r in decode], sampled
     )
+    if inst.cache is not None:  # pages loaded from below the device before this step (kv_tiers)
+        dt += inst.cache.take_load_s()
     for r, n in chunks:
         r.computed += n
         if r.computed == r.context:

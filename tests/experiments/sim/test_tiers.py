@@ -1,0 +1,58 @@
+"""KV tiers in the simulator (experiments/sim/instance.py's PageCache with a TierSpec): what a small device
+cache evicts comes back from the host pool or files, what one instance computed from the shared pool."""
+
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from experiments.config import workload_of
+from experiments.deploy.config import deployments_of
+from experiments.metrics import request_rows, summarize
+from experiments.sim.cost import Efficiency
+from experiments.sim.hardware import load_hardware
+from experiments.sim.instance import TierSpec
+from experiments.sim.models import sim_model
+from experiments.sim.run import simulate_deployment
+
+CONF = str(Path(__file__).resolve().parents[3] / "conf")
+MULTITURN = ["workload=multiturn", "workload.conversations=8", "workload.turns=4", "workload.concurrency=8"]
+MULTITURN += ["workload.system_prompt_len=200", "workload.turn_len=100", "workload.output_len.value=40"]
+
+
+def _sim(routing: str, cache_pages: int, tiers: TierSpec | None):
+    with initialize_config_dir(config_dir=CONF, version_base=None):
+        cfg = compose(
+            "config", overrides=[*MULTITURN, "deployment=colocated", f"deployment.routing={routing}"]
+        )
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    (d,), workload = deployments_of(plain), workload_of(plain)
+    model, hw = sim_model("smollm2-135m"), load_hardware("cpu-this-machine")
+    run = simulate_deployment(
+        d, workload, model, hw, Efficiency(0.75, 0.75, 0.2), first_token_on="decode", page_size=16,
+        cache_pages=cache_pages, tiers=tiers,
+    )  # fmt: skip
+    return summarize(run, request_rows(run, cfg.slo), cfg.slo, None)
+
+
+def test_a_small_device_cache_with_a_host_pool_hits_as_a_large_one():
+    small, large = _sim("round_robin", 40, None), _sim("round_robin", 4000, None)
+    tiered = _sim("round_robin", 40, TierSpec(host_pages=4000))
+    assert small["prefix_hit_rate"] < tiered["prefix_hit_rate"] <= large["prefix_hit_rate"] + 1e-9
+    assert tiered["kv_tiers"]["host"]["hit_tokens"] > 0
+    assert tiered["ttft_s"]["p90"] < small["ttft_s"]["p90"]
+
+
+def test_files_hold_what_a_small_host_pool_drops():
+    host = _sim("round_robin", 40, TierSpec(host_pages=20))
+    disk = _sim("round_robin", 40, TierSpec(host_pages=20, disk_pages=4000))
+    assert disk["prefix_hit_rate"] > host["prefix_hit_rate"] and disk["kv_tiers"]["disk"]["hit_tokens"] > 0
+
+
+def test_round_robin_with_the_pool_passes_either_router_without_it():
+    aware = _sim("cache_aware", 4000, None)
+    rr = _sim("round_robin", 4000, None)
+    pooled = _sim("round_robin", 4000, TierSpec(host_pages=1, pool_pages=100_000))
+    # every turn finds its whole history wherever it lands: at least what either router keeps local
+    assert max(rr["prefix_hit_rate"], aware["prefix_hit_rate"]) < pooled["prefix_hit_rate"]
+    assert pooled["kv_tiers"]["pool"]["hit_tokens"] > 0
