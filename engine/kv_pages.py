@@ -64,6 +64,18 @@ class PageFormat:
             for cache, view in self._ranks(slot):
                 cache[:, page].copy_(view, non_blocking=cache.is_cuda)
 
+    def load_many(self, memory: Tensor, slots: list[int], pages: list[int]) -> None:
+        """The payloads of these slots of memory (the host pool's buffer) -> these device pages, in a few
+        batched copies per rank."""
+        rows = memory.view(-1, self.slot_bytes).index_select(0, torch.tensor(slots))  # [n, slot bytes]
+        with self._stream(after_compute=False):
+            at = HEADER_BYTES
+            for cache, nbytes in zip(self.caches, self.rank_bytes, strict=True):
+                part = rows[:, at : at + nbytes].view(cache.dtype).unflatten(1, cache[:, 0].shape)
+                index = torch.tensor(pages, device=cache.device)
+                cache.index_copy_(1, index, part.to(cache.device, non_blocking=True).transpose(0, 1))
+                at += nbytes
+
     @contextlib.contextmanager
     def _stream(self, after_compute: bool):
         """Copies on the side stream of the calling thread's role, waited for before returning."""

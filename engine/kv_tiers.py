@@ -8,6 +8,9 @@ and starts a `Load`; the request waits out of the batch while one I/O thread rea
 slots, checks them and copies them into its pages, and the other requests keep stepping. A load that
 fails a check or passes its deadline stops there: the pages it did load count, the rest are computed.
 
+The shared pool (engine/kv_pool.py) sits below both: a prefill or colocated engine puts each page it
+names there (staged through a host slot), and `find` looks there for what host and disk lack.
+
 Threads: the engine's thread owns every index (host, disk) and the busy counts; the I/O thread only
 moves bytes and hands its results back through `poll`, which the scheduler calls every step. Loads go
 before writes in the I/O thread's queue.
@@ -32,6 +35,7 @@ from engine.kv_pool import PoolTier
 log = logging.getLogger(__name__)
 TIERS = ("host", "disk", "pool")
 _LOAD, _WRITE = 0, 1  # I/O queue priorities
+COPY_BATCH = 64  # pages per batched copy into device pages (an abort waits for at most one)
 
 
 @dataclass
@@ -40,7 +44,7 @@ class TierStats:
     bytes_in: int = 0  # bytes loaded from it into device pages
     bytes_out: int = 0  # bytes saved into it
     loads: int = 0  # load jobs that took pages from it
-    load_s: float = 0.0  # their total time, queueing included
+    load_s: float = 0.0  # their time on the I/O thread, its queue included (shared by its tiers' pages)
     load_max_s: float = 0.0
     evictions: int = 0  # names it dropped for room
     dropped: int = 0  # pages that failed a check (size, namespace, MAC) or a read, recomputed instead
@@ -56,6 +60,7 @@ class Load:
         self.ok, self.cancelled, self.finished = 0, False, False
         self.late: set[int] = set()  # host slots a pool get past its deadline may still write
         self.started, self.began = time.monotonic(), time.perf_counter()
+        self.ended = self.started  # when the I/O thread finished it
 
     @property
     def due(self) -> bool:
@@ -330,7 +335,7 @@ class KVTiers:
             self.stats["disk"].bytes_out += self.fmt.payload
 
     def _loaded(self, job: Load, read: str) -> None:
-        now = time.monotonic()
+        took = job.ended - job.started  # on the I/O thread, queueing behind a write included
         for i, (tier, name, slot, disk_slot) in enumerate(job.plan):
             if tier == "disk":
                 self.disk.busy[disk_slot] -= 1
@@ -346,16 +351,17 @@ class KVTiers:
                     self.host.give_back(slot)
         tiers = [t for t, *_ in job.plan[: job.ok]]
         if tiers and len(self._loads) < 10_000:
-            self._loads.append((job.began, time.perf_counter(), max(set(tiers), key=tiers.count), len(tiers)))
+            main = max(set(tiers), key=tiers.count)
+            self._loads.append((job.began, job.began + took, main, len(tiers)))
         for tier in TIERS:
             loaded = tiers.count(tier)
-            if loaded:
+            if loaded:  # a load's time is shared among its tiers by their pages
                 s = self.stats[tier]
                 s.hit_tokens += loaded * self.page_size
                 s.bytes_in += loaded * self.fmt.payload
                 s.loads += 1
-                s.load_s += now - job.started
-                s.load_max_s = max(s.load_max_s, now - job.started)
+                s.load_s += took * loaded / len(tiers)
+                s.load_max_s = max(s.load_max_s, took)
 
     # ---- the I/O thread --------------------------------------------------------------------------
 
@@ -378,7 +384,8 @@ class KVTiers:
         try:
             if disk:
                 read = self.disk.move("READ", disk, size, job.deadline)
-            for i, (tier, name, slot, _) in enumerate(job.plan):
+            ready: list[int] = []  # checked slots, copied into their pages a batch at a time
+            for tier, name, slot, _ in job.plan:
                 view = self.host.view(slot)
                 if tier == "disk":
                     why = f"the read {read}" if read != "DONE" else self.fmt.check(view, name, self.disk.key)
@@ -395,15 +402,26 @@ class KVTiers:
                     if why is not None:
                         self._results.put(lambda name=name, why=why: self._bad("pool", name, why))
                         break
-                with job.lock:
-                    if job.cancelled:
-                        break
-                    self.fmt.load(view, job.pages[i])
-                    job.ok += 1
+                ready.append(slot)
+                if len(ready) == COPY_BATCH and not self._copy(job, ready):
+                    break
+            self._copy(job, ready)
         finally:
-            job.finished = True
+            job.ended, job.finished = time.monotonic(), True
             self._results.put(lambda: self._loaded(job, read))
             self._landed.set()
+
+    def _copy(self, job: Load, slots: list[int]) -> bool:
+        """Copy checked slots into the job's next pages (one batched copy: a page at a time, the I/O
+        thread would wait for the GIL once per page behind the engine's steps); False once cancelled."""
+        with job.lock:
+            if job.cancelled:
+                return False
+            if slots:
+                self.fmt.load_many(self.host.memory, slots, job.pages[job.ok : job.ok + len(slots)])
+                job.ok += len(slots)
+        slots.clear()
+        return True
 
     def _bad(self, tier: str, name: bytes, why: str) -> None:
         """A page that failed its check is dropped from its tier and computed instead."""

@@ -96,6 +96,7 @@ def main(argv=None) -> int:
             d, workload, model, hw, eff, first_token_on="decode", chunked=True, prefill_slowdown=slowdown,
             trace=trace, router="decode", page_size=config.model.page_size,
             cache_pages=config.model.num_pages, tiers=tier_spec(config, model, rec["summary"]),
+            colocated_kv_tokens=config.model.num_pages * config.model.page_size,
         )  # fmt: skip
         rows = request_rows(sim, slo)
         simulated = summarize(sim, rows, slo, rec["rate"])

@@ -40,6 +40,7 @@ class SimRequest:
     local: bool = False  # disaggregated: its decode instance computed the missing rest itself
     sent_tokens: int = 0  # KV tokens sent to it (the engine sends whole pages: up to a page more)
     rejected: str | None = None  # why the policy's admission refused it (deployment.admission=slo)
+    ready: float = 0.0  # kv_tiers: its pages below the device are loaded by then (it waits out of steps)
     # a Mooncake trace's hash ids of its prompt's 512-token blocks (prefix-chained: the same id, the same
     # tokens before it too), which name its pages as the real run's prompts built from them share them
     blocks: tuple = ()

@@ -66,6 +66,7 @@ def simulate_deployment(
     slo: SloConfig | None = None,
     switch_s: float = SWITCH_S,
     tiers: TierSpec | None = None,
+    colocated_kv_tokens: float | None = None,
 ) -> DeploymentRun:
     """trace: (arrival offsets, prompt lengths, output lengths[, conversations, turns]) to replay instead
     of drawing the workload's (a measured run's own requests; a multiturn run's are replayed at the times
@@ -75,7 +76,9 @@ def simulate_deployment(
     cache_pages: each instance's prefix cache (None: its KV capacity; only with deployment.prefix_caching).
     slo: what deployment.admission=slo holds requests to (the policy's, as the real router's), and an
     elastic deployment's planner too; switch_s: what one role switch takes of an instance's time. tiers:
-    KV below each instance's prefix cache (kv_tiers: host pool, files, the shared pool)."""
+    KV below each instance's prefix cache (kv_tiers: host pool, files, the shared pool).
+    colocated_kv_tokens: each colocated instance's KV capacity in tokens (a real run's num_pages x
+    page_size: what its requests wait for room in; None: what HBM holds after the weights)."""
     multiturn = workload.dataset == "multiturn"
     shared = workload.system_prompt_len if multiturn else 0
     moves: list[dict] = []
@@ -153,7 +156,10 @@ def simulate_deployment(
         return Router.of(d, names, pages, page_size, slo=slo)
 
     if d.kind == "colocated":
-        colocated = caching([inst(d.tp, chunked) for _ in range(d.num_workers)])
+        colocated = [inst(d.tp, chunked) for _ in range(d.num_workers)]
+        for i in colocated:
+            i.kv_tokens = colocated_kv_tokens
+        colocated = caching(colocated)
         simulate_colocated(colocated, reqs, follow, concurrency, policy(colocated, range(len(colocated))))
         run_timelines = [_timeline(f"worker-{n}", "colocated", i) for n, i in enumerate(colocated)]
     else:

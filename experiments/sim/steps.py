@@ -26,7 +26,7 @@ def colocated_step(inst: Instance, now: float) -> tuple[float, list]:
         budget -= len(decode)
     else:
         decode = []  # a whole-prompt prefill step runs alone
-    for r in [r for r in inst.running if r.computed < r.context]:
+    for r in [r for r in inst.running if r.computed < r.context and r.ready <= now]:
         if budget <= 0:
             break
         n = min(r.context - r.computed, budget if inst.chunked else r.context)
@@ -44,20 +44,24 @@ def colocated_step(inst: Instance, now: float) -> tuple[float, list]:
         if inst.cache is not None and not r.fetch:
             r.computed = inst.cache.lookup(r, r.context, inst.page_size) * inst.page_size
             r.cached = r.computed
+            r.ready = now + inst.cache.take_load_s()  # out of the steps while pages load from below
+            if r.ready > now:
+                continue
         left = r.context - r.computed
         n = min(left, budget) if inst.chunked else left
         chunks.append((r, n))
         budget -= n
     if not chunks and not decode:
-        return 0.0, []
+        loading = [r.ready for r in inst.running if r.ready > now]
+        inst.last_step = (0, 0)  # a wait for loads: no step
+        return (min(loading) - now, []) if loading else (0.0, [])
     inst.last_step = (sum(n for _, n in chunks), len(decode))
     verify, decode, drafts = _verify_chunks(inst, decode)
     sampled = len(decode) + sum(1 for r, n in chunks if r.computed + n == r.context) + drafts
     dt = inst.cost.step_time(
         [(n, r.computed) for r, n in chunks] + verify, [r.prompt + r.generated for r in decode], sampled
     )
-    if inst.cache is not None:  # pages loaded from below the device before this step (kv_tiers)
-        dt += inst.cache.take_load_s()
+
     for r, n in chunks:
         r.computed += n
         if r.computed == r.context:
