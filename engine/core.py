@@ -64,8 +64,11 @@ class EngineCore:
                 f"prompt has {len(prompt_ids)} tokens; the context holds {context} "
                 f"(model.max_position), leaving no room to generate"
             )
-        if request_id in self.seqs:
-            raise ValueError(f"request_id {request_id!r} is already in use (until forget)")
+        if request_id in self.seqs or self.allocator.pages(request_id):
+            raise ValueError(
+                f"request_id {request_id!r} is already in use (until forget, and until the pages of an "
+                "earlier request of that id are released)"
+            )
         for t in (*(params.logit_bias or ()), *params.stop_token_ids):
             if t >= vocab:
                 raise ValueError(f"logit_bias and stop_token_ids take token ids in [0, {vocab}); got {t}")

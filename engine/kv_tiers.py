@@ -46,7 +46,7 @@ class TierStats:
     loads: int = 0  # load jobs that took pages from it
     load_s: float = 0.0  # their time on the I/O thread, its queue included (shared by its tiers' pages)
     load_max_s: float = 0.0
-    evictions: int = 0  # names it dropped for room
+    evictions: int = 0  # names it dropped for room (the pool's own evictions are not seen)
     dropped: int = 0  # pages that failed a check (size, namespace, MAC) or a read, recomputed instead
 
 
@@ -113,7 +113,6 @@ class KVTiers:
         self._jobs: queue.PriorityQueue = queue.PriorityQueue()
         self._order = itertools.count()
         self._landed = threading.Event()  # a load finished (wait() sleeps on it)
-        self._writes = 0  # disk writes in flight (each holds a host slot busy)
         self._loads: list[tuple[float, float, str, int]] = []  # (start, end, main tier, pages): take_loads
         # (tier, stored?, name) as names come and go below device memory, for a router (record_events)
         self.events: list[tuple[str, bool, bytes]] | None = None
@@ -153,8 +152,7 @@ class KVTiers:
                 taken = None if full or (tier == "disk" and disk_slot is None) else self._take_host()
                 if taken is None:
                     break
-                slot, dropped = taken
-                self.stats["host"].evictions += dropped is not None
+                slot, _ = taken
                 if disk_slot is not None:
                     self.disk.busy[disk_slot] += 1
             self.host.busy[slot] += 1
@@ -187,8 +185,7 @@ class KVTiers:
         taken = self._take_host()
         if taken is None:  # every slot stayed busy: a cache may skip a page
             return
-        slot, dropped = taken
-        self.stats["host"].evictions += dropped is not None
+        slot, _ = taken
         self.fmt.save(page, self.host.view(slot))
         self.host.put(name, slot)
         self.stats["host"].bytes_out += self.fmt.payload
@@ -196,17 +193,14 @@ class KVTiers:
             self._write_disk(name, slot)
 
     def _take_host(self) -> tuple[int, bytes | None] | None:
-        """A host slot to fill; when every slot is busy writing to disk, wait for one (backpressure from
-        a disk slower than the evictions), up to the deadline."""
-        deadline = time.monotonic() + self.config.store_deadline_s
-        while (taken := self.host.take()) is None:
-            left = deadline - time.monotonic()
-            if left <= 0 or not self._writes:
-                return None
-            try:
-                self._results.get(timeout=left)()
-            except queue.Empty:
-                return None
+        """A host slot to fill, or None when every one is busy (a write behind it or a load through it
+        still runs; what the I/O thread finished is applied first). Never waits: the engine's thread
+        stepping on time matters more than one page kept (a prefill worker that stalled here went silent
+        to its decode workers)."""
+        taken = self.host.take()
+        if taken is None:
+            self.poll()
+            taken = self.host.take()
         return taken
 
     def poll(self) -> None:
@@ -261,6 +255,9 @@ class KVTiers:
     def summary(self) -> dict[str, dict]:
         out = {}
         held = {"host": len(self.host), "disk": len(self.disk or ()), "pool": self.pool and self.pool.puts}
+        self.stats["host"].evictions = self.host.num_evicted
+        if self.disk is not None:
+            self.stats["disk"].evictions = self.disk.num_evicted
         for tier, s in self.stats.items():
             if (tier == "disk" and self.disk is None) or (tier == "pool" and self.pool is None):
                 continue
@@ -287,7 +284,6 @@ class KVTiers:
             return
         self.host.busy[slot] += 1
         self.disk.busy[disk_slot] += 1
-        self._writes += 1
         size = self.fmt.slot_bytes
 
         def write():
@@ -327,7 +323,6 @@ class KVTiers:
 
     def _disk_written(self, name: bytes, slot: int, disk_slot: int, state: str) -> None:
         self.disk.busy[disk_slot] -= 1
-        self._writes -= 1
         if state != "STUCK":
             self.host.busy[slot] -= 1
         self.disk.written(name, disk_slot, state == "DONE")

@@ -92,6 +92,19 @@ def test_files_hold_what_the_host_pool_cannot(reference, tmp_path, policy):
     assert again.kv_tier_stats["disk"]["hit_tokens"] == sum(o.num_cached_tokens for o in outs)
 
 
+def test_full_tiers_evict_their_least_recently_used_pages_and_count_them(reference, tmp_path):
+    slot = 8192  # one tiny-random page with its header, in whole 4 KiB blocks
+    tiers = {"host_bytes": 16 * slot, "disk_bytes": 40 * slot, "disk_dir": str(tmp_path)}
+    llm = LLM("tiny-random", **SMALL, kv_tiers=tiers)
+    assert llm.tiers.fmt.slot_bytes == slot
+    outs = _one_by_one(llm, _prompts())
+    assert [o.token_ids for o in outs] == reference
+    _all_free(llm)
+    stats = llm.kv_tier_stats
+    assert stats["host"]["pages"] == 16 and stats["host"]["evictions"] > 0
+    assert stats["disk"]["pages"] == 40 and stats["disk"]["evictions"] > 0
+
+
 def test_a_corrupted_file_is_dropped_and_recomputed(reference, tmp_path, caplog):
     tiers = {"host_bytes": 256 << 10, "disk_bytes": 8 << 20, "disk_dir": str(tmp_path)}
     llm = LLM("tiny-random", **SMALL, kv_tiers=tiers)

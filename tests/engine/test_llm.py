@@ -381,6 +381,22 @@ def test_reserve_keeps_room_for_admitted_requests_to_finish(reserved_tokens, adm
     llm.reserve(*c, request_id="c")  # b's pages and what it was owed are back
 
 
+def test_a_request_id_sent_again_before_its_pages_are_released_is_refused_not_a_crash():
+    """The runtime resends a request whose prefill worker went silent; the decode worker may still hold
+    the first attempt's pages (a write could still land): the new one is refused, a ValueError the
+    decode front turns into that request's own error."""
+    llm = LLM("tiny-random", role="decode", page_size=4, num_pages=16)
+    prompt, params = list(range(5, 25)), SamplingParams(max_tokens=4)
+    llm.reserve(prompt, params, request_id="a")
+    llm.stop("a", "its prefill worker went silent")
+    llm.step()  # hands the stopped request back: its id leaves llm.seqs, its pages stay pinned
+    assert "a" not in llm.seqs and llm.allocator.pages("a")
+    with pytest.raises(ValueError, match="until the pages of an earlier request of that id are released"):
+        llm.reserve(prompt, params, request_id="a")
+    llm.release("a")
+    llm.reserve(prompt, params, request_id="a")  # released: the id is free again
+
+
 def test_vllm_shaped_outputs_and_chat():
     llm = LLM("smollm2-135m", num_pages=64)
     params = SamplingParams(max_tokens=6, ignore_eos=True)

@@ -34,6 +34,7 @@ import time
 
 log = logging.getLogger(__name__)
 DOWN_FOR_S = 5.0  # after a failed or late call, the pool is skipped this long
+LOOKUP_S = 0.5  # an existence check's deadline: the engine's thread waits on it
 NO_OBJECT, TOO_SMALL = -704, -600  # Mooncake's codes for a key it does not hold, a buffer too small
 LATE, FAILED = object(), object()
 
@@ -262,7 +263,7 @@ class StoreClient:
         """Which keys the pool holds (all False while it is down)."""
         if not self.up or not keys:
             return [False] * len(keys)
-        found = self._call(self.store.batch_is_exist, keys)
+        found = self._call(self.store.batch_is_exist, keys, wait=min(self.deadline_s, LOOKUP_S))
         if found in (LATE, FAILED) or any(f < 0 for f in found):
             if found not in (LATE, FAILED):
                 self._failed("batch_is_exist", found)
