@@ -101,6 +101,10 @@ class DiskTier:
     def __len__(self) -> int:
         return len(self._slot)
 
+    def __iter__(self):
+        """The names it holds, least recently used first."""
+        return iter(self._slot)
+
     def get(self, name: bytes) -> int | None:
         slot = self._slot.get(name) if self.alive else None
         if slot is not None:

@@ -230,11 +230,8 @@ class KVTiers:
     def record_events(self) -> None:
         """From now on keep (tier, stored?, name) for each name a tier gains or drops (the pool's: the
         pages this worker put, or found there when it went to put them)."""
-        self.events = []
-        for name in self.host._slot:
-            self.events.append(("host", True, name))
-        for name in self.disk._slot if self.disk is not None else ():
-            self.events.append(("disk", True, name))
+        self.events = [("host", True, name) for name in self.host]
+        self.events += [("disk", True, name) for name in self.disk or ()]
 
     def take_events(self) -> list[tuple[str, bool, bytes]]:
         out, self.events = self.events or [], [] if self.events is not None else None

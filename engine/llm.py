@@ -321,6 +321,19 @@ class LLM(EngineCore, DecodeHandoff, StepSampling):
         dropped by a check, pages held (empty without tiers)."""
         return self.tiers.summary() if self.tiers is not None else {}
 
+    def record_tier_events(self) -> None:
+        """From now on keep the KV tiers' events (engine.kv_tiers.KVTiers.record_events; none without)."""
+        if self.tiers is not None:
+            self.tiers.record_events()
+
+    def take_tier_events(self) -> list[tuple[str, bool, bytes]]:
+        """(tier, stored?, page name) since the last call, for a router (empty without tiers)."""
+        return self.tiers.take_events() if self.tiers is not None else []
+
+    def take_tier_loads(self) -> list[tuple[float, float, str, int]]:
+        """Loads from the tiers that ended since the last call: (start, end, main tier, pages)."""
+        return self.tiers.take_loads() if self.tiers is not None else []
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached page (vLLM's name): pages no request holds become free, pages in use stay
         with their requests, unnamed (pages they fill from now on are named). Returns how many names

@@ -168,8 +168,7 @@ class Worker(RoleSwitching):
         self.switch_started = 0.0
         if spec.role != "prefill":  # the router routes to this worker by what its cache holds
             self.llm.allocator.record_events()
-        if self.llm.tiers is not None:  # ... and below (a prefill worker's pool puts too)
-            self.llm.tiers.record_events()
+        self.llm.record_tier_events()  # ... and below it (a prefill worker's pool puts too)
         if spec.role != "colocated":
             self._connect_messenger(spec.wait_for)
 
@@ -316,7 +315,7 @@ class Worker(RoleSwitching):
                         len(sched.waiting) + pending,
                         **self._stats(),
                         cache_events=self.llm.allocator.take_events(),
-                        tier_events=self.llm.tiers.take_events() if self.llm.tiers is not None else [],
+                        tier_events=self.llm.take_tier_events(),
                         **self.speed,
                     )
                 )
@@ -412,8 +411,7 @@ class Worker(RoleSwitching):
             self.timeline.steps.append(
                 (stats.start, stats.end, stats.prefill_tokens, stats.decode_tokens, stats.verify_steps)
             )
-            if self.llm.tiers is not None:  # loads from below device memory, drawn beside the steps
-                self.timeline.loads += self.llm.tiers.take_loads()
+            self.timeline.loads += self.llm.take_tier_loads()  # drawn beside the steps
             speed = self.speed
             if stats.prefill_tokens:
                 speed["prefill_tokens"] += stats.prefill_tokens
