@@ -14,10 +14,11 @@ import fcntl
 import logging
 import os
 import time
-from collections import Counter, OrderedDict, deque
+from collections import OrderedDict, deque
 
 from torch import Tensor
 
+from engine.kv_pages import Slots
 from transfer.backends.base import TransferError
 from transfer.backends.files import NixlFiles
 
@@ -41,12 +42,14 @@ def _key(path: str) -> bytes:
     return key
 
 
-class DiskTier:
+class DiskTier(Slots):
+    """The disk tier's index (Slots) over its file; off for good after a failure (fail)."""
+
     def __init__(self, folder: str, num_slots: int, slot_bytes: int, space: bytes, memory: Tensor):
         """memory: the host pool's buffer (slots move between it and the file). Raises ValueError when
         another engine holds the folder and OSError when the folder or file cannot be made."""
         os.makedirs(folder, mode=0o700, exist_ok=True)
-        self.folder, self.num_slots = folder, num_slots
+        self.folder = folder
         self._lock = open(os.path.join(folder, "lock"), "a+")  # noqa: SIM115 (held until close)
         try:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -60,16 +63,13 @@ class DiskTier:
         except Exception:
             self._lock.close()
             raise
-        self._slot: OrderedDict[bytes, int] = OrderedDict()  # name -> slot, least recently used first
-        self.busy: Counter[int] = Counter()  # slots being read or written
-        self.num_evicted = 0
-        self.notify = None  # (stored?, name) as names come and go (KVTiers' events for the router)
+        super().__init__(num_slots)
         self.alive = True
         self.key = _key(os.path.join(folder, "key"))
         self._replay(space)
         used = set(self._slot.values())
         self._next = max(used, default=-1) + 1  # slots from here on were never written
-        self._free: deque[int] = deque(s for s in range(self._next) if s not in used)
+        self._free = deque(s for s in range(self._next) if s not in used)
 
     def _replay(self, space: bytes) -> None:
         """Names from the index of an earlier run in this namespace (later lines win); rewrite it compact."""
@@ -96,63 +96,22 @@ class DiskTier:
         self._index = open(index_path, "a")  # noqa: SIM115 (appended to while the tier lives)
 
     def __contains__(self, name: bytes) -> bool:
-        return self.alive and name in self._slot
-
-    def __len__(self) -> int:
-        return len(self._slot)
-
-    def __iter__(self):
-        """The names it holds, least recently used first."""
-        return iter(self._slot)
+        return self.alive and super().__contains__(name)
 
     def get(self, name: bytes) -> int | None:
-        slot = self._slot.get(name) if self.alive else None
-        if slot is not None:
-            self._slot.move_to_end(name)
-        return slot
+        return super().get(name) if self.alive else None
 
-    def take(self) -> int | None:
-        """A slot to write: a free one, else the least recently used idle one; None when all are busy."""
-        if not self.alive:
-            return None
-        if self._free:
-            return self._free.popleft()
-        if self._next < self.num_slots:
-            self._next += 1
-            return self._next - 1
-        for name, slot in self._slot.items():
-            if not self.busy[slot]:
-                del self._slot[name]
-                self.num_evicted += 1
-                if self.notify is not None:
-                    self.notify(False, name)
-                return slot
-        return None
+    def take(self) -> tuple[int, bytes | None] | None:
+        """A slot to write (Slots.take); None when the tier is off or every slot is busy."""
+        return super().take() if self.alive else None
 
     def written(self, name: bytes, slot: int, ok: bool) -> None:
-        """A write into slot (taken) ended."""
-        if not ok or name in self._slot:
-            self._free.append(slot)
-            return
-        self._slot[name] = slot
-        if self.notify is not None:
-            self.notify(True, name)
-        self._index.write(f"{slot} {name.hex()}\n")
-        self._index.flush()
-
-    def drop(self, name: bytes) -> None:
-        """A slot that failed its check is never read again."""
-        slot = self._slot.pop(name, None)
-        if slot is not None:
-            self._free.append(slot)
-            if self.notify is not None:
-                self.notify(False, name)
-
-    def clear(self) -> int:
-        idle = [n for n, s in self._slot.items() if not self.busy[s]]
-        for name in idle:
-            self.drop(name)
-        return len(idle)
+        """A write into slot (taken) ended: a page of the tier from now on, in the index too."""
+        if not ok:
+            self.give_back(slot)
+        elif self.put(name, slot):
+            self._index.write(f"{slot} {name.hex()}\n")
+            self._index.flush()
 
     def fail(self, why: str) -> None:
         """Turn the tier off (once, with a warning): its pages become misses."""

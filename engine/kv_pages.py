@@ -15,7 +15,7 @@ import contextlib
 import hashlib
 import hmac
 import struct
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 
 import torch
 from torch import Tensor
@@ -121,21 +121,19 @@ class PageFormat:
         return None
 
 
-class HostPool:
-    """The host tier: fixed slots of one buffer (pinned when the cache is on a GPU), LRU by name. A busy
-    slot (being read or written off the engine's thread) is never handed out again until it is idle."""
+class Slots:
+    """A tier's index: fixed slots known by name, least recently used first. A busy slot (being read or
+    written off the engine's thread) is never handed out again until it is idle; notify(stored?, name)
+    hears names come and go (KVTiers' events for the router)."""
 
-    def __init__(self, num_slots: int, slot_bytes: int, pin: bool):
-        self.num_slots, self.slot_bytes = num_slots, slot_bytes
-        self.memory = torch.empty(num_slots * slot_bytes, dtype=torch.uint8, pin_memory=pin)
-        self._free: deque[int] = deque(range(num_slots))
+    def __init__(self, num_slots: int):
+        self.num_slots = num_slots
+        self._free: deque[int] = deque()
+        self._next = 0  # slots from here on were never used
         self._slot: OrderedDict[bytes, int] = OrderedDict()  # name -> slot, least recently used first
-        self.busy = [0] * num_slots
+        self.busy: Counter[int] = Counter()
         self.num_evicted = 0
-        self.notify = None  # (stored?, name) as names come and go (KVTiers' events for the router)
-
-    def view(self, slot: int) -> Tensor:
-        return self.memory[slot * self.slot_bytes : (slot + 1) * self.slot_bytes]
+        self.notify = None
 
     def __contains__(self, name: bytes) -> bool:
         return name in self._slot
@@ -158,12 +156,14 @@ class HostPool:
         None when every slot is busy."""
         if self._free:
             return self._free.popleft(), None
+        if self._next < self.num_slots:
+            self._next += 1
+            return self._next - 1, None
         for name, slot in self._slot.items():
             if not self.busy[slot]:
                 del self._slot[name]
                 self.num_evicted += 1
-                if self.notify is not None:
-                    self.notify(False, name)
+                self._tell(False, name)
                 return slot, name
         return None
 
@@ -173,8 +173,7 @@ class HostPool:
             self._free.append(slot)
             return False
         self._slot[name] = slot
-        if self.notify is not None:
-            self.notify(True, name)
+        self._tell(True, name)
         return True
 
     def give_back(self, slot: int) -> None:
@@ -182,11 +181,11 @@ class HostPool:
         self._free.append(slot)
 
     def drop(self, name: bytes) -> None:
+        """Forget name (a slot that failed its check is never read again)."""
         slot = self._slot.pop(name, None)
         if slot is not None:
             self._free.append(slot)
-            if self.notify is not None:
-                self.notify(False, name)
+            self._tell(False, name)
 
     def clear(self) -> int:
         """Forget every idle name (busy slots keep theirs until idle); returns how many were dropped."""
@@ -194,3 +193,19 @@ class HostPool:
         for name in idle:
             self.drop(name)
         return len(idle)
+
+    def _tell(self, stored: bool, name: bytes) -> None:
+        if self.notify is not None:
+            self.notify(stored, name)
+
+
+class HostPool(Slots):
+    """The host tier: the slots of one buffer (pinned when the cache is on a GPU)."""
+
+    def __init__(self, num_slots: int, slot_bytes: int, pin: bool):
+        super().__init__(num_slots)
+        self.slot_bytes = slot_bytes
+        self.memory = torch.empty(num_slots * slot_bytes, dtype=torch.uint8, pin_memory=pin)
+
+    def view(self, slot: int) -> Tensor:
+        return self.memory[slot * self.slot_bytes : (slot + 1) * self.slot_bytes]

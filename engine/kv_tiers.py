@@ -276,9 +276,10 @@ class KVTiers:
             self.pool.close()
 
     def _write_disk(self, name: bytes, slot: int) -> None:
-        disk_slot = self.disk.take()
-        if disk_slot is None:
+        taken = self.disk.take()
+        if taken is None:
             return
+        disk_slot, _ = taken
         self.host.busy[slot] += 1
         self.disk.busy[disk_slot] += 1
         size = self.fmt.slot_bytes

@@ -42,7 +42,7 @@ def reference():
 def _all_free(llm):
     assert llm.tiers.drain()
     assert llm.allocator.num_free == llm.allocator.num_pages
-    assert not any(llm.tiers.host.busy)
+    assert not any(llm.tiers.host.busy.values())
 
 
 def test_without_tiers_a_small_cache_recomputes_every_prompt(reference):
