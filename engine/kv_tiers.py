@@ -171,26 +171,26 @@ class KVTiers:
         if self.config.policy == "write_through":
             self.save(page, name)
         if self.pool is not None and self.share and self.pool.client.up and not self.pool.holds(name):
-            slot = self.host.get(name)
-            if slot is None:
-                self.save(page, name)
-                slot = self.host.get(name)
+            slot = self.save(page, name)  # staged through the host pool
             if slot is not None:
                 self._put_pool(name, slot)
 
-    def save(self, page: int, name: bytes) -> None:
-        """Device page (holding name's KV) into the host pool, and behind it into the disk tier."""
-        if self.host.get(name) is not None:
-            return
+    def save(self, page: int, name: bytes) -> int | None:
+        """Device page (holding name's KV) into the host pool, and behind it into the disk tier; its host
+        slot (None: every slot was busy, and a cache may skip a page)."""
+        slot = self.host.get(name)
+        if slot is not None:
+            return slot
         taken = self._take_host()
-        if taken is None:  # every slot stayed busy: a cache may skip a page
-            return
+        if taken is None:
+            return None
         slot, _ = taken
         self.fmt.save(page, self.host.view(slot))
         self.host.put(name, slot)
         self.stats["host"].bytes_out += self.fmt.payload
         if self.disk is not None and name not in self.disk:
             self._write_disk(name, slot)
+        return slot
 
     def _take_host(self) -> tuple[int, bytes | None] | None:
         """A host slot to fill, or None when every one is busy (a write behind it or a load through it

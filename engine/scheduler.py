@@ -271,17 +271,21 @@ class Scheduler:
         min_compute tokens."""
         if self.salt is None:
             return []
-        size = self.allocator.page_size
-        usable = (self.target(seq) - self.min_compute) // size
+        size, usable = self.allocator.page_size, self._usable(seq)
         if usable <= 0:
             return []
         if len(seq.page_hashes) < usable:
             page_hashes(seq.all_ids[: usable * size], size, self._salt(seq), seq.page_hashes)
         return self.allocator.lookup(seq.page_hashes[:usable])
 
+    def _usable(self, seq: Sequence) -> int:
+        """How many of seq's leading pages a cache may give it: all short of its last min_compute tokens."""
+        return (self.target(seq) - self.min_compute) // self.allocator.page_size
+
     def _below(self, seq: Sequence, device: int) -> list[str]:
-        """The tiers of seq's next leading pages (after its device hits) found below device memory."""
-        usable = (self.target(seq) - self.min_compute) // self.allocator.page_size
+        """The tiers of seq's next leading pages (after its device hits, lookup's) found below device
+        memory."""
+        usable = self._usable(seq)
         if self.tiers is None or self.salt is None or device >= usable:
             return []
         return self.tiers.find(seq.page_hashes[device:usable])

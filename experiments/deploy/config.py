@@ -320,6 +320,10 @@ class KVTiersSpec:
                 "kv_tiers.store_bytes", self.store_bytes, "at least 16MiB (Mooncake Store's smallest segment)"
             )
 
+    def serves(self, d: DeploymentConfig) -> bool:
+        """Whether d's workers get tiers: they keep prefix-cache pages, so only with prefix caching."""
+        return self.host_bytes > 0 and d.prefix_caching
+
     def engine(self, disk_dir: str | None = None, secret: str = "", **store):
         """This worker's engine.config.KVTiersConfig (disk_dir resolved, the store's addresses)."""
         from engine.config import KVTiersConfig

@@ -77,7 +77,6 @@ def worker_specs(
     names = worker_names(d)
     tiers, secret = config.kv_tiers, secrets.token_hex(32)  # keys the pages' MACs in the shared pool
     disk = os.path.join(tiers.disk_dir, d.name) if tiers.disk_dir else os.path.join(run_dir, "kv")
-    tiered = tiers.host_bytes > 0 and d.prefix_caching  # the tiers keep prefix-cache pages
     pool = {"store_master": store.master, "store_metadata": store.metadata} if store is not None else {}
     prefill = tuple(n for n in names if n.startswith("prefill-"))
     decode = tuple(n for n in names if n.startswith("decode-"))
@@ -109,7 +108,7 @@ def worker_specs(
                 seed=seed,
                 wait_for=wait_for,
                 # a restarted worker finds its own files again
-                kv_tiers=tiers.engine(os.path.join(disk, name), secret, **pool) if tiered else None,
+                kv_tiers=tiers.engine(os.path.join(disk, name), secret, **pool) if tiers.serves(d) else None,
                 **common,
             )
         )
@@ -335,7 +334,7 @@ def start_fleet(
 def _start_store(config: RuntimeConfig, d: DeploymentConfig, log_dir: Path):
     """The deployment's KV pool (kv_tiers.store), started before its workers, who are its clients."""
     tiers = config.kv_tiers
-    if tiers.store == "none" or not tiers.host_bytes or not d.prefix_caching:
+    if tiers.store == "none" or not tiers.serves(d):
         return None
     from transfer.backends.mooncake import StoreProcesses
 

@@ -270,16 +270,20 @@ class StoreClient:
             return [False] * len(keys)
         return [f == 1 for f in found]
 
+    def _page(self, fn, *args):
+        """fn(*args), a page moving to or from the buffer: 'failed' while the pool is down or when it
+        raised, 'late' past its deadline (the buffer is still in use), else what it returned."""
+        if not self.up:
+            return "failed"
+        value = self._call(fn, *args)
+        return "late" if value is LATE else "failed" if value is FAILED else value
+
     def get(self, key: str, offset: int, nbytes: int) -> str:
         """The object key into the buffer at offset (exactly nbytes): 'ok', 'miss' (evicted since, or
         another size), 'failed' or 'late' (the buffer may still be written: keep it)."""
-        if not self.up:
-            return "failed"
-        n = self._call(self.store.get_into, key, self.base + offset, nbytes)
-        if n is LATE:
-            return "late"
-        if n is FAILED:
-            return "failed"
+        n = self._page(self.store.get_into, key, self.base + offset, nbytes)
+        if isinstance(n, str):
+            return n
         if n == nbytes:
             return "ok"
         if n in (NO_OBJECT, TOO_SMALL) or n >= 0:
@@ -289,13 +293,9 @@ class StoreClient:
 
     def put(self, key: str, offset: int, nbytes: int) -> str:
         """The buffer at offset as the object key: 'ok', 'failed' or 'late' (still being read)."""
-        if not self.up:
-            return "failed"
-        rc = self._call(self.store.put_from, key, self.base + offset, nbytes)
-        if rc is LATE:
-            return "late"
-        if rc is FAILED:
-            return "failed"
+        rc = self._page(self.store.put_from, key, self.base + offset, nbytes)
+        if isinstance(rc, str):
+            return rc
         if rc != 0:
             self._failed("put_from", rc)
             return "failed"
