@@ -216,6 +216,7 @@ class CacheConfig:
 
 TIER_POLICIES = ("on_evict", "write_through")
 STORES = ("none", "mooncake")
+DECODE_LOADS = ("cost", "always", "never")
 
 
 @dataclass(frozen=True)
@@ -235,6 +236,11 @@ class KVTiersConfig:
     store_metadata: str = ""  # its metadata server's URL (http://127.0.0.1:port/metadata)
     store_deadline_s: float = 2.0  # every store call's deadline; past it the pool is a miss
     secret: str = ""  # keys each page's MAC in files and the pool (a deployment's secret)
+    # decode role: a disaggregated request's leading pages found below device memory are loaded here
+    # instead of sent by the prefill worker: "cost" when their load is expected to end before the
+    # transfer would land (each tier's measured load time per page against the prefill workers'
+    # measured time per prompt token), "always", or "never" (every page not on the device is sent)
+    decode_loads: str = "cost"
 
     def __post_init__(self):
         for key in ("host_bytes", "disk_bytes"):
@@ -248,6 +254,10 @@ class KVTiersConfig:
             f"kv_tiers.policy must be one of {TIER_POLICIES}, got {self.policy!r}",
         )
         _check(self.store in STORES, f"kv_tiers.store must be one of {STORES}, got {self.store!r}")
+        _check(
+            self.decode_loads in DECODE_LOADS,
+            f"kv_tiers.decode_loads must be one of {DECODE_LOADS}, got {self.decode_loads!r}",
+        )
         _check(
             self.disk_bytes == 0 or bool(self.disk_dir),
             f"kv_tiers.disk_bytes={self.disk_bytes} needs kv_tiers.disk_dir (a folder of this engine's own)",

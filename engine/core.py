@@ -160,7 +160,7 @@ class EngineCore:
         finished since the last step (aborted, stopped or failed ones too). A finished request is handed
         back once and then forgotten."""
         batch = self.scheduler.schedule()
-        if batch is None and self.scheduler.loading:  # nothing to step but KV loading from below
+        if batch is None and self.scheduler.landing:  # nothing to step but KV loading from below
             self.scheduler.tiers.wait(0.02)
         if batch is not None:
             start = time.perf_counter()

@@ -17,12 +17,18 @@ class DecodeHandoff:
     """What LLM does in the decode role beyond its own steps (self is the LLM)."""
 
     def reserve(
-        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        load_within_s: float = 0.0,
     ) -> Sequence:
         """Decode role: pin pages for the KV of all but the last prompt token, for a prefill worker. Its
         leading pages that the prefix cache holds are shared instead (seq.num_cached_tokens of them: no
-        one needs to write those). A request_id that take_refetches handed out resumes that sequence
-        instead (prompt and params are its own: pages for all its tokens but the last).
+        one needs to write those), and those found next below device memory may load from there
+        (kv_tiers.decode_loads; with "cost", while expected to load within load_within_s: reserved_below
+        says how many pages). A request_id that take_refetches handed out resumes that sequence instead
+        (prompt and params are its own: pages for all its tokens but the last).
 
         Raises engine.kv_cache.OutOfPages (taking nothing) when the free pages, after this reservation,
         would not cover the growth every admitted request is owed (SchedulerConfig.reserved_tokens)."""
@@ -42,7 +48,13 @@ class DecodeHandoff:
         self.allocator.grow(seq.request_id, seq.num_tokens - 1)
         self.allocator.pin(seq.request_id)
         self.seqs[seq.request_id] = seq
+        self.scheduler.load_reserved(seq, load_within_s)
         return seq
+
+    def reserved_below(self, request_id: str) -> int:
+        """Pages of a reserved request loading from below device memory (reserve's), 0 if none."""
+        loading = self.scheduler.loading.get(request_id)
+        return len(loading[1].plan) if loading is not None else 0
 
     def take_refetches(self) -> list[Sequence]:
         """Decode role with preemption "refetch": sequences preempted since the last call. Each holds no

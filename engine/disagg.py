@@ -63,10 +63,15 @@ class DecodeSide:
         self.llm = llm
 
     def reserve(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams | None
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams | None,
+        load_within_s: float = 0.0,
     ) -> tuple[list[int], int]:
-        seq = self.llm.reserve(prompt_ids, params, request_id=request_id)
-        return self.llm.allocator.pages(request_id), seq.pages_named * self.llm.allocator.page_size
+        seq = self.llm.reserve(prompt_ids, params, request_id=request_id, load_within_s=load_within_s)
+        held = seq.pages_named + self.llm.reserved_below(request_id)  # cached, or loading from below
+        return self.llm.allocator.pages(request_id), held * self.llm.allocator.page_size
 
     def admit(self, request_id: str, context: Tensor | None) -> None:
         self.llm.admit_prefilled(request_id, context)

@@ -89,6 +89,7 @@ class Scheduler:
         self.propose = None  # speculative decoding: seq -> draft token ids for its next decode step
         self.tiers: KVTiers | None = None  # KV below device memory (engine/kv_tiers.py)
         self.loading: dict[str, tuple[Sequence, Load]] = {}  # admitted, its cached pages coming up
+        self.prefilled: set[str] = set()  # decode role: sent KV landed, pages below still loading
         self._candidates = 0  # has_room: a sequence not yet queued that asks for room
 
     @property
@@ -112,19 +113,45 @@ class Scheduler:
         seq.num_computed = 0  # nothing runs before admit_prefilled
         self.reserved[seq.request_id] = seq
 
+    def load_reserved(self, seq: Sequence, within_s: float) -> int:
+        """Decode role: start loading the reserved seq's next leading pages found below device memory
+        (after its device hits) instead of having them sent: as many as kv_tiers.decode_loads allows
+        ("cost": while their expected load time stays within within_s, the time the transfer is
+        expected to take). Returns how many pages load (no prefill worker needs to send them)."""
+        if self.tiers is None or self.tiers.config.decode_loads == "never":
+            return 0
+        below = self._below(seq, seq.pages_named)
+        if self.tiers.config.decode_loads == "cost":
+            total, n = 0.0, 0
+            for tier in below:
+                total += self.tiers.page_s(tier)
+                if total > within_s:
+                    break
+                n += 1
+            below = below[:n]
+        if not below:
+            return 0
+        self._load(seq, below)
+        return len(self.loading[seq.request_id][1].plan)
+
     def admit_prefilled(self, seq: Sequence) -> None:
         """Decode role: seq's pages hold the KV of all its tokens but the last (a prompt's, or a
-        refetched sequence's prompt and outputs); its next step runs that token and samples."""
+        refetched sequence's prompt and outputs); its next step runs that token and samples. Pages it
+        loads from below (load_reserved) must land first: until then it waits in `loading`."""
         self.reserved.pop(seq.request_id, None)
+        if seq.request_id in self.loading:
+            self.prefilled.add(seq.request_id)
+            return
         seq.num_computed, seq.status = seq.num_tokens - 1, Status.RUNNING
         self.running.append(seq)
 
     def recompute(self, seq: Sequence) -> None:
         """Decode role: a reserved sequence is prefilled here instead (it keeps its pages; those it shares
-        from the prefix cache hold their KV already)."""
+        from the prefix cache hold their KV already, and those loading from below join it once landed)."""
         self.reserved.pop(seq.request_id, None)
         seq.num_computed, seq.status = seq.pages_named * self.allocator.page_size, Status.WAITING
-        self.waiting.append(seq)
+        if seq.request_id not in self.loading:
+            self.waiting.append(seq)
 
     def take_refetches(self) -> list[Sequence]:
         """Sequences preempted since the last call whose KV the worker must fetch again."""
@@ -132,7 +159,12 @@ class Scheduler:
         return new
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.loading)
+        return bool(self.waiting or self.running or self.landing)
+
+    @property
+    def landing(self) -> list[str]:
+        """Loads a step waits for (not those of reserved sequences, whose transfer is still to land)."""
+        return [rid for rid in self.loading if rid not in self.reserved]
 
     # ---- admission with room to finish -----------------------------------------------------------
 
@@ -154,7 +186,7 @@ class Scheduler:
     def fair_tokens(self) -> int:
         """A sequence's share of the cache: its tokens over the sequences admitted or waiting."""
         active = len(self.running) + len(self.reserved) + len(self.waiting) + len(self.refetching)
-        active += len(self.loading)
+        active += len(self.landing)
         share = self.allocator.num_pages // max(active + self._candidates, 1)  # whole pages: the shares fit
         return share * self.allocator.page_size
 
@@ -166,7 +198,7 @@ class Scheduler:
     def debt(self) -> int:
         """Pages the admitted sequences (running, reserved, or queued with pages) are owed."""
         queued = [s for s in self.waiting if self.allocator.pages(s.request_id)]
-        queued += [s for s, _ in self.loading.values()]
+        queued += [s for rid, (s, _) in self.loading.items() if rid not in self.reserved]
         return sum(self.need(s) for s in (*self.running, *self.reserved.values(), *queued))
 
     def has_room(self, seq: Sequence, hit: list[int] = ()) -> bool:
@@ -303,13 +335,22 @@ class Scheduler:
             return
         self.tiers.poll()
         for rid, (seq, job) in list(self.loading.items()):
-            if not job.due:
+            if not job.due or rid in self.reserved:  # a reserved one's transfer has not landed yet
                 continue
             del self.loading[rid]
-            loaded = job.cancel() * self.allocator.page_size
-            seq.num_computed += loaded
+            ok = job.cancel()
+            loaded = ok * self.allocator.page_size
             self.num_prefix_hits += loaded
             seq.num_cached_tokens = (seq.num_cached_tokens or 0) + loaded
+            if rid in self.prefilled:  # decode role: the rest of its KV was sent
+                self.prefilled.discard(rid)
+                if ok == len(job.plan):
+                    seq.num_computed, seq.status = seq.num_tokens - 1, Status.RUNNING
+                    self.running.append(seq)
+                    continue
+                # a page failed to load: compute from there (over the KV sent after it)
+                seq.num_computed = seq.pages_named * self.allocator.page_size
+            seq.num_computed += loaded
             self.computed(seq)
             self.waiting.appendleft(seq)
 
@@ -404,6 +445,7 @@ class Scheduler:
             self.waiting.remove(seq)
         self.reserved.pop(seq.request_id, None)
         loading = self.loading.pop(seq.request_id, None)
+        self.prefilled.discard(seq.request_id)
         if loading is not None:
             loading[1].cancel()  # no page of it is written after this: they may be freed
         if self.refetching.pop(seq.request_id, None) is not None and seq in self._refetch_new:

@@ -34,11 +34,17 @@ from transfer.config import TransferConfig
 from transfer.plan import ShardSpec, plan_array
 from transfer.protocol import PROTOCOL_VERSION, Abort, Accepted, Ended, Hello, Notif, PrefillRequest
 
+# a prompt token's time from request to landed KV until a peer's first transfer is measured (seconds)
+PRIOR_TOKEN_S = 0.001
+
 
 class DecodeEngine(Protocol):
-    # pinned pages for prompt[:-1], and how many of its leading tokens those pages hold already (a whole
-    # number of pages: its prefix cache); params: the engine's own (sampling) parameters
-    def reserve(self, request_id: str, prompt_ids: list[int], params: object) -> tuple[list[int], int]: ...
+    # pinned pages for prompt[:-1], and how many of its leading tokens those pages hold already or load
+    # from below device memory (a whole number of pages: its prefix cache, its KV tiers, which may take
+    # about load_within_s, the transfer's expected time); params: the engine's own (sampling) parameters
+    def reserve(
+        self, request_id: str, prompt_ids: list[int], params: object, load_within_s: float = 0.0
+    ) -> tuple[list[int], int]: ...
 
     def admit(
         self, request_id: str, context: Tensor | None
@@ -122,6 +128,9 @@ class DecodeMessenger:
         # wrong: the caller may send them again); kept until forget()
         self.peer_lost: set[str] = set()
         self.dropped: Counter[str] = Counter()  # messages not counted, by why
+        # per peer, a prompt token's seconds from request to landed KV (moving average): what a page the
+        # engine could load from below instead would cost to be sent
+        self.token_s: dict[str, float] = {}
         # request numbers keep growing across restarts of this worker: a prefill worker drops stale ones
         self._seqs = itertools.count(time.time_ns())
         self.clock = time.monotonic  # for deadlines (tests drive their own)
@@ -174,7 +183,8 @@ class DecodeMessenger:
             # the highest id are what can fail, so the check plans the last page only
             placeholder = list(range(-(-(len(prompt_ids) - 1) // self.spec.page_size)))
             plan_array(target.hello.spec, self.spec, placeholder[-1:], placeholder[-1:])
-        pages, cached = self.engine.reserve(request_id, prompt_ids, params)
+        expected_s = self.token_s.get(peer, PRIOR_TOKEN_S) * (len(prompt_ids) - 1)
+        pages, cached = self.engine.reserve(request_id, prompt_ids, params, load_within_s=expected_s)
         if len(prompt_ids) == 1:  # nothing to prefill: decode runs the only token
             self.engine.admit(request_id, None)
             return False
@@ -247,6 +257,9 @@ class DecodeMessenger:
                 context = self.context[p.slot].clone()
                 self._free_slots.append(p.slot)
                 p.timing.landed = time.perf_counter()
+                took = (p.timing.landed - p.timing.sent) / max(p.prompt_tokens, 1)
+                was = self.token_s.get(p.peer.name)
+                self.token_s[p.peer.name] = took if was is None else 0.8 * was + 0.2 * took
                 earlier = self.timings.get(rid)
                 if earlier is None:
                     self.timings[rid] = p.timing

@@ -139,8 +139,8 @@ class _Pages:
     def __init__(self):
         self.admitted, self.failed = set(), {}
 
-    def reserve(self, request_id, prompt_ids, params):
-        return list(range(PAGES))[::-1]
+    def reserve(self, request_id, prompt_ids, params, load_within_s=0.0):
+        return list(range(PAGES))[::-1], 0  # nothing cached or below
 
     def admit(self, request_id, context):
         self.admitted.add(request_id)

@@ -10,7 +10,10 @@ SmolLM2 by default, multiturn (16 conversations x 8 turns, 256-token system prom
 - cache_aware: full, cache_aware, no tiers;  pool: full, round_robin, the pool only (cross-worker reuse);
 - restart: as tiers, colocated-1 SIGKILLed once half the requests finished and restarted (its hit rate
   before and after);
-- 2p2d: 2 prefill + 2 decode workers with the pool (how much each prefill worker loaded from it).
+- 2p2d: 2 prefill + 2 decode workers with the pool (how much each prefill worker loaded from it);
+- 1p2d-sent / 1p2d-loaded / 1p2d-cost: 1 prefill + 2 decode workers, round robin, the pool; a decode
+  worker lacking a conversation's history (its last turn went to the other one) is sent it
+  (kv_tiers.decode_loads=never), loads it from the pool (always), or picks by cost (cost).
 Writes <out>/<variant>/results.json and prints one markdown table. Run it alone on the machine.
 """
 
@@ -44,7 +47,7 @@ def variants(page_size: int, kv_bytes_page: int) -> dict[str, list[str]]:
     pool = [f"kv_tiers.host_bytes={64 * kv_bytes_page}", "kv_tiers.store=mooncake"]
     pool += [f"kv_tiers.store_bytes={max(2 * pages * kv_bytes_page, 64 << 20)}"]
     rr, ca = "deployment.routing=round_robin", "deployment.routing=cache_aware"
-    return {
+    out = {
         "none": [f"model.num_pages={small}", rr],
         "tiers": [f"model.num_pages={small}", rr, *tiers],
         "full": [f"model.num_pages={full}", rr],
@@ -54,6 +57,11 @@ def variants(page_size: int, kv_bytes_page: int) -> dict[str, list[str]]:
         "2p2d": [f"model.num_pages={full}", "deployment=1p1d", "deployment.num_prefill=2", *pool]
         + ["deployment.num_decode=2", "deployment.name=2p2d"],
     }
+    p1d2 = [f"model.num_pages={full}", "deployment=1p1d", "deployment.num_decode=2", rr, *pool]
+    p1d2 += ["deployment.name=1p2d"]
+    for name, mode in (("sent", "never"), ("loaded", "always"), ("cost", "cost")):
+        out[f"1p2d-{name}"] = [*p1d2, f"kv_tiers.decode_loads={mode}"]
+    return out
 
 
 def _killer(worker: str):
@@ -79,6 +87,7 @@ def summarize(name: str, record: dict, killed_at: float | None = None) -> dict:
         "ttft_p50_s": s["ttft_s"]["p50"],
         "ttft_p90_s": s["ttft_s"]["p90"],
         "duration_s": s["duration_s"],
+        "kv_sent_mib": s["transfer_bytes"] / 2**20,
         "tier_hits": {t: c["hit_tokens"] for t, c in s["kv_tiers"].items()},
         "by_worker": s["kv_tier_hits"],
     }
@@ -137,14 +146,16 @@ def main() -> None:
 
 def table(rows: list[dict]) -> str:
     out = [
-        "| variant | requests | prefix hit % | TTFT p50 / p90 s | tier hit tokens host/disk/pool | run s |"
+        "| variant | requests | prefix hit % | TTFT p50 / p90 s | tier hit tokens host/disk/pool "
+        "| KV sent MiB | run s |"
     ]
-    out.append("| --- | --- | --- | --- | --- | --- |")
+    out.append("| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         hits = "/".join(str(r["tier_hits"].get(t, "-")) for t in ("host", "disk", "pool"))
         out.append(
             f"| {r['variant']} | {r['completed']} | {100 * r['hit_rate']:.0f} | "
-            f"{r['ttft_p50_s']:.2f} / {r['ttft_p90_s']:.2f} | {hits} | {r['duration_s']:.0f} |"
+            f"{r['ttft_p50_s']:.2f} / {r['ttft_p90_s']:.2f} | {hits} | {r['kv_sent_mib']:.0f} | "
+            f"{r['duration_s']:.0f} |"
         )
     return "\n".join(out)
 

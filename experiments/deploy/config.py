@@ -310,6 +310,9 @@ class KVTiersSpec:
     store_bytes: int | str = "1GiB"  # the pool's memory (held by the store's own process)
     store_host: str = "127.0.0.1"  # where its master and memory listen
     store_deadline_s: float = 2.0  # every store call's deadline; past it the pool is a miss
+    decode_loads: str = (
+        "cost"  # cost | always | never: a decode worker loads a prefix from below or is sent it
+    )
 
     def __post_init__(self):
         for key in ("host_bytes", "disk_bytes", "store_bytes"):
@@ -335,6 +338,7 @@ class KVTiersSpec:
             policy=self.policy,
             store=self.store,
             store_deadline_s=self.store_deadline_s,
+            decode_loads=self.decode_loads,
             secret=secret,
             **store,
         )

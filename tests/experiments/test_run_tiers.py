@@ -2,6 +2,7 @@
 conversations they serve bring each history back from the host pool (and files) instead of computing it,
 with the same replies as no cache at all, and report it per tier."""
 
+import os
 import subprocess
 
 from experiments.run import run
@@ -18,8 +19,16 @@ PAIR = f"deployments=[{{name: tiers, {ONE}}}, {{name: plain, {ONE}, prefix_cachi
 
 
 def _store_pids() -> set[str]:
-    ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()
-    return {line.split()[0] for line in ps if "mooncake" in line and "ps -eo" not in line}
+    """The live Mooncake processes this test process started (tests beside it may run their own)."""
+    rows = subprocess.run(["ps", "-eo", "ppid,pid,stat,args"], capture_output=True, text=True).stdout
+    rows = [line.split(None, 3) for line in rows.splitlines()[1:]]
+    mine, frontier = set(), [str(os.getpid())]
+    while frontier:
+        parent = frontier.pop()
+        kids = [r for r in rows if r[0] == parent and not r[2].startswith("Z")]
+        mine |= {r[1] for r in kids if "mooncake" in r[3]}
+        frontier += [r[1] for r in kids]
+    return mine
 
 
 def _later_turns(record):
@@ -59,15 +68,19 @@ def test_round_robin_turns_find_their_history_in_the_shared_pool(tmp_path):
     two = "kind: colocated, num_workers: 2, routing: round_robin"
     pair = f"deployments=[{{name: pool, {two}}}, {{name: plain, {two}, prefix_caching: false}}]"
     overrides = ["kv_tiers.host_bytes=64MiB", "kv_tiers.store=mooncake", "kv_tiers.store_bytes=64MiB"]
-    before = _store_pids()
-    pool, plain = run(_cfg([*TINY[:1], *TINY[8:], *MULTITURN, pair, *overrides]), tmp_path, progress=False)
+    during: list[set[str]] = []
+    hook = lambda run, runtime: during or during.append(_store_pids())  # while the pool serves
+    pool, plain = run(
+        _cfg([*TINY[:1], *TINY[8:], *MULTITURN, pair, *overrides]), tmp_path, progress=False, hooks=hook
+    )
     assert _outputs(pool) == _outputs(plain)
     for r in _later_turns(pool):
         assert r["cached_tokens"] >= r["prompt_tokens"] - r["new_tokens"] - 4
     hits = pool["summary"]["kv_tier_hits"]
     assert hits["colocated-0"]["pool"] > 0 and hits["colocated-1"]["pool"] > 0  # each reused the other's
     assert pool["summary"]["kv_tiers"]["pool"]["dropped"] == 0
-    assert _store_pids() <= before  # the pool's processes stopped with the deployment
+    assert len(during[0]) == 3  # master, metadata server, memory: this test's own
+    assert not _store_pids()  # they stopped with the deployment
 
 
 def test_a_second_prefill_worker_reuses_the_first_ones_prefixes_through_the_pool(tmp_path):
@@ -80,3 +93,19 @@ def test_a_second_prefill_worker_reuses_the_first_ones_prefixes_through_the_pool
     hits = record["summary"]["kv_tier_hits"]
     assert hits["prefill-0"]["pool"] + hits["prefill-1"]["pool"] > 0
     assert all(t["free_pages"] == t["num_pages"] for t in record["timelines"])
+
+
+def test_decode_workers_load_a_history_from_below_instead_of_being_sent_it(tmp_path):
+    """1P2D, turns spread over both decode workers (kv_tiers.decode_loads=always): a decode worker loads
+    what it lacks of a history from its host pool or the pool instead of being sent it, and replies as
+    without any cache."""
+    one = "kind: disaggregated, num_prefill: 1, num_decode: 2, routing: round_robin"
+    pair = f"deployments=[{{name: loaded, {one}}}, {{name: plain, {one}, prefix_caching: false}}]"
+    overrides = ["kv_tiers.host_bytes=64MiB", "kv_tiers.store=mooncake", "kv_tiers.store_bytes=64MiB"]
+    overrides += ["kv_tiers.decode_loads=always"]
+    loaded, plain = run(_cfg([*TINY[:1], *TINY[8:], *MULTITURN, pair, *overrides]), tmp_path, progress=False)
+    assert loaded["summary"]["completed"] == plain["summary"]["completed"] == 12
+    assert _outputs(loaded) == _outputs(plain)
+    hits = loaded["summary"]["kv_tier_hits"]
+    assert sum(hits.get(f"decode-{i}", {}).get(t, 0) for i in (0, 1) for t in ("host", "pool")) > 0
+    assert all(t["free_pages"] == t["num_pages"] for rec in (loaded, plain) for t in rec["timelines"])
