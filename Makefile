@@ -23,8 +23,11 @@ $(STAMP): setup.py pyproject.toml
 run: $(STAMP)
 	$(BIN)/python -m experiments.run experiment=compare
 
+# two test files at a time (pytest-xdist): most tests wait on worker processes, and every test keeps to
+# its own ports and TMPDIR; TEST_JOBS=0 runs them one after another
+TEST_JOBS ?= 2
 test: $(STAMP)
-	$(PYTEST) -m "not slow" -q
+	$(PYTEST) -m "not slow" -q -n $(TEST_JOBS) --dist loadfile
 
 test-all: $(STAMP)
 	$(PYTEST) -q

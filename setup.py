@@ -36,6 +36,7 @@ setup(
         # transformers (+ accelerate for its GGUF loader) is the reference the engine is checked against
         "test": [
             "pytest",
+            "pytest-xdist",  # make test runs two test files at once: most tests wait on worker processes
             "pytest-benchmark",
             "hypothesis",
             "transformers",

@@ -7,6 +7,9 @@
 """
 
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -53,3 +56,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(compiled)
+
+
+@pytest.fixture
+def short_tmp(tmp_path):
+    """tmp_path / "tmp", a link to a new short folder in /tmp (removed after the test), for a TMPDIR whose
+    unix-socket paths stay under the kernel's 107 bytes: the runtime puts a run's private folder in
+    TMPDIR only while they do (experiments/deploy/control.py), and pytest-xdist's tmp_path is longer.
+    Pass its resolved path as TMPDIR."""
+    real = Path(tempfile.mkdtemp(prefix="pdkt-", dir="/tmp"))
+    (tmp_path / "tmp").symlink_to(real)
+    yield tmp_path / "tmp"
+    shutil.rmtree(real, ignore_errors=True)

@@ -19,10 +19,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _start(tmp: Path, *overrides: str) -> tuple[subprocess.Popen, str]:
     """A server in its own session and with its own TMPDIR (what a stop must leave empty)."""
-    (tmp / "tmp").mkdir(parents=True, exist_ok=True)
+    (tmp / "tmp").mkdir(parents=True, exist_ok=True)  # or the short_tmp fixture's link
     args = [sys.executable, "-m", "experiments.serve", "model=tiny-random", "server.port=0", "plots=false"]
     args += [*overrides, f"hydra.run.dir={tmp}"]
-    env = dict(os.environ, TMPDIR=str(tmp / "tmp"))
+    env = dict(os.environ, TMPDIR=str((tmp / "tmp").resolve()))
     out = open(tmp / "server.out", "w")  # a file, not a pipe nobody reads: a full pipe would block it
     proc = subprocess.Popen(
         args, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env

@@ -99,12 +99,11 @@ def test_an_exception_mid_run_stops_every_worker_process(tmp_path):
     assert not left, left
 
 
-def test_sigterm_stops_the_job_keeps_what_it_measured_and_leaves_nothing_behind(tmp_path):
+def test_sigterm_stops_the_job_keeps_what_it_measured_and_leaves_nothing_behind(tmp_path, short_tmp):
     import signal
     import time
 
-    private = tmp_path / "tmp"  # the job's TMPDIR: its private run directories go here, and only its own
-    private.mkdir()
+    private = short_tmp.resolve()  # the job's TMPDIR: its private run directories go here, and only its own
     deployments = (
         "deployments=[{name: colocated, kind: colocated, num_workers: 1},"
         "{name: 1p1d, kind: disaggregated, num_prefill: 1, num_decode: 1}]"

@@ -49,7 +49,7 @@ def test_public_health_opens_health_alone(tmp_path):
     assert _group_gone(proc.pid, 15)
 
 
-def test_sigterm_drains_then_stops_every_worker_a_frozen_one_too(tmp_path):
+def test_sigterm_drains_then_stops_every_worker_a_frozen_one_too(tmp_path, short_tmp):
     """A frozen (SIGSTOPped) prefill worker turns /health 503 after peer_timeout_s. Then SIGTERM while a
     stream runs: new requests get 503, the stream is cut at shutdown_timeout_s, then every worker is
     stopped (the frozen one killed), the run's private directory is removed, and only then does the
