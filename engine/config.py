@@ -294,9 +294,22 @@ class SchedulerConfig:
     # tokens over the requests admitted or waiting), so a new request does not wait for others' long
     # outputs; one that grows past its share when the pages run out is preempted instead.
     fair_share: bool = True
+    # An SLO-driven step budget (engine/budget.py): a step with sequences decoding takes only as many
+    # prompt tokens as its measured step-time model says keep it within this many seconds (a TPOT
+    # target); None: every step may take max_num_batched_tokens
+    step_target_s: float | None = None
 
     def __post_init__(self):
         _check(self.role in ROLES, f"role must be one of {ROLES}, got {self.role!r}")
+        _check(
+            self.step_target_s is None
+            or (
+                isinstance(self.step_target_s, int | float)
+                and not isinstance(self.step_target_s, bool)
+                and 0 < self.step_target_s <= 60
+            ),
+            f"step_target_s must be None or seconds in (0, 60], got {self.step_target_s!r}",
+        )
         _check(
             isinstance(self.fair_share, bool), f"fair_share must be true or false, got {self.fair_share!r}"
         )

@@ -77,6 +77,7 @@ class LLM(EngineCore, DecodeHandoff, StepSampling):
         expert_parallel: bool = False,
         fair_share: bool = True,
         kv_tiers: dict | KVTiersConfig | None = None,
+        step_target_s: float | None = None,
     ):
         """cuda_graphs: replay decode steps as CUDA graphs (engine.graphs); None: on CUDA with tp 1 outside
         the prefill role (which never decodes). One page is kept back as the padding rows' scratch page.
@@ -85,13 +86,21 @@ class LLM(EngineCore, DecodeHandoff, StepSampling):
         enable_prefix_caching: share the KV of leading full pages between requests (engine/kv_cache.py;
         vLLM's name and default). expert_parallel: an MoE model under TP holds whole experts per rank
         (engine/moe.py) instead of a slice of each. kv_tiers: KV below device memory under the prefix cache
-        (engine.config.KVTiersConfig's fields: host_bytes, disk_bytes, disk_dir, policy, ...)."""
+        (engine.config.KVTiersConfig's fields: host_bytes, disk_bytes, disk_dir, policy, ...).
+        step_target_s: size each step's prompt tokens so that steps with decodes keep within it
+        (engine/budget.py; None: max_num_batched_tokens every step)."""
         loaded = load_model(model)
         self.config = EngineConfig(
             model=loaded.config,
             cache=CacheConfig(page_size, num_pages, kv_layout, enable_prefix_caching),
             scheduler=SchedulerConfig(
-                role, max_num_seqs, max_num_batched_tokens, reserved_tokens, preemption, fair_share
+                role,
+                max_num_seqs,
+                max_num_batched_tokens,
+                reserved_tokens,
+                preemption,
+                fair_share,
+                step_target_s,
             ),
             device=device,
             dtype=dtype,

@@ -30,6 +30,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from engine.budget import SloBudget
 from engine.config import SchedulerConfig
 from engine.kv_cache import PageAllocator, page_hashes, request_salt
 from engine.kv_tiers import KVTiers, Load
@@ -91,6 +92,11 @@ class Scheduler:
         self.loading: dict[str, tuple[Sequence, Load]] = {}  # admitted, its cached pages coming up
         self.prefilled: set[str] = set()  # decode role: sent KV landed, pages below still loading
         self._candidates = 0  # has_room: a sequence not yet queued that asks for room
+        self.budget = (  # an SLO-driven step budget (engine/budget.py), or None: the fixed one
+            SloBudget(config.step_target_s, config.max_num_batched_tokens)
+            if config.step_target_s is not None
+            else None
+        )
 
     @property
     def role(self) -> str:
@@ -221,6 +227,9 @@ class Scheduler:
         self._landed()
         batch, budget = Batch(), self.config.max_num_batched_tokens
         decoding = [s for s in self.running if self.target(s) - s.num_computed == 1]
+        if self.budget is not None and decoding:  # prompts get what keeps the decodes on time
+            n = min(len(decoding), self.config.max_num_seqs)
+            budget = min(budget, n + self.budget.prompt_tokens(n))
         prefilling = [s for s in self.running if self.target(s) - s.num_computed > 1]
         spare = self.allocator.num_free - self.debt()  # pages no admitted sequence is owed
         for seq in decoding + prefilling:

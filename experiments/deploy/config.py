@@ -33,6 +33,9 @@ def check_positive(key: str, value, integer: bool = False) -> None:
 
 
 CPU_BF16_CHUNK, CPU_FP32_CHUNK, DEFAULT_CHUNK = 2048, 1024, 512
+# chunk_size: slo: a step with decodes aims at this share of slo.tpot_s (engine/budget.py); the rest is
+# the worker's own time between steps and the step-time model's error
+SLO_STEP_SHARE = 0.9
 
 
 def prefill_budget(chunk_size: int | str, device: str, dtype: str) -> int:
@@ -42,8 +45,9 @@ def prefill_budget(chunk_size: int | str, device: str, dtype: str) -> int:
     a burst of 20 prompts decoded faster than at 512. 1,024 on a CPU in fp32: measured on an AVX2-only CPU
     (docs/engine.md), a burst of 20 prompts decoded 20% faster than at 512 or 256 (2,048 swung with how the
     burst's arrivals split) and a stream of 1,024-token prompts met the SLO more often; a lone prompt
-    prefilled as fast. 512 elsewhere (bf16 converted by each GEMM, a GPU): no budget measured there."""
-    if chunk_size != "auto":
+    prefilled as fast. 512 elsewhere (bf16 converted by each GEMM, a GPU): no budget measured there.
+    slo: auto's budget, which steps with decodes shrink to keep within the TPOT SLO (step_target_s)."""
+    if chunk_size not in ("auto", "slo"):
         return chunk_size
     from pdkernels.cpu import native_bf16
 
@@ -113,7 +117,8 @@ class DeploymentConfig:
     decode_tp: int = 1
     threads_per_worker: int = 1  # torch threads per process (each TP rank gets one)
     # prefill tokens per forward pass (the chunked prefill budget), or auto (prefill_budget: 2,048 where
-    # the CPU computes in bf16, 1,024 on a CPU in fp32, 512 elsewhere)
+    # the CPU computes in bf16, 1,024 on a CPU in fp32, 512 elsewhere), or slo (auto's, but a step with
+    # decodes takes only the prompt tokens its measured step time leaves within slo.tpot_s)
     chunk_size: int | str = "auto"
     # prompts at most this long, or whose KV the decode worker's prefix cache lacks for at most this many
     # tokens, are prefilled on the decode worker (no round trip)
@@ -171,8 +176,8 @@ class DeploymentConfig:
         g = self.gather_ms
         if isinstance(g, bool) or not isinstance(g, int | float) or not 0 <= g <= 1000:
             refuse(f"deployment.{self.name}.gather_ms", g, "a number of milliseconds from 0 to 1000")
-        if self.chunk_size != "auto":
-            check_positive("deployment.chunk_size (or auto)", self.chunk_size, integer=True)
+        if self.chunk_size not in ("auto", "slo"):
+            check_positive("deployment.chunk_size (or auto, or slo)", self.chunk_size, integer=True)
         r = self.decode_reserved_tokens
         if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 0):
             refuse("deployment.decode_reserved_tokens", r, "null or an integer >= 0")
@@ -208,6 +213,10 @@ class DeploymentConfig:
     def elastic(self) -> bool:
         """Workers may switch between prefill and decode (deployment.planner)."""
         return self.planner.elastic
+
+    def step_target_s(self, tpot_s: float) -> float | None:
+        """chunk_size: slo: the seconds a worker's step with decodes aims at (engine/budget.py)."""
+        return SLO_STEP_SHARE * tpot_s if self.chunk_size == "slo" else None
 
     @property
     def processes(self) -> int:

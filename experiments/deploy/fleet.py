@@ -87,6 +87,7 @@ def worker_specs(
         kernels=config.kernels,
         driver_address=driver,
         run_dir=run_dir,
+        step_target_s=d.step_target_s(config.slo.tpot_s),
     )
     specs = []
     for name in names:

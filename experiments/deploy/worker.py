@@ -75,6 +75,7 @@ class WorkerSpec:
     # deployment's workers are each other's peers; those not prefilling yet join when they Hello
     wait_for: tuple[str, ...] | None = None
     kv_tiers: object = None  # engine.config.KVTiersConfig: its host, disk and pool tiers (None: off)
+    step_target_s: float | None = None  # chunk_size: slo: its steps' time target (engine/budget.py)
 
 
 def worker_main(spec: WorkerSpec) -> None:
@@ -146,6 +147,7 @@ class Worker(RoleSwitching):
             preemption="refetch" if d.decode_preemption == "refetch" else "recompute",
             expert_parallel=m.expert_parallel,
             kv_tiers=spec.kv_tiers,
+            step_target_s=spec.step_target_s,
         )
         self.timeline = Timeline(spec.name, spec.role)
         self.live: dict[str, float] = {}  # request -> when it was received

@@ -1,0 +1,80 @@
+"""The SLO-driven step budget (engine/budget.py): the step-time fit recovers a known machine, the budget
+gives prompts what keeps a step with decodes within its target, and the engine's text does not change."""
+
+import random
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.budget import MIN_PROMPT_TOKENS, SloBudget, StepTimeModel
+
+A, B, C = 0.004, 0.0015, 0.00025  # seconds: per step, per decode token, per prompt token
+
+
+def _steps(model, n=64, seed=0):
+    rng = random.Random(seed)
+    for _ in range(n):
+        d, p = rng.randrange(0, 20), rng.choice([0, 0, 64, 200, 512])
+        model.observe(d, p, A + B * d + C * p)
+
+
+def test_the_fit_recovers_the_machine_it_measured():
+    model = StepTimeModel()
+    _steps(model)
+    assert model.coef == pytest.approx((A, B, C), rel=1e-6)
+    assert model.predict(10, 100) == pytest.approx(A + 10 * B + 100 * C)
+
+
+def test_steps_of_one_shape_tell_nothing_and_the_budget_stays_full():
+    model = StepTimeModel()
+    for _ in range(32):
+        model.observe(4, 128, 0.05)  # one kind of step: a, b and c cannot be told apart
+    assert model.fit() is None
+    budget = SloBudget(0.1, 2048)
+    for _ in range(32):
+        budget.model.observe(4, 128, 0.05)
+    assert budget.prompt_tokens(4) == 2048
+
+
+@pytest.mark.parametrize(
+    "target, decode, expected",
+    [
+        (0.1, 8, int((0.1 - A - 8 * B) / C)),  # what the target leaves after the decodes
+        (0.1, 0, 2048),  # nothing decoding: no TPOT to keep
+        (0.01, 8, MIN_PROMPT_TOKENS),  # the decodes alone pass it: prompts still advance
+        (10.0, 8, 2048),  # never past the engine's own budget
+    ],
+)
+def test_the_budget_leaves_the_decodes_their_target(target, decode, expected):
+    budget = SloBudget(target, 2048)
+    _steps(budget.model)
+    assert budget.prompt_tokens(decode) == expected
+
+
+def test_steps_with_decodes_take_only_the_budget_and_the_text_does_not_change():
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 40000) for _ in range(300)] for _ in range(6)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    expected = [o.token_ids for o in LLM("tiny-random", max_num_batched_tokens=512).generate(prompts, params)]
+    llm = LLM("tiny-random", max_num_batched_tokens=512, step_target_s=0.1)
+    budget = llm.scheduler.budget
+    budget.model.coef = (0.0, 0.001, 0.001)  # as if measured: 100 tokens fill a step
+    budget.model.observe = lambda *step: None  # and kept so
+    for i, p in enumerate(prompts):
+        llm.add_request(p, params, request_id=f"r{i}")
+    sizes, done = [], {}
+    while llm.has_unfinished():
+        decoding = sum(1 for s in llm.scheduler.running if s.num_computed == s.num_tokens - 1)
+        done.update((o.request_id, o.token_ids) for o in llm.step() if o.finished)
+        if llm.last_step is not None and decoding:
+            sizes.append((llm.last_step.prefill_tokens, budget.prompt_tokens(decoding)))
+            llm.last_step = None
+    assert [done[f"r{i}"] for i in range(6)] == expected
+    assert sizes and any(p > 0 for p, _ in sizes)  # prompts went on beside the decodes ...
+    assert all(p <= allowed for p, allowed in sizes)  # ... within what the target left them
+
+
+@pytest.mark.parametrize("value", [0, -1, 61, "fast", True])
+def test_a_bad_step_target_names_the_field(value):
+    with pytest.raises(ValueError, match=r"step_target_s must be None or seconds in \(0, 60\]"):
+        LLM("tiny-random", step_target_s=value)
