@@ -42,7 +42,8 @@ bench: $(STAMP)
 		--benchmark-columns=min,median,max,rounds --benchmark-sort=name
 
 # issue 43's targets for the KV tiers over the main job (SmolLM2, multiturn 16 x 8, 2 colocated workers;
-# about 30 minutes on 2 cores): none, tiers, full, cache_aware, pool, restart, 2p2d
+# about 25 minutes on 2 cores): none, tiers, full, cache_aware, pool, restart, 2p2d, and 1P2D with the decode
+# workers sent their KV, loading it from the pool, or picking by cost
 bench-tiers: $(STAMP)
 	$(BIN)/python -m experiments.bench.kv_tiers --out bench_results/tiers-$$(date +%Y%m%d-%H%M%S)
 

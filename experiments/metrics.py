@@ -14,7 +14,8 @@ results.json, schema "pdkernels.results/1" (stable: fields may be added, never r
 - summary: "num_requests", "completed", "errors", "rejected" (refused at once by deployment.admission=slo;
   not errors), "duration_s", "throughput_rps",
   "output_tokens_per_s"; for each of "ttft_s", "tpot_s", "itl_s", "e2e_s", "queue_s", "transfer_s" a
-  {"p50", "p90", "p99", "mean", "n"}; "transfer_bytes", "remote_prefills", "local_prefills", "slo"
+  {"p50", "p90", "p99", "mean", "n"}; "transfer_bytes", "remote_prefills", "local_prefills",
+  "local_prefills_by_load" (deployment.local_prefill_by_load), "slo"
   ({"ttft_s", "tpot_s", "attainment"}), "attainment_pct" (of every arrival: a rejected request misses),
   "admitted_attainment_pct" (of those not rejected), "meets_slo", "goodput_rps", "slo_goodput_rps"
   (requests meeting the SLO per second of the run: vLLM's request goodput; also as
@@ -265,6 +266,10 @@ def summarize(run: DeploymentRun, rows: list[dict], slo: SloConfig, rate: float 
         **({"by_turn": by_turn(rows)} if any("turn" in r for r in rows) else {}),
         "remote_prefills": sum(r["prefill"] == "remote" for r in rows),
         "local_prefills": sum(r["prefill"] == "local" for r in rows),
+        # ... of them, those a decode worker took because the prefill workers' queue was long
+        "local_prefills_by_load": sum(
+            r["prefill"] == "local" and r["prefill_worker"] == r["worker"] is not None for r in rows
+        ),
         "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s, "attainment": slo.attainment},
         "attainment_pct": attainment,
         "admitted_attainment_pct": 100.0 * met / max(len(rows) - rejected, 1),

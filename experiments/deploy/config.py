@@ -123,6 +123,10 @@ class DeploymentConfig:
     # prompts at most this long, or whose KV the decode worker's prefix cache lacks for at most this many
     # tokens, are prefilled on the decode worker (no round trip)
     local_prefill_max_tokens: int = 0
+    # conditional disaggregation by load: a decode worker also prefills a prompt itself when the router
+    # predicts that the prefill workers' queue would break slo.ttft_s, its own queue would be sooner and
+    # its decode step has room under slo.tpot_s (pair with chunk_size: slo, which keeps its decodes on time)
+    local_prefill_by_load: bool = False
     prefix_caching: bool = True  # every worker shares cached KV pages between requests (engine/kv_cache.py)
     # a worker that was idle keeps reading requests for this many ms before its first step, so that a burst
     # reaching it spread out (over HTTP) shares that step; a lone request's TTFT pays it. 0: step at once
@@ -183,6 +187,8 @@ class DeploymentConfig:
             refuse("deployment.decode_reserved_tokens", r, "null or an integer >= 0")
         if not isinstance(self.fair_share, bool):
             refuse("deployment.fair_share", self.fair_share, "true or false")
+        if not isinstance(self.local_prefill_by_load, bool):
+            refuse("deployment.local_prefill_by_load", self.local_prefill_by_load, "true or false")
         if self.on_worker_death not in ON_WORKER_DEATH:
             refuse("deployment.on_worker_death", self.on_worker_death, f"one of {ON_WORKER_DEATH}")
         from experiments.deploy.policy import ADMISSIONS, POLICIES

@@ -36,12 +36,19 @@ class DecodeFront:
     after: dict[str, str] = field(default_factory=dict)  # a later completion waiting -> its first one
     prefilled_here: set[str] = field(default_factory=set)  # what the prefix cache lacked was short: here
     returning: dict[str, float] = field(default_factory=dict)  # restarting prefill worker -> until when
+    name: str = ""  # this worker's: a Submit whose prefill_worker names it is prefilled here (by load)
+    by_load: set[str] = field(default_factory=set)  # ... those requests, until their Result
 
     def take(self, msg, params, live) -> None:
         """A Submit this decode worker's messenger serves (raises ValueError/TypeError for one the engine
-        refuses): a prompt short enough is prefilled here; the rest wait for a prefill worker's KV."""
-        if len(msg.prompt_ids) + len(msg.output_ids) <= self.local_max_tokens:
+        refuses): a prompt short enough, or one the router sends here because the prefill workers'
+        queue is too long (deployment.local_prefill_by_load), is prefilled here; the rest wait for a
+        prefill worker's KV."""
+        by_load = bool(self.name) and msg.prefill_worker == self.name
+        if len(msg.prompt_ids) + len(msg.output_ids) <= self.local_max_tokens or by_load:
             self.llm.add_request(msg.prompt_ids, params, msg.request_id, msg.output_ids, msg.after)
+            if by_load:
+                self.by_load.add(msg.request_id)
         elif msg.output_ids:  # migrated: its prompt and outputs so far come from a prefill worker
             seq = self.llm.make_sequence(msg.prompt_ids, params, msg.request_id, msg.output_ids)
             self.llm.resume(seq)
@@ -56,6 +63,7 @@ class DecodeFront:
         """Take a request out of the backlog (cancelled, handed back); whether it was there."""
         self.after.pop(request_id, None)
         self.prefilled_here.discard(request_id)
+        self.by_load.discard(request_id)
         for item in self.backlog:
             if item.request_id == request_id:
                 self.backlog.remove(item)

@@ -121,9 +121,12 @@ class Router:
         slo: tuple[float, float] = (float("inf"), float("inf")),
         prefill_workers: Iterable[str] = (),
         clock: Callable[[], float] = time.perf_counter,
+        by_load: bool = False,
     ):
         """admission, slo (TTFT s, TPOT s): early rejection; prefill_workers: a disaggregated deployment's
-        (their speed is the prefill speed); clock: what first_token() times against."""
+        (their speed is the prefill speed); clock: what first_token() times against; by_load: a decode
+        worker prefills a request itself when its prefill worker's queue would break the TTFT SLO
+        (deployment.local_prefill_by_load: _by_load)."""
         if policy not in POLICIES:
             raise ValueError(f"deployment.routing={policy!r} is not allowed: one of {POLICIES}")
         if admission not in ADMISSIONS:
@@ -135,6 +138,7 @@ class Router:
         self.waiting: dict = {}  # request -> (worker, its prompt tokens to compute, when, predicted TTFT)
         self.late: deque = deque(maxlen=BIAS_SAMPLES)  # (when, first token's time beyond its prediction)
         self.rejected = self.probes = 0
+        self.by_load, self.local_by_load = by_load, 0  # ... and how many it sent to prefill locally
         self.admitted_at: float | None = None  # when it last admitted a new request (None: not yet)
         self.refusing_since: float | None = None  # the first refusal since then (None: it admitted last)
         self.why: str | None = None  # why the last route() refused its request
@@ -174,6 +178,7 @@ class Router:
             deployment.admission,
             bounds,
             prefill_workers,
+            by_load=deployment.local_prefill_by_load,
         )
 
     def route_tokens(
@@ -244,6 +249,22 @@ class Router:
         if not live:
             return None
         return min(live, key=lambda p: (self._ahead(p) + tokens) / (self._rate(p) or 1.0))
+
+    def _by_load(self, target: str, queue: str, tokens: int) -> str:
+        """Conditional disaggregation by load: the decode worker target prefills the request itself (its
+        own queue) when the prefill worker's queue would break slo.ttft_s, target's own queue would be
+        sooner, and target's decode step at one more request stays within slo.tpot_s."""
+        ttft_slo, tpot_slo = self.slo
+        remote = self._queue_s(queue, tokens)
+        if remote is None or remote + max(self.ttft_bias, 0.0) <= ttft_slo:
+            return queue
+        local = self._queue_s(target, tokens)
+        speed = self.speed.get(target)
+        tpot = speed.step_s(len(self.in_flight[target]) + 1) if speed else None
+        if local is None or local >= remote or (tpot is not None and tpot > tpot_slo):
+            return queue
+        self.local_by_load += 1
+        return target
 
     def _rate(self, worker: str) -> float | None:
         """worker's prefill speed (tokens/s); one not measured yet is priced as its measured peers."""
@@ -324,6 +345,8 @@ class Router:
         hit = self.overlap(target, names)
         to_compute = max(tokens - hit * self.page_size, 1)
         queue = self._prefill_queue(target, to_compute) if admit else None
+        if admit and self.by_load and queue is not None and queue != target:
+            queue = self._by_load(target, queue, to_compute)
         if admit and self.admission == "slo":
             why, now = self._admit(target, queue, to_compute), self.clock()
             last = self.admitted_at if self.admitted_at is not None else self.refusing_since

@@ -157,7 +157,7 @@ class Worker(RoleSwitching):
         self._last_stats = None  # the engine's latest step already in the timeline
         self.speed = dict(prefill_tokens=0, prefill_s=0.0, decode_steps=0, decode_seqs=0, decode_s=0.0)
         # decode: what waits for a prefill worker's KV, and for a restarted prefill worker
-        self.front = DecodeFront(self.llm, d.local_prefill_max_tokens, spec.restart_wait_s)
+        self.front = DecodeFront(self.llm, d.local_prefill_max_tokens, spec.restart_wait_s, name=spec.name)
         self.pm = self.dm = self.backend = None
         # elastic roles: the messenger's generation (a new transfer agent and control sockets each
         # switch), peers not yet heard from (decode), prefill peers leaving that role, a switch under way
@@ -466,6 +466,9 @@ class Worker(RoleSwitching):
         self.streamed.pop(rid, None)
         here = rid in self.front.prefilled_here
         self.front.prefilled_here.discard(rid)
+        if rid in self.front.by_load:  # the router sent it here to prefill: the prefill queue was long
+            self.front.by_load.discard(rid)
+            result.prefill_worker = self.spec.name
         timing = self.dm.timings.get(rid) if self.dm is not None else None
         if timing is not None:
             result.prefill, result.transfer_bytes = "remote", timing.nbytes

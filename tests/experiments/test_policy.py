@@ -494,3 +494,34 @@ def test_the_simulator_and_the_real_driver_route_the_same_recorded_requests_alik
         assert sim.routed == chosen, policy
         # the same pages found cached: the simulator names pages as the engine does
         assert sim.overlap_pages == real.overlap_pages > 0 and sim.routed_pages == real.routed_pages
+
+
+def test_by_load_a_decode_worker_prefills_itself_when_the_prefill_queue_would_break_the_ttft_slo():
+    """deployment.local_prefill_by_load: conditional disaggregation by load, not by prompt length."""
+    r = Router(["d0"], "round_robin", slo=(3.0, 0.1), prefill_workers=["p0"], by_load=True)
+    r.observe_load("p0", _Load(1000, 1.0))  # 1,000 prompt tokens/s
+    r.observe_load("d0", _Load())
+    r.observe_load("d0", _Load(500, 1.0, decode_steps=10, decode_seqs=20, decode_s=0.5))  # 500/s, 50 ms
+    routed = []
+    for i in range(6):
+        assert r.route(f"r{i}", [], 1000, ["d0"], admit=True) == "d0"
+        routed.append(r.prefill_of(f"r{i}"))
+    # p0's queue: 1, 2, 3 s (within 3 s), then 4 s against d0's own 2 s: d0; then p0's 4 s against 4 s
+    # on d0 (not sooner): p0; then 5 s against 4: d0
+    assert routed == ["p0", "p0", "p0", "d0", "p0", "d0"]
+    assert r.local_by_load == 2
+
+
+def test_by_load_keeps_the_prefill_worker_without_tpot_headroom_or_when_asked_not_to():
+    r = Router(["d0"], "round_robin", slo=(1.0, 0.1), prefill_workers=["p0"], by_load=True)
+    r.observe_load("p0", _Load(1000, 1.0))
+    r.observe_load("d0", _Load())
+    r.observe_load("d0", _Load(5000, 1.0, decode_steps=10, decode_seqs=20, decode_s=1.5))  # 150 ms steps
+    r.route("a", [], 1000, ["d0"], admit=True)
+    r.route("b", [], 1000, ["d0"], admit=True)  # 2 s on p0 against 0.2 s here, but its decodes are late
+    assert r.prefill_of("b") == "p0" and r.local_by_load == 0
+    off = Router(["d0"], "round_robin", slo=(1.0, 0.1), prefill_workers=["p0"])
+    off.observe_load("p0", _Load(1000, 1.0))
+    for i in range(3):
+        off.route(f"r{i}", [], 1000, ["d0"], admit=True)
+    assert [off.prefill_of(f"r{i}") for i in range(3)] == ["p0"] * 3
