@@ -171,7 +171,7 @@ class EngineCore:
             self.last_step = StepStats(start, time.perf_counter(), batch.num_tokens - decode, decode, verify)
             if self.scheduler.budget is not None:  # the step-time model the budget sizes steps by
                 s = self.last_step
-                self.scheduler.budget.model.observe(decode, s.prefill_tokens, s.end - s.start)
+                self.scheduler.budget.observe(decode, s.prefill_tokens, s.end - s.start)
         seqs = {c.seq.request_id: c.seq for c in batch.chunks} if batch is not None else {}
         seqs.update(self._ended)
         self._ended.clear()
