@@ -47,8 +47,9 @@ class DecodeFront:
         by_load = bool(self.name) and msg.prefill_worker == self.name
         if len(msg.prompt_ids) + len(msg.output_ids) <= self.local_max_tokens or by_load:
             self.llm.add_request(msg.prompt_ids, params, msg.request_id, msg.output_ids, msg.after)
-            if by_load:
+            if by_load:  # counted as a local prefill, and as one by load
                 self.by_load.add(msg.request_id)
+                self.prefilled_here.add(msg.request_id)
         elif msg.output_ids:  # migrated: its prompt and outputs so far come from a prefill worker
             seq = self.llm.make_sequence(msg.prompt_ids, params, msg.request_id, msg.output_ids)
             self.llm.resume(seq)

@@ -6,7 +6,6 @@ passes its deadline all fall back to computing, and every page is accounted for.
 import logging
 import os
 import random
-import threading
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ from engine import LLM, SamplingParams
 from engine.config import KVTiersConfig
 from engine.kv_pages import HEADER_BYTES, PageFormat, namespace
 from tests import needs
+from tests.tiers import stalled
 
 needs.nixl()  # the disk tier moves its files through NIXL POSIX
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -160,24 +160,11 @@ def test_another_tenants_cache_salt_finds_nothing_below(reference):
     assert sum(o.num_cached_tokens for o in outs) > 0
 
 
-def _stalled(llm):
-    """Make the I/O thread block before it copies a loaded page, until the returned event is set."""
-    go, original = threading.Event(), llm.tiers.host.view
-
-    def view(slot):
-        if threading.current_thread().name == "kv-tiers-io":
-            go.wait(30)
-        return original(slot)
-
-    llm.tiers.host.view = view
-    return go
-
-
 def test_an_abort_while_its_pages_load_frees_them(reference):
     llm = LLM("tiny-random", **SMALL, kv_tiers={"host_bytes": 4 << 20})
     prompts = _prompts()
     _one_by_one(llm, prompts[:4])
-    go = _stalled(llm)
+    go = stalled(llm)
     llm.add_request(prompts[4], GREEDY, request_id="r")
     llm.step()
     assert "r" in llm.scheduler.loading
@@ -195,7 +182,7 @@ def test_a_load_past_its_deadline_is_computed_instead(reference):
     llm = LLM("tiny-random", **SMALL, kv_tiers=tiers)
     prompts = _prompts()
     _one_by_one(llm, prompts[:4])
-    go = _stalled(llm)
+    go = stalled(llm)
     try:
         out = llm.generate([prompts[4]], GREEDY)[0]  # the load never writes a page before its deadline
     finally:

@@ -18,6 +18,7 @@ def test_a_request_the_router_sends_here_by_load_is_prefilled_here_and_marked():
     front.take(Submit("mine", list(range(5, 45)), PARAMS, prefill_worker="decode-0"), PARAMS, set())
     front.take(Submit("theirs", list(range(5, 45)), PARAMS, prefill_worker="prefill-0"), PARAMS, set())
     assert front.by_load == {"mine"} and "mine" in llm.seqs  # queued in the engine: computed here
+    assert front.prefilled_here == {"mine"}  # its result says prefill "local"
     assert [w.request_id for w in front.backlog] == ["theirs"]  # waits for prefill-0's KV
     assert [w.peer for w in front.backlog] == ["prefill-0"]
     done = {}

@@ -4,11 +4,11 @@ expected to end before the transfer would land (kv_tiers.decode_loads); the pref
 for the rest. Tokens equal colocated; a load that fails or is aborted falls back; every page comes back."""
 
 import random
-import threading
 
 import pytest
 
 from engine import LLM
+from tests.tiers import stalled
 from tests.transfer.messengers import GREEDY, PAGES, _close, _local_pair, _run
 
 SMALL = {"page_size": 4, "num_pages": 48}  # a 120-token prompt and two others evict it into the host pool
@@ -110,26 +110,13 @@ def test_the_messenger_measures_a_prompt_tokens_time_per_peer():
         _close(pm, dm)
 
 
-def _stalled(llm):
-    """The I/O thread blocks before it copies a loaded page, until the returned event is set."""
-    go, original = threading.Event(), llm.tiers.host.view
-
-    def view(slot):
-        if threading.current_thread().name == "kv-tiers-io":
-            go.wait(30)
-        return original(slot)
-
-    llm.tiers.host.view = view
-    return go
-
-
 @pytest.mark.parametrize("which", [3, 6])  # with the rest sent, and with nothing to send
 def test_a_load_past_its_deadline_is_computed_after_the_sent_kv_landed(reference, which):
     pair = prefill, decode, pm, dm = _pair(f"late-{which}", "always", store_deadline_s=0.05)
     go = None
     try:
         _serve(pair, _prompts()[:3])
-        go = _stalled(decode)
+        go = stalled(decode)
         rid = _serve(pair, _prompts()[which : which + 1], first=which)[0]
         go.set()
         assert decode.output(rid).token_ids == reference[which]
@@ -146,7 +133,7 @@ def test_an_abort_while_its_pages_load_frees_them_on_both_sides(reference):
     go = None
     try:
         _serve(pair, _prompts()[:3])
-        go = _stalled(decode)
+        go = stalled(decode)
         dm.submit("gone", _prompts()[3], GREEDY)
         assert "gone" in decode.scheduler.loading
         decode.abort("gone")
