@@ -38,13 +38,18 @@ needs.nixl()
         ("deployment.decode_reserved_tokens=-1", "decode_reserved_tokens=-1 is not allowed: null or an"),
         (
             "deployment.chunk_size=big",
-            "deployment.chunk_size (or auto)='big' is not allowed: must be an integer",
+            "deployment.chunk_size (or auto, or slo)='big' is not allowed: must be an integer",
         ),
         (
             "deployment.chunk_size=0",
-            "deployment.chunk_size (or auto)=0 is not allowed: must be an integer > 0",
+            "deployment.chunk_size (or auto, or slo)=0 is not allowed: must be an integer > 0",
         ),
         ("deployment.gather_ms=-1", "gather_ms=-1 is not allowed: a number of milliseconds from 0 to 1000"),
+        ("deployment.local_prefill_by_load=maybe", "local_prefill_by_load='maybe' is not allowed: true or false"),
+        (
+            "kv_tiers.decode_loads=sometimes",
+            "kv_tiers.decode_loads must be one of ('cost', 'always', 'never'), got 'sometimes'",
+        ),
         (
             "deployment.gather_ms=5000",
             "gather_ms=5000 is not allowed: a number of milliseconds from 0 to 1000",
