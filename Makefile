@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST := $(BIN)/python -m pytest
 
-.PHONY: run test test-all test-gpu gpu-check soak bench bench-tiers bench-gpu repro lint clean
+.PHONY: run test test-all test-gpu gpu-check soak bench bench-tiers bench-goodput bench-gpu repro lint clean
 
 $(STAMP): setup.py pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -46,6 +46,16 @@ bench: $(STAMP)
 # workers sent their KV, loading it from the pool, or picking by cost
 bench-tiers: $(STAMP)
 	$(BIN)/python -m experiments.bench.kv_tiers --out bench_results/tiers-$$(date +%Y%m%d-%H%M%S)
+
+# issue 45's goodput table (docs/scheduling.md): SmolLM2, 30 Poisson arrivals of 1,024-token prompts, 32 out,
+# SLO TTFT 3 s / TPOT 100 ms; colocated with fixed chunks and with chunk_size: slo, 1P1D, and 1P1D with the
+# budget and prefill by load, at each of GOODPUT_RATES (about 12 minutes at two rates on 2 cores)
+GOODPUT_RATES ?= 0.5,0.75
+bench-goodput: $(STAMP)
+	$(BIN)/python -m experiments.run model=smollm2-135m workload.prompt_len.value=1024 \
+		workload.output_len.value=32 workload.num_requests=30 slo.ttft_s=3 slo.tpot_s=0.1 plots=false \
+		'goodput_search.rates=[$(GOODPUT_RATES)]' hydra.run.dir=bench_results/goodput-$$(date +%Y%m%d-%H%M%S) \
+		'deployments=[{name: auto, kind: colocated, num_workers: 2}, {name: slo, kind: colocated, num_workers: 2, chunk_size: slo}, {name: 1p1d, kind: disaggregated, num_prefill: 1, num_decode: 1}, {name: hybrid, kind: disaggregated, num_prefill: 1, num_decode: 1, chunk_size: slo, local_prefill_by_load: true}]'
 
 # The GPU side (a CUDA machine): its own venv with CUDA torch, FlashInfer and NIXL (scripts/gpu_env.sh)
 GPU_VENV := .venv-gpu

@@ -165,6 +165,7 @@ class PageCache:
 class Instance:
     cost: CostModel
     budget: int = 2048  # tokens per step
+    step_budget: object = None  # chunk_size: slo: the engine's SloBudget (engine/budget.py), fed its steps
     max_seqs: int = 256
     chunked: bool = True
     kv_fraction: float = 0.9  # of the HBM left after weights

@@ -131,10 +131,19 @@ def simulate_deployment(
     k = int((d.speculative or {}).get("num_speculative_tokens", 2)) if d.speculative else 0
     budget = prefill_budget(d.chunk_size, "cpu" if hw.name.startswith("cpu") else "cuda", "bfloat16")
 
+    target = d.step_target_s((slo or SloConfig()).tpot_s)  # chunk_size: slo (None: the fixed budget)
+
     def inst(tp: int, chunk: bool, slowdown: float = 1.0, decodes: bool = True) -> Instance:
+        if target is not None and decodes:
+            from engine.budget import SloBudget  # here: the simulator imports without torch otherwise
+
+            step_budget = SloBudget(target, budget)
+        else:
+            step_budget = None
         return Instance(
             CostModel(model, hw, tp, eff),
             budget=budget,
+            step_budget=step_budget,
             chunked=chunk,
             slowdown=slowdown,
             spec_k=k if decodes else 0,

@@ -282,6 +282,8 @@ class _Simulation:
         dt *= inst.slowdown
         end = now + dt
         prompt_tokens, decoding = inst.last_step
+        if inst.step_budget is not None:  # the budget learns the step times, as the engine's does
+            inst.step_budget.observe(decoding, prompt_tokens, dt)
         if prompt_tokens:
             inst.speed[0] += prompt_tokens
             inst.speed[1] += dt

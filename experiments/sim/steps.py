@@ -24,6 +24,8 @@ def colocated_step(inst: Instance, now: float) -> tuple[float, list]:
     chunks, events = [], []
     if inst.chunked or not inst.waiting and not any(r.computed < r.context for r in inst.running):
         budget -= len(decode)
+        if inst.step_budget is not None and decode:  # chunk_size: slo, as the engine sizes its steps
+            budget = min(budget, inst.step_budget.prompt_tokens(len(decode)))
     else:
         decode = []  # a whole-prompt prefill step runs alone
     for r in [r for r in inst.running if r.computed < r.context and r.ready <= now]:

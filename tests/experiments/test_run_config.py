@@ -45,7 +45,10 @@ needs.nixl()
             "deployment.chunk_size (or auto, or slo)=0 is not allowed: must be an integer > 0",
         ),
         ("deployment.gather_ms=-1", "gather_ms=-1 is not allowed: a number of milliseconds from 0 to 1000"),
-        ("deployment.local_prefill_by_load=maybe", "local_prefill_by_load='maybe' is not allowed: true or false"),
+        (
+            "deployment.local_prefill_by_load=maybe",
+            "local_prefill_by_load='maybe' is not allowed: true or false",
+        ),
         (
             "kv_tiers.decode_loads=sometimes",
             "kv_tiers.decode_loads must be one of ('cost', 'always', 'never'), got 'sometimes'",

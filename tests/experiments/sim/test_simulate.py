@@ -294,3 +294,26 @@ def test_the_planner_moves_a_decode_instance_to_prefill_when_prompts_queue_and_t
     prefilling = 1 + sum(1 if m["to"] == "prefill" else -1 for m in moves[:3])
     assert prefilling <= 3  # min_decode: one decode instance always stays
     assert planned < 0.5 * fixed, (planned, fixed, moves)
+
+
+def test_chunk_size_slo_keeps_tpot_at_the_target_in_the_simulator_as_in_the_engine():
+    """The engine's SloBudget (engine/budget.py) sizing a simulated instance's steps from the step times
+    it observes: 400-token prompts every 6 s into 1 s decode steps (plus 10 ms a prompt token). Whole
+    prompts land in the decodes' steps without it; with a 1.5 s target each request's TPOT stays within
+    the target plus the credit's bound over its 19 intervals, and the prompts wait for it instead."""
+    from engine.budget import CREDIT_STEPS, SloBudget
+
+    steps = fixed_steps(1.0, 0.01)
+
+    def run(target):
+        reqs = [SimRequest(i, 6.0 * i, prompt=400, output=20) for i in range(16)]
+        budget = SloBudget(target, 512) if target else None
+        simulate_colocated(
+            [Instance(steps(TOY, HW, eff=Efficiency(comm=1)), budget=512, step_budget=budget)], reqs
+        )
+        return reqs
+
+    fixed, slo = run(None), run(1.5)
+    assert max(r.tpot for r in fixed) > 2.5  # a 5 s step in the middle of 1 s ones
+    assert all(r.tpot <= 1.5 + CREDIT_STEPS * 1.5 / 19 + 1e-9 for r in slo)
+    assert sorted(r.ttft for r in slo)[8] > 2 * sorted(r.ttft for r in fixed)[8]  # prompts pay for it
