@@ -358,7 +358,7 @@ class Scheduler:
                     self.running.append(seq)
                     continue
                 # a page failed to load: compute from there (over the KV sent after it)
-                seq.num_computed = seq.pages_named * self.allocator.page_size
+                seq.num_computed, seq.status = seq.pages_named * self.allocator.page_size, Status.WAITING
             seq.num_computed += loaded
             self.computed(seq)
             self.waiting.appendleft(seq)
