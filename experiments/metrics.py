@@ -415,6 +415,11 @@ def table(records: list[dict]) -> str:
         ("queue p50 ms", [_ms(x["queue_s"], "p50") for x in s]),
         ("transfer p50 ms", [_ms(x["transfer_s"], "p50") for x in s]),
         ("KV moved MiB", [f"{x['transfer_bytes'] / 2**20:.1f}" for x in s]),
+        *(
+            [("prefilled on decode by load", [str(x.get("local_prefills_by_load", 0)) for x in s])]
+            if any(x.get("local_prefills_by_load") for x in s)
+            else []
+        ),
         ("prefix cache hit %", [_pct(x.get("prefix_hit_rate")) for x in s]),
         *(
             [("tier hit tokens host/disk/pool", [_tier_hits(x.get("kv_tiers") or {}) for x in s])]

@@ -48,3 +48,11 @@ def test_a_rate_sweep_shows_the_highest_rate_that_met_the_slo():
     assert swept_goodput(records) == {"colocated": 2.0}
     line = _line(table(records), "goodput (top rate")
     assert line.count("2 req/s") == 3 and line.count(SWEEP) == 1
+
+
+def test_prompts_prefilled_on_a_decode_worker_by_load_get_a_row_only_where_there_are_some():
+    records = [_record("1p1d", None, 50.0, 0.5, False), _record("hybrid", None, 60.0, 0.6, False)]
+    assert "by load" not in table(records)
+    records[1]["summary"]["local_prefills_by_load"] = 12
+    line = _line(table(records), "prefilled on decode by load")
+    assert [cell.strip() for cell in line.split("|")[1:]] == ["0", "12"]
