@@ -52,6 +52,7 @@ from experiments.sim.steps import (
     decode_step,
     lookup_decode,
     maybe_finish,
+    prefill_here,
     prefill_locally,
 )
 
@@ -224,7 +225,11 @@ class _Simulation:
                 self.push(now, "forward", payload)
             else:
                 self.inbox[id(target)].append(payload)
-        elif kind == "forward" and router == "decode" and prefill_locally(self.home[payload.rid], payload):
+        elif (
+            kind == "forward"
+            and router == "decode"
+            and (prefill_locally(self.home[payload.rid], payload) or self.by_load(payload))
+        ):
             target = self.home.pop(payload.rid)
             self.homed[id(target)] -= 1
             target.recompute.append(payload)
@@ -241,6 +246,16 @@ class _Simulation:
             self.policy.first_token(payload.rid)
         elif kind == "land":  # KV arrived at a decode instance
             self.land(*payload, now)
+
+    def by_load(self, r) -> bool:
+        """The policy sent r to be prefilled on its own decode instance (deployment.local_prefill_by_load:
+        its prefill instances' queue would make it late), as the real decode worker takes a Submit naming
+        itself."""
+        home = self.home[r.rid]
+        if r.fetch or self.policy.prefill_of(r.rid) != self.names[id(home)]:
+            return False
+        prefill_here(home, r)
+        return True
 
     def land(self, inst, r, now) -> None:
         if self.router == "decode":

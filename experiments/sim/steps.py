@@ -130,8 +130,14 @@ def prefill_locally(inst: Instance, r: SimRequest) -> bool:
     have = r.skip * inst.page_size
     if r.fetch or not inst.local_prefill_max_tokens or r.context - have > inst.local_prefill_max_tokens:
         return False
-    r.computed, r.cached, r.local = have, have, True
+    prefill_here(inst, r)
     return True
+
+
+def prefill_here(inst: Instance, r: SimRequest) -> None:
+    """r (looked up: lookup_decode) is computed on its decode instance from what its cache holds."""
+    have = r.skip * inst.page_size
+    r.computed, r.cached, r.local = have, have, True
 
 
 def admit_decode(inst: Instance, r: SimRequest) -> bool:

@@ -317,3 +317,25 @@ def test_chunk_size_slo_keeps_tpot_at_the_target_in_the_simulator_as_in_the_engi
     assert max(r.tpot for r in fixed) > 2.5  # a 5 s step in the middle of 1 s ones
     assert all(r.tpot <= 1.5 + CREDIT_STEPS * 1.5 / 19 + 1e-9 for r in slo)
     assert sorted(r.ttft for r in slo)[8] > 2 * sorted(r.ttft for r in fixed)[8]  # prompts pay for it
+
+
+def test_prefill_by_load_sends_what_the_prefill_queue_would_make_late_to_the_decode_instance():
+    """deployment.local_prefill_by_load in the simulator: the real router's choice (Router._by_load) over
+    a prefill instance that serves a 10-token prompt in 2 s while one arrives every second; the decode
+    instance prefills those the queue would make later than 4 s, and the TTFT tail shrinks."""
+    from experiments.deploy.policy import Router
+
+    def run(by_load):
+        reqs = [SimRequest(i, 1.0 * i, prompt=10, output=4) for i in range(30)]
+        policy = Router(["decode-0"], "least_loaded", cache_pages=0, slo=(4.0, 10.0), by_load=by_load)
+        simulate_disaggregated(
+            [Instance(_cost())], [Instance(_cost())], reqs, layerwise=False, router="decode", policy=policy
+        )
+        return reqs, policy
+
+    sent, off = run(False)
+    split, on = run(True)
+    assert all(r.done is not None for r in sent + split)
+    assert not any(r.local for r in sent) and off.local_by_load == 0
+    assert sum(r.local for r in split) == on.local_by_load > 5
+    assert sorted(r.ttft for r in split)[27] < sorted(r.ttft for r in sent)[27] / 2
