@@ -1,9 +1,10 @@
 """The decode side of the KV messenger: reserve pages, ask a prefill worker, count what lands, release.
 
 `submit` pins pages for the prompt's KV (all but its last token) and sends a PrefillRequest to one of
-the prefill workers added with `add_peer`. The leading pages the engine's prefix cache holds already
-are not asked for (`skip_pages`); where what is left is short (`local_max_tokens`) the engine computes
-it itself and no request is sent. Every post from the prefill side ends with a notification
+the prefill workers added with `add_peer`. The leading pages the engine's prefix cache holds already,
+or loads from below device memory (its KV tiers, when that is expected to land before a transfer would:
+`token_s`), are not asked for (`skip_pages`); where what is left is short (`local_max_tokens`) the
+engine computes it itself and no request is sent. Every post from the prefill side ends with a notification
 that says how many writes it carried; the request is handed to the decode scheduler only when the
 count reaches what the plan says plus the context write.
 
