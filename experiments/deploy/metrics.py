@@ -32,6 +32,9 @@ class Metrics:
         self.running = Gauge("pdk_requests_running", "Sequences running, per worker", ["worker"], registry=r)
         self.waiting = Gauge("pdk_requests_waiting", "Sequences queued, per worker", ["worker"], registry=r)
         self.in_flight = Gauge("pdk_requests_in_flight", "Requests the server is answering", registry=r)
+        self.routed = Gauge(  # the router's record, read at each scrape: not a Load's age behind
+            "pdk_requests_routed", "Requests routed to each worker and not ended yet", ["worker"], registry=r
+        )
         self.free_pages = Gauge("pdk_kv_free_pages", "Free KV pages per worker", ["worker"], registry=r)
         self.report_age = Gauge(
             "pdk_worker_report_age_seconds",
@@ -190,6 +193,10 @@ class Metrics:
                 except KeyError:
                     pass
         self.roles.clear()
+        self.routed.clear()
+        for name, held in list(self.runtime.router.in_flight.items()):
+            if name not in self.runtime.dead:
+                self.routed.labels(name).set(len(held))
         for name, role in list(self.runtime.fleet.roles.items()):
             if name not in self.runtime.dead:
                 self.roles.labels(name, role).set(1)

@@ -144,10 +144,18 @@ def test_a_decode_worker_killed_mid_stream_loses_no_request(tmp_path):
         threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
         for t in threads:
             t.start()
-        # kill it mid-stream: once it is decoding requests, not before
+        # kill it mid-stream: once it runs requests, and frozen first, so that the router still holds some
+        # of them on it (a Load's running count is up to half a second old: they may have ended since)
         running = ("pdk_requests_running", (("worker", "decode-0"),))
-        _until_gauge(url, running, 2, 30, "decode-0 never took requests")
-        time.sleep(0.1)
+        routed = ("pdk_requests_routed", (("worker", "decode-0"),))
+        for _ in range(20):
+            _until_gauge(url, running, 2, 30, "decode-0 never took requests")
+            os.kill(pid, signal.SIGSTOP)
+            if _metrics(url).get(routed, 0) >= 1:
+                break
+            os.kill(pid, signal.SIGCONT)  # it had finished them: the next ones
+        else:
+            raise AssertionError("decode-0 never held a request when frozen")
         os.kill(pid, signal.SIGKILL)
         for t in threads:
             t.join(timeout=180)
