@@ -57,12 +57,6 @@ class StepTimeModel:
         a, b, c = (float(v) for v in coef)
         return a, max(b, 0.0), c
 
-    def predict(self, decode: int, prompt: int) -> float | None:
-        if self.coef is None:
-            return None
-        a, b, c = self.coef
-        return a + b * decode + c * prompt
-
 
 class SloBudget:
     """The prompt tokens a step may take beside its decodes, to keep its time within target_s."""

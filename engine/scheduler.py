@@ -119,13 +119,13 @@ class Scheduler:
         seq.num_computed = 0  # nothing runs before admit_prefilled
         self.reserved[seq.request_id] = seq
 
-    def load_reserved(self, seq: Sequence, within_s: float) -> int:
+    def load_reserved(self, seq: Sequence, within_s: float) -> None:
         """Decode role: start loading the reserved seq's next leading pages found below device memory
         (after its device hits) instead of having them sent: as many as kv_tiers.decode_loads allows
         ("cost": while their expected load time stays within within_s, the time the transfer is
-        expected to take). Returns how many pages load (no prefill worker needs to send them)."""
+        expected to take). Its entry in `loading` says how many (no prefill worker needs to send them)."""
         if self.tiers is None or self.tiers.config.decode_loads == "never":
-            return 0
+            return
         below = self._below(seq, seq.pages_named)
         if self.tiers.config.decode_loads == "cost":
             total, n = 0.0, 0
@@ -135,10 +135,8 @@ class Scheduler:
                     break
                 n += 1
             below = below[:n]
-        if not below:
-            return 0
-        self._load(seq, below)
-        return len(self.loading[seq.request_id][1].plan)
+        if below:
+            self._load(seq, below)
 
     def admit_prefilled(self, seq: Sequence) -> None:
         """Decode role: seq's pages hold the KV of all its tokens but the last (a prompt's, or a
@@ -204,7 +202,7 @@ class Scheduler:
     def debt(self) -> int:
         """Pages the admitted sequences (running, reserved, or queued with pages) are owed."""
         queued = [s for s in self.waiting if self.allocator.pages(s.request_id)]
-        queued += [s for rid, (s, _) in self.loading.items() if rid not in self.reserved]
+        queued += [self.loading[rid][0] for rid in self.landing]
         return sum(self.need(s) for s in (*self.running, *self.reserved.values(), *queued))
 
     def has_room(self, seq: Sequence, hit: list[int] = ()) -> bool:

@@ -22,7 +22,6 @@ def test_the_fit_recovers_the_machine_it_measured():
     model = StepTimeModel()
     _steps(model)
     assert model.coef == pytest.approx((A, B, C), rel=1e-6)
-    assert model.predict(10, 100) == pytest.approx(A + 10 * B + 100 * C)
 
 
 def test_steps_of_one_shape_tell_nothing_and_the_budget_stays_full():

@@ -37,3 +37,28 @@ def _cli(args, cwd):
         env=env,
         timeout=600,
     )
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a zombie has exited; init reaps it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _descendants(pid: int) -> list[int]:
+    """The pids of pid's children, theirs, and so on (as ps lists them now)."""
+    rows = [
+        line.split()
+        for line in subprocess.run(
+            ["ps", "-eo", "ppid,pid"], capture_output=True, text=True
+        ).stdout.splitlines()[1:]
+    ]
+    out, frontier = [], [pid]
+    while frontier:
+        parent = frontier.pop()
+        kids = [int(p) for pp, p in rows if int(pp) == parent]
+        out += kids
+        frontier += kids
+    return out

@@ -13,7 +13,7 @@ import pytest
 from experiments.config import from_cfg
 from experiments.run import run
 from tests import needs
-from tests.experiments.runs import CONF, TINY, _cfg, _outputs
+from tests.experiments.runs import CONF, TINY, _cfg, _descendants, _outputs, _running
 
 needs.nixl()
 
@@ -137,30 +137,6 @@ def test_sigterm_stops_the_job_keeps_what_it_measured_and_leaves_nothing_behind(
     assert not left, [Path(f"/proc/{pid}/cmdline").read_text() for pid in left if _running(pid)]
     assert not list(private.glob("pdk-*"))  # the run's private dirs are gone
     assert not list(out.glob(".*.tmp"))
-
-
-def _running(pid: int) -> bool:
-    """Alive and not a zombie (a zombie has exited; init reaps it)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _descendants(pid: int) -> list[int]:
-    rows = [
-        line.split()
-        for line in subprocess.run(
-            ["ps", "-eo", "ppid,pid"], capture_output=True, text=True
-        ).stdout.splitlines()[1:]
-    ]
-    out, frontier = [], [pid]
-    while frontier:
-        parent = frontier.pop()
-        kids = [int(p) for pp, p in rows if int(pp) == parent]
-        out += kids
-        frontier += kids
-    return out
 
 
 def test_killed_workers_restart_under_the_local_launcher_and_take_requests_again(tmp_path):

@@ -3,11 +3,11 @@ conversations they serve bring each history back from the host pool (and files) 
 with the same replies as no cache at all, and report it per tier."""
 
 import os
-import subprocess
+from pathlib import Path
 
 from experiments.run import run
 from tests import needs
-from tests.experiments.runs import TINY, _cfg, _outputs
+from tests.experiments.runs import TINY, _cfg, _descendants, _outputs, _running
 
 needs.nixl()
 
@@ -18,17 +18,17 @@ ONE = "kind: colocated, num_workers: 1"
 PAIR = f"deployments=[{{name: tiers, {ONE}}}, {{name: plain, {ONE}, prefix_caching: false}}]"
 
 
-def _store_pids() -> set[str]:
+def _store_pids() -> set[int]:
     """The live Mooncake processes this test process started (tests beside it may run their own)."""
-    rows = subprocess.run(["ps", "-eo", "ppid,pid,stat,args"], capture_output=True, text=True).stdout
-    rows = [line.split(None, 3) for line in rows.splitlines()[1:]]
-    mine, frontier = set(), [str(os.getpid())]
-    while frontier:
-        parent = frontier.pop()
-        kids = [r for r in rows if r[0] == parent and not r[2].startswith("Z")]
-        mine |= {r[1] for r in kids if "mooncake" in r[3]}
-        frontier += [r[1] for r in kids]
-    return mine
+    out = set()
+    for pid in _descendants(os.getpid()):
+        try:
+            args = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:  # gone meanwhile
+            continue
+        if b"mooncake" in args and _running(pid):
+            out.add(pid)
+    return out
 
 
 def _later_turns(record):
