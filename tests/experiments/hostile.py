@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.experiments.serving import _metrics
+from tests.experiments.serving import _metrics, _pages_and_ends
 
 PAGES = 256  # tiny-random's pages per worker
 
@@ -103,6 +103,18 @@ def _until_in_flight(url: str, n: int, within_s: float = 60) -> None:
     _until_gauge(
         url, ("pdk_requests_in_flight", ()), n, within_s, f"{n} requests never were in flight together"
     )
+
+
+def _until_pages_back(url: str, within_s: float = 30) -> None:
+    """Wait until every worker's pages are free again (a request seen holding some has ended: the gauge
+    is a Load old, so it cannot tell that one just admitted holds none yet)."""
+    give_up = time.monotonic() + within_s
+    while True:
+        free, _ = _pages_and_ends(url)
+        if len(free) == 2 and set(free.values()) == {PAGES}:
+            return
+        assert time.monotonic() < give_up, f"pages still held: {free}"
+        time.sleep(0.1)
 
 
 def _still_serving(url: str) -> None:

@@ -14,8 +14,8 @@ import openai
 import pytest
 
 from tests.experiments.hostile import (
-    OK,
     PAGES,
+    OK,
     _error,
     _group_gone,
     _post,
@@ -23,6 +23,7 @@ from tests.experiments.hostile import (
     _start,
     _still_serving,
     _until_in_flight,
+    _until_pages_back,
 )
 from tests.experiments.serving import _long_stream, _metrics, _pages_and_ends, _stopped
 
@@ -197,11 +198,12 @@ def _stream_beside(url: str, hostile) -> tuple[int, object]:
     started, stop, counts = threading.Event(), threading.Event(), [0]
 
     def stream():
-        for _ in _long_stream(client, "Stream on:"):
-            counts[0] += 1
-            started.set()
-            if stop.is_set():
-                break
+        with _long_stream(client, "Stream on:") as chunks:  # closed on leaving: the server cancels it
+            for _ in chunks:
+                counts[0] += 1
+                started.set()
+                if stop.is_set():
+                    break
 
     t = threading.Thread(target=stream)
     t.start()
@@ -211,6 +213,7 @@ def _stream_beside(url: str, hostile) -> tuple[int, object]:
     during = counts[0] - before
     stop.set()
     t.join(timeout=120)
+    _until_pages_back(url)  # its pages too: the next test starts with every page free
     return during, out
 
 
