@@ -2,7 +2,7 @@
 main job's) and the simulator.
 
 Policies (`deployment.routing`):
-- `round_robin`: the live workers in turn.
+- `round_robin`: the live workers in turn (and, disaggregated, the live prefill workers in turn).
 - `least_loaded`: the one with the fewest requests in flight.
 - `cache_aware` (default): the lowest cost = overlap_weight x the pages it would have to compute (the
   request's pages minus the leading ones the router believes that worker caches) + the pages of the
@@ -22,7 +22,8 @@ the worker looks its own cache up and computes what it lacks.
 
 A disaggregated request's prefill worker is the router's choice too (prefill_of(); the decode worker
 asks it unless it is down there): the live one where its prompt would start soonest, the prompt tokens
-routed to each and not yet at their first token over each one's measured speed.
+routed to each and not yet at their first token over each one's measured speed (round_robin: the next
+live one in turn).
 
 Admission (`deployment.admission`): `none` takes every request; `slo` refuses at once a request the
 router predicts will miss the SLO anyway (Mooncake's early rejection), instead of spending prefill time
@@ -133,7 +134,7 @@ class Router:
             raise ValueError(f"deployment.admission={admission!r} is not allowed: one of {ADMISSIONS}")
         self.admission, self.slo, self.clock = admission, slo, clock
         self.prefill_workers = list(prefill_workers)
-        self.prefill_live: set = set()  # prefill workers heard from (a Load) and not dead since
+        self.prefill_live: set = set()  # prefill workers up (a Ready or a Load) and not dead since
         self.speed: dict[str, Speed] = {}  # worker (prefill ones too) -> what its Loads measured
         self.waiting: dict = {}  # request -> (worker, its prompt tokens to compute, when, predicted TTFT)
         self.late: deque = deque(maxlen=BIAS_SAMPLES)  # (when, first token's time beyond its prediction)
@@ -149,7 +150,7 @@ class Router:
         self.in_flight: dict[str, set] = {w: set() for w in self.workers}
         self.cached: dict[str, OrderedDict] = {w: OrderedDict() for w in self.workers}  # its belief
         self._pages: dict = {}  # request -> pages of its prompt (the load it adds)
-        self._turn = 0
+        self._turn = self._prefill_turn = 0  # round_robin's next worker, and next prefill worker
         self.routed_pages = self.overlap_pages = 0  # what it routed, and found cached where it went
         self.below = Below(page_size)  # what sits below each worker's device pages, and its price
 
@@ -236,18 +237,20 @@ class Router:
         return (None if ttft is None else ttft + max(self.ttft_bias, 0.0)), tpot
 
     def prefill_of(self, request_id) -> str | None:
-        """The prefill worker route() chose for a new request (None: colocated, or none heard from)."""
+        """The prefill worker route() chose for a new request (None: colocated, or none up)."""
         entry = self.waiting.get(request_id)
         return entry[0] if entry is not None and self.prefill_workers else None
 
     def _prefill_queue(self, target: str, tokens: int) -> str | None:
         """Whose prompt queue a request joins: its colocated worker; disaggregated, the live prefill worker
-        where it would start soonest (tokens ahead over its speed); None when none has been heard from."""
+        where it would start soonest (tokens ahead over its speed); None when none is up."""
         if not self.prefill_workers:
             return target
         live = [p for p in self.prefill_workers if p in self.prefill_live]
         if not live:
             return None
+        if self.policy == "round_robin":
+            return live[self._prefill_turn % len(live)]  # route() moves the turn on when it admits
         return min(live, key=lambda p: (self._ahead(p) + tokens) / (self._rate(p) or 1.0))
 
     def _by_load(self, target: str, queue: str, tokens: int) -> str:
@@ -360,6 +363,7 @@ class Router:
                 return None
             self.admitted_at, self.refusing_since = now, None
         if admit:  # a new request's prompt: ahead of the next ones in its queue until its first token
+            self._prefill_turn += queue in self.prefill_workers  # not prefilled by its decode worker
             self.waiting[request_id] = (queue, to_compute, self.clock(), self._queue_s(queue, to_compute))
         self.routed_pages += len(names)
         self.overlap_pages += hit
@@ -429,6 +433,11 @@ class Router:
             self.workers.append(worker)
             self.in_flight.setdefault(worker, set())
             self.cached.setdefault(worker, OrderedDict())
+
+    def up(self, worker: str) -> None:
+        """worker is up (its Ready): a prefill worker may be chosen from now on, before its first Load."""
+        if worker in self.prefill_workers:
+            self.prefill_live.add(worker)
 
     def forget(self, worker: str) -> None:
         """worker died (or restarted): its cache is gone, its speed is measured again."""

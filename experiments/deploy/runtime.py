@@ -67,6 +67,8 @@ def start_runtime(config, d, log_dir=None, first_core: int = 0) -> Runtime:
         router = Router.of(
             d, fleet.frontends, m.num_pages, m.page_size, fleet.cache_salt, config.slo, prefill
         )
+        for name in prefill:  # start_fleet saw each one's Ready
+            router.up(name)
         return Runtime(fleet, d.on_worker_death, config.transfer.peer_timeout_s, router, d, config.slo)
     except BaseException:
         fleet.stop()
@@ -274,6 +276,7 @@ class Runtime:
             self.router.observe_load(name, msg)
         elif isinstance(msg, Ready):  # a restarted worker is back (Fleet.receive reconnected it)
             self.events.append((time.perf_counter(), f"{name} back after a restart"))
+            self.router.up(name)
         elif isinstance(msg, HandedBack):  # it leaves the decode role: they go on elsewhere
             for rid in msg.request_ids:
                 flight = self.flights.get(rid)

@@ -242,7 +242,7 @@ def test_admission_predicts_tpot_from_the_batch_it_would_join():
 
 def test_the_router_picks_the_prefill_worker_where_a_prompt_starts_soonest_and_skips_a_dead_one():
     now = [0.0]
-    r = Router(["d0", "d1"], "round_robin", admission="slo", slo=(1.6, 1.0), prefill_workers=["p0", "p1"],
+    r = Router(["d0", "d1"], "least_loaded", admission="slo", slo=(1.6, 1.0), prefill_workers=["p0", "p1"],
                clock=lambda: now[0])  # fmt: skip
     assert r.route("early", [], 500, ["d0", "d1"], admit=True) and r.prefill_of("early") is None  # none heard
     r.first_token("early")
@@ -264,6 +264,27 @@ def test_the_router_picks_the_prefill_worker_where_a_prompt_starts_soonest_and_s
     r.observe_load("p1", _Load(100, 0.05))  # back (restarted): 1,500 ahead at 2,000/s beats p0's 1.1 s
     assert r.route("r6", [], 500, ["d0", "d1"], admit=True) and r.prefill_of("r6") == "p1"
     assert r.prefill_of("missing") is None
+
+
+def test_round_robin_takes_the_live_prefill_workers_in_turn_too():
+    """routing=round_robin, disaggregated: each admitted request's prefill worker is the next live one,
+    whatever their queues; a refused request takes no turn, a dead worker is skipped."""
+    r = Router(["d0"], "round_robin", admission="slo", slo=(1.0, 1.0), prefill_workers=["p0", "p1", "p2"])
+    for p in ("p0", "p1", "p2"):
+        r.observe_load(p, _Load(1000, 1.0))
+    chosen = []
+    for i in range(4):
+        assert r.route(f"r{i}", [], 100, ["d0"], admit=True) == "d0"
+        chosen.append(r.prefill_of(f"r{i}"))
+    assert chosen == ["p0", "p1", "p2", "p0"]
+    assert r.route("huge", [], 100_000, ["d0"], admit=True) is None  # refused: 100 s to its first token
+    assert r.route("r4", [], 100, ["d0"], admit=True) and r.prefill_of("r4") == "p1"  # p1's turn still
+    r.forget("p2")
+    after = []
+    for i in range(5, 9):
+        assert r.route(f"r{i}", [], 100, ["d0"], admit=True)
+        after.append(r.prefill_of(f"r{i}"))
+    assert after in (["p0", "p1"] * 2, ["p1", "p0"] * 2)  # the two live ones, in turn
 
 
 def test_the_first_load_counts_from_the_worker_s_start_and_a_restart_starts_over():

@@ -84,14 +84,18 @@ def test_round_robin_turns_find_their_history_in_the_shared_pool(tmp_path):
 
 
 def test_a_second_prefill_worker_reuses_the_first_ones_prefixes_through_the_pool(tmp_path):
-    deployment = "deployment={name: 2p1d, kind: disaggregated, num_prefill: 2, num_decode: 1}"
+    """2P1D, one conversation, round_robin: each turn goes to the other prefill worker, which loads the
+    history the first one computed from the pool (both do, from the second turn on)."""
+    deployment = "deployment={name: 2p1d, kind: disaggregated, num_prefill: 2, num_decode: 1"
+    deployment += ", routing: round_robin}"
+    one = ["workload.conversations=1", "workload.turns=4", "workload.concurrency=1"]
     overrides = ["kv_tiers.host_bytes=64MiB", "kv_tiers.store=mooncake", "kv_tiers.store_bytes=64MiB"]
     (record,) = run(
-        _cfg([*TINY[:1], *TINY[8:], *MULTITURN, deployment, *overrides]), tmp_path, progress=False
+        _cfg([*TINY[:1], *TINY[8:], *MULTITURN, *one, deployment, *overrides]), tmp_path, progress=False
     )
-    assert record["summary"]["completed"] == 12
+    assert record["summary"]["completed"] == 4
     hits = record["summary"]["kv_tier_hits"]
-    assert hits["prefill-0"]["pool"] + hits["prefill-1"]["pool"] > 0
+    assert hits["prefill-0"]["pool"] > 0 and hits["prefill-1"]["pool"] > 0, hits
     assert all(t["free_pages"] == t["num_pages"] for t in record["timelines"])
 
 
