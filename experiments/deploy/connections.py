@@ -6,7 +6,10 @@
   connections (a header line every few seconds) and 600 that never sent a byte were held open for as
   long as their clients liked;
 - a connection cap: past max_connections open at once, a new connection is answered 503 (OpenAI's
-  error shape, Retry-After) and closed at once, before anything of it is read.
+  error shape, Retry-After) at once, before anything of it is parsed, and its sending side shut; what it
+  sends then is read and dropped for at most LINGER_S and LINGER_BYTES before it is closed (a lingering
+  close, as nginx's: closed while the client still sent its request, the kernel answered its bytes with
+  a reset, and the client saw a broken pipe instead of the 503).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 RETRY_AFTER_S = 1
+LINGER_S, LINGER_BYTES = 1.0, 1 << 16  # how long and how much a refused connection is read and dropped
 
 
 def _busy_response() -> bytes:
@@ -46,16 +50,25 @@ def guarded_h11(header_timeout_s: float, max_connections: int) -> type[H11Protoc
 
     class Guarded(H11Protocol):
         _header_timer: asyncio.TimerHandle | None = None
+        _refused: int | None = None  # over the cap: the bytes it may still send, read and dropped
 
         def connection_made(self, transport: asyncio.Transport) -> None:
             super().connection_made(transport)
             if len(self.connections) > max_connections:
                 transport.write(BUSY)
-                transport.close()
+                if transport.can_write_eof():
+                    transport.write_eof()
+                self._refused = LINGER_BYTES
+                self.loop.call_later(LINGER_S, transport.close)
                 return
             self._arm()
 
         def data_received(self, data: bytes) -> None:
+            if self._refused is not None:  # never parsed
+                self._refused -= len(data)
+                if self._refused < 0:
+                    self.transport.close()
+                return
             super().data_received(data)
             if self.conn.their_state is not h11.IDLE:  # its request line and headers are in
                 self._disarm()

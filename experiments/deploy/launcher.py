@@ -71,15 +71,26 @@ def start_fork_server(cfg) -> None:
 
 
 def stop_fork_server() -> None:
-    """Stop multiprocessing's fork server now and wait for it (it would leave only when this process's
-    end of its socket closes at exit, 1-2 s after the process itself: a caller that waits for a process
-    group to be gone saw it outlive the server). Its children are stopped by then."""
-    from multiprocessing import forkserver
+    """Stop multiprocessing's fork server and its resource tracker now and wait for them (each would
+    leave only when this process's end of its socket or pipe closes at exit, up to 1-2 s after the
+    process itself: a caller that waits for a process group to be gone saw them outlive the server).
+    Their children are stopped by then."""
+    from multiprocessing import forkserver, resource_tracker
 
     try:
         forkserver._forkserver._stop()  # CPython's own tests stop it so (3.8-3.13)
     except (AttributeError, OSError, ChildProcessError) as e:
         log.warning("could not stop the fork server: %r", e)
+    tracker = resource_tracker._resource_tracker
+    try:
+        if hasattr(tracker, "_stop"):  # 3.12 on
+            tracker._stop()
+        elif getattr(tracker, "_fd", None) is not None:  # 3.11: what _stop does (EOF on its pipe ends it)
+            os.close(tracker._fd)
+            os.waitpid(tracker._pid, 0)
+            tracker._fd = tracker._pid = None
+    except (AttributeError, OSError, ChildProcessError) as e:
+        log.warning("could not stop the resource tracker: %r", e)
 
 
 def _local_main(spec: WorkerSpec, env: dict[str, str]) -> None:

@@ -14,8 +14,8 @@ import openai
 import pytest
 
 from tests.experiments.hostile import (
-    PAGES,
     OK,
+    PAGES,
     _error,
     _group_gone,
     _post,
