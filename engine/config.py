@@ -340,6 +340,10 @@ class EngineConfig:
     seed: int = 0
     expert_parallel: bool = False  # MoE under TP: whole experts per rank instead of a slice of each
     kv_tiers: KVTiersConfig = field(default_factory=KVTiersConfig)
+    # data-parallel attention (engine/dp.py): dp engines of tp ranks each, the routed experts spread over
+    # all tp x dp ranks; dp_rank: which of them this one is
+    dp: int = 1
+    dp_rank: int = 0
 
     def __post_init__(self):
         _check(self.dtype in DTYPES, f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
@@ -376,6 +380,23 @@ class EngineConfig:
             f"expert_parallel needs an MoE model whose experts tp={self.tp} divides; got "
             f"{m.moe.num_experts if m.moe else 'no'} experts",
         )
+
+        _check(
+            isinstance(self.dp, int) and self.dp >= 1 and 0 <= self.dp_rank < self.dp,
+            f"dp must be an integer >= 1 (and dp_rank in [0, dp)), got dp={self.dp!r}, "
+            f"dp_rank={self.dp_rank!r}",
+        )
+        world = self.tp * self.dp
+        _check(
+            self.dp == 1 or (m.moe is not None and m.moe.num_experts % world == 0),
+            f"dp={self.dp} needs an MoE model whose experts tp x dp = {world} ranks divide; got "
+            f"{m.moe.num_experts if m.moe else 'no'} experts",
+        )
+
+    @property
+    def world(self) -> int:
+        """The ranks of one engine's forward passes together: tp x dp."""
+        return self.tp * self.dp
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -3,8 +3,10 @@
     python -m engine.info tiny-random-deepseek random-deepseek-v3 smollm2-135m path/to/hf-folder
 
 reads each model's config (no weights) and prints one Markdown row per model. The KV bytes are the cache
-rows one token adds (all layers, whole model; in bf16) and what one TP rank holds of them: a GQA cache is
-cut by kv heads, an MLA latent cache is the same on every rank (so the replica, not a shard, moves).
+rows one token adds (all layers, whole model; in bf16), what one TP rank holds of them (a GQA cache is
+cut by kv heads, an MLA latent cache is the same on every rank: the replica, not a shard, moves), what
+all --tp ranks of a TP instance hold together, and what they hold as --tp DP groups of one rank
+(data-parallel attention, engine/dp.py: a token's KV lives whole on its own group's rank, once).
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ def describe(config: ModelConfig, tp: int = 8) -> dict:
         "KV B/token/layer": per_token // config.num_layers,
         "KV B/token": per_token,
         f"per rank at TP {tp}": per_token // shards,
+        f"all ranks at TP {tp}": per_token // shards * tp,
+        f"per DP rank (all ranks) at DP {tp}": per_token,
     }
 
 
@@ -45,7 +49,9 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("models", nargs="+", help="registered names, .gguf files or Hugging Face folders")
-    parser.add_argument("--tp", type=int, default=8, help="TP degree for the per-rank column (default 8)")
+    parser.add_argument(
+        "--tp", type=int, default=8, help="TP (and DP) degree of the per-rank columns (default 8)"
+    )
     args = parser.parse_args(argv)
     if args.tp < 1:
         parser.error(f"--tp must be >= 1, got {args.tp}")

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
+import shutil
+import tempfile
 import weakref
 from dataclasses import replace
 from typing import Protocol
@@ -20,6 +23,7 @@ import torch
 from engine.config import CacheConfig, EngineConfig, KVTiersConfig, SchedulerConfig
 from engine.core import EngineCore, StepStats
 from engine.decode_role import DecodeHandoff
+from engine.dp import DPEngines, DPFront
 from engine.graphs import DecodeGraphs
 from engine.kv_cache import PageAllocator, allocate_kv_cache
 from engine.kv_pages import namespace
@@ -36,11 +40,26 @@ from engine.sequence import (
 )
 from engine.speculative import SpeculativeConfig, ngram_drafts
 from engine.step_sampling import StepSampling
-from engine.tp import TPGroup
+from engine.tp import TPGroup, init_rank
 from engine.weights import load_model
 from pdkernels.out_proj import make_layer_counter
 
 log = logging.getLogger(__name__)
+
+
+def _close_ranks(tp_group, dp_engines, folder: str | None) -> None:
+    """Stop the other DP groups' engines and this one's TP ranks, leave the process group, remove the
+    rendezvous directory (an LLM's finalizer: it holds no reference to the LLM)."""
+    import torch.distributed as dist
+
+    if dp_engines is not None:
+        dp_engines.close()
+    if tp_group is not None:
+        tp_group.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 class PrefillListener(Protocol):
@@ -53,7 +72,7 @@ class PrefillListener(Protocol):
     def on_failed(self, seq: Sequence, error: str) -> None: ...  # its step raised: no KV will come
 
 
-class LLM(EngineCore, DecodeHandoff, StepSampling):
+class LLM(DPFront, EngineCore, DecodeHandoff, StepSampling):
     def __init__(
         self,
         model: str = "smollm2-135m",
@@ -78,6 +97,9 @@ class LLM(EngineCore, DecodeHandoff, StepSampling):
         fair_share: bool = True,
         kv_tiers: dict | KVTiersConfig | None = None,
         step_target_s: float | None = None,
+        dp: int = 1,
+        dp_rank: int = 0,
+        dp_rendezvous: str | None = None,
     ):
         """cuda_graphs: replay decode steps as CUDA graphs (engine.graphs); None: on CUDA with tp 1 outside
         the prefill role (which never decodes). One page is kept back as the padding rows' scratch page.
@@ -88,7 +110,23 @@ class LLM(EngineCore, DecodeHandoff, StepSampling):
         (engine/moe.py) instead of a slice of each. kv_tiers: KV below device memory under the prefix cache
         (engine.config.KVTiersConfig's fields: host_bytes, disk_bytes, disk_dir, policy, ...).
         step_target_s: size each step's prompt tokens so that steps with decodes keep within it
-        (engine/budget.py; None: max_num_batched_tokens every step)."""
+        (engine/budget.py; None: max_num_batched_tokens every step). dp: data-parallel attention over dp
+        engines of tp ranks each, the routed experts spread over all of them (engine/dp.py; an MoE model,
+        the colocated role); dp_rank and dp_rendezvous are set by engine/dp.py for the engines it starts."""
+        engine_args = dict(
+            model=model, tp=tp, page_size=page_size, num_pages=num_pages, device=device, dtype=dtype,
+            role=role, kv_layout=kv_layout, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, seed=seed, cuda_graphs=cuda_graphs,
+            reserved_tokens=reserved_tokens, preemption=preemption,
+            enable_prefix_caching=enable_prefix_caching, expert_parallel=expert_parallel,
+            fair_share=fair_share, step_target_s=step_target_s, dp=dp,
+        )  # fmt: skip
+        if dp != 1 and (role != "colocated" or speculative_config or kv_tiers or cuda_graphs):
+            raise ValueError(
+                f"dp={dp} (data-parallel attention) runs the colocated role without speculative_config, "
+                f"kv_tiers or cuda_graphs so far; got role={role!r}, speculative_config="
+                f"{speculative_config!r}, kv_tiers={kv_tiers!r}, cuda_graphs={cuda_graphs!r}"
+            )
         loaded = load_model(model)
         self.config = EngineConfig(
             model=loaded.config,
@@ -108,19 +146,37 @@ class LLM(EngineCore, DecodeHandoff, StepSampling):
             seed=seed,
             expert_parallel=expert_parallel,
             kv_tiers=kv_tiers if isinstance(kv_tiers, KVTiersConfig) else KVTiersConfig(**(kv_tiers or {})),
+            dp=dp,
+            dp_rank=dp_rank,
         )
-        torch.manual_seed(seed)
+        torch.manual_seed(seed + dp_rank)
         self.tokenizer = loaded.tokenizer
         dev = torch.device(device)
-        shard = Shard.of(loaded.config, 0, tp, expert_parallel)
-        self.tp_group = TPGroup(model, self.config) if tp > 1 else None
-        if self.tp_group is not None:
-            self._finalizer = weakref.finalize(self, self.tp_group.close)
+        shard = Shard.of(loaded.config, 0, tp, expert_parallel, dp, dp_rank)
+        self._remote: dict[str, tuple[int, str | None]] = {}  # DP front: request -> (its group, prompt)
+        self.tp_group = self.dp_engines = self._leads = None
+        if self.config.world > 1:  # ranks of this engine's group (and, dp > 1, of the other groups)
+            own = dp_rendezvous is None  # the first engine: a private directory (mode 0700) for the store
+            folder = tempfile.mkdtemp(prefix="pdk-tp-") if own else None
+            rendezvous = dp_rendezvous or os.path.join(folder, "rendezvous")
+            if dp > 1 and own:
+                self.dp_engines = DPEngines(engine_args, dp, tp, rendezvous)
+            try:
+                self.tp_group = TPGroup(model, self.config, rendezvous) if tp > 1 else None
+            except BaseException:
+                _close_ranks(None, self.dp_engines, folder)
+                raise
+            self._finalizer = weakref.finalize(self, _close_ranks, self.tp_group, self.dp_engines, folder)
         self.model = Model(loaded.config, loaded.weights, dev, self.config.torch_dtype, shard)
         kv_cache = allocate_kv_cache(
             loaded.config, self.config.cache, shard.num_kv_heads, dev, self.config.torch_dtype
         )
         self.kv_cache = kv_cache.share_memory_() if tp > 1 and dev.type == "cpu" else kv_cache
+        if self.config.world > 1:  # every rank has loaded its shard: join them
+            groups = init_rank(0, self.config, rendezvous)
+            self.model.tp_group, self._leads = groups.tp, groups.leads
+            if self.dp_engines is not None:
+                self.dp_engines.await_ready()
         # MoE: the experts' grouping reads counts on the host, which a capture cannot; MLA: its decode
         # path has not been captured on a GPU yet
         moe, mla = loaded.config.moe is not None, loaded.config.mla is not None
@@ -211,11 +267,12 @@ class LLM(EngineCore, DecodeHandoff, StepSampling):
         return [self.kv_cache] + (self.tp_group.kv_caches if self.tp_group else [])
 
     def close(self) -> None:
-        """Stop the TP rank processes (also done when the LLM is garbage-collected or at exit)."""
+        """Stop the TP rank processes and the other DP groups' engines (also done when the LLM is
+        garbage-collected or at exit)."""
         if self.tiers is not None:
             self.tiers.close()
             self.tiers = self.scheduler.tiers = None
-        if self.tp_group is not None:
+        if self.config.world > 1:
             self._finalizer()
 
     def __enter__(self) -> LLM:

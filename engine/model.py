@@ -53,8 +53,20 @@ class Shard:
     expert_mlp: tuple[int, int] = (0, 0)  # [start, end) of every routed expert's MLP width (MoE layers)
     experts: tuple[int, int] | None = None  # expert parallelism: the whole experts [start, end) held here
 
+    dp: int = 1  # data-parallel attention: dp groups of `size` ranks; the experts over all of them
+    dp_rank: int = 0
+
     @staticmethod
-    def of(config: ModelConfig, rank: int = 0, size: int = 1, expert_parallel: bool = False) -> Shard:
+    def of(
+        config: ModelConfig,
+        rank: int = 0,
+        size: int = 1,
+        expert_parallel: bool = False,
+        dp: int = 1,
+        dp_rank: int = 0,
+    ) -> Shard:
+        """TP rank `rank` of `size` (of DP group dp_rank of dp: its experts are its share of all
+        size x dp ranks')."""
         hq = config.num_heads // size
         if config.num_kv_heads >= size:
             hkv = config.num_kv_heads // size
@@ -66,10 +78,16 @@ class Shard:
         fe = config.moe.intermediate_size // size if config.moe else 0
         q = (rank * hq, (rank + 1) * hq)
         experts = None
-        if expert_parallel:
-            per = config.moe.num_experts // size
-            experts = (rank * per, (rank + 1) * per)
-        return Shard(rank, size, q, kv, (rank * f, (rank + 1) * f), (rank * fe, (rank + 1) * fe), experts)
+        if expert_parallel or dp > 1:
+            per = config.moe.num_experts // (size * dp)
+            first = (dp_rank * size + rank) * per
+            experts = (first, first + per)
+        mlp, expert_mlp = (rank * f, (rank + 1) * f), (rank * fe, (rank + 1) * fe)
+        return Shard(rank, size, q, kv, mlp, expert_mlp, experts, dp, dp_rank)
+
+    @property
+    def world_rank(self) -> int:
+        return self.dp_rank * self.size + self.rank
 
     @property
     def num_q_heads(self) -> int:
@@ -145,6 +163,7 @@ class Model:
     ):
         self.config, self.device, self.dtype = config, device, dtype
         self.shard = shard or Shard.of(config)
+        self.tp_group = None  # the TP ranks' process group when it is not the default one (engine/tp.py)
         self.layers = [self._load_layer(weights, i) for i in range(config.num_layers)]
         self.embed = weights["model.embed_tokens.weight"].to(device, dtype)
         self.norm = weights["model.norm.weight"].to(device, dtype)
@@ -210,15 +229,17 @@ class Model:
         return F.linear(x, w)
 
     def all_reduce(self, x: Tensor) -> Tensor:
+        """The sum of x over this rank's TP group (tp_group: its process group under data-parallel
+        attention; None, the default group, otherwise)."""
         if self.shard.size == 1:
             return x
         if (
             x.dtype == torch.bfloat16 and x.device.type == "cpu"
         ):  # gloo sums fp32; so do GPUs' bf16 reductions
             y = x.float()
-            dist.all_reduce(y)
+            dist.all_reduce(y, group=self.tp_group)
             return x.copy_(y)
-        dist.all_reduce(x)
+        dist.all_reduce(x, group=self.tp_group)
         return x
 
     def attention(
@@ -288,10 +309,18 @@ class Model:
             h = ops.add_rms_norm(x, self.norm if last else self.layers[i + 1]["input_norm"], eps, mlp, False)
         return h
 
+    def idle(self) -> None:
+        """Data-parallel attention, a step where this DP group has no tokens: take part in every MoE
+        layer's all-to-all with none (the other groups' tokens may still reach this rank's experts)."""
+        x = torch.empty((0, self.config.hidden_size), dtype=self.dtype, device=self.device)
+        for layer in self.layers:
+            if "router" in layer:
+                moe.dispatch(layer, x, self.config.moe, self.shard)
+
     def mlp(self, layer: dict, x: Tensor) -> Tensor:
         """The dense SwiGLU MLP, or the routed experts on an MoE layer (this rank's partial sum under TP)."""
         if "router" in layer:
-            return moe.forward(layer, x, self.config.moe, self.shard.experts[0] if self.shard.experts else 0)
+            return moe.forward(layer, x, self.config.moe, self.shard)
         gate, up = self.linear(x, layer["gate_up"]).chunk(2, dim=-1)
         return self.linear(F.silu(gate) * up, layer["down"])
 

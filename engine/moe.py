@@ -9,11 +9,19 @@ expert parallelism (EngineConfig.expert_parallel) each rank holds num_experts / 
 and runs only the (token, expert) pairs routed to them: every rank already has every token (attention's
 all-reduce gave them the same hidden states), so the dispatch is each rank picking its own pairs and the
 combine is that same all-reduce; the shared experts stay split by width.
+
+With data-parallel attention (EngineConfig.dp, engine/dp.py) each DP group holds its own tokens, so the
+routed experts, spread over all tp x dp ranks, are reached through an all-to-all (`dispatch`): each rank
+routes its share of its group's tokens (a TP rank its slice of them), sends each (token, expert) pair's
+row to the rank holding that expert, runs the rows it received through its experts and sends them back,
+where they are weighted and summed into their tokens; the group's TP all-reduce then joins the slices. A
+DP group without tokens this step still takes part, with none (every rank must join each all-to-all).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -117,12 +125,55 @@ def load_experts(
     return layer
 
 
-def forward(layer: dict, x: Tensor, moe: MoEConfig, first: int = 0) -> Tensor:
-    """An MoE layer's MLP output for x [T, H] (this rank's partial sum under TP); first: the first expert
-    the layer's tensors hold (expert parallelism)."""
-    weights, ids = route(x, layer["router"], moe, layer.get("router_bias"))
-    y = experts(x, weights, ids, layer["experts_gate_up"], layer["experts_down"], first)
+def forward(layer: dict, x: Tensor, moe: MoEConfig, shard=None) -> Tensor:
+    """An MoE layer's MLP output for x [T, H] (this rank's partial sum under TP); shard: this rank's
+    engine.model.Shard (which experts the layer's tensors hold; data-parallel attention: dispatch), None
+    for a layer holding every expert."""
+    if shard is not None and shard.dp > 1:
+        y = dispatch(layer, x, moe, shard)
+    else:
+        weights, ids = route(x, layer["router"], moe, layer.get("router_bias"))
+        first = shard.experts[0] if shard is not None and shard.experts else 0
+        y = experts(x, weights, ids, layer["experts_gate_up"], layer["experts_down"], first)
     if "shared_gate_up" in layer:
         gate, up = F.linear(x, layer["shared_gate_up"]).chunk(2, dim=-1)
         y = y + F.linear(F.silu(gate) * up, layer["shared_down"])
+    return y
+
+
+def dispatch(layer: dict, x: Tensor, moe: MoEConfig, shard) -> Tensor:
+    """Data-parallel attention: the routed experts' output for x [T, H], this DP group's tokens (the same
+    on each of its TP ranks), through the all-to-all over every rank (shard: this rank's engine.model.
+    Shard). This TP rank sends its slice of the rows and returns them summed there, zeros elsewhere (the
+    group's all-reduce adds the other slices). T may be 0: a group without tokens still takes part."""
+    world, k = shard.size * shard.dp, moe.top_k
+    lo, hi = shard.rank * x.shape[0] // shard.size, (shard.rank + 1) * x.shape[0] // shard.size
+    mine = x[lo:hi]
+    if mine.shape[0]:
+        weights, ids = route(mine, layer["router"], moe, layer.get("router_bias"))
+    else:  # routing an empty batch: group-limited routing cannot reshape 0 rows
+        ids = torch.empty((0, k), dtype=torch.long, device=x.device)
+        weights = torch.empty((0, k), dtype=torch.float32 if moe.fp32_router else x.dtype, device=x.device)
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # (token, slot) pairs by expert, so by the rank holding it
+    per = moe.num_experts // world
+    send = torch.bincount(flat[order] // per, minlength=world)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send)
+    sent, got = send.tolist(), recv.tolist()
+    # gloo moves no bf16 (and sums none): rows travel in fp32 on the CPU, where bf16 widens exactly
+    wire = torch.float32 if x.dtype == torch.bfloat16 and x.device.type == "cpu" else x.dtype
+    rows = x.new_empty((sum(got), x.shape[1]), dtype=wire)
+    dist.all_to_all_single(rows, mine[order // k].to(wire), got, sent)
+    their = torch.empty(sum(got), dtype=torch.long, device=x.device)
+    dist.all_to_all_single(their, flat[order], got, sent)
+    ones = torch.ones((len(their), 1), dtype=weights.dtype, device=x.device)
+    done = experts(rows.to(x.dtype), ones, their.unsqueeze(1), layer["experts_gate_up"],
+                   layer["experts_down"], shard.experts[0])  # fmt: skip
+    back = x.new_empty((len(order), x.shape[1]), dtype=wire)
+    dist.all_to_all_single(back, done.to(wire), sent, got)
+    # as experts(): fp32 weights make the product fp32
+    out = back.to(x.dtype) * weights.reshape(-1)[order].unsqueeze(1)
+    y = torch.zeros_like(x)
+    y[lo:hi].index_add_(0, order // k, out.to(x.dtype))
     return y

@@ -64,6 +64,14 @@ class ModelRunner:
         return torch.tensor(ids, dtype=torch.long, device=dev), meta
 
     @torch.inference_mode()
+    def idle(self) -> None:
+        """Data-parallel attention: a step without tokens here (engine/dp.py); its ranks join the
+        all-to-alls of the groups that have some."""
+        if self.tp_group is not None:
+            self.tp_group.idle()
+        self.model.idle()
+
+    @torch.inference_mode()
     def run(self, batch: Batch, counter: Tensor | None = None) -> StepOutput:
         chunks = batch.chunks
         if (

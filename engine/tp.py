@@ -6,17 +6,16 @@ PDKERNELS_TP_COLLECTIVES=gloo forces gloo, e.g. for two ranks on one GPU, which 
 Each rank allocates its KV cache in shared memory (on GPU: a CUDA VMM allocation whose file descriptor
 the lead imports and maps, engine/vmm.py) and hands the lead a mapping of it, so the lead (and its
 messenger, with one NIXL agent) can read and write every rank's pages. Only the lead samples and owns
-the layer counter.
+the layer counter. Under data-parallel attention (engine/dp.py) each DP group's engine leads its own TP
+ranks this way, and all tp x dp ranks share one process group (the MoE layers' all-to-all).
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import time
 import traceback
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import torch
@@ -33,21 +32,42 @@ START_TIMEOUT_S = 300  # loading SmolLM2 takes seconds per rank; this bounds a r
 COLLECTIVE_TIMEOUT = timedelta(seconds=120)
 
 
-def init_rank(rank: int, size: int, rendezvous: str, device: str) -> None:
-    """Join the group through a file store in the lead's private directory (no listening socket); gloo's
-    own connections stay on loopback unless GLOO_SOCKET_IFNAME names another interface."""
+@dataclass
+class Groups:
+    """The process groups a rank's collectives use beyond the default one (all tp x dp ranks)."""
+
+    tp: object | None = None  # its DP group's TP ranks (None: the default group, when dp == 1)
+    leads: object | None = None  # every DP group's first rank (dp > 1): whether any group has a batch
+
+
+def init_rank(rank: int, config: EngineConfig, rendezvous: str) -> Groups:
+    """TP rank `rank` of DP group config.dp_rank joins all tp x dp ranks through a file store in the lead's
+    private directory (no listening socket); gloo's own connections stay on loopback unless
+    GLOO_SOCKET_IFNAME names another interface. Every rank makes every group, in the same order."""
+    device = config.device
     backend = os.environ.get("PDKERNELS_TP_COLLECTIVES") or ("nccl" if device.startswith("cuda") else "gloo")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    tp, dp = config.tp, config.dp
     dist.init_process_group(
-        backend, init_method=f"file://{rendezvous}", rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT
+        backend,
+        init_method=f"file://{rendezvous}",
+        rank=config.dp_rank * tp + rank,
+        world_size=tp * dp,
+        timeout=COLLECTIVE_TIMEOUT,
     )
+    if dp == 1:
+        return Groups()
+    groups = [dist.new_group(list(range(g * tp, (g + 1) * tp))) for g in range(dp)]
+    # the step agreement is a tiny CPU tensor: gloo even beside NCCL
+    leads = dist.new_group([g * tp for g in range(dp)], backend="gloo")
+    return Groups(groups[config.dp_rank], leads)
 
 
 def build_rank(model_name: str, config: EngineConfig, rank: int):
     """This rank's model shard, KV cache and, on GPU, the VMM allocation the cache lives in (else None)."""
     loaded = load_model(model_name)
     device = torch.device(config.device)
-    shard = Shard.of(loaded.config, rank, config.tp, config.expert_parallel)
+    shard = Shard.of(loaded.config, rank, config.tp, config.expert_parallel, config.dp, config.dp_rank)
     model = Model(loaded.config, loaded.weights, device, config.torch_dtype, shard)
     if device.type == "cpu":
         kv_cache = allocate_kv_cache(
@@ -80,7 +100,7 @@ def _rank_main(
 
             conn.send(("vmm", (alloc.nbytes, tuple(kv_cache.shape), str(kv_cache.dtype))))
             send_handle(conn, alloc.export_fd(), lead)
-        init_rank(rank, config.tp, rendezvous, config.device)
+        model.tp_group = init_rank(rank, config, rendezvous).tp
         while True:
             if not conn.poll(1.0):
                 if os.getppid() != lead:  # the lead died (reparented): nobody will send another step
@@ -89,8 +109,11 @@ def _rank_main(
             msg = conn.recv()
             if msg is None:
                 return
-            input_ids, meta = _to(msg, kv_cache.device)
             with torch.inference_mode():
+                if msg == "idle":  # data-parallel attention: this group has no tokens this step
+                    model.idle()
+                    continue
+                input_ids, meta = _to(msg, kv_cache.device)
                 model.forward(input_ids, meta, kv_cache)
     except Exception:
         conn.send(("error", traceback.format_exc()))
@@ -116,13 +139,13 @@ class RankDied(RuntimeError):
 
 
 class TPGroup:
-    """The lead's handle on ranks 1..N-1 (spawned processes)."""
+    """The lead's handle on ranks 1..N-1 (spawned processes): they load their shards, then join the
+    process group (engine.llm.LLM calls init_rank for the lead, through `rendezvous`, a path in a private
+    directory its owner removes)."""
 
-    def __init__(self, model_name: str, config: EngineConfig):
+    def __init__(self, model_name: str, config: EngineConfig, rendezvous: str):
         self.size, self.device = config.tp, torch.device(config.device)
         self._allocs = []  # the ranks' VMM allocations mapped here (GPU)
-        self._dir = tempfile.mkdtemp(prefix="pdk-tp-")  # mode 0700
-        rendezvous = os.path.join(self._dir, "rendezvous")
         ctx = mp.get_context("spawn")
         self.conns, self.procs = [], []
         for rank in range(1, self.size):
@@ -133,7 +156,6 @@ class TPGroup:
             self.conns.append(lead_end)
             self.procs.append(proc)
         self.kv_caches = [self._await_ready(rank) for rank in range(1, self.size)]
-        init_rank(0, self.size, rendezvous, config.device)
 
     def _await_ready(self, rank: int) -> torch.Tensor:
         conn, proc = self.conns[rank - 1], self.procs[rank - 1]
@@ -170,7 +192,13 @@ class TPGroup:
         if self.device.type == "cuda":
             input_ids = input_ids.cpu()
             meta = replace(meta, **{f: getattr(meta, f).cpu() for f in META_TENSORS})
-        msg = (input_ids, meta)
+        self._send((input_ids, meta))
+
+    def idle(self) -> None:
+        """Data-parallel attention: this group has no tokens this step; its ranks join the all-to-alls."""
+        self._send("idle")
+
+    def _send(self, msg) -> None:
         for rank, (conn, proc) in enumerate(zip(self.conns, self.procs, strict=True), start=1):
             if not proc.is_alive():
                 raise RankDied(f"TP rank {rank} has exited (code {proc.exitcode})")
@@ -192,6 +220,3 @@ class TPGroup:
         for alloc in self._allocs:
             alloc.close()
         self._allocs = []
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        shutil.rmtree(self._dir, ignore_errors=True)

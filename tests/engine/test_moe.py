@@ -8,6 +8,7 @@ import torch
 
 from engine import LLM, SamplingParams, StructuredOutputs
 from engine.config import EngineConfig, MoEConfig
+from engine.model import Shard
 from engine.moe import experts, experts_ref, route
 from engine.weights import load_model
 from tests.hf import hf_greedy
@@ -240,9 +241,12 @@ def test_deepseek_moe_over_expert_parallel_ranks_sums_to_the_whole():
         want = module(x.unsqueeze(0))[0]
     ranks = [
         moe_block.forward(
-            moe_block.load_experts(names, "", moe, lo, lo + 8, (first, first + 4)), x, moe, first
+            moe_block.load_experts(names, "", moe, lo, lo + 8, (first, first + 4)),
+            x,
+            moe,
+            Shard(rank, 2, (0, 0), (0, 0), (0, 0), (lo, lo + 8), (first, first + 4)),
         )
-        for lo, first in ((0, 0), (8, 4))
+        for rank, (lo, first) in enumerate(((0, 0), (8, 4)))
     ]
     torch.testing.assert_close(ranks[0] + ranks[1], want, rtol=1e-5, atol=1e-5)
 

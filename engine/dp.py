@@ -1,0 +1,248 @@
+"""Data-parallel attention: dp engines in step, the routed experts spread over all of their ranks.
+
+`LLM(dp=N)` (EngineConfig.dp) runs N engines, one per DP group: each schedules its own requests and holds
+its own KV pages (its own Scheduler and PageAllocator, as any engine), with the attention side (the
+projections, dense layers, LM head) whole in every group, or split over the group's tp ranks as today.
+The MoE layers' routed experts are spread over all tp x dp ranks, and each layer's tokens reach their
+experts and come back through an all-to-all (engine/moe.py's dispatch; gloo on CPU, NCCL on GPU). That
+is the deployment DeepSeek's serving papers describe: attention data-parallel, experts expert-parallel.
+
+The LLM object is DP group 0's engine and the front of the others: DPEngines spawns groups 1..N-1 (each
+an LLM with its dp_rank, in its own process, leading its own TP ranks), sends each request to one group
+(add_request's dp_rank, else the one with the fewest requests) and steps all of them together. Every
+step every engine schedules; the groups' first ranks then agree (a MAX all-reduce) whether any group has
+a batch, and a group without one runs an idle forward pass that joins each MoE layer's all-to-all with
+no tokens, so that every rank takes part in every collective. Requests travel to the other engines as
+token ids and SamplingParams over a pipe between these processes (nothing from a socket).
+
+So far the colocated role only: the disaggregated roles (each DP group's KV written by a prefill
+worker) and a DP worker behind the router come next (issue 44).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from engine.sequence import RequestOutput, Sequence
+from engine.tp import RankDied
+from pdkernels import ops
+
+START_TIMEOUT_S = 300  # an engine loads its model and joins the process group within this
+STEP_TIMEOUT_S = 600  # one step of another engine (its collectives time out at 120 s before this)
+
+
+def any_batch(mine: bool, leads) -> bool:
+    """Whether any DP group has a batch this step (every group's first rank calls this each step)."""
+    flag = torch.tensor([int(mine)], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=leads)
+    return bool(flag.item())
+
+
+class EngineDied(RankDied):
+    """Another DP group's engine has exited or stopped answering: this LLM cannot step again."""
+
+
+class DPEngines:
+    """DP group 0's handle on the engines of groups 1..dp-1 (spawned processes)."""
+
+    def __init__(self, args: dict, dp: int, tp: int, rendezvous: str):
+        """args: the LLM's constructor arguments (each engine builds an LLM of them with its dp_rank)."""
+        ctx = mp.get_context("spawn")
+        self.conns, self.procs = [], []
+        for rank in range(1, dp):
+            lead_end, engine_end = ctx.Pipe()
+            # an engine that leads TP ranks starts processes: a daemon may not (close() stops it instead)
+            proc = ctx.Process(
+                target=_engine_main,
+                args=(rank, args, rendezvous, engine_end, ops.get_backend(), os.getpid()),
+                daemon=tp == 1,
+                name=f"dp-engine-{rank}",
+            )
+            proc.start()
+            self.conns.append(lead_end)
+            self.procs.append(proc)
+
+    def _recv(self, rank: int, timeout_s: float):
+        conn, proc = self.conns[rank - 1], self.procs[rank - 1]
+        give_up = time.monotonic() + timeout_s
+        while not conn.poll(0.1):
+            if not proc.is_alive():
+                raise EngineDied(f"DP engine {rank} has exited (code {proc.exitcode})")
+            if time.monotonic() > give_up:
+                raise EngineDied(f"DP engine {rank} did not answer within {timeout_s:.0f} s")
+        try:
+            kind, payload = conn.recv()
+        except (EOFError, OSError) as e:
+            raise EngineDied(f"DP engine {rank} is gone: {e!r}") from e
+        if kind == "failed":
+            raise EngineDied(f"DP engine {rank} failed:\n{payload}")
+        return kind, payload
+
+    def await_ready(self) -> None:
+        for rank in range(1, len(self.conns) + 1):
+            self._recv(rank, START_TIMEOUT_S)
+
+    def add(self, rank: int, seq: Sequence) -> None:
+        """Queue seq (checked here by make_sequence) on engine rank; ValueError if that engine refuses."""
+        after = seq.after.request_id if seq.after is not None else None
+        params = replace(seq.params, n=1)  # the family is fanned out here: each completion comes alone
+        self._send(rank, ("add", (seq.prompt_ids, params, seq.request_id, seq.output_ids or None, after)))
+        kind, why = self._recv(rank, START_TIMEOUT_S)
+        if kind == "refused":
+            raise ValueError(why)
+
+    def abort(self, rank: int, request_id: str, error: str | None) -> None:
+        self._send(rank, ("abort", (request_id, error)))
+
+    def begin_step(self) -> None:
+        for rank in range(1, len(self.conns) + 1):
+            self._send(rank, ("step", None))
+
+    def end_step(self) -> list[RequestOutput]:
+        outs = []
+        for rank in range(1, len(self.conns) + 1):
+            outs += self._recv(rank, STEP_TIMEOUT_S)[1]
+        return outs
+
+    def _send(self, rank: int, msg) -> None:
+        proc = self.procs[rank - 1]
+        if not proc.is_alive():
+            raise EngineDied(f"DP engine {rank} has exited (code {proc.exitcode})")
+        try:
+            self.conns[rank - 1].send(msg)
+        except (BrokenPipeError, OSError) as e:
+            raise EngineDied(f"DP engine {rank} is gone: {e!r}") from e
+
+    def close(self) -> None:
+        for conn, proc in zip(self.conns, self.procs, strict=True):
+            if proc.is_alive():
+                try:
+                    conn.send(None)
+                except (BrokenPipeError, OSError):
+                    pass
+        for proc in self.procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=10)
+        self.procs, self.conns = [], []
+
+
+def _engine_main(rank: int, args: dict, rendezvous: str, conn, backend: str, lead: int) -> None:
+    """DP group `rank`'s engine: build it (it joins the process group), then serve the lead's requests
+    and steps until told to stop, or until the lead is gone."""
+    from engine.llm import LLM
+
+    llm = None
+    try:
+        torch.set_num_threads(1)
+        ops.set_backend(backend)  # the lead's choice, not this process's environment
+        llm = LLM(**args, dp_rank=rank, dp_rendezvous=rendezvous)
+        conn.send(("ready", None))
+        while True:
+            if not conn.poll(1.0):
+                if os.getppid() != lead:  # the lead died (reparented): nobody will send another step
+                    return
+                continue
+            msg = conn.recv()
+            if msg is None:
+                return
+            kind, payload = msg
+            if kind == "add":
+                try:
+                    llm.add_request(*payload)
+                    conn.send(("added", None))
+                except (ValueError, TypeError) as e:
+                    conn.send(("refused", str(e)))
+            elif kind == "abort":
+                llm.abort(*payload)
+            elif kind == "step":
+                conn.send(("stepped", llm.step()))
+    except Exception:
+        try:
+            conn.send(("failed", traceback.format_exc()))
+        except (BrokenPipeError, OSError):
+            pass
+    finally:
+        if llm is not None:
+            llm.close()
+
+
+class DPFront:
+    """What LLM does as the front of the other DP groups' engines (a mixin: self is the LLM; dp_engines
+    is None with dp = 1, and then every method is EngineCore's)."""
+
+    dp_engines: DPEngines | None = None
+
+    def add_request(self, prompt, params=None, request_id=None, output_ids=None, after=None, dp_rank=None):
+        """EngineCore.add_request; dp_rank: the DP group that takes it (None: the one with the fewest
+        requests; a completion with `after` goes where that one is)."""
+        if dp_rank is not None and (
+            isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or not 0 <= dp_rank < self.config.dp
+        ):
+            raise ValueError(f"dp_rank must be an integer in [0, {self.config.dp}), got {dp_rank!r}")
+        self._dp_choice = dp_rank
+        try:
+            return super().add_request(prompt, params, request_id, output_ids, after)
+        finally:
+            self._dp_choice = None
+
+    def make_sequence(self, prompt, params=None, request_id=None, output_ids=None):
+        if request_id is not None and request_id in self._remote:
+            raise ValueError(f"request_id {request_id!r} is already in use (until it finishes)")
+        return super().make_sequence(prompt, params, request_id, output_ids)
+
+    def dp_rank_of(self, request_id: str) -> int:
+        """The DP group whose engine holds a request in flight (0: this one)."""
+        return self._remote[request_id][0] if request_id in self._remote else 0
+
+    def _submit(self, seq: Sequence) -> str:
+        if self.dp_engines is None:
+            return super()._submit(seq)
+        rank = getattr(self, "_dp_choice", None)
+        if seq.after is not None:
+            rank = self.dp_rank_of(seq.after.request_id)
+        elif rank is None:
+            counts = [len(self.seqs)] + [0] * (self.config.dp - 1)
+            for r, _ in self._remote.values():
+                counts[r] += 1
+            rank = min(range(self.config.dp), key=lambda r: counts[r])
+        if rank == 0:
+            return super()._submit(seq)
+        self.dp_engines.add(rank, seq)
+        self._remote[seq.request_id] = (rank, seq.prompt)
+        return seq.request_id
+
+    def abort(self, request_id: str, error: str | None = None) -> None:
+        if request_id in self._remote:
+            self.dp_engines.abort(self._remote[request_id][0], request_id, error)
+            return
+        super().abort(request_id, error)
+
+    def has_unfinished(self) -> bool:
+        return super().has_unfinished() or bool(self._remote)
+
+    def step(self) -> list[RequestOutput]:
+        """Every DP group's engine steps (each its own batch, all in one set of collectives); the outputs
+        of all of them."""
+        if self.dp_engines is None:
+            return super().step()
+        self.dp_engines.begin_step()
+        try:
+            outs = super().step()
+        finally:  # their answers are read even when this engine's step raised: the next step starts clean
+            theirs = self.dp_engines.end_step()
+        for out in theirs:
+            rank, prompt = self._remote[out.request_id]
+            out.prompt = prompt
+            if out.finished:
+                del self._remote[out.request_id]
+            outs.append(out)
+        return outs
