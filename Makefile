@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST := $(BIN)/python -m pytest
 
-.PHONY: run test test-all test-gpu gpu-check soak bench bench-tiers bench-goodput bench-gpu repro lint clean
+.PHONY: run test test-all test-gpu gpu-check soak bench bench-tiers bench-goodput bench-dp bench-gpu repro lint clean
 
 $(STAMP): setup.py pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -56,6 +56,14 @@ bench-goodput: $(STAMP)
 		workload.output_len.value=32 workload.num_requests=30 slo.ttft_s=3 slo.tpot_s=0.1 plots=false \
 		'goodput_search.rates=[$(GOODPUT_RATES)]' hydra.run.dir=bench_results/goodput-$$(date +%Y%m%d-%H%M%S) \
 		'deployments=[{name: auto, kind: colocated, num_workers: 2}, {name: slo, kind: colocated, num_workers: 2, chunk_size: slo}, {name: 1p1d, kind: disaggregated, num_prefill: 1, num_decode: 1}, {name: hybrid, kind: disaggregated, num_prefill: 1, num_decode: 1, chunk_size: slo, local_prefill_by_load: true}]'
+
+# issue 44's decode step at data-parallel attention against TP (docs/engine.md): tiny-random-deepseek,
+# 2 ranks, one thread each; short prompts and long ones (about 3 minutes on 2 cores)
+bench-dp: $(STAMP)
+	$(BIN)/python -m experiments.bench.dp_step --batches 1,4,16,32 --kv 256 --steps 60 \
+		--out bench_results/dp-256-$$(date +%Y%m%d-%H%M%S).json
+	$(BIN)/python -m experiments.bench.dp_step --batches 16,32 --kv 1536 --steps 60 \
+		--out bench_results/dp-1536-$$(date +%Y%m%d-%H%M%S).json
 
 # The GPU side (a CUDA machine): its own venv with CUDA torch, FlashInfer and NIXL (scripts/gpu_env.sh)
 GPU_VENV := .venv-gpu

@@ -164,7 +164,10 @@ def _engine_main(rank: int, args: dict, rendezvous: str, conn, backend: str, lea
             elif kind == "abort":
                 llm.abort(*payload)
             elif kind == "step":
-                conn.send(("stepped", llm.step()))
+                outs = llm.step()
+                for out in outs:  # the lead has them: not pickled again every step
+                    out.prompt, out.prompt_token_ids = None, []
+                conn.send(("stepped", outs))
     except Exception:
         try:
             conn.send(("failed", traceback.format_exc()))
@@ -211,13 +214,13 @@ class DPFront:
             rank = self.dp_rank_of(seq.after.request_id)
         elif rank is None:
             counts = [len(self.seqs)] + [0] * (self.config.dp - 1)
-            for r, _ in self._remote.values():
+            for r, *_ in self._remote.values():
                 counts[r] += 1
             rank = min(range(self.config.dp), key=lambda r: counts[r])
         if rank == 0:
             return super()._submit(seq)
         self.dp_engines.add(rank, seq)
-        self._remote[seq.request_id] = (rank, seq.prompt)
+        self._remote[seq.request_id] = (rank, seq.prompt, seq.prompt_ids)
         return seq.request_id
 
     def abort(self, request_id: str, error: str | None = None) -> None:
@@ -240,8 +243,8 @@ class DPFront:
         finally:  # their answers are read even when this engine's step raised: the next step starts clean
             theirs = self.dp_engines.end_step()
         for out in theirs:
-            rank, prompt = self._remote[out.request_id]
-            out.prompt = prompt
+            _, out.prompt, prompt_ids = self._remote[out.request_id]
+            out.prompt_token_ids = list(prompt_ids)
             if out.finished:
                 del self._remote[out.request_id]
             outs.append(out)

@@ -153,7 +153,8 @@ class LLM(DPFront, EngineCore, DecodeHandoff, StepSampling):
         self.tokenizer = loaded.tokenizer
         dev = torch.device(device)
         shard = Shard.of(loaded.config, 0, tp, expert_parallel, dp, dp_rank)
-        self._remote: dict[str, tuple[int, str | None]] = {}  # DP front: request -> (its group, prompt)
+        # DP front: request -> (its group, its prompt and prompt ids) while another group's engine has it
+        self._remote: dict[str, tuple[int, str | None, list[int]]] = {}
         self.tp_group = self.dp_engines = self._leads = None
         if self.config.world > 1:  # ranks of this engine's group (and, dp > 1, of the other groups)
             own = dp_rendezvous is None  # the first engine: a private directory (mode 0700) for the store

@@ -163,14 +163,21 @@ def dispatch(layer: dict, x: Tensor, moe: MoEConfig, shard) -> Tensor:
     sent, got = send.tolist(), recv.tolist()
     # gloo moves no bf16 (and sums none): rows travel in fp32 on the CPU, where bf16 widens exactly
     wire = torch.float32 if x.dtype == torch.bfloat16 and x.device.type == "cpu" else x.dtype
-    rows = x.new_empty((sum(got), x.shape[1]), dtype=wire)
-    dist.all_to_all_single(rows, mine[order // k].to(wire), got, sent)
-    their = torch.empty(sum(got), dtype=torch.long, device=x.device)
-    dist.all_to_all_single(their, flat[order], got, sent)
+    hidden = x.shape[1]
+    if wire == torch.float32:  # each row carries its expert's id as one more column (exact below 2**24)
+        packed = torch.cat([mine[order // k].to(wire), flat[order].unsqueeze(1).to(wire)], dim=1)
+        rows = x.new_empty((sum(got), hidden + 1), dtype=wire)
+        dist.all_to_all_single(rows, packed, got, sent)
+        rows, their = rows[:, :hidden], rows[:, hidden].long()
+    else:
+        rows = x.new_empty((sum(got), hidden), dtype=wire)
+        dist.all_to_all_single(rows, mine[order // k].to(wire), got, sent)
+        their = torch.empty(sum(got), dtype=torch.long, device=x.device)
+        dist.all_to_all_single(their, flat[order], got, sent)
     ones = torch.ones((len(their), 1), dtype=weights.dtype, device=x.device)
     done = experts(rows.to(x.dtype), ones, their.unsqueeze(1), layer["experts_gate_up"],
                    layer["experts_down"], shard.experts[0])  # fmt: skip
-    back = x.new_empty((len(order), x.shape[1]), dtype=wire)
+    back = x.new_empty((len(order), hidden), dtype=wire)
     dist.all_to_all_single(back, done.to(wire), sent, got)
     # as experts(): fp32 weights make the product fp32
     out = back.to(x.dtype) * weights.reshape(-1)[order].unsqueeze(1)

@@ -54,6 +54,15 @@ def test_dp2_gives_the_tokens_of_one_engine(one_engine, name, tp):
         assert llm.allocator.num_free == 64 and not llm.has_unfinished()
 
 
+def test_dp2_in_bf16_gives_the_tokens_of_one_engine_in_bf16():
+    """bf16 rows cross the all-to-all widened to fp32 (gloo moves none) and come back exact."""
+    prompts = _prompts()[:4]
+    with LLM("tiny-random-deepseek", dtype="bfloat16", page_size=4, num_pages=64) as llm:
+        want = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    with LLM("tiny-random-deepseek", dtype="bfloat16", dp=2, page_size=4, num_pages=64) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
+
+
 def test_generate_fans_a_family_out_on_its_first_ones_group(one_engine):
     """n = 2 through generate: both completions on the first one's group, sharing its prompt pages."""
     prompts = _prompts()[:3]
