@@ -8,7 +8,8 @@ For each layout (TP `ways` x DP 1, TP 1 x DP `ways`) and each batch size: one en
 `steps` decode steps (each ending when every group's sampled tokens are back), its tokens/s (batch / step
 time), and the share of the step that the lead rank spent in the MoE layers' all-to-alls (DP; wall time
 inside torch.distributed.all_to_all_single, waiting for slower ranks included). One process per rank,
-one thread each (the lead's too): run it alone on a machine with a core per rank. Prints a Markdown table and writes the rows as JSON.
+one thread each (the lead's too): run it alone on a machine with a core per rank. Prints a Markdown
+table and writes the rows as JSON.
 """
 
 from __future__ import annotations
