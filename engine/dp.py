@@ -56,6 +56,8 @@ class DPEngines:
         """args: the LLM's constructor arguments (each engine builds an LLM of them with its dp_rank)."""
         ctx = mp.get_context("spawn")
         self.conns, self.procs = [], []
+        self.stats: dict[int, dict] = {}  # rank -> its counters after its latest step (_stats)
+        self.events: list[tuple[bool, bytes]] = []  # their prefix caches' events, not yet taken
         for rank in range(1, dp):
             lead_end, engine_end = ctx.Pipe()
             # an engine that leads TP ranks starts processes: a daemon may not (close() stops it instead)
@@ -106,10 +108,17 @@ class DPEngines:
             self._send(rank, ("step", None))
 
     def end_step(self) -> list[RequestOutput]:
+        """Every other engine's outputs of the step begin_step started (their counters kept in stats)."""
         outs = []
         for rank in range(1, len(self.conns) + 1):
-            outs += self._recv(rank, STEP_TIMEOUT_S)[1]
+            theirs, self.stats[rank] = self._recv(rank, STEP_TIMEOUT_S)[1]
+            self.events += self.stats[rank].pop("cache_events")
+            outs += theirs
         return outs
+
+    def record_events(self) -> None:
+        for rank in range(1, len(self.conns) + 1):
+            self._send(rank, ("record", None))
 
     def _send(self, rank: int, msg) -> None:
         proc = self.procs[rank - 1]
@@ -133,6 +142,18 @@ class DPEngines:
                 proc.kill()
                 proc.join(timeout=10)
         self.procs, self.conns = [], []
+
+
+def _stats(llm) -> dict:
+    """An engine's counters after its step, for the lead's sums (engine.llm.LLM's own names)."""
+    a, s = llm.allocator, llm.scheduler
+    return {
+        "pages": (a.num_free, a.num_pages),
+        "queues": (len(s.running), len(s.waiting)),
+        "prefix_cache_stats": llm.prefix_cache_stats,
+        "preemption_stats": llm.preemption_stats,
+        "cache_events": a.take_events(),
+    }
 
 
 def _engine_main(rank: int, args: dict, rendezvous: str, conn, backend: str, lead: int) -> None:
@@ -163,11 +184,13 @@ def _engine_main(rank: int, args: dict, rendezvous: str, conn, backend: str, lea
                     conn.send(("refused", str(e)))
             elif kind == "abort":
                 llm.abort(*payload)
+            elif kind == "record":
+                llm.allocator.record_events()
             elif kind == "step":
                 outs = llm.step()
                 for out in outs:  # the lead has them: not pickled again every step
                     out.prompt, out.prompt_token_ids = None, []
-                conn.send(("stepped", outs))
+                conn.send(("stepped", (outs, _stats(llm))))
     except Exception:
         try:
             conn.send(("failed", traceback.format_exc()))
@@ -231,6 +254,46 @@ class DPFront:
 
     def has_unfinished(self) -> bool:
         return super().has_unfinished() or bool(self._remote)
+
+    # ---- counters over every DP group (what a worker reports) -----------------------------------------
+
+    def _theirs(self, key: str) -> list:
+        return [s[key] for s in self.dp_engines.stats.values()] if self.dp_engines is not None else []
+
+    @property
+    def pages(self) -> tuple[int, int]:
+        """(free, all) KV pages of every DP group's engine (the others' as of their latest step)."""
+        own = (self.allocator.num_free, self.allocator.num_pages)
+        return tuple(sum(p) for p in zip(own, *self._theirs("pages"), strict=True))
+
+    @property
+    def queues(self) -> tuple[int, int]:
+        """(running, waiting) sequences of every DP group's engine."""
+        own = (len(self.scheduler.running), len(self.scheduler.waiting))
+        return tuple(sum(q) for q in zip(own, *self._theirs("queues"), strict=True))
+
+    @property
+    def prefix_cache_stats(self) -> dict[str, int]:
+        own = super().prefix_cache_stats
+        return {k: v + sum(s[k] for s in self._theirs("prefix_cache_stats")) for k, v in own.items()}
+
+    @property
+    def preemption_stats(self) -> dict[str, int]:
+        own = super().preemption_stats
+        return {k: v + sum(s[k] for s in self._theirs("preemption_stats")) for k, v in own.items()}
+
+    def record_cache_events(self) -> None:
+        """From now on keep every DP group's prefix-cache events (engine.kv_cache's (stored?, name))."""
+        self.allocator.record_events()
+        if self.dp_engines is not None:
+            self.dp_engines.record_events()
+
+    def take_cache_events(self) -> list[tuple[bool, bytes]]:
+        """Every group's prefix-cache events since the last call (the others' as of their latest step)."""
+        out = self.allocator.take_events()
+        if self.dp_engines is not None:
+            out, self.dp_engines.events = out + self.dp_engines.events, []
+        return out
 
     def step(self) -> list[RequestOutput]:
         """Every DP group's engine steps (each its own batch, all in one set of collectives); the outputs

@@ -66,10 +66,14 @@ class ModelSpec:
     max_num_seqs: int = 64
     device: str = "auto"  # auto: cuda when this machine has it, else cpu
     expert_parallel: bool = False  # an MoE model under TP: whole experts per rank (engine/moe.py)
+    # data-parallel attention (engine/dp.py): each worker runs dp engines of its tp ranks, the routed
+    # experts spread over all of them; colocated deployments so far
+    dp: int = 1
 
     def __post_init__(self):
         if not isinstance(self.expert_parallel, bool):
             refuse("model.expert_parallel", self.expert_parallel, "true or false")
+        check_positive("model.dp", self.dp, integer=True)
         if self.device not in DEVICES:
             refuse("model.device", self.device, f"one of {DEVICES}")
         if self.dtype not in DTYPES + ("auto",):
@@ -466,6 +470,13 @@ def check_fits_model(config: RuntimeConfig):
     for d in config.deployments:
         if not isinstance(d, DeploymentConfig):
             continue  # an endpoint (experiments.config.EndpointConfig): its server checks its own
+        if config.model.dp > 1 and d.kind != "colocated":
+            refuse(
+                "model.dp",
+                config.model.dp,
+                f"1 for deployment {d.name} (kind {d.kind}): data-parallel attention runs colocated "
+                "deployments so far",
+            )
         keys = ("tp",) if d.kind == "colocated" else ("prefill_tp", "decode_tp")
         for key in keys:
             try:
@@ -475,6 +486,7 @@ def check_fits_model(config: RuntimeConfig):
                     dtype=config.model.dtype,
                     device=config.model.device,
                     expert_parallel=config.model.expert_parallel,
+                    dp=config.model.dp,
                 )
             except ValueError as e:
                 raise ValueError(

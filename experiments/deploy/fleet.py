@@ -59,7 +59,7 @@ def worker_specs(
     first_core: int = 0,
     store=None,
 ) -> list[WorkerSpec]:
-    """Every worker of a deployment, with its peers, keys and cores (threads x TP each, round robin from
+    """Every worker of a deployment, with its peers, keys and cores (threads x TP x DP each, round robin from
     first_core; none on an existing Ray cluster, whose nodes' cores this host cannot see: Ray reserves
     CPUs there. A local Ray cluster's nodes are this host: its workers are pinned as local ones are)."""
     cpus = sorted(os.sched_getaffinity(0))
@@ -69,7 +69,7 @@ def worker_specs(
         nonlocal next_core
         if config.launcher.name == "ray" and config.launcher.ray.address is not None:
             return ()
-        n = d.threads_per_worker * tp
+        n = d.threads_per_worker * tp * config.model.dp  # each DP group's engine leads tp ranks
         out = tuple(cpus[(next_core + k) % len(cpus)] for k in range(n))
         next_core += n
         return out

@@ -110,7 +110,7 @@ class RoleSwitching:
         if msg.role == "prefill":
             self.llm.allocator.events = None  # no router routes to a prefill worker by its cache
         else:
-            self.llm.allocator.record_events()
+            self.llm.record_cache_events()
         self.generation += 1
         self._connect_messenger(tuple(msg.prefill))
         seconds = time.monotonic() - self.switch_started

@@ -146,6 +146,7 @@ class Worker(RoleSwitching):
             fair_share=d.fair_share,
             preemption="refetch" if d.decode_preemption == "refetch" else "recompute",
             expert_parallel=m.expert_parallel,
+            dp=m.dp,
             kv_tiers=spec.kv_tiers,
             step_target_s=spec.step_target_s,
         )
@@ -169,7 +170,7 @@ class Worker(RoleSwitching):
         self.switch: SwitchRole | None = None
         self.switch_started = 0.0
         if spec.role != "prefill":  # the router routes to this worker by what its cache holds
-            self.llm.allocator.record_events()
+            self.llm.record_cache_events()
         self.llm.record_tier_events()  # ... and below it (a prefill worker's pool puts too)
         if spec.role != "colocated":
             self._connect_messenger(spec.wait_for)
@@ -238,15 +239,13 @@ class Worker(RoleSwitching):
         while self.sock.poll(0, zmq.POLLIN):
             msg = self._recv()
             if isinstance(msg, Stop):
-                a = self.llm.allocator
                 for key, value in self._stats().items():
                     setattr(self.timeline, key, value)
-                self.timeline.free_pages, self.timeline.num_pages = a.num_free, a.num_pages
+                free, pages = self.llm.pages  # every DP group's
+                self.timeline.free_pages, self.timeline.num_pages = free, pages
                 self.timeline.role = self.role
                 self._send(self.timeline)
-                log.info(
-                    "%s stopped by the driver (%d of %d pages free)", self.spec.name, a.num_free, a.num_pages
-                )
+                log.info("%s stopped by the driver (%d of %d pages free)", self.spec.name, free, pages)
                 return True
             self._handle(msg)
         return False
@@ -267,10 +266,11 @@ class Worker(RoleSwitching):
 
         kv = self.llm.kv_cache
         log.info(
-            "%s up: %s worker, tp %d, pid %d, %s %s, kernels %s",
+            "%s up: %s worker, tp %d, dp %d, pid %d, %s %s, kernels %s",
             self.spec.name,
             self.spec.role,
             self.spec.tp,
+            self.spec.model.dp,
             os.getpid(),
             kv.device,
             self.spec.model.dtype,
@@ -307,16 +307,16 @@ class Worker(RoleSwitching):
                 time.sleep(0.0005)
             if time.monotonic() - self.load_at > LOAD_EVERY_S:
                 self.load_at = time.monotonic()
-                sched = self.llm.scheduler
+                running, waiting = self.llm.queues  # every DP group's
                 pending = len(self.front.backlog) + (len(self.dm.pending) if self.dm is not None else 0)
                 self._send(
                     Load(
                         self.spec.name,
-                        self.llm.allocator.num_free,
-                        len(sched.running),
-                        len(sched.waiting) + pending,
+                        self.llm.pages[0],
+                        running,
+                        waiting + pending,
                         **self._stats(),
-                        cache_events=self.llm.allocator.take_events(),
+                        cache_events=self.llm.take_cache_events(),
                         tier_events=self.llm.take_tier_events(),
                         **self.speed,
                     )
