@@ -57,7 +57,7 @@ class DPEngines:
         ctx = mp.get_context("spawn")
         self.conns, self.procs = [], []
         self.stats: dict[int, dict] = {}  # rank -> its counters after its latest step (_stats)
-        self.events: list[tuple[bool, bytes]] = []  # their prefix caches' events, not yet taken
+        self.events: dict[int, list] = {r: [] for r in range(1, dp)}  # their prefix caches' events, untaken
         for rank in range(1, dp):
             lead_end, engine_end = ctx.Pipe()
             # an engine that leads TP ranks starts processes: a daemon may not (close() stops it instead)
@@ -91,9 +91,9 @@ class DPEngines:
         for rank in range(1, len(self.conns) + 1):
             self._recv(rank, START_TIMEOUT_S)
 
-    def add(self, rank: int, seq: Sequence) -> None:
-        """Queue seq (checked here by make_sequence) on engine rank; ValueError if that engine refuses."""
-        after = seq.after.request_id if seq.after is not None else None
+    def add(self, rank: int, seq: Sequence, after: str | None = None) -> None:
+        """Queue seq (checked here by make_sequence) on engine rank, after: an earlier completion of its
+        prompt there; ValueError if that engine refuses."""
         params = replace(seq.params, n=1)  # the family is fanned out here: each completion comes alone
         self._send(rank, ("add", (seq.prompt_ids, params, seq.request_id, seq.output_ids or None, after)))
         kind, why = self._recv(rank, START_TIMEOUT_S)
@@ -112,7 +112,7 @@ class DPEngines:
         outs = []
         for rank in range(1, len(self.conns) + 1):
             theirs, self.stats[rank] = self._recv(rank, STEP_TIMEOUT_S)[1]
-            self.events += self.stats[rank].pop("cache_events")
+            self.events[rank] += self.stats[rank].pop("cache_events")
             outs += theirs
         return outs
 
@@ -214,7 +214,9 @@ class DPFront:
             isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or not 0 <= dp_rank < self.config.dp
         ):
             raise ValueError(f"dp_rank must be an integer in [0, {self.config.dp}), got {dp_rank!r}")
-        self._dp_choice = dp_rank
+        if after is not None and after in self._remote:  # its first completion is on another group
+            dp_rank = self._remote[after][0]
+        self._dp_choice = (dp_rank, after)
         try:
             return super().add_request(prompt, params, request_id, output_ids, after)
         finally:
@@ -232,9 +234,9 @@ class DPFront:
     def _submit(self, seq: Sequence) -> str:
         if self.dp_engines is None:
             return super()._submit(seq)
-        rank = getattr(self, "_dp_choice", None)
+        rank, after = getattr(self, "_dp_choice", None) or (None, None)
         if seq.after is not None:
-            rank = self.dp_rank_of(seq.after.request_id)
+            rank, after = self.dp_rank_of(seq.after.request_id), seq.after.request_id
         elif rank is None:
             counts = [len(self.seqs)] + [0] * (self.config.dp - 1)
             for r, *_ in self._remote.values():
@@ -242,7 +244,7 @@ class DPFront:
             rank = min(range(self.config.dp), key=lambda r: counts[r])
         if rank == 0:
             return super()._submit(seq)
-        self.dp_engines.add(rank, seq)
+        self.dp_engines.add(rank, seq, after)
         self._remote[seq.request_id] = (rank, seq.prompt, seq.prompt_ids)
         return seq.request_id
 
@@ -288,11 +290,14 @@ class DPFront:
         if self.dp_engines is not None:
             self.dp_engines.record_events()
 
-    def take_cache_events(self) -> list[tuple[bool, bytes]]:
-        """Every group's prefix-cache events since the last call (the others' as of their latest step)."""
-        out = self.allocator.take_events()
+    def take_cache_events(self) -> list[list[tuple[bool, bytes]]]:
+        """Each DP group's prefix-cache events since the last call, group 0 first (the others' as of their
+        latest step; one list for one engine)."""
+        out = [self.allocator.take_events()]
         if self.dp_engines is not None:
-            out, self.dp_engines.events = out + self.dp_engines.events, []
+            for rank, events in self.dp_engines.events.items():
+                out.append(events)
+                self.dp_engines.events[rank] = []
         return out
 
     def step(self) -> list[RequestOutput]:

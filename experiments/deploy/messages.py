@@ -52,6 +52,7 @@ class Submit(Message):
     # n > 1: the server sends one Submit per completion; a later one names the first (its request_id),
     # goes to the same worker and starts once that one's prompt KV is there, sharing its pages
     after: str | None = None
+    dp_rank: int | None = None  # a worker of DP groups: the router's choice of group (None: the worker's)
 
     def __post_init__(self):
         check_request(self.request_id, self.prompt_ids)
@@ -174,6 +175,9 @@ class Load(Message):
     kv_tiers: dict[str, TierCounters] = {}  # host, disk, pool (kv_tiers): per tier, so far
     # (stored?, page name) since its last Load: the router's view of its cache (Dynamo's KV events)
     cache_events: list[tuple[bool, bytes]] = []
+    # a worker of DP groups (model.dp > 1): the same events per group, group 0 first (the router's view
+    # of each group's cache; cache_events holds them all)
+    group_cache_events: list[list[tuple[bool, bytes]]] = []
     # (tier, stored?, page name) below device memory since its last Load: host, disk, pool (kv_tiers)
     tier_events: list[tuple[str, bool, bytes]] = []
     # so far: prompt tokens computed and the time of the steps that computed them; steps that only

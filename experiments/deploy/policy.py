@@ -12,6 +12,11 @@ Policies (`deployment.routing`):
   or the shared pool) counts at its price: its load time over its compute time (experiments/deploy/
   below.py), so a worker that can load a history beats one that must compute it.
 
+A worker of DP groups (model.dp > 1, engine/dp.py) is dp schedulers behind one endpoint: the router
+picks the worker as above (its cache the union of its groups', its load all their requests), then the
+group in it with the same cost over each group's own cache belief and requests (Groups; the worker's
+Load reports each group's cache events), and the worker hands the request to that group (dp_rank).
+
 What a worker caches is the router's belief: the pages of every prompt it routed there (at once, before
 the worker has computed them), and what the worker reports, batched in its Load about once a second:
 each page it named and each name it dropped (Dynamo's KV events; observe()), with names computed as the
@@ -107,6 +112,50 @@ class Speed:
         return my + max(slope, 0.0) * (batch - mx)
 
 
+class Groups:
+    """A worker's DP groups as the router sees them: each one's cached page names and requests."""
+
+    def __init__(self, dp: int, cache_pages: int):
+        self.cached = [OrderedDict() for _ in range(dp)]
+        self.in_flight: list[set] = [set() for _ in range(dp)]
+        self.cache_pages = cache_pages
+
+    def choose(self, names: list[Hashable], pages: dict, weight: float, size: int) -> int:
+        """The group with the least cost for a request of `size` pages named `names`: weight x its pages
+        that group must compute + the pages of the requests it has (pages: request -> its pages)."""
+
+        def cost(g: int) -> tuple[float, int]:
+            cached, hit = self.cached[g], 0
+            while hit < len(names) and names[hit] in cached:
+                hit += 1
+            load = sum(pages.get(r, 0) for r in self.in_flight[g])
+            return weight * (size - hit) + load, len(self.in_flight[g])
+
+        return min(range(len(self.cached)), key=cost)
+
+    def remember(self, g: int, names: Iterable[Hashable]) -> None:
+        self.observe(g, [(True, n) for n in names])
+
+    def observe(self, g: int, events: Iterable[tuple[bool, Hashable]]) -> None:
+        cached = self.cached[g]
+        for stored, name in events:
+            if stored:
+                cached[name] = None
+                cached.move_to_end(name)
+            else:
+                cached.pop(name, None)
+        while len(cached) > self.cache_pages:
+            cached.popitem(last=False)
+
+    def discard(self, request_id) -> None:
+        for requests in self.in_flight:
+            requests.discard(request_id)
+
+    def clear(self) -> None:
+        for cached in self.cached:
+            cached.clear()
+
+
 class Router:
     """in_flight: worker -> the requests it has (the callers' one record of where each request is)."""
 
@@ -123,11 +172,13 @@ class Router:
         prefill_workers: Iterable[str] = (),
         clock: Callable[[], float] = time.perf_counter,
         by_load: bool = False,
+        dp: int = 1,
     ):
         """admission, slo (TTFT s, TPOT s): early rejection; prefill_workers: a disaggregated deployment's
         (their speed is the prefill speed); clock: what first_token() times against; by_load: a decode
         worker prefills a request itself when its prefill worker's queue would break the TTFT SLO
-        (deployment.local_prefill_by_load: _by_load)."""
+        (deployment.local_prefill_by_load: _by_load); dp: each worker's DP groups (model.dp), among which
+        the router picks one for each request (dp_rank_of)."""
         if policy not in POLICIES:
             raise ValueError(f"deployment.routing={policy!r} is not allowed: one of {POLICIES}")
         if admission not in ADMISSIONS:
@@ -153,6 +204,9 @@ class Router:
         self._turn = self._prefill_turn = 0  # round_robin's next worker, and next prefill worker
         self.routed_pages = self.overlap_pages = 0  # what it routed, and found cached where it went
         self.below = Below(page_size)  # what sits below each worker's device pages, and its price
+        self.dp = dp
+        self.groups: dict[str, Groups] = {w: Groups(dp, cache_pages) for w in self.workers} if dp > 1 else {}
+        self._group: dict = {}  # request -> its group on its worker (dp > 1)
 
     @classmethod
     def of(
@@ -164,9 +218,10 @@ class Router:
         salt: bytes = b"",
         slo=None,
         prefill_workers: Iterable[str] = (),
+        dp: int = 1,
     ) -> Router:
         """The router a DeploymentConfig asks for (salt: the workers' page names', from their Ready; slo:
-        an SloConfig, for admission=slo)."""
+        an SloConfig, for admission=slo; dp: model.dp)."""
         w = deployment.routing_overlap_weight
         bounds = (slo.ttft_s, slo.tpot_s) if slo is not None else (float("inf"), float("inf"))
         return cls(
@@ -180,6 +235,7 @@ class Router:
             bounds,
             prefill_workers,
             by_load=deployment.local_prefill_by_load,
+            dp=dp,
         )
 
     def route_tokens(
@@ -193,8 +249,12 @@ class Router:
     # -- admission
 
     def observe_load(self, worker: str, load) -> None:
-        """A worker's Load: its cache events, and the counters its speed comes from."""
+        """A worker's Load: its cache events (each DP group's too), and the counters its speed comes from."""
         self.observe(worker, load.cache_events)
+        groups = self.groups.get(worker)
+        if groups is not None:
+            for g, events in enumerate(load.group_cache_events[: self.dp]):
+                groups.observe(g, events)
         self.below.observe(worker, load.tier_events)
         counters = (load.prefill_tokens, load.prefill_s, load.decode_steps, load.decode_seqs, load.decode_s)
         speed = self.speed.setdefault(worker, Speed())
@@ -370,7 +430,18 @@ class Router:
         self.in_flight[target].add(request_id)
         self._pages[request_id] = pages
         self._remember(target, names)
+        groups = self.groups.get(target)
+        if groups is not None:
+            weight = self.overlap_weight if self.policy == "cache_aware" else 0.0  # else the least loaded
+            g = groups.choose(names, self._pages, weight, pages)
+            groups.in_flight[g].add(request_id)
+            groups.remember(g, names)
+            self._group[request_id] = g
         return target
+
+    def dp_rank_of(self, request_id) -> int | None:
+        """The DP group route() chose for request_id on its worker (None: its workers have one)."""
+        return self._group.get(request_id)
 
     def overlap(self, worker: str, names: list[Hashable]) -> int:
         """How many of names' leading pages the router believes worker caches."""
@@ -405,12 +476,19 @@ class Router:
         self.waiting.pop(request_id, None)
         if worker in self.cached:
             self._remember(worker, names)
+        g = self._group.pop(request_id, None)
+        if g is not None and worker in self.groups:
+            self.groups[worker].discard(request_id)
+            self.groups[worker].remember(g, names)
 
     def moved(self, request_id, dead: str) -> None:
         """request_id leaves dead (to be routed again)."""
         self.in_flight[dead].discard(request_id)
         self._pages.pop(request_id, None)
         self.waiting.pop(request_id, None)
+        self._group.pop(request_id, None)
+        if dead in self.groups:
+            self.groups[dead].discard(request_id)
 
     def leave(self, worker: str) -> None:
         """An elastic worker starts leaving its role: it takes no new request (decode) or prompt
@@ -419,6 +497,8 @@ class Router:
             self.workers.remove(worker)
             if worker in self.cached:
                 self.cached[worker].clear()  # its cache serves prompts now, not this router's requests
+            if worker in self.groups:
+                self.groups[worker].clear()
         if worker in self.prefill_workers:
             self.prefill_workers.remove(worker)
         self.prefill_live.discard(worker)
@@ -433,6 +513,8 @@ class Router:
             self.workers.append(worker)
             self.in_flight.setdefault(worker, set())
             self.cached.setdefault(worker, OrderedDict())
+            if self.dp > 1:
+                self.groups.setdefault(worker, Groups(self.dp, self.cache_pages))
 
     def up(self, worker: str) -> None:
         """worker is up (its Ready): a prefill worker may be chosen from now on, before its first Load."""
@@ -443,6 +525,8 @@ class Router:
         """worker died (or restarted): its cache is gone, its speed is measured again."""
         if worker in self.cached:
             self.cached[worker].clear()
+        if worker in self.groups:
+            self.groups[worker].clear()
         self.below.forget(worker)
         self.speed.pop(worker, None)
         self.prefill_live.discard(worker)

@@ -65,7 +65,7 @@ def start_runtime(config, d, log_dir=None, first_core: int = 0) -> Runtime:
         m = config.model
         prefill = [n for n in fleet.procs if fleet.roles[n] == "prefill"]
         router = Router.of(
-            d, fleet.frontends, m.num_pages, m.page_size, fleet.cache_salt, config.slo, prefill
+            d, fleet.frontends, m.num_pages, m.page_size, fleet.cache_salt, config.slo, prefill, m.dp
         )
         for name in prefill:  # start_fleet saw each one's Ready
             router.up(name)
@@ -338,11 +338,16 @@ class Runtime:
             return False
         if len(flight.ids) >= msg.sampling.max_tokens:
             return False
-        resumed = msgspec.structs.replace(
-            msg, output_ids=list(flight.ids), text_sent=flight.chars, after=None, stream=True
-        )
         tokens = list(msg.prompt_ids) + list(flight.ids)
         target = self.router.route_tokens(rid, tokens, live, cache_salt=msg.sampling.cache_salt)
+        resumed = msgspec.structs.replace(
+            msg,
+            output_ids=list(flight.ids),
+            text_sent=flight.chars,
+            after=None,
+            stream=True,
+            dp_rank=self.router.dp_rank_of(rid),
+        )
         flight.worker = target
         flight.migrations += count
         log.warning(
@@ -377,7 +382,9 @@ class Runtime:
         # the router learns when each prompt's first token comes (its queue, its admission) and the
         # runtime times every token: the worker streams every request; only a streamed one's tokens
         # reach its client before the end
-        wire = msgspec.structs.replace(msg, stream=True, prefill_worker=self.router.prefill_of(rid))
+        wire = msgspec.structs.replace(
+            msg, stream=True, prefill_worker=self.router.prefill_of(rid), dp_rank=self.router.dp_rank_of(rid)
+        )
         if not self.fleet.send(target, wire):
             self._finish(Result.failed(rid, ErrorKind.WORKER_LOST, f"worker {target} is gone", target))
             return

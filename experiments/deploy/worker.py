@@ -308,6 +308,7 @@ class Worker(RoleSwitching):
             if time.monotonic() - self.load_at > LOAD_EVERY_S:
                 self.load_at = time.monotonic()
                 running, waiting = self.llm.queues  # every DP group's
+                groups = self.llm.take_cache_events()
                 pending = len(self.front.backlog) + (len(self.dm.pending) if self.dm is not None else 0)
                 self._send(
                     Load(
@@ -316,7 +317,8 @@ class Worker(RoleSwitching):
                         running,
                         waiting + pending,
                         **self._stats(),
-                        cache_events=self.llm.take_cache_events(),
+                        cache_events=[e for group in groups for e in group],
+                        group_cache_events=groups if len(groups) > 1 else [],
                         tier_events=self.llm.take_tier_events(),
                         **self.speed,
                     )
@@ -369,7 +371,8 @@ class Worker(RoleSwitching):
                 if msg.request_id in self.live:
                     raise ValueError(f"request_id {msg.request_id!r} is already in flight here")
                 if self.dm is None:
-                    self.llm.add_request(msg.prompt_ids, params, msg.request_id, msg.output_ids, msg.after)
+                    rid, outs, group = msg.request_id, msg.output_ids, msg.dp_rank  # group: the router's
+                    self.llm.add_request(msg.prompt_ids, params, rid, outs, msg.after, dp_rank=group)
                 else:
                     self.front.take(msg, params, self.live)
             except (ValueError, TypeError) as e:

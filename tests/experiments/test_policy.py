@@ -50,6 +50,31 @@ def test_a_dead_worker_is_skipped_and_forgotten_and_no_live_worker_is_an_error()
         r.route("y", [], 1, [])
 
 
+def test_a_dp_worker_s_groups_each_get_the_conversations_whose_history_they_hold():
+    """model.dp: the worker as above, then the group in it by the same cost over each group's own belief
+    (what it routed there, and the worker's per-group cache events); dp 1 names no group."""
+    from experiments.deploy.messages import Load
+
+    r = Router(["a", "b"], page_size=16, dp=2)
+    assert r.route("c1-t0", _names("c1", 4), 64, ["a"]) == "a" and r.dp_rank_of("c1-t0") == 0
+    assert r.route("c2-t0", _names("c2", 4), 64, ["a"]) == "a" and r.dp_rank_of("c2-t0") == 1  # the idle one
+    r.finished("a", "c1-t0", _names("c1", 6))
+    r.finished("a", "c2-t0", _names("c2", 6))
+    assert r.dp_rank_of("c1-t0") is None and not any(r.groups["a"].in_flight)
+    assert r.route("c2-t1", _names("c2", 8), 128, ["a"]) == "a" and r.dp_rank_of("c2-t1") == 1
+    assert r.route("c1-t1", _names("c1", 8), 128, ["a"]) == "a" and r.dp_rank_of("c1-t1") == 0
+    # group 0 reports c3's pages named (a request the router did not route there, e.g. a migrated one)
+    r.observe_load("a", Load("a", 0, 0, 0, group_cache_events=[[(True, n) for n in _names("c3", 6)], []]))
+    r.moved("c1-t1", "a")
+    r.moved("c2-t1", "a")
+    assert r.route("c3-t1", _names("c3", 8), 128, ["a"]) == "a" and r.dp_rank_of("c3-t1") == 0
+    r.forget("a")  # died: every group's cache with it
+    assert not any(r.groups["a"].cached)
+    one = Router(["a"], page_size=16)
+    one.route("x", _names("c1", 4), 64, ["a"])
+    assert one.dp_rank_of("x") is None and not one.groups
+
+
 def test_a_stale_belief_only_misroutes_and_the_lru_keeps_what_was_used_last():
     r = Router(["a", "b"], page_size=16, cache_pages=4)
     r.finished("a", "x", _names("c1", 4))

@@ -21,6 +21,21 @@ def test_a_dp_worker_gives_the_tokens_of_one_engine(tmp_path):
     assert timeline["free_pages"] == timeline["num_pages"]
 
 
+def test_the_router_sends_each_turn_to_the_group_that_holds_its_history(tmp_path):
+    """Multiturn over one worker of two DP groups: the router picks the group by each group's cache
+    (the worker reports each one's events), so every later turn finds its whole history there, not
+    only the system prompt both groups hold (the worker's own choice, the group with fewer requests,
+    would put a conversation's turns on either)."""
+    multiturn = ["workload=multiturn", "workload.conversations=4", "workload.turns=3"]
+    multiturn += ["workload.concurrency=4", "workload.system_prompt_len=40", "workload.turn_len=12"]
+    multiturn += ["workload.think_time_s=0.05", "workload.output_len.value=8", "plots=false"]
+    weight = "deployment.routing_overlap_weight=100"  # the history outweighs any load
+    (record,) = run(_cfg([*DEEPSEEK, *multiturn, "model.dp=2", weight]), tmp_path, progress=False)
+    assert record["summary"]["completed"] == 12
+    later = [r for r in record["requests"] if r["turn"] > 0]
+    assert later and all(r["cached_tokens"] > 40 for r in later), [r["cached_tokens"] for r in later]
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
