@@ -57,13 +57,16 @@ bench-goodput: $(STAMP)
 		'goodput_search.rates=[$(GOODPUT_RATES)]' hydra.run.dir=bench_results/goodput-$$(date +%Y%m%d-%H%M%S) \
 		'deployments=[{name: auto, kind: colocated, num_workers: 2}, {name: slo, kind: colocated, num_workers: 2, chunk_size: slo}, {name: 1p1d, kind: disaggregated, num_prefill: 1, num_decode: 1}, {name: hybrid, kind: disaggregated, num_prefill: 1, num_decode: 1, chunk_size: slo, local_prefill_by_load: true}]'
 
-# issue 44's decode step at data-parallel attention against TP (docs/engine.md): tiny-random-deepseek,
-# 2 ranks, one thread each; short prompts and long ones (about 3 minutes on 2 cores)
+# issue 44's decode step at data-parallel attention against TP and one engine (docs/engine.md):
+# tiny-random-deepseek, 2 ranks, one thread each; short prompts and long ones; then the simulator fitted
+# on the TP 1 and TP 2 steps predicts the DP 2 ones (docs/simulator.md; about 4 minutes on 2 cores)
+DP_OUT := bench_results/dp-$(shell date +%Y%m%d-%H%M%S)
 bench-dp: $(STAMP)
-	$(BIN)/python -m experiments.bench.dp_step --batches 1,4,16,32 --kv 256 --steps 60 \
-		--out bench_results/dp-256-$$(date +%Y%m%d-%H%M%S).json
-	$(BIN)/python -m experiments.bench.dp_step --batches 16,32 --kv 1536 --steps 60 \
-		--out bench_results/dp-1536-$$(date +%Y%m%d-%H%M%S).json
+	$(BIN)/python -m experiments.bench.dp_step --one --batches 1,4,16,32 --kv 256 --steps 60 \
+		--out $(DP_OUT)/short.json
+	$(BIN)/python -m experiments.bench.dp_step --one --batches 16,32 --kv 1536 --steps 60 \
+		--out $(DP_OUT)/long.json
+	$(BIN)/python -m experiments.sim.dp_check $(DP_OUT)/short.json $(DP_OUT)/long.json
 
 # The GPU side (a CUDA machine): its own venv with CUDA torch, FlashInfer and NIXL (scripts/gpu_env.sh)
 GPU_VENV := .venv-gpu

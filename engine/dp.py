@@ -27,9 +27,9 @@ import traceback
 from dataclasses import replace
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from engine.collectives import any_true
 from engine.sequence import RequestOutput, Sequence
 from engine.tp import RankDied
 from pdkernels import ops
@@ -40,9 +40,7 @@ STEP_TIMEOUT_S = 600  # one step of another engine (its collectives time out at 
 
 def any_batch(mine: bool, leads) -> bool:
     """Whether any DP group has a batch this step (every group's first rank calls this each step)."""
-    flag = torch.tensor([int(mine)], dtype=torch.int32)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=leads)
-    return bool(flag.item())
+    return any_true(mine, leads)
 
 
 class EngineDied(RankDied):

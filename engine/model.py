@@ -13,11 +13,11 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
 from engine import mla, moe
+from engine.collectives import all_sum
 from engine.config import ModelConfig
 from pdkernels import cpu, ops
 
@@ -237,10 +237,9 @@ class Model:
             x.dtype == torch.bfloat16 and x.device.type == "cpu"
         ):  # gloo sums fp32; so do GPUs' bf16 reductions
             y = x.float()
-            dist.all_reduce(y, group=self.tp_group)
+            all_sum(y, self.tp_group)
             return x.copy_(y)
-        dist.all_reduce(x, group=self.tp_group)
-        return x
+        return all_sum(x, self.tp_group)
 
     def attention(
         self, layer: dict, i: int, x: Tensor, meta: BatchMeta, kv_cache: Tensor, rope: tuple

@@ -123,12 +123,12 @@ def _rank_main(
 
 
 def _to(msg, device: torch.device):
-    """A step's inputs on this rank's device (on GPU they travel as CPU tensors: no CUDA IPC per step)."""
+    """A step's inputs on this rank's device. They travel as numpy arrays, pickled as bytes: a tensor
+    would go through torch.multiprocessing's shared-memory file per tensor (seven a step, the rank then
+    starting each step milliseconds after the lead), and a CUDA tensor through CUDA IPC."""
     input_ids, meta = msg
-    if device.type == "cpu":
-        return input_ids, meta
-    moved = {f: getattr(meta, f).to(device) for f in META_TENSORS}
-    return input_ids.to(device), replace(meta, **moved)
+    moved = {f: torch.from_numpy(getattr(meta, f)).to(device) for f in META_TENSORS}
+    return torch.from_numpy(input_ids).to(device), replace(meta, **moved)
 
 
 META_TENSORS = ("positions", "batch_indices", "qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len")
@@ -189,10 +189,8 @@ class TPGroup:
     def step(self, input_ids: torch.Tensor, meta: BatchMeta) -> None:
         """Send one forward pass to every rank (the lead then runs its own shard)."""
         meta = replace(meta, counter=None)  # only the lead counts layers
-        if self.device.type == "cuda":
-            input_ids = input_ids.cpu()
-            meta = replace(meta, **{f: getattr(meta, f).cpu() for f in META_TENSORS})
-        self._send((input_ids, meta))
+        meta = replace(meta, **{f: getattr(meta, f).cpu().numpy() for f in META_TENSORS})  # _to says why
+        self._send((input_ids.cpu().numpy(), meta))
 
     def idle(self) -> None:
         """Data-parallel attention: this group has no tokens this step; its ranks join the all-to-alls."""

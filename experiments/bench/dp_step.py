@@ -1,15 +1,18 @@
 """The decode step of a DeepSeek-shaped model at data-parallel attention against tensor parallelism.
 
     python -m experiments.bench.dp_step [--model tiny-random-deepseek] [--ways 2] [--batches 1,4,16]
-        [--kv 256] [--steps 10] [--dtype float32] [--out dp_step.json]
+        [--kv 256] [--steps 10] [--dtype float32] [--one] [--out dp_step.json]
 
-For each layout (TP `ways` x DP 1, TP 1 x DP `ways`) and each batch size: one engine (engine.LLM) with
+For each layout (TP `ways` x DP 1, TP 1 x DP `ways`, and with --one a single engine, TP 1 x DP 1: what
+experiments.sim.dp_check calibrates on with the TP rows) and each batch size: one engine (engine.LLM) with
 `batch` sequences of `kv`-token prompts (under DP spread evenly over the groups), then the median time of
 `steps` decode steps (each ending when every group's sampled tokens are back), its tokens/s (batch / step
 time), and the share of the step that the lead rank spent in the MoE layers' all-to-alls (DP; wall time
 inside torch.distributed.all_to_all_single, waiting for slower ranks included). One process per rank,
 one thread each (the lead's too): run it alone on a machine with a core per rank. Prints a Markdown
-table and writes the rows as JSON.
+table and writes the rows as JSON, with this machine's measured peak, bandwidth and collective latencies
+(the simulator's hardware: experiments.sim.calibrate's measure_hardware on one thread and
+measure_collectives between `ways` processes).
 """
 
 from __future__ import annotations
@@ -89,6 +92,8 @@ def measure(model: str, tp: int, dp: int, batch: int, kv: int, steps: int, dtype
             "model": model,
             "dtype": dtype,
             "layout": f"TP {tp}" if dp == 1 else f"DP {dp}",
+            "tp": tp,
+            "dp": dp,
             "batch": batch,
             "kv": kv,
             "step_ms": round(1e3 * step, 2),
@@ -111,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv", type=int, default=256, help="prompt tokens per sequence")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--one", action="store_true", help="also one engine (TP 1 x DP 1)")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     try:
@@ -119,12 +125,22 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--batches takes comma-separated integers, got {args.batches!r}")
     if min(args.ways, args.kv, args.steps, *batches) < 1:
         p.error("--ways, --kv, --steps and every batch must be >= 1")
+    from dataclasses import asdict, replace
+
     import torch
 
-    torch.set_num_threads(1)  # one core per rank: the lead's too (its other ranks take one thread each)
+    from engine.weights import load_model
+    from experiments.sim.calibrate import measure_collectives, measure_hardware
+
+    hidden = load_model(args.model, weights=False).config.hidden_size
+    allreduce_s, alltoall_s = measure_collectives(args.ways, hidden)
+    hw = measure_hardware(1)  # sets one thread: one core per rank, the lead's too
+    hardware = asdict(replace(hw, allreduce_s=allreduce_s, alltoall_s=alltoall_s))
+    torch.set_num_threads(1)
+    layouts = [(1, 1)] * args.one + [(args.ways, 1), (1, args.ways)]
     rows = []
     for batch in batches:
-        for tp, dp in ((args.ways, 1), (1, args.ways)):
+        for tp, dp in layouts:
             rows.append(measure(args.model, tp, dp, batch, args.kv, args.steps, args.dtype))
             print(json.dumps(rows[-1]), flush=True)
     print(f"\n{args.model}, {args.dtype}, {args.kv}-token prompts, median of {args.steps} decode steps\n")
@@ -134,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r['batch']} | {r['layout']} | {r['step_ms']:,} | {r['tokens_s']:,} | {share} |")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(rows, indent=2))
+        args.out.write_text(json.dumps({"hardware": hardware, "steps": args.steps, "rows": rows}, indent=2))
     return 0
 
 

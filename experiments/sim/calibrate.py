@@ -191,6 +191,68 @@ def measure_hardware(threads: int, device: str = "cpu") -> Hardware:
     return Hardware("cpu-measured", flops, bw, mem, bw, bw, devices_per_node=1, source="measured here")
 
 
+def _collective_rank(rank: int, ranks: int, rendezvous: str, hidden: int, rounds: int, out) -> None:
+    import os
+    import statistics
+
+    import torch
+    import torch.distributed as dist
+
+    from engine.collectives import all_sum
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=ranks)
+    x, rows = torch.randn(16, hidden), torch.randn(16 * ranks, hidden + 1)
+    got, split = torch.empty_like(rows), [16] * ranks
+
+    def median(fn) -> float:
+        for _ in range(10):
+            fn()
+        times = []
+        for _ in range(rounds):
+            dist.barrier()
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    try:
+        result = (median(lambda: all_sum(x)), median(lambda: dist.all_to_all_single(got, rows, split, split)))
+        if rank == 0:
+            out.put(result)
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_collectives(ranks: int = 2, hidden: int = 128, rounds: int = 200) -> tuple[float, float]:
+    """(one all-reduce, one all-to-all exchange): the median latency of the engine's own collectives
+    (engine.collectives.all_sum of a [16, hidden] tensor; all_to_all_single of 16 rows of hidden + 1 to
+    each rank) between `ranks` processes of one thread on this machine, over gloo as the engine's CPU
+    ranks use it: Hardware.allreduce_s and alltoall_s."""
+    import os
+    import shutil
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    folder = tempfile.mkdtemp(prefix="pdk-collectives-")
+    try:
+        ctx = mp.get_context("spawn")
+        out = ctx.Queue()
+        rendezvous = os.path.join(folder, "rendezvous")
+        args = [(r, ranks, rendezvous, hidden, rounds, out) for r in range(ranks)]
+        procs = [ctx.Process(target=_collective_rank, args=a, daemon=True) for a in args]
+        for p in procs:
+            p.start()
+        result = out.get(timeout=120)
+        for p in procs:
+            p.join(timeout=30)
+        return result
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def _best(fn, device: str = "cpu", rounds: int = 5) -> float:
     import torch
 

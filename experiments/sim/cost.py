@@ -6,15 +6,18 @@ Each op class of a step takes max(FLOPs / (peak x efficiency), bytes / (HBM band
 - attention: causal prefill over the prefix plus the chunk, or decode over the KV length; bytes the KV
   read (and written);
 - LM head: only for the tokens that sample;
-- TP communication: two ring all-reduces of the step's activations per layer over NVLink.
+- TP communication: two ring all-reduces of the step's activations per layer over NVLink, each also
+  the hardware's all-reduce latency (Hardware.allreduce_s: 0 for a datasheet preset, measured on a CPU,
+  where gloo's latency rules).
 Everything divides over TP ranks (weights, heads, KV; replicated MLA latents do not shrink with TP).
 
 An instance may also run attention data-parallel (dp > 1, as SGLang's and vLLM's DP attention for
 DeepSeek): its tp x dp ranks each hold their own sequences and KV, the attention side (projections,
 dense layers, LM head) is replicated over the dp groups, and the routed and shared experts are spread
 over all ranks (expert parallel), with an all-to-all dispatch and combine of each MoE layer's tokens over
-NVLink (bandwidth only; no latency term, no expert load imbalance). A step's time is one rank's, the
-batch split evenly over the dp groups.
+NVLink (its bandwidth, and the latency of the engine's three exchanges a layer, Hardware.alltoall_s
+each, and of the groups' agreement a step, an all-reduce; no expert load imbalance). A step's time is
+one rank's, the batch split evenly over the dp groups.
 
 The efficiency factors (fractions of peak) are what calibration fits; the defaults are round guesses.
 """
@@ -36,12 +39,15 @@ class Efficiency:
     comm: float = 0.7  # of NVLink / NIC bandwidth reached by collectives and transfers
     step_overhead_s: float = 0.0  # fixed cost per step (launches, scheduling)
     seq_overhead_s: float = 0.0  # fixed cost per sequence in a step (per-sequence work outside the roofline)
+    # fixed cost per step of an instance of more than one rank (the lead's message to its other ranks,
+    # their wake-up, the slowest one's lag), beyond its collectives
+    ranks_overhead_s: float = 0.0
 
     def __post_init__(self):
         for key in ("linear", "attention", "memory", "comm"):
             if not 0 < getattr(self, key) <= 1:
                 raise ValueError(f"efficiency.{key} must be in (0, 1], got {getattr(self, key)!r}")
-        for key in ("step_overhead_s", "seq_overhead_s"):
+        for key in ("step_overhead_s", "seq_overhead_s", "ranks_overhead_s"):
             if getattr(self, key) < 0:
                 raise ValueError(f"efficiency.{key} must be >= 0, got {getattr(self, key)!r}")
 
@@ -139,22 +145,26 @@ class CostModel:
         return _roof(flops, nbytes, self.hw, self.eff.linear, self.eff)
 
     def allreduce_time(self, tokens: int) -> float:
-        """Two ring all-reduces of the activations per layer."""
+        """Two ring all-reduces of the activations per layer (each its bandwidth and latency)."""
         if self.tp == 1:
             return 0.0
         nbytes = tokens / self.dp * self.model.hidden * self.model.activation_bytes
         one = 2 * (self.tp - 1) / self.tp * nbytes / (self.hw.nvlink_bw * self.eff.comm)
-        return 2 * self.model.layers * one
+        return 2 * self.model.layers * (one + self.hw.allreduce_s)
 
     def alltoall_time(self, tokens: int) -> float:
         """Expert parallel over dp groups: each MoE layer sends every token's hidden state to the ranks
-        of its active experts and back (dispatch and combine); a rank sends its 1/dp of the tokens."""
+        of its active experts and back (dispatch and combine); a rank sends its 1/dp of the tokens. Plus
+        the latencies: three exchanges an MoE layer (counts, rows, rows back: engine/moe.py's dispatch)
+        and the groups' agreement a step (an all-reduce)."""
         m = self.model
-        if self.dp == 1 or not m.experts:
+        if self.dp == 1:
             return 0.0
+        if not m.experts:
+            return self.hw.allreduce_s
         nbytes = tokens / self.dp * m.active_experts * m.hidden * m.activation_bytes
         one = (self.ranks - 1) / self.ranks * nbytes / (self.hw.nvlink_bw * self.eff.comm)
-        return 2 * m.moe_layers * one
+        return 2 * m.moe_layers * one + 3 * m.moe_layers * self.hw.alltoall_s + self.hw.allreduce_s
 
     # ---- steps -----------------------------------------------------------------------------------
 
@@ -176,6 +186,7 @@ class CostModel:
             + self.allreduce_time(tokens)
             + self.alltoall_time(tokens)
             + self.eff.step_overhead_s
+            + (self.eff.ranks_overhead_s if self.ranks > 1 else 0.0)
             + self.eff.seq_overhead_s * (len(chunks) + len(decode_kv_lens)) / self.dp
         )
 

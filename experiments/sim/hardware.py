@@ -23,11 +23,18 @@ class Hardware:
     nic_bw: float  # bytes/s per device across nodes (KV transfer between nodes)
     devices_per_node: int = 8
     source: str = "datasheet"
+    # latency of one small all-reduce, and of one all-to-all exchange, between the ranks (0: none counted,
+    # as a datasheet gives none; measured on a CPU by experiments.sim.calibrate.measure_collectives)
+    allreduce_s: float = 0.0
+    alltoall_s: float = 0.0
 
     def __post_init__(self):
         for key in ("flops", "hbm_bw", "hbm_bytes", "nvlink_bw", "nic_bw", "devices_per_node"):
             if not getattr(self, key) > 0:
                 raise ValueError(f"hardware.{key} must be > 0, got {getattr(self, key)!r}")
+        for key in ("allreduce_s", "alltoall_s"):
+            if not getattr(self, key) >= 0:
+                raise ValueError(f"hardware.{key} must be >= 0, got {getattr(self, key)!r}")
 
 
 HARDWARE = {
