@@ -17,10 +17,10 @@ PAGES = 256  # tiny-random's pages per worker
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _start(tmp: Path, *overrides: str) -> tuple[subprocess.Popen, str]:
+def _start(tmp: Path, *overrides: str, model: str = "tiny-random") -> tuple[subprocess.Popen, str]:
     """A server in its own session and with its own TMPDIR (what a stop must leave empty)."""
     (tmp / "tmp").mkdir(parents=True, exist_ok=True)  # or the short_tmp fixture's link
-    args = [sys.executable, "-m", "experiments.serve", "model=tiny-random", "server.port=0", "plots=false"]
+    args = [sys.executable, "-m", "experiments.serve", f"model={model}", "server.port=0", "plots=false"]
     args += [*overrides, f"hydra.run.dir={tmp}"]
     env = dict(os.environ, TMPDIR=str((tmp / "tmp").resolve()))
     out = open(tmp / "server.out", "w")  # a file, not a pipe nobody reads: a full pipe would block it

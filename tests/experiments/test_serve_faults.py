@@ -65,6 +65,45 @@ def test_a_dead_worker_gives_503_and_the_server_serves_with_the_rest(tmp_path):
         _stop(proc)
 
 
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry))
+        except (OSError, IndexError, ValueError):
+            pass
+    return out
+
+
+def test_a_dp_worker_whose_other_engine_dies_hands_its_stream_on(tmp_path):
+    """model.dp=2: the process of one colocated worker's second DP engine is killed mid-stream: that
+    worker fails (its engine cannot step again, nothing waits on it), the stream goes on on the other
+    worker and ends as it would have, and the server serves on."""
+    from tests.experiments.hostile import _start as start_logged
+
+    overrides = ("model.dp=2", "deployment=colocated", "deployment.num_workers=2")
+    proc, url = start_logged(tmp_path, *overrides, model="tiny-random-deepseek")
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        kw = dict(model="tiny-random-deepseek", prompt="Long:", max_tokens=120, temperature=0)
+        want = client.completions.create(**kw, extra_body={"ignore_eos": True}).choices[0].text
+        log = (tmp_path / "logs" / "colocated-0.log").read_text()
+        worker = int(re.search(r"colocated-0 up: .* pid (\d+)", log).group(1))
+        (engine,) = [c for c in _children(worker) if b"spawn_main" in open(f"/proc/{c}/cmdline", "rb").read()]
+        stream = client.completions.create(**kw, stream=True, extra_body={"ignore_eos": True})
+        text = next(iter(stream)).choices[0].text  # it runs (on colocated-0: both were idle)
+        os.kill(engine, signal.SIGKILL)
+        text += "".join(c.choices[0].text for c in stream)
+        assert text == want  # migrated with its tokens so far, greedy: the same text
+        assert _metrics(url)[("pdk_migrations_total", ())] == 1
+        out = client.completions.create(model="tiny-random-deepseek", prompt="Still", max_tokens=4)
+        assert out.choices[0].finish_reason == "length"
+        assert "DP engine 1" in (tmp_path / "logs" / "colocated-0.log").read_text()
+    finally:
+        _stop(proc)
+
+
 def test_the_servers_connections_send_without_nagle():
     """Each accepted connection has TCP_NODELAY (asyncio sets it on TCP sockets only: the listening
     socket must say IPPROTO_TCP), so a token's chunk never waits for the client's delayed ACK."""
