@@ -66,10 +66,11 @@ def test_a_dead_worker_gives_503_and_the_server_serves_with_the_rest(tmp_path):
 
 
 def _children(pid: int) -> list[int]:
+    """The pids whose parent is pid (from /proc)."""
     out = []
-    for entry in os.listdir("/proc"):
+    for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
-            if entry.isdigit() and int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1]) == pid:
+            if int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1]) == pid:
                 out.append(int(entry))
         except (OSError, IndexError, ValueError):
             pass
