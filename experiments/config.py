@@ -47,6 +47,11 @@ class LengthDist:
             check_positive(f"{key}.mean", self.mean)
             check_positive(f"{key}.sigma", self.sigma)
 
+    @property
+    def expected(self) -> float:
+        """The mean length it draws (lognormal: its `mean` is the mean)."""
+        return {"fixed": self.value, "uniform": (self.low + self.high) / 2}.get(self.kind, self.mean)
+
 
 @dataclass(frozen=True)
 class WorkloadSampling:
@@ -92,6 +97,9 @@ class WorkloadSampling:
 class WorkloadConfig:
     arrival: str = "poisson"  # poisson: `rate` requests/s | concurrency: `concurrency` requests in flight
     rate: float = 1.0
+    # poisson: the rate as this multiple of one worker's prefill capacity on this machine, measured in a
+    # warm-up before the run (experiments.capacity): rate = load x its prompt tokens/s / the mean prompt
+    load: float | None = None
     concurrency: int = 1
     num_requests: int = 20
     prompt_len: LengthDist = field(default_factory=LengthDist)
@@ -137,6 +145,10 @@ class WorkloadConfig:
             refuse("workload.arrival", self.arrival, "trace needs workload.dataset=mooncake (its timestamps)")
         if self.arrival == "poisson":
             check_positive("workload.rate", self.rate)
+        if self.load is not None:
+            check_positive("workload.load", self.load)
+            if self.arrival != "poisson" or self.dataset != "random":
+                refuse("workload.load", self.load, "null unless workload.arrival=poisson on random prompts")
         elif self.arrival == "concurrency":
             check_positive("workload.concurrency", self.concurrency, integer=True)
         check_positive("workload.num_requests", self.num_requests, integer=True)

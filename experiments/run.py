@@ -41,6 +41,12 @@ def run(cfg: DictConfig, out_dir: Path, progress: bool = True, hooks=None) -> li
             raise ValueError(f"goodput_search.rates holds {r!r}: every rate must be a number > 0")
     if rates and config.workload.arrival != "poisson":
         raise ValueError("goodput_search.rates needs workload.arrival=poisson")
+    if rates and config.workload.load is not None:
+        raise ValueError("goodput_search.rates and workload.load both set the rate: give one")
+    if config.workload.load is not None:  # the rate this machine makes of it (measured now, printed)
+        from experiments.capacity import rate_for_load
+
+        config = replace(config, workload=replace(config.workload, rate=rate_for_load(config)))
     first_core = _sweep_cores(config)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))

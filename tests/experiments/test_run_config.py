@@ -102,7 +102,7 @@ def test_bad_configs_fail_before_any_process_starts(tmp_path, override, message)
 def test_a_deployment_that_an_experiment_would_ignore_is_refused(tmp_path):
     out = _cli(["experiment=compare", "deployment=2p1d", f"hydra.run.dir={tmp_path}"], tmp_path)
     assert out.returncode == 2 and "deployment is ignored here" in out.stderr, out.stderr[-2000:]
-    assert "['colocated', '1p1d']" in out.stderr
+    assert "['colocated', '1p1d', 'colocated-slo']" in out.stderr
 
 
 def test_unknown_deployment_is_refused_by_the_cli(tmp_path):
@@ -126,8 +126,12 @@ def test_config_maps_to_dataclasses():
     from pdkernels.cpu import native_bf16
 
     config = from_cfg(_cfg(["experiment=compare"]))
-    assert [d.name for d in config.deployments] == ["colocated", "1p1d"]
-    assert config.workload.arrival == "poisson" and config.workload.num_requests == 14
+    assert [d.name for d in config.deployments] == ["colocated", "1p1d", "colocated-slo"]
+    assert (
+        config.workload.arrival == "poisson"
+        and config.workload.num_requests == 24
+        and config.workload.load == 1.2
+    )
     assert config.transfer.backend == "nixl" and config.model.name == "smollm2-135m"
     assert config.kernels.backend == "auto"
     cpu = not torch.cuda.is_available()
