@@ -10,13 +10,14 @@ is the deployment DeepSeek's serving papers describe: attention data-parallel, e
 The LLM object is DP group 0's engine and the front of the others: DPEngines spawns groups 1..N-1 (each
 an LLM with its dp_rank, in its own process, leading its own TP ranks), sends each request to one group
 (add_request's dp_rank, else the one with the fewest requests) and steps all of them together. Every
-step every engine schedules; the groups' first ranks then agree (a MAX all-reduce) whether any group has
+step every engine schedules; the groups' first ranks then agree (engine.collectives.any_true) whether any has
 a batch, and a group without one runs an idle forward pass that joins each MoE layer's all-to-all with
 no tokens, so that every rank takes part in every collective. Requests travel to the other engines as
 token ids and SamplingParams over a pipe between these processes (nothing from a socket).
 
 So far the colocated role only: the disaggregated roles (each DP group's KV written by a prefill
-worker) and a DP worker behind the router come next (issue 44).
+worker) come next (issue 44). A worker of DP groups behind the router: experiments/deploy/policy.py's
+Groups picks each request's group, which add_request's dp_rank takes.
 """
 
 from __future__ import annotations
