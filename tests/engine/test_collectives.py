@@ -17,7 +17,8 @@ def _rank(rank: int, rendezvous: str, out) -> None:
         got = {}
         for name, shape in (("small", (3, 5)), ("large", (1024, 520))):  # 2 x 2.1 MB gathered: all-reduce
             x = torch.full(shape, float(rank + 1)) + torch.arange(shape[1], dtype=torch.float32)
-            got[name] = collectives.all_sum(x).clone()
+            got[name] = collectives.all_sum(x).tolist()  # lists: a tensor would cross as a shared file
+            # whose sharer may be gone with this process before the test reads it
         got["any"] = (collectives.any_true(rank == 1), collectives.any_true(False))
         out.put((rank, got))
     finally:
@@ -37,6 +38,6 @@ def test_all_sum_and_any_true_agree_on_every_rank(tmp_path):
     for name, shape in (("small", (3, 5)), ("large", (1024, 520))):
         want = 3.0 + 2 * torch.arange(shape[1], dtype=torch.float32).expand(shape)
         for rank in (0, 1):
-            torch.testing.assert_close(results[rank][name], want, rtol=0, atol=0)
+            torch.testing.assert_close(torch.tensor(results[rank][name]), want, rtol=0, atol=0)
     assert results[0]["any"] == results[1]["any"] == (True, False)
     assert collectives.GATHER_MAX_BYTES < 2 * 1024 * 520 * 4  # the large one took gloo's all-reduce
