@@ -32,7 +32,7 @@ import torch.multiprocessing as mp
 
 from engine.collectives import any_true
 from engine.sequence import RequestOutput, Sequence
-from engine.tp import RankDied
+from engine.tp import RankDied, from_lead, stop_processes
 from pdkernels import ops
 
 START_TIMEOUT_S = 300  # an engine loads its model and joins the process group within this
@@ -129,17 +129,7 @@ class DPEngines:
             raise EngineDied(f"DP engine {rank} is gone: {e!r}") from e
 
     def close(self) -> None:
-        for conn, proc in zip(self.conns, self.procs, strict=True):
-            if proc.is_alive():
-                try:
-                    conn.send(None)
-                except (BrokenPipeError, OSError):
-                    pass
-        for proc in self.procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=10)
+        stop_processes(self.conns, self.procs, 30)  # each stops its own TP ranks first
         self.procs, self.conns = [], []
 
 
@@ -166,15 +156,7 @@ def _engine_main(rank: int, args: dict, rendezvous: str, conn, backend: str, lea
         ops.set_backend(backend)  # the lead's choice, not this process's environment
         llm = LLM(**args, dp_rank=rank, dp_rendezvous=rendezvous)
         conn.send(("ready", None))
-        while True:
-            if not conn.poll(1.0):
-                if os.getppid() != lead:  # the lead died (reparented): nobody will send another step
-                    return
-                continue
-            msg = conn.recv()
-            if msg is None:
-                return
-            kind, payload = msg
+        for kind, payload in from_lead(conn, lead):
             if kind == "add":
                 try:
                     llm.add_request(*payload)

@@ -101,14 +101,7 @@ def _rank_main(
             conn.send(("vmm", (alloc.nbytes, tuple(kv_cache.shape), str(kv_cache.dtype))))
             send_handle(conn, alloc.export_fd(), lead)
         model.tp_group = init_rank(rank, config, rendezvous).tp
-        while True:
-            if not conn.poll(1.0):
-                if os.getppid() != lead:  # the lead died (reparented): nobody will send another step
-                    return
-                continue
-            msg = conn.recv()
-            if msg is None:
-                return
+        for msg in from_lead(conn, lead):
             with torch.inference_mode():
                 if msg == "idle":  # data-parallel attention: this group has no tokens this step
                     model.idle()
@@ -132,6 +125,35 @@ def _to(msg, device: torch.device):
 
 
 META_TENSORS = ("positions", "batch_indices", "qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len")
+
+
+def from_lead(conn, lead: int):
+    """The lead's messages down conn, until it sends None or is gone (this process reparented: nobody
+    will send another)."""
+    while True:
+        if not conn.poll(1.0):
+            if os.getppid() != lead:
+                return
+            continue
+        msg = conn.recv()
+        if msg is None:
+            return
+        yield msg
+
+
+def stop_processes(conns, procs, within_s: float) -> None:
+    """Tell each live process to stop (None down its pipe), wait within_s for each, kill what is left."""
+    for conn, proc in zip(conns, procs, strict=True):
+        if proc.is_alive():
+            try:
+                conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+    for proc in procs:
+        proc.join(timeout=within_s)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=10)
 
 
 class RankDied(RuntimeError):
@@ -203,16 +225,7 @@ class TPGroup:
             conn.send(msg)
 
     def close(self) -> None:
-        for conn, proc in zip(self.conns, self.procs, strict=True):
-            if proc.is_alive():
-                try:
-                    conn.send(None)
-                except (BrokenPipeError, OSError):
-                    pass
-        for proc in self.procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
+        stop_processes(self.conns, self.procs, 10)
         self.procs, self.conns = [], []
         self.kv_caches = []
         for alloc in self._allocs:

@@ -112,6 +112,19 @@ class Speed:
         return my + max(slope, 0.0) * (batch - mx)
 
 
+def _apply(cached: OrderedDict, events: Iterable[tuple[bool, Hashable]], cap: int) -> None:
+    """Cache events, in order, on a belief (an LRU of page names): (True, name) stored, (False, name)
+    dropped; the oldest go past cap names."""
+    for stored, name in events:
+        if stored:
+            cached[name] = None
+            cached.move_to_end(name)
+        else:
+            cached.pop(name, None)
+    while len(cached) > cap:
+        cached.popitem(last=False)
+
+
 class Groups:
     """A worker's DP groups as the router sees them: each one's cached page names and requests."""
 
@@ -137,15 +150,7 @@ class Groups:
         self.observe(g, [(True, n) for n in names])
 
     def observe(self, g: int, events: Iterable[tuple[bool, Hashable]]) -> None:
-        cached = self.cached[g]
-        for stored, name in events:
-            if stored:
-                cached[name] = None
-                cached.move_to_end(name)
-            else:
-                cached.pop(name, None)
-        while len(cached) > self.cache_pages:
-            cached.popitem(last=False)
+        _apply(self.cached[g], events, self.cache_pages)
 
     def discard(self, request_id) -> None:
         for requests in self.in_flight:
@@ -378,15 +383,8 @@ class Router:
         cached = self.cached.get(worker)
         if cached is None:
             return
-        for stored, name in events:
-            if stored:
-                cached[name] = None
-                cached.move_to_end(name)
-            else:
-                cached.pop(name, None)
+        _apply(cached, events, self.cache_pages)
         self.events += len(events)
-        while len(cached) > self.cache_pages:
-            cached.popitem(last=False)
 
     def route(
         self, request_id, names: list[Hashable], tokens: int, live: list[str], admit: bool = False
