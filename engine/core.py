@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.dp import any_batch
+from engine.collectives import any_true
 from engine.scheduler import Batch
 from engine.sequence import RequestOutput, SamplingParams, Sequence, Status, check_token_ids
 from engine.tp import RankDied
@@ -163,9 +163,9 @@ class EngineCore:
         batch = self.scheduler.schedule()
         if batch is None and self.scheduler.landing:  # nothing to step but KV loading from below
             self.scheduler.tiers.wait(0.02)
-        # data-parallel attention: every group's ranks join each MoE layer's all-to-all, a group without
-        # a batch with none (engine/dp.py)
-        if self.config.dp > 1 and any_batch(batch is not None, self._leads) and batch is None:
+        # data-parallel attention: the groups' first ranks agree whether any has a batch, and every
+        # group's ranks join each MoE layer's all-to-all, a group without one with none (engine/dp.py)
+        if self.config.dp > 1 and any_true(batch is not None, self._leads) and batch is None:
             self.runner.idle()
         if batch is not None:
             start = time.perf_counter()

@@ -30,18 +30,12 @@ from dataclasses import replace
 import torch
 import torch.multiprocessing as mp
 
-from engine.collectives import any_true
 from engine.sequence import RequestOutput, Sequence
 from engine.tp import RankDied, from_lead, stop_processes
 from pdkernels import ops
 
 START_TIMEOUT_S = 300  # an engine loads its model and joins the process group within this
 STEP_TIMEOUT_S = 600  # one step of another engine (its collectives time out at 120 s before this)
-
-
-def any_batch(mine: bool, leads) -> bool:
-    """Whether any DP group has a batch this step (every group's first rank calls this each step)."""
-    return any_true(mine, leads)
 
 
 class EngineDied(RankDied):
@@ -187,6 +181,7 @@ class DPFront:
     is None with dp = 1, and then every method is EngineCore's)."""
 
     dp_engines: DPEngines | None = None
+    _dp_choice: tuple[int | None, str | None] | None = None  # add_request's (dp_rank, after), for _submit
 
     def add_request(self, prompt, params=None, request_id=None, output_ids=None, after=None, dp_rank=None):
         """EngineCore.add_request; dp_rank: the DP group that takes it (None: the one with the fewest
@@ -215,7 +210,7 @@ class DPFront:
     def _submit(self, seq: Sequence) -> str:
         if self.dp_engines is None:
             return super()._submit(seq)
-        rank, after = getattr(self, "_dp_choice", None) or (None, None)
+        rank, after = self._dp_choice or (None, None)
         if seq.after is not None:
             rank, after = self.dp_rank_of(seq.after.request_id), seq.after.request_id
         elif rank is None:

@@ -112,6 +112,14 @@ class Speed:
         return my + max(slope, 0.0) * (batch - mx)
 
 
+def _leading(cached: OrderedDict, names: list[Hashable]) -> int:
+    """How many of names' leading pages a belief holds."""
+    for n, name in enumerate(names):
+        if name not in cached:
+            return n
+    return len(names)
+
+
 def _apply(cached: OrderedDict, events: Iterable[tuple[bool, Hashable]], cap: int) -> None:
     """Cache events, in order, on a belief (an LRU of page names): (True, name) stored, (False, name)
     dropped; the oldest go past cap names."""
@@ -138,11 +146,8 @@ class Groups:
         that group must compute + the pages of the requests it has (pages: request -> its pages)."""
 
         def cost(g: int) -> tuple[float, int]:
-            cached, hit = self.cached[g], 0
-            while hit < len(names) and names[hit] in cached:
-                hit += 1
             load = sum(pages.get(r, 0) for r in self.in_flight[g])
-            return weight * (size - hit) + load, len(self.in_flight[g])
+            return weight * (size - _leading(self.cached[g], names)) + load, len(self.in_flight[g])
 
         return min(range(len(self.cached)), key=cost)
 
@@ -443,11 +448,7 @@ class Router:
 
     def overlap(self, worker: str, names: list[Hashable]) -> int:
         """How many of names' leading pages the router believes worker caches."""
-        cached = self.cached[worker]
-        for n, name in enumerate(names):
-            if name not in cached:
-                return n
-        return len(names)
+        return _leading(self.cached[worker], names)
 
     def cost(self, worker: str, names: list[Hashable], pages: int) -> float:
         load = sum(self._pages.get(r, 0) for r in self.in_flight[worker])
