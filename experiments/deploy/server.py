@@ -146,7 +146,9 @@ def serve(cfg: DictConfig, out_dir: Path, ready=None) -> None:
         host, port = sock.getsockname()[:2]
         url = f"http://{host}:{port}"
         print(f"serving {name} ({config.deployments[0].name}) on {url}", flush=True)
-        (out_dir / "server.json").write_text(json.dumps({"url": url, "model": name}))
+        # written whole, then renamed: a client that waits for the file never reads it half-written
+        (out_dir / "server.json.tmp").write_text(json.dumps({"url": url, "model": name}))
+        (out_dir / "server.json.tmp").replace(out_dir / "server.json")
         if ready is not None:
             ready(url)
         uvicorn_config = uvicorn.Config(
