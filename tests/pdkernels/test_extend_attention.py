@@ -44,13 +44,17 @@ def test_the_cpu_path_skips_the_masked_blocks_and_equals_the_reference(
     mode, page_size, kv_layout, group, dtype
 ):
     """The torch backend's causal path (flash with is_causal over a chunk's own keys, the context before it
-    unmasked, merged by log-sum-exp): the reference's output, a whole prompt or a chunk after a prefix."""
+    unmasked, merged by log-sum-exp): the reference's output, a whole prompt or a chunk after a prefix.
+    In bf16 on CPUs that compute in it the path's scores come out of oneDNN's bf16 GEMM rounded to bf16
+    (the reference keeps them in fp32): 0.021 from the fp32 truth at worst over 300 draws here, the
+    reference 0.008, so its bound is wider than the reference's own."""
+    torch.manual_seed(sum(map(ord, f"{mode}{page_size}{kv_layout}{group}{dtype}")))  # the same draw each run
     case = make_paged_cache(SEQ_LENS, KV_HEADS, HEAD_DIM, page_size, kv_layout, dtype=dtype)
     qo_indptr = _qo_indptr(Q_LENS[mode])
     q = torch.randn(int(qo_indptr[-1]), KV_HEADS * group, HEAD_DIM).to(dtype)
     tables = (case.cache, case.kv_indptr, case.kv_indices, case.kv_last_page_len, kv_layout)
     ref = extend_attention_ref(q, qo_indptr, *tables, sm_scale=0.3)
-    atol, rtol = TOL[dtype]
+    atol, rtol = (3e-2, 1.6e-2) if dtype == torch.bfloat16 else TOL[dtype]
     torch.testing.assert_close(
         extend_attention_cpu(q, qo_indptr, *tables, sm_scale=0.3), ref, atol=atol, rtol=rtol
     )
