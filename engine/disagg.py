@@ -6,6 +6,7 @@ The transfer layer never imports the engine; these adapters give it an engine in
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from engine.llm import LLM
@@ -57,10 +58,11 @@ class PrefillSide:
 
 
 class DecodeSide:
-    """An LLM in the decode role, as the decode messenger drives it."""
+    """An LLM in the decode role, as the decode messenger drives it; group: a DP group of its (engine/dp.py)
+    whose engine runs in another process and is driven through the front's pipe."""
 
-    def __init__(self, llm: LLM):
-        self.llm = llm
+    def __init__(self, llm: LLM, group: int = 0):
+        self.llm, self.group = llm, group
 
     def reserve(
         self,
@@ -69,20 +71,37 @@ class DecodeSide:
         params: SamplingParams | None,
         load_within_s: float = 0.0,
     ) -> tuple[list[int], int]:
+        if self.group:
+            return self.llm.reserve_in(self.group, request_id, prompt_ids, params, load_within_s)
         seq = self.llm.reserve(prompt_ids, params, request_id=request_id, load_within_s=load_within_s)
         held = seq.pages_named + self.llm.reserved_below(request_id)  # cached, or loading from below
         return self.llm.allocator.pages(request_id), held * self.llm.allocator.page_size
 
     def admit(self, request_id: str, context: Tensor | None) -> None:
-        self.llm.admit_prefilled(request_id, context)
+        if self.group:  # by value: a tensor would cross as a shared-memory file of its own
+            hidden = context.numpy() if context is not None else None
+            self.llm.dp_engines.call(self.group, "admit", request_id, hidden)
+        elif context is not None and not isinstance(context, Tensor):  # from the front (numpy)
+            self.llm.admit_prefilled(request_id, torch.from_numpy(context))
+        else:
+            self.llm.admit_prefilled(request_id, context)
 
     def fail(self, request_id: str, error: str) -> None:
-        self.llm.stop(request_id, error)
+        if self.group:
+            self.llm.dp_engines.call(self.group, "fail", request_id, error)
+        else:
+            self.llm.stop(request_id, error)
 
     def free(self, request_id: str) -> None:
-        self.llm.release(request_id)
+        if self.group:
+            self.llm.dp_engines.call(self.group, "free", request_id)
+        else:
+            self.llm.release(request_id)
 
     def recompute(self, request_id: str) -> None:
+        if self.group:
+            self.llm.dp_engines.call(self.group, "recompute", request_id)
+            return
         seq = self.llm.seqs.get(request_id)
         if seq is None or seq.finished:  # stopped meanwhile (handed back, aborted): nothing to compute
             self.llm.release(request_id)
@@ -108,8 +127,19 @@ def prefill_messenger(
 
 
 def decode_messenger(
-    llm: LLM, backend: Backend, config: TransferConfig | None = None, side: type = DecodeSide
+    llm: LLM,
+    backend: Backend,
+    config: TransferConfig | None = None,
+    side: type = DecodeSide,
+    group_backends: list[Backend] = (),
 ) -> DecodeMessenger:
-    return DecodeMessenger(
-        side(llm), backend, shard_spec(llm), llm.kv_caches, llm.config.model.hidden_size, config
-    )
+    """A DecodeMessenger over llm's KV regions (every TP rank's); with DP groups (llm.config.dp > 1), one
+    more destination per other group, its KV registered with its own agent (group_backends[r - 1])."""
+    dp = llm.config.dp
+    if len(group_backends) != dp - 1:
+        raise ValueError(f"dp={dp}: one backend (agent) for each of the other {dp - 1} DP groups")
+    spec, hidden = shard_spec(llm), llm.config.model.hidden_size
+    dm = DecodeMessenger(side(llm), backend, spec, llm.kv_caches, hidden, config)
+    for rank, group_backend in enumerate(group_backends, start=1):
+        dm.add_group(side(llm, rank), group_backend, spec, llm.group_kv_caches(rank))
+    return dm

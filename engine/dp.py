@@ -15,9 +15,13 @@ a batch, and a group without one runs an idle forward pass that joins each MoE l
 no tokens, so that every rank takes part in every collective. Requests travel to the other engines as
 token ids and SamplingParams over a pipe between these processes (nothing from a socket).
 
-So far the colocated role only: the disaggregated roles (each DP group's KV written by a prefill
-worker) come next (issue 44). A worker of DP groups behind the router: experiments/deploy/policy.py's
-Groups picks each request's group, which add_request's dp_rank takes.
+In the decode role each group's KV is written by a prefill worker: each group's engine allocates its
+KV in shared memory and hands the front a mapping of it when it is ready (as TP ranks hand theirs to
+their lead), so the front's decode messenger registers each group's KV with an agent of its own (on
+its own NIC: transfer.nics_per_rank) and drives each group's engine through engine.disagg.DecodeSide
+(`call`: reserve, admit, fail, free, recompute, over the same pipe). The prefill role runs dp 1 so far.
+A worker of DP groups behind the router: experiments/deploy/policy.py's Groups picks each request's
+group, which add_request's dp_rank (and a decode worker's messenger's group) takes.
 """
 
 from __future__ import annotations
@@ -26,20 +30,32 @@ import os
 import time
 import traceback
 from dataclasses import replace
+from typing import NamedTuple
 
 import torch
 import torch.multiprocessing as mp
 
-from engine.sequence import RequestOutput, Sequence
+from engine.kv_cache import OutOfPages
+from engine.sequence import RequestOutput, SamplingParams, Sequence
 from engine.tp import RankDied, from_lead, stop_processes
 from pdkernels import ops
 
+SIDE_METHODS = ("reserve", "admit", "fail", "free", "recompute")  # what DPEngines.call may run
 START_TIMEOUT_S = 300  # an engine loads its model and joins the process group within this
 STEP_TIMEOUT_S = 600  # one step of another engine (its collectives time out at 120 s before this)
 
 
 class EngineDied(RankDied):
     """Another DP group's engine has exited or stopped answering: this LLM cannot step again."""
+
+
+class Refetch(NamedTuple):
+    """A sequence another group's engine preempted (decode role, preemption "refetch"): what the caller
+    needs to fetch its KV again (engine.LLM.take_refetches hands out Sequences with these names)."""
+
+    request_id: str
+    all_ids: list[int]
+    params: SamplingParams
 
 
 class DPEngines:
@@ -51,6 +67,8 @@ class DPEngines:
         self.conns, self.procs = [], []
         self.stats: dict[int, dict] = {}  # rank -> its counters after its latest step (_stats)
         self.events: dict[int, list] = {r: [] for r in range(1, dp)}  # their prefix caches' events, untaken
+        self.kv_caches: dict[int, list[torch.Tensor]] = {}  # decode role: each group's, mapped here
+        self.refetches: list[Refetch] = []  # decode role: their preempted sequences, untaken
         for rank in range(1, dp):
             lead_end, engine_end = ctx.Pipe()
             # an engine that leads TP ranks starts processes: a daemon may not (close() stops it instead)
@@ -82,7 +100,19 @@ class DPEngines:
 
     def await_ready(self) -> None:
         for rank in range(1, len(self.conns) + 1):
-            self._recv(rank, START_TIMEOUT_S)
+            kv_caches = self._recv(rank, START_TIMEOUT_S)[1]
+            if kv_caches is not None:
+                self.kv_caches[rank] = kv_caches
+
+    def call(self, rank: int, method: str, *args):
+        """engine.disagg.DecodeSide's method on engine rank; raises what it raised there (OutOfPages, or a
+        ValueError for a request it refused)."""
+        self._send(rank, ("side", (method, args)))
+        kind, payload = self._recv(rank, START_TIMEOUT_S)
+        if kind == "refused":
+            error, why = payload
+            raise OutOfPages(why) if error == "OutOfPages" else ValueError(why)
+        return payload
 
     def add(self, rank: int, seq: Sequence, after: str | None = None) -> None:
         """Queue seq (checked here by make_sequence) on engine rank, after: an earlier completion of its
@@ -106,12 +136,17 @@ class DPEngines:
         for rank in range(1, len(self.conns) + 1):
             theirs, self.stats[rank] = self._recv(rank, STEP_TIMEOUT_S)[1]
             self.events[rank] += self.stats[rank].pop("cache_events")
+            self.refetches += [Refetch(*r) for r in self.stats[rank].pop("refetches")]
             outs += theirs
         return outs
 
     def record_events(self) -> None:
         for rank in range(1, len(self.conns) + 1):
             self._send(rank, ("record", None))
+
+    def load_grammar(self, spec, compiled_json: str) -> None:
+        for rank in range(1, len(self.conns) + 1):
+            self._send(rank, ("grammar", (spec, compiled_json)))
 
     def _send(self, rank: int, msg) -> None:
         proc = self.procs[rank - 1]
@@ -136,12 +171,15 @@ def _stats(llm) -> dict:
         "prefix_cache_stats": llm.prefix_cache_stats,
         "preemption_stats": llm.preemption_stats,
         "cache_events": a.take_events(),
+        "refetches": [(q.request_id, q.all_ids, q.params) for q in llm.take_refetches()],
+        "grammar_compiles": llm.grammar_compiles,
     }
 
 
 def _engine_main(rank: int, args: dict, rendezvous: str, conn, backend: str, lead: int) -> None:
     """DP group `rank`'s engine: build it (it joins the process group), then serve the lead's requests
     and steps until told to stop, or until the lead is gone."""
+    from engine.disagg import DecodeSide
     from engine.llm import LLM
 
     llm = None
@@ -149,7 +187,9 @@ def _engine_main(rank: int, args: dict, rendezvous: str, conn, backend: str, lea
         torch.set_num_threads(1)
         ops.set_backend(backend)  # the lead's choice, not this process's environment
         llm = LLM(**args, dp_rank=rank, dp_rendezvous=rendezvous)
-        conn.send(("ready", None))
+        decode = llm.config.scheduler.role == "decode"
+        conn.send(("ready", llm.kv_caches if decode else None))  # shared memory: the front maps it
+        side = DecodeSide(llm)
         for kind, payload in from_lead(conn, lead):
             if kind == "add":
                 try:
@@ -161,6 +201,18 @@ def _engine_main(rank: int, args: dict, rendezvous: str, conn, backend: str, lea
                 llm.abort(*payload)
             elif kind == "record":
                 llm.allocator.record_events()
+            elif kind == "grammar":  # loaded in the front first: the same vocabulary, it loads here too
+                llm.grammars.load(*payload)
+            elif kind == "side":  # the front's decode messenger, on this group's requests
+                method, call_args = payload
+                if method not in SIDE_METHODS:
+                    raise ValueError(f"no DecodeSide method {method!r}")
+                try:
+                    conn.send(("done", getattr(side, method)(*call_args)))
+                except OutOfPages as e:
+                    conn.send(("refused", ("OutOfPages", str(e))))
+                except (ValueError, TypeError) as e:
+                    conn.send(("refused", ("ValueError", str(e))))
             elif kind == "step":
                 outs = llm.step()
                 for out in outs:  # the lead has them: not pickled again every step
@@ -214,15 +266,43 @@ class DPFront:
         if seq.after is not None:
             rank, after = self.dp_rank_of(seq.after.request_id), seq.after.request_id
         elif rank is None:
-            counts = [len(self.seqs)] + [0] * (self.config.dp - 1)
-            for r, *_ in self._remote.values():
-                counts[r] += 1
-            rank = min(range(self.config.dp), key=lambda r: counts[r])
+            rank = self.least_busy_group()
         if rank == 0:
             return super()._submit(seq)
         self.dp_engines.add(rank, seq, after)
         self._remote[seq.request_id] = (rank, seq.prompt, seq.prompt_ids)
         return seq.request_id
+
+    def least_busy_group(self) -> int:
+        """The DP group whose engine holds the fewest requests (0 without DP)."""
+        counts = [len(self.seqs)] + [0] * (self.config.dp - 1)
+        for r, *_ in self._remote.values():
+            counts[r] += 1
+        return min(range(self.config.dp), key=lambda r: counts[r])
+
+    def holds(self, request_id: str) -> bool:
+        """Whether some DP group's engine has this request (running, waiting, or preempted)."""
+        return request_id in self.seqs or request_id in self._remote
+
+    def group_kv_caches(self, rank: int) -> list[torch.Tensor]:
+        """DP group rank's KV caches (each of its TP ranks'), mapped into this process (decode role)."""
+        return self.kv_caches if rank == 0 else self.dp_engines.kv_caches[rank]
+
+    def reserve_in(self, rank: int, request_id: str, prompt_ids: list[int], params, load_within_s: float):
+        """engine.disagg.DecodeSide.reserve on DP group rank's engine (another process): its pages and the
+        tokens they hold already; the request is that group's from now on."""
+        pages, held = self.dp_engines.call(rank, "reserve", request_id, prompt_ids, params, load_within_s)
+        if request_id not in self._remote:  # a refetch is there already
+            self._remote[request_id] = (rank, None, list(prompt_ids))
+        return pages, held
+
+    def take_refetches(self) -> list:
+        """DecodeHandoff.take_refetches over every DP group (the others' as Refetch tuples)."""
+        own = super().take_refetches()
+        if self.dp_engines is None:
+            return own
+        theirs, self.dp_engines.refetches = self.dp_engines.refetches, []
+        return own + theirs
 
     def abort(self, request_id: str, error: str | None = None) -> None:
         if request_id in self._remote:
@@ -259,6 +339,19 @@ class DPFront:
     def preemption_stats(self) -> dict[str, int]:
         own = super().preemption_stats
         return {k: v + sum(s[k] for s in self._theirs("preemption_stats")) for k, v in own.items()}
+
+    def load_grammar(self, spec, compiled_json: str) -> None:
+        """engine.structured.Grammars.load in every DP group's engine (a request may go to any of them),
+        so that none compiles a client's grammar on its step loop (ValueError if it does not load)."""
+        self.grammars.load(spec, compiled_json)
+        if self.dp_engines is not None:
+            self.dp_engines.load_grammar(spec, compiled_json)
+
+    @property
+    def grammar_compiles(self) -> int:
+        """Grammars compiled by the engines themselves (every DP group's; the others' as of their step)."""
+        own = len(self._grammars.compile_s) if self._grammars is not None else 0
+        return own + sum(self._theirs("grammar_compiles"))
 
     def record_cache_events(self) -> None:
         """From now on keep every DP group's prefix-cache events (engine.kv_cache's (stored?, name))."""

@@ -121,11 +121,16 @@ class LLM(DPFront, EngineCore, DecodeHandoff, StepSampling):
             enable_prefix_caching=enable_prefix_caching, expert_parallel=expert_parallel,
             fair_share=fair_share, step_target_s=step_target_s, dp=dp,
         )  # fmt: skip
-        if dp != 1 and (role != "colocated" or speculative_config or kv_tiers or cuda_graphs):
+        if dp != 1 and (role == "prefill" or speculative_config or kv_tiers or cuda_graphs):
             raise ValueError(
-                f"dp={dp} (data-parallel attention) runs the colocated role without speculative_config, "
-                f"kv_tiers or cuda_graphs so far; got role={role!r}, speculative_config="
+                f"dp={dp} (data-parallel attention) runs the colocated and decode roles without "
+                f"speculative_config, kv_tiers or cuda_graphs so far; got role={role!r}, speculative_config="
                 f"{speculative_config!r}, kv_tiers={kv_tiers!r}, cuda_graphs={cuda_graphs!r}"
+            )
+        if dp != 1 and role == "decode" and torch.device(device).type != "cpu":
+            raise ValueError(
+                f"dp={dp} in the decode role maps each DP group's KV into the front's NIXL agents, on the "
+                f"CPU so far; got device={device!r}"
             )
         loaded = load_model(model)
         self.config = EngineConfig(
@@ -172,7 +177,9 @@ class LLM(DPFront, EngineCore, DecodeHandoff, StepSampling):
         kv_cache = allocate_kv_cache(
             loaded.config, self.config.cache, shard.num_kv_heads, dev, self.config.torch_dtype
         )
-        self.kv_cache = kv_cache.share_memory_() if tp > 1 and dev.type == "cpu" else kv_cache
+        # shared with the lead (TP) and, in the decode role, with DP group 0's agents (engine/dp.py)
+        shared = tp > 1 or (dp > 1 and role == "decode")
+        self.kv_cache = kv_cache.share_memory_() if shared and dev.type == "cpu" else kv_cache
         if self.config.world > 1:  # every rank has loaded its shard: join them
             groups = init_rank(0, self.config, rendezvous)
             self.model.tp_group, self._leads = groups.tp, groups.leads

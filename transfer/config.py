@@ -29,6 +29,9 @@ class TransferConfig:
     # passes, so this must outlast the longest pass of either worker
     on_transfer_failure: str = "fail"  # fail: end the request with the error | recompute: prefill it locally
     context_slots: int = 64  # requests in flight per decode worker (rows of its context buffer)
+    # a worker of DP groups has one NIXL agent per group: group r's on entry r (UCX device names, e.g.
+    # mlx5_1:1, so each rank sends or receives on its own NIC); empty: every agent on nixl_devices
+    nics_per_rank: tuple[str, ...] = ()
 
     def __post_init__(self):
         choices = {
@@ -49,3 +52,13 @@ class TransferConfig:
                 raise ValueError(f"transfer.{name} must be a non-empty string, got {getattr(self, name)!r}")
         if not (isinstance(self.context_slots, int) and self.context_slots > 0):
             raise ValueError(f"transfer.context_slots must be an integer > 0, got {self.context_slots!r}")
+        nics = self.nics_per_rank
+        if isinstance(nics, str) or not all(isinstance(n, str) and n for n in nics):
+            raise ValueError(
+                f"transfer.nics_per_rank must be a list of device names (one per DP rank), got {nics!r}"
+            )
+        object.__setattr__(self, "nics_per_rank", tuple(nics))
+
+    def devices_of(self, dp_rank: int) -> str:
+        """The devices DP group dp_rank's agent uses (nics_per_rank's entry, else nixl_devices)."""
+        return self.nics_per_rank[dp_rank] if self.nics_per_rank else self.nixl_devices

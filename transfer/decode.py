@@ -15,8 +15,15 @@ process is known to be gone. A peer that is only silent (hung, not dead) keeps i
 quarantined until it either answers or dies, so a late write can never land in another request's page.
 
 Messages count only from the peer that owns the request: Accepted and Ended from its control channel,
-write notifications from its transfer agent (named in its Hello), each post's notification once.
-Anything else is dropped and counted in `dropped`.
+write notifications from its transfer agent (named in its Hello) to the agent the request named, each
+post's notification once. Anything else is dropped and counted in `dropped`.
+
+A worker of DP groups (data-parallel attention, engine/dp.py) holds each request's KV in one group: each
+group is a destination of its own (`add_group`: its engine, its NIXL agent over its own KV regions and
+NIC, its context buffer), and `submit` names the group. The prefill side sees one more decode agent: the
+request's PrefillRequest carries the group's shard spec and agent, so the plan between the prefill
+ranks and the group's ranks is the one between two TP workers. The control channels stay one per
+prefill worker, here.
 """
 
 from __future__ import annotations
@@ -84,6 +91,18 @@ class Timing:
 
 
 @dataclass
+class _Group:
+    """One destination of this worker's KV: a DP group's engine, agent, geometry and context buffer."""
+
+    engine: DecodeEngine
+    backend: Backend
+    spec: ShardSpec
+    context: Tensor  # [context_slots, hidden]: each in-flight request's last prefilled hidden state
+    metadata: bytes  # the agent's, in every PrefillRequest to this group
+    free_slots: list[int]
+
+
+@dataclass
 class _Pending:
     seq: int  # this request's number (transfer.protocol.PrefillRequest.seq)
     peer: _Peer
@@ -95,6 +114,7 @@ class _Pending:
     received: int = 0
     posts: set[int] = field(default_factory=set)  # post numbers counted (a duplicate counts once)
     failed: str | None = None  # set once the request has failed; pages wait for Ended or the peer's death
+    group: int = 0  # the DP group whose pages it fills
 
     @property
     def expected(self) -> int:
@@ -112,14 +132,13 @@ class DecodeMessenger:
         hidden_size: int,
         config: TransferConfig | None = None,
     ):
-        self.engine, self.backend, self.spec = engine, backend, spec
         self.config = config or TransferConfig()
-        self.context = torch.zeros(
-            self.config.context_slots, hidden_size, dtype=torch.float32, device=kv_regions[0].device
-        )
-        backend.register(list(kv_regions) + [self.context])  # the context buffer: written by prefill
-        self._metadata = backend.metadata()
-        self._free_slots = list(range(self.config.context_slots))
+        self.hidden_size = hidden_size
+        self.groups: list[_Group] = []
+        self.add_group(engine, backend, spec, kv_regions)
+        g = self.groups[0]  # the one group of a worker without DP: its parts by their names
+        self.engine, self.backend, self.spec, self.context = g.engine, g.backend, g.spec, g.context
+        self._metadata, self._free_slots = g.metadata, g.free_slots
         self.peers: dict[str, _Peer] = {}
         self.retired: set[str] = set()  # peers that left the prefill role (retire)
         self.pending: dict[str, _Pending] = {}
@@ -135,6 +154,24 @@ class DecodeMessenger:
         # request numbers keep growing across restarts of this worker: a prefill worker drops stale ones
         self._seqs = itertools.count(time.time_ns())
         self.clock = time.monotonic  # for deadlines (tests drive their own)
+
+    def add_group(
+        self, engine: DecodeEngine, backend: Backend, spec: ShardSpec, kv_regions: list[Tensor]
+    ) -> int:
+        """Another destination (a DP group): its engine side, its own agent (backend) over its KV regions,
+        and a context buffer registered with it. Returns its number for submit's group."""
+        context = torch.zeros(
+            self.config.context_slots, self.hidden_size, dtype=torch.float32, device=kv_regions[0].device
+        )
+        backend.register(list(kv_regions) + [context])  # the context buffer: written by prefill
+        free = list(range(self.config.context_slots))
+        self.groups.append(_Group(engine, backend, spec, context, backend.metadata(), free))
+        return len(self.groups) - 1
+
+    @property
+    def backends(self) -> list[Backend]:
+        """Every group's agent (the caller closes them)."""
+        return [g.backend for g in self.groups]
 
     def add_peer(self, name: str, channel, hello: Hello) -> None:
         """A prefill worker reachable over channel, whose Hello (shard spec, host, pid) arrived."""
@@ -162,13 +199,14 @@ class DecodeMessenger:
         local_max_tokens: int = 0,
         prefer: str | None = None,
         cache_salt: str = "",
+        group: int = 0,
     ) -> bool:
         """Reserve pages and ask a prefill worker (peer if named; else prefer, the router's choice, while
         it is live; else the least loaded live one) for prompt_ids[:-1],
         past the pages the engine holds already; when the tokens the engine would still have to compute
         (those missing and the last) are at most local_max_tokens, or only the last, it computes them itself
-        instead. cache_salt: the request's, for the prefill side's prefix cache. Returns whether a prefill
-        worker was asked.
+        instead. cache_salt: the request's, for the prefill side's prefix cache. group: the DP group whose
+        engine takes it (add_group's number). Returns whether a prefill worker was asked.
 
         Raises what engine.reserve raises (out of pages, a bad request) with nothing taken."""
         for name, p in self.peers.items():  # a process gone (seen from this host) but not yet silent:
@@ -178,45 +216,49 @@ class DecodeMessenger:
             serving = [n for n in self.peers if n not in self.retired] or list(self.peers)
             live = [n for n in serving if not self.peers[n].lost] or serving
             peer = prefer if prefer in live else min(live, key=self.outstanding_tokens)
-        target = self.peers[peer]
+        if not (isinstance(group, int) and 0 <= group < len(self.groups)):
+            raise ValueError(
+                f"group must be a DP group of this worker, in [0, {len(self.groups)}), got {group!r}"
+            )
+        target, g = self.peers[peer], self.groups[group]
         if len(prompt_ids) > 1:  # check before anything is taken: a plan that raises leaves nothing behind
             # counts do not depend on which pages are used: plan against placeholder ids; the specs and
             # the highest id are what can fail, so the check plans the last page only
-            placeholder = list(range(-(-(len(prompt_ids) - 1) // self.spec.page_size)))
-            plan_array(target.hello.spec, self.spec, placeholder[-1:], placeholder[-1:])
+            placeholder = list(range(-(-(len(prompt_ids) - 1) // g.spec.page_size)))
+            plan_array(target.hello.spec, g.spec, placeholder[-1:], placeholder[-1:])
         expected_s = self.token_s.get(peer, PRIOR_TOKEN_S) * (len(prompt_ids) - 1)
-        pages, cached = self.engine.reserve(request_id, prompt_ids, params, load_within_s=expected_s)
+        pages, cached = g.engine.reserve(request_id, prompt_ids, params, load_within_s=expected_s)
         if len(prompt_ids) == 1:  # nothing to prefill: decode runs the only token
-            self.engine.admit(request_id, None)
+            g.engine.admit(request_id, None)
             return False
         missing = len(prompt_ids) - 1 - cached  # KV a prefill worker would write
         if missing == 0:  # the engine holds all of it already: decode from the last token on
-            self.engine.admit(request_id, None)
+            g.engine.admit(request_id, None)
             return False
         if missing + 1 <= local_max_tokens:  # with the last token, always computed here
-            self.engine.recompute(request_id)  # what is missing is short: computed here, no round trip
+            g.engine.recompute(request_id)  # what is missing is short: computed here, no round trip
             return False
         if target.lost:  # nothing was sent: the pages are safe at once
             self.peer_lost.add(request_id)
             if self.config.on_transfer_failure == "fail":
-                self.engine.fail(request_id, f"no live prefill worker ({peer} is lost)")
-                self.engine.free(request_id)
+                g.engine.fail(request_id, f"no live prefill worker ({peer} is lost)")
+                g.engine.free(request_id)
             else:
-                self.engine.recompute(request_id)
+                g.engine.recompute(request_id)
             return False
-        if not self._free_slots:
-            self.engine.fail(request_id, "decode worker has no free context slot (transfer.context_slots)")
-            self.engine.free(request_id)
+        if not g.free_slots:
+            g.engine.fail(request_id, "decode worker has no free context slot (transfer.context_slots)")
+            g.engine.free(request_id)
             return False
-        seq, skip = next(self._seqs), cached // self.spec.page_size
-        writes = plan_array(target.hello.spec, self.spec, placeholder[skip:], placeholder[skip:], skip)
-        nbytes = int(writes[:, 5].sum()) + self.context[0].numel() * self.context.element_size()
-        slot = self._free_slots.pop()
+        seq, skip = next(self._seqs), cached // g.spec.page_size
+        writes = plan_array(target.hello.spec, g.spec, placeholder[skip:], placeholder[skip:], skip)
+        nbytes = int(writes[:, 5].sum()) + g.context[0].numel() * g.context.element_size()
+        slot = g.free_slots.pop()
         timing = Timing(time.perf_counter(), peer, writes=len(writes) + 1, nbytes=nbytes)
-        pending = _Pending(seq, target, slot, self.clock(), len(prompt_ids) - 1, timing)
+        pending = _Pending(seq, target, slot, self.clock(), len(prompt_ids) - 1, timing, group=group)
         self.pending[request_id] = pending
         request = PrefillRequest(
-            request_id, list(prompt_ids[:-1]), pages, self.spec, self._metadata, slot, seq, skip, cache_salt
+            request_id, list(prompt_ids[:-1]), pages, g.spec, g.metadata, slot, seq, skip, cache_salt
         )
         try:
             target.channel.send(request)
@@ -232,8 +274,9 @@ class DecodeMessenger:
 
     def poll(self) -> list[str]:
         """Count landed writes, handle control messages and deadlines; returns the ids admitted now."""
-        for agent, msg in self.backend.notifications():
-            self._count(agent, msg)
+        for group, g in enumerate(self.groups):
+            for agent, msg in g.backend.notifications():
+                self._count(agent, msg, group)
         for peer in self.peers.values():
             for msg in peer.channel.receive():
                 if isinstance(msg, Hello):  # the peer was restarted and handshakes again
@@ -255,8 +298,9 @@ class DecodeMessenger:
                 continue
             if p.received == p.expected:
                 del self.pending[rid]
-                context = self.context[p.slot].clone()
-                self._free_slots.append(p.slot)
+                g = self.groups[p.group]
+                context = g.context[p.slot].clone()
+                g.free_slots.append(p.slot)
                 p.timing.landed = time.perf_counter()
                 took = (p.timing.landed - p.timing.sent) / max(p.prompt_tokens, 1)
                 was = self.token_s.get(p.peer.name)
@@ -266,14 +310,15 @@ class DecodeMessenger:
                     self.timings[rid] = p.timing
                 else:  # its KV fetched again (a preempted request): one record, the bytes of both
                     earlier.nbytes += p.timing.nbytes
-                self.engine.admit(rid, context)
+                g.engine.admit(rid, context)
                 admitted.append(rid)
             elif reason := self._late(p, now):
                 self._fail(rid, p, f"{reason} ({p.received}/{p.expected} writes landed)")
         return admitted
 
-    def _count(self, agent: str, msg: bytes) -> None:
-        """Count a post's writes: only from the owning peer's agent, each post once, never past the plan."""
+    def _count(self, agent: str, msg: bytes, group: int = 0) -> None:
+        """Count a post's writes: only from the owning peer's agent to the request's group's agent, each
+        post once, never past the plan."""
         try:
             _, rid, seq, post, writes = Notif.parse(msg)
         except ValueError:
@@ -284,6 +329,8 @@ class DecodeMessenger:
             self.dropped["notification for no live transfer"] += 1
         elif agent != p.peer.hello.agent:
             self.dropped["notification from an agent that does not own the request"] += 1
+        elif group != p.group:
+            self.dropped["notification to another DP group's agent"] += 1
         elif post in p.posts or p.received + writes > p.expected:
             self.dropped["duplicate or excess notification"] += 1
         else:
@@ -351,7 +398,7 @@ class DecodeMessenger:
         """End the request (or mark it for local recompute); its pages stay until they are safe."""
         p.failed = reason
         if self.config.on_transfer_failure == "fail":
-            self.engine.fail(request_id, reason)
+            self.groups[p.group].engine.fail(request_id, reason)
         if notify:
             try:  # a hung peer may never read it; its silence is handled by _check_peer
                 p.peer.channel.send(Abort(request_id, p.seq, reason), timeout_s=0.1)
@@ -360,8 +407,9 @@ class DecodeMessenger:
 
     def _pages_safe(self, request_id: str) -> None:
         p = self.pending.pop(request_id)
-        self._free_slots.append(p.slot)
+        g = self.groups[p.group]
+        g.free_slots.append(p.slot)
         if self.config.on_transfer_failure == "recompute":
-            self.engine.recompute(request_id)
+            g.engine.recompute(request_id)
         else:
-            self.engine.free(request_id)
+            g.engine.free(request_id)

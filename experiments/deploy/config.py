@@ -66,14 +66,10 @@ class ModelSpec:
     max_num_seqs: int = 64
     device: str = "auto"  # auto: cuda when this machine has it, else cpu
     expert_parallel: bool = False  # an MoE model under TP: whole experts per rank (engine/moe.py)
-    # data-parallel attention (engine/dp.py): each worker runs dp engines of its tp ranks, the routed
-    # experts spread over all of them; colocated deployments so far
-    dp: int = 1
 
     def __post_init__(self):
         if not isinstance(self.expert_parallel, bool):
             refuse("model.expert_parallel", self.expert_parallel, "true or false")
-        check_positive("model.dp", self.dp, integer=True)
         if self.device not in DEVICES:
             refuse("model.device", self.device, f"one of {DEVICES}")
         if self.dtype not in DTYPES + ("auto",):
@@ -119,6 +115,11 @@ class DeploymentConfig:
     tp: int = 1  # colocated workers
     prefill_tp: int = 1
     decode_tp: int = 1
+    # data-parallel attention (engine/dp.py, MoE models): a colocated (dp) or decode (decode_dp) worker
+    # runs that many engines of tp ranks each, the routed experts spread over all of them, behind one
+    # endpoint; prefill workers run dp 1 so far
+    dp: int = 1
+    decode_dp: int = 1
     threads_per_worker: int = 1  # torch threads per process (each TP rank gets one)
     # prefill tokens per forward pass (the chunked prefill budget), or auto (prefill_budget: 2,048 where
     # the CPU computes in bf16, 1,024 on a CPU in fp32, 512 elsewhere), or slo (auto's, but a step with
@@ -179,7 +180,7 @@ class DeploymentConfig:
             except (ValueError, TypeError) as e:
                 raise ValueError(f"deployment.{self.name}.speculative: {e}") from e
         counts = ("num_workers",) if self.kind == "colocated" else ("num_prefill", "num_decode")
-        for key in counts + ("tp", "prefill_tp", "decode_tp", "threads_per_worker"):
+        for key in counts + ("tp", "prefill_tp", "decode_tp", "dp", "decode_dp", "threads_per_worker"):
             check_positive(f"deployment.{key}", getattr(self, key), integer=True)
         g = self.gather_ms
         if isinstance(g, bool) or not isinstance(g, int | float) or not 0 <= g <= 1000:
@@ -230,10 +231,14 @@ class DeploymentConfig:
 
     @property
     def processes(self) -> int:
-        """Worker processes including TP ranks (what the cores are shared by)."""
+        """Worker processes including TP ranks and DP groups (what the cores are shared by)."""
         if self.kind == "colocated":
-            return self.num_workers * self.tp
-        return self.num_prefill * self.prefill_tp + self.num_decode * self.decode_tp
+            return self.num_workers * self.tp * self.dp
+        return self.num_prefill * self.prefill_tp + self.num_decode * self.decode_tp * self.decode_dp
+
+    def dp_of(self, role: str) -> int:
+        """The DP groups of this deployment's workers of role (prefill: 1)."""
+        return {"colocated": self.dp, "decode": self.decode_dp}.get(role, 1)
 
 
 @dataclass(frozen=True)
@@ -470,13 +475,14 @@ def check_fits_model(config: RuntimeConfig):
     for d in config.deployments:
         if not isinstance(d, DeploymentConfig):
             continue  # an endpoint (experiments.config.EndpointConfig): its server checks its own
-        if config.model.dp > 1 and d.kind != "colocated":
-            refuse(
-                "model.dp",
-                config.model.dp,
-                f"1 for deployment {d.name} (kind {d.kind}): data-parallel attention runs colocated "
-                "deployments so far",
-            )
+        dp = d.dp_of("colocated" if d.kind == "colocated" else "decode")
+        if dp > 1 and d.elastic:
+            refuse("deployment.decode_dp", dp, f"1 for {d.name}: its elastic workers may turn prefill (dp 1)")
+        if dp > 1 and d.kind != "colocated" and config.model.device != "cpu":
+            refuse("deployment.decode_dp", dp, f"1 for {d.name}: DP decode workers run on the CPU so far")
+        nics = config.transfer.nics_per_rank
+        if nics and len(nics) < dp:
+            refuse("transfer.nics_per_rank", list(nics), f"one device name per DP rank ({dp}), or none")
         keys = ("tp",) if d.kind == "colocated" else ("prefill_tp", "decode_tp")
         for key in keys:
             try:
@@ -486,7 +492,7 @@ def check_fits_model(config: RuntimeConfig):
                     dtype=config.model.dtype,
                     device=config.model.device,
                     expert_parallel=config.model.expert_parallel,
-                    dp=config.model.dp,
+                    dp=d.dp_of(key.removesuffix("_tp") if key != "tp" else "colocated"),
                 )
             except ValueError as e:
                 raise ValueError(

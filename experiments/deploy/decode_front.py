@@ -23,6 +23,7 @@ class Waiting:
     token_ids: list[int]  # its prompt (and, migrated or refetched, its outputs so far)
     params: object  # engine.SamplingParams
     peer: str | None = None  # the router's choice of prefill worker (None: the messenger's)
+    group: int | None = 0  # the DP group whose engine takes it (engine/dp.py; None: the least busy then)
 
 
 @dataclass
@@ -46,17 +47,19 @@ class DecodeFront:
         prefill worker's KV."""
         by_load = bool(self.name) and msg.prefill_worker == self.name
         if len(msg.prompt_ids) + len(msg.output_ids) <= self.local_max_tokens or by_load:
-            self.llm.add_request(msg.prompt_ids, params, msg.request_id, msg.output_ids, msg.after)
+            rid, outs, group = msg.request_id, msg.output_ids, msg.dp_rank  # the router's DP group
+            self.llm.add_request(msg.prompt_ids, params, rid, outs, msg.after, dp_rank=group)
             if by_load:  # counted as a local prefill, and as one by load
                 self.by_load.add(msg.request_id)
                 self.prefilled_here.add(msg.request_id)
         elif msg.output_ids:  # migrated: its prompt and outputs so far come from a prefill worker
             seq = self.llm.make_sequence(msg.prompt_ids, params, msg.request_id, msg.output_ids)
-            self.llm.resume(seq)
+            self.llm.resume(seq)  # DP group 0's engine resumes it (the one in this process)
             self.backlog.append(Waiting(msg.request_id, seq.all_ids, params))
         else:
             self.llm.make_sequence(msg.prompt_ids, params, msg.request_id)  # check it now
-            self.backlog.append(Waiting(msg.request_id, msg.prompt_ids, params, msg.prefill_worker))
+            group = msg.dp_rank  # the router's choice of DP group (None: chosen when it is sent)
+            self.backlog.append(Waiting(msg.request_id, msg.prompt_ids, params, msg.prefill_worker, group))
             if msg.after in live:  # n > 1: its KV comes with the first completion's
                 self.after[msg.request_id] = msg.after
 
@@ -72,8 +75,11 @@ class DecodeFront:
         return False
 
     def refetch(self, seqs) -> None:
-        """Preempted sequences whose KV is fetched again: before any new request."""
-        self.backlog.extendleft(reversed([Waiting(s.request_id, s.all_ids, s.params) for s in seqs]))
+        """Preempted sequences whose KV is fetched again (into the DP group that holds each): before any
+        new request."""
+        group = self.llm.dp_rank_of
+        items = [Waiting(s.request_id, s.all_ids, s.params, group=group(s.request_id)) for s in seqs]
+        self.backlog.extendleft(reversed(items))
 
     def waiting_for_restart(self, dm) -> bool:
         """Every prefill worker is down and one may come back (restarted): hold new requests for it.
@@ -115,12 +121,13 @@ class DecodeFront:
                     local_max_tokens=local,
                     prefer=item.peer,
                     cache_salt=salt,
+                    group=item.group if item.group is not None else self.llm.least_busy_group(),
                 ):
                     self.prefilled_here.add(rid)
             except OutOfPages:
                 return  # pages come back as running requests finish (engine.scheduler: room to finish)
             except (ValueError, TypeError) as e:  # the plan or the engine refused it
-                if rid in self.llm.seqs:  # a refetch: it ends with its tokens so far
+                if self.llm.holds(rid):  # a refetch: it ends with its tokens so far
                     self.llm.abort(rid, f"could not fetch its KV again: {e}")
                 else:
                     refuse(rid, e)

@@ -65,11 +65,11 @@ def worker_specs(
     cpus = sorted(os.sched_getaffinity(0))
     next_core = first_core
 
-    def cores(tp: int) -> tuple[int, ...]:
+    def cores(tp: int, dp: int) -> tuple[int, ...]:
         nonlocal next_core
         if config.launcher.name == "ray" and config.launcher.ray.address is not None:
             return ()
-        n = d.threads_per_worker * tp * config.model.dp  # each DP group's engine leads tp ranks
+        n = d.threads_per_worker * tp * dp  # each DP group's engine leads tp ranks
         out = tuple(cpus[(next_core + k) % len(cpus)] for k in range(n))
         next_core += n
         return out
@@ -98,6 +98,7 @@ def worker_specs(
         if d.elastic:  # any of them may prefill for any other later: a decode worker waits for today's
             peers, wait_for = tuple(n for n in names if n != name), prefill
         seed = int(name.split("-")[1]) if role == "colocated" else 0
+        dp = d.dp_of(role)
         specs.append(
             WorkerSpec(
                 name,
@@ -105,7 +106,8 @@ def worker_specs(
                 creds=keys[name],
                 peers=peers,
                 tp=tp,
-                cores=cores(tp),
+                dp=dp,
+                cores=cores(tp, dp),
                 seed=seed,
                 wait_for=wait_for,
                 # a restarted worker finds its own files again

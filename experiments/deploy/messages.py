@@ -175,8 +175,8 @@ class Load(Message):
     kv_tiers: dict[str, TierCounters] = {}  # host, disk, pool (kv_tiers): per tier, so far
     # (stored?, page name) since its last Load: the router's view of its cache (Dynamo's KV events)
     cache_events: list[tuple[bool, bytes]] = []
-    # a worker of DP groups (model.dp > 1): the same events per group, group 0 first (the router's view
-    # of each group's cache; cache_events holds them all)
+    # a worker of DP groups (deployment.dp or decode_dp > 1): the same events per group, group 0 first
+    # (the router's view of each group's cache; cache_events holds them all)
     group_cache_events: list[list[tuple[bool, bytes]]] = []
     # (tier, stored?, page name) below device memory since its last Load: host, disk, pool (kv_tiers)
     tier_events: list[tuple[str, bool, bytes]] = []

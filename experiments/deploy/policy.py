@@ -12,10 +12,11 @@ Policies (`deployment.routing`):
   or the shared pool) counts at its price: its load time over its compute time (experiments/deploy/
   below.py), so a worker that can load a history beats one that must compute it.
 
-A worker of DP groups (model.dp > 1, engine/dp.py) is dp schedulers behind one endpoint: the router
-picks the worker as above (its cache the union of its groups', its load all their requests), then the
-group in it with the same cost over each group's own cache belief and requests (Groups; the worker's
-Load reports each group's cache events), and the worker hands the request to that group (dp_rank).
+A worker of DP groups (deployment.dp or decode_dp > 1, engine/dp.py) is dp schedulers behind one
+endpoint: the router picks the worker as above (its cache the union of its groups', its load all their
+requests), then the group in it with the same cost over each group's own cache belief and requests
+(Groups; the worker's Load reports each group's cache events), and the worker hands the request to that
+group (dp_rank).
 
 What a worker caches is the router's belief: the pages of every prompt it routed there (at once, before
 the worker has computed them), and what the worker reports, batched in its Load about once a second:
@@ -188,7 +189,7 @@ class Router:
         (their speed is the prefill speed); clock: what first_token() times against; by_load: a decode
         worker prefills a request itself when its prefill worker's queue would break the TTFT SLO
         (deployment.local_prefill_by_load: _by_load); dp: each worker's DP groups (model.dp), among which
-        the router picks one for each request (dp_rank_of)."""
+        the router picks one for each request (dp_rank_of; deployment.dp or decode_dp)."""
         if policy not in POLICIES:
             raise ValueError(f"deployment.routing={policy!r} is not allowed: one of {POLICIES}")
         if admission not in ADMISSIONS:
@@ -231,7 +232,7 @@ class Router:
         dp: int = 1,
     ) -> Router:
         """The router a DeploymentConfig asks for (salt: the workers' page names', from their Ready; slo:
-        an SloConfig, for admission=slo; dp: model.dp)."""
+        an SloConfig, for admission=slo; dp: the routed workers' DP groups)."""
         w = deployment.routing_overlap_weight
         bounds = (slo.ttft_s, slo.tpot_s) if slo is not None else (float("inf"), float("inf"))
         return cls(

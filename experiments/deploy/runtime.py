@@ -64,8 +64,9 @@ def start_runtime(config, d, log_dir=None, first_core: int = 0) -> Runtime:
     try:
         m = config.model
         prefill = [n for n in fleet.procs if fleet.roles[n] == "prefill"]
+        dp = d.dp_of("colocated" if d.kind == "colocated" else "decode")  # the routed workers' groups
         router = Router.of(
-            d, fleet.frontends, m.num_pages, m.page_size, fleet.cache_salt, config.slo, prefill, m.dp
+            d, fleet.frontends, m.num_pages, m.page_size, fleet.cache_salt, config.slo, prefill, dp
         )
         for name in prefill:  # start_fleet saw each one's Ready
             router.up(name)

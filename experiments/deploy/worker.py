@@ -66,6 +66,7 @@ class WorkerSpec:
     peers: tuple[str, ...] = ()  # the messenger's peer workers
     cores: tuple[int, ...] = ()  # CPU affinity (empty: leave as is)
     tp: int = 1
+    dp: int = 1  # its DP groups (deployment.dp or decode_dp; prefill workers 1)
     seed: int = 0
     log_file: str | None = None  # this worker's log (the run folder's logs/<name>.log)
     log_level: str = "INFO"
@@ -146,7 +147,7 @@ class Worker(RoleSwitching):
             fair_share=d.fair_share,
             preemption="refetch" if d.decode_preemption == "refetch" else "recompute",
             expert_parallel=m.expert_parallel,
-            dp=m.dp,
+            dp=spec.dp,
             kv_tiers=spec.kv_tiers,
             step_target_s=spec.step_target_s,
         )
@@ -187,8 +188,12 @@ class Worker(RoleSwitching):
         spec, t = self.spec, self.spec.transfer
         again = f"-{self.generation}" if self.generation else ""  # a new agent's and socket's name
         name = f"{spec.name}-{os.getpid()}{again}"
-        kwargs = dict(engine=t.nixl_engine, devices=t.nixl_devices) if t.backend == "nixl" else {}
-        self.backend = backend = make_backend(t.backend, name, **kwargs)
+
+        def agent(rank: int, name: str):  # DP group rank's, on its own NIC where one is configured
+            kwargs = dict(engine=t.nixl_engine, devices=t.devices_of(rank)) if t.backend == "nixl" else {}
+            return make_backend(t.backend, name, **kwargs)
+
+        self.backend = backend = agent(0, name)
         if self.role == "prefill":
             self.pm = prefill_messenger(self.llm, backend, t)
             self._send(Listening(spec.name, {}))
@@ -196,7 +201,8 @@ class Worker(RoleSwitching):
                 if address:
                     self.pm.add_peer(ZmqEndpoint(address, False, spec.creds, peer, prefill_codec()))
             return
-        self.dm = decode_messenger(self.llm, backend, t)
+        groups = [agent(r, f"{name}-dp{r}") for r in range(1, spec.dp)]
+        self.dm = decode_messenger(self.llm, backend, t, group_backends=groups)
         channels = {}
         for peer in spec.peers:
             address = (
@@ -270,7 +276,7 @@ class Worker(RoleSwitching):
             self.spec.name,
             self.spec.role,
             self.spec.tp,
-            self.spec.model.dp,
+            self.spec.dp,
             os.getpid(),
             kv.device,
             self.spec.model.dtype,
@@ -367,7 +373,7 @@ class Worker(RoleSwitching):
             try:  # a bad request fails alone, with its error
                 params = msg.sampling  # checked where it was built and again on decode
                 if msg.grammar is not None:  # compiled by the server: loaded, not compiled here
-                    self.llm.grammars.load(params.structured_outputs, msg.grammar)
+                    self.llm.load_grammar(params.structured_outputs, msg.grammar)  # every DP group's
                 if msg.request_id in self.live:
                     raise ValueError(f"request_id {msg.request_id!r} is already in flight here")
                 if self.dm is None:
@@ -388,7 +394,7 @@ class Worker(RoleSwitching):
         if request_id not in self.live:
             return
         waiting = self.front.drop(request_id)
-        if waiting and request_id in self.llm.seqs:  # preempted, waiting to be fetched again
+        if waiting and self.llm.holds(request_id):  # preempted, waiting to be fetched again
             self.llm.abort(request_id)  # its Result (abort, with its tokens so far) follows a step
         elif waiting:  # not yet sent to a prefill worker: nothing to undo
             self.streamed.pop(request_id, None)

@@ -1,11 +1,12 @@
 """Data-parallel attention (engine/dp.py): dp engines, each with its own requests and KV pages, the
 routed experts spread over every rank and reached through an all-to-all, give the tokens of one engine."""
 
+import json
 import random
 
 import pytest
 
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, StructuredOutputs
 from engine.config import ModelConfig
 from engine.dp import EngineDied
 from engine.model import Shard
@@ -91,8 +92,8 @@ def test_bad_dp_settings_are_refused_naming_the_field():
         LLM("tiny-random-moe", dp=8, tp=2)
     with pytest.raises(ValueError, match="dp must be an integer >= 1"):
         LLM("tiny-random-moe", dp=0)
-    with pytest.raises(ValueError, match="colocated role"):
-        LLM("tiny-random-moe", dp=2, role="decode")
+    with pytest.raises(ValueError, match="colocated and decode roles"):
+        LLM("tiny-random-moe", dp=2, role="prefill")
     assert isinstance(load_model("tiny-random-moe", weights=False).config, ModelConfig)
 
 
@@ -121,3 +122,22 @@ def test_an_engine_that_dies_fails_the_step_instead_of_hanging():
     with pytest.raises(EngineDied, match="DP engine 1 has exited"):
         llm.generate(_prompts()[:2], GREEDY)
     llm.close()
+
+
+def test_a_grammar_loaded_at_the_front_is_loaded_in_every_group():
+    """A worker loads each client grammar the server compiled (Grammars.load): with DP the request may run
+    on another group's engine, which must find it loaded too instead of compiling it on the step loop
+    that every group shares."""
+    spec = StructuredOutputs(json={"type": "object", "properties": {"a": {"type": "integer"}}})
+    with LLM("tiny-random-moe", dp=2, page_size=4, num_pages=64) as llm:
+        compiled = llm.grammars.compiler.compile_grammar(spec.grammar_of()).serialize_json()
+        llm.load_grammar(spec, compiled)
+        params = SamplingParams(max_tokens=30, structured_outputs=spec)
+        rid = llm.add_request([5, 6, 7, 8], params, dp_rank=1)
+        done = {}
+        while llm.has_unfinished():
+            done.update((o.request_id, o) for o in llm.step() if o.finished)
+        assert llm.dp_rank_of(rid) == 0 and done[rid].finish_reason in ("stop", "length")
+        if done[rid].finish_reason == "stop":
+            assert isinstance(json.loads(done[rid].text), dict)
+        assert llm.grammar_compiles == 0  # group 1 found it loaded

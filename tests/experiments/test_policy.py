@@ -51,7 +51,7 @@ def test_a_dead_worker_is_skipped_and_forgotten_and_no_live_worker_is_an_error()
 
 
 def test_a_dp_worker_s_groups_each_get_the_conversations_whose_history_they_hold():
-    """model.dp: the worker as above, then the group in it by the same cost over each group's own belief
+    """deployment.dp: the worker as above, then the group in it by the same cost over each group's own belief
     (what it routed there, and the worker's per-group cache events); dp 1 names no group."""
     from experiments.deploy.messages import Load
 

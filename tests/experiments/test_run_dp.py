@@ -1,5 +1,6 @@
-"""model.dp through the main job: a colocated worker of two DP groups (engine/dp.py) gives the tokens of
-one engine, reports both groups' pages, and frees them all."""
+"""deployment.dp and decode_dp through the main job: a colocated worker of two DP groups (engine/dp.py),
+and a decode worker of two fed by a prefill worker over NIXL, give the tokens of one engine, report both
+groups' pages, and free them all."""
 
 import pytest
 
@@ -13,12 +14,26 @@ DEEPSEEK = ["model=tiny-random-deepseek", "deployment=colocated", "deployment.nu
 
 def test_a_dp_worker_gives_the_tokens_of_one_engine(tmp_path):
     (one,) = run(_cfg([*TINY, *DEEPSEEK]), tmp_path / "dp1", progress=False)
-    (two,) = run(_cfg([*TINY, *DEEPSEEK, "model.dp=2"]), tmp_path / "dp2", progress=False)
+    (two,) = run(_cfg([*TINY, *DEEPSEEK, "deployment.dp=2"]), tmp_path / "dp2", progress=False)
     assert one["summary"]["completed"] == two["summary"]["completed"] == 6
     assert _outputs(one) == _outputs(two)
     (timeline,) = two["timelines"]
     assert timeline["num_pages"] == 2 * 256  # both groups' pages (conf/model/tiny-random-deepseek.yaml)
     assert timeline["free_pages"] == timeline["num_pages"]
+
+
+def test_a_decode_worker_of_dp_groups_gives_the_tokens_of_one_engine(tmp_path):
+    """1 prefill worker (TP 1) -> 1 decode worker of 2 DP groups (deployment 1p1d-dp2): every request's KV
+    comes over NIXL into the group the router gave it, and the tokens equal a colocated engine's."""
+    (one,) = run(_cfg([*TINY, *DEEPSEEK]), tmp_path / "one", progress=False)
+    disaggregated = [*TINY, "model=tiny-random-deepseek", "deployment=1p1d-dp2"]
+    (two,) = run(_cfg(disaggregated), tmp_path / "1p1d-dp2", progress=False)
+    assert one["summary"]["completed"] == two["summary"]["completed"] == 6
+    assert _outputs(one) == _outputs(two)
+    multi = [r for r in two["requests"] if r["prompt_tokens"] > 1]
+    assert multi and all(r["prefill"] == "remote" and r["transfer_bytes"] > 0 for r in multi)
+    decode = next(t for t in two["timelines"] if t["role"] == "decode")
+    assert decode["num_pages"] == 2 * 256 and decode["free_pages"] == decode["num_pages"]
 
 
 def test_the_router_sends_each_turn_to_the_group_that_holds_its_history(tmp_path):
@@ -30,7 +45,7 @@ def test_the_router_sends_each_turn_to_the_group_that_holds_its_history(tmp_path
     multiturn += ["workload.concurrency=4", "workload.system_prompt_len=40", "workload.turn_len=12"]
     multiturn += ["workload.think_time_s=0.05", "workload.output_len.value=8", "plots=false"]
     weight = "deployment.routing_overlap_weight=100"  # the history outweighs any load
-    (record,) = run(_cfg([*DEEPSEEK, *multiturn, "model.dp=2", weight]), tmp_path, progress=False)
+    (record,) = run(_cfg([*DEEPSEEK, *multiturn, "deployment.dp=2", weight]), tmp_path, progress=False)
     assert record["summary"]["completed"] == 12
     later = [r for r in record["requests"] if r["turn"] > 0]
     assert later and all(r["cached_tokens"] > 40 for r in later), [r["cached_tokens"] for r in later]
@@ -39,9 +54,14 @@ def test_the_router_sends_each_turn_to_the_group_that_holds_its_history(tmp_path
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["deployment=1p1d", "model.dp=2"], "model.dp=2 is not allowed: 1 for deployment 1p1d"),
-        (["model.dp=0"], "model.dp"),
-        (["model=tiny-random-moe", "deployment=colocated", "model.dp=3"], "tp x dp = 3 ranks divide; got 8"),
+        (["deployment=colocated", "deployment.dp=0"], "deployment.dp"),
+        (["deployment=1p1d", "deployment.decode_dp=-1"], "deployment.decode_dp"),
+        (
+            ["model=tiny-random-moe", "deployment=colocated", "deployment.dp=3"],
+            "tp x dp = 3 ranks divide; got 8",
+        ),
+        (["deployment=1p1d-dp2", "transfer.nics_per_rank=[lo]"], "transfer.nics_per_rank=\\['lo'\\] is not"),
+        (["deployment=1p1d-dp2", "transfer.nics_per_rank=lo"], "transfer.nics_per_rank must be a list"),
     ],
 )
 def test_a_dp_that_cannot_run_is_refused_naming_the_field(overrides, message):

@@ -78,12 +78,12 @@ def _children(pid: int) -> list[int]:
 
 
 def test_a_dp_worker_whose_other_engine_dies_hands_its_stream_on(tmp_path):
-    """model.dp=2: the process of one colocated worker's second DP engine is killed mid-stream: that
+    """deployment.dp=2: the process of one colocated worker's second DP engine is killed mid-stream: that
     worker fails (its engine cannot step again, nothing waits on it), the stream goes on on the other
     worker and ends as it would have, and the server serves on."""
     from tests.experiments.hostile import _start as start_logged
 
-    overrides = ("model.dp=2", "deployment=colocated", "deployment.num_workers=2")
+    overrides = ("deployment.dp=2", "deployment=colocated", "deployment.num_workers=2")
     proc, url = start_logged(tmp_path, *overrides, model="tiny-random-deepseek")
     try:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)

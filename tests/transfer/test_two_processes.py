@@ -73,8 +73,10 @@ def disaggregated(
     budget=16,
     sink=DecodeSide,
     peer_timeout_s=2.0,
+    decode_dp=1,
 ):
-    """A prefill worker process and, here, a decode engine with its messenger, wired over NIXL + pyzmq."""
+    """A prefill worker process and, here, a decode engine with its messenger, wired over NIXL + pyzmq
+    (decode_dp > 1: DP groups, the others' engines in processes of their own, an agent for each group)."""
     from transfer.auth import keyring
     from transfer.channel import ZmqEndpoint
     from transfer.protocol import decode_codec
@@ -99,17 +101,23 @@ def disaggregated(
     decode = dm = None
     try:
         hello = wait_hello(channel, timeout_s=300, alive=proc.is_alive)
-        decode = LLM(model, tp=decode_tp, role="decode", page_size=page_size, num_pages=num_pages)
+        decode = LLM(
+            model, tp=decode_tp, role="decode", page_size=page_size, num_pages=num_pages, dp=decode_dp
+        )
         keep_outputs(decode)
         config = TransferConfig(peer_timeout_s=peer_timeout_s)
-        dm = decode_messenger(decode, make_backend("nixl", f"decode-{os.getpid()}"), config, side=sink)
+        agents = [make_backend("nixl", f"decode-{os.getpid()}-dp{r}") for r in range(1, decode_dp)]
+        dm = decode_messenger(
+            decode, make_backend("nixl", f"decode-{os.getpid()}"), config, side=sink, group_backends=agents
+        )
         dm.add_peer("prefill-0", channel, hello)
         yield decode, dm, proc, sent
     finally:
         proc.kill()
         proc.join(timeout=10)
         if dm is not None:
-            dm.backend.close()
+            for backend in dm.backends:
+                backend.close()
         if decode is not None:
             decode.close()
         channel.close()
@@ -249,3 +257,45 @@ def test_a_conversation_over_nixl_writes_only_the_pages_the_decode_cache_lacks()
             torch.testing.assert_close(landed[rid], computed[rid], atol=1e-5, rtol=1e-5)
         assert [c for _, _, c in turns] == [0, 44, 60]  # the history's full pages, to the last reply token
         assert not dm.dropped and decode.allocator.num_free == PAGES
+
+
+@pytest.mark.parametrize("prefill_tp", [1, 2])
+def test_prefill_tp_into_decode_dp_groups_over_nixl(prefill_tp):
+    """Prefill TP 1 or 2 -> a decode worker of 2 DP groups (DeepSeek's latent cache, data-parallel
+    attention, the experts over both groups): each request's KV lands in the pages of the group it was
+    given, through that group's own agent, equal to what the prefill ranks computed, and the tokens equal
+    colocated TP 1 (fp32); both groups get their pages back."""
+    prompts = _prompts(6, seed=5)
+    model = "tiny-random-deepseek"
+    expected = [o.token_ids for o in LLM(model, page_size=4, num_pages=PAGES).generate(prompts, GREEDY)]
+    landed, pages = {}, {}
+
+    class Sink(DecodeSide):  # runs in this process for both groups (group 1's KV is mapped here)
+        def reserve(self, request_id, prompt_ids, params, load_within_s=0.0):
+            pages[request_id], held = super().reserve(request_id, prompt_ids, params, load_within_s)
+            return pages[request_id], held
+
+        def admit(self, request_id, context):
+            if context is not None:  # its KV came from the prefill worker (a 1-token prompt's did not)
+                caches = self.llm.group_kv_caches(self.group)
+                kv = _full_heads(caches, shard_spec(self.llm), pages[request_id])
+                landed[request_id] = (self.group, kv)
+            super().admit(request_id, context)
+
+    with disaggregated(prefill_tp, model=model, sink=Sink, decode_dp=2) as (decode, dm, _, sent):
+        assert len(dm.groups) == 2 and len({g.metadata for g in dm.groups}) == 2  # an agent each
+        ids = [f"r{i}" for i in range(len(prompts))]
+        for i, (rid, prompt) in enumerate(zip(ids, prompts, strict=True)):
+            dm.submit(rid, prompt, GREEDY, group=i % 2)
+        _drive(decode, dm, ids)
+        computed = {rid: kv for kind, rid, kv in _drain(sent, len(landed)) if kind == "kv"}
+        multi = [i for i, p in enumerate(prompts) if len(p) > 1]
+        assert sorted(landed) == sorted(computed) == sorted(ids[i] for i in multi)
+        assert {landed[ids[i]][0] for i in multi} == {0, 1}  # both groups received KV
+        for i in multi:
+            group, kv = landed[ids[i]]
+            assert group == i % 2
+            torch.testing.assert_close(kv, computed[ids[i]], atol=1e-5, rtol=1e-5)
+        assert [decode.output(rid).token_ids for rid in ids] == expected
+        assert not dm.dropped
+        assert decode.pages == (2 * PAGES, 2 * PAGES)  # every group's, after a step that reported them

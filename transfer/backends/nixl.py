@@ -64,17 +64,22 @@ def _nixl():
 
 class NixlBackend(Backend):
     def __init__(self, name: str, engine: str = "UCX", devices: str = "lo"):
-        """devices: the network devices UCX may use (UCX_NET_DEVICES; 'lo' keeps it on loopback, 'all'
-        lets it choose). Read once per process, when its first agent starts UCX."""
+        """devices: the network devices this agent's UCX may use ('lo' keeps it on loopback, 'all' lets it
+        choose; e.g. 'mlx5_1:1' for a DP rank's own NIC). Each agent's own (the UCX backend's
+        ucx_devices), so agents in one process may use different NICs; the first agent also sets
+        UCX_NET_DEVICES and, on loopback alone, UCX_MODULES, which UCX reads once per process."""
         if engine not in ENGINES:
             raise ValueError(f"NIXL engine must be one of {ENGINES}, got {engine!r}")
         for key, value in ucx_environment(devices).items():  # read once, when UCX loads: set first
             os.environ.setdefault(key, value)
         api = _nixl()
-        self.name, self.engine = name, engine
-        self.agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False, backends=[engine]))
-        if engine not in self.agent.backends:
-            raise TransferError(f"NIXL could not start its {engine} backend on this machine")
+        self.name, self.engine, self.devices = name, engine, devices
+        self.agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False, backends=[]))
+        params = {"ucx_devices": devices} if engine == "UCX" and devices != "all" else {}
+        try:
+            self.agent.create_backend(engine, params)
+        except Exception as e:  # nixl raises its own error types
+            raise TransferError(f"NIXL could not start its {engine} backend on this machine: {e}") from e
         self.regions: list[tuple[int, int, int]] = []  # (address, bytes, device id)
         self.mem_type = "DRAM"
         self._tensors: list[Tensor] = []
