@@ -44,7 +44,8 @@ class PrefillSide:
 
     def start(self, request_id: str, prompt_ids: list[int], cache_salt: str = "") -> None:
         params = SamplingParams(max_tokens=1, cache_salt=cache_salt or None)
-        self.llm.add_request(prompt_ids, params, request_id=request_id)
+        # this engine's own (DP group 0's with DP: each group's messenger serves its own engine)
+        self.llm.add_request(prompt_ids, params, request_id=request_id, dp_rank=0)
 
     def pages(self, request_id: str) -> list[int]:
         return self.llm.allocator.pages(request_id)

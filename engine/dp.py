@@ -69,6 +69,7 @@ class DPEngines:
         self.events: dict[int, list] = {r: [] for r in range(1, dp)}  # their prefix caches' events, untaken
         self.kv_caches: dict[int, list[torch.Tensor]] = {}  # decode role: each group's, mapped here
         self.refetches: list[Refetch] = []  # decode role: their preempted sequences, untaken
+        self.busy: dict[int, bool] = {}  # prefill role: rank -> it has work (its latest step or poll)
         for rank in range(1, dp):
             lead_end, engine_end = ctx.Pipe()
             # an engine that leads TP ranks starts processes: a daemon may not (close() stops it instead)
@@ -137,6 +138,7 @@ class DPEngines:
             theirs, self.stats[rank] = self._recv(rank, STEP_TIMEOUT_S)[1]
             self.events[rank] += self.stats[rank].pop("cache_events")
             self.refetches += [Refetch(*r) for r in self.stats[rank].pop("refetches")]
+            self.busy[rank] = self.stats[rank].pop("busy")
             outs += theirs
         return outs
 
@@ -147,6 +149,21 @@ class DPEngines:
     def load_grammar(self, spec, compiled_json: str) -> None:
         for rank in range(1, len(self.conns) + 1):
             self._send(rank, ("grammar", (spec, compiled_json)))
+
+    def start_messenger(self, rank: int, *args) -> str:
+        """Prefill role: engine rank builds its own messenger (_prefill_messenger's args); its agent's name."""
+        self._send(rank, ("prefill_messenger", args))
+        return self._recv(rank, START_TIMEOUT_S)[1]
+
+    def poll(self) -> bool:
+        """Prefill role: every other engine polls its messenger (new requests, aborts, pages to free);
+        whether any of them now has work to step."""
+        ranks = range(1, len(self.conns) + 1)
+        for rank in ranks:
+            self._send(rank, ("poll", None))
+        for rank in ranks:
+            self.busy[rank] = self._recv(rank, START_TIMEOUT_S)[1]
+        return any(self.busy.values())
 
     def _send(self, rank: int, msg) -> None:
         proc = self.procs[rank - 1]
@@ -173,6 +190,7 @@ def _stats(llm) -> dict:
         "cache_events": a.take_events(),
         "refetches": [(q.request_id, q.all_ids, q.params) for q in llm.take_refetches()],
         "grammar_compiles": llm.grammar_compiles,
+        "busy": llm.has_unfinished(),
     }
 
 
@@ -182,13 +200,13 @@ def _engine_main(rank: int, args: dict, rendezvous: str, conn, backend: str, lea
     from engine.disagg import DecodeSide
     from engine.llm import LLM
 
-    llm = None
+    llm = pm = None
     try:
         torch.set_num_threads(1)
         ops.set_backend(backend)  # the lead's choice, not this process's environment
         llm = LLM(**args, dp_rank=rank, dp_rendezvous=rendezvous)
-        decode = llm.config.scheduler.role == "decode"
-        conn.send(("ready", llm.kv_caches if decode else None))  # shared memory: the front maps it
+        role = llm.config.scheduler.role
+        conn.send(("ready", llm.kv_caches if role == "decode" else None))  # shared memory: the front maps it
         side = DecodeSide(llm)
         for kind, payload in from_lead(conn, lead):
             if kind == "add":
@@ -203,6 +221,13 @@ def _engine_main(rank: int, args: dict, rendezvous: str, conn, backend: str, lea
                 llm.allocator.record_events()
             elif kind == "grammar":  # loaded in the front first: the same vocabulary, it loads here too
                 llm.grammars.load(*payload)
+            elif kind == "prefill_messenger":  # prefill role: this group's own messenger and agent
+                pm = _prefill_messenger(llm, rank, *payload)
+                conn.send(("done", pm.backend.name))
+            elif kind == "poll":
+                if pm is not None:
+                    pm.poll()
+                conn.send(("polled", llm.has_unfinished()))
             elif kind == "side":  # the front's decode messenger, on this group's requests
                 method, call_args = payload
                 if method not in SIDE_METHODS:
@@ -214,9 +239,13 @@ def _engine_main(rank: int, args: dict, rendezvous: str, conn, backend: str, lea
                 except (ValueError, TypeError) as e:
                     conn.send(("refused", ("ValueError", str(e))))
             elif kind == "step":
+                if pm is not None:
+                    pm.poll()  # what arrived since its last poll joins this step
                 outs = llm.step()
                 for out in outs:  # the lead has them: not pickled again every step
                     out.prompt, out.prompt_token_ids = None, []
+                if role == "prefill":  # its messenger's requests: the lead has nothing to do with them
+                    outs = []
                 conn.send(("stepped", (outs, _stats(llm))))
     except Exception:
         try:
@@ -224,8 +253,29 @@ def _engine_main(rank: int, args: dict, rendezvous: str, conn, backend: str, lea
         except (BrokenPipeError, OSError):
             pass
     finally:
+        if pm is not None:
+            pm.close()
+            pm.backend.close()
         if llm is not None:
             llm.close()
+
+
+def _prefill_messenger(llm, rank: int, transfer, agent: str, peers: list[tuple[str, str]], creds):
+    """Prefill role: DP group rank's messenger in its engine's process, over its own KV, layer counter and
+    NIXL agent (on transfer.nics_per_rank's NIC), connected to each decode worker's control address for
+    this group (peers: (decode worker, address)). Each group is a prefill peer of its own to them."""
+    from engine.disagg import prefill_messenger
+    from transfer.backends import make_backend
+    from transfer.channel import ZmqEndpoint
+    from transfer.protocol import prefill_codec
+
+    if transfer.backend != "nixl":
+        raise ValueError("a DP group's messenger runs in another process: it needs transfer.backend nixl")
+    backend = make_backend("nixl", agent, engine=transfer.nixl_engine, devices=transfer.devices_of(rank))
+    pm = prefill_messenger(llm, backend, transfer)
+    for peer, address in peers:
+        pm.add_peer(ZmqEndpoint(address, False, creds, peer, prefill_codec()))
+    return pm
 
 
 class DPFront:
@@ -273,6 +323,21 @@ class DPFront:
         self._remote[seq.request_id] = (rank, seq.prompt, seq.prompt_ids)
         return seq.request_id
 
+    def start_group_messengers(self, transfer, agent: str, peers: dict[int, list], creds) -> list[str]:
+        """Prefill role: each other DP group's own messenger (engine/dp.py's _prefill_messenger), its agent
+        named agent-dp<rank>, connected to peers[rank] ((decode worker, address) pairs). Returns the
+        agents' names. Group 0's messenger is the caller's (engine.disagg.prefill_messenger)."""
+        names = []
+        for rank in range(1, self.config.dp):
+            name = f"{agent}-dp{rank}"
+            names.append(self.dp_engines.start_messenger(rank, transfer, name, peers[rank], creds))
+        return names
+
+    def poll_groups(self) -> bool:
+        """Prefill role: every other DP group's messenger takes what arrived; whether any group has work
+        (has_unfinished says so too from now on)."""
+        return self.dp_engines.poll() if self.dp_engines is not None else False
+
     def least_busy_group(self) -> int:
         """The DP group whose engine holds the fewest requests (0 without DP)."""
         counts = [len(self.seqs)] + [0] * (self.config.dp - 1)
@@ -311,7 +376,8 @@ class DPFront:
         super().abort(request_id, error)
 
     def has_unfinished(self) -> bool:
-        return super().has_unfinished() or bool(self._remote)
+        theirs = self.dp_engines is not None and any(self.dp_engines.busy.values())
+        return super().has_unfinished() or bool(self._remote) or theirs
 
     # ---- counters over every DP group (what a worker reports) -----------------------------------------
 

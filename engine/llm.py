@@ -121,11 +121,11 @@ class LLM(DPFront, EngineCore, DecodeHandoff, StepSampling):
             enable_prefix_caching=enable_prefix_caching, expert_parallel=expert_parallel,
             fair_share=fair_share, step_target_s=step_target_s, dp=dp,
         )  # fmt: skip
-        if dp != 1 and (role == "prefill" or speculative_config or kv_tiers or cuda_graphs):
+        if dp != 1 and (speculative_config or kv_tiers or cuda_graphs):
             raise ValueError(
-                f"dp={dp} (data-parallel attention) runs the colocated and decode roles without "
-                f"speculative_config, kv_tiers or cuda_graphs so far; got role={role!r}, speculative_config="
-                f"{speculative_config!r}, kv_tiers={kv_tiers!r}, cuda_graphs={cuda_graphs!r}"
+                f"dp={dp} (data-parallel attention) runs without speculative_config, kv_tiers or "
+                f"cuda_graphs so far; got speculative_config={speculative_config!r}, kv_tiers={kv_tiers!r}, "
+                f"cuda_graphs={cuda_graphs!r}"
             )
         if dp != 1 and role == "decode" and torch.device(device).type != "cpu":
             raise ValueError(

@@ -92,8 +92,8 @@ def test_bad_dp_settings_are_refused_naming_the_field():
         LLM("tiny-random-moe", dp=8, tp=2)
     with pytest.raises(ValueError, match="dp must be an integer >= 1"):
         LLM("tiny-random-moe", dp=0)
-    with pytest.raises(ValueError, match="colocated and decode roles"):
-        LLM("tiny-random-moe", dp=2, role="prefill")
+    with pytest.raises(ValueError, match="runs without speculative_config, kv_tiers or cuda_graphs"):
+        LLM("tiny-random-moe", dp=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     assert isinstance(load_model("tiny-random-moe", weights=False).config, ModelConfig)
 
 

@@ -23,18 +23,26 @@ pytest.importorskip("zmq")
 PAGES = 128
 
 
-def _prefill_worker(address, creds, model, tp, page_size, num_pages, budget, parent, sent):
+def _prefill_worker(addresses, creds, model, tp, page_size, num_pages, budget, parent, sent):
     """A prefill worker process: its own engine (and TP ranks), NIXL agent and messenger, until its parent
-    goes. `sent` receives ("kv", request, the KV it computed) just before the pages are freed, and
-    ("pass", start, end) for each forward pass."""
+    goes; with more than one address, DP groups, each with its messenger and agent, group r's on
+    addresses[r]. `sent` receives ("kv", request, the KV it computed) just before group 0's pages are
+    freed, and ("pass", start, end) for each of group 0's forward passes."""
     from pdkernels import ops
     from transfer.channel import ZmqEndpoint
     from transfer.protocol import prefill_codec
 
     ops.set_backend("torch")
     torch.set_num_threads(1)
+    dp = len(addresses)
     llm = LLM(
-        model, tp=tp, role="prefill", page_size=page_size, num_pages=num_pages, max_num_batched_tokens=budget
+        model,
+        tp=tp,
+        dp=dp,
+        role="prefill",
+        page_size=page_size,
+        num_pages=num_pages,
+        max_num_batched_tokens=budget,
     )
 
     class Source(PrefillSide):
@@ -53,9 +61,13 @@ def _prefill_worker(address, creds, model, tp, page_size, num_pages, budget, par
     llm.runner.run = timed_run
 
     pm = prefill_messenger(llm, make_backend("nixl", f"prefill-{os.getpid()}"), side=Source)
-    pm.add_peer(ZmqEndpoint(address, False, creds, "decode-0", prefill_codec()))
+    pm.add_peer(ZmqEndpoint(addresses[0], False, creds, "decode-0", prefill_codec()))
+    if dp > 1:
+        peers = {r: [("decode-0", addresses[r])] for r in range(1, dp)}
+        llm.start_group_messengers(TransferConfig(), f"prefill-{os.getpid()}", peers, creds)
     while os.getppid() == parent:
         pm.poll()
+        llm.poll_groups()
         if llm.has_unfinished():
             llm.step()
         else:
@@ -74,19 +86,25 @@ def disaggregated(
     sink=DecodeSide,
     peer_timeout_s=2.0,
     decode_dp=1,
+    prefill_dp=1,
 ):
     """A prefill worker process and, here, a decode engine with its messenger, wired over NIXL + pyzmq
-    (decode_dp > 1: DP groups, the others' engines in processes of their own, an agent for each group)."""
+    (decode_dp > 1: DP groups, the others' engines in processes of their own, an agent for each group;
+    prefill_dp > 1: the prefill worker's groups, each a prefill peer of its own: prefill-0, prefill-0-dp1)."""
     from transfer.auth import keyring
     from transfer.channel import ZmqEndpoint
     from transfer.protocol import decode_codec
 
     keys = keyring(["decode-0", "prefill-0"])
-    channel = ZmqEndpoint("tcp://127.0.0.1:0", True, keys["decode-0"], "prefill-0", decode_codec())
+    # one control channel per prefill DP group, each authenticated as prefill-0 (the same worker)
+    channels = [
+        ZmqEndpoint("tcp://127.0.0.1:0", True, keys["decode-0"], "prefill-0", decode_codec())
+        for _ in range(prefill_dp)
+    ]
     ctx = mp.get_context("spawn")
     sent = ctx.Queue()
     args = (
-        channel.address,
+        [c.address for c in channels],
         keys["prefill-0"],
         model,
         prefill_tp,
@@ -100,7 +118,7 @@ def disaggregated(
     proc.start()
     decode = dm = None
     try:
-        hello = wait_hello(channel, timeout_s=300, alive=proc.is_alive)
+        hellos = [wait_hello(c, timeout_s=300, alive=proc.is_alive) for c in channels]
         decode = LLM(
             model, tp=decode_tp, role="decode", page_size=page_size, num_pages=num_pages, dp=decode_dp
         )
@@ -110,7 +128,8 @@ def disaggregated(
         dm = decode_messenger(
             decode, make_backend("nixl", f"decode-{os.getpid()}"), config, side=sink, group_backends=agents
         )
-        dm.add_peer("prefill-0", channel, hello)
+        for r, (channel, hello) in enumerate(zip(channels, hellos, strict=True)):
+            dm.add_peer("prefill-0" if r == 0 else f"prefill-0-dp{r}", channel, hello)
         yield decode, dm, proc, sent
     finally:
         proc.kill()
@@ -120,7 +139,8 @@ def disaggregated(
                 backend.close()
         if decode is not None:
             decode.close()
-        channel.close()
+        for channel in channels:
+            channel.close()
 
 
 def _drain(sent, kv_entries):
@@ -299,3 +319,24 @@ def test_prefill_tp_into_decode_dp_groups_over_nixl(prefill_tp):
         assert [decode.output(rid).token_ids for rid in ids] == expected
         assert not dm.dropped
         assert decode.pages == (2 * PAGES, 2 * PAGES)  # every group's, after a step that reported them
+
+
+@pytest.mark.parametrize("decode_dp", [1, 2])
+def test_prefill_dp_groups_each_send_their_own_requests_over_nixl(decode_dp):
+    """A prefill worker of 2 DP groups -> decode TP 1 or 2 DP groups: each prefill group is a prefill peer
+    of its own (its messenger, layer counter and NIXL agent in its engine's process), the decode side
+    spreads requests over both, and the tokens equal colocated TP 1 (fp32)."""
+    prompts = [p for p in _prompts(8, seed=6) if len(p) > 1]
+    model = "tiny-random-deepseek"
+    expected = [o.token_ids for o in LLM(model, page_size=4, num_pages=PAGES).generate(prompts, GREEDY)]
+    with disaggregated(model=model, prefill_dp=2, decode_dp=decode_dp) as (decode, dm, _, _):
+        hellos = [p.hello for p in dm.peers.values()]
+        assert len(hellos) == 2 and len({h.agent for h in hellos}) == len({h.pid for h in hellos}) == 2
+        ids = [f"r{i}" for i in range(len(prompts))]
+        for i, (rid, prompt) in enumerate(zip(ids, prompts, strict=True)):
+            peer = "prefill-0" if i % 2 == 0 else "prefill-0-dp1"
+            dm.submit(rid, prompt, GREEDY, peer=peer, group=i % decode_dp)
+        _drive(decode, dm, ids)
+        assert [decode.output(rid).token_ids for rid in ids] == expected
+        assert {dm.timings[rid].peer for rid in ids} == {"prefill-0", "prefill-0-dp1"}
+        assert not dm.dropped and decode.pages == (decode_dp * PAGES, decode_dp * PAGES)
