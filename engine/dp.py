@@ -151,7 +151,7 @@ class DPEngines:
             self._send(rank, ("grammar", (spec, compiled_json)))
 
     def start_messenger(self, rank: int, *args) -> str:
-        """Prefill role: engine rank builds its own messenger (_prefill_messenger's args); its agent's name."""
+        """Prefill role: engine rank builds its own messenger (_prefill_messenger's args); its agent."""
         self._send(rank, ("prefill_messenger", args))
         return self._recv(rank, START_TIMEOUT_S)[1]
 
