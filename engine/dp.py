@@ -150,6 +150,15 @@ class DPEngines:
         for rank in range(1, len(self.conns) + 1):
             self._send(rank, ("grammar", (spec, compiled_json)))
 
+    def refresh(self) -> None:
+        """Every other engine's counters now (pages and queues change between steps too: a messenger
+        frees a transfer's pages, or the front's calls do)."""
+        ranks = range(1, len(self.conns) + 1)
+        for rank in ranks:
+            self._send(rank, ("counters", None))
+        for rank in ranks:
+            self.stats.setdefault(rank, {}).update(self._recv(rank, START_TIMEOUT_S)[1])
+
     def start_messenger(self, rank: int, *args) -> str:
         """Prefill role: engine rank builds its own messenger (_prefill_messenger's args); its agent."""
         self._send(rank, ("prefill_messenger", args))
@@ -179,17 +188,24 @@ class DPEngines:
         self.procs, self.conns = [], []
 
 
-def _stats(llm) -> dict:
-    """An engine's counters after its step, for the lead's sums (engine.llm.LLM's own names)."""
+def _counters(llm) -> dict:
+    """An engine's counters, for the lead's sums (engine.llm.LLM's own names)."""
     a, s = llm.allocator, llm.scheduler
     return {
         "pages": (a.num_free, a.num_pages),
         "queues": (len(s.running), len(s.waiting)),
         "prefix_cache_stats": llm.prefix_cache_stats,
         "preemption_stats": llm.preemption_stats,
-        "cache_events": a.take_events(),
-        "refetches": [(q.request_id, q.all_ids, q.params) for q in llm.take_refetches()],
         "grammar_compiles": llm.grammar_compiles,
+    }
+
+
+def _stats(llm) -> dict:
+    """An engine's counters after its step, and what happened in it for the lead to take."""
+    return {
+        **_counters(llm),
+        "cache_events": llm.allocator.take_events(),
+        "refetches": [(q.request_id, q.all_ids, q.params) for q in llm.take_refetches()],
         "busy": llm.has_unfinished(),
     }
 
@@ -228,6 +244,8 @@ def _engine_main(rank: int, args: dict, rendezvous: str, conn, backend: str, lea
                 if pm is not None:
                     pm.poll()
                 conn.send(("polled", llm.has_unfinished()))
+            elif kind == "counters":
+                conn.send(("counters", _counters(llm)))
             elif kind == "side":  # the front's decode messenger, on this group's requests
                 method, call_args = payload
                 if method not in SIDE_METHODS:
@@ -386,7 +404,9 @@ class DPFront:
 
     @property
     def pages(self) -> tuple[int, int]:
-        """(free, all) KV pages of every DP group's engine (the others' as of their latest step)."""
+        """(free, all) KV pages of every DP group's engine, now (asks the others)."""
+        if self.dp_engines is not None:
+            self.dp_engines.refresh()
         own = (self.allocator.num_free, self.allocator.num_pages)
         return tuple(sum(p) for p in zip(own, *self._theirs("pages"), strict=True))
 

@@ -71,6 +71,7 @@ class _Peer:
     channel: object  # transfer.protocol.Endpoint or transfer.channel.ZmqEndpoint
     hello: Hello
     lost: bool = False  # silent past peer_timeout_s: its requests have failed
+    worker: str = ""  # the prefill worker it belongs to (itself, or a worker of DP groups: one peer each)
 
     def down(self) -> bool:
         """Lost, or its process gone (when it runs on this host, which can tell)."""
@@ -173,9 +174,11 @@ class DecodeMessenger:
         """Every group's agent (the caller closes them)."""
         return [g.backend for g in self.groups]
 
-    def add_peer(self, name: str, channel, hello: Hello) -> None:
-        """A prefill worker reachable over channel, whose Hello (shard spec, host, pid) arrived."""
-        self.peers[name] = _Peer(name, channel, hello)
+    def add_peer(self, name: str, channel, hello: Hello, worker: str | None = None) -> None:
+        """A prefill worker reachable over channel, whose Hello (shard spec, host, pid) arrived. worker: the
+        prefill worker this peer is a DP group of (None: itself); a router's choice of worker (submit's
+        prefer) takes the least loaded of its groups."""
+        self.peers[name] = _Peer(name, channel, hello, worker=worker or name)
 
     def retire(self, name: str) -> None:
         """The peer leaves the prefill role (an elastic worker): it is asked nothing new (what it holds
@@ -215,7 +218,8 @@ class DecodeMessenger:
         if peer is None:
             serving = [n for n in self.peers if n not in self.retired] or list(self.peers)
             live = [n for n in serving if not self.peers[n].lost] or serving
-            peer = prefer if prefer in live else min(live, key=self.outstanding_tokens)
+            preferred = [n for n in live if self.peers[n].worker == prefer] or live  # its DP groups
+            peer = min(preferred, key=self.outstanding_tokens)
         if not (isinstance(group, int) and 0 <= group < len(self.groups)):
             raise ValueError(
                 f"group must be a DP group of this worker, in [0, {len(self.groups)}), got {group!r}"

@@ -115,10 +115,11 @@ class DeploymentConfig:
     tp: int = 1  # colocated workers
     prefill_tp: int = 1
     decode_tp: int = 1
-    # data-parallel attention (engine/dp.py, MoE models): a colocated (dp) or decode (decode_dp) worker
-    # runs that many engines of tp ranks each, the routed experts spread over all of them, behind one
-    # endpoint; prefill workers run dp 1 so far
+    # data-parallel attention (engine/dp.py, MoE models): a colocated (dp), prefill (prefill_dp) or decode
+    # (decode_dp) worker runs that many engines of tp ranks each, the routed experts spread over all of
+    # them, behind one endpoint (each prefill group a messenger peer of its own: dp_peers)
     dp: int = 1
+    prefill_dp: int = 1
     decode_dp: int = 1
     threads_per_worker: int = 1  # torch threads per process (each TP rank gets one)
     # prefill tokens per forward pass (the chunked prefill budget), or auto (prefill_budget: 2,048 where
@@ -180,7 +181,8 @@ class DeploymentConfig:
             except (ValueError, TypeError) as e:
                 raise ValueError(f"deployment.{self.name}.speculative: {e}") from e
         counts = ("num_workers",) if self.kind == "colocated" else ("num_prefill", "num_decode")
-        for key in counts + ("tp", "prefill_tp", "decode_tp", "dp", "decode_dp", "threads_per_worker"):
+        keys = ("tp", "prefill_tp", "decode_tp", "dp", "prefill_dp", "decode_dp", "threads_per_worker")
+        for key in counts + keys:
             check_positive(f"deployment.{key}", getattr(self, key), integer=True)
         g = self.gather_ms
         if isinstance(g, bool) or not isinstance(g, int | float) or not 0 <= g <= 1000:
@@ -234,11 +236,24 @@ class DeploymentConfig:
         """Worker processes including TP ranks and DP groups (what the cores are shared by)."""
         if self.kind == "colocated":
             return self.num_workers * self.tp * self.dp
-        return self.num_prefill * self.prefill_tp + self.num_decode * self.decode_tp * self.decode_dp
+        prefill = self.num_prefill * self.prefill_tp * self.prefill_dp
+        return prefill + self.num_decode * self.decode_tp * self.decode_dp
 
     def dp_of(self, role: str) -> int:
-        """The DP groups of this deployment's workers of role (prefill: 1)."""
-        return {"colocated": self.dp, "decode": self.decode_dp}.get(role, 1)
+        """The DP groups of this deployment's workers of role."""
+        return {"colocated": self.dp, "prefill": self.prefill_dp, "decode": self.decode_dp}[role]
+
+
+def dp_peers(worker: str, dp: int) -> list[str]:
+    """A prefill worker's messenger peers as its decode workers see them: itself (DP group 0) and, with
+    DP groups, one per other group, whose messenger runs in that group's engine process."""
+    return [worker] + [f"{worker}-dp{rank}" for rank in range(1, dp)]
+
+
+def worker_of(peer: str) -> str:
+    """The worker a messenger peer belongs to (dp_peers' inverse)."""
+    head, _, rank = peer.rpartition("-dp")
+    return head if head and rank.isdigit() else peer
 
 
 @dataclass(frozen=True)
@@ -475,11 +490,12 @@ def check_fits_model(config: RuntimeConfig):
     for d in config.deployments:
         if not isinstance(d, DeploymentConfig):
             continue  # an endpoint (experiments.config.EndpointConfig): its server checks its own
-        dp = d.dp_of("colocated" if d.kind == "colocated" else "decode")
+        roles = ("colocated",) if d.kind == "colocated" else ("prefill", "decode")
+        dp = max(d.dp_of(role) for role in roles)
         if dp > 1 and d.elastic:
-            refuse("deployment.decode_dp", dp, f"1 for {d.name}: its elastic workers may turn prefill (dp 1)")
-        if dp > 1 and d.kind != "colocated" and config.model.device != "cpu":
-            refuse("deployment.decode_dp", dp, f"1 for {d.name}: DP decode workers run on the CPU so far")
+            refuse("deployment.prefill_dp and decode_dp", dp, f"1 for {d.name}: elastic workers switch roles")
+        if d.kind != "colocated" and d.decode_dp > 1 and config.model.device != "cpu":
+            refuse("deployment.decode_dp", d.decode_dp, f"1 for {d.name}: DP decode workers run on the CPU")
         nics = config.transfer.nics_per_rank
         if nics and len(nics) < dp:
             refuse("transfer.nics_per_rank", list(nics), f"one device name per DP rank ({dp}), or none")

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from experiments.deploy.config import DeploymentConfig, RuntimeConfig
+from experiments.deploy.config import DeploymentConfig, RuntimeConfig, dp_peers
 from experiments.deploy.control import driver_socket, private_dir, recv_all, send_to
 from experiments.deploy.messages import (
     Connect,
@@ -93,7 +93,8 @@ def worker_specs(
     for name in names:
         role = name.split("-")[0]
         tp = {"colocated": d.tp, "prefill": d.prefill_tp, "decode": d.decode_tp}[role]
-        peers = {"colocated": (), "prefill": decode, "decode": prefill}[role]
+        groups = tuple(peer for p in prefill for peer in dp_peers(p, d.prefill_dp))  # each prefill group
+        peers = {"colocated": (), "prefill": decode, "decode": groups}[role]
         wait_for = None
         if d.elastic:  # any of them may prefill for any other later: a decode worker waits for today's
             peers, wait_for = tuple(n for n in names if n != name), prefill
@@ -141,6 +142,7 @@ class Fleet:
     releasing: dict[str, set] = field(default_factory=dict)  # leaving prefill worker -> decode workers
     # that may still have something in flight there (their Released has not come)
     store: object = None  # the KV pool's processes (kv_tiers.store: transfer.backends.mooncake)
+    prefill_dp: int = 1  # each prefill worker's DP groups (deployment.prefill_dp): a messenger peer each
 
     @property
     def frontends(self) -> list[str]:
@@ -225,8 +227,17 @@ class Fleet:
         return out
 
     def _connect(self, prefill: str) -> None:
+        """A prefill worker's Connect: each decode worker's address for it and for each of its other DP
+        groups (dp_peers)."""
         decode = [n for n, r in self.roles.items() if r == "decode"]
-        self.send(prefill, Connect({dn: self.listening[dn].get(prefill, "") for dn in decode}))
+        groups = dp_peers(prefill, self.prefill_dp)[1:]
+        self.send(
+            prefill,
+            Connect(
+                {dn: self.listening[dn].get(prefill, "") for dn in decode},
+                {dn: [self.listening[dn].get(g, "") for g in groups] for dn in decode} if groups else {},
+            ),
+        )
 
     def deaths(self) -> list[tuple[str, int | None]]:
         """(name, exit code) of the workers found dead since the last call. Each is restarted if its
@@ -324,7 +335,7 @@ def start_fleet(
             replace(s, log_file=str(log_dir / f"{s.name}.log"), log_level=config.log_level) for s in specs
         ]
     fleet = Fleet(sock, {}, {s.name: s.role for s in specs}, run_dir, launcher, config.start_timeout_s)
-    fleet.store = store
+    fleet.store, fleet.prefill_dp = store, d.prefill_dp
     try:
         fleet.procs = launcher.start(specs)
         _await_ready(fleet, config.start_timeout_s)

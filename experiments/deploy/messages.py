@@ -25,6 +25,8 @@ class Listening(Message):
 
 class Connect(Message):
     addresses: dict[str, str]  # decode worker -> the address it bound for this prefill worker
+    # a prefill worker of DP groups: decode worker -> the addresses it bound for groups 1, 2, ...
+    groups: dict[str, list[str]] = {}
 
 
 class Ready(Message):

@@ -20,7 +20,7 @@ import time
 import traceback
 from dataclasses import dataclass
 
-from experiments.deploy.config import DeploymentConfig, KernelsConfig, ModelSpec, prefill_budget
+from experiments.deploy.config import DeploymentConfig, KernelsConfig, ModelSpec, prefill_budget, worker_of
 from experiments.deploy.decode_front import DecodeFront
 from experiments.deploy.messages import (
     LOAD_EVERY_S,
@@ -197,9 +197,16 @@ class Worker(RoleSwitching):
         if self.role == "prefill":
             self.pm = prefill_messenger(self.llm, backend, t)
             self._send(Listening(spec.name, {}))
-            for peer, address in self._await_connect().items():
+            connect = self._await_connect()
+            for peer, address in connect.addresses.items():
                 if address:
                     self.pm.add_peer(ZmqEndpoint(address, False, spec.creds, peer, prefill_codec()))
+            if spec.dp > 1:  # each other DP group: a messenger of its own, in its engine's process
+                peers = {
+                    rank: [(dn, addrs[rank - 1]) for dn, addrs in connect.groups.items() if addrs[rank - 1]]
+                    for rank in range(1, spec.dp)
+                }
+                self.llm.start_group_messengers(t, name, peers, spec.creds)
             return
         groups = [agent(r, f"{name}-dp{r}") for r in range(1, spec.dp)]
         self.dm = decode_messenger(self.llm, backend, t, group_backends=groups)
@@ -210,7 +217,8 @@ class Worker(RoleSwitching):
                 if t.control_transport == "ipc"
                 else f"tcp://{t.control_host}:0"
             )
-            channels[peer] = ZmqEndpoint(address, True, spec.creds, peer, decode_codec())
+            # a prefill worker's DP group authenticates as its worker
+            channels[peer] = ZmqEndpoint(address, True, spec.creds, worker_of(peer), decode_codec())
         self._send(Listening(spec.name, {p: c.address for p, c in channels.items()}))
 
         def alive() -> bool:
@@ -220,10 +228,11 @@ class Worker(RoleSwitching):
             if wait_for is not None and peer not in wait_for:
                 self.joining[peer] = channel
                 continue
-            self.dm.add_peer(peer, channel, wait_hello(channel, timeout_s=HELLO_TIMEOUT_S, alive=alive))
+            hello = wait_hello(channel, timeout_s=HELLO_TIMEOUT_S, alive=alive)
+            self.dm.add_peer(peer, channel, hello, worker=worker_of(peer))
             log.info("%s: prefill worker %s connected", spec.name, peer)
 
-    def _await_connect(self) -> dict[str, str]:
+    def _await_connect(self) -> Connect:
         """The decode workers' addresses, from the runtime's Connect."""
         import zmq
 
@@ -232,7 +241,7 @@ class Worker(RoleSwitching):
             if self.sock.poll(100, zmq.POLLIN):
                 msg = self._recv()
                 if isinstance(msg, Connect):
-                    return msg.addresses
+                    return msg
         raise TimeoutError(f"{self.spec.name}: no Connect from the runtime within {HELLO_TIMEOUT_S} s")
 
     def _send(self, msg) -> None:
@@ -301,6 +310,7 @@ class Worker(RoleSwitching):
                             return
             if self.pm is not None:
                 self.pm.poll()
+                self.llm.poll_groups()  # each other DP group's messenger (none without DP)
             if self.dm is not None:
                 self.front.drain(self.dm, lambda rid, e: self._refuse(rid, self.live.pop(rid), e))
                 self.dm.poll()
@@ -362,7 +372,8 @@ class Worker(RoleSwitching):
             if peer is None or (msg.pid and msg.pid != peer.hello.pid):
                 return  # not a peer, or about a process of it already replaced by a restarted one
             log.warning("%s: prefill worker %s died; its requests end", self.spec.name, msg.name)
-            self.dm.peer_dead(msg.name)
+            for name in [n for n, p in self.dm.peers.items() if p.worker == msg.name]:  # its DP groups too
+                self.dm.peer_dead(name)
             self.front.returning[msg.name] = time.monotonic() + msg.back_within_s  # 0: not coming back
         elif isinstance(msg, Cancel):
             self._cancel(msg.request_id)

@@ -36,6 +36,25 @@ def test_a_decode_worker_of_dp_groups_gives_the_tokens_of_one_engine(tmp_path):
     assert decode["num_pages"] == 2 * 256 and decode["free_pages"] == decode["num_pages"]
 
 
+def test_prefill_and_decode_workers_of_dp_groups_give_the_tokens_of_one_engine(tmp_path):
+    """deployment.prefill_dp=2 with 1p1d-dp2: the prefill worker's two groups each serve the decode worker
+    as a messenger peer of their own (its log names both), and the tokens equal a colocated engine's."""
+    (one,) = run(_cfg([*TINY, *DEEPSEEK]), tmp_path / "one", progress=False)
+    both = [*TINY, "model=tiny-random-deepseek", "deployment=1p1d-dp2", "deployment.prefill_dp=2"]
+    (two,) = run(_cfg(both), tmp_path / "dp-both", progress=False)
+    assert one["summary"]["completed"] == two["summary"]["completed"] == 6
+    assert _outputs(one) == _outputs(two)
+    multi = [r for r in two["requests"] if r["prompt_tokens"] > 1]
+    assert multi and all(r["prefill"] == "remote" and r["transfer_bytes"] > 0 for r in multi)
+    assert {r["prefill_worker"] for r in multi} <= {"prefill-0", "prefill-0-dp1"}  # the least loaded group
+    log = (tmp_path / "dp-both" / "logs" / "1p1d-dp2" / "decode-0.log").read_text()
+    assert "prefill worker prefill-0 connected" in log and "prefill worker prefill-0-dp1 connected" in log
+    assert {t["role"]: t["free_pages"] == t["num_pages"] for t in two["timelines"]} == {
+        "prefill": True,
+        "decode": True,
+    }
+
+
 def test_the_router_sends_each_turn_to_the_group_that_holds_its_history(tmp_path):
     """Multiturn over one worker of two DP groups: the router picks the group by each group's cache
     (the worker reports each one's events), so every later turn finds its whole history there, not
