@@ -19,7 +19,10 @@ In the decode role each group's KV is written by a prefill worker: each group's 
 KV in shared memory and hands the front a mapping of it when it is ready (as TP ranks hand theirs to
 their lead), so the front's decode messenger registers each group's KV with an agent of its own (on
 its own NIC: transfer.nics_per_rank) and drives each group's engine through engine.disagg.DecodeSide
-(`call`: reserve, admit, fail, free, recompute, over the same pipe). The prefill role runs dp 1 so far.
+(`call`: reserve, admit, fail, free, recompute, over the same pipe). In the prefill role each group
+is a prefill peer of its own: its messenger, layer counter and agent run in its engine's process
+(start_group_messengers), the front polls them between steps (poll_groups) and steps every group when
+any has work.
 A worker of DP groups behind the router: experiments/deploy/policy.py's Groups picks each request's
 group, which add_request's dp_rank (and a decode worker's messenger's group) takes.
 """
