@@ -205,7 +205,7 @@ class DecodeMessenger:
         group: int = 0,
     ) -> bool:
         """Reserve pages and ask a prefill worker (peer if named; else prefer, the router's choice, while
-        it is live; else the least loaded live one) for prompt_ids[:-1],
+        it is live: the least loaded of its DP groups; else the least loaded live one) for prompt_ids[:-1],
         past the pages the engine holds already; when the tokens the engine would still have to compute
         (those missing and the last) are at most local_max_tokens, or only the last, it computes them itself
         instead. cache_salt: the request's, for the prefill side's prefix cache. group: the DP group whose
@@ -220,7 +220,7 @@ class DecodeMessenger:
             live = [n for n in serving if not self.peers[n].lost] or serving
             preferred = [n for n in live if self.peers[n].worker == prefer] or live  # its DP groups
             peer = min(preferred, key=self.outstanding_tokens)
-        if not (isinstance(group, int) and 0 <= group < len(self.groups)):
+        if isinstance(group, bool) or not (isinstance(group, int) and 0 <= group < len(self.groups)):
             raise ValueError(
                 f"group must be a DP group of this worker, in [0, {len(self.groups)}), got {group!r}"
             )

@@ -320,7 +320,7 @@ class RayLauncher:
             for s in specs:
                 if s.name in self.cfg.node_ids:
                     continue  # placed on the node named (_where)
-                bundle = {"CPU": s.deployment.threads_per_worker * s.tp}
+                bundle = {"CPU": s.deployment.threads_per_worker * s.tp * s.dp}
                 resource = self.cfg.role_resources.get(s.role)
                 if resource:
                     bundle[resource] = 0.001  # a node that takes this role
@@ -336,7 +336,7 @@ class RayLauncher:
                 )
             for s in specs:
                 actor = actor_class.options(
-                    num_cpus=s.deployment.threads_per_worker * s.tp,
+                    num_cpus=s.deployment.threads_per_worker * s.tp * s.dp,
                     max_restarts=self.cfg.max_restarts if s.role != "decode" else 0,
                     scheduling_strategy=self._where(s, groups.get(s.name)),
                 ).remote()

@@ -66,7 +66,7 @@ class WorkerSpec:
     peers: tuple[str, ...] = ()  # the messenger's peer workers
     cores: tuple[int, ...] = ()  # CPU affinity (empty: leave as is)
     tp: int = 1
-    dp: int = 1  # its DP groups (deployment.dp or decode_dp; prefill workers 1)
+    dp: int = 1  # its DP groups (deployment.dp, prefill_dp or decode_dp)
     seed: int = 0
     log_file: str | None = None  # this worker's log (the run folder's logs/<name>.log)
     log_level: str = "INFO"

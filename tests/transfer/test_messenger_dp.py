@@ -85,7 +85,7 @@ def test_a_request_aborted_in_flight_frees_its_pages_in_its_own_group(pair):
 
 def test_a_group_that_is_not_there_is_refused_with_nothing_taken(pair):
     _, decode, _, dm = pair
-    for bad in (2, -1, "1", None):
+    for bad in (2, -1, "1", None, True):
         with pytest.raises(ValueError, match=r"group must be a DP group of this worker, in \[0, 2\)"):
             dm.submit("nowhere", [5, 6, 7, 8, 9], GREEDY, group=bad)
     assert not dm.pending and not decode.holds("nowhere")
