@@ -77,10 +77,9 @@ async def _drive(run: DeploymentRun, config: RunConfig, d: EndpointConfig, progr
                         n = chunk.usage.completion_tokens
                         details = chunk.usage.prompt_tokens_details  # a server that reports its cache hits
                         cached = (details.cached_tokens or 0) if details is not None else 0
-                    for choice in chunk.choices:
-                        if choice.text:
-                            times.append(now)
-                            text.append(choice.text)
+                    for choice in chunk.choices:  # each chunk brings tokens, its text perhaps empty (a
+                        times.append(now)  # character's first bytes): timed as vLLM's benchmark does
+                        text.append(choice.text or "")
                         reason = choice.finish_reason or reason
                 result = Result(
                     req.request_id, d.name, [], sent, None, times, reason, None, text="".join(text)

@@ -299,7 +299,9 @@ async def stream(state: App, parsed: Parsed, events: asyncio.Queue, chat: bool):
                 ids, text, logprobs = payload
                 sent_chars[index] += len(text)
                 sent_logprobs[index] += len(logprobs)
-                if text or logprobs:  # a token whose text a stop string may still claim: its logprobs
+                # a chunk per step that made tokens, its text empty while a stop string may still claim
+                # it or its bytes end mid-character (as vLLM's): a client times every token by it
+                if ids or text or logprobs:
                     yield chunk(index, text, None, logprobs=logprobs or None)
                 continue
             result: Result = payload

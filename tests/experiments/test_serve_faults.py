@@ -264,7 +264,8 @@ def _measure_by_url(url, tmp_path):
     assert all(len(r["itl_s"]) == 5 for r in http["requests"])  # one chunk per token
     # one workload, the main job's runtime in process and the server's over HTTP: the same greedy texts
     texts = {name: {r["request_id"]: r["text"] for r in rec["requests"]} for name, rec in by_name.items()}
-    assert texts["http"] == texts["inproc"] and all(texts["http"].values()), texts
+    # (a reply of tokens without text, which random weights can sample, is "" on both sides)
+    assert texts["http"] == texts["inproc"] and any(texts["http"].values()), texts
     bench = json.loads((tmp_path / "bench-http.json").read_text())
     assert bench["completed"] == 8 and bench["total_output_tokens"] == 48 and bench["max_concurrency"] == 4
     assert bench["median_ttft_ms"] > 0 and bench["p99_itl_ms"] > 0 and bench["model_id"] == "tiny-random"
