@@ -279,7 +279,8 @@ def test_a_conversation_over_nixl_writes_only_the_pages_the_decode_cache_lacks()
         assert not dm.dropped and decode.allocator.num_free == PAGES
 
 
-@pytest.mark.parametrize("prefill_tp", [1, 2])
+# make test: the replicated latent's 2 -> DP 2 (1 -> DP 2 runs through the main job: test_run_dp.py)
+@pytest.mark.parametrize("prefill_tp", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_prefill_tp_into_decode_dp_groups_over_nixl(prefill_tp):
     """Prefill TP 1 or 2 -> a decode worker of 2 DP groups (DeepSeek's latent cache, data-parallel
     attention, the experts over both groups): each request's KV lands in the pages of the group it was
@@ -321,7 +322,7 @@ def test_prefill_tp_into_decode_dp_groups_over_nixl(prefill_tp):
         assert decode.pages == (2 * PAGES, 2 * PAGES)  # every group's, after a step that reported them
 
 
-@pytest.mark.parametrize("decode_dp", [1, 2])
+@pytest.mark.parametrize("decode_dp", [pytest.param(1, marks=pytest.mark.slow), 2])  # make test: DP -> DP
 def test_prefill_dp_groups_each_send_their_own_requests_over_nixl(decode_dp):
     """A prefill worker of 2 DP groups -> decode TP 1 or 2 DP groups: each prefill group is a prefill peer
     of its own (its messenger, layer counter and NIXL agent in its engine's process), the decode side
