@@ -292,7 +292,7 @@ def _prefill_messenger(llm, rank: int, transfer, agent: str, peers: list[tuple[s
 
     if transfer.backend != "nixl":
         raise ValueError("a DP group's messenger runs in another process: it needs transfer.backend nixl")
-    backend = make_backend("nixl", agent, engine=transfer.nixl_engine, devices=transfer.devices_of(rank))
+    backend = make_backend("nixl", agent, **transfer.agent_of(rank))
     pm = prefill_messenger(llm, backend, transfer)
     for peer, address in peers:
         pm.add_peer(ZmqEndpoint(address, False, creds, peer, prefill_codec()))

@@ -29,8 +29,9 @@ class TransferConfig:
     # passes, so this must outlast the longest pass of either worker
     on_transfer_failure: str = "fail"  # fail: end the request with the error | recompute: prefill it locally
     context_slots: int = 64  # requests in flight per decode worker (rows of its context buffer)
-    # a worker of DP groups has one NIXL agent per group: group r's on entry r (UCX device names, e.g.
-    # mlx5_1:1, so each rank sends or receives on its own NIC); empty: every agent on nixl_devices
+    # a worker of DP groups has one NIXL agent per group: group r's on entry r (RDMA device names, e.g.
+    # mlx5_1:1, NIXL's UCX device_list, so each rank sends or receives on its own NIC); empty: every
+    # agent on nixl_devices
     nics_per_rank: tuple[str, ...] = ()
 
     def __post_init__(self):
@@ -59,6 +60,8 @@ class TransferConfig:
             )
         object.__setattr__(self, "nics_per_rank", tuple(nics))
 
-    def devices_of(self, dp_rank: int) -> str:
-        """The devices DP group dp_rank's agent uses (nics_per_rank's entry, else nixl_devices)."""
-        return self.nics_per_rank[dp_rank] if self.nics_per_rank else self.nixl_devices
+    def agent_of(self, dp_rank: int) -> dict:
+        """make_backend's arguments for DP group dp_rank's NIXL agent: the engine, the process's devices,
+        and its own NIC (nics_per_rank's entry; none: nixl_devices alone)."""
+        nic = self.nics_per_rank[dp_rank] if self.nics_per_rank else None
+        return dict(engine=self.nixl_engine, devices=self.nixl_devices, nic=nic)

@@ -190,7 +190,7 @@ class Worker(RoleSwitching):
         name = f"{spec.name}-{os.getpid()}{again}"
 
         def agent(rank: int, name: str):  # DP group rank's, on its own NIC where one is configured
-            kwargs = dict(engine=t.nixl_engine, devices=t.devices_of(rank)) if t.backend == "nixl" else {}
+            kwargs = t.agent_of(rank) if t.backend == "nixl" else {}
             return make_backend(t.backend, name, **kwargs)
 
         self.backend = backend = agent(0, name)

@@ -141,3 +141,12 @@ def test_importing_the_nixl_backend_sets_no_ucx_variable():
     code = "import os, transfer.backends.nixl; print(sorted(k for k in os.environ if k.startswith('UCX_')))"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_an_agent_on_a_nic_that_is_not_there_fails_naming_it():
+    """Each agent may have its own NIC (a DP rank's: transfer.nics_per_rank, NIXL's UCX device_list);
+    one that is no device here fails at once, saying which, and the process's other agents still work."""
+    pytest.importorskip("nixl_cu12")
+    with pytest.raises(TransferError, match=r"NIC 'mlx5_9:1' \(transfer.nics_per_rank\)"):
+        make_backend("nixl", "no-such-nic", devices="lo", nic="mlx5_9:1")
+    make_backend("nixl", "loopback-after-it", devices="lo").close()

@@ -63,23 +63,27 @@ def _nixl():
 
 
 class NixlBackend(Backend):
-    def __init__(self, name: str, engine: str = "UCX", devices: str = "lo"):
-        """devices: the network devices this agent's UCX may use ('lo' keeps it on loopback, 'all' lets it
-        choose; e.g. 'mlx5_1:1' for a DP rank's own NIC). Each agent's own (the UCX backend's
-        ucx_devices), so agents in one process may use different NICs; the first agent also sets
-        UCX_NET_DEVICES and, on loopback alone, UCX_MODULES, which UCX reads once per process."""
+    def __init__(self, name: str, engine: str = "UCX", devices: str = "lo", nic: str | None = None):
+        """devices: the network devices UCX may use (UCX_NET_DEVICES: 'lo' keeps it on loopback, 'all'
+        lets it choose), read once per process, when its first agent starts UCX. nic: this agent's own
+        RDMA device(s) (a DP rank's NIC: transfer.nics_per_rank, e.g. 'mlx5_1:1'), given to NIXL's UCX
+        plugin as its device_list, which takes bare HCA names and adds the port itself: so agents in one
+        process can each use their own NIC."""
         if engine not in ENGINES:
             raise ValueError(f"NIXL engine must be one of {ENGINES}, got {engine!r}")
         for key, value in ucx_environment(devices).items():  # read once, when UCX loads: set first
             os.environ.setdefault(key, value)
         api = _nixl()
-        self.name, self.engine, self.devices = name, engine, devices
+        self.name, self.engine, self.devices, self.nic = name, engine, devices, nic
         self.agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False, backends=[]))
-        params = {"ucx_devices": devices} if engine == "UCX" and devices != "all" else {}
+        params = {}
+        if nic is not None and engine == "UCX":
+            params["device_list"] = ",".join(d.split(":")[0].strip() for d in nic.split(","))
         try:
             self.agent.create_backend(engine, params)
         except Exception as e:  # nixl raises its own error types
-            raise TransferError(f"NIXL could not start its {engine} backend on this machine: {e}") from e
+            where = f"NIC {nic!r} (transfer.nics_per_rank)" if nic else f"devices {devices!r} (nixl_devices)"
+            raise TransferError(f"NIXL could not start its {engine} backend on {where}: {e}") from e
         self.regions: list[tuple[int, int, int]] = []  # (address, bytes, device id)
         self.mem_type = "DRAM"
         self._tensors: list[Tensor] = []
