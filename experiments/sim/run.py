@@ -133,7 +133,7 @@ def simulate_deployment(
 
     target = d.step_target_s((slo or SloConfig()).tpot_s)  # chunk_size: slo (None: the fixed budget)
 
-    def inst(tp: int, chunk: bool, slowdown: float = 1.0, decodes: bool = True) -> Instance:
+    def inst(tp: int, dp: int, chunk: bool, slowdown: float = 1.0, decodes: bool = True) -> Instance:
         if target is not None and decodes:
             from engine.budget import SloBudget  # here: the simulator imports without torch otherwise
 
@@ -141,7 +141,7 @@ def simulate_deployment(
         else:
             step_budget = None
         return Instance(
-            CostModel(model, hw, tp, eff),
+            CostModel(model, hw, tp, eff, dp),  # dp: deployment.dp, prefill_dp or decode_dp
             budget=budget,
             step_budget=step_budget,
             chunked=chunk,
@@ -165,15 +165,18 @@ def simulate_deployment(
         return Router.of(d, names, pages, page_size, slo=slo)
 
     if d.kind == "colocated":
-        colocated = [inst(d.tp, chunked) for _ in range(d.num_workers)]
-        for i in colocated:
-            i.kv_tokens = colocated_kv_tokens
+        colocated = [inst(d.tp, d.dp, chunked) for _ in range(d.num_workers)]
+        for i in colocated:  # a real worker's pages per DP group
+            i.kv_tokens = colocated_kv_tokens * d.dp if colocated_kv_tokens is not None else None
         colocated = caching(colocated)
         simulate_colocated(colocated, reqs, follow, concurrency, policy(colocated, range(len(colocated))))
         run_timelines = [_timeline(f"worker-{n}", "colocated", i) for n, i in enumerate(colocated)]
     else:
-        prefill = [inst(d.prefill_tp, False, prefill_slowdown, decodes=False) for _ in range(d.num_prefill)]
-        decode = [inst(d.decode_tp, True) for _ in range(d.num_decode)]
+        prefill = [
+            inst(d.prefill_tp, d.prefill_dp, False, prefill_slowdown, decodes=False)
+            for _ in range(d.num_prefill)
+        ]
+        decode = [inst(d.decode_tp, d.decode_dp, True) for _ in range(d.num_decode)]
         roles = {  # an elastic instance takes its new role's settings (its TP stays)
             "prefill": dict(chunked=False, slowdown=prefill_slowdown, spec_k=0, kv_tokens=None),
             "decode": dict(chunked=True, slowdown=1.0, spec_k=k, kv_tokens=decode_kv_tokens),
