@@ -146,6 +146,29 @@ class EngineCore:
         if seq is not None and seq.finished:
             del self.seqs[request_id]
 
+    # ---- counters (this engine's; engine/dp.py's DPFront sums every DP group's over these) -----------
+
+    @property
+    def preemption_stats(self) -> dict[str, int]:
+        """Preemptions so far, and the tokens whose KV they dropped: computed again here or refetched."""
+        s = self.scheduler
+        return {
+            "preemptions": s.num_preemptions,
+            "recomputed_tokens": s.num_recomputed_tokens,
+            "refetched_tokens": s.num_refetched_tokens,
+        }
+
+    @property
+    def prefix_cache_stats(self) -> dict[str, int]:
+        """Prompt tokens looked up in the prefix cache and found there; pages cached and evicted."""
+        s, a = self.scheduler, self.allocator
+        return {
+            "queries": s.num_prefix_queries,
+            "hits": s.num_prefix_hits,
+            "cached_pages": a.num_cached,
+            "evicted_pages": a.num_evicted,
+        }
+
     def has_unfinished(self) -> bool:
         """Work left for step(): sequences to run, or finished ones it has not handed back yet."""
         return self.scheduler.has_work() or bool(self._ended)

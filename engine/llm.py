@@ -369,27 +369,6 @@ class LLM(DPFront, EngineCore, DecodeHandoff, StepSampling):
     # ---- counters -------------------------------------------------------------------------------------
 
     @property
-    def preemption_stats(self) -> dict[str, int]:
-        """Preemptions so far, and the tokens whose KV they dropped: computed again here or refetched."""
-        s = self.scheduler
-        return {
-            "preemptions": s.num_preemptions,
-            "recomputed_tokens": s.num_recomputed_tokens,
-            "refetched_tokens": s.num_refetched_tokens,
-        }
-
-    @property
-    def prefix_cache_stats(self) -> dict[str, int]:
-        """Prompt tokens looked up in the prefix cache and found there; pages cached and evicted."""
-        s, a = self.scheduler, self.allocator
-        return {
-            "queries": s.num_prefix_queries,
-            "hits": s.num_prefix_hits,
-            "cached_pages": a.num_cached,
-            "evicted_pages": a.num_evicted,
-        }
-
-    @property
     def kv_tier_stats(self) -> dict[str, dict]:
         """Per tier below device memory: hit tokens, bytes moved, loads and their time, evictions, pages
         dropped by a check, pages held (empty without tiers)."""
