@@ -7,6 +7,7 @@ import torch
 
 from engine import SamplingParams
 from engine.disagg import DecodeSide, PrefillSide, decode_messenger, prefill_messenger
+from engine.kv_cache import OutOfPages
 from tests.kept import finished, keep_outputs
 from transfer.backends import make_backend
 from transfer.config import TransferConfig
@@ -19,21 +20,46 @@ PAGES = 128
 
 
 def _local_pair(prefill, decode, tag, source=PrefillSide, sink=DecodeSide, **config):
-    """Both messenger halves in this process: local backend, in-process control queues."""
+    """Both messenger halves in this process: local backend, in-process control queues (a decode engine
+    of DP groups: an agent for each group)."""
     config = TransferConfig(backend="local", **config)
     keep_outputs(prefill), keep_outputs(decode)
     decode_end, prefill_end = local_channel()
     pm = prefill_messenger(prefill, make_backend("local", f"p-{tag}"), config, side=source)
     pm.add_peer(prefill_end)
-    dm = decode_messenger(decode, make_backend("local", f"d-{tag}"), config, side=sink)
+    groups = [make_backend("local", f"d-{tag}-dp{r}") for r in range(1, decode.config.dp)]
+    dm = decode_messenger(decode, make_backend("local", f"d-{tag}"), config, side=sink, group_backends=groups)
     dm.add_peer("prefill-0", decode_end, wait_hello(decode_end, timeout_s=1))
     return pm, dm
+
+
+def _refetching_worker(decode, dm, backlog: list, params, refetched: list | None = None):
+    """A decode worker's turn (_run's tick): its preempted requests first, each fetched again into the DP
+    group that holds it, then backlog's (request id, token ids, group), while pages last; True once the
+    backlog is empty. refetched: what was fetched again is appended there."""
+
+    def tick() -> bool:
+        again = [(s.request_id, s.all_ids, decode.dp_rank_of(s.request_id)) for s in decode.take_refetches()]
+        if refetched is not None:
+            refetched.extend(again)
+        backlog[:0] = again
+        while backlog:
+            rid, ids, group = backlog[0]
+            try:
+                dm.submit(rid, ids, params, group=group)
+            except OutOfPages:
+                break
+            backlog.pop(0)
+        return not backlog
+
+    return tick
 
 
 def _close(pm, dm):
     pm.close()
     pm.backend.close()
-    dm.backend.close()
+    for backend in dm.backends:  # every DP group's agent
+        backend.close()
 
 
 def _run(prefill, decode, pm, dm, ids, prefill_polls=True, timeout_s=60.0, tick=None):

@@ -6,12 +6,9 @@ pages in its own group."""
 import pytest
 
 from engine import LLM
-from engine.disagg import decode_messenger, prefill_messenger
-from tests.kept import finished, keep_outputs
-from tests.transfer.messengers import GREEDY, _prompts, _run
-from transfer.backends import make_backend
-from transfer.config import TransferConfig
-from transfer.protocol import Notif, local_channel, wait_hello
+from tests.kept import finished
+from tests.transfer.messengers import GREEDY, _close, _local_pair, _prompts, _run
+from transfer.protocol import Notif
 
 MODEL, PAGES = "tiny-random-deepseek", 64
 
@@ -19,18 +16,11 @@ MODEL, PAGES = "tiny-random-deepseek", 64
 @pytest.fixture(scope="module")
 def pair():
     """A prefill engine (TP 1) and a decode engine of 2 DP groups, both messengers over local agents."""
-    config = TransferConfig(backend="local")
     prefill = LLM(MODEL, role="prefill", page_size=4, num_pages=PAGES)
     decode = LLM(MODEL, role="decode", page_size=4, num_pages=PAGES, dp=2)
-    keep_outputs(prefill), keep_outputs(decode)
-    decode_end, prefill_end = local_channel()
-    pm = prefill_messenger(prefill, make_backend("local", "p-dp"), config)
-    pm.add_peer(prefill_end)
-    groups = [make_backend("local", "d-dp-1")]
-    dm = decode_messenger(decode, make_backend("local", "d-dp-0"), config, group_backends=groups)
-    dm.add_peer("prefill-0", decode_end, wait_hello(decode_end, timeout_s=1))
+    pm, dm = _local_pair(prefill, decode, "dp")
     yield prefill, decode, pm, dm
-    pm.close()
+    _close(pm, dm)
     decode.close()
 
 

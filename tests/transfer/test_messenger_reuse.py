@@ -8,10 +8,18 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.disagg import DecodeSide, PrefillSide, prefill_messenger, shard_spec
-from engine.kv_cache import OutOfPages
 from tests.heads import echo_head, record_head_inputs
 from tests.kept import keep_outputs
-from tests.transfer.messengers import GREEDY, PAGES, _close, _full_heads, _local_pair, _prompts, _run
+from tests.transfer.messengers import (
+    GREEDY,
+    PAGES,
+    _close,
+    _full_heads,
+    _local_pair,
+    _prompts,
+    _refetching_worker,
+    _run,
+)
 from transfer.backends import make_backend
 from transfer.config import TransferConfig
 from transfer.plan import plan_array
@@ -106,20 +114,9 @@ def test_refetches_under_memory_pressure_find_their_own_pages_and_all_finish():
     pm, dm = _local_pair(prefill, decode, "pressure")
     rng = random.Random(0)
     prompts = {f"r{i}": [rng.randrange(3, 49000) for _ in range(60)] for i in range(8)}
-    backlog = [(rid, p, params) for rid, p in prompts.items()]
-
-    def worker() -> bool:  # as the decode worker: preempted requests first, then new ones, while pages last
-        backlog[:0] = [(s.request_id, s.all_ids, s.params) for s in decode.take_refetches()]
-        while backlog:
-            try:
-                dm.submit(*backlog[0])
-            except OutOfPages:
-                break
-            backlog.pop(0)
-        return not backlog
-
+    backlog = [(rid, p, 0) for rid, p in prompts.items()]
     try:
-        _run(prefill, decode, pm, dm, list(prompts), tick=worker)
+        _run(prefill, decode, pm, dm, list(prompts), tick=_refetching_worker(decode, dm, backlog, params))
         reference = LLM("tiny-random", page_size=4, num_pages=512, enable_prefix_caching=False)
         for rid, prompt in prompts.items():
             assert decode.output(rid).token_ids == reference.generate([prompt], params)[0].token_ids, rid
