@@ -58,8 +58,8 @@ class _Normal(NamedTuple):
 class RandomWeights(Mapping):
     """Seeded random weights by name, each tensor drawn when it is read from a generator seeded by the
     model's seed and the tensor's name: the same values in every process and in any order of reading,
-    and a rank that reads only its shard's experts never draws the others' (random-deepseek-v3's 2.9 B
-    parameters are 11.7 GB in fp32: drawn whole by every DP rank, two ranks did not fit in 23 GiB)."""
+    and a rank that reads only its shard's experts never draws the others' (random-deepseek-v3's 2.58 B
+    parameters are 10.3 GB in fp32: drawn whole by every DP rank, two ranks did not fit in 23 GiB)."""
 
     def __init__(self, config: ModelConfig, seed: int = 0):
         self.seed = seed
