@@ -68,7 +68,7 @@ class DPEngines:
         """args: the LLM's constructor arguments (each engine builds an LLM of them with its dp_rank)."""
         ctx = mp.get_context("spawn")
         self.conns, self.procs = [], []
-        self.stats: dict[int, dict] = {}  # rank -> its counters after its latest step (_stats)
+        self.stats: dict[int, dict] = {}  # rank -> its counters (_stats), as of its step or refresh
         self.events: dict[int, list] = {r: [] for r in range(1, dp)}  # their prefix caches' events, untaken
         self.kv_caches: dict[int, list[torch.Tensor]] = {}  # decode role: each group's, mapped here
         self.refetches: list[Refetch] = []  # decode role: their preempted sequences, untaken
@@ -102,8 +102,13 @@ class DPEngines:
             raise EngineDied(f"DP engine {rank} failed:\n{payload}")
         return kind, payload
 
+    @property
+    def ranks(self) -> range:
+        """The DP groups whose engines these are: 1..dp-1."""
+        return range(1, len(self.conns) + 1)
+
     def await_ready(self) -> None:
-        for rank in range(1, len(self.conns) + 1):
+        for rank in self.ranks:
             kv_caches = self._recv(rank, START_TIMEOUT_S)[1]
             if kv_caches is not None:
                 self.kv_caches[rank] = kv_caches
@@ -131,13 +136,13 @@ class DPEngines:
         self._send(rank, ("abort", (request_id, error)))
 
     def begin_step(self) -> None:
-        for rank in range(1, len(self.conns) + 1):
+        for rank in self.ranks:
             self._send(rank, ("step", None))
 
     def end_step(self) -> list[RequestOutput]:
         """Every other engine's outputs of the step begin_step started (their counters kept in stats)."""
         outs = []
-        for rank in range(1, len(self.conns) + 1):
+        for rank in self.ranks:
             theirs, self.stats[rank] = self._recv(rank, STEP_TIMEOUT_S)[1]
             self.events[rank] += self.stats[rank].pop("cache_events")
             self.refetches += [Refetch(*r) for r in self.stats[rank].pop("refetches")]
@@ -146,21 +151,18 @@ class DPEngines:
         return outs
 
     def record_events(self) -> None:
-        for rank in range(1, len(self.conns) + 1):
+        for rank in self.ranks:
             self._send(rank, ("record", None))
 
     def load_grammar(self, spec, compiled_json: str) -> None:
-        for rank in range(1, len(self.conns) + 1):
+        for rank in self.ranks:
             self._send(rank, ("grammar", (spec, compiled_json)))
 
     def refresh(self) -> None:
         """Every other engine's counters now (pages and queues change between steps too: a messenger
         frees a transfer's pages, or the front's calls do)."""
-        ranks = range(1, len(self.conns) + 1)
-        for rank in ranks:
-            self._send(rank, ("counters", None))
-        for rank in ranks:
-            self.stats.setdefault(rank, {}).update(self._recv(rank, START_TIMEOUT_S)[1])
+        for rank, counters in self._ask_all("counters").items():
+            self.stats.setdefault(rank, {}).update(counters)
 
     def start_messenger(self, rank: int, *args) -> str:
         """Prefill role: engine rank builds its own messenger (_prefill_messenger's args); its agent."""
@@ -170,12 +172,14 @@ class DPEngines:
     def poll(self) -> bool:
         """Prefill role: every other engine polls its messenger (new requests, aborts, pages to free);
         whether any of them now has work to step."""
-        ranks = range(1, len(self.conns) + 1)
-        for rank in ranks:
-            self._send(rank, ("poll", None))
-        for rank in ranks:
-            self.busy[rank] = self._recv(rank, START_TIMEOUT_S)[1]
+        self.busy.update(self._ask_all("poll"))
         return any(self.busy.values())
+
+    def _ask_all(self, kind: str) -> dict:
+        """Every other engine's answer to a message of this kind (sent to all first, then read)."""
+        for rank in self.ranks:
+            self._send(rank, (kind, None))
+        return {rank: self._recv(rank, START_TIMEOUT_S)[1] for rank in self.ranks}
 
     def _send(self, rank: int, msg) -> None:
         proc = self.procs[rank - 1]
@@ -192,11 +196,10 @@ class DPEngines:
 
 
 def _counters(llm) -> dict:
-    """An engine's counters, for the lead's sums (engine.llm.LLM's own names)."""
-    a, s = llm.allocator, llm.scheduler
+    """An engine's counters, for the lead's sums (engine.llm.LLM's own: this engine fronts no other)."""
     return {
-        "pages": (a.num_free, a.num_pages),
-        "queues": (len(s.running), len(s.waiting)),
+        "pages": llm.pages,
+        "queues": llm.queues,
         "prefix_cache_stats": llm.prefix_cache_stats,
         "preemption_stats": llm.preemption_stats,
         "grammar_compiles": llm.grammar_compiles,
@@ -263,10 +266,10 @@ def _engine_main(rank: int, args: dict, rendezvous: str, conn, backend: str, lea
                 if pm is not None:
                     pm.poll()  # what arrived since its last poll joins this step
                 outs = llm.step()
-                for out in outs:  # the lead has them: not pickled again every step
-                    out.prompt, out.prompt_token_ids = None, []
                 if role == "prefill":  # its messenger's requests: the lead has nothing to do with them
                     outs = []
+                for out in outs:  # the lead has them: not pickled again every step
+                    out.prompt, out.prompt_token_ids = None, []
                 conn.send(("stepped", (outs, _stats(llm))))
     except Exception:
         try:
@@ -286,14 +289,13 @@ def _prefill_messenger(llm, rank: int, transfer, agent: str, peers: list[tuple[s
     NIXL agent (on transfer.nics_per_rank's NIC), connected to each decode worker's control address for
     this group (peers: (decode worker, address)). Each group is a prefill peer of its own to them."""
     from engine.disagg import prefill_messenger
-    from transfer.backends import make_backend
+    from transfer.backends import agent_for
     from transfer.channel import ZmqEndpoint
     from transfer.protocol import prefill_codec
 
     if transfer.backend != "nixl":
         raise ValueError("a DP group's messenger runs in another process: it needs transfer.backend nixl")
-    backend = make_backend("nixl", agent, **transfer.agent_of(rank))
-    pm = prefill_messenger(llm, backend, transfer)
+    pm = prefill_messenger(llm, agent_for(transfer, agent, rank), transfer)
     for peer, address in peers:
         pm.add_peer(ZmqEndpoint(address, False, creds, peer, prefill_codec()))
     return pm

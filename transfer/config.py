@@ -59,9 +59,3 @@ class TransferConfig:
                 f"transfer.nics_per_rank must be a list of device names (one per DP rank), got {nics!r}"
             )
         object.__setattr__(self, "nics_per_rank", tuple(nics))
-
-    def agent_of(self, dp_rank: int) -> dict:
-        """make_backend's arguments for DP group dp_rank's NIXL agent: the engine, the process's devices,
-        and its own NIC (nics_per_rank's entry; none: nixl_devices alone)."""
-        nic = self.nics_per_rank[dp_rank] if self.nics_per_rank else None
-        return dict(engine=self.nixl_engine, devices=self.nixl_devices, nic=nic)

@@ -239,6 +239,15 @@ class DeploymentConfig:
         prefill = self.num_prefill * self.prefill_tp * self.prefill_dp
         return prefill + self.num_decode * self.decode_tp * self.decode_dp
 
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """Its workers' roles; the last is the one requests are routed to."""
+        return ("colocated",) if self.kind == "colocated" else ("prefill", "decode")
+
+    def tp_of(self, role: str) -> int:
+        """The TP degree of this deployment's workers of role."""
+        return {"colocated": self.tp, "prefill": self.prefill_tp, "decode": self.decode_tp}[role]
+
     def dp_of(self, role: str) -> int:
         """The DP groups of this deployment's workers of role."""
         return {"colocated": self.dp, "prefill": self.prefill_dp, "decode": self.decode_dp}[role]
@@ -490,8 +499,7 @@ def check_fits_model(config: RuntimeConfig):
     for d in config.deployments:
         if not isinstance(d, DeploymentConfig):
             continue  # an endpoint (experiments.config.EndpointConfig): its server checks its own
-        roles = ("colocated",) if d.kind == "colocated" else ("prefill", "decode")
-        dp = max(d.dp_of(role) for role in roles)
+        dp = max(d.dp_of(role) for role in d.roles)
         if dp > 1 and d.elastic:
             refuse("deployment.prefill_dp and decode_dp", dp, f"1 for {d.name}: elastic workers switch roles")
         if d.kind != "colocated" and d.decode_dp > 1 and config.model.device != "cpu":
@@ -499,19 +507,19 @@ def check_fits_model(config: RuntimeConfig):
         nics = config.transfer.nics_per_rank
         if nics and len(nics) < dp:
             refuse("transfer.nics_per_rank", list(nics), f"one device name per DP rank ({dp}), or none")
-        keys = ("tp",) if d.kind == "colocated" else ("prefill_tp", "decode_tp")
-        for key in keys:
+        for role in d.roles:
             try:
                 EngineConfig(
                     model=loaded.config,
-                    tp=getattr(d, key),
+                    tp=d.tp_of(role),
                     dtype=config.model.dtype,
                     device=config.model.device,
                     expert_parallel=config.model.expert_parallel,
-                    dp=d.dp_of(key.removesuffix("_tp") if key != "tp" else "colocated"),
+                    dp=d.dp_of(role),
                 )
             except ValueError as e:
+                key = "tp" if role == "colocated" else f"{role}_tp"
                 raise ValueError(
-                    f"deployment {d.name}: {key}={getattr(d, key)} does not fit {loaded.config.name}: {e}"
+                    f"deployment {d.name}: {key}={d.tp_of(role)} does not fit {loaded.config.name}: {e}"
                 ) from e
     return loaded

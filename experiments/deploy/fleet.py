@@ -92,7 +92,7 @@ def worker_specs(
     specs = []
     for name in names:
         role = name.split("-")[0]
-        tp = {"colocated": d.tp, "prefill": d.prefill_tp, "decode": d.decode_tp}[role]
+        tp = d.tp_of(role)
         groups = tuple(peer for p in prefill for peer in dp_peers(p, d.prefill_dp))  # each prefill group
         peers = {"colocated": (), "prefill": decode, "decode": groups}[role]
         wait_for = None

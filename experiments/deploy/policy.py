@@ -188,8 +188,8 @@ class Router:
         """admission, slo (TTFT s, TPOT s): early rejection; prefill_workers: a disaggregated deployment's
         (their speed is the prefill speed); clock: what first_token() times against; by_load: a decode
         worker prefills a request itself when its prefill worker's queue would break the TTFT SLO
-        (deployment.local_prefill_by_load: _by_load); dp: each worker's DP groups (model.dp), among which
-        the router picks one for each request (dp_rank_of; deployment.dp or decode_dp)."""
+        (deployment.local_prefill_by_load: _by_load); dp: each routed worker's DP groups (deployment.dp or
+        decode_dp), among which the router picks one for each request (dp_rank_of)."""
         if policy not in POLICIES:
             raise ValueError(f"deployment.routing={policy!r} is not allowed: one of {POLICIES}")
         if admission not in ADMISSIONS:

@@ -64,7 +64,7 @@ def start_runtime(config, d, log_dir=None, first_core: int = 0) -> Runtime:
     try:
         m = config.model
         prefill = [n for n in fleet.procs if fleet.roles[n] == "prefill"]
-        dp = d.dp_of("colocated" if d.kind == "colocated" else "decode")  # the routed workers' groups
+        dp = d.dp_of(d.roles[-1])  # the routed workers' DP groups
         router = Router.of(
             d, fleet.frontends, m.num_pages, m.page_size, fleet.cache_salt, config.slo, prefill, dp
         )

@@ -181,19 +181,14 @@ class Worker(RoleSwitching):
         Connect); a decode worker binds one control socket per peer and waits for the Hello of each in
         wait_for (None: all); the others join when they say Hello (an elastic worker turning prefill)."""
         from engine.disagg import decode_messenger, prefill_messenger
-        from transfer.backends import make_backend
+        from transfer.backends import agent_for
         from transfer.channel import ZmqEndpoint
         from transfer.protocol import decode_codec, prefill_codec, wait_hello
 
         spec, t = self.spec, self.spec.transfer
         again = f"-{self.generation}" if self.generation else ""  # a new agent's and socket's name
         name = f"{spec.name}-{os.getpid()}{again}"
-
-        def agent(rank: int, name: str):  # DP group rank's, on its own NIC where one is configured
-            kwargs = t.agent_of(rank) if t.backend == "nixl" else {}
-            return make_backend(t.backend, name, **kwargs)
-
-        self.backend = backend = agent(0, name)
+        self.backend = backend = agent_for(t, name)  # DP group 0's (each group's on its own NIC)
         if self.role == "prefill":
             self.pm = prefill_messenger(self.llm, backend, t)
             self._send(Listening(spec.name, {}))
@@ -208,7 +203,7 @@ class Worker(RoleSwitching):
                 }
                 self.llm.start_group_messengers(t, name, peers, spec.creds)
             return
-        groups = [agent(r, f"{name}-dp{r}") for r in range(1, spec.dp)]
+        groups = [agent_for(t, f"{name}-dp{r}", r) for r in range(1, spec.dp)]
         self.dm = decode_messenger(self.llm, backend, t, group_backends=groups)
         channels = {}
         for peer in spec.peers:

@@ -74,7 +74,7 @@ class NixlBackend(Backend):
         for key, value in ucx_environment(devices).items():  # read once, when UCX loads: set first
             os.environ.setdefault(key, value)
         api = _nixl()
-        self.name, self.engine, self.devices, self.nic = name, engine, devices, nic
+        self.name, self.engine = name, engine
         self.agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False, backends=[]))
         params = {}
         if nic is not None and engine == "UCX":
