@@ -150,6 +150,9 @@ def test_a_decode_worker_killed_mid_stream_loses_no_request(tmp_path):
         routed = ("pdk_requests_routed", (("worker", "decode-0"),))
         for _ in range(20):
             _until_gauge(url, running, 2, 30, "decode-0 never took requests")
+            # the router's own count, live (the Load behind `running` may be half a second old): the freeze
+            # then follows a moment when it held some (20 tries without this failed once under -n 2)
+            _until_gauge(url, routed, 1, 30, "the router never held a request on decode-0")
             os.kill(pid, signal.SIGSTOP)
             if _metrics(url).get(routed, 0) >= 1:
                 break
