@@ -48,11 +48,23 @@ class Point:
     kv: int  # decode: KV length per sequence
     seconds: float
     decode: int = 0  # prefill: decode sequences in the same step (a mixed step)
+    prompt: int = 0  # prefill: a step's prompt tokens are chunks of at most this many (0: one chunk)
+
+    @property
+    def chunks(self) -> list[tuple[int, int]]:
+        """The step's prefill chunks (new tokens, prefix): its tokens cut into whole prompts of `prompt`
+        tokens and the rest, as a step of a run whose prompts are about that long holds them (a
+        2,048-token step of 1,024-token prompts is two prompts, whose attention is half of one 2,048-token
+        prompt's); a piece's cached prefix is not known, and taken as none."""
+        if self.kind != "prefill":
+            return []
+        whole, rest = divmod(self.size, self.prompt) if self.prompt else (0, self.size)
+        return [(self.prompt, 0)] * whole + ([(rest, 0)] if rest else [])
 
     @property
     def seqs(self) -> int:
         """Sequences in the step."""
-        return 1 + self.decode if self.kind == "prefill" else self.size
+        return len(self.chunks) + self.decode if self.kind == "prefill" else self.size
 
     def label(self) -> str:
         if self.kind == "prefill":
@@ -62,16 +74,18 @@ class Point:
 
 def predict(cost: CostModel, p: Point) -> float:
     if p.kind == "prefill":
-        return cost.step_time([(p.size, 0)], [p.kv] * p.decode, sampled=1 + p.decode)
+        return cost.step_time(p.chunks, [p.kv] * p.decode, sampled=1 + p.decode)
     return cost.decode_time([p.kv] * p.size)
 
 
 def points_from_run(saved: dict, roles=("colocated", "decode", "prefill")) -> tuple[list[Point], list[str]]:
     """The steps a real run's TP-1 workers of the given roles timed, grouped by shape (prefill tokens,
     decode batch), the median of each; decode KV length is the requests' mean prompt plus half their
-    mean output. Returns the points and what was left out."""
+    mean output, and a step's prompt tokens are chunks of at most their mean prompt (Point.chunks).
+    Returns the points and what was left out."""
     reqs = [r for rec in saved["runs"] for r in rec["requests"]]
     kv = int(np.mean([r["prompt_tokens"] + r["output_tokens"] / 2 for r in reqs]))
+    prompt = round(np.mean([r["prompt_tokens"] for r in reqs]))
     deployments = {d["name"]: d for d in saved["config"]["deployments"]}
     shapes: dict[tuple[int, int], list[float]] = {}
     skipped = []
@@ -90,7 +104,7 @@ def points_from_run(saved: dict, roles=("colocated", "decode", "prefill")) -> tu
     for (prefill, decode), secs in sorted(shapes.items()):
         med = float(np.median(secs))
         if prefill:
-            points.append(Point("prefill", prefill, kv, med, decode=decode))
+            points.append(Point("prefill", prefill, kv, med, decode=decode, prompt=prompt))
         else:
             points.append(Point("decode", decode, kv, med))
     return points, skipped

@@ -2,17 +2,19 @@
 
     python -m experiments.sim.compare_real RUN_DIR/results.json [--calibrate-from CAL_DIR/results.json]
         [--hardware cpu-this-machine]
+    python -m experiments.sim.compare_real RUN_DIR/results.json --calibrate-rate 0.5 [--save-slim OUT.json]
     python -m experiments.sim.compare_real RUN_DIR/results.json --linear 0.75 --memory 0.2 [--overhead-ms ..]
 
 Reads the measured run's config, simulates each deployment at each rate on that run's own requests
 (their arrival times and lengths, from results.json), and prints measured and simulated latencies
 with the simulator's error. The cost model's factors come from calibrate.calibrate_from_run on the
-steps a real run timed (by default the compared run itself; another run of the same config makes the
-check held-out), or are given. This project's workers sample the first token on the decode side and
-route every request through a decode worker, so the simulation does too. A multiturn run's later turns
-are sent when they were, but never before think_time_s after the simulated reply they extend; each
-instance's prefix cache is as large as the run's model.num_pages; the prefix cache hit rate, the KV sent
-(in tokens: the run's dtype and the preset's differ) and TTFT p50 per turn are compared too.
+steps a real run timed (by default the compared run itself; another run of the same config, or the
+run's own records at one rate with --calibrate-rate, makes the check held-out), or are given. This
+project's workers sample the first token on the decode side and route every request through a decode
+worker, so the simulation does too. A multiturn run's later turns are sent when they were, but never
+before think_time_s after the simulated reply they extend; each instance's prefix cache is as large as
+the run's model.num_pages; the prefix cache hit rate, the KV sent (in tokens: the run's dtype and the
+preset's differ) and TTFT p50 per turn are compared too.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from experiments.config import from_cfg
@@ -55,35 +57,66 @@ def tier_spec(config, model, summary: dict) -> TierSpec | None:
     return spec
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("results", type=Path)
-    ap.add_argument("--hardware", default="cpu-this-machine")
-    ap.add_argument("--calibrate-from", type=Path, help="a run whose step timelines fit the factors")
-    ap.add_argument("--linear", type=float, help="give the factors instead of calibrating")
-    ap.add_argument("--memory", type=float, default=0.20)
-    ap.add_argument("--overhead-ms", type=float, default=0.0)
-    ap.add_argument("--seq-overhead-ms", type=float, default=0.0)
-    ap.add_argument("--prefill-slowdown", type=float, default=1.0)
-    args = ap.parse_args(argv)
-    saved = json.loads(args.results.read_text())
-    hw = load_hardware(args.hardware)
-    if args.linear is not None:
-        eff = Efficiency(args.linear, args.linear, args.memory, step_overhead_s=args.overhead_ms / 1e3,
-                         seq_overhead_s=args.seq_overhead_ms / 1e3)  # fmt: skip
-        slowdown, source = args.prefill_slowdown, "given"
-    else:
-        source = args.calibrate_from or args.results
-        cal = calibrate_from_run(json.loads(Path(source).read_text()), hw)
-        eff, slowdown = cal["efficiency"], cal["prefill_slowdown"]
+def with_rates(saved: dict, keep) -> dict:
+    """saved with only the runs whose rate keep(rate) accepts."""
+    return {**saved, "runs": [rec for rec in saved["runs"] if keep(rec["rate"])]}
+
+
+_REQUEST_KEYS = ("arrival_s", "prompt_tokens", "output_tokens", "prefill", "prefill_worker", "ttft_s")
+_SUMMARY_KEYS = ("ttft_s", "tpot_s", "transfer_bytes", "prefix_hit_rate", "kv_tiers", "by_turn")
+
+
+def slim(saved: dict, calibrate_rate: float) -> dict:
+    """What compare and calibrate read of saved, for a check to replay (tests/experiments/sim/fixtures):
+    the config; per run its summary's latencies and counters and its requests' arrivals, lengths and
+    prefill placement; the step timelines of the runs at calibrate_rate only; times to 0.1 ms."""
+
+    def short(x):
+        return round(x, 4) if isinstance(x, float) else x
+
+    def timeline(t: dict) -> dict:
+        steps = [[short(v) for v in s[:4]] for s in t["steps"]]
+        return {"name": t["name"], "role": t["role"], "steps": steps}
+
+    def request(r: dict) -> dict:
+        keys = _REQUEST_KEYS + (("conversation", "turn") if "conversation" in r else ())
+        return {k: short(r[k]) for k in keys}
+
+    return {
+        "config": saved["config"],
+        "runs": [
+            {
+                "deployment": rec["deployment"],
+                "rate": rec["rate"],
+                "summary": {k: rec["summary"][k] for k in _SUMMARY_KEYS if k in rec["summary"]},
+                "requests": [request(r) for r in rec["requests"]],
+                "timelines": [timeline(t) for t in rec["timelines"] if rec["rate"] == calibrate_rate],
+            }
+            for rec in saved["runs"]
+        ],
+    }
+
+
+@dataclass(frozen=True)
+class Row:
+    run: str  # deployment @rate
+    metric: str
+    unit: str  # ms | % | tokens
+    measured: float
+    simulated: float
+
+    @property
+    def error(self) -> float:
+        return self.simulated / self.measured - 1 if self.measured else 0.0
+
+
+def compare(saved: dict, hw, eff: Efficiency, slowdown: float) -> list[Row]:
+    """Simulate each run of saved (a results.json) on its own requests with the given factors, and pair
+    what it measured with what the simulator predicts."""
     config = from_cfg(saved["config"])
     model, slo = sim_model(config.model.name), config.slo
     deployments = {d.name: d for d in config.deployments}
-    print(f"{model.name} on {hw.name} ({hw.source}); factors ({source}): linear {eff.linear:.2f}, "
-          f"memory {eff.memory:.2f}, overhead {1e3 * eff.step_overhead_s:.1f} ms a step + "
-          f"{1e3 * eff.seq_overhead_s:.2f} ms a sequence, prefill slowdown {slowdown:.2f}")  # fmt: skip
-    print(f"{'run':<22}{'metric':<16}{'measured':>12}{'sim':>9}{'error':>8}")
-    errors = []
+    rows = []
     for rec in saved["runs"]:
         workload = replace(config.workload, rate=rec["rate"])
         d = deployments[rec["deployment"]]
@@ -98,38 +131,87 @@ def main(argv=None) -> int:
             cache_pages=config.model.num_pages, tiers=tier_spec(config, model, rec["summary"]),
             colocated_kv_tokens=config.model.num_pages * config.model.page_size,
         )  # fmt: skip
-        rows = request_rows(sim, slo)
-        simulated = summarize(sim, rows, slo, rec["rate"])
+        simulated = summarize(sim, request_rows(sim, slo), slo, rec["rate"])
         label = f"{rec['deployment']} @{rec['rate']:g}/s" if rec["rate"] else rec["deployment"]
         pairs = [
-            (f"{key[:4].upper()} {q}", rec["summary"][key][q], simulated[key][q], 1e3, "ms")
+            (f"{key[:4].upper()} {q}", "ms", rec["summary"][key][q], simulated[key][q])
             for key in ("ttft_s", "tpot_s")
             for q in ("p50", "p90")
         ]
         if "by_turn" in rec["summary"]:
             pairs += [
-                (f"TTFT turn {real['turn'] + 1}", real["ttft_p50_s"], ours["ttft_p50_s"], 1e3, "ms")
+                (f"TTFT turn {real['turn'] + 1}", "ms", real["ttft_p50_s"], ours["ttft_p50_s"])
                 for real, ours in zip(rec["summary"]["by_turn"], simulated["by_turn"], strict=False)
                 if real["ttft_p50_s"] and ours["ttft_p50_s"]
             ]
         if d.prefix_caching:
-            hit = ("prefix hit", rec["summary"]["prefix_hit_rate"], simulated["prefix_hit_rate"], 100, "%")
-            pairs.append(hit)
+            pairs.append(("prefix hit", "%", rec["summary"]["prefix_hit_rate"], simulated["prefix_hit_rate"]))
         for tier, real in rec["summary"].get("kv_tiers", {}).items():
             ours = simulated["kv_tiers"].get(tier, {}).get("hit_tokens", 0)
-            pairs.append((f"{tier} hits", real["hit_tokens"], ours, 1, "tokens"))
+            pairs.append((f"{tier} hits", "tokens", real["hit_tokens"], ours))
         if d.kind == "disaggregated":  # in tokens: the run's dtype and the preset's differ
             dtype = config.model.dtype if config.model.dtype != "auto" else "float32"  # auto, on a CPU
             real_bytes = model.kv_bytes_per_token() // model.activation_bytes * DTYPE_BYTES[dtype]
             real_sent = rec["summary"]["transfer_bytes"] / real_bytes
             sim_sent = simulated["transfer_bytes"] / model.kv_bytes_per_token()
-            pairs.append(("KV sent", real_sent, sim_sent, 1, "tokens"))
-        for metric, real, ours, scale, unit in pairs:
-            err = ours / real - 1 if real else 0.0
-            if unit == "ms":
-                errors.append(abs(err))
-            name = f"{metric} {unit}"
-            print(f"{label:<22}{name:<16}{scale * real:>12.0f}{scale * ours:>9.0f}{100 * err:>7.0f}%")
+            pairs.append(("KV sent", "tokens", real_sent, sim_sent))
+        rows += [Row(label, metric, unit, real, ours) for metric, unit, real, ours in pairs]
+    return rows
+
+
+def latency_errors(rows: list[Row]) -> list[float]:
+    """|error| of every latency row (TTFT and TPOT p50/p90, TTFT per turn)."""
+    return [abs(r.error) for r in rows if r.unit == "ms"]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("results", type=Path)
+    ap.add_argument("--hardware", default="cpu-this-machine")
+    ap.add_argument("--calibrate-from", type=Path, help="a run whose step timelines fit the factors")
+    ap.add_argument("--calibrate-rate", type=float, help="fit on the records at this rate, compare the rest")
+    ap.add_argument("--save-slim", type=Path, help="with --calibrate-rate: write what the check reads here")
+    ap.add_argument("--linear", type=float, help="give the factors instead of calibrating")
+    ap.add_argument("--memory", type=float, default=0.20)
+    ap.add_argument("--overhead-ms", type=float, default=0.0)
+    ap.add_argument("--seq-overhead-ms", type=float, default=0.0)
+    ap.add_argument("--prefill-slowdown", type=float, default=1.0)
+    args = ap.parse_args(argv)
+    saved = json.loads(args.results.read_text())
+    hw = load_hardware(args.hardware)
+    if args.linear is not None:
+        eff = Efficiency(args.linear, args.linear, args.memory, step_overhead_s=args.overhead_ms / 1e3,
+                         seq_overhead_s=args.seq_overhead_ms / 1e3)  # fmt: skip
+        slowdown, source = args.prefill_slowdown, "given"
+    else:
+        if args.calibrate_rate is not None and args.calibrate_from is not None:
+            ap.error("give --calibrate-from or --calibrate-rate, not both")
+        if args.calibrate_rate is not None:
+            rates = sorted({rec["rate"] for rec in saved["runs"]})
+            if args.calibrate_rate not in rates or len(rates) < 2:
+                ap.error(f"--calibrate-rate must be one of this run's rates {rates} and it must have another")
+            if args.save_slim:
+                args.save_slim.write_text(json.dumps(slim(saved, args.calibrate_rate), separators=(",", ":")))
+            cal_run = with_rates(saved, lambda rate: rate == args.calibrate_rate)
+            saved = with_rates(saved, lambda rate: rate != args.calibrate_rate)
+            source = f"{args.results} at {args.calibrate_rate:g} req/s"
+        else:
+            source = args.calibrate_from or args.results
+            cal_run = json.loads(Path(source).read_text())
+        cal = calibrate_from_run(cal_run, hw)
+        eff, slowdown = cal["efficiency"], cal["prefill_slowdown"]
+    model = sim_model(from_cfg(saved["config"]).model.name)
+    print(f"{model.name} on {hw.name} ({hw.source}); factors ({source}): linear {eff.linear:.2f}, "
+          f"memory {eff.memory:.2f}, overhead {1e3 * eff.step_overhead_s:.1f} ms a step + "
+          f"{1e3 * eff.seq_overhead_s:.2f} ms a sequence, prefill slowdown {slowdown:.2f}")  # fmt: skip
+    print(f"{'run':<22}{'metric':<16}{'measured':>12}{'sim':>9}{'error':>8}")
+    rows = compare(saved, hw, eff, slowdown)
+    for r in rows:
+        scale = {"ms": 1e3, "%": 100}.get(r.unit, 1)
+        name = f"{r.metric} {r.unit}"
+        print(f"{r.run:<22}{name:<16}{scale * r.measured:>12.0f}{scale * r.simulated:>9.0f}"
+              f"{100 * r.error:>7.0f}%")  # fmt: skip
+    errors = latency_errors(rows)
     print(f"latencies: mean |error| {100 * sum(errors) / len(errors):.0f}%, worst {100 * max(errors):.0f}%")
     return 0
 

@@ -76,6 +76,40 @@ def test_calibration_from_a_runs_timelines():
     assert cal["handoff_s"] == pytest.approx(0.005)
 
 
+def test_a_step_of_two_prompts_is_read_as_two_prompts_not_one_twice_as_long():
+    """A prefill worker that batches two 1,024-token prompts a step: their attention is half of one
+    2,048-token prompt's, so the slowdown read from those steps is the truth only when the step is read
+    as two prompts (it read 0.98 where 1.17 was right on this machine's run, and predicted 1P1D's TTFT
+    30% short)."""
+    model = sim_model("smollm2-135m")
+    cost = CostModel(model, CPU, 1, Efficiency(linear=0.6, attention=0.6, memory=0.8))
+    pair = cost.step_time([(1024, 0), (1024, 0)], [], sampled=2)
+    assert cost.step_time([(2048, 0)], [], sampled=1) > 1.05 * pair  # the difference matters
+    assert Point("prefill", 2048, 0, 0.0, prompt=1024).chunks == [(1024, 0), (1024, 0)]
+    assert Point("prefill", 2047, 0, 0.0, prompt=1024).chunks == [(1024, 0), (1023, 0)]
+    assert Point("prefill", 2048, 0, 0.0).chunks == [(2048, 0)]
+    decode = [[0, cost.decode_time([1040] * b), 0, b] for b in (1, 2, 3)]
+    decode += [[0, cost.step_time([(1024, 0)], [1040], sampled=2), 1024, 1]]
+    prefill = [[a, a + 1.2 * pair, 2048, 0] for a in (0.0, 5.0, 10.0)]
+    req = {"prompt_tokens": 1024, "output_tokens": 32, "prefill": "remote", "prefill_worker": "prefill-0"}
+    saved = {
+        "config": {
+            "model": {"name": "smollm2-135m"},
+            "deployments": [
+                {"name": "1p1d", "kind": "disaggregated", "tp": 1, "prefill_tp": 1, "decode_tp": 1}
+            ],
+        },
+        "runs": [
+            {"deployment": "1p1d", "requests": [dict(req, arrival_s=a) for a in (0.0, 5.0)], "timelines": [
+                {"name": "decode-0", "role": "decode", "steps": decode},
+                {"name": "prefill-0", "role": "prefill", "steps": prefill}]},
+        ],
+    }  # fmt: skip
+    cal = calibrate_from_run(saved, CPU)
+    assert cal["prefill_points"][0].chunks == [(1024, 0), (1024, 0)]
+    assert cal["prefill_slowdown"] == pytest.approx(1.2, rel=0.03)
+
+
 def test_the_engines_moe_mla_steps_fit_and_feed_the_large_moe_study(tmp_path, capsys):
     """calibrate times the engine's own DeepSeek-shaped steps (latent attention, routed experts), fits the
     cost model's view of the same model to them, and writes the fit; the large-MoE study takes it."""

@@ -1,0 +1,63 @@
+"""The simulator against a recorded real run it did not see (issue 45 item 3): 30 Poisson arrivals of
+1,024-token prompts and 32 outputs at 0.5, 1.0 and 1.5 req/s, colocated (2 workers) and 1P1D, SmolLM2
+bf16 on 2 cores of an AMD EPYC with AVX-512 BF16 (experiments.run, 2026-12-03 23:48-23:54 UTC, alone on
+the machine; slimmed by `compare_real --save-slim`). Calibrated on the 0.5 req/s records, it predicts
+the overload at 1.0 and 1.5 req/s, where every queue grows (1P1D's TTFT p90: 7.2 s at 0.5 req/s, 22.0
+and 32.1 s at 1.0 and 1.5)."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from experiments.sim import compare_real
+from experiments.sim.calibrate import calibrate_from_run
+from experiments.sim.hardware import load_hardware
+
+RECORDED = Path(__file__).parent / "fixtures" / "overload.json"
+
+
+def _held_out(saved: dict) -> list[compare_real.Row]:
+    hw = load_hardware("cpu-this-machine")
+    cal = calibrate_from_run(compare_real.with_rates(saved, lambda rate: rate == 0.5), hw)
+    held = compare_real.with_rates(saved, lambda rate: rate != 0.5)
+    return compare_real.compare(held, hw, cal["efficiency"], cal["prefill_slowdown"])
+
+
+def test_overload_it_never_saw_is_predicted_within_15_percent():
+    rows = _held_out(json.loads(RECORDED.read_text()))
+    runs = {r.run for r in rows}
+    assert runs == {"colocated @1/s", "colocated @1.5/s", "1p1d @1/s", "1p1d @1.5/s"}
+    errors = compare_real.latency_errors(rows)
+    assert len(errors) == 16  # TTFT and TPOT, p50 and p90, of each
+    assert sum(errors) / len(errors) <= 0.15, rows
+    assert max(errors) <= 0.30, rows
+
+
+def test_a_slimmed_run_compares_as_the_whole_one(tmp_path, capsys):
+    saved = json.loads(RECORDED.read_text())
+    again = compare_real.slim(saved, 0.5)
+    assert again == saved  # the fixture is its own slim form: nothing it needs was dropped
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(saved))
+    out = tmp_path / "slim.json"
+    assert compare_real.main([str(path), "--calibrate-rate", "0.5", "--save-slim", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "at 0.5 req/s" in printed and "@0.5/s" not in printed  # calibrated on it, not compared
+    assert json.loads(out.read_text()) == saved
+    assert "latencies: mean |error|" in printed
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--calibrate-rate", "2.0"], "--calibrate-rate must be one of this run's rates"),
+        (["--calibrate-rate", "0.5", "--calibrate-from", "x.json"], "not both"),
+    ],
+)
+def test_a_calibration_rate_the_run_lacks_is_refused_by_name(tmp_path, capsys, args, message):
+    path = tmp_path / "results.json"
+    path.write_text(RECORDED.read_text())
+    with pytest.raises(SystemExit):
+        compare_real.main([str(path), *args])
+    assert message in capsys.readouterr().err
