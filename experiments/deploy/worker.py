@@ -102,14 +102,18 @@ def worker_main(spec: WorkerSpec) -> None:
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
     connect_as(sock, spec.creds, "driver")
     sock.connect(spec.driver_address)
+    worker = None
     try:
-        Worker(spec, sock).serve()
+        worker = Worker(spec, sock)
+        worker.serve()
     except KeyboardInterrupt:
         pass
     except Exception:
         log.exception("%s failed", spec.name)
         sock.send(codec.encode(Failed(spec.name, traceback.format_exc())))
     finally:
+        if worker is not None:
+            worker.close()
         sock.close()
         ctx.term()  # waits for the last messages to go, LINGER (1 s) at most
 
@@ -175,6 +179,16 @@ class Worker(RoleSwitching):
         self.llm.record_tier_events()  # ... and below it (a prefill worker's pool puts too)
         if spec.role != "colocated":
             self._connect_messenger(spec.wait_for)
+
+    def close(self) -> None:
+        """Stop the messenger, then the engine: its TP rank processes, its other DP groups, its KV tiers'
+        I/O and its rendezvous folder. A worker forked from the fork server ends with os._exit, which runs
+        no finalizer: without this a worker of TP or DP ranks left its folder in TMPDIR at every stop."""
+        for what, close in (("messenger", self._close_messenger), ("engine", self.llm.close)):
+            try:
+                close()
+            except Exception:
+                log.exception("%s: closing its %s failed", self.spec.name, what)
 
     def _connect_messenger(self, wait_for) -> None:
         """This role's messenger: a prefill worker connects to the decode workers' addresses (the runtime's

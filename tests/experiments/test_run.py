@@ -16,7 +16,8 @@ from tests.heads import echo_head
 needs.nixl()
 
 
-def test_greedy_outputs_are_identical_colocated_1p1d_and_tp_1_to_2(tmp_path):
+def test_greedy_outputs_are_identical_colocated_1p1d_and_tp_1_to_2(tmp_path, short_tmp, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(short_tmp.resolve()))  # the workers' (read when each starts)
     deployments = (
         "deployments=[{name: colocated, kind: colocated, num_workers: 1},"
         "{name: 1p1d, kind: disaggregated, num_prefill: 1, num_decode: 1},"
@@ -37,6 +38,8 @@ def test_greedy_outputs_are_identical_colocated_1p1d_and_tp_1_to_2(tmp_path):
     header = (tmp_path / "requests-1p1d.csv").read_text().splitlines()[0]
     assert header.startswith("request_id,worker,prefill,prefill_worker,prompt_tokens")
     assert not mp.active_children()  # every worker process is gone
+    # and nothing of theirs is left: the TP 2 decode worker's rendezvous folder went with its engine
+    assert not list(short_tmp.resolve().glob("pdk-tp-*"))
 
 
 def test_a_sampled_structured_workload_runs_through_the_main_job(tmp_path):

@@ -4,6 +4,8 @@ import contextlib
 import multiprocessing as mp
 import os
 import queue
+import shutil
+import tempfile
 import time
 
 import pytest
@@ -23,15 +25,19 @@ pytest.importorskip("zmq")
 PAGES = 128
 
 
-def _prefill_worker(addresses, creds, model, tp, page_size, num_pages, budget, parent, sent):
-    """A prefill worker process: its own engine (and TP ranks), NIXL agent and messenger, until its parent
-    goes; with more than one address, DP groups, each with its messenger and agent, group r's on
-    addresses[r]. `sent` receives ("kv", request, the KV it computed) just before group 0's pages are
-    freed, and ("pass", start, end) for each of group 0's forward passes."""
+def _prefill_worker(addresses, creds, model, tp, page_size, num_pages, budget, parent, sent, stop, tmp):
+    """A prefill worker process: its own engine (and TP ranks), NIXL agent and messenger, until `stop` is
+    set or its parent goes, then closed; its temporary files in `tmp` (the test's, removed after it, so a
+    worker the test kills leaves nothing either). With more than one address, DP groups, each with its
+    messenger and agent, group r's on addresses[r]. `sent` receives ("kv", request, the KV it computed)
+    just before group 0's pages are freed, and ("pass", start, end) for each of group 0's forward passes."""
+    import tempfile
+
     from pdkernels import ops
     from transfer.channel import ZmqEndpoint
     from transfer.protocol import prefill_codec
 
+    os.environ["TMPDIR"], tempfile.tempdir = tmp, None
     ops.set_backend("torch")
     torch.set_num_threads(1)
     dp = len(addresses)
@@ -65,13 +71,14 @@ def _prefill_worker(addresses, creds, model, tp, page_size, num_pages, budget, p
     if dp > 1:
         peers = {r: [("decode-0", addresses[r])] for r in range(1, dp)}
         llm.start_group_messengers(TransferConfig(), f"prefill-{os.getpid()}", peers, creds)
-    while os.getppid() == parent:
+    while os.getppid() == parent and not stop.is_set():
         pm.poll()
         llm.poll_groups()
         if llm.has_unfinished():
             llm.step()
         else:
             time.sleep(0.001)
+    pm.close()
     llm.close()
 
 
@@ -102,7 +109,7 @@ def disaggregated(
         for _ in range(prefill_dp)
     ]
     ctx = mp.get_context("spawn")
-    sent = ctx.Queue()
+    sent, stop, tmp = ctx.Queue(), ctx.Event(), tempfile.mkdtemp(prefix="pdk-2p-")
     args = (
         [c.address for c in channels],
         keys["prefill-0"],
@@ -113,6 +120,8 @@ def disaggregated(
         budget,
         os.getpid(),
         sent,
+        stop,
+        tmp,
     )
     proc = ctx.Process(target=_prefill_worker, args=args)  # not a daemon: it starts its own TP ranks
     proc.start()
@@ -132,8 +141,12 @@ def disaggregated(
             dm.add_peer("prefill-0" if r == 0 else f"prefill-0-dp{r}", channel, hello)
         yield decode, dm, proc, sent
     finally:
-        proc.kill()
-        proc.join(timeout=10)
+        stop.set()  # it closes its engine (its TP ranks and DP groups) and messenger
+        proc.join(timeout=60)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=10)
+        shutil.rmtree(tmp, ignore_errors=True)
         if dm is not None:
             for backend in dm.backends:
                 backend.close()
