@@ -31,6 +31,8 @@ class StepStats:
     prefill_tokens: int
     decode_tokens: int  # decode tokens and their drafts
     verify_steps: int = 0  # sequences whose drafts this step verified
+    # (tokens, first position) of each prompt chunk: what of its sequence it attends over before it
+    prefill_chunks: tuple[tuple[int, int], ...] = ()
 
 
 class EngineCore:
@@ -193,10 +195,13 @@ class EngineCore:
         if batch is not None:
             start = time.perf_counter()
             self._run(batch)
+            end = time.perf_counter()
             decoding = [c for c in batch.chunks if c.samples and c.num_tokens == 1 + len(c.drafts)]
             decode = sum(c.num_tokens for c in decoding)
             verify = sum(1 for c in decoding if c.drafts)
-            self.last_step = StepStats(start, time.perf_counter(), batch.num_tokens - decode, decode, verify)
+            sampled = {id(c) for c in decoding}
+            prompts = tuple((c.num_tokens, c.start) for c in batch.chunks if id(c) not in sampled)
+            self.last_step = StepStats(start, end, batch.num_tokens - decode, decode, verify, prompts)
             if self.scheduler.budget is not None:  # the step-time model the budget sizes steps by
                 s = self.last_step
                 self.scheduler.budget.observe(decode, s.prefill_tokens, s.end - s.start)

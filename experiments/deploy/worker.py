@@ -440,7 +440,14 @@ class Worker(RoleSwitching):
         if stats is not None and stats is not self._last_stats:
             self._last_stats = stats
             self.timeline.steps.append(
-                (stats.start, stats.end, stats.prefill_tokens, stats.decode_tokens, stats.verify_steps)
+                (
+                    stats.start,
+                    stats.end,
+                    stats.prefill_tokens,
+                    stats.decode_tokens,
+                    stats.verify_steps,
+                    list(stats.prefill_chunks),
+                )
             )
             self.timeline.loads += self.llm.take_tier_loads()  # drawn beside the steps
             speed = self.speed

@@ -10,7 +10,8 @@
 2. Time real forward passes of the engine: prefills of several prompt lengths and decode steps of
    several batch sizes (best of a few). Or, with --from-run, take the steps a real serving run timed
    inside its workers (results.json "timelines": the same model, workload and deployment, with the
-   worker loop, the messenger's thread and the other processes around it), the median of each shape.
+   worker loop, the messenger's thread and the other processes around it), the median of each shape
+   (a step's prompt chunks and the cached prefix each attends over, where the timeline records them).
 3. Fit linear/attention efficiency, memory efficiency and a fixed per-step overhead by least squares on
    the relative error (a grid; the roofline's max() rules out a closed form), and print each point's
    measured and fitted time. From a run with a disaggregated deployment, also the hand-off: how long a
@@ -49,15 +50,18 @@ class Point:
     seconds: float
     decode: int = 0  # prefill: decode sequences in the same step (a mixed step)
     prompt: int = 0  # prefill: a step's prompt tokens are chunks of at most this many (0: one chunk)
+    given: tuple = ()  # prefill: the step's chunks (new tokens, prefix) as its worker recorded them
 
     @property
     def chunks(self) -> list[tuple[int, int]]:
-        """The step's prefill chunks (new tokens, prefix): its tokens cut into whole prompts of `prompt`
-        tokens and the rest, as a step of a run whose prompts are about that long holds them (a
-        2,048-token step of 1,024-token prompts is two prompts, whose attention is half of one 2,048-token
-        prompt's); a piece's cached prefix is not known, and taken as none."""
+        """The step's prefill chunks (new tokens, prefix): as recorded, or, from a timeline without them,
+        its tokens cut into whole prompts of `prompt` tokens and the rest, as a step of a run whose
+        prompts are about that long holds them (a 2,048-token step of 1,024-token prompts is two prompts,
+        whose attention is half of one 2,048-token prompt's), each piece's prefix taken as none."""
         if self.kind != "prefill":
             return []
+        if self.given:
+            return list(self.given)
         whole, rest = divmod(self.size, self.prompt) if self.prompt else (0, self.size)
         return [(self.prompt, 0)] * whole + ([(rest, 0)] if rest else [])
 
@@ -78,16 +82,20 @@ def predict(cost: CostModel, p: Point) -> float:
     return cost.decode_time([p.kv] * p.size)
 
 
+PREFIX_BIN = 128  # a recorded chunk's prefix, to the nearest this many tokens (a shape's steps: one median)
+
+
 def points_from_run(saved: dict, roles=("colocated", "decode", "prefill")) -> tuple[list[Point], list[str]]:
     """The steps a real run's TP-1 workers of the given roles timed, grouped by shape (prefill tokens,
-    decode batch), the median of each; decode KV length is the requests' mean prompt plus half their
-    mean output, and a step's prompt tokens are chunks of at most their mean prompt (Point.chunks).
-    Returns the points and what was left out."""
+    decode batch, and its prompt chunks where the timeline recorded them, their prefixes to PREFIX_BIN
+    tokens), the median of each; decode KV length is the requests' mean prompt plus half their mean
+    output, and without recorded chunks a step's prompt tokens are chunks of at most their mean prompt
+    (Point.chunks). Returns the points and what was left out."""
     reqs = [r for rec in saved["runs"] for r in rec["requests"]]
     kv = int(np.mean([r["prompt_tokens"] + r["output_tokens"] / 2 for r in reqs]))
     prompt = round(np.mean([r["prompt_tokens"] for r in reqs]))
     deployments = {d["name"]: d for d in saved["config"]["deployments"]}
-    shapes: dict[tuple[int, int], list[float]] = {}
+    shapes: dict[tuple, list[float]] = {}
     skipped = []
     for rec in saved["runs"]:
         d = deployments[rec["deployment"]]
@@ -98,13 +106,14 @@ def points_from_run(saved: dict, roles=("colocated", "decode", "prefill")) -> tu
             if tp != 1:
                 skipped.append(f"{rec['deployment']}/{t['name']} (TP {tp})")
                 continue
-            for start, end, prefill, decode, *_ in t["steps"]:
-                shapes.setdefault((prefill, decode), []).append(end - start)
+            for start, end, prefill, decode, *rest in t["steps"]:
+                given = tuple((n, PREFIX_BIN * round(p / PREFIX_BIN)) for n, p in rest[1]) if rest[1:] else ()
+                shapes.setdefault((prefill, decode, given), []).append(end - start)
     points = []
-    for (prefill, decode), secs in sorted(shapes.items()):
+    for (prefill, decode, given), secs in sorted(shapes.items()):
         med = float(np.median(secs))
         if prefill:
-            points.append(Point("prefill", prefill, kv, med, decode=decode, prompt=prompt))
+            points.append(Point("prefill", prefill, kv, med, decode=decode, prompt=prompt, given=given))
         else:
             points.append(Point("decode", decode, kv, med))
     return points, skipped

@@ -110,6 +110,37 @@ def test_a_step_of_two_prompts_is_read_as_two_prompts_not_one_twice_as_long():
     assert cal["prefill_slowdown"] == pytest.approx(1.2, rel=0.03)
 
 
+def test_recorded_chunks_price_a_cached_prefix_the_step_attended_over():
+    """A worker's timeline records each prompt chunk's tokens and first position: a 128-token chunk after
+    a 1,536-token cached history costs more attention than a 128-token prompt, and the calibration reads
+    it so (the steps follow a known model with the prefill worker 1.3x slower: read without the prefix
+    it would come out otherwise)."""
+    model = sim_model("smollm2-135m")
+    cost = CostModel(model, CPU, 1, Efficiency(linear=0.6, attention=0.6, memory=0.8))
+    long = cost.step_time([(128, 1536)], [], sampled=1)
+    assert long > 1.1 * cost.step_time([(128, 0)], [], sampled=1)  # the difference matters
+    decode = [[0, cost.decode_time([1040] * b), 0, b, 0, []] for b in (1, 2, 4)]
+    decode += [[0, cost.step_time([(512, 0)], [1040], sampled=2), 512, 1, 0, [[512, 0]]]]
+    prefill = [[a, a + 1.3 * long, 128, 0, 0, [[128, 1536]]] for a in (0.0, 5.0, 10.0)]
+    req = {"prompt_tokens": 1664, "output_tokens": 32, "prefill": "remote", "prefill_worker": "prefill-0"}
+    saved = {
+        "config": {
+            "model": {"name": "smollm2-135m"},
+            "deployments": [
+                {"name": "1p1d", "kind": "disaggregated", "tp": 1, "prefill_tp": 1, "decode_tp": 1}
+            ],
+        },
+        "runs": [
+            {"deployment": "1p1d", "requests": [dict(req, arrival_s=a) for a in (0.0, 5.0)], "timelines": [
+                {"name": "decode-0", "role": "decode", "steps": decode},
+                {"name": "prefill-0", "role": "prefill", "steps": prefill}]},
+        ],
+    }  # fmt: skip
+    cal = calibrate_from_run(saved, CPU)
+    assert cal["prefill_points"][0].chunks == [(128, 1536)]
+    assert cal["prefill_slowdown"] == pytest.approx(1.3, rel=0.03)
+
+
 def test_the_engines_moe_mla_steps_fit_and_feed_the_large_moe_study(tmp_path, capsys):
     """calibrate times the engine's own DeepSeek-shaped steps (latent attention, routed experts), fits the
     cost model's view of the same model to them, and writes the fit; the large-MoE study takes it."""
