@@ -256,6 +256,12 @@ def test_multiturn_conversations_reuse_their_history_and_send_only_the_new_kv(tm
     assert 0 < cached["summary"]["prefix_hit_rate"] and plain["summary"]["prefix_hit_rate"] == 0
     assert cached["summary"]["prefix_hits"]["prefill-0"] > 0  # its own cache: later turns' history
     assert all(t["free_pages"] == t["num_pages"] for rec in (cached, plain) for t in rec["timelines"])
+    # each prefill step records its prompt chunks (tokens, first position): later turns' start past
+    # the cached history, which the simulator's calibration prices (experiments/sim/calibrate.py)
+    for rec, cached_at in ((cached, True), (plain, False)):
+        steps = [s for t in rec["timelines"] if t["role"] == "prefill" for s in t["steps"] if s[2]]
+        assert steps and all(sum(n for n, _ in s[5]) == s[2] for s in steps)
+        assert any(p > 0 for s in steps for _, p in s[5]) == cached_at
 
 
 def test_cache_aware_routing_keeps_each_conversation_where_its_history_is(tmp_path):
