@@ -38,6 +38,7 @@ class SimRequest:
     cached: int = 0  # prompt tokens its serving instance's cache held (its decode instance's, disaggregated)
     skip: int = 0  # disaggregated: pages its decode instance held, not sent
     local: bool = False  # disaggregated: its decode instance computed the missing rest itself
+    computing: bool = False  # on its decode instance: its context computed there, in chunks, until done
     sent_tokens: int = 0  # KV tokens sent to it (the engine sends whole pages: up to a page more)
     rejected: str | None = None  # why the policy's admission refused it (deployment.admission=slo)
     ready: float = 0.0  # kv_tiers: its pages below the device are loaded by then (it waits out of steps)

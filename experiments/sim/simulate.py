@@ -13,7 +13,8 @@ kv_tokens). A colocated or prefill instance admits a request only when its whole
 fits. A decode instance admits as the engine's scheduler does, with room to finish: it holds the KV of
 the request's context plus min(the outputs left, reserved_tokens) (None: all of them); a request that
 runs past that takes a free slot per token, or is preempted when none is left: its KV is dropped and
-either recomputed on the decode instance (a prefill chunk in its next step) or refetched from a prefill
+either recomputed on the decode instance (prefill chunks in its next steps, under its token budget and,
+with chunk_size: slo, its SloBudget, as a local prefill's missing rest) or refetched from a prefill
 instance (prompt + outputs so far). reserved_tokens=0 is the old rule (the prompt's KV only), which
 thrashes once the decode instance fills.
 
@@ -26,9 +27,9 @@ request from its longest cached prefix on (its last token always); pages are nam
 and, for the instance that decodes it, when it finishes (the reply's pages too, as the engine names them
 while decoding). A disaggregated request first looks up its decode instance's cache: the prefill
 instance sends only the pages from there on, or, where what is missing is at most
-`local_prefill_max_tokens`, the decode instance computes it in its own next step. Each cache is an LRU
-over page names holding at most the instance's KV capacity in pages; pages in use count toward it as
-cached ones (an approximation: the engine evicts only pages no request holds). A preempted request's pages
+`local_prefill_max_tokens`, the decode instance computes it itself (in chunks, as above). Each cache is
+an LRU over page names holding at most the instance's KV capacity in pages; pages in use count toward it
+as cached ones (an approximation: the engine evicts only pages no request holds). A preempted request's pages
 are not kept (its refetch or recompute looks nothing up).
 
 Output per request: arrival, first-token time and the time of each later token, from which the same
@@ -418,7 +419,7 @@ class _Simulation:
             self.refetch(r, name, now)
 
     def refetch(self, r, left, now) -> None:
-        r.held, r.computed, r.drafting = 0, 0, 0
+        r.held, r.computed, r.drafting, r.computing = 0, 0, 0, False
         if r.generated:
             r.fetch = r.prompt + r.generated
         self.policy.moved(r.rid, left)

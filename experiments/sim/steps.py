@@ -124,8 +124,8 @@ def lookup_decode(inst: Instance, r: SimRequest) -> None:
 
 def prefill_locally(inst: Instance, r: SimRequest) -> bool:
     """router='decode': r's decode instance looks its cache up; where it lacks at most
-    local_prefill_max_tokens (the last token included) it computes them itself (a prefill chunk in its
-    next step, nothing sent) and True is returned."""
+    local_prefill_max_tokens (the last token included) it computes them itself (prefill chunks in its
+    next steps, decode_step's; nothing sent) and True is returned."""
     lookup_decode(inst, r)
     have = r.skip * inst.page_size
     if r.fetch or not inst.local_prefill_max_tokens or r.context - have > inst.local_prefill_max_tokens:
@@ -156,14 +156,13 @@ def admit_decode(inst: Instance, r: SimRequest) -> bool:
     return True
 
 
-def _admit_waiting_decode(inst: Instance) -> list:
-    """Admit preempted requests to recompute first, then landed ones, in order while they fit; returns
-    the recomputed ones admitted (each is a prefill chunk in this step)."""
-    recompute = []
+def _admit_waiting_decode(inst: Instance) -> None:
+    """Admit preempted requests to recompute (and local prefills) first, then landed ones, in order while
+    they fit; the ones to compute join running with their context not yet computed."""
     while inst.recompute and len(inst.running) < inst.max_seqs and admit_decode(inst, inst.recompute[0]):
         r = inst.recompute.pop(0)
+        r.computing = True
         inst.running.append(r)
-        recompute.append(r)
     while (
         not inst.recompute
         and inst.waiting
@@ -171,7 +170,6 @@ def _admit_waiting_decode(inst: Instance) -> list:
         and admit_decode(inst, inst.waiting[0])
     ):
         inst.running.append(inst.waiting.pop(0))
-    return recompute
 
 
 def _preempt(inst: Instance, r: SimRequest) -> list:
@@ -191,9 +189,15 @@ def _preempt(inst: Instance, r: SimRequest) -> list:
 
 
 def decode_step(inst: Instance) -> tuple[float, list]:
-    recompute = _admit_waiting_decode(inst)
+    """One step of a decode instance: a token for each decoding request, and chunks of what it computes
+    itself (a preempted request's context, a local prefill's missing rest) under its token budget, with
+    chunk_size: slo under the TPOT budget too, as the engine's scheduler sizes them; such a request
+    samples its next token with its last chunk."""
+    _admit_waiting_decode(inst)
     events = []
-    for r in [r for r in inst.running[: inst.max_seqs] if r not in recompute]:  # each decode token's slot
+    running = inst.running[: inst.max_seqs]
+    computing = [r for r in running if r.computing]
+    for r in [r for r in running if not r.computing]:  # each decode token's slot
         if r.prompt + r.generated + 1 <= r.held:
             continue
         if inst.kv_used + 1 > inst.kv_capacity_tokens:  # past what it holds, and nothing is free
@@ -201,15 +205,30 @@ def decode_step(inst: Instance) -> tuple[float, list]:
             continue
         r.held += 1
         inst.kv_used += 1
-    batch = [r for r in inst.running[: inst.max_seqs] if r not in recompute]
-    if not batch and not recompute:
+    batch = [r for r in inst.running[: inst.max_seqs] if not r.computing]
+    budget = inst.budget - len(batch)
+    if inst.step_budget is not None and batch:
+        budget = min(budget, inst.step_budget.prompt_tokens(len(batch)))
+    chunks = []
+    for r in computing:
+        if budget <= 0:
+            break
+        n = min(r.prompt + r.generated - r.computed, budget)
+        chunks.append((r, n))
+        budget -= n
+    if not batch and not chunks:
         return (1e-9 if events else 0.0), events  # it only preempted: the refetches still go out
-    inst.last_step = (sum(r.prompt + r.generated - r.computed for r in recompute), len(batch))
+    inst.last_step = (sum(n for _, n in chunks), len(batch))
     verify, plain, drafts = _verify_chunks(inst, batch)
-    chunks = verify + [(r.prompt + r.generated - r.computed, r.computed) for r in recompute]
-    for r in recompute:  # a preempted request's whole context, or a local prefill's missing rest
-        r.computed = r.prompt + r.generated
+    done = []
+    for r, n in chunks:
+        r.computed += n
+        if r.computed == r.prompt + r.generated:
+            r.computing = False
+            done.append(r)
     dt = inst.cost.step_time(
-        chunks, [r.prompt + r.generated for r in plain], len(plain) + drafts + len(recompute)
+        verify + [(n, r.computed - n) for r, n in chunks],
+        [r.prompt + r.generated for r in plain],
+        len(plain) + drafts + len(done),
     )
-    return dt, events + _decode_events(inst, plain + recompute)
+    return dt, events + _decode_events(inst, plain + done)

@@ -339,3 +339,30 @@ def test_prefill_by_load_sends_what_the_prefill_queue_would_make_late_to_the_dec
     assert not any(r.local for r in sent) and off.local_by_load == 0
     assert sum(r.local for r in split) == on.local_by_load > 5
     assert sorted(r.ttft for r in split)[27] < sorted(r.ttft for r in sent)[27] / 2
+
+
+def test_a_decode_instance_s_own_prefills_keep_to_its_step_budget():
+    """A decode instance that prefills prompts itself (local_prefill_max_tokens here; by load alike)
+    sizes their chunks with its SloBudget as the engine's scheduler does: 400-token prompts every 6 s
+    beside 1 s decode steps (plus 10 ms a prompt token). Without a budget a whole prompt lands in one 5 s
+    step (its 2,048-token budget takes it); with a 1.5 s target the decodes keep to it, and every prompt
+    is still computed there."""
+    from engine.budget import CREDIT_STEPS, SloBudget
+
+    steps = fixed_steps(1.0, 0.01)
+
+    def run(target):
+        reqs = [SimRequest(i, 6.0 * i, prompt=400, output=20) for i in range(16)]
+        decode = Instance(steps(TOY, HW, eff=Efficiency(comm=1)), local_prefill_max_tokens=1000)
+        decode.step_budget = SloBudget(target, 2048) if target else None
+        prefill = Instance(steps(TOY, HW, eff=Efficiency(comm=1)))
+        simulate_disaggregated(
+            [prefill], [decode], reqs, layerwise=False, router="decode", first_token_on="decode"
+        )
+        return reqs
+
+    fixed, slo = run(None), run(1.5)
+    assert all(r.local and r.done is not None for r in fixed + slo)
+    assert max(r.tpot for r in fixed) > 2.5  # a 5 s step among 1 s ones
+    assert all(r.tpot <= 1.5 + CREDIT_STEPS * 1.5 / 19 + 1e-9 for r in slo)
+    assert sorted(r.ttft for r in slo)[8] > sorted(r.ttft for r in fixed)[8]  # the prompts pay for it
