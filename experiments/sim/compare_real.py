@@ -75,7 +75,7 @@ def slim(saved: dict, calibrate_rate: float) -> dict:
         return round(x, 4) if isinstance(x, float) else x
 
     def timeline(t: dict) -> dict:
-        steps = [[short(v) for v in s[:4]] for s in t["steps"]]
+        steps = [[short(v) for v in s[:5]] + s[5:6] for s in t["steps"]]  # the prompt chunks too
         return {"name": t["name"], "role": t["role"], "steps": steps}
 
     def request(r: dict) -> dict:
@@ -186,6 +186,8 @@ def main(argv=None) -> int:
     else:
         if args.calibrate_rate is not None and args.calibrate_from is not None:
             ap.error("give --calibrate-from or --calibrate-rate, not both")
+        if args.save_slim is not None and args.calibrate_rate is None:
+            ap.error("--save-slim needs --calibrate-rate (the rate whose step timelines it keeps)")
         if args.calibrate_rate is not None:
             rates = sorted({rec["rate"] for rec in saved["runs"]})
             if args.calibrate_rate not in rates or len(rates) < 2:

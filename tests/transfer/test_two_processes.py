@@ -31,8 +31,6 @@ def _prefill_worker(addresses, creds, model, tp, page_size, num_pages, budget, p
     worker the test kills leaves nothing either). With more than one address, DP groups, each with its
     messenger and agent, group r's on addresses[r]. `sent` receives ("kv", request, the KV it computed)
     just before group 0's pages are freed, and ("pass", start, end) for each of group 0's forward passes."""
-    import tempfile
-
     from pdkernels import ops
     from transfer.channel import ZmqEndpoint
     from transfer.protocol import prefill_codec

@@ -38,6 +38,12 @@ def test_a_slimmed_run_compares_as_the_whole_one(tmp_path, capsys):
     saved = json.loads(RECORDED.read_text())
     again = compare_real.slim(saved, 0.5)
     assert again == saved  # the fixture is its own slim form: nothing it needs was dropped
+    # a newer run's steps carry their prompt chunks, which the slim form keeps
+    steps = saved["runs"][0]["timelines"][0]["steps"]
+    chunked = {**saved, "runs": [{**saved["runs"][0], "timelines": [{"name": "w", "role": "colocated",
+               "steps": [[*s[:4], 0, [[s[2], 0]] if s[2] else []] for s in steps]}]}]}  # fmt: skip
+    kept = compare_real.slim(chunked, 0.5)["runs"][0]["timelines"][0]["steps"]
+    assert kept == chunked["runs"][0]["timelines"][0]["steps"]
     path = tmp_path / "results.json"
     path.write_text(json.dumps(saved))
     out = tmp_path / "slim.json"
@@ -53,9 +59,10 @@ def test_a_slimmed_run_compares_as_the_whole_one(tmp_path, capsys):
     [
         (["--calibrate-rate", "2.0"], "--calibrate-rate must be one of this run's rates"),
         (["--calibrate-rate", "0.5", "--calibrate-from", "x.json"], "not both"),
+        (["--save-slim", "out.json"], "--save-slim needs --calibrate-rate"),
     ],
 )
-def test_a_calibration_rate_the_run_lacks_is_refused_by_name(tmp_path, capsys, args, message):
+def test_a_calibration_the_options_cannot_give_is_refused_by_name(tmp_path, capsys, args, message):
     path = tmp_path / "results.json"
     path.write_text(RECORDED.read_text())
     with pytest.raises(SystemExit):
