@@ -49,7 +49,10 @@ def tier_spec(config, model, summary: dict) -> TierSpec | None:
     payload = page * model.kv_bytes_per_token() // model.activation_bytes * DTYPE_BYTES[config.model.dtype]
     slot = -(-(HEADER_BYTES + payload) // ALIGN) * ALIGN
     spec = TierSpec(
-        t.host_bytes // slot, t.disk_bytes // slot, t.store_bytes // slot if t.store != "none" else 0
+        t.host_bytes // slot,
+        t.disk_bytes // slot,
+        t.store_bytes // slot if t.store != "none" else 0,
+        decode_loads=t.decode_loads,
     )
     for tier, c in summary.get("kv_tiers", {}).items():
         if c["hit_tokens"] and c["loads"]:

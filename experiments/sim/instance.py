@@ -86,6 +86,9 @@ class TierSpec:
     disk_pages: int = 0
     pool_pages: int = 0
     page_s: dict = field(default_factory=lambda: dict(TIER_PAGE_S))
+    # a disaggregated request's decode instance: loads what it finds below its device cache instead of
+    # being sent it (kv_tiers.decode_loads, as engine/scheduler.py's load_reserved): never | always | cost
+    decode_loads: str = "cost"
 
 
 def _lru_put(names: OrderedDict, name, capacity: int):
@@ -98,7 +101,8 @@ def _lru_put(names: OrderedDict, name, capacity: int):
 class PageCache:
     """An instance's prefix cache: page names, least recently used first, at most `capacity` of them;
     with tiers, what it evicts goes to its host pool (and behind it, every host page, to its files), and
-    every page it names goes to the pool all instances share, as engine/kv_tiers.py does."""
+    every page it names goes to the pool all instances share (a decode instance's do not: `share`), as
+    engine/kv_tiers.py does."""
 
     def __init__(self, capacity: int, tiers: TierSpec | None = None, pool: OrderedDict | None = None):
         self.capacity, self.pages = max(int(capacity), 0), OrderedDict()
@@ -108,6 +112,7 @@ class PageCache:
         self.disk: OrderedDict = OrderedDict()
         self.tier_hits = {"host": 0, "disk": 0, "pool": 0}  # tokens loaded from each
         self.load_s = 0.0  # loads of the step being scheduled (its duration takes them)
+        self.share = True  # put what it names into the pool (a decode instance does not, as the engine)
 
     def peek(self, r: SimRequest, context: int, page: int) -> list:
         """The names of the pages at the head of r's first `context` tokens that are cached (at most what
@@ -129,10 +134,19 @@ class PageCache:
             return "disk"
         return "pool" if self.pool is not None and name in self.pool else None
 
-    def lookup(self, r: SimRequest, context: int, page: int) -> int:
+    def lookup(self, r: SimRequest, context: int, page: int, within_s: float | None = None) -> int:
         """How many pages peek finds, counted as a query; they become the most recently used (those below
-        the device are loaded: their time goes to load_s)."""
+        the device are loaded: their time goes to load_s). within_s: take the pages below the device only
+        while their loads add up to at most this (0: none of them; None: all)."""
         names = self.peek(r, context, page)
+        if within_s is not None:
+            n, total = 0, 0.0
+            while n < len(names) and names[n] in self.pages:
+                n += 1
+            while n < len(names) and total + self.tiers.page_s[self._below(names[n])] <= within_s:
+                total += self.tiers.page_s[self._below(names[n])]
+                n += 1
+            names = names[:n]
         for name in names:
             tier = None if name in self.pages else self._below(name)
             if tier is not None:
@@ -147,7 +161,7 @@ class PageCache:
     def add(self, r: SimRequest, tokens: int, page: int) -> None:
         for name in r.names(tokens, page):
             self._put(name)
-            if self.pool is not None and self.tiers.pool_pages:
+            if self.pool is not None and self.tiers.pool_pages and self.share:
                 _lru_put(self.pool, name, self.tiers.pool_pages)
 
     def _put(self, name) -> None:

@@ -19,18 +19,19 @@ instance (prompt + outputs so far). reserved_tokens=0 is the old rule (the promp
 thrashes once the decode instance fills.
 
 Prefix caching (an instance's `cache`, a PageCache; the request, cache and instance types are in
-experiments/sim/instance.py): a request's KV is a row of pages of `page_size`
-tokens, named by what they hold: the first `shared` tokens are common to every request (a system
-prompt), the rest belong to its `stream` (a conversation: turn t+1's prompt is turn t's prompt, reply and
-a new message, so its pages are named as turn t's were). A colocated or prefill instance computes a
-request from its longest cached prefix on (its last token always); pages are named when its prefill ends
-and, for the instance that decodes it, when it finishes (the reply's pages too, as the engine names them
-while decoding). A disaggregated request first looks up its decode instance's cache: the prefill
-instance sends only the pages from there on, or, where what is missing is at most
-`local_prefill_max_tokens`, the decode instance computes it itself (in chunks, as above). Each cache is
-an LRU over page names holding at most the instance's KV capacity in pages; pages in use count toward it
-as cached ones (an approximation: the engine evicts only pages no request holds). A preempted request's pages
-are not kept (its refetch or recompute looks nothing up).
+experiments/sim/instance.py): a request's KV is a row of pages of `page_size` tokens, named by what they
+hold: the first `shared` tokens are common to every request (a system prompt), the rest belong to its
+`stream` (a conversation: turn t+1's prompt is turn t's prompt, reply and a new message, so its pages are
+named as turn t's were). A colocated or prefill instance computes a request from its longest cached
+prefix on (its last token always); pages are named when its prefill ends and, for the instance that
+decodes it, when it finishes (the reply's pages too, as the engine names them while decoding). A
+disaggregated request first looks up its decode instance's cache (below its device cache too, as its
+tiers' decode_loads allow: it joins a step once those loads land; a decode instance puts nothing into the
+shared pool): the prefill instance sends only the pages from there on, or, where what is missing is at
+most `local_prefill_max_tokens`, the decode instance computes it itself (in chunks, as above). Each cache
+is an LRU over page names holding at most the instance's KV capacity in pages; pages in use count toward
+it as cached ones (an approximation: the engine evicts only pages no request holds). A preempted
+request's pages are not kept (its refetch or recompute looks nothing up).
 
 Output per request: arrival, first-token time and the time of each later token, from which the same
 metrics as the real runs follow (experiments/metrics.py's percentiles and SLO rules).
@@ -229,11 +230,17 @@ class _Simulation:
         elif (
             kind == "forward"
             and router == "decode"
-            and (prefill_locally(self.home[payload.rid], payload) or self.by_load(payload))
+            and (
+                prefill_locally(self.home[payload.rid], payload, now, self.expected_prefill_s(payload))
+                or self.by_load(payload)
+            )
         ):
             target = self.home.pop(payload.rid)
             self.homed[id(target)] -= 1
-            target.recompute.append(payload)
+            self.push(max(now, payload.ready), "local", (target, payload))  # once its loads have landed
+        elif kind == "local":  # prefilled on its decode instance, from what it holds there
+            target, r = payload
+            target.recompute.append(r)
             self.kick(target, now)
         elif kind in ("route", "forward"):
             chosen = self.policy.prefill_of(
@@ -248,6 +255,21 @@ class _Simulation:
         elif kind == "land":  # KV arrived at a decode instance
             self.land(*payload, now)
 
+    def expected_prefill_s(self, r) -> float:
+        """How long r's KV is expected to take to arrive when sent, as a decode worker's messenger expects
+        (kv_tiers.decode_loads: cost): the prompt tokens queued at the least loaded prefill instance and
+        r's own, at the prefill instances' measured seconds per prompt token (the cost model's until they
+        have one)."""
+        serving = [i for i in self.front if id(i) not in self.leaving] or self.front
+        queued = min(sum(q.context - q.computed for q in i.waiting + i.running) for i in serving)
+        tokens = sum(i.speed[0] for i in serving)
+        per_token = (
+            sum(i.speed[1] for i in serving) / tokens
+            if tokens
+            else serving[0].cost.prefill_time([r.context]) / r.context
+        )
+        return (queued + r.context) * per_token
+
     def by_load(self, r) -> bool:
         """The policy sent r to be prefilled on its own decode instance (deployment.local_prefill_by_load:
         its prefill instances' queue would make it late), as the real decode worker takes a Submit naming
@@ -259,6 +281,9 @@ class _Simulation:
         return True
 
     def land(self, inst, r, now) -> None:
+        if r.ready > now:  # what it loads from below has not landed yet: it joins once that has
+            self.push(r.ready, "land", (inst, r))
+            return
         if self.router == "decode":
             self.homed[id(inst)] -= 1
         if inst not in self.back or id(inst) in self.leaving:  # it left decoding meanwhile: fetched again
@@ -350,7 +375,8 @@ class _Simulation:
             target = self.home.pop(r.rid)
         else:  # DistServe's: the decode instance is chosen now, and looks its cache up now
             target = min([i for i in self.back if id(i) not in self.leaving] or self.back, key=Instance.load)
-            lookup_decode(target, r)
+            kv = r.context * inst.cost.model.kv_bytes_per_token()
+            lookup_decode(target, r, end, transfer_time(kv, inst.cost.hw, 1, inst.cost.eff))
         r.cached = r.skip * target.page_size
         if r.generated >= r.output:  # one token, sampled on the prefill side: no decode
             r.done = end

@@ -115,18 +115,26 @@ def maybe_finish(inst: Instance, r: SimRequest, t: float) -> bool:
     return True
 
 
-def lookup_decode(inst: Instance, r: SimRequest) -> None:
-    """A disaggregated request's decode instance looks up what of its prompt it already holds."""
+def lookup_decode(inst: Instance, r: SimRequest, now: float = 0.0, transfer_s: float = 0.0) -> None:
+    """A disaggregated request's decode instance looks up what of its prompt it already holds: on its
+    device, and below it as its tiers' decode_loads allow ("cost": the leading pages whose loads add up
+    to at most transfer_s, the time the rest is expected to take to arrive). Pages below load from now:
+    r cannot join a step before r.ready."""
     r.skip = 0
-    if inst.cache is not None and not r.fetch:
-        r.skip = inst.cache.lookup(r, r.context, inst.page_size)
+    if inst.cache is None or r.fetch:
+        return
+    tiers = inst.cache.tiers
+    mode = tiers.decode_loads if tiers is not None else "never"
+    within = {"never": 0.0, "always": None, "cost": transfer_s}.get(mode, None)
+    r.skip = inst.cache.lookup(r, r.context, inst.page_size, within_s=within)
+    r.ready = now + inst.cache.take_load_s()
 
 
-def prefill_locally(inst: Instance, r: SimRequest) -> bool:
-    """router='decode': r's decode instance looks its cache up; where it lacks at most
+def prefill_locally(inst: Instance, r: SimRequest, now: float = 0.0, transfer_s: float = 0.0) -> bool:
+    """router='decode': r's decode instance looks its cache up (lookup_decode); where it lacks at most
     local_prefill_max_tokens (the last token included) it computes them itself (prefill chunks in its
     next steps, decode_step's; nothing sent) and True is returned."""
-    lookup_decode(inst, r)
+    lookup_decode(inst, r, now, transfer_s)
     have = r.skip * inst.page_size
     if r.fetch or not inst.local_prefill_max_tokens or r.context - have > inst.local_prefill_max_tokens:
         return False

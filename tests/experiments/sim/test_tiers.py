@@ -20,11 +20,9 @@ MULTITURN = ["workload=multiturn", "workload.conversations=8", "workload.turns=4
 MULTITURN += ["workload.system_prompt_len=200", "workload.turn_len=100", "workload.output_len.value=40"]
 
 
-def _sim(routing: str, cache_pages: int, tiers: TierSpec | None):
+def _sim(routing: str, cache_pages: int, tiers: TierSpec | None, deployment=("deployment=colocated",)):
     with initialize_config_dir(config_dir=CONF, version_base=None):
-        cfg = compose(
-            "config", overrides=[*MULTITURN, "deployment=colocated", f"deployment.routing={routing}"]
-        )
+        cfg = compose("config", overrides=[*MULTITURN, *deployment, f"deployment.routing={routing}"])
     plain = OmegaConf.to_container(cfg, resolve=True)
     (d,), workload = deployments_of(plain), workload_of(plain)
     model, hw = sim_model("smollm2-135m"), load_hardware("cpu-this-machine")
@@ -56,3 +54,18 @@ def test_round_robin_with_the_pool_passes_either_router_without_it():
     # every turn finds its whole history wherever it lands: at least what either router keeps local
     assert max(rr["prefix_hit_rate"], aware["prefix_hit_rate"]) < pooled["prefix_hit_rate"]
     assert pooled["kv_tiers"]["pool"]["hit_tokens"] > 0
+
+
+def test_a_decode_instance_loads_from_the_pool_as_decode_loads_says_and_puts_nothing_there():
+    """1P2D round robin: a turn's decode instance lacks the turns the other one decoded. With `never` it
+    is sent them; with `always` it loads the leading pages the pool holds (the prompts the prefill
+    instance put there: a decode instance puts nothing, as the engine's decode workers) and is sent
+    only the rest; `cost` loads while the loads are quicker than the expected transfer."""
+    one_two = ("deployment=1p1d", "deployment.num_decode=2")
+    tiers = {m: TierSpec(host_pages=1, pool_pages=100_000, decode_loads=m) for m in ("never", "always")}
+    tiers["cost"] = TierSpec(host_pages=1, pool_pages=100_000)  # the default, as the engine's
+    runs = {mode: _sim("round_robin", 4000, spec, one_two) for mode, spec in tiers.items()}
+    sent = {mode: run["transfer_bytes"] for mode, run in runs.items()}
+    assert sent["always"] < sent["never"] and sent["always"] <= sent["cost"] <= sent["never"]
+    assert runs["always"]["prefix_hit_rate"] > runs["never"]["prefix_hit_rate"]
+    assert all(run["completed"] == 32 for run in runs.values())
