@@ -196,12 +196,15 @@ class EngineCore:
             start = time.perf_counter()
             self._run(batch)
             end = time.perf_counter()
-            decoding = [c for c in batch.chunks if c.samples and c.num_tokens == 1 + len(c.drafts)]
+            decoding, prompts = [], []  # a decode token (and its drafts) per sequence; prompt chunks
+            for c in batch.chunks:
+                if c.samples and c.num_tokens == 1 + len(c.drafts):
+                    decoding.append(c)
+                else:
+                    prompts.append((c.num_tokens, c.start))
             decode = sum(c.num_tokens for c in decoding)
             verify = sum(1 for c in decoding if c.drafts)
-            sampled = {id(c) for c in decoding}
-            prompts = tuple((c.num_tokens, c.start) for c in batch.chunks if id(c) not in sampled)
-            self.last_step = StepStats(start, end, batch.num_tokens - decode, decode, verify, prompts)
+            self.last_step = StepStats(start, end, batch.num_tokens - decode, decode, verify, tuple(prompts))
             if self.scheduler.budget is not None:  # the step-time model the budget sizes steps by
                 s = self.last_step
                 self.scheduler.budget.observe(decode, s.prefill_tokens, s.end - s.start)

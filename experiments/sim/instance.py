@@ -139,16 +139,14 @@ class PageCache:
         the device are loaded: their time goes to load_s). within_s: take the pages below the device only
         while their loads add up to at most this (0: none of them; None: all)."""
         names = self.peek(r, context, page)
+        tiers = [None if name in self.pages else self._below(name) for name in names]  # device ones first
         if within_s is not None:
             n, total = 0, 0.0
-            while n < len(names) and names[n] in self.pages:
+            while n < len(names) and (tiers[n] is None or total + self.tiers.page_s[tiers[n]] <= within_s):
+                total += self.tiers.page_s[tiers[n]] if tiers[n] is not None else 0.0
                 n += 1
-            while n < len(names) and total + self.tiers.page_s[self._below(names[n])] <= within_s:
-                total += self.tiers.page_s[self._below(names[n])]
-                n += 1
-            names = names[:n]
-        for name in names:
-            tier = None if name in self.pages else self._below(name)
+            names, tiers = names[:n], tiers[:n]
+        for name, tier in zip(names, tiers, strict=True):
             if tier is not None:
                 self.tier_hits[tier] += page
                 self.load_s += self.tiers.page_s[tier]

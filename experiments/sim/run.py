@@ -186,9 +186,6 @@ def simulate_deployment(
             i.reserved_tokens, i.preemption = d.decode_reserved_tokens, d.decode_preemption
             i.local_prefill_max_tokens, i.role_settings = d.local_prefill_max_tokens, roles
         prefill, decode = caching(prefill), caching(decode)
-        for i in decode:  # a decode worker puts nothing into the pool (engine/kv_tiers.py's share)
-            if i.cache is not None:
-                i.cache.share = False
         names = [f"decode-{n}" for n in range(len(decode))]
         bounds = (slo.ttft_s, slo.tpot_s) if slo is not None else (float("inf"), float("inf"))
         simulate_disaggregated(

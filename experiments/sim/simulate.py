@@ -178,6 +178,9 @@ class _Simulation:
             self.policy.prefill_workers = [self.names[id(i)] for i in front]
         self.planner, self.switch_s, self.moves = None, 0.0, []
         self.leaving: dict = {}  # id(instance) -> the role it moves to, until it serves it
+        for inst in back:  # a decode instance puts nothing into the pool, as the engine (kv_tiers' share)
+            if inst.cache is not None:
+                inst.cache.share = False
         for r in requests:
             self.push(r.arrival, "arrive", r)
 
@@ -480,6 +483,8 @@ class _Simulation:
         (self.back if role == "decode" else self.front).append(inst)
         for key, value in inst.role_settings.get(role, {}).items():
             setattr(inst, key, value)
+        if inst.cache is not None:  # as the engine's set_role: only a decode role keeps out of the pool
+            inst.cache.share = role != "decode"
         self.inbox.setdefault(id(inst), [])
         self.homed.setdefault(id(inst), 0)
         self.policy.join(self.names[id(inst)], role)

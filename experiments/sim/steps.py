@@ -125,7 +125,7 @@ def lookup_decode(inst: Instance, r: SimRequest, now: float = 0.0, transfer_s: f
         return
     tiers = inst.cache.tiers
     mode = tiers.decode_loads if tiers is not None else "never"
-    within = {"never": 0.0, "always": None, "cost": transfer_s}.get(mode, None)
+    within = {"never": 0.0, "always": None, "cost": transfer_s}[mode]
     r.skip = inst.cache.lookup(r, r.context, inst.page_size, within_s=within)
     r.ready = now + inst.cache.take_load_s()
 
