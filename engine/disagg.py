@@ -111,9 +111,10 @@ class DecodeSide:
 
 
 def prefill_messenger(
-    llm: LLM, backend: Backend, config: TransferConfig | None = None, side: type = PrefillSide
+    llm: LLM, backend: Backend | list[Backend], config: TransferConfig | None = None, side: type = PrefillSide
 ) -> PrefillMessenger:
-    """A PrefillMessenger over llm's KV regions (every TP rank's) and layer counter, as its listener."""
+    """A PrefillMessenger over llm's KV regions (every TP rank's) and layer counter, as its listener;
+    backend: an agent per TP rank (a worker's: transfer.backends.rank_agents) or one for all."""
     pm = PrefillMessenger(
         side(llm),
         backend,
@@ -129,13 +130,14 @@ def prefill_messenger(
 
 def decode_messenger(
     llm: LLM,
-    backend: Backend,
+    backend: Backend | list[Backend],
     config: TransferConfig | None = None,
     side: type = DecodeSide,
-    group_backends: list[Backend] = (),
+    group_backends: list[Backend | list[Backend]] = (),
 ) -> DecodeMessenger:
-    """A DecodeMessenger over llm's KV regions (every TP rank's); with DP groups (llm.config.dp > 1), one
-    more destination per other group, its KV registered with its own agent (group_backends[r - 1])."""
+    """A DecodeMessenger over llm's KV regions (every TP rank's; backend: an agent per rank, or one); with
+    DP groups (llm.config.dp > 1), one more destination per other group, its KV registered with its own
+    agents (group_backends[r - 1])."""
     dp = llm.config.dp
     if len(group_backends) != dp - 1:
         raise ValueError(f"dp={dp}: one backend (agent) for each of the other {dp - 1} DP groups")

@@ -20,7 +20,7 @@ KV in shared memory and hands the front a mapping of it when it is ready (as TP 
 their lead), so the front's decode messenger registers each group's KV with an agent of its own (on
 its own NIC: transfer.nics_per_rank) and drives each group's engine through engine.disagg.DecodeSide
 (`call`: reserve, admit, fail, free, recompute, over the same pipe). In the prefill role each group
-is a prefill peer of its own: its messenger, layer counter and agent run in its engine's process
+is a prefill peer of its own: its messenger, layer counter and agents run in its engine's process
 (start_group_messengers), the front polls them between steps (poll_groups) and steps every group when
 any has work.
 A worker of DP groups behind the router: experiments/deploy/policy.py's Groups picks each request's
@@ -164,8 +164,8 @@ class DPEngines:
         for rank, counters in self._ask_all("counters").items():
             self.stats.setdefault(rank, {}).update(counters)
 
-    def start_messenger(self, rank: int, *args) -> str:
-        """Prefill role: engine rank builds its own messenger (_prefill_messenger's args); its agent."""
+    def start_messenger(self, rank: int, *args) -> list[str]:
+        """Prefill role: engine rank builds its own messenger (_prefill_messenger's args); its agents."""
         self._send(rank, ("prefill_messenger", args))
         return self._recv(rank, START_TIMEOUT_S)[1]
 
@@ -245,7 +245,7 @@ def _engine_main(rank: int, args: dict, rendezvous: str, conn, backend: str, lea
                 llm.grammars.load(*payload)
             elif kind == "prefill_messenger":  # prefill role: this group's own messenger and agent
                 pm = _prefill_messenger(llm, rank, *payload)
-                conn.send(("done", pm.backend.name))
+                conn.send(("done", pm.agents.names))
             elif kind == "poll":
                 if pm is not None:
                     pm.poll()
@@ -279,23 +279,25 @@ def _engine_main(rank: int, args: dict, rendezvous: str, conn, backend: str, lea
     finally:
         if pm is not None:
             pm.close()
-            pm.backend.close()
+            for backend in pm.agents.backends:
+                backend.close()
         if llm is not None:
             llm.close()
 
 
 def _prefill_messenger(llm, rank: int, transfer, agent: str, peers: list[tuple[str, str]], creds):
     """Prefill role: DP group rank's messenger in its engine's process, over its own KV, layer counter and
-    NIXL agent (on transfer.nics_per_rank's NIC), connected to each decode worker's control address for
-    this group (peers: (decode worker, address)). Each group is a prefill peer of its own to them."""
+    NIXL agents (one per TP rank, each on its transfer.nics_per_rank NIC), connected to each decode worker's
+    control address for this group (peers: (decode worker, address)). Each group is a prefill peer of its
+    own to them."""
     from engine.disagg import prefill_messenger
-    from transfer.backends import agent_for
+    from transfer.backends import rank_agents
     from transfer.channel import ZmqEndpoint
     from transfer.protocol import prefill_codec
 
     if transfer.backend != "nixl":
         raise ValueError("a DP group's messenger runs in another process: it needs transfer.backend nixl")
-    pm = prefill_messenger(llm, agent_for(transfer, agent, rank), transfer)
+    pm = prefill_messenger(llm, rank_agents(transfer, agent, llm.config.tp, rank), transfer)
     for peer, address in peers:
         pm.add_peer(ZmqEndpoint(address, False, creds, peer, prefill_codec()))
     return pm
@@ -346,10 +348,11 @@ class DPFront:
         self._remote[seq.request_id] = (rank, seq.prompt, seq.prompt_ids)
         return seq.request_id
 
-    def start_group_messengers(self, transfer, agent: str, peers: dict[int, list], creds) -> list[str]:
-        """Prefill role: each other DP group's own messenger (engine/dp.py's _prefill_messenger), its agent
-        named agent-dp<rank>, connected to peers[rank] ((decode worker, address) pairs). Returns the
-        agents' names. Group 0's messenger is the caller's (engine.disagg.prefill_messenger)."""
+    def start_group_messengers(self, transfer, agent: str, peers: dict[int, list], creds) -> list[list[str]]:
+        """Prefill role: each other DP group's own messenger (engine/dp.py's _prefill_messenger), its agents
+        named agent-dp<rank> (and -tp<t> for its other TP ranks), connected to peers[rank] ((decode worker,
+        address) pairs). Returns the agents' names, a list per group. Group 0's messenger is the caller's
+        (engine.disagg.prefill_messenger)."""
         names = []
         for rank in range(1, self.config.dp):
             name = f"{agent}-dp{rank}"

@@ -5,7 +5,8 @@ pipe, and runs its own shard; the ranks all-reduce over torch.distributed (gloo 
 PDKERNELS_TP_COLLECTIVES=gloo forces gloo, e.g. for two ranks on one GPU, which NCCL refuses).
 Each rank allocates its KV cache in shared memory (on GPU: a CUDA VMM allocation whose file descriptor
 the lead imports and maps, engine/vmm.py) and hands the lead a mapping of it, so the lead (and its
-messenger, with one NIXL agent) can read and write every rank's pages. Only the lead samples and owns
+messenger, with a NIXL agent per rank over that rank's mapping: transfer/agents.py) can read and write
+every rank's pages. Only the lead samples and owns
 the layer counter. Under data-parallel attention (engine/dp.py) each DP group's engine leads its own TP
 ranks this way, and all tp x dp ranks share one process group (the MoE layers' all-to-all).
 """

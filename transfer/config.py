@@ -29,8 +29,8 @@ class TransferConfig:
     # passes, so this must outlast the longest pass of either worker
     on_transfer_failure: str = "fail"  # fail: end the request with the error | recompute: prefill it locally
     context_slots: int = 64  # requests in flight per decode worker (rows of its context buffer)
-    # a worker of DP groups has one NIXL agent per group: group r's on entry r (RDMA device names, e.g.
-    # mlx5_1:1, NIXL's UCX device_list, so each rank sends or receives on its own NIC); empty: every
+    # a worker has one NIXL agent per rank: DP group g's TP rank t on entry g * tp + t (RDMA device names,
+    # e.g. mlx5_1:1, NIXL's UCX device_list, so each rank sends or receives on its own NIC); empty: every
     # agent on nixl_devices
     nics_per_rank: tuple[str, ...] = ()
 
@@ -56,6 +56,6 @@ class TransferConfig:
         nics = self.nics_per_rank
         if isinstance(nics, str) or not all(isinstance(n, str) and n for n in nics):
             raise ValueError(
-                f"transfer.nics_per_rank must be a list of device names (one per DP rank), got {nics!r}"
+                f"transfer.nics_per_rank must be a list of device names (one per rank), got {nics!r}"
             )
         object.__setattr__(self, "nics_per_rank", tuple(nics))

@@ -15,8 +15,10 @@ process is known to be gone. A peer that is only silent (hung, not dead) keeps i
 quarantined until it either answers or dies, so a late write can never land in another request's page.
 
 Messages count only from the peer that owns the request: Accepted and Ended from its control channel,
-write notifications from its transfer agent (named in its Hello) to the agent the request named, each
-post's notification once. Anything else is dropped and counted in `dropped`.
+write notifications from its transfer agents (one per TP rank, named in its Hello) to the agents the
+request named, each post's notification once. Anything else is dropped and counted in `dropped`; what
+counted, by sending agent, in `writes_from`. This side's ranks have an agent each too
+(transfer/agents.py): a PrefillRequest carries every one's metadata.
 
 A worker of DP groups (data-parallel attention, engine/dp.py) holds each request's KV in one group: each
 group is a destination of its own (`add_group`: its engine, its NIXL agent over its own KV regions and
@@ -37,6 +39,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from transfer.agents import RankAgents
 from transfer.backends import Backend
 from transfer.config import TransferConfig
 from transfer.plan import ShardSpec, plan_array
@@ -93,14 +96,19 @@ class Timing:
 
 @dataclass
 class _Group:
-    """One destination of this worker's KV: a DP group's engine, agent, geometry and context buffer."""
+    """One destination of this worker's KV: a DP group's engine, agents, geometry and context buffer."""
 
     engine: DecodeEngine
-    backend: Backend
+    backends: list[Backend]  # one agent per TP rank, or one for all (transfer.agents)
     spec: ShardSpec
     context: Tensor  # [context_slots, hidden]: each in-flight request's last prefilled hidden state
-    metadata: bytes  # the agent's, in every PrefillRequest to this group
+    metadata: list[bytes]  # the agents', in every PrefillRequest to this group
     free_slots: list[int]
+
+    @property
+    def backend(self) -> Backend:
+        """Rank 0's agent (the context buffer's)."""
+        return self.backends[0]
 
 
 @dataclass
@@ -127,7 +135,7 @@ class DecodeMessenger:
     def __init__(
         self,
         engine: DecodeEngine,
-        backend: Backend,
+        backend: Backend | list[Backend],  # one agent per TP rank, or one for every rank
         spec: ShardSpec,
         kv_regions: list[Tensor],
         hidden_size: int,
@@ -149,6 +157,7 @@ class DecodeMessenger:
         # wrong: the caller may send them again); kept until forget()
         self.peer_lost: set[str] = set()
         self.dropped: Counter[str] = Counter()  # messages not counted, by why
+        self.writes_from: Counter[str] = Counter()  # writes counted, by the prefill agent that sent them
         # per peer, a prompt token's seconds from request to landed KV (moving average): what a page the
         # engine could load from below instead would cost to be sent
         self.token_s: dict[str, float] = {}
@@ -157,22 +166,27 @@ class DecodeMessenger:
         self.clock = time.monotonic  # for deadlines (tests drive their own)
 
     def add_group(
-        self, engine: DecodeEngine, backend: Backend, spec: ShardSpec, kv_regions: list[Tensor]
+        self,
+        engine: DecodeEngine,
+        backend: Backend | list[Backend],
+        spec: ShardSpec,
+        kv_regions: list[Tensor],
     ) -> int:
-        """Another destination (a DP group): its engine side, its own agent (backend) over its KV regions,
-        and a context buffer registered with it. Returns its number for submit's group."""
+        """Another destination (a DP group): its engine side, its own agents (one per TP rank, or one) over
+        its KV regions, and a context buffer registered with rank 0's. Returns its number for submit's
+        group."""
         context = torch.zeros(
             self.config.context_slots, self.hidden_size, dtype=torch.float32, device=kv_regions[0].device
         )
-        backend.register(list(kv_regions) + [context])  # the context buffer: written by prefill
+        agents = RankAgents(backend, kv_regions, context)  # the context buffer: written by prefill
         free = list(range(self.config.context_slots))
-        self.groups.append(_Group(engine, backend, spec, context, backend.metadata(), free))
+        self.groups.append(_Group(engine, agents.backends, spec, context, agents.metadata(), free))
         return len(self.groups) - 1
 
     @property
     def backends(self) -> list[Backend]:
-        """Every group's agent (the caller closes them)."""
-        return [g.backend for g in self.groups]
+        """Every group's agents (the caller closes them)."""
+        return [b for g in self.groups for b in g.backends]
 
     def add_peer(self, name: str, channel, hello: Hello, worker: str | None = None) -> None:
         """A prefill worker reachable over channel, whose Hello (shard spec, host, pid) arrived. worker: the
@@ -279,8 +293,9 @@ class DecodeMessenger:
     def poll(self) -> list[str]:
         """Count landed writes, handle control messages and deadlines; returns the ids admitted now."""
         for group, g in enumerate(self.groups):
-            for agent, msg in g.backend.notifications():
-                self._count(agent, msg, group)
+            for backend in g.backends:
+                for agent, msg in backend.notifications():
+                    self._count(agent, msg, group)
         for peer in self.peers.values():
             for msg in peer.channel.receive():
                 if isinstance(msg, Hello):  # the peer was restarted and handshakes again
@@ -321,7 +336,7 @@ class DecodeMessenger:
         return admitted
 
     def _count(self, agent: str, msg: bytes, group: int = 0) -> None:
-        """Count a post's writes: only from the owning peer's agent to the request's group's agent, each
+        """Count a post's writes: only from the owning peer's agents to the request's group's agents, each
         post once, never past the plan."""
         try:
             _, rid, seq, post, writes = Notif.parse(msg)
@@ -331,7 +346,7 @@ class DecodeMessenger:
         p = self.pending.get(rid)
         if p is None or p.failed is not None or p.seq != seq:
             self.dropped["notification for no live transfer"] += 1
-        elif agent != p.peer.hello.agent:
+        elif agent not in p.peer.hello.agents:
             self.dropped["notification from an agent that does not own the request"] += 1
         elif group != p.group:
             self.dropped["notification to another DP group's agent"] += 1
@@ -340,6 +355,7 @@ class DecodeMessenger:
         else:
             p.posts.add(post)
             p.received += writes
+            self.writes_from[agent] += writes
             p.timing.first_landed = p.timing.first_landed or time.perf_counter()
 
     def forget(self, request_id: str) -> None:

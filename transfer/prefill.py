@@ -8,6 +8,10 @@ page is ever written twice; pages the decode side already holds (`skip_pages`, i
 never written. All backend calls happen on the sender thread; the engine's thread only
 reads flags in `poll`, which also frees finished requests' pages and answers aborts.
 
+Each TP rank's KV goes out through an agent of its own (transfer/agents.py: its region only, on its
+NIC), so a post is one (this side's agent, the decode side's agent) pair's writes with its own
+notification; the decode side counts them all.
+
 A request is checked and planned when it is accepted (token ids, page ids, shard specs, every write
 inside the registered regions); a bad one is refused with an Ended and touches nothing. On the sender
 thread each job is guarded: an error fails the requests of that job, never the thread. Only the decode
@@ -28,6 +32,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from transfer.agents import RankAgents, context_region, route
 from transfer.backends import Backend, TransferError, WriteOp
 from transfer.config import TransferConfig
 from transfer.plan import ShardSpec, plan_array
@@ -51,10 +56,10 @@ class PrefillEngine(Protocol):
 @dataclass
 class _Transfer:
     req: PrefillRequest
-    peer: str  # the backend's name for the decode worker's agent
+    peers: list[list[str]]  # [this side's agent][the decode side's agent]: the name one has for the other
     channel: object  # its control channel
     sent_pages: int = 0  # pages [0, sent_pages) are posted (or queued to be)
-    in_flight: list = field(default_factory=list)  # backend handles, owned by the sender thread
+    in_flight: list = field(default_factory=list)  # (agent, handle) of each post, owned by the sender thread
     posts: int = 0  # posts made, numbering each notification
     context_posted: bool = False
     done_at: float | None = None  # perf_counter when every write had finished
@@ -66,24 +71,25 @@ class PrefillMessenger:
     def __init__(
         self,
         engine: PrefillEngine,
-        backend: Backend,
+        backend: Backend | list[Backend],  # one agent per TP rank, or one for every rank (transfer.agents)
         spec: ShardSpec,
         kv_regions: list[Tensor],
         counter: Tensor,  # polled by the sender thread: host memory (see pdkernels.out_proj.host_view)
         hidden_size: int,
         config: TransferConfig | None = None,
     ):
-        self.engine, self.backend, self.spec, self.counter = engine, backend, spec, counter
+        self.engine, self.spec, self.counter = engine, spec, counter
         self.config = config or TransferConfig()
         slots = self.config.context_slots
         # staging for context writes, beside the KV (one memory type per NIXL agent: DRAM or VRAM)
         self.context = torch.zeros(slots, hidden_size, dtype=torch.float32, device=kv_regions[0].device)
-        backend.register(list(kv_regions) + [self.context])
+        self.agents = RankAgents(backend, kv_regions, self.context)
+        self.backend = self.agents.backends[0]  # rank 0's (the context buffer's)
         self.channels: list = []  # one control channel per decode worker
         self._free_slots = list(range(slots))
         self._slots: dict[str, int] = {}
         self.transfers: dict[str, _Transfer] = {}
-        self._peers: dict[bytes, str] = {}
+        self._peers: dict[tuple[int, bytes], str] = {}  # (agent, a decode agent's metadata) -> its name
         self._passes = 0
         # the latest (request, layer, perf_counter) of KV posts, and (request, perf_counter) of last writes
         self.post_log: deque[tuple[str, int, float]] = deque(maxlen=LOG_LIMIT)
@@ -142,7 +148,7 @@ class PrefillMessenger:
     def add_peer(self, channel) -> None:
         """Serve a decode worker over channel; it learns this worker's shard spec from the Hello."""
         self.channels.append(channel)
-        channel.send(Hello.of(self.spec, self.backend.name))
+        channel.send(Hello.of(self.spec, self.agents.names))
 
     def replace_peer(self, channel) -> None:
         """A decode worker came back as a new process (restarted): what was on its old channel is
@@ -260,8 +266,8 @@ class PrefillMessenger:
                 raise ValueError(f"request {req.request_id!r} is already being prefilled here")
             if not self._free_slots:
                 raise ValueError("no free context slot (transfer.context_slots)")
-            peer = self._connect(req.dst_metadata)
-            self._check_plan(req, peer)
+            peers = self._connect(req.dst_metadata)
+            self._check_plan(req, peers)
             self.engine.start(req.request_id, req.prompt_ids, req.cache_salt)  # checks the token ids
         except Exception as e:  # whatever a peer sent, it fails its own request only
             self.refused += 1
@@ -270,27 +276,35 @@ class PrefillMessenger:
             return
         self._slots[req.request_id] = self._free_slots.pop()
         with self._lock:
-            self.transfers[req.request_id] = _Transfer(req, peer, channel, sent_pages=req.skip_pages)
+            self.transfers[req.request_id] = _Transfer(req, peers, channel, sent_pages=req.skip_pages)
         self._tell(channel, Accepted(req.request_id, req.seq))
 
-    def _connect(self, metadata: bytes) -> str:
-        if metadata not in self._peers:
-            self._peers[metadata] = self.backend.connect(metadata)
-        return self._peers[metadata]
+    def _connect(self, metadata: list[bytes]) -> list[list[str]]:
+        """Connect each of this side's agents to each of the decode side's: [ours][theirs] -> its name."""
+        names = []
+        for i, backend in enumerate(self.agents.backends):
+            for md in metadata:
+                if (i, md) not in self._peers:
+                    self._peers[i, md] = backend.connect(md)
+            names.append([self._peers[i, md] for md in metadata])
+        return names
 
-    def _check_plan(self, req: PrefillRequest, peer: str) -> None:
+    def _check_plan(self, req: PrefillRequest, peers: list[list[str]]) -> None:
         """Plan the whole request against placeholder source pages: the specs must be compatible, the page
         ids in range, and every write (the context one too) inside the regions both sides registered."""
         n = len(req.dst_pages)
         if n > self.spec.num_pages:
             raise ValueError(f"the prompt needs {n} pages; this worker's cache holds {self.spec.num_pages}")
         rows = plan_array(self.spec, req.dst_spec, list(range(n)), req.dst_pages, seed=req.seq)
-        self.backend.check(peer, rows[:, 1:])
-        self.backend.check(peer, [self._context_op(req, 0)])
+        for src, dst, ops in route(rows, len(self.agents.backends), len(req.dst_metadata)):
+            self.agents.backends[src].check(peers[src][dst], ops)
+        self.backend.check(peers[0][0], [self._context_op(req, 0)])
 
     def _context_op(self, req: PrefillRequest, slot: int) -> WriteOp:
+        """The context write: from agent 0's context buffer to the decode side's agent 0's."""
         row = self.context.shape[1] * self.context.element_size()
-        return WriteOp(self.spec.tp, slot * row, req.dst_spec.tp, req.context_slot * row, row)
+        far = context_region(len(req.dst_metadata), req.dst_spec.tp)
+        return WriteOp(self.agents.context_region, slot * row, far, req.context_slot * row, row)
 
     def close(self) -> None:
         self._stop.set()
@@ -336,7 +350,7 @@ class PrefillMessenger:
                 first_page_index=i0,
                 seed=req.seq,
             )
-            for layer, layer_rows in enumerate(np.split(rows[:, 1:], self.spec.num_layers)):
+            for layer, layer_rows in enumerate(np.split(rows, self.spec.num_layers)):
                 by_layer[layer].append((t, layer_rows))
         layer, num_layers = 0, self.spec.num_layers
         while layer < num_layers:
@@ -354,8 +368,8 @@ class PrefillMessenger:
             while ready < num_layers and int(self.counter[0, ready]) >= target:
                 ready += 1
             for i, (t, _) in enumerate(by_layer[layer]):
-                ops = np.concatenate([by_layer[done][i][1] for done in range(layer, ready)])
-                if self._post(t, ops, "kv"):
+                rows = np.concatenate([by_layer[done][i][1] for done in range(layer, ready)])
+                if self._post(t, route(rows, len(self.agents.backends), len(t.req.dst_metadata)), "kv"):
                     now = time.perf_counter()
                     self.post_log += [(t.req.request_id, done, now) for done in range(layer, ready)]
             layer = ready
@@ -363,31 +377,35 @@ class PrefillMessenger:
     def _send_context(self, t: _Transfer, slot: int, done=None) -> None:
         if done is not None:
             done.synchronize()
-        t.context_posted = self._post(t, [self._context_op(t.req, slot)], "ctx")
+        t.context_posted = self._post(t, [(0, 0, [self._context_op(t.req, slot)])], "ctx")
 
-    def _post(self, t: _Transfer, ops, kind: str) -> bool:
-        """Post unless the transfer was aborted or failed (checked under the lock that poll frees under)."""
+    def _post(self, t: _Transfer, posts: list, kind: str) -> bool:
+        """Post each (this side's agent, the decode side's agent, ops) with its own notification, unless the
+        transfer was aborted or failed (checked under the lock that poll frees under)."""
         with self._lock:
             if t.aborted or t.error:
                 return False
-            message = Notif(kind, t.req.request_id, t.req.seq, t.posts, len(ops)).encode()
-            try:
-                t.in_flight.append(self.backend.post(t.peer, ops, message))
-            except TransferError as e:
-                t.error = str(e)
-                return False
-            t.posts += 1
+            for src, dst, ops in posts:
+                message = Notif(kind, t.req.request_id, t.req.seq, t.posts, len(ops)).encode()
+                backend = self.agents.backends[src]
+                try:
+                    t.in_flight.append((backend, backend.post(t.peers[src][dst], ops, message)))
+                except TransferError as e:
+                    t.error = str(e)
+                    return False
+                t.posts += 1
         return True
 
     def _reap(self) -> None:
         """Poll in-flight posts oldest first (this also sends their notifications) and drop finished ones;
-        a transfer's posts finish in order, so its first unfinished one ends the scan."""
+        the first unfinished one of a transfer ends its scan (an agent's posts finish in order)."""
         with self._lock:
             transfers = [t for t in self.transfers.values() if t.in_flight]
         for t in transfers:
-            for handle in list(t.in_flight):
+            for post in list(t.in_flight):
+                backend, handle = post
                 try:
-                    state = self.backend.state(handle)
+                    state = backend.state(handle)
                 except TransferError as e:
                     state, t.error = "ERR", str(e)
                 if state == "PROC":
@@ -395,10 +413,10 @@ class PrefillMessenger:
                 if state == "ERR":
                     t.error = t.error or "a KV write failed"
                 try:
-                    self.backend.release(handle)
+                    backend.release(handle)
                 except TransferError:
                     pass
                 with self._lock:
-                    t.in_flight.remove(handle)
+                    t.in_flight.remove(post)
                     if not t.in_flight and t.context_posted:
                         t.done_at = time.perf_counter()  # the last write (the context) has landed

@@ -20,7 +20,7 @@ from transfer.wire import Codec, Message, WireError
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 3  # in every Hello; a peer of another version is refused
+PROTOCOL_VERSION = 4  # in every Hello; a peer of another version is refused
 MAX_PROMPT_TOKENS = 1 << 22
 
 
@@ -56,7 +56,8 @@ class PrefillRequest(Message):
     prompt_ids: list[int]  # the prompt except its last token
     dst_pages: list[int]  # decode page ids (the same on every decode rank)
     dst_spec: ShardSpec
-    dst_metadata: bytes  # the decode backend's metadata (agent and registered regions)
+    dst_metadata: list[bytes]  # the decode side's agents' metadata (agent and registered regions): one per
+    # decode TP rank (transfer.agents), or one for every rank
     context_slot: int  # row of the decode side's context buffer that receives the last hidden state
     seq: int  # the decode worker's number for this request, larger than any it sent before: every reply
     # and notification carries it, so a stale or duplicated message never counts for a later request of
@@ -84,22 +85,35 @@ class PrefillRequest(Message):
             raise ValueError("context_slot must be >= 0 and seq in [0, 2**63)")
         if len(self.cache_salt) > 256:
             raise ValueError("cache_salt holds at most 256 characters")
+        if len(self.dst_metadata) not in (1, self.dst_spec.tp):
+            raise ValueError(
+                f"dst_metadata holds {len(self.dst_metadata)} agents' metadata; one per decode TP rank "
+                f"({self.dst_spec.tp}) or one"
+            )
 
 
 class Hello(Message):
     """Prefill -> decode, once connected: its shard geometry (the decode side plans with it), its transfer
-    agent's name (the only sender whose notifications count), and where it runs, so that a silent peer on
-    the same machine can be told dead (its pages freed) from merely hung."""
+    agents' names (one per TP rank, or one for all: the only senders whose notifications count), and
+    where it runs, so that a silent peer on the same machine can be told dead (its pages freed) from
+    merely hung."""
 
     spec: ShardSpec
-    agent: str = ""
+    agents: list[str]
     version: int = PROTOCOL_VERSION
     machine: str = ""
     pid: int = 0
 
+    def __post_init__(self):
+        if len(self.agents) not in (1, self.spec.tp) or not all(self.agents):
+            raise ValueError(
+                f"a Hello names one agent per TP rank ({self.spec.tp}) or one, got {self.agents}"
+            )
+
     @staticmethod
-    def of(spec: ShardSpec, agent: str) -> Hello:
-        return Hello(spec, agent, PROTOCOL_VERSION, _machine(), os.getpid())
+    def of(spec: ShardSpec, agents: str | list[str]) -> Hello:
+        agents = [agents] if isinstance(agents, str) else list(agents)
+        return Hello(spec, agents, PROTOCOL_VERSION, _machine(), os.getpid())
 
     def peer_alive(self) -> bool | None:
         """False once the process is gone (or a zombie); None when it runs on another machine (or in

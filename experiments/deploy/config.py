@@ -504,9 +504,11 @@ def check_fits_model(config: RuntimeConfig):
             refuse("deployment.prefill_dp and decode_dp", dp, f"1 for {d.name}: elastic workers switch roles")
         if d.kind != "colocated" and d.decode_dp > 1 and config.model.device != "cpu":
             refuse("deployment.decode_dp", d.decode_dp, f"1 for {d.name}: DP decode workers run on the CPU")
-        nics = config.transfer.nics_per_rank
-        if nics and len(nics) < dp:
-            refuse("transfer.nics_per_rank", list(nics), f"one device name per DP rank ({dp}), or none")
+        nics, ranks = config.transfer.nics_per_rank, max(d.tp_of(r) * d.dp_of(r) for r in d.roles)
+        if nics and len(nics) < ranks:
+            refuse(
+                "transfer.nics_per_rank", list(nics), f"one device name per rank (tp x dp: {ranks}), or none"
+            )
         for role in d.roles:
             try:
                 EngineConfig(

@@ -23,18 +23,20 @@ class RoleSwitching:
     """Worker's part that moves it between prefill and decode (see the module docstring)."""
 
     def _close_messenger(self) -> None:
-        """Stop this role's messenger: its sender thread, control sockets and transfer agent."""
-        channels = list(self.joining.values())
+        """Stop this role's messenger: its sender thread, control sockets and transfer agents."""
+        channels, agents = list(self.joining.values()), []
         if self.pm is not None:
             self.pm.close()
             channels += self.pm.channels
+            agents += self.pm.agents.backends
         if self.dm is not None:
             channels += [p.channel for p in self.dm.peers.values()]
+            agents += self.dm.backends  # every DP group's too
         for channel in channels:
             channel.close()
-        if self.backend is not None:
-            self.backend.close()
-        self.pm = self.dm = self.backend = None
+        for agent in agents:
+            agent.close()
+        self.pm = self.dm = None
         self.joining.clear()
         self.leaving.clear()
 

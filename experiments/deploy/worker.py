@@ -164,7 +164,7 @@ class Worker(RoleSwitching):
         self.speed = dict(prefill_tokens=0, prefill_s=0.0, decode_steps=0, decode_seqs=0, decode_s=0.0)
         # decode: what waits for a prefill worker's KV, and for a restarted prefill worker
         self.front = DecodeFront(self.llm, d.local_prefill_max_tokens, spec.restart_wait_s, name=spec.name)
-        self.pm = self.dm = self.backend = None
+        self.pm = self.dm = None
         # elastic roles: the messenger's generation (a new transfer agent and control sockets each
         # switch), peers not yet heard from (decode), prefill peers leaving that role, a switch under way
         self.generation = 0
@@ -195,16 +195,16 @@ class Worker(RoleSwitching):
         Connect); a decode worker binds one control socket per peer and waits for the Hello of each in
         wait_for (None: all); the others join when they say Hello (an elastic worker turning prefill)."""
         from engine.disagg import decode_messenger, prefill_messenger
-        from transfer.backends import agent_for
+        from transfer.backends import rank_agents
         from transfer.channel import ZmqEndpoint
         from transfer.protocol import decode_codec, prefill_codec, wait_hello
 
         spec, t = self.spec, self.spec.transfer
         again = f"-{self.generation}" if self.generation else ""  # a new agent's and socket's name
         name = f"{spec.name}-{os.getpid()}{again}"
-        self.backend = backend = agent_for(t, name)  # DP group 0's (each group's on its own NIC)
+        agents = rank_agents(t, name, spec.tp)  # DP group 0's: one per TP rank, each on its own NIC
         if self.role == "prefill":
-            self.pm = prefill_messenger(self.llm, backend, t)
+            self.pm = prefill_messenger(self.llm, agents, t)
             self._send(Listening(spec.name, {}))
             connect = self._await_connect()
             for peer, address in connect.addresses.items():
@@ -217,8 +217,8 @@ class Worker(RoleSwitching):
                 }
                 self.llm.start_group_messengers(t, name, peers, spec.creds)
             return
-        groups = [agent_for(t, f"{name}-dp{r}", r) for r in range(1, spec.dp)]
-        self.dm = decode_messenger(self.llm, backend, t, group_backends=groups)
+        groups = [rank_agents(t, f"{name}-dp{r}", spec.tp, r) for r in range(1, spec.dp)]
+        self.dm = decode_messenger(self.llm, agents, t, group_backends=groups)
         channels = {}
         for peer in spec.peers:
             address = (
@@ -239,7 +239,7 @@ class Worker(RoleSwitching):
                 continue
             hello = wait_hello(channel, timeout_s=HELLO_TIMEOUT_S, alive=alive)
             self.dm.add_peer(peer, channel, hello, worker=worker_of(peer))
-            log.info("%s: prefill worker %s connected", spec.name, peer)
+            log.info("%s: prefill worker %s connected (agents %s)", spec.name, peer, ", ".join(hello.agents))
 
     def _await_connect(self) -> Connect:
         """The decode workers' addresses, from the runtime's Connect."""

@@ -2,6 +2,8 @@
 and a decode worker of two fed by a prefill worker over NIXL, give the tokens of one engine, report both
 groups' pages, and free them all."""
 
+import re
+
 import pytest
 
 from experiments.config import from_cfg
@@ -23,10 +25,11 @@ def test_a_dp_worker_gives_the_tokens_of_one_engine(tmp_path):
 
 
 def test_a_decode_worker_of_dp_groups_gives_the_tokens_of_one_engine(tmp_path):
-    """1 prefill worker (TP 1) -> 1 decode worker of 2 DP groups (deployment 1p1d-dp2): every request's KV
-    comes over NIXL into the group the router gave it, and the tokens equal a colocated engine's."""
+    """1 prefill worker of TP 2 -> 1 decode worker of 2 DP groups (deployment 1p1d-dp2): every request's
+    KV comes over NIXL, from an agent per prefill rank, into the group the router gave it, and the tokens
+    equal a colocated engine's."""
     (one,) = run(_cfg([*TINY, *DEEPSEEK]), tmp_path / "one", progress=False)
-    disaggregated = [*TINY, "model=tiny-random-deepseek", "deployment=1p1d-dp2"]
+    disaggregated = [*TINY, "model=tiny-random-deepseek", "deployment=1p1d-dp2", "deployment.prefill_tp=2"]
     (two,) = run(_cfg(disaggregated), tmp_path / "1p1d-dp2", progress=False)
     assert one["summary"]["completed"] == two["summary"]["completed"] == 6
     assert _outputs(one) == _outputs(two)
@@ -34,6 +37,9 @@ def test_a_decode_worker_of_dp_groups_gives_the_tokens_of_one_engine(tmp_path):
     assert multi and all(r["prefill"] == "remote" and r["transfer_bytes"] > 0 for r in multi)
     decode = next(t for t in two["timelines"] if t["role"] == "decode")
     assert decode["num_pages"] == 2 * 256 and decode["free_pages"] == decode["num_pages"]
+    log = (tmp_path / "1p1d-dp2" / "logs" / "1p1d-dp2" / "decode-0.log").read_text()
+    agents = re.search(r"prefill worker prefill-0 connected \(agents (.*)\)", log).group(1).split(", ")
+    assert len(agents) == 2 and agents[1] == f"{agents[0]}-tp1"  # one per prefill TP rank
 
 
 def test_prefill_and_decode_workers_of_dp_groups_give_the_tokens_of_one_engine(tmp_path):
@@ -81,6 +87,10 @@ def test_the_router_sends_each_turn_to_the_group_that_holds_its_history(tmp_path
         ),
         (["deployment=1p1d-dp2", "transfer.nics_per_rank=[lo]"], "transfer.nics_per_rank=\\['lo'\\] is not"),
         (["deployment=1p1d-dp2", "transfer.nics_per_rank=lo"], "transfer.nics_per_rank must be a list"),
+        (  # a NIC per rank: TP ranks too
+            ["deployment=1p1d", "deployment.prefill_tp=2", "transfer.nics_per_rank=[lo]"],
+            r"one device name per rank \(tp x dp: 2\)",
+        ),
     ],
 )
 def test_a_dp_that_cannot_run_is_refused_naming_the_field(overrides, message):

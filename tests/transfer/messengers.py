@@ -19,16 +19,29 @@ GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 PAGES = 128
 
 
-def _local_pair(prefill, decode, tag, source=PrefillSide, sink=DecodeSide, **config):
-    """Both messenger halves in this process: local backend, in-process control queues (a decode engine
-    of DP groups: an agent for each group)."""
+def _agents(name, tp, per_rank):
+    """Local agents for a side of tp ranks: one per rank (as workers have), or one for all."""
+    return (
+        [make_backend("local", f"{name}-tp{t}") for t in range(tp)]
+        if per_rank
+        else make_backend("local", name)
+    )
+
+
+def _local_pair(prefill, decode, tag, source=PrefillSide, sink=DecodeSide, per_rank=(True, True), **config):
+    """Both messenger halves in this process: local backend, in-process control queues. per_rank: whether
+    the prefill and the decode side have an agent per TP rank (a worker's) or one for all their ranks (a
+    decode engine of DP groups: agents for each group)."""
     config = TransferConfig(backend="local", **config)
     keep_outputs(prefill), keep_outputs(decode)
     decode_end, prefill_end = local_channel()
-    pm = prefill_messenger(prefill, make_backend("local", f"p-{tag}"), config, side=source)
+    pm = prefill_messenger(prefill, _agents(f"p-{tag}", prefill.config.tp, per_rank[0]), config, side=source)
     pm.add_peer(prefill_end)
-    groups = [make_backend("local", f"d-{tag}-dp{r}") for r in range(1, decode.config.dp)]
-    dm = decode_messenger(decode, make_backend("local", f"d-{tag}"), config, side=sink, group_backends=groups)
+    tp, dp = decode.config.tp, decode.config.dp
+    groups = [_agents(f"d-{tag}-dp{r}", tp, per_rank[1]) for r in range(1, dp)]
+    dm = decode_messenger(
+        decode, _agents(f"d-{tag}", tp, per_rank[1]), config, side=sink, group_backends=groups
+    )
     dm.add_peer("prefill-0", decode_end, wait_hello(decode_end, timeout_s=1))
     return pm, dm
 
@@ -57,8 +70,7 @@ def _refetching_worker(decode, dm, backlog: list, params, refetched: list | None
 
 def _close(pm, dm):
     pm.close()
-    pm.backend.close()
-    for backend in dm.backends:  # every DP group's agent
+    for backend in pm.agents.backends + dm.backends:  # every rank's and DP group's agent
         backend.close()
 
 

@@ -55,7 +55,7 @@ def test_a_notification_at_another_groups_agent_never_counts(pair):
     assert dm.submit("wrong-agent", list(range(100, 121)), GREEDY, group=1)
     p = dm.pending["wrong-agent"]
     forged = Notif("kv", "wrong-agent", p.seq, 10**6, 1).encode()
-    dm.groups[0].backend._inbox.append((p.peer.hello.agent, forged))
+    dm.groups[0].backend._inbox.append((p.peer.hello.agents[0], forged))
     dm.poll()
     assert dm.dropped == {"notification to another DP group's agent": 1} and p.received == 0
     _run(prefill, decode, pm, dm, ["wrong-agent"])

@@ -43,7 +43,7 @@ def test_a_restarted_prefill_worker_handshakes_again_on_its_channel(pair):
     pm.add_peer(channel)  # the same channel, from the new process: its Hello
     dm.poll()
     assert decode.output("old").finish_reason == "error" and decode.allocator.num_free == PAGES
-    assert not dm.peers["prefill-0"].lost and dm.peers["prefill-0"].hello.agent == "p-restarted"
+    assert not dm.peers["prefill-0"].lost and dm.peers["prefill-0"].hello.agents == ["p-restarted"]
     dm.submit("new", list(range(100, 160)), GREEDY)
     _run(prefill, decode, pm, dm, ["new"])
     out = decode.output("new")
@@ -150,10 +150,21 @@ def test_a_new_request_skips_a_prefill_worker_whose_process_is_gone(pair):
     assert prefill.allocator.num_free == PAGES and decode.allocator.num_free == PAGES
 
 
-@pytest.mark.parametrize("prefill_tp, decode_tp", [(2, 1), (1, 2), (4, 1)])  # tp 4 > 2 kv heads: replicated
-def test_mismatched_tp_through_the_messenger(prefill_tp, decode_tp):
-    """Each side's TP ranks keep their own KV shard (mapped into the lead); the plan cuts and joins pages,
-    and every decode rank receives exactly the bytes the prefill ranks computed."""
+@pytest.mark.parametrize(
+    "prefill_tp, decode_tp, per_rank",
+    [
+        (2, 1, (True, True)),
+        (1, 2, (True, True)),
+        (4, 1, (True, True)),  # tp 4 > 2 kv heads: replicated
+        (2, 1, (False, True)),  # one prefill agent for both ranks
+        (1, 2, (True, False)),  # one decode agent for both ranks (both sides of TP > 1 need two processes:
+        # tests/transfer/test_two_processes.py)
+    ],
+)
+def test_mismatched_tp_through_the_messenger(prefill_tp, decode_tp, per_rank):
+    """Each side's TP ranks keep their own KV shard (mapped into the lead), each rank's sent or received by
+    an agent of its own (or one for all ranks); the plan cuts and joins pages, and every decode rank
+    receives exactly the bytes the prefill ranks computed, each prefill rank's from its own agent."""
     prompts = _prompts(4, seed=2)
     expected = [
         o.token_ids for o in LLM("tiny-random", page_size=4, num_pages=PAGES).generate(prompts, GREEDY)
@@ -176,7 +187,8 @@ def test_mismatched_tp_through_the_messenger(prefill_tp, decode_tp):
             )
             super().admit(request_id, context)
 
-    pm, dm = _local_pair(prefill, decode, f"tp{prefill_tp}{decode_tp}", source=Source, sink=Sink)
+    tag = f"tp{prefill_tp}{decode_tp}{per_rank}"
+    pm, dm = _local_pair(prefill, decode, tag, source=Source, sink=Sink, per_rank=per_rank)
     try:
         ids = [f"r{i}" for i in range(len(prompts))]
         for rid, prompt in zip(ids, prompts, strict=True):
@@ -193,6 +205,10 @@ def test_mismatched_tp_through_the_messenger(prefill_tp, decode_tp):
             assert [decode.output(rid).token_ids for rid in ids] == expected
         assert all(decode.output(rid).finish_reason == "length" for rid in ids)
         assert prefill.allocator.num_free == PAGES and decode.allocator.num_free == PAGES
+        # every prefill rank's agent sent writes (its heads, or its turn of the replicated ones), and only
+        # the prefill worker's agents did
+        assert set(dm.writes_from) == set(pm.agents.names)
+        assert len(pm.agents.names) == (prefill_tp if per_rank[0] else 1)
     finally:
         _close(pm, dm)
         prefill.close()
@@ -218,7 +234,7 @@ def test_the_latent_cache_crosses_mismatched_tp_each_decode_page_written_once(pr
         max_num_batched_tokens=24,
     )
     decode = LLM("tiny-random-deepseek", tp=decode_tp, role="decode", page_size=4, num_pages=PAGES)
-    pm, dm = _local_pair(prefill, decode, f"mla{prefill_tp}{decode_tp}")
+    pm, dm = _local_pair(prefill, decode, f"mla{prefill_tp}{decode_tp}", per_rank=(False, False))
     spec = shard_spec(decode)
     assert spec.planes == 1 and spec.num_kv_heads == 1 and spec.head_dim == 48
     writes, post = [], pm.backend.post

@@ -77,7 +77,7 @@ def test_stranger_is_refused_and_does_not_take_the_pair(bound, tmp_path, curve):
     real = ZmqEndpoint(end.address, False, keys["prefill-0"], "decode-0", prefill_codec())
     real.send(Hello.of(SPEC, "prefill-agent"))
     got = _receive_for(end)
-    assert [type(m) for m in got] == [Hello] and got[0].agent == "prefill-agent"
+    assert [type(m) for m in got] == [Hello] and got[0].agents == ["prefill-agent"]
     stranger.close()
     real.close()
 
@@ -176,6 +176,6 @@ def test_a_peer_of_another_protocol_version_is_refused():
     from transfer.protocol import PROTOCOL_VERSION, local_channel, wait_hello
 
     decode_end, prefill_end = local_channel()
-    prefill_end.send(Hello(SPEC, "agent", PROTOCOL_VERSION - 1))
+    prefill_end.send(Hello(SPEC, ["agent"], PROTOCOL_VERSION - 1))
     with pytest.raises(ValueError, match="protocol version"):
         wait_hello(decode_end, timeout_s=1)

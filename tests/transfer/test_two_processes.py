@@ -15,7 +15,7 @@ from engine import LLM
 from engine.disagg import DecodeSide, PrefillSide, decode_messenger, prefill_messenger, shard_spec
 from tests.kept import finished, keep_outputs
 from tests.transfer.messengers import GREEDY, _full_heads, _prompts
-from transfer.backends import make_backend
+from transfer.backends import rank_agents
 from transfer.config import TransferConfig
 from transfer.plan import plan_array
 from transfer.protocol import wait_hello
@@ -26,7 +26,8 @@ PAGES = 128
 
 
 def _prefill_worker(addresses, creds, model, tp, page_size, num_pages, budget, parent, sent, stop, tmp):
-    """A prefill worker process: its own engine (and TP ranks), NIXL agent and messenger, until `stop` is
+    """A prefill worker process: its own engine (and TP ranks), NIXL agents (one per rank, as a worker's)
+    and messenger, until `stop` is
     set or its parent goes, then closed; its temporary files in `tmp` (the test's, removed after it, so a
     worker the test kills leaves nothing either). With more than one address, DP groups, each with its
     messenger and agent, group r's on addresses[r]. `sent` receives ("kv", request, the KV it computed)
@@ -64,7 +65,7 @@ def _prefill_worker(addresses, creds, model, tp, page_size, num_pages, budget, p
 
     llm.runner.run = timed_run
 
-    pm = prefill_messenger(llm, make_backend("nixl", f"prefill-{os.getpid()}"), side=Source)
+    pm = prefill_messenger(llm, rank_agents(TransferConfig(), f"prefill-{os.getpid()}", tp), side=Source)
     pm.add_peer(ZmqEndpoint(addresses[0], False, creds, "decode-0", prefill_codec()))
     if dp > 1:
         peers = {r: [("decode-0", addresses[r])] for r in range(1, dp)}
@@ -131,10 +132,10 @@ def disaggregated(
         )
         keep_outputs(decode)
         config = TransferConfig(peer_timeout_s=peer_timeout_s)
-        agents = [make_backend("nixl", f"decode-{os.getpid()}-dp{r}") for r in range(1, decode_dp)]
-        dm = decode_messenger(
-            decode, make_backend("nixl", f"decode-{os.getpid()}"), config, side=sink, group_backends=agents
-        )
+        name = f"decode-{os.getpid()}"  # an agent per rank of each DP group, as a worker has
+        groups = [rank_agents(config, f"{name}-dp{r}", decode_tp, r) for r in range(1, decode_dp)]
+        agents = rank_agents(config, name, decode_tp)
+        dm = decode_messenger(decode, agents, config, side=sink, group_backends=groups)
         for r, (channel, hello) in enumerate(zip(channels, hellos, strict=True)):
             dm.add_peer("prefill-0" if r == 0 else f"prefill-0-dp{r}", channel, hello)
         yield decode, dm, proc, sent
@@ -215,6 +216,11 @@ def test_two_process_disaggregation_moves_the_computed_bytes(model, prefill_tp, 
             assert [decode.output(rid).token_ids for rid in ids] == expected
         assert all(decode.output(rid).finish_reason == "length" for rid in ids)
         assert decode.allocator.num_free == PAGES
+        # each prefill rank's own agent sent its heads (or its turn of the replicated latent's pages)
+        senders = dm.peers["prefill-0"].hello.agents
+        assert len(senders) == prefill_tp and set(dm.writes_from) == set(senders)
+        total = sum(dm.writes_from.values())
+        assert all(dm.writes_from[a] >= total / (prefill_tp + 1) for a in senders), dm.writes_from
 
 
 def test_killed_prefill_worker_fails_its_requests_and_frees_pages():
@@ -315,7 +321,7 @@ def test_prefill_tp_into_decode_dp_groups_over_nixl(prefill_tp):
             super().admit(request_id, context)
 
     with disaggregated(prefill_tp, model=model, sink=Sink, decode_dp=2) as (decode, dm, _, sent):
-        assert len(dm.groups) == 2 and len({g.metadata for g in dm.groups}) == 2  # an agent each
+        assert len(dm.groups) == 2 and len({g.metadata[0] for g in dm.groups}) == 2  # an agent each
         ids = [f"r{i}" for i in range(len(prompts))]
         for i, (rid, prompt) in enumerate(zip(ids, prompts, strict=True)):
             dm.submit(rid, prompt, GREEDY, group=i % 2)
@@ -343,7 +349,7 @@ def test_prefill_dp_groups_each_send_their_own_requests_over_nixl(decode_dp):
     expected = [o.token_ids for o in LLM(model, page_size=4, num_pages=PAGES).generate(prompts, GREEDY)]
     with disaggregated(model=model, prefill_dp=2, decode_dp=decode_dp) as (decode, dm, _, _):
         hellos = [p.hello for p in dm.peers.values()]
-        assert len(hellos) == 2 and len({h.agent for h in hellos}) == len({h.pid for h in hellos}) == 2
+        assert len(hellos) == 2 and len({h.agents[0] for h in hellos}) == len({h.pid for h in hellos}) == 2
         ids = [f"r{i}" for i in range(len(prompts))]
         for i, (rid, prompt) in enumerate(zip(ids, prompts, strict=True)):
             peer = "prefill-0" if i % 2 == 0 else "prefill-0-dp1"

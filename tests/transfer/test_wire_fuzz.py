@@ -48,8 +48,8 @@ CODECS = {
     "local-metadata": lambda: LOCAL_METADATA,
 }
 VALID = [
-    PrefillRequest("r", [1, 2, 3], [0], SPEC, b"md", 0, 7),
-    PrefillRequest("r", list(range(1, 10)), [0, 1, 2], SPEC, b"md", 0, 7, skip_pages=2),
+    PrefillRequest("r", [1, 2, 3], [0], SPEC, [b"md"], 0, 7),
+    PrefillRequest("r", list(range(1, 10)), [0, 1, 2], SPEC, [b"md"], 0, 7, skip_pages=2),
     Abort("r", 1, "why"),
     Hello.of(SPEC, "agent"),
     Accepted("r", 1),
@@ -143,7 +143,9 @@ def _bad_requests(dm):
         st.builds(lambda t: {**good, "prompt_ids": [5, t, 7, 8, 9]}, st.integers(49152, 2**63 - 1)),
         st.builds(lambda p: {**good, "dst_pages": [0, p]}, st.integers(PAGES, 2**40)),
         st.builds(lambda s: {**good, "context_slot": s}, st.integers(4, 2**40)),
-        st.builds(lambda m: {**good, "dst_metadata": m}, st.binary(max_size=64)),
+        # agents' metadata: garbage, none, or more than the decode side's TP ranks
+        st.builds(lambda m: {**good, "dst_metadata": m}, st.lists(st.binary(max_size=64), max_size=3)),
+        st.builds(lambda n: {**good, "dst_metadata": dm._metadata * n}, st.sampled_from([0, 2, 3])),
         # the decode side's cached pages: none written is no request; a negative count none at all
         st.builds(
             lambda k: {**good, "skip_pages": k}, st.one_of(st.integers(2, 2**62), st.integers(-(2**62), -1))

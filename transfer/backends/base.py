@@ -30,7 +30,8 @@ class TransferError(RuntimeError):
 
 
 class Backend(ABC):
-    """One agent per worker. Regions are registered once (every TP rank's KV cache, then any buffers);
+    """One agent per TP rank, or per worker (transfer/agents.py). Regions are registered once (its rank's KV
+    cache, or every rank's, then any buffers);
     a peer learns them from `metadata()`. Writes are one-sided: the initiator posts and polls them, and
     the target learns of each finished post from a notification carrying the initiator's message."""
 
