@@ -33,6 +33,7 @@ class StepStats:
     verify_steps: int = 0  # sequences whose drafts this step verified
     # (tokens, first position) of each prompt chunk: what of its sequence it attends over before it
     prefill_chunks: tuple[tuple[int, int], ...] = ()
+    decode_kv: int = 0  # KV positions the decode tokens attend over, summed over their sequences
 
 
 class EngineCore:
@@ -204,7 +205,9 @@ class EngineCore:
                     prompts.append((c.num_tokens, c.start))
             decode = sum(c.num_tokens for c in decoding)
             verify = sum(1 for c in decoding if c.drafts)
-            self.last_step = StepStats(start, end, batch.num_tokens - decode, decode, verify, tuple(prompts))
+            kv = sum(c.start + c.num_tokens for c in decoding)
+            prefill = batch.num_tokens - decode
+            self.last_step = StepStats(start, end, prefill, decode, verify, tuple(prompts), kv)
             if self.scheduler.budget is not None:  # the step-time model the budget sizes steps by
                 s = self.last_step
                 self.scheduler.budget.observe(decode, s.prefill_tokens, s.end - s.start)

@@ -9,7 +9,8 @@ results.json, schema "pdkernels.results/1" (stable: fields may be added, never r
   "role_moves" ([{worker, from, to, at (s since start), why, seconds (of the worker's time), settle_s}]),
   "workers" ([{name, role, node_id, pid}]: where each worker ran; node_id is a Ray node id or this host's
   name), "timelines" (per worker: name, role (its last), steps [start, end, prefill tokens, decode
-  tokens, sequences verifying drafts], loads [start, end, tier, pages] (KV loaded from below device memory),
+  tokens, sequences verifying drafts, prompt chunks [tokens, first position], KV positions the decode
+  tokens attend over (summed)], loads [start, end, tier, pages] (KV loaded from below device memory),
   free_pages and num_pages when it stopped).
 - summary: "num_requests", "completed", "errors", "rejected" (refused at once by deployment.admission=slo;
   not errors), "duration_s", "throughput_rps",

@@ -242,8 +242,9 @@ class Timeline(Message):
     name: str
     role: str
     # (start, end, prefill tokens, decode tokens with their drafts, sequences verifying drafts, each
-    # prompt chunk's [tokens, first position]: the simulator's calibration prices its attention by them)
-    steps: list[tuple[float, float, int, int, int, list[tuple[int, int]]]] = []
+    # prompt chunk's [tokens, first position], the KV the decode tokens attend over: the simulator's
+    # calibration prices attention by these)
+    steps: list[tuple[float, float, int, int, int, list[tuple[int, int]], int]] = []
     preemptions: int = 0  # over the run, as in Load
     recomputed_tokens: int = 0
     refetched_tokens: int = 0

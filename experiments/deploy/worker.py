@@ -447,6 +447,7 @@ class Worker(RoleSwitching):
                     stats.decode_tokens,
                     stats.verify_steps,
                     list(stats.prefill_chunks),
+                    stats.decode_kv,
                 )
             )
             self.timeline.loads += self.llm.take_tier_loads()  # drawn beside the steps

@@ -87,10 +87,12 @@ PREFIX_BIN = 128  # a recorded chunk's prefix, to the nearest this many tokens (
 
 def points_from_run(saved: dict, roles=("colocated", "decode", "prefill")) -> tuple[list[Point], list[str]]:
     """The steps a real run's TP-1 workers of the given roles timed, grouped by shape (prefill tokens,
-    decode batch, and its prompt chunks where the timeline recorded them, their prefixes to PREFIX_BIN
-    tokens), the median of each; decode KV length is the requests' mean prompt plus half their mean
-    output, and without recorded chunks a step's prompt tokens are chunks of at most their mean prompt
-    (Point.chunks). Returns the points and what was left out."""
+    decode batch, its prompt chunks and its decode sequences' mean KV where the timeline recorded them,
+    prefixes and KV to PREFIX_BIN tokens), the median of each. Without a recorded KV, a decode
+    sequence's is the requests' mean prompt plus half their mean output (in a multiturn run the early
+    turns' steps then read as too slow for their KV and the late ones' as too fast); without recorded
+    chunks a step's prompt tokens are chunks of at most their mean prompt (Point.chunks). Returns the
+    points and what was left out."""
     reqs = [r for rec in saved["runs"] for r in rec["requests"]]
     kv = int(np.mean([r["prompt_tokens"] + r["output_tokens"] / 2 for r in reqs]))
     prompt = round(np.mean([r["prompt_tokens"] for r in reqs]))
@@ -108,14 +110,17 @@ def points_from_run(saved: dict, roles=("colocated", "decode", "prefill")) -> tu
                 continue
             for start, end, prefill, decode, *rest in t["steps"]:
                 given = tuple((n, PREFIX_BIN * round(p / PREFIX_BIN)) for n, p in rest[1]) if rest[1:] else ()
-                shapes.setdefault((prefill, decode, given), []).append(end - start)
+                seq_kv = kv
+                if rest[2:] and decode:  # recorded: the decode sequences' mean, binned
+                    seq_kv = max(1, PREFIX_BIN * round(rest[2] / decode / PREFIX_BIN))
+                shapes.setdefault((prefill, decode, given, seq_kv), []).append(end - start)
     points = []
-    for (prefill, decode, given), secs in sorted(shapes.items()):
+    for (prefill, decode, given, seq_kv), secs in sorted(shapes.items()):
         med = float(np.median(secs))
         if prefill:
-            points.append(Point("prefill", prefill, kv, med, decode=decode, prompt=prompt, given=given))
+            points.append(Point("prefill", prefill, seq_kv, med, decode=decode, prompt=prompt, given=given))
         else:
-            points.append(Point("decode", decode, kv, med))
+            points.append(Point("decode", decode, seq_kv, med))
     return points, skipped
 
 

@@ -78,7 +78,7 @@ def slim(saved: dict, calibrate_rate: float) -> dict:
         return round(x, 4) if isinstance(x, float) else x
 
     def timeline(t: dict) -> dict:
-        steps = [[short(v) for v in s[:5]] + s[5:6] for s in t["steps"]]  # the prompt chunks too
+        steps = [[short(v) for v in s[:5]] + s[5:] for s in t["steps"]]  # the prompt chunks and KV too
         return {"name": t["name"], "role": t["role"], "steps": steps}
 
     def request(r: dict) -> dict:

@@ -262,6 +262,9 @@ def test_multiturn_conversations_reuse_their_history_and_send_only_the_new_kv(tm
         steps = [s for t in rec["timelines"] if t["role"] == "prefill" for s in t["steps"] if s[2]]
         assert steps and all(sum(n for n, _ in s[5]) == s[2] for s in steps)
         assert any(p > 0 for s in steps for _, p in s[5]) == cached_at
+        # each decode step records the KV its tokens attend over: the history grows turn by turn
+        kv = [s[6] / s[3] for t in rec["timelines"] if t["role"] == "decode" for s in t["steps"] if s[3]]
+        assert kv and min(kv) >= 1 and max(kv) > 40 + 2 * 12  # past a later turn's system prompt and turns
 
 
 def test_cache_aware_routing_keeps_each_conversation_where_its_history_is(tmp_path):

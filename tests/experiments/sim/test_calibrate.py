@@ -132,6 +132,32 @@ def test_recorded_chunks_price_a_cached_prefix_the_step_attended_over():
     assert cal["prefill_slowdown"] == pytest.approx(1.3, rel=0.03)
 
 
+def test_recorded_decode_kv_prices_each_steps_attention():
+    """A worker's timeline records the KV its decode tokens attend over: a multiturn run's early steps
+    (short histories) and late ones (long) are each read at their own KV, and the fit finds the model the
+    steps follow; read at the requests' mean KV (a timeline without it, where steps of one batch size at
+    any KV are one shape) its prediction of a late turn's batch of 8 is off by 20%."""
+    model = sim_model("smollm2-135m")
+    truth = Efficiency(linear=0.6, attention=0.6, memory=0.5, step_overhead_s=0.02)
+    cost = CostModel(model, CPU, 1, truth)
+    steps = []
+    for kv in (256, 2048, 4096):  # each sequence's context, turn by turn
+        steps += [[0, cost.decode_time([kv] * b), 0, b, 0, [], kv * b] for b in (1, 4, 8)]
+    steps += [[0, cost.step_time([(256, 0)], [], sampled=1), 256, 0, 0, [[256, 0]], 0]]
+    saved = _one_p_one_d(steps, [], 1024)
+    cal = calibrate_from_run(saved, CPU)
+    assert sorted({p.kv for p in cal["points"] if p.kind == "decode"}) == [256, 2048, 4096]
+    assert cal["rms"] < 0.02 and cal["efficiency"].memory == pytest.approx(0.5, abs=0.06)
+    late = steps[8][1]  # 8 sequences of 4,096 tokens
+
+    def predicted(fitted) -> float:
+        return predict(CostModel(model, CPU, 1, fitted["efficiency"]), Point("decode", 8, 4096, 0.0))
+
+    assert predicted(cal) == pytest.approx(late, rel=0.01)
+    unrecorded = calibrate_from_run(_one_p_one_d([s[:6] for s in steps], [], 1024), CPU)
+    assert abs(predicted(unrecorded) / late - 1) > 0.15
+
+
 def test_the_engines_moe_mla_steps_fit_and_feed_the_large_moe_study(tmp_path, capsys):
     """calibrate times the engine's own DeepSeek-shaped steps (latent attention, routed experts), fits the
     cost model's view of the same model to them, and writes the fit; the large-MoE study takes it."""
