@@ -6,9 +6,9 @@ PDKERNELS_TP_COLLECTIVES=gloo forces gloo, e.g. for two ranks on one GPU, which 
 Each rank allocates its KV cache in shared memory (on GPU: a CUDA VMM allocation whose file descriptor
 the lead imports and maps, engine/vmm.py) and hands the lead a mapping of it, so the lead (and its
 messenger, with a NIXL agent per rank over that rank's mapping: transfer/agents.py) can read and write
-every rank's pages. Only the lead samples and owns
-the layer counter. Under data-parallel attention (engine/dp.py) each DP group's engine leads its own TP
-ranks this way, and all tp x dp ranks share one process group (the MoE layers' all-to-all).
+every rank's pages. Only the lead samples and owns the layer counter. Under data-parallel attention
+(engine/dp.py) each DP group's engine leads its own TP ranks this way, and all tp x dp ranks share one
+process group (the MoE layers' all-to-all).
 """
 
 from __future__ import annotations
