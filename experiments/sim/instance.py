@@ -140,6 +140,12 @@ class PageCache:
         while their loads add up to at most this (0: none of them; None: all)."""
         names = self.peek(r, context, page)
         tiers = [None if name in self.pages else self._below(name) for name in names]  # device ones first
+        staged = self.tiers.host_pages // 2 if self.tiers is not None and self.tiers.host_pages else None
+        if staged is not None:  # as engine/kv_tiers.py's load: a disk or pool page is staged through a
+            # host slot, and one load takes a page from them only while it holds under half the slots
+            below = [i for i, t in enumerate(tiers) if t is not None]
+            cut = next((i for k, i in enumerate(below) if k >= staged and tiers[i] != "host"), len(names))
+            names, tiers = names[:cut], tiers[:cut]
         if within_s is not None:
             n, total = 0, 0.0
             while n < len(names) and (tiers[n] is None or total + self.tiers.page_s[tiers[n]] <= within_s):

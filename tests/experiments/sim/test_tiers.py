@@ -50,10 +50,20 @@ def test_files_hold_what_a_small_host_pool_drops():
 def test_round_robin_with_the_pool_passes_either_router_without_it():
     aware = _sim("cache_aware", 4000, None)
     rr = _sim("round_robin", 4000, None)
-    pooled = _sim("round_robin", 4000, TierSpec(host_pages=1, pool_pages=100_000))
+    pooled = _sim("round_robin", 4000, TierSpec(host_pages=64, pool_pages=100_000))
     # every turn finds its whole history wherever it lands: at least what either router keeps local
     assert max(rr["prefix_hit_rate"], aware["prefix_hit_rate"]) < pooled["prefix_hit_rate"]
     assert pooled["kv_tiers"]["pool"]["hit_tokens"] > 0
+
+
+def test_a_load_from_the_pool_takes_at_most_half_the_host_slots_it_is_staged_through():
+    """As engine/kv_tiers.py's load: a pool page lands in a host slot first, and one load takes pool
+    pages only while it holds under half of them, so a small host pool caps each turn's pool hits."""
+    wide = _sim("round_robin", 4000, TierSpec(host_pages=64, pool_pages=100_000))
+    narrow = _sim("round_robin", 4000, TierSpec(host_pages=4, pool_pages=100_000))
+    none = _sim("round_robin", 4000, TierSpec(host_pages=1, pool_pages=100_000))  # 0 per load
+    assert 0 < narrow["kv_tiers"]["pool"]["hit_tokens"] < wide["kv_tiers"]["pool"]["hit_tokens"]
+    assert none["kv_tiers"]["pool"]["hit_tokens"] == 0
 
 
 def test_a_decode_instance_loads_from_the_pool_as_decode_loads_says_and_puts_nothing_there():
@@ -62,8 +72,8 @@ def test_a_decode_instance_loads_from_the_pool_as_decode_loads_says_and_puts_not
     instance put there: a decode instance puts nothing, as the engine's decode workers) and is sent
     only the rest; `cost` loads while the loads are quicker than the expected transfer."""
     one_two = ("deployment=1p1d", "deployment.num_decode=2")
-    tiers = {m: TierSpec(host_pages=1, pool_pages=100_000, decode_loads=m) for m in ("never", "always")}
-    tiers["cost"] = TierSpec(host_pages=1, pool_pages=100_000)  # the default, as the engine's
+    tiers = {m: TierSpec(host_pages=64, pool_pages=100_000, decode_loads=m) for m in ("never", "always")}
+    tiers["cost"] = TierSpec(host_pages=64, pool_pages=100_000)  # the default, as the engine's
     runs = {mode: _sim("round_robin", 4000, spec, one_two) for mode, spec in tiers.items()}
     sent = {mode: run["transfer_bytes"] for mode, run in runs.items()}
     assert sent["always"] < sent["never"] and sent["always"] <= sent["cost"] <= sent["never"]
