@@ -9,7 +9,8 @@ slots, checks them and copies them into its pages, and the other requests keep s
 fails a check or passes its deadline stops there: the pages it did load count, the rest are computed.
 
 The shared pool (engine/kv_pool.py) sits below both: a prefill or colocated engine puts each page it
-names there (staged through a host slot), and `find` looks there for what host and disk lack.
+names there (staged through a host slot; while none is free the put waits, in order, for one), and
+`find` looks there for what host and disk lack.
 
 Threads: the engine's thread owns every index (host, disk) and the busy counts; the I/O thread only
 moves bytes and hands its results back through `poll`, which the scheduler calls every step. Loads go
@@ -23,6 +24,7 @@ import logging
 import queue
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import asdict, dataclass
 
 from torch import Tensor
@@ -36,6 +38,7 @@ log = logging.getLogger(__name__)
 TIERS = ("host", "disk", "pool")
 _LOAD, _WRITE = 0, 1  # I/O queue priorities
 COPY_BATCH = 64  # pages per batched copy into device pages (an abort waits for at most one)
+UNPUT_PER_SLOT = 4  # pool puts that may wait for a host slot, per slot (past that the oldest is dropped)
 # a page's load time until a tier has loaded one (seconds; make bench-tiers measured 2.0 / 3.1 / 6.2 ms on
 # 2 cores of an AMD EPYC, the I/O thread's queue included)
 PRIOR_PAGE_S = {"host": 0.002, "disk": 0.003, "pool": 0.006}
@@ -51,6 +54,9 @@ class TierStats:
     load_max_s: float = 0.0
     evictions: int = 0  # names it dropped for room (the pool's own evictions are not seen)
     dropped: int = 0  # pages that failed a check (size, namespace, MAC) or a read, recomputed instead
+    # pages not saved into it: every host slot was busy (the step never waits for one), or the put failed;
+    # a page missing from the pool also hides the pages after it from every lookup (a leading run)
+    skipped: int = 0
 
 
 class Load:
@@ -100,6 +106,8 @@ class KVTiers:
                 log.warning("kv_tiers: no disk tier in %s: %s", config.disk_dir, e)
         self.pool: PoolTier | None = None
         self.share = True  # put the pages it computes into the pool (not a decode worker's: set_role)
+        # named pages whose pool put waits for a free host slot (name -> device page), oldest first
+        self._unput: OrderedDict[bytes, int] = OrderedDict()
         if config.store == "mooncake":
             try:
                 self.pool = PoolTier(
@@ -171,18 +179,49 @@ class KVTiers:
         return job
 
     def evicted(self, page: int, name: bytes) -> None:
-        """The allocator is about to reuse a named page whose KV still holds (policy on_evict)."""
-        if self.config.policy == "on_evict":
-            self.save(page, name)
+        """The allocator is about to reuse a named page whose KV still holds (policy on_evict); a pool put
+        still waiting for a host slot is made now or never."""
+        if self.config.policy == "on_evict" and self.save(page, name) is None:
+            self.stats["host"].skipped += 1
+        if self._unput.pop(name, None) is not None and not (self._sharing() and self._stage_put(page, name)):
+            self.stats["pool"].skipped += 1
 
     def named(self, page: int, name: bytes) -> None:
-        """A page was just computed and named: write-through saves it, and the pool gets a copy."""
-        if self.config.policy == "write_through":
-            self.save(page, name)
-        if self.pool is not None and self.share and self.pool.client.up and not self.pool.holds(name):
-            slot = self.save(page, name)  # staged through the host pool
-            if slot is not None:
-                self._put_pool(name, slot)
+        """A page was just computed and named: write-through saves it, and the pool gets a copy. When no
+        host slot is free to stage the copy (each holds a write still running), the put waits, in order,
+        until one is (checked at the next pages named), or until its page is evicted: a page missing from
+        the pool would hide every later page of its sequence from other workers' lookups."""
+        if self.config.policy == "write_through" and self.save(page, name) is None:
+            self.stats["host"].skipped += 1
+        if not self._sharing():
+            return
+        self._flush_unput()
+        if self._unput or not self._stage_put(page, name):
+            self._unput[name] = page
+            if len(self._unput) > UNPUT_PER_SLOT * self.host.num_slots:
+                self._unput.popitem(last=False)
+                self.stats["pool"].skipped += 1
+
+    def _sharing(self) -> bool:
+        return self.pool is not None and self.share and self.pool.client.up
+
+    def _stage_put(self, page: int, name: bytes) -> bool:
+        """Stage name's device page in a host slot and put it into the pool; False when no slot is free."""
+        if self.pool.holds(name):
+            return True
+        slot = self.save(page, name)
+        if slot is None:
+            return False
+        self._put_pool(name, slot)
+        return True
+
+    def _flush_unput(self) -> None:
+        """Stage the waiting puts, oldest first, while host slots are free."""
+        while self._unput:
+            name, page = next(iter(self._unput.items()))
+            if not self._stage_put(page, name):
+                return
+            del self._unput[name]
 
     def save(self, page: int, name: bytes) -> int | None:
         """Device page (holding name's KV) into the host pool, and behind it into the disk tier; its host
@@ -324,6 +363,7 @@ class KVTiers:
             self.stats["pool"].bytes_out += self.fmt.payload
             self.pool.puts += 1
         elif state != "held":
+            self.stats["pool"].skipped += 1
             self.pool.forget(name)
             return
         self._event("pool", True, name)

@@ -26,7 +26,8 @@ results.json, schema "pdkernels.results/1" (stable: fields may be added, never r
   "prefix_hits" (prompt tokens looked up in its prefix cache, and found); "migrations" (requests that
   went on on another worker after theirs died: deployment.on_worker_death); "kv_tiers" (per tier below
   device memory, host | disk | pool, over the workers: hit_tokens, bytes_in, bytes_out, loads,
-  load_mean_s, load_max_s, evictions, dropped (failed a check), pages), "kv_tier_hits" ({worker: {tier:
+  load_mean_s, load_max_s, evictions, dropped (failed a check), skipped (not saved: no free host slot,
+  or a failed put), pages), "kv_tier_hits" ({worker: {tier:
   hit tokens}}); "prefix_hit_rate" (cached
   prompt tokens over prompt tokens, the serving worker's cache); multiturn: "by_turn" (per turn index:
   requests, ttft_p50_s, prompt_tokens_mean, new_tokens_mean, cached_tokens_mean, transfer_bytes_mean).
@@ -200,7 +201,17 @@ def percentiles(values: list[float]) -> dict:
     }
 
 
-TIER_SUMS = ("hit_tokens", "bytes_in", "bytes_out", "loads", "load_s", "evictions", "dropped", "pages")
+TIER_SUMS = (
+    "hit_tokens",
+    "bytes_in",
+    "bytes_out",
+    "loads",
+    "load_s",
+    "evictions",
+    "dropped",
+    "skipped",
+    "pages",
+)
 
 
 def kv_tiers(run: DeploymentRun) -> dict:

@@ -158,6 +158,7 @@ class TierCounters(msgspec.Struct, forbid_unknown_fields=True):
     load_max_s: float = 0.0
     evictions: int = 0
     dropped: int = 0
+    skipped: int = 0
     pages: int = 0
 
 

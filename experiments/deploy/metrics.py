@@ -95,6 +95,7 @@ class Metrics:
                 ("load_s", "Seconds those loads took, queueing included"),
                 ("evictions", "Pages a KV tier dropped for room"),
                 ("dropped", "Pages that failed a check (size, namespace, MAC) or a read, recomputed"),
+                ("skipped", "Pages not saved into a KV tier: every host slot busy, or the put failed"),
             )
         }
         self.tier_pages = Gauge("pdk_kv_tier_pages", "Pages a KV tier holds", ["worker", "tier"], registry=r)

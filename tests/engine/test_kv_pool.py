@@ -72,6 +72,54 @@ def test_an_engine_loads_what_another_computed(store, reference):
     assert second.tiers.drain() and second.allocator.num_free == second.allocator.num_pages
 
 
+def _busy(llm) -> list[int]:
+    """Take every host slot of llm's tiers and mark it busy (as if a write behind each still ran)."""
+    host = llm.tiers.host
+    held = [host.take()[0] for _ in range(host.num_slots)]
+    for slot in held:
+        host.busy[slot] += 1
+    return held
+
+
+def _free(llm, held: list[int]) -> None:
+    for slot in held:
+        llm.tiers.host.busy[slot] -= 1
+        llm.tiers.host._free.append(slot)
+
+
+def test_a_put_that_finds_no_free_host_slot_waits_for_one(store, reference):
+    """A page named while every host slot is busy is not skipped: its put waits, in order, and goes once a
+    slot frees (at the next pages named), so the pool holds every page and another engine finds each
+    prompt's whole run."""
+    first = LLM(**SMALL, kv_tiers=_tiers(store))
+    held = _busy(first)
+    _one_by_one(first, _prompts()[:1])
+    assert len(first.tiers._unput) == 31 and first.kv_tier_stats["pool"]["pages"] == 0
+    _free(first, held)
+    _one_by_one(first, _prompts()[1:])
+    assert first.tiers.drain() and not first.tiers._unput
+    assert first.kv_tier_stats["pool"]["pages"] == 3 * 31 and first.kv_tier_stats["pool"]["skipped"] == 0
+    second = LLM(**SMALL, kv_tiers=_tiers(store))
+    outs = _one_by_one(second, _prompts())
+    assert [o.token_ids for o in outs] == reference
+    assert [o.num_cached_tokens for o in outs] == [116] * 3
+
+
+def test_a_waiting_put_whose_page_is_evicted_first_is_skipped_and_counted(store, reference):
+    """The put waits only while its device page holds the KV: evicted before a host slot frees, the page
+    is counted as skipped (nothing stale ever reaches the pool)."""
+    llm = LLM(**SMALL, kv_tiers=_tiers(store))
+    held = _busy(llm)
+    outs = _one_by_one(llm, _prompts())  # each prompt evicts the one before it from 48 device pages
+    assert [o.token_ids for o in outs] == reference
+    stats = llm.kv_tier_stats
+    assert stats["pool"]["skipped"] > 0 and stats["pool"]["pages"] == 0
+    assert stats["host"]["skipped"] > 0  # on_evict found no slot either
+    assert len(llm.tiers._unput) + stats["pool"]["skipped"] <= 3 * 31
+    _free(llm, held)
+    assert llm.tiers.drain()
+
+
 def test_pages_of_another_secret_or_salt_are_never_used(store, reference, caplog):
     writer = LLM(**SMALL, kv_tiers=_tiers(store))
     _one_by_one(writer, _prompts())

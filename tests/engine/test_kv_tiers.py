@@ -105,6 +105,26 @@ def test_full_tiers_evict_their_least_recently_used_pages_and_count_them(referen
     assert stats["disk"]["pages"] == 40 and stats["disk"]["evictions"] > 0
 
 
+def test_a_page_that_finds_every_host_slot_busy_is_skipped_and_counted(reference):
+    """The step never waits for a host slot: while every one is busy (I/O behind each), an evicted page is
+    not saved and the summary counts it (`skipped`); the text is unchanged and nothing stays busy."""
+    llm = LLM("tiny-random", **SMALL, kv_tiers={"host_bytes": 16 * 8192})
+    host = llm.tiers.host
+    held = [host.take()[0] for _ in range(host.num_slots)]  # every slot, each with a write behind it
+    for slot in held:
+        host.busy[slot] += 1
+    outs = _one_by_one(llm, _prompts())
+    stats = llm.kv_tier_stats["host"]
+    assert stats["skipped"] > 0 and stats["pages"] == 0 and stats["hit_tokens"] == 0
+    for slot in held:
+        host.busy[slot] -= 1
+        host._free.append(slot)
+    assert [o.token_ids for o in outs] == reference
+    outs = _one_by_one(llm, _prompts(seed=1))  # slots free again: pages are saved, none skipped since
+    assert llm.kv_tier_stats["host"]["skipped"] == stats["skipped"] and llm.kv_tier_stats["host"]["pages"]
+    _all_free(llm)
+
+
 def test_a_corrupted_file_is_dropped_and_recomputed(reference, tmp_path, caplog):
     tiers = {"host_bytes": 256 << 10, "disk_bytes": 8 << 20, "disk_dir": str(tmp_path)}
     llm = LLM("tiny-random", **SMALL, kv_tiers=tiers)
