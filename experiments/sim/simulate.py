@@ -199,6 +199,9 @@ class _Simulation:
                 self.kick(payload[0], now)
             elif kind == "step":
                 self.step(payload, now)
+            elif kind == "cached":
+                inst, r, tokens = payload
+                inst.cache.add(r, tokens, inst.page_size)
             else:
                 self.request_event(kind, payload, now)
         return self.requests
@@ -354,12 +357,17 @@ class _Simulation:
                     self.finished(r, end)
         self.push(end, "step", inst)
 
+    def cached(self, inst, r, end) -> None:
+        """r's prompt pages join inst's prefix cache (and the pool) when its step ends, not when the step
+        is scheduled: a request that arrives meanwhile must not find KV still being computed."""
+        if inst.cache is not None:
+            self.push(end, "cached", (inst, r, r.context))
+
     def prefilled(self, inst, r, end, dt) -> None:
         """r's prompt is computed on inst (a step of dt that ended at end): colocated, its first token;
         disaggregated, its KV leaves for its decode instance."""
         if not self.disagg:
-            if inst.cache is not None:
-                inst.cache.add(r, r.context, inst.page_size)
+            self.cached(inst, r, end)
             r.first_token, r.generated = end, 1
             self.push(end, "first", r)
             r.token_times.append(end)
@@ -368,8 +376,7 @@ class _Simulation:
             return
         inst.running.remove(r)
         inst.kv_used -= r.context + r.output
-        if inst.cache is not None:
-            inst.cache.add(r, r.context, inst.page_size)
+        self.cached(inst, r, end)
         if self.first_token_on == "prefill" and not r.fetch:
             r.first_token, r.generated = end, 1
             self.push(end, "first", r)
