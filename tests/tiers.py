@@ -15,3 +15,19 @@ def stalled(llm) -> threading.Event:
 
     llm.tiers.host.view = view
     return go
+
+
+def all_busy(llm) -> list[int]:
+    """Take every host slot of llm's tiers and mark it busy (as if a write behind each still ran)."""
+    host = llm.tiers.host
+    held = [host.take()[0] for _ in range(host.num_slots)]
+    for slot in held:
+        host.busy[slot] += 1
+    return held
+
+
+def release(llm, held: list[int]) -> None:
+    """Give back the slots all_busy took, idle and free."""
+    for slot in held:
+        llm.tiers.host.busy[slot] -= 1
+        llm.tiers.host._free.append(slot)

@@ -13,6 +13,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.kv_cache import page_hashes
 from tests import needs
+from tests.tiers import all_busy, release
 from transfer.backends.mooncake import StoreClient, StoreProcesses, link_libraries
 
 needs.nixl()
@@ -72,30 +73,15 @@ def test_an_engine_loads_what_another_computed(store, reference):
     assert second.tiers.drain() and second.allocator.num_free == second.allocator.num_pages
 
 
-def _busy(llm) -> list[int]:
-    """Take every host slot of llm's tiers and mark it busy (as if a write behind each still ran)."""
-    host = llm.tiers.host
-    held = [host.take()[0] for _ in range(host.num_slots)]
-    for slot in held:
-        host.busy[slot] += 1
-    return held
-
-
-def _free(llm, held: list[int]) -> None:
-    for slot in held:
-        llm.tiers.host.busy[slot] -= 1
-        llm.tiers.host._free.append(slot)
-
-
 def test_a_put_that_finds_no_free_host_slot_waits_for_one(store, reference):
     """A page named while every host slot is busy is not skipped: its put waits, in order, and goes once a
     slot frees (at the next pages named), so the pool holds every page and another engine finds each
     prompt's whole run."""
     first = LLM(**SMALL, kv_tiers=_tiers(store))
-    held = _busy(first)
+    held = all_busy(first)
     _one_by_one(first, _prompts()[:1])
     assert len(first.tiers._unput) == 31 and first.kv_tier_stats["pool"]["pages"] == 0
-    _free(first, held)
+    release(first, held)
     _one_by_one(first, _prompts()[1:])
     assert first.tiers.drain() and not first.tiers._unput
     assert first.kv_tier_stats["pool"]["pages"] == 3 * 31 and first.kv_tier_stats["pool"]["skipped"] == 0
@@ -109,14 +95,14 @@ def test_a_waiting_put_whose_page_is_evicted_first_is_skipped_and_counted(store,
     """The put waits only while its device page holds the KV: evicted before a host slot frees, the page
     is counted as skipped (nothing stale ever reaches the pool)."""
     llm = LLM(**SMALL, kv_tiers=_tiers(store))
-    held = _busy(llm)
+    held = all_busy(llm)
     outs = _one_by_one(llm, _prompts())  # each prompt evicts the one before it from 48 device pages
     assert [o.token_ids for o in outs] == reference
     stats = llm.kv_tier_stats
     assert stats["pool"]["skipped"] > 0 and stats["pool"]["pages"] == 0
     assert stats["host"]["skipped"] > 0  # on_evict found no slot either
     assert len(llm.tiers._unput) + stats["pool"]["skipped"] <= 3 * 31
-    _free(llm, held)
+    release(llm, held)
     assert llm.tiers.drain()
 
 

@@ -14,7 +14,7 @@ from engine import LLM, SamplingParams
 from engine.config import KVTiersConfig
 from engine.kv_pages import HEADER_BYTES, PageFormat, namespace
 from tests import needs
-from tests.tiers import stalled
+from tests.tiers import all_busy, release, stalled
 
 needs.nixl()  # the disk tier moves its files through NIXL POSIX
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -109,16 +109,11 @@ def test_a_page_that_finds_every_host_slot_busy_is_skipped_and_counted(reference
     """The step never waits for a host slot: while every one is busy (I/O behind each), an evicted page is
     not saved and the summary counts it (`skipped`); the text is unchanged and nothing stays busy."""
     llm = LLM("tiny-random", **SMALL, kv_tiers={"host_bytes": 16 * 8192})
-    host = llm.tiers.host
-    held = [host.take()[0] for _ in range(host.num_slots)]  # every slot, each with a write behind it
-    for slot in held:
-        host.busy[slot] += 1
+    held = all_busy(llm)  # every slot, each with a write behind it
     outs = _one_by_one(llm, _prompts())
     stats = llm.kv_tier_stats["host"]
     assert stats["skipped"] > 0 and stats["pages"] == 0 and stats["hit_tokens"] == 0
-    for slot in held:
-        host.busy[slot] -= 1
-        host._free.append(slot)
+    release(llm, held)
     assert [o.token_ids for o in outs] == reference
     outs = _one_by_one(llm, _prompts(seed=1))  # slots free again: pages are saved, none skipped since
     assert llm.kv_tier_stats["host"]["skipped"] == stats["skipped"] and llm.kv_tier_stats["host"]["pages"]
