@@ -1,12 +1,14 @@
 """Issue 43's targets for the KV tiers, measured with the main job (`make bench-tiers`; minutes per run):
 
     python -m experiments.bench.kv_tiers --out bench_results/tiers [--only none,tiers] [--model ...]
-        [--reply-spread 32]
+        [--reply-spread 32] [--concurrency 8]
 
 SmolLM2 by default, multiturn (16 conversations x 8 turns, 256-token system prompt, 128-token messages,
 64-token replies; --reply-spread N draws each reply's length uniformly from 64 +- N), 2 colocated
-workers. Every conversation starts at once and, with replies of one length, a run whose conversations
-all run at once (a full cache) may keep them in lockstep, turn after turn: spread replies break it.
+workers. Every conversation starts at once (--concurrency N: at most N requests in flight, a turn
+waiting for a slot, as the multiturn workload's default of 8) and, with replies of one length, a run
+whose conversations all run at once (a full cache) may keep them in lockstep, turn after turn: spread
+replies break it.
 Each worker's device cache holds 25% of the workload's KV (`small`) or all of it (`full`). Variants:
 - none: small, round_robin, no tiers;  tiers: small, round_robin, host + disk + pool;
 - full: full, round_robin, no tiers (what the tiers should come close to);
@@ -116,12 +118,16 @@ def main() -> None:
     parser.add_argument("--conversations", type=int, default=CONVERSATIONS)
     parser.add_argument("--turns", type=int, default=TURNS)
     parser.add_argument("--reply-spread", type=int, default=0, help=f"replies of {REPLY} +- this many tokens")
+    parser.add_argument("--concurrency", type=int, help="requests in flight (default: every conversation)")
     args = parser.parse_args()
+    if args.concurrency is not None and args.concurrency < 1:
+        parser.error(f"--concurrency must be at least 1 request, got {args.concurrency}")
     if not 0 <= args.reply_spread < REPLY:
         parser.error(f"--reply-spread must be in [0, {REPLY}), got {args.reply_spread}")
     CONVERSATIONS, TURNS = args.conversations, args.turns
     base = [f"model={args.model}", "deployment=colocated", "workload=multiturn", "plots=false"]
-    base += [f"workload.conversations={CONVERSATIONS}", f"workload.concurrency={CONVERSATIONS}"]
+    in_flight = args.concurrency or CONVERSATIONS
+    base += [f"workload.conversations={CONVERSATIONS}", f"workload.concurrency={in_flight}"]
     base += [f"workload.turns={TURNS}", f"workload.system_prompt_len={SYSTEM}", f"workload.turn_len={TURN}"]
     base += [f"workload.output_len.value={REPLY}", "run_timeout_s=3600", "log_level=WARNING"]
     if args.reply_spread:  # the same mean, so the same workload KV in expectation
