@@ -36,6 +36,7 @@ class SimRequest:
     conversation: int = -1  # multiturn: its conversation and turn
     turn: int = 0
     cached: int = 0  # prompt tokens its serving instance's cache held (its decode instance's, disaggregated)
+    named: int = 0  # tokens of its KV where it runs that the prefix cache names (Instance.fit_cache)
     skip: int = 0  # disaggregated: pages its decode instance held, not sent
     local: bool = False  # disaggregated: its decode instance computed the missing rest itself
     computing: bool = False  # on its decode instance: its context computed there, in chunks, until done
@@ -106,6 +107,7 @@ class PageCache:
 
     def __init__(self, capacity: int, tiers: TierSpec | None = None, pool: OrderedDict | None = None):
         self.capacity, self.pages = max(int(capacity), 0), OrderedDict()
+        self.size = self.capacity  # what it may hold at most; capacity: what it may hold now (fit)
         self.queries = self.hits = 0  # prompt tokens looked up, and found (on the device or below)
         self.tiers, self.pool = tiers, pool
         self.host: OrderedDict = OrderedDict()
@@ -163,17 +165,32 @@ class PageCache:
         return n
 
     def add(self, r: SimRequest, tokens: int, page: int) -> None:
-        for name in r.names(tokens, page):
+        """r's first `tokens` tokens' pages are named: the last one least recently used, as the engine
+        releases a request's pages last first (a prompt's tail leaves before the prefix others share)."""
+        names = r.names(tokens, page)
+        for name in reversed(names):
             self._put(name)
-            if self.pool is not None and self.tiers.pool_pages and self.share:
+        if self.pool is not None and self.tiers.pool_pages and self.share:
+            for name in names:  # put as they are named
                 _lru_put(self.pool, name, self.tiers.pool_pages)
 
     def _put(self, name) -> None:
         evicted = _lru_put(self.pages, name, self.capacity)
-        if evicted is not None and self.tiers is not None and self.tiers.host_pages:
-            _lru_put(self.host, evicted, self.tiers.host_pages)
+        if evicted is not None:
+            self._evicted(evicted)
+
+    def _evicted(self, name) -> None:
+        if self.tiers is not None and self.tiers.host_pages:
+            _lru_put(self.host, name, self.tiers.host_pages)
             if self.tiers.disk_pages:  # written behind the host pool
-                _lru_put(self.disk, evicted, self.tiers.disk_pages)
+                _lru_put(self.disk, name, self.tiers.disk_pages)
+
+    def fit(self, room: int) -> None:
+        """Hold at most min(size, room) pages from now: the least recently used names leave (to the
+        tiers below, as any eviction)."""
+        self.capacity = max(min(self.size, room), 0)
+        while len(self.pages) > self.capacity:
+            self._evicted(self.pages.popitem(last=False)[0])
 
     def take_load_s(self) -> float:
         out, self.load_s = self.load_s, 0.0
@@ -228,6 +245,20 @@ class Instance:
             return self.kv_tokens
         free = self.cost.hw.hbm_bytes - self.cost.weight_bytes_per_rank()
         return self.cost.dp * max(free, 0) * self.kv_fraction / self.cost.kv_bytes_per_token_per_rank()
+
+    def fit_cache(self) -> None:
+        """As the engine's one allocator: the prefix cache holds the pages the running requests' KV
+        leaves, where the KV they computed (or were sent) counts only for the pages the cache does not
+        already name (their hits, and a computed prompt once named). Not what they are owed yet: the
+        engine takes a page when a request grows into it, evicting the least recently used cached one."""
+        if self.cache is None:
+            return
+        held = 0
+        for r in self.running:
+            owned = min(r.computed + r.generated, r.held or r.context + r.output)
+            held += max(owned - r.named, 0)
+        pages = int(min(self.kv_capacity_tokens, 1 << 50)) // self.page_size
+        self.cache.fit(pages - -(-held // self.page_size))
 
     def load(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.recompute)

@@ -161,7 +161,7 @@ def simulate_deployment(
 
     def policy(pool: list[Instance], names) -> Router:
         """The deployment's routing over pool, believing each instance caches as much as it can."""
-        pages = pool[0].cache.capacity if pool[0].cache is not None else 0
+        pages = pool[0].cache.size if pool[0].cache is not None else 0
         return Router.of(d, names, pages, page_size, slo=slo)
 
     if d.kind == "colocated":

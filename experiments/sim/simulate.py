@@ -29,9 +29,12 @@ disaggregated request first looks up its decode instance's cache (below its devi
 tiers' decode_loads allow: it joins a step once those loads land; a decode instance puts nothing into the
 shared pool): the prefill instance sends only the pages from there on, or, where what is missing is at
 most `local_prefill_max_tokens`, the decode instance computes it itself (in chunks, as above). Each cache
-is an LRU over page names holding at most the instance's KV capacity in pages; pages in use count toward
-it as cached ones (an approximation: the engine evicts only pages no request holds). A preempted
-request's pages are not kept (its refetch or recompute looks nothing up).
+is an LRU over page names sharing the instance's KV capacity with its running requests, as the engine's
+one allocator: it holds what their computed KV leaves (their named pages counted once, in the cache),
+its least recently used names leaving as they grow (Instance.fit_cache), a request's tail before its
+head (the engine frees a request's pages last first); admission still reserves each request's context
+and outputs beside the others' (the engine reserves less under pressure, fair_share, and may preempt).
+A preempted request's pages are not kept (its refetch or recompute looks nothing up).
 
 Output per request: arrival, first-token time and the time of each later token, from which the same
 metrics as the real runs follow (experiments/metrics.py's percentiles and SLO rules).
@@ -201,6 +204,9 @@ class _Simulation:
                 self.step(payload, now)
             elif kind == "cached":
                 inst, r, tokens = payload
+                if any(x is r for x in inst.running):  # its pages, held, are named now: no more room
+                    r.named = max(r.named, tokens)
+                    inst.fit_cache()
                 inst.cache.add(r, tokens, inst.page_size)
             else:
                 self.request_event(kind, payload, now)
@@ -455,7 +461,7 @@ class _Simulation:
             self.refetch(r, name, now)
 
     def refetch(self, r, left, now) -> None:
-        r.held, r.computed, r.drafting, r.computing = 0, 0, 0, False
+        r.held, r.computed, r.drafting, r.computing, r.named = 0, 0, 0, False, 0
         if r.generated:
             r.fetch = r.prompt + r.generated
         self.policy.moved(r.rid, left)

@@ -20,6 +20,7 @@ def _admit(inst: Instance, need: int) -> bool:
 def colocated_step(inst: Instance, now: float) -> tuple[float, list]:
     """Schedule one step; returns (duration, [(request, kind)]) with kind 'prefill_done' | 'token'."""
     budget = inst.budget
+    inst.fit_cache()  # what the running requests grew into since the last step
     decode = [r for r in inst.running if r.computed == r.context][: inst.max_seqs]
     chunks, events = [], []
     if inst.chunked or not inst.waiting and not any(r.computed < r.context for r in inst.running):
@@ -45,7 +46,8 @@ def colocated_step(inst: Instance, now: float) -> tuple[float, list]:
         inst.running.append(r)
         if inst.cache is not None and not r.fetch:
             r.computed = inst.cache.lookup(r, r.context, inst.page_size) * inst.page_size
-            r.cached = r.computed
+            r.cached = r.named = r.computed
+            inst.fit_cache()
             r.ready = now + inst.cache.take_load_s()  # out of the steps while pages load from below
             if r.ready > now:
                 continue
@@ -109,8 +111,9 @@ def maybe_finish(inst: Instance, r: SimRequest, t: float) -> bool:
     r.done = t
     inst.running.remove(r)
     inst.kv_used -= r.held if r.held else r.prompt + r.output  # a decode instance's, or a colocated one's
-    r.held = 0
+    r.held = r.named = 0
     if inst.cache is not None:  # the last token sampled has no KV yet
+        inst.fit_cache()
         inst.cache.add(r, r.prompt + r.generated - 1, inst.page_size)
     return True
 
@@ -127,6 +130,7 @@ def lookup_decode(inst: Instance, r: SimRequest, now: float = 0.0, transfer_s: f
     mode = tiers.decode_loads if tiers is not None else "never"
     within = {"never": 0.0, "always": None, "cost": transfer_s}[mode]
     r.skip = inst.cache.lookup(r, r.context, inst.page_size, within_s=within)
+    r.named = r.skip * inst.page_size
     r.ready = now + inst.cache.take_load_s()
 
 
@@ -157,10 +161,13 @@ def admit_decode(inst: Instance, r: SimRequest) -> bool:
     need = context + max(left, 1)
     if inst.kv_used + need > inst.kv_capacity_tokens and (inst.running or inst.recompute):
         return False
-    if inst.cache is not None and r.computed >= r.context and not r.fetch:  # landed: its pages are named
-        inst.cache.add(r, r.context, inst.page_size)
+    landed = inst.cache is not None and r.computed >= r.context and not r.fetch  # its pages are named
     r.held, r.fetch = need, 0
     inst.kv_used += need
+    if landed:
+        r.named = r.context
+        inst.fit_cache()
+        inst.cache.add(r, r.context, inst.page_size)
     return True
 
 
@@ -184,7 +191,7 @@ def _preempt(inst: Instance, r: SimRequest) -> list:
     """Drop r's KV on its decode instance: recompute it here later, or ('refetch') hand it back."""
     inst.running.remove(r)
     inst.kv_used -= r.held
-    r.held = 0
+    r.held = r.named = 0
     inst.preemptions += 1
     context = r.prompt + r.generated
     if inst.preemption == "refetch":
@@ -202,6 +209,7 @@ def decode_step(inst: Instance) -> tuple[float, list]:
     chunk_size: slo under the TPOT budget too, as the engine's scheduler sizes them; such a request
     samples its next token with its last chunk."""
     _admit_waiting_decode(inst)
+    inst.fit_cache()
     events = []
     running = inst.running[: inst.max_seqs]
     computing = [r for r in running if r.computing]

@@ -79,3 +79,30 @@ def test_a_decode_instance_loads_from_the_pool_as_decode_loads_says_and_puts_not
     assert sent["always"] < sent["never"] and sent["always"] <= sent["cost"] <= sent["never"]
     assert runs["always"]["prefix_hit_rate"] > runs["never"]["prefix_hit_rate"]
     assert all(run["completed"] == 32 for run in runs.values())
+
+
+def test_the_running_requests_kv_takes_device_pages_from_the_cache_and_its_names_give_them_back():
+    """As the engine's one allocator: a 10-page instance whose running requests hold 7 pages the cache
+    does not name keeps 3 cached pages (the others go to the host pool), and has room again for those
+    pages once they are named: held pages the cache names take no more room."""
+    from experiments.sim.cost import CostModel
+    from experiments.sim.instance import Instance, SimRequest
+
+    inst = Instance(CostModel(sim_model("smollm2-135m"), load_hardware("cpu-this-machine")), kv_tokens=160)
+    inst.enable_cache(tiers=TierSpec(host_pages=100))
+    history = SimRequest(0, 0.0, prompt=64, output=1, stream="a")
+    inst.cache.add(history, 64, 16)  # 4 pages, no request holds them
+    turn = SimRequest(1, 0.0, prompt=80, output=1, stream="a")
+    assert inst.cache.peek(turn, 80, 16) == history.names(64, 16)
+    inst.running = [SimRequest(2, 0.0, prompt=96, output=2), SimRequest(3, 0.0, prompt=48, output=2)]
+    inst.running[0].computed, inst.running[1].computed = 96, 16  # 6 + 1 pages of KV, none named
+    inst.fit_cache()
+    # its tail leaves first (the engine frees a request's pages last first), to the host pool
+    assert list(inst.cache.pages) == history.names(48, 16)[::-1] and inst.cache.capacity == 3
+    assert inst.cache.peek(turn, 80, 16) == history.names(64, 16)
+    assert inst.cache.lookup(turn, 80, 16) == 4 and inst.cache.tier_hits["host"] == 16
+    inst.running[0].named = 96  # its prompt is named: the cache holds its 6 pages beside the others
+    inst.fit_cache()
+    assert inst.cache.capacity == 9
+    inst.cache.add(inst.running[0], 96, 16)
+    assert len(inst.cache.pages) == 9
