@@ -155,8 +155,10 @@ class KVTiers:
         pages = s.hit_tokens // self.page_size
         return s.load_s / pages if pages else PRIOR_PAGE_S[tier]
 
-    def load(self, names: list[bytes], tiers: list[str], pages: list[int]) -> Load:
-        """Start loading names (found in tiers by find) into the device pages (owned by the caller)."""
+    def plan(self, names: list[bytes], tiers: list[str]) -> Load:
+        """A load of names (found in tiers by find), their host slots taken and busy from now: the device
+        pages the caller takes next for them may evict other pages into the host pool, and those must not
+        push these out (a load that did evicted the very pages it came for). start() runs it."""
         plan = []
         for name, tier in zip(names, tiers, strict=True):
             if tier == "host":
@@ -174,9 +176,12 @@ class KVTiers:
                     self.disk.busy[disk_slot] += 1
             self.host.busy[slot] += 1
             plan.append((tier, name, slot, disk_slot))
-        job = Load(plan, pages[: len(plan)], time.monotonic() + self.config.store_deadline_s)
+        return Load(plan, [], time.monotonic() + self.config.store_deadline_s)
+
+    def start(self, job: Load, pages: list[int]) -> None:
+        """Load the planned pages into these device pages (owned by the caller), on the I/O thread."""
+        job.pages = pages[: len(job.plan)]
         self._submit(_LOAD, lambda: self._run_load(job))
-        return job
 
     def evicted(self, page: int, name: bytes) -> None:
         """The allocator is about to reuse a named page whose KV still holds (policy on_evict); a pool put

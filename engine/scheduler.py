@@ -330,11 +330,14 @@ class Scheduler:
         return self.tiers.find(seq.page_hashes[device:usable])
 
     def _load(self, seq: Sequence, tiers: list[str]) -> None:
-        """Take device pages for seq's pages found below and start loading them."""
+        """Start loading seq's pages found below: their host slots first (kept from the pages that
+        taking device pages for them evicts), then those device pages."""
         size, first = self.allocator.page_size, seq.pages_named
-        pages = self.allocator.grow(seq.request_id, (first + len(tiers)) * size)
         names = seq.page_hashes[first : first + len(tiers)]
-        self.loading[seq.request_id] = (seq, self.tiers.load(names, tiers, pages[first:]))
+        job = self.tiers.plan(names, tiers)
+        pages = self.allocator.grow(seq.request_id, (first + len(tiers)) * size)
+        self.tiers.start(job, pages[first:])
+        self.loading[seq.request_id] = (seq, job)
 
     def _landed(self) -> None:
         """Sequences whose loads ended (or passed their deadline) queue first, computing from there."""

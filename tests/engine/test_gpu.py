@@ -199,3 +199,27 @@ def test_ngram_speculation_on_the_gpu_is_lossless():
     assert [o.token_ids for o in outs] == plain
     assert sum(o.num_accepted_tokens for o in outs) > 0
     assert llm.allocator.num_free == llm.allocator.num_pages
+
+
+def test_kv_tiers_on_the_gpu_bring_pages_back_through_a_pinned_host_pool_and_files(tmp_path):
+    """A small cache on the GPU: evicted pages come back from the host pool (pinned) and from files (NIXL
+    POSIX), copied on the tiers' side streams (a save after the compute stream's writes, a load before a
+    request reads the page); greedy tokens equal those with no prefix cache at all, every page back."""
+    rng = random.Random(0)
+    firsts = [[rng.randrange(3, 1000) for _ in range(120)] for _ in range(4)]
+    prompts = firsts + [p + [11, 12, 13] for p in firsts]  # each comes back after the others evicted it
+    greedy = SamplingParams(max_tokens=6, ignore_eos=True)
+    small = dict(device="cuda", dtype="float32", page_size=16, num_pages=12, max_num_seqs=2)
+    plain = LLM("tiny-random", enable_prefix_caching=False, **small)
+    reference = [plain.generate([p], greedy)[0].token_ids for p in prompts]
+    tiers = {"host_bytes": 16 * 20480, "disk_bytes": 64 * 20480, "disk_dir": str(tmp_path)}
+    llm = LLM("tiny-random", kv_tiers=tiers, **small)
+    assert llm.tiers.fmt.slot_bytes == 20480 and llm.tiers.host.memory.is_pinned()
+    outs = [llm.generate([p], greedy)[0] for p in prompts]
+    assert [o.token_ids for o in outs] == reference
+    assert [o.num_cached_tokens for o in outs[4:]] == [112] * 4  # the 7 full pages of each first prompt
+    stats = llm.kv_tier_stats
+    assert stats["host"]["hit_tokens"] > 0 and stats["disk"]["hit_tokens"] > 0
+    assert set(llm.tiers.fmt._streams) == {"save", "load"}
+    assert llm.tiers.drain() and llm.allocator.num_free == llm.allocator.num_pages
+    llm.close()
