@@ -363,17 +363,18 @@ class _Simulation:
                     self.finished(r, end)
         self.push(end, "step", inst)
 
-    def cached(self, inst, r, end) -> None:
-        """r's prompt pages join inst's prefix cache (and the pool) when its step ends, not when the step
-        is scheduled: a request that arrives meanwhile must not find KV still being computed."""
+    def cached(self, inst, r, end, tokens: int) -> None:
+        """r's first `tokens` tokens' pages join inst's prefix cache (and the pool) when its step ends,
+        not when the step is scheduled: a request that arrives meanwhile must not find KV still being
+        computed."""
         if inst.cache is not None:
-            self.push(end, "cached", (inst, r, r.context))
+            self.push(end, "cached", (inst, r, tokens))
 
     def prefilled(self, inst, r, end, dt) -> None:
         """r's prompt is computed on inst (a step of dt that ended at end): colocated, its first token;
         disaggregated, its KV leaves for its decode instance."""
         if not self.disagg:
-            self.cached(inst, r, end)
+            self.cached(inst, r, end, r.context)
             r.first_token, r.generated = end, 1
             self.push(end, "first", r)
             r.token_times.append(end)
@@ -382,7 +383,9 @@ class _Simulation:
             return
         inst.running.remove(r)
         inst.kv_used -= r.context + r.output
-        self.cached(inst, r, end)
+        # a prefill worker whose decode worker samples the first token is given the prompt without its
+        # last token (which the decode worker runs): a page that token would fill is not named here
+        self.cached(inst, r, end, r.context - (self.first_token_on == "decode"))
         if self.first_token_on == "prefill" and not r.fetch:
             r.first_token, r.generated = end, 1
             self.push(end, "first", r)

@@ -106,3 +106,24 @@ def test_the_running_requests_kv_takes_device_pages_from_the_cache_and_its_names
     assert inst.cache.capacity == 9
     inst.cache.add(inst.running[0], 96, 16)
     assert len(inst.cache.pages) == 9
+
+
+def test_a_prefill_instance_puts_only_the_pages_it_computed_when_decode_runs_the_last_token():
+    """As the engine's hand-off: a prefill worker whose decode worker samples the first token computes
+    the prompt without its last token, so a 64-token prompt fills 3 of its 4 pages there (the fourth is
+    named by neither side's pool puts); when the prefill side samples, it computes all 4."""
+    from collections import OrderedDict
+
+    from experiments.sim.cost import CostModel
+    from experiments.sim.instance import Instance, SimRequest
+    from experiments.sim.simulate import simulate_disaggregated
+
+    cost = CostModel(sim_model("smollm2-135m"), load_hardware("cpu-this-machine"))
+    spec = TierSpec(host_pages=8, pool_pages=100)
+    for first_token_on, pages in (("decode", 3), ("prefill", 4)):
+        pool = OrderedDict()
+        prefill, decode = Instance(cost).enable_cache(tiers=spec, pool=pool), Instance(cost).enable_cache()
+        (r,) = simulate_disaggregated(
+            [prefill], [decode], [SimRequest(0, 0.0, prompt=64, output=2)], first_token_on=first_token_on
+        )
+        assert r.done is not None and len(pool) == pages
