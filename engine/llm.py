@@ -239,6 +239,14 @@ class LLM(DPFront, EngineCore, DecodeHandoff, StepSampling):
         tiers = KVTiers(c.kv_tiers, self.kv_caches, space, c.cache.page_size)
         self.allocator.on_evict, self.allocator.on_named = tiers.evicted, tiers.named
         tiers.share = c.scheduler.role != "decode"  # a decode worker's pages came from a prefill worker
+        step = -(-c.scheduler.max_num_batched_tokens // c.cache.page_size)  # pages one step may name
+        if tiers.pool is not None and tiers.share and tiers.host.num_slots < step:
+            log.warning(
+                "kv_tiers.host_bytes=%d holds %d pages, fewer than one step names (%d): each page put into "
+                "the shared pool is staged in a host slot until the step after, so puts will lag behind "
+                "and other workers find fewer pages; %d bytes or more keeps up",
+                c.kv_tiers.host_bytes, tiers.host.num_slots, step, step * tiers.fmt.slot_bytes,
+            )  # fmt: skip
         self.scheduler.tiers = tiers
         return tiers
 

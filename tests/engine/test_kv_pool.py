@@ -73,6 +73,22 @@ def test_an_engine_loads_what_another_computed(store, reference):
     assert second.tiers.drain() and second.allocator.num_free == second.allocator.num_pages
 
 
+def test_a_host_pool_smaller_than_a_step_says_the_pool_puts_will_lag(store, caplog):
+    """Every page put into the pool is staged in a host slot until the engine's next step: a host pool
+    holding fewer pages than a step names (max_num_batched_tokens / page_size) cannot keep up, and says
+    so, with the size that does; a decode worker (it puts nothing) and a large enough pool do not."""
+    step = {"max_num_batched_tokens": 256}  # 64 pages of 4 tokens
+    with caplog.at_level(logging.WARNING, logger="engine.llm"):
+        small = LLM(**SMALL, **step, kv_tiers=_tiers(store, host_bytes=16 * 8192))
+        assert small.tiers.host.num_slots == 16
+        assert "kv_tiers.host_bytes=131072 holds 16 pages, fewer than one step names (64)" in caplog.text
+        assert "524288 bytes or more" in caplog.text
+        caplog.clear()
+        LLM(**SMALL, **step, kv_tiers=_tiers(store, host_bytes=64 * 8192))
+        LLM(**SMALL, **step, role="decode", kv_tiers=_tiers(store, host_bytes=16 * 8192))
+    assert "host_bytes" not in caplog.text
+
+
 def test_a_put_that_finds_no_free_host_slot_waits_for_one(store, reference):
     """A page named while every host slot is busy is not skipped: its put waits, in order, and goes once a
     slot frees (at the next pages named), so the pool holds every page and another engine finds each
