@@ -335,7 +335,12 @@ class Scheduler:
         size, first = self.allocator.page_size, seq.pages_named
         names = seq.page_hashes[first : first + len(tiers)]
         job = self.tiers.plan(names, tiers)
-        pages = self.allocator.grow(seq.request_id, (first + len(tiers)) * size)
+        try:
+            pages = self.allocator.grow(seq.request_id, (first + len(tiers)) * size)
+        except Exception:
+            job.cancel()  # run as cancelled: it copies nothing and gives its slots back
+            self.tiers.start(job, [])
+            raise
         self.tiers.start(job, pages[first:])
         self.loading[seq.request_id] = (seq, job)
 

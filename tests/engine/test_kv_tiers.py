@@ -121,6 +121,29 @@ def test_a_load_keeps_its_host_pages_while_taking_device_pages_evicts_others_int
     _all_free(llm)
 
 
+def test_a_load_whose_device_pages_cannot_be_had_gives_its_host_slots_back(monkeypatch):
+    """Its slots are taken before its device pages: if those cannot be had, the load runs as cancelled
+    (copying nothing) and every slot it took is idle again."""
+    from engine.kv_cache import OutOfPages
+
+    llm = LLM("tiny-random", **SMALL, kv_tiers={"host_bytes": 4 << 20})
+    prompts = _prompts()
+    _one_by_one(llm, prompts[:4])  # the first prompt's pages are in the host pool now
+    seq = llm.make_sequence(prompts[4], GREEDY)
+    assert llm.scheduler.lookup(seq) == []
+    below = llm.scheduler._below(seq, 0)
+    assert below == ["host"] * 30
+
+    def short(request_id, num_tokens):
+        raise OutOfPages(f"{request_id}: no pages")
+
+    monkeypatch.setattr(llm.allocator, "grow", short)
+    with pytest.raises(OutOfPages):
+        llm.scheduler._load(seq, below)
+    assert llm.tiers.drain() and not any(llm.tiers.host.busy.values())
+    assert seq.request_id not in llm.scheduler.loading
+
+
 def test_a_page_that_finds_every_host_slot_busy_is_skipped_and_counted(reference):
     """The step never waits for a host slot: while every one is busy (I/O behind each), an evicted page is
     not saved and the summary counts it (`skipped`); the text is unchanged and nothing stays busy."""
