@@ -43,9 +43,11 @@ bench: $(STAMP)
 
 # issue 43's targets for the KV tiers over the main job (SmolLM2, multiturn 16 x 8, 2 colocated workers;
 # about 25 minutes on 2 cores): none, tiers, full, cache_aware, pool, restart, 2p2d, and 1P2D with the decode
-# workers sent their KV, loading it from the pool, or picking by cost
+# workers sent their KV, loading it from the pool, or picking by cost. BENCH_TIERS_ARGS picks, e.g. the
+# 10% target at the workload's 8 requests in flight: "--only none,tiers,full --concurrency 8" (6 minutes)
+BENCH_TIERS_ARGS ?=
 bench-tiers: $(STAMP)
-	$(BIN)/python -m experiments.bench.kv_tiers --out bench_results/tiers-$$(date +%Y%m%d-%H%M%S)
+	$(BIN)/python -m experiments.bench.kv_tiers --out bench_results/tiers-$$(date +%Y%m%d-%H%M%S) $(BENCH_TIERS_ARGS)
 
 # issue 45's goodput table (docs/scheduling.md): SmolLM2, 30 Poisson arrivals of 1,024-token prompts, 32 out,
 # SLO TTFT 3 s / TPOT 100 ms; colocated with fixed chunks and with chunk_size: slo, 1P1D, and 1P1D with the
