@@ -265,6 +265,14 @@ class KVTiers:
                 return
             done()
 
+    def tend(self) -> None:
+        """Between steps, now and then (a worker's loop, busy or idle): apply what the I/O thread finished
+        and stage the pool puts that wait for a host slot, which otherwise go only when more pages are
+        named or evicted: a worker that went idle kept them from the pool."""
+        self.poll()
+        if self._sharing():
+            self._flush_unput()
+
     def drain(self, timeout: float = 10.0) -> bool:
         """Wait until every I/O job queued so far has run, then apply the results; False on timeout."""
         done = threading.Event()

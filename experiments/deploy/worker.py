@@ -332,6 +332,8 @@ class Worker(RoleSwitching):
                 time.sleep(0.0005)
             if time.monotonic() - self.load_at > LOAD_EVERY_S:
                 self.load_at = time.monotonic()
+                if self.llm.tiers is not None:
+                    self.llm.tiers.tend()  # pool puts waiting for a host slot go, idle or not
                 running, waiting = self.llm.queues  # every DP group's
                 groups = self.llm.take_cache_events()
                 pending = len(self.front.backlog) + (len(self.dm.pending) if self.dm is not None else 0)

@@ -107,6 +107,21 @@ def test_a_put_that_finds_no_free_host_slot_waits_for_one(store, reference):
     assert [o.num_cached_tokens for o in outs] == [116] * 3
 
 
+def test_puts_waiting_for_a_host_slot_go_when_an_idle_worker_tends_its_tiers(store):
+    """Nothing more is named after a burst whose puts waited for slots: tend() (a worker's loop calls it
+    now and then) stages them once slots are free, instead of never."""
+    llm = LLM(**SMALL, kv_tiers=_tiers(store))
+    held = all_busy(llm)
+    _one_by_one(llm, _prompts()[:1])
+    assert len(llm.tiers._unput) == 31
+    llm.tiers.tend()  # every slot still busy: they keep waiting
+    assert len(llm.tiers._unput) == 31
+    release(llm, held)
+    llm.tiers.tend()
+    assert not llm.tiers._unput and llm.tiers.drain()
+    assert llm.kv_tier_stats["pool"]["pages"] == 31 and llm.kv_tier_stats["pool"]["skipped"] == 0
+
+
 def test_a_waiting_put_whose_page_is_evicted_first_is_skipped_and_counted(store, reference):
     """The put waits only while its device page holds the KV: evicted before a host slot frees, the page
     is counted as skipped (nothing stale ever reaches the pool)."""
