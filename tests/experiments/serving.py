@@ -69,12 +69,12 @@ def _metrics(url: str) -> dict:
     }
 
 
-def _long_stream(client, prompt: str, n: int = 1):
+def _long_stream(client, prompt: str, n: int = 1, max_tokens: int = 1000):
     """A greedy stream of 1,000 tokens (eos ignored): one that is still running when the test acts."""
     return client.completions.create(
         model="tiny-random",
         prompt=prompt,
-        max_tokens=1000,
+        max_tokens=max_tokens,
         temperature=0,
         stream=True,
         n=n,

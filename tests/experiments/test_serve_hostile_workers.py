@@ -55,7 +55,11 @@ def test_sigterm_drains_then_stops_every_worker_a_frozen_one_too(tmp_path, short
     stopped (the frozen one killed), the run's private directory is removed, and only then does the
     server exit: nothing of its group is left."""
     proc, url = _start(
-        tmp_path, "deployment=1p1d", "server.shutdown_timeout_s=2", "transfer.peer_timeout_s=2"
+        tmp_path,
+        "deployment=1p1d",
+        "server.shutdown_timeout_s=2",
+        "transfer.peer_timeout_s=2",
+        "model.num_pages=520",  # room for a 2,000-token stream (tiny-random's context is 2,048)
     )
     try:
         _drain_and_stop(proc, url, tmp_path)
@@ -73,7 +77,9 @@ def _drain_and_stop(proc: subprocess.Popen, url: str, tmp_path: Path) -> None:
     pids = {name: _worker_pid(tmp_path, name) for name in ("prefill-0", "decode-0")}
     assert list((tmp_path / "tmp").glob("pdk-*"))  # the run's private directory, while it runs
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
-    stream = _long_stream(client, "On and on:")
+    # nearly tiny-random's whole context: it must outlast about 2 s of silence and 2 s of drain, and
+    # 1,000 tokens did not always (they all came before the cut once in a full run under -n 2)
+    stream = _long_stream(client, "On and on:", max_tokens=2000)
     next(iter(stream))
     os.kill(pids["prefill-0"], signal.SIGSTOP)
     give_up = time.monotonic() + 15  # silent past peer_timeout_s: /health says so
