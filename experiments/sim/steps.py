@@ -46,8 +46,7 @@ def colocated_step(inst: Instance, now: float) -> tuple[float, list]:
         inst.running.append(r)
         if inst.cache is not None and not r.fetch:
             r.computed = inst.cache.lookup(r, r.context, inst.page_size) * inst.page_size
-            r.cached = r.named = r.computed
-            inst.fit_cache()
+            r.cached = r.named = r.computed  # all of it named: it takes no room from the cache
             r.ready = now + inst.cache.take_load_s()  # out of the steps while pages load from below
             if r.ready > now:
                 continue
