@@ -109,13 +109,12 @@ def test_a_load_keeps_its_host_pages_while_taking_device_pages_evicts_others_int
     """A host pool of 16 pages behind a 12-page cache: when a prompt comes back, its pages are the oldest
     in the pool, and the device pages its load takes evict others into the pool. Its slots are taken
     first, so those evictions push out other pages, never these (they did, and it found nothing)."""
-    rng = random.Random(0)
-    firsts = [[rng.randrange(3, 1000) for _ in range(120)] for _ in range(4)]
+    prompts = _prompts()
     small = {"dtype": "float32", "page_size": 16, "num_pages": 12, "max_num_seqs": 2}
     llm = LLM("tiny-random", **small, kv_tiers={"host_bytes": 16 * 20480})
     assert llm.tiers.fmt.slot_bytes == 20480
-    _one_by_one(llm, firsts)
-    back = _one_by_one(llm, [firsts[0] + [11, 12, 13]])[0]
+    _one_by_one(llm, prompts[:4])
+    back = _one_by_one(llm, prompts[4:5])[0]
     assert back.num_cached_tokens == 96  # 6 of its 7 full pages were still in the pool: all of them
     assert llm.kv_tier_stats["host"]["hit_tokens"] == 96
     _all_free(llm)
