@@ -21,7 +21,7 @@ def all_sum(x: torch.Tensor, group=None) -> torch.Tensor:
         dist.all_reduce(x, group=group)
         return x
     rows = x.new_empty((world * x.shape[0], *x.shape[1:]))
-    dist.all_gather_single(rows, x, group=group)
+    dist.all_gather_into_tensor(rows, x, group=group)  # all_gather_single is torch >= 2.13 only
     parts = rows.view(world, *x.shape)
     total = parts[0].clone()
     for part in parts[1:]:

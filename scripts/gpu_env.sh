@@ -35,6 +35,10 @@ cuda=$("$VENV/bin/python" -c 'import torch; print(torch.version.cuda.split(".")[
 # only what is missing: a package the base interpreter has is left as it is
 pip_install msgspec pyzmq hydra-core hydra-joblib-launcher gguf tokenizers safetensors jinja2 numpy \
     matplotlib tqdm pytest pytest-timeout hypothesis "nixl-cu$cuda"
+# the HTTP server and the official openai client of its GPU test (offline: scripts/fetch_gpu_wheels.sh's
+# serve group); without them that test is skipped, and the main job still runs
+pip_install fastapi uvicorn httptools openai "xgrammar>=0.2.9,<0.3" \
+    || echo "gpu_env: the server's packages did not install: its GPU test will be skipped" >&2
 if [[ -z "${GPU_WHEELS:-}" ]]; then
     # FlashInfer is the baseline of the kernel benchmark; its prebuilt kernels where a package has them
     pip_install flashinfer-python==0.6.13 flashinfer-cubin==0.6.13 || echo "gpu_env: FlashInfer did not install" >&2

