@@ -1,18 +1,24 @@
 """The disk tier: page slots in one file of an engine's own folder, moved by NIXL's POSIX backend.
 
 The folder holds `pages` (the slots, preallocated: a disk too small fails at start, with one warning,
-not mid-run), `index` (one line "slot name" per page written, replayed at start so that a restarted
-worker starts warm; the slot's own header and MAC are the truth, the index only a hint), `namespace`
-(the index is dropped when it differs), `key` (what its slots' MACs are keyed with, made once: pages
-outlive a deployment's secret) and `lock` (one engine per folder). A file transfer that fails
-turns the tier off with one warning; what it was loading is recomputed.
+not mid-run, and the space is checked first and given back when that fails), `index` (one line "slot
+name" per page written, replayed at start so that a restarted worker starts warm; the slot's own header
+and MAC are the truth, the index only a hint), `namespace` (the index is dropped when it differs) and
+`lock` (one engine per folder). The key its slots' MACs are keyed with is not there: whoever can write
+the folder could re-sign forged pages with it. It lives in a private folder of this user's
+(`$XDG_STATE_HOME/pdkernels/kv-disk-keys`, else `~/.local/state/...`, 0700), one file per disk folder,
+made once (pages outlive a deployment's secret). The folder must be this user's own and closed to
+others (made 0700 when new; refused otherwise), and no file in it is opened through a symlink. A file
+transfer that fails turns the tier off with one warning; what it was loading is recomputed.
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import logging
 import os
+import stat
 import time
 from collections import OrderedDict, deque
 
@@ -25,21 +31,61 @@ from transfer.backends.files import NixlFiles
 log = logging.getLogger(__name__)
 
 
-def _key(path: str) -> bytes:
-    """The folder's MAC key: 32 random bytes, made on first use, readable by this user only."""
+def _open(path: str, flags: int, mode: int = 0o600) -> int:
+    """os.open that never follows a symlink (a planted link fails with ELOOP: OSError)."""
+    return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+
+
+def private_folder(path: str, what: str) -> None:
+    """Make path (0700) or check that it is a folder of this user's that no one else can enter: a
+    ValueError naming `what` otherwise."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.mkdir(path, 0o700)
     except FileExistsError:
-        with open(path, "rb") as f:
-            key = f.read()
+        pass
+    except FileNotFoundError:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        return private_folder(path, what)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise ValueError(f"{what}={path!r} is not a folder (a symlink or a file): give a folder of its own")
+    if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        raise ValueError(
+            f"{what}={path!r} belongs to uid {st.st_uid} with mode {stat.S_IMODE(st.st_mode):o}: it must "
+            f"be this user's (uid {os.geteuid()}) and closed to others (chmod 700), or name a new folder"
+        )
+
+
+def key_folder() -> str:
+    """Where disk folders' MAC keys live: this user's state folder, outside every disk folder."""
+    state = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(state, "pdkernels", "kv-disk-keys")
+
+
+def _key(folder: str) -> bytes:
+    """The disk folder's MAC key: 32 random bytes, made on first use in key_folder(), readable by this
+    user only."""
+    keys = key_folder()
+    private_folder(keys, "the disk tier's key folder (XDG_STATE_HOME)")
+    path = os.path.join(keys, hashlib.sha256(os.path.realpath(folder).encode()).hexdigest()[:32])
+    try:
+        fd = _open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    except FileExistsError:
+        with os.fdopen(_open(path, os.O_RDONLY), "rb") as f:
+            key = f.read(33)
         if len(key) == 32:
             return key
         os.unlink(path)  # cut short: a new key (the slots it keyed fail their check and are recomputed)
-        return _key(path)
+        return _key(folder)
     key = os.urandom(32)
     with os.fdopen(fd, "wb") as f:
         f.write(key)
     return key
+
+
+def _read(path: str) -> str:
+    with os.fdopen(_open(path, os.O_RDONLY), "r", errors="replace") as f:
+        return f.read()
 
 
 class DiskTier(Slots):
@@ -48,9 +94,9 @@ class DiskTier(Slots):
     def __init__(self, folder: str, num_slots: int, slot_bytes: int, space: bytes, memory: Tensor):
         """memory: the host pool's buffer (slots move between it and the file). Raises ValueError when
         another engine holds the folder and OSError when the folder or file cannot be made."""
-        os.makedirs(folder, mode=0o700, exist_ok=True)
+        private_folder(folder, "kv_tiers.disk_dir")
         self.folder = folder
-        self._lock = open(os.path.join(folder, "lock"), "a+")  # noqa: SIM115 (held until close)
+        self._lock = os.fdopen(_open(os.path.join(folder, "lock"), os.O_RDWR | os.O_CREAT), "a+")
         try:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -65,8 +111,15 @@ class DiskTier(Slots):
             raise
         super().__init__(num_slots)
         self.alive = True
-        self.key = _key(os.path.join(folder, "key"))
-        self._replay(space)
+        try:
+            self.key = _key(folder)
+            if os.path.lexists(old := os.path.join(folder, "key")):  # where earlier versions kept it
+                os.unlink(old)
+            self._replay(space)
+        except Exception:
+            self.files.close()
+            self._lock.close()
+            raise
         used = set(self._slot.values())
         self._next = max(used, default=-1) + 1  # slots from here on were never written
         self._free = deque(s for s in range(self._next) if s not in used)
@@ -74,10 +127,10 @@ class DiskTier(Slots):
     def _replay(self, space: bytes) -> None:
         """Names from the index of an earlier run in this namespace (later lines win); rewrite it compact."""
         ns_path, index_path = os.path.join(self.folder, "namespace"), os.path.join(self.folder, "index")
-        same = os.path.exists(ns_path) and open(ns_path).read().strip() == space.hex()
-        if same and os.path.exists(index_path):
+        same = os.path.lexists(ns_path) and _read(ns_path).strip() == space.hex()
+        if same and os.path.lexists(index_path):
             by_slot: dict[int, bytes] = {}
-            for line in open(index_path):
+            for line in _read(index_path).splitlines():
                 parts = line.split()
                 try:
                     slot, name = int(parts[0]), bytes.fromhex(parts[1])
@@ -89,11 +142,11 @@ class DiskTier(Slots):
                 self._slot.pop(name, None)
                 self._slot[name] = slot
             self._slot = OrderedDict((n, s) for n, s in self._slot.items() if by_slot.get(s) == n)
-        with open(ns_path, "w") as f:
+        with os.fdopen(_open(ns_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w") as f:
             f.write(space.hex())
-        with open(index_path, "w") as f:
-            f.writelines(f"{s} {n.hex()}\n" for n, s in self._slot.items())
-        self._index = open(index_path, "a")  # noqa: SIM115 (appended to while the tier lives)
+        self._index = os.fdopen(_open(index_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w")
+        self._index.writelines(f"{s} {n.hex()}\n" for n, s in self._slot.items())
+        self._index.flush()  # appended to while the tier lives
 
     def __contains__(self, name: bytes) -> bool:
         return self.alive and super().__contains__(name)

@@ -118,6 +118,10 @@ class PageFormat:
         mac = raw[_FIELDS.size : _FIELDS.size + MAC_BYTES]
         if not hmac.compare_digest(mac, self._mac(raw[: _FIELDS.size], slot, key)):
             return "checksum (MAC) mismatch"
+        for _, view in self._ranks(slot):  # signed but not KV a model makes: recomputed, not served
+            flat = view.reshape(-1) if view.element_size() > 1 else view.reshape(-1).float()  # fp8: none
+            if flat.is_floating_point() and not torch.isfinite(flat).all():
+                return "non-finite values (NaN or inf)"
         return None
 
 

@@ -6,6 +6,7 @@
   kernels compiled for the CUDA device and CUDA tensors. Without CUDA they are skipped.
 """
 
+import atexit
 import os
 import shutil
 import tempfile
@@ -15,6 +16,10 @@ import pytest
 import torch
 
 COMPILED = os.environ.get("PDKERNELS_TEST_COMPILED") == "1"
+# this user's state folder (the disk tier's MAC keys, engine/kv_disk.py): the run's own, not the home's
+_STATE = tempfile.mkdtemp(prefix="pdk-state-")
+os.environ["XDG_STATE_HOME"] = _STATE
+atexit.register(shutil.rmtree, _STATE, ignore_errors=True)
 if not COMPILED:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

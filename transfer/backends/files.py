@@ -1,14 +1,17 @@
 """A file of fixed-size slots behind NIXL's POSIX backend (the nixl wheel we ship has it; Dynamo KVBM's disk
 tier uses it too): slots are read into and written from one registered host buffer. No KV byte goes
-through hand-written file I/O; the file is only created, sized (fallocate, so a full disk fails here and
-not mid-run) and closed by this module.
+through hand-written file I/O; the file is only created (never through a symlink), sized (its free space
+checked, then fallocate, so a full disk fails here and not mid-run, and gives back what it took) and
+closed by this module.
 """
 
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 import os
+import stat
 
 import numpy as np
 from torch import Tensor
@@ -20,6 +23,25 @@ log = logging.getLogger(__name__)
 _names = itertools.count()
 
 
+def _reserve(fd: int, path: str, size: int) -> None:
+    """Size the file to `size` bytes with its blocks allocated: refused before anything is written when
+    the file is not this user's regular file or its file system has not that much room, and given back
+    (truncated to what it was) when allocating fails part way."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        raise OSError(errno.EPERM, f"{path} is not a regular file of this user's")
+    missing = max(0, size - st.st_blocks * 512)
+    fs = os.fstatvfs(fd)
+    free = fs.f_bavail * fs.f_frsize
+    if missing > free:
+        raise OSError(errno.ENOSPC, f"{path} needs {missing} more bytes and its file system has {free} free")
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError:
+        os.ftruncate(fd, st.st_size)  # what a failed fallocate allocated past the old end goes back
+        raise
+
+
 class NixlFiles:
     def __init__(self, path: str, num_slots: int, slot_bytes: int, memory: Tensor):
         """Open (or create) path as num_slots slots of slot_bytes each; memory: the host buffer (uint8,
@@ -28,9 +50,10 @@ class NixlFiles:
         if memory.is_cuda or not memory.is_contiguous():
             raise ValueError("NixlFiles needs a contiguous host buffer")
         self.path, self.num_slots, self.slot_bytes = path, num_slots, slot_bytes
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        # never through a symlink (ELOOP), and only a regular file of this user's
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
-            os.posix_fallocate(self.fd, 0, num_slots * slot_bytes)
+            _reserve(self.fd, path, num_slots * slot_bytes)
             api = _nixl()
             config = api.nixl_agent_config(enable_prog_thread=False, backends=["POSIX"])
             self.agent = api.nixl_agent(f"files-{os.getpid()}-{next(_names)}", config)
