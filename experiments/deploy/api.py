@@ -57,6 +57,7 @@ class ServerConfig:
     timeout_keep_alive_s: float = 5.0  # an idle kept-alive connection is closed after this
     header_timeout_s: float = 10.0  # a request line and headers must arrive within this, else it closes
     max_connections: int = 512  # open at once; past it, a new connection gets 503 and is closed
+    max_connections_per_client: int = 64  # of those, from one client address (the rest stay for others)
     shutdown_timeout_s: float = 5.0  # SIGTERM/Ctrl-C: requests in flight may finish this long (new: 503)
     # Host headers served besides this machine's loopback names and the bound address ("*": any)
     allowed_hosts: tuple[str, ...] = ()
@@ -72,7 +73,7 @@ class ServerConfig:
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
             raise ValueError("server.api_key must be a non-empty string or null")
         for key in ("max_body_bytes", "max_prompt_chars", "max_n", "template_max_bytes", "grammar_max_bytes",
-                    "sandbox_processes", "max_connections"):  # fmt: skip
+                    "sandbox_processes", "max_connections", "max_connections_per_client"):  # fmt: skip
             value = getattr(self, key)
             if (value is not None or key != "max_prompt_chars") and (
                 isinstance(value, bool) or not isinstance(value, int) or value < 1

@@ -9,13 +9,20 @@
   error shape, Retry-After) at once, before anything of it is parsed, and its sending side shut; what it
   sends then is read and dropped for at most LINGER_S and LINGER_BYTES before it is closed (a lingering
   close, as nginx's: closed while the client still sent its request, the kernel answered its bytes with
-  a reset, and the client saw a broken pipe instead of the 503).
+  a reset, and the client saw a broken pipe instead of the 503);
+- a cap per client address (max_connections_per_client, below max_connections): one client that opened
+  every connection and reopened each one the header deadline closed held the whole cap, and another
+  client's requests got 503 for 48 of 50 over 25 s. Past its own share a client is refused the same
+  way, and the rest of the cap stays for others. Only accepted connections count towards either cap:
+  counted, the refused ones lingering their second kept the whole cap full for a client that reopened
+  them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+from collections import Counter
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -24,11 +31,11 @@ RETRY_AFTER_S = 1
 LINGER_S, LINGER_BYTES = 1.0, 1 << 16  # how long and how much a refused connection is read and dropped
 
 
-def _busy_response() -> bytes:
+def _busy_response(message: str) -> bytes:
     body = json.dumps(
         {
             "error": {
-                "message": "too many connections are open (server.max_connections); retry shortly",
+                "message": message,
                 "type": "service_unavailable",
                 "param": None,
                 "code": "service_unavailable",
@@ -42,26 +49,42 @@ def _busy_response() -> bytes:
     return head.encode() + body
 
 
-BUSY = _busy_response()
+BUSY = _busy_response("too many connections are open (server.max_connections); retry shortly")
+BUSY_CLIENT = _busy_response(
+    "too many connections are open from this address (server.max_connections_per_client); retry shortly"
+)
 
 
-def guarded_h11(header_timeout_s: float, max_connections: int) -> type[H11Protocol]:
+def guarded_h11(header_timeout_s: float, max_connections: int, per_client: int) -> type[H11Protocol]:
     """uvicorn's h11 protocol with these limits (uvicorn.Config(http=...))."""
+    open_from: Counter[str] = Counter()  # accepted connections open, by client address
 
     class Guarded(H11Protocol):
         _header_timer: asyncio.TimerHandle | None = None
         _refused: int | None = None  # over the cap: the bytes it may still send, read and dropped
+        _address: str | None = None  # counted in open_from while open
 
         def connection_made(self, transport: asyncio.Transport) -> None:
             super().connection_made(transport)
-            if len(self.connections) > max_connections:
-                transport.write(BUSY)
-                if transport.can_write_eof():
-                    transport.write_eof()
-                self._refused = LINGER_BYTES
-                self.loop.call_later(LINGER_S, transport.close)
+            peer = transport.get_extra_info("peername")
+            address = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
+            if open_from.total() >= max_connections:  # refused ones linger a moment, not counted
+                self._refuse(transport, BUSY)
                 return
+            if open_from[address] >= per_client:
+                self._refuse(transport, BUSY_CLIENT)
+                return
+            open_from[address] += 1
+            self._address = address
             self._arm()
+
+        def _refuse(self, transport: asyncio.Transport, response: bytes) -> None:
+            """Answer 503 at once, shut the sending side, and close after a lingering read."""
+            transport.write(response)
+            if transport.can_write_eof():
+                transport.write_eof()
+            self._refused = LINGER_BYTES
+            self.loop.call_later(LINGER_S, transport.close)
 
         def data_received(self, data: bytes) -> None:
             if self._refused is not None:  # never parsed
@@ -80,6 +103,11 @@ def guarded_h11(header_timeout_s: float, max_connections: int) -> type[H11Protoc
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
+            if self._address is not None:
+                open_from[self._address] -= 1
+                if not open_from[self._address]:
+                    del open_from[self._address]
+                self._address = None
             super().connection_lost(exc)
 
         def _arm(self) -> None:

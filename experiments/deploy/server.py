@@ -153,7 +153,9 @@ def serve(cfg: DictConfig, out_dir: Path, ready=None) -> None:
             ready(url)
         uvicorn_config = uvicorn.Config(
             app,
-            http=guarded_h11(server.header_timeout_s, server.max_connections),
+            http=guarded_h11(
+                server.header_timeout_s, server.max_connections, server.max_connections_per_client
+            ),
             log_level="warning",
             timeout_graceful_shutdown=5,
             timeout_keep_alive=server.timeout_keep_alive_s,
