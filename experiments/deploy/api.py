@@ -8,8 +8,9 @@ import asyncio
 import dataclasses
 import logging
 import secrets
+import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 import msgspec
@@ -58,6 +59,9 @@ class ServerConfig:
     header_timeout_s: float = 10.0  # a request line and headers must arrive within this, else it closes
     max_connections: int = 512  # open at once; past it, a new connection gets 503 and is closed
     max_connections_per_client: int = 64  # of those, from one client address (the rest stay for others)
+    # completions in flight from one client address (a request of n counts n); past it, 429: four requests
+    # of n=16 held a worker's 64 sequences, and another client's first token waited over 60 s
+    max_sequences_per_client: int = 32
     shutdown_timeout_s: float = 5.0  # SIGTERM/Ctrl-C: requests in flight may finish this long (new: 503)
     # Host headers served besides this machine's loopback names and the bound address ("*": any)
     allowed_hosts: tuple[str, ...] = ()
@@ -73,7 +77,8 @@ class ServerConfig:
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
             raise ValueError("server.api_key must be a non-empty string or null")
         for key in ("max_body_bytes", "max_prompt_chars", "max_n", "template_max_bytes", "grammar_max_bytes",
-                    "sandbox_processes", "max_connections", "max_connections_per_client"):  # fmt: skip
+                    "sandbox_processes", "max_connections", "max_connections_per_client",
+                    "max_sequences_per_client"):  # fmt: skip
             value = getattr(self, key)
             if (value is not None or key != "max_prompt_chars") and (
                 isinstance(value, bool) or not isinstance(value, int) or value < 1
@@ -168,6 +173,8 @@ class App:
         self.metrics.sandboxes(templates, grammars, lambda: self.compiles)
         self.logprobs = LogprobShapes(tokenizer)
         self.stopping = False  # set when the server drains before it stops: new requests get 503
+        self._held: Counter[str] = Counter()  # completions in flight by client address
+        self._held_lock = threading.Lock()  # results come on the runtime's thread
         # the Host names served (a browser page on another site cannot forge one: DNS rebinding)
         cfg = self.config
         self.hosts = {
@@ -351,7 +358,9 @@ class App:
 
     # -- running requests
 
-    def start(self, parsed: Parsed, loop: asyncio.AbstractEventLoop) -> asyncio.Queue:
+    def start(self, parsed: Parsed, loop: asyncio.AbstractEventLoop, client: str = "?") -> asyncio.Queue:
+        """Submit parsed's completions; client (its address) holds them against its share until each one's
+        result comes (every completion gets one, a cancelled one too)."""
         if self.stopping:
             raise ApiError(503, "the server is stopping", kind="service_unavailable")
         if not self.runtime.can_serve:
@@ -360,12 +369,25 @@ class App:
                 f"no live worker can take requests (exited: {sorted(self.runtime.dead)})",
                 kind="service_unavailable",
             )
+        limit = self.config.max_sequences_per_client
+        with self._held_lock:
+            held = self._held[client]
+            if held + parsed.n > limit:
+                raise ApiError(
+                    429,
+                    f"this client has {held} completions in flight and asks for {parsed.n} more: at most "
+                    f"{limit} at once (server.max_sequences_per_client); retry when some end",
+                    "n" if parsed.n > 1 else None,
+                    kind="rate_limit_exceeded",
+                )
+            self._held[client] = held + parsed.n
         events: asyncio.Queue = asyncio.Queue()  # (completion's index, kind, payload)
 
         def sink_of(index: int, request_id: str):
             def sink(kind, payload):  # on the runtime's thread: metrics count every one, cancelled too
                 if kind == "result":
                     self.metrics.finished(request_id, payload)
+                    self._release(client)
                 loop.call_soon_threadsafe(events.put_nowait, (index, kind, payload))
 
             return sink
@@ -374,6 +396,12 @@ class App:
             self.metrics.started(submit.request_id)
             self.runtime.submit(submit, sink_of(i, submit.request_id))
         return events
+
+    def _release(self, client: str) -> None:
+        with self._held_lock:
+            self._held[client] -= 1
+            if self._held[client] <= 0:
+                del self._held[client]
 
     def cancel(self, parsed: Parsed) -> None:
         """The client went away, or one completion failed: end every completion (their pages free)."""

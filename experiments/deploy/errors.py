@@ -7,7 +7,7 @@ from fastapi.responses import JSONResponse
 
 from experiments.deploy.messages import ErrorKind
 
-RETRY_AFTER_S = 1  # what a 503 (overload, no live worker, stopping) tells the client to wait
+RETRY_AFTER_S = 1  # what a 503 (overload, no live worker, stopping) or 429 tells the client to wait
 
 
 class ApiError(Exception):
@@ -25,11 +25,12 @@ class ApiError(Exception):
         )
 
     def body(self) -> dict:
-        code = {401: "invalid_api_key", 503: "service_unavailable"}.get(self.status)
+        codes = {401: "invalid_api_key", 429: "rate_limit_exceeded", 503: "service_unavailable"}
+        code = codes.get(self.status)
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": code}}
 
     def response(self) -> JSONResponse:
-        headers = {"Retry-After": str(RETRY_AFTER_S)} if self.status == 503 else None
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if self.status in (429, 503) else None
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 

@@ -171,7 +171,7 @@ async def generate(request: Request, chat: bool):
     else:  # rendered chats and long prompts tokenize off the loop
         parsed = await asyncio.to_thread(state.parse, body, chat, prepared)
     loop = asyncio.get_running_loop()
-    events = state.start(parsed, loop)
+    events = state.start(parsed, loop, request.client.host if request.client else "?")
     if parsed.stream:  # a request refused at once (admission, no worker) is an HTTP error, not a stream
         try:
             first = await events.get()  # a completion "routed", or its result at once

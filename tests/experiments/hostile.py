@@ -1,5 +1,6 @@
 """What the hostile-client tests share: a server in its own session and TMPDIR, raw HTTP, and waits."""
 
+import contextlib
 import http.client
 import json
 import os
@@ -31,7 +32,8 @@ def _start(tmp: Path, *overrides: str, model: str = "tiny-random") -> tuple[subp
     give_up = time.monotonic() + 120
     while not (tmp / "server.json").exists():
         if proc.poll() is not None or time.monotonic() > give_up:
-            os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # it may have exited: say why, not this
+                os.killpg(proc.pid, signal.SIGKILL)
             raise RuntimeError(f"the server did not start:\n{(tmp / 'server.out').read_text()[-5000:]}")
         time.sleep(0.2)
     return proc, json.loads((tmp / "server.json").read_text())["url"]

@@ -94,3 +94,50 @@ def test_a_client_gets_its_share_back_when_its_connections_close(server):
     while (status := _post(server, "127.0.0.4")[0]) != 200 and time.monotonic() < give_up:
         time.sleep(0.05)  # the server hears the closes a moment later
     assert status == 200
+
+
+def _stream(url: str, source: str, n: int, max_tokens: int) -> tuple[http.client.HTTPConnection, int, bytes]:
+    """A streamed request of n completions, left open: (its connection, status, the first bytes)."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=120, source_address=(source, 0))
+    body = {**OK, "n": n, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    return conn, response.status, response.read(64) if response.status == 200 else response.read()
+
+
+@pytest.fixture
+def one_worker(tmp_path):
+    proc, url = _start(tmp_path, "deployment=colocated", "deployment.num_workers=1", "model.num_pages=8192")
+    yield url
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=60)
+
+
+def test_requests_of_many_completions_take_one_clients_share_not_the_worker(one_worker):
+    """Four streamed requests of n=16 (a worker's 64 sequences; on 359d433 another client's first token
+    waited over 60 s): the third and fourth are refused with 429 naming server.max_sequences_per_client
+    (32), and another client is served while the first two still stream. Once they end, the client's
+    share is free again."""
+    url = one_worker
+    attacks = [_stream(url, ATTACKER, 16, 1000) for _ in range(4)]
+    statuses = [status for _, status, _ in attacks]
+    assert statuses == [200, 200, 429, 429], [first for *_, first in attacks]
+    refused = json.loads(attacks[2][2])["error"]
+    assert "server.max_sequences_per_client" in refused["message"] and refused["param"] == "n"
+    status, body = _post(url, VICTIM)
+    assert status == 200, body
+    for conn, _, _ in attacks[:2]:  # still streaming: the victim did not wait for them
+        sock = conn.sock
+        sock.setblocking(False)
+        try:
+            assert b"[DONE]" not in sock.recv(1 << 20)
+        except BlockingIOError:
+            pass
+        conn.close()  # the client goes away: its completions are cancelled and their share comes back
+    give_up = time.monotonic() + 60
+    while (again := _stream(url, ATTACKER, 16, 2))[1] != 200 and time.monotonic() < give_up:
+        again[0].close()
+        time.sleep(0.05)  # the cancels' results are on their way
+    assert again[1] == 200
+    again[0].close()
