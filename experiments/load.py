@@ -9,8 +9,9 @@ flight) as a streamed completion of its prompt token ids, with `max_tokens` and 
 length), through the official
 `openai` client. The first text chunk's arrival is the first token, each later chunk an inter-token
 gap; the usage chunk gives the output token count (and, where the server reports it, the prompt tokens
-its cache held); a 503 (a server shedding load: our deployment.admission=slo) is a `rejected` request,
-not an error. The results are the same Result records the in-process driver collects, so an external
+its cache held); a 503 (a server shedding load: our deployment.admission=slo) or a 429 (over a client's
+share: our server.max_sequences_per_client, 32 in flight from one address) is a `rejected` request, not
+an error. The results are the same Result records the in-process driver collects, so an external
 server's row sits beside ours in one run folder, measured by the same client code path.
 """
 
@@ -86,10 +87,10 @@ async def _drive(run: DeploymentRun, config: RunConfig, d: EndpointConfig, progr
                 )
                 result.output_tokens = n if n is not None else len(times)
                 result.cached_tokens = cached
-            except openai.APIStatusError as e:  # a 503 is the server shedding load: rejected, not failed
+            except openai.APIStatusError as e:  # 503, 429: the server shedding load: rejected, not failed
                 kind = (
                     ErrorKind.REJECTED
-                    if e.status_code == 503
+                    if e.status_code in (429, 503)
                     else _KINDS.get(e.status_code, ErrorKind.INTERNAL)
                 )
                 result = Result.failed(req.request_id, kind, f"{type(e).__name__}: {e}", d.name, sent)
