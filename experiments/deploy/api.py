@@ -205,21 +205,21 @@ class App:
                 400, f"model {model!r} is not served here; this server serves {self.model_name!r}", "model"
             )
 
-    async def prepare(self, body, chat: bool) -> Prepared:
+    async def prepare(self, body, chat: bool, client: str = "?") -> Prepared:
         """The parts of a request that run code of a model file or grow with a client's input without a
         bound, each in its sandbox: the chat template, and the structured-output spec's conversion and
         compile (once per spec: compiled grammars are kept by the spec's canonical form)."""
         if not isinstance(body, dict):
             return Prepared()  # parse() says what is wrong
         self.check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
-        text = await self._render(body.get("messages")) if chat else None
+        text = await self._render(body.get("messages"), client) if chat else None
         found = structured_of(body)
         if found is None:
             return Prepared(text)
         spec, param = found
-        return Prepared(text, spec, await self._compile(spec, param))
+        return Prepared(text, spec, await self._compile(spec, param, client))
 
-    async def _render(self, messages) -> str:
+    async def _render(self, messages, client: str) -> str:
         from experiments.deploy.sandbox import SandboxError, Task
 
         check_messages(messages)
@@ -230,11 +230,11 @@ class App:
             self.config.template_timeout_s, [{"role": m["role"], "content": m["content"]} for m in messages]
         )
         try:
-            return await self.templates.run(task)
+            return await self.templates.run(task, client)
         except SandboxError as e:  # the template is the model's (untrusted): its failures are the request's
             raise ApiError(400, f"the chat template refused these messages: {e}", "messages") from e
 
-    async def _compile(self, spec, param: str) -> str:
+    async def _compile(self, spec, param: str, client: str) -> str:
         from experiments.deploy.sandbox import SandboxError, Task
 
         if self.grammars is None:
@@ -245,7 +245,8 @@ class App:
             return self.compiled[key]
         self.compiles += 1
         try:
-            grammar = await self.grammars.run(Task(self.config.grammar_timeout_s, spec=spec.wire()))
+            task = Task(self.config.grammar_timeout_s, spec=spec.wire())
+            grammar = await self.grammars.run(task, client)
         except SandboxError as e:
             limits = "server.grammar_timeout_s, server.grammar_max_bytes"
             raise ApiError(400, f"{param}: {e} ({limits})", param) from e

@@ -163,7 +163,8 @@ async def generate(request: Request, chat: bool):
     sandboxed = chat or (
         isinstance(body, dict) and ("structured_outputs" in body or "response_format" in body)
     )
-    work = state.prepare(body, chat)  # templates and grammars: in the sandboxes, cancelled with the client
+    client = request.client.host if request.client else "?"  # its address: its share of what all share
+    work = state.prepare(body, chat, client)  # templates, grammars: in the sandboxes, cancelled with it
     prepared = await (unless_gone(request, work) if sandboxed else work)
     prompt = body.get("prompt") if isinstance(body, dict) and not chat else None
     if isinstance(prompt, list | str) and len(prompt) <= INLINE_BYTES // 4:
@@ -171,7 +172,7 @@ async def generate(request: Request, chat: bool):
     else:  # rendered chats and long prompts tokenize off the loop
         parsed = await asyncio.to_thread(state.parse, body, chat, prepared)
     loop = asyncio.get_running_loop()
-    events = state.start(parsed, loop, request.client.host if request.client else "?")
+    events = state.start(parsed, loop, client)
     if parsed.stream:  # a request refused at once (admission, no worker) is an HTTP error, not a stream
         try:
             first = await events.get()  # a completion "routed", or its result at once

@@ -161,3 +161,27 @@ def test_a_child_that_cannot_start_is_an_error_not_a_crash(model):
         assert pool.killed == 2
     finally:
         pool.close()
+
+
+def test_one_clients_tasks_leave_a_child_for_the_others():
+    """Issue 56: six endless renders from one client held every child (another client's request waited
+    behind all of them: 14.7-19.5 s with grammars). A client runs on all children but one; another
+    client's task takes the free one at once, while the first client's wait their turn."""
+    pool = Sandbox(Setup("template", 64 << 20, 4096, TEMPLATE, "<s>"), processes=2)
+
+    async def race() -> list[bool]:
+        loop_task = Task(30.0, [{"role": "user", "content": "loop"}])
+        hostile = [asyncio.ensure_future(pool.run(loop_task, "client-a")) for _ in range(6)]
+        await asyncio.sleep(0)  # queued first
+        assert await pool.run(Task(30.0, MESSAGES), "client-b") == "<user>hi"
+        done = [t.done() for t in hostile]
+        for t in hostile:
+            t.cancel()
+        await asyncio.gather(*hostile, return_exceptions=True)
+        return done
+
+    try:
+        assert asyncio.run(race()) == [False] * 6  # none of the six had even run out its time
+        assert pool._clients == {}  # every client's turn given back, the cancelled ones' too
+    finally:
+        pool.close()
