@@ -198,8 +198,10 @@ class Router:
         self.prefill_workers = list(prefill_workers)
         self.prefill_live: set = set()  # prefill workers up (a Ready or a Load) and not dead since
         self.speed: dict[str, Speed] = {}  # worker (prefill ones too) -> what its Loads measured
-        self.waiting: dict = {}  # request -> (worker, its prompt tokens to compute, when, predicted TTFT)
-        self.late: deque = deque(maxlen=BIAS_SAMPLES)  # (when, first token's time beyond its prediction)
+        # request -> (worker, its prompt tokens to compute, when, predicted TTFT, the worker it runs on)
+        self.waiting: dict = {}
+        # (when, first token's time beyond its prediction, whether others were on its worker then)
+        self.late: deque = deque(maxlen=BIAS_SAMPLES)
         self.rejected = self.probes = 0
         self.by_load, self.local_by_load = by_load, 0  # ... and how many it sent to prefill locally
         self.admitted_at: float | None = None  # when it last admitted a new request (None: not yet)
@@ -281,7 +283,18 @@ class Router:
         now = self.clock()
         while self.late and now - self.late[0][0] > BIAS_WINDOW_S:
             self.late.popleft()
-        return sum(e for _, e in self.late) / len(self.late) if self.late else 0.0
+        return sum(e for _, e, _ in self.late) / len(self.late) if self.late else 0.0
+
+    def _bias(self, target: str, queue: str | None) -> float:
+        """ttft_bias as it applies to a request for target joining queue: while nothing is in flight
+        there, only the lateness of first tokens that came with nothing else on their worker (what a
+        burst's requests took behind each other says nothing of an idle worker: after one, an idle
+        server refused every request for about 20 s, issue 56)."""
+        mean = self.ttft_bias  # drops what is past the window
+        if self.in_flight.get(target) or (queue is not None and self._ahead(queue)):
+            return max(mean, 0.0)
+        alone = [e for _, e, busy in self.late if not busy]
+        return max(sum(alone) / len(alone), 0.0) if alone else 0.0
 
     @property
     def probe_s(self) -> float:
@@ -305,7 +318,7 @@ class Router:
         if speed is not None:
             speed.expire(self.clock() - BIAS_WINDOW_S)
         tpot = speed.step_s(len(self.in_flight[target]) + 1) if speed else None
-        return (None if ttft is None else ttft + max(self.ttft_bias, 0.0)), tpot
+        return (None if ttft is None else ttft + self._bias(target, queue)), tpot
 
     def prefill_of(self, request_id) -> str | None:
         """The prefill worker route() chose for a new request (None: colocated, or none up)."""
@@ -330,7 +343,7 @@ class Router:
         sooner, and target's decode step at one more request stays within slo.tpot_s."""
         ttft_slo, tpot_slo = self.slo
         remote = self._queue_s(queue, tokens)
-        if remote is None or remote + max(self.ttft_bias, 0.0) <= ttft_slo:
+        if remote is None or remote + self._bias(target, queue) <= ttft_slo:
             return queue
         local = self._queue_s(target, tokens)
         speed = self.speed.get(target)
@@ -350,7 +363,7 @@ class Router:
         return sum(peers) / len(peers) if peers else None
 
     def _ahead(self, queue: str) -> int:
-        return sum(n for w, n, _, _ in self.waiting.values() if w == queue)
+        return sum(entry[1] for entry in self.waiting.values() if entry[0] == queue)
 
     def _queue_s(self, queue: str | None, tokens: int) -> float | None:
         """The prompt tokens ahead in queue and its own over that worker's speed (no bias)."""
@@ -362,8 +375,9 @@ class Router:
         beyond the prediction moves the bias."""
         entry = self.waiting.pop(request_id, None)
         if entry is not None and entry[3] is not None:
-            now = self.clock()
-            self.late.append((now, now - entry[2] - entry[3]))
+            now, queue, target = self.clock(), entry[0], entry[4]
+            busy = bool(self.in_flight.get(target, set()) - {request_id}) or self._ahead(queue) > 0
+            self.late.append((now, now - entry[2] - entry[3], busy))
 
     def _admit(self, target: str, queue: str | None, tokens: int) -> str | None:
         """Why admission=slo refuses a request with `tokens` prompt tokens to compute on target, joining
@@ -428,7 +442,8 @@ class Router:
             self.admitted_at, self.refusing_since = now, None
         if admit:  # a new request's prompt: ahead of the next ones in its queue until its first token
             self._prefill_turn += queue in self.prefill_workers  # not prefilled by its decode worker
-            self.waiting[request_id] = (queue, to_compute, self.clock(), self._queue_s(queue, to_compute))
+            predicted = self._queue_s(queue, to_compute)
+            self.waiting[request_id] = (queue, to_compute, self.clock(), predicted, target)
         self.routed_pages += len(names)
         self.overlap_pages += hit
         self.in_flight[target].add(request_id)

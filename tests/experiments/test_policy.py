@@ -571,3 +571,27 @@ def test_by_load_keeps_the_prefill_worker_without_tpot_headroom_or_when_asked_no
     for i in range(3):
         off.route(f"r{i}", [], 1000, ["d0"], admit=True)
     assert [off.prefill_of(f"r{i}") for i in range(3)] == ["p0"] * 3
+
+
+def test_a_bursts_lateness_does_not_refuse_requests_to_an_idle_worker():
+    """Issue 56: a burst's first tokens came late (each behind the others), the bias rose past the SLO,
+    and once the burst ended the idle server refused every request for about 20 s. What requests took
+    beside others predicts nothing for a worker with nothing in flight; it still weighs while others run."""
+    r, now = _slo_router()
+    r.observe_load("a", _Load(0, 0.0))
+    r.observe_load("a", _Load(1000, 1.0))  # 1,000 tokens/s
+    burst = [f"b{i}" for i in range(8)]
+    for rid in burst:  # 100 tokens each: 0.1-0.8 s predicted, all admitted
+        assert r.route(rid, [], 100, ["a"], admit=True) == "a"
+    now[0] += 4.0  # their first tokens come 3-4 s late (something slowed every step)
+    for rid in burst:
+        r.first_token(rid)
+    for rid in burst:
+        r.finished("a", rid)
+    assert r.ttft_bias > 3.0
+    assert r.route("alone", [], 200, ["a"], admit=True) == "a" and r.probes == 0  # 0.2 s: not a probe
+    assert r.route("beside", [], 200, ["a"], admit=True) is None  # 0.4 s + the burst's lateness
+    now[0] += 0.3
+    r.first_token("alone")  # on time, and alone: its own evidence for an idle worker
+    r.finished("a", "alone")
+    assert r.route("again", [], 200, ["a"], admit=True) == "a"
