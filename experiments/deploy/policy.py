@@ -37,7 +37,8 @@ on it and on the requests behind it:
 - TTFT = the prompt tokens ahead of it (routed, not yet at their first token, on its colocated worker or
   its chosen prefill worker) plus its own not-cached tokens, over that worker's prefill speed as it
   measures it (its Loads: prompt tokens over the time of the steps that computed them), plus a learned
-  bias (the mean of what the first tokens of the last BIAS_WINDOW_S took beyond that prediction);
+  bias (the mean of what the first tokens of the last BIAS_WINDOW_S took beyond that prediction; for a
+  worker with nothing in flight, of those that came with nothing else on their worker);
 - TPOT = the decode step time at the batch it would join (least squares of step time on batch over the
   worker's recent Loads).
 Until a worker's speed is known (its first busy Load; a measured peer's stands in for it) the router
