@@ -2,8 +2,9 @@
 transfer/backends/mooncake.py). A page's key is its namespace and chained-hash name, so any worker with
 the same model, dtype, layout, page size and TP finds what any other computed, and a restarted worker
 starts warm. Pages are staged through host slots; what the pool returns is used only if its header and
-MAC (the deployment's secret) check out. Which names the pool holds is remembered for a second, so that a
-request waiting for room does not ask again every step.
+MAC (the deployment's secret) check out, and an object that fails is replaced by the next put of its
+page. Which names the pool holds is remembered for a second, so that a request waiting for room does
+not ask again every step.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ class PoolTier:
         self.client = StoreClient(master, metadata, memory, deadline_s)
         self.prefix = f"pdkv/{space.hex()}/"
         self._known: dict[bytes, tuple[bool, float]] = {}  # name -> (held?, when asked)
+        # names whose object failed its check here: the next put of the page replaces it (else a bad or
+        # short object under a key kept that prefix out of the pool for good: puts skip held keys)
+        self.rejected: dict[bytes, float] = {}  # name -> when its removal may be tried (monotonic)
         self.puts = 0  # pages this worker put
 
     def key(self, name: bytes) -> str:
@@ -58,6 +62,13 @@ class PoolTier:
 
     def forget(self, name: bytes) -> None:
         self._known.pop(name, None)
+
+    def reject(self, name: bytes) -> None:
+        """name's object failed its check: not known to be held, and replaced when next put."""
+        self.forget(name)
+        if len(self.rejected) > KNOWN_MAX:
+            self.rejected.clear()
+        self.rejected[name] = 0.0
 
     def close(self) -> None:
         self.client.close()

@@ -39,6 +39,7 @@ TIERS = ("host", "disk", "pool")
 _LOAD, _WRITE = 0, 1  # I/O queue priorities
 COPY_BATCH = 64  # pages per batched copy into device pages (an abort waits for at most one)
 UNPUT_PER_SLOT = 4  # pool puts that may wait for a host slot, per slot (past that the oldest is dropped)
+REMOVE_RETRY_S = 1.0  # a rejected pool object under a read's lease (Mooncake's: 10 s): removed again after
 # a page's load time until a tier has loaded one (seconds; make bench-tiers measured 2.0 / 3.1 / 6.2 ms on
 # 2 cores of an AMD EPYC, the I/O thread's queue included)
 PRIOR_PAGE_S = {"host": 0.002, "disk": 0.003, "pool": 0.006}
@@ -188,6 +189,8 @@ class KVTiers:
         still waiting for a host slot is made now or never."""
         if self.config.policy == "on_evict" and self.save(page, name) is None:
             self.stats["host"].skipped += 1
+        if self.pool is not None and self.pool.rejected.pop(name, None) is not None:
+            self._unput.pop(name, None)  # its page leaves before the bad object's lease did: given up
         if self._unput.pop(name, None) is not None and not (self._sharing() and self._stage_put(page, name)):
             self.stats["pool"].skipped += 1
 
@@ -200,8 +203,7 @@ class KVTiers:
             self.stats["host"].skipped += 1
         if not self._sharing():
             return
-        self._flush_unput()
-        if self._unput or not self._stage_put(page, name):
+        if not self._flush_unput() or not self._stage_put(page, name):
             self._unput[name] = page
             if len(self._unput) > UNPUT_PER_SLOT * self.host.num_slots:
                 self._unput.popitem(last=False)
@@ -217,16 +219,20 @@ class KVTiers:
         slot = self.save(page, name)
         if slot is None:
             return False
-        self._put_pool(name, slot)
+        self._put_pool(name, slot, page)
         return True
 
-    def _flush_unput(self) -> None:
-        """Stage the waiting puts, oldest first, while host slots are free."""
-        while self._unput:
-            name, page = next(iter(self._unput.items()))
+    def _flush_unput(self) -> bool:
+        """Stage the waiting puts, oldest first, while host slots are free; whether every one that is due
+        went (a put replacing a rejected object waits out the lease of the read that rejected it)."""
+        now = time.monotonic()
+        for name, page in list(self._unput.items()):
+            if self.pool.rejected.get(name, 0.0) > now:
+                continue
             if not self._stage_put(page, name):
-                return
+                return False
             del self._unput[name]
+        return True
 
     def save(self, page: int, name: bytes) -> int | None:
         """Device page (holding name's KV) into the host pool, and behind it into the disk tier; its host
@@ -353,13 +359,18 @@ class KVTiers:
 
         self._submit(_WRITE, write)
 
-    def _put_pool(self, name: bytes, slot: int) -> None:
+    def _put_pool(self, name: bytes, slot: int, page: int) -> None:
         self.host.busy[slot] += 1
         self.pool.stored(name)  # so that no other step puts it again meanwhile
         size = self.fmt.slot_bytes
 
         def put():
             key = self.pool.key(name)
+            if name in self.pool.rejected:  # a bad object under this key: this page replaces it
+                if self.pool.client.remove(key) != "ok":  # a read's lease on it, or the store is down
+                    self._results.put(lambda: self._pool_put(name, slot, "leased", page))
+                    return
+                self.pool.rejected.pop(name, None)
             if self.pool.client.exists([key])[0]:  # another worker's: an RPC is cheaper than a page
                 state = "held"
             else:
@@ -369,9 +380,15 @@ class KVTiers:
 
         self._submit(_WRITE, put)
 
-    def _pool_put(self, name: bytes, slot: int, state: str) -> None:
+    def _pool_put(self, name: bytes, slot: int, state: str, page: int | None = None) -> None:
         if state != "late":  # a put still reading its slot keeps it busy
             self.host.busy[slot] -= 1
+        if state == "leased":  # tried again once the lease may have passed, while its page holds
+            self.pool.forget(name)
+            if name in self.pool.rejected:
+                self.pool.rejected[name] = time.monotonic() + REMOVE_RETRY_S
+                self._unput[name] = page
+            return
         if state == "ok":
             self.stats["pool"].bytes_out += self.fmt.payload
             self.pool.puts += 1
@@ -484,7 +501,10 @@ class KVTiers:
         if tier == "disk" and self.disk is not None:
             self.disk.drop(name)
         if tier == "pool":
-            self.pool.forget(name)
-            if "get miss" in why or "get failed" in why:  # evicted meanwhile, or the store is down
+            if "get failed" in why:  # the store is down: nothing is known of the object
+                self.pool.forget(name)
+                return
+            self.pool.reject(name)  # bad, short, or evicted meanwhile: the next put replaces it
+            if "get miss" in why:
                 return
         log.warning("kv_tiers: a %s page was dropped and will be recomputed: %s", tier, why)

@@ -6,6 +6,7 @@ import logging
 import os
 import random
 import signal
+import time
 
 import pytest
 import torch
@@ -173,6 +174,32 @@ def test_an_object_of_the_wrong_size_or_bytes_is_a_miss(store, reference):
     assert [o.token_ids for o in outs] == reference[:2]
     assert [o.num_cached_tokens for o in outs] == [0, 0]
     assert reader.kv_tier_stats["pool"]["dropped"] == 2
+
+
+def test_a_rejected_object_is_replaced_by_the_next_good_put(store, reference):
+    """Issue 56: garbage (or a short object) under a page's key was rejected, and since workers skip
+    keys the pool holds, that prefix stayed uncached for good. The worker that rejected it puts its own
+    page in its place: the next engine loads it."""
+    writer = LLM(**SMALL, kv_tiers=_tiers(store))
+    firsts = [page_hashes(p, 4, writer.scheduler.salt, [])[0] for p in _prompts()]
+    junk = torch.randint(0, 255, (writer.tiers.fmt.slot_bytes,), dtype=torch.uint8)
+    client = StoreClient(store.master, store.metadata, junk, 2.0)
+    assert client.put(writer.tiers.pool.key(firsts[0]), 0, 100) == "ok"  # too short
+    assert client.put(writer.tiers.pool.key(firsts[1]), 0, junk.numel()) == "ok"  # garbage
+    client.close()
+    reader = LLM(**SMALL, kv_tiers=_tiers(store))
+    assert [o.token_ids for o in _one_by_one(reader, _prompts()[:2])] == reference[:2]
+    assert reader.kv_tier_stats["pool"]["dropped"] == 2
+    give_up = time.monotonic() + 60  # the objects it read are leased (Mooncake: 10 s), then replaced
+    while reader.tiers.pool.rejected and time.monotonic() < give_up:
+        reader.tiers.tend()  # as a worker's loop does every 0.5 s, idle or not
+        assert reader.tiers.drain()
+        time.sleep(0.1)
+    assert not reader.tiers.pool.rejected  # both replaced
+    later = LLM(**SMALL, kv_tiers=_tiers(store))
+    outs = _one_by_one(later, _prompts()[:2])
+    assert [o.token_ids for o in outs] == reference[:2]
+    assert all(o.num_cached_tokens > 0 for o in outs) and later.kv_tier_stats["pool"]["dropped"] == 0
 
 
 @pytest.mark.parametrize("fault", ["killed", "hung"])

@@ -301,6 +301,14 @@ class StoreClient:
             return "failed"
         return "ok"
 
+    def remove(self, key: str) -> str:
+        """Drop the object key: 'ok' (or it was not there), 'failed' or 'late' (a lease on it: read
+        moments ago)."""
+        rc = self._page(self.store.remove, key)
+        if isinstance(rc, str):
+            return rc
+        return "ok" if rc in (0, NO_OBJECT) else "failed"
+
     def close(self) -> None:
         self._calls.shutdown(wait=False, cancel_futures=True)
 
