@@ -1,0 +1,231 @@
+"""Hosts on one machine: network namespaces joined by shaped veth links (DESIGN.md, "Hosts on one machine").
+
+`Hosts(n)` makes n namespaces, each a host with `nics_per_host` veth NICs (eth0, eth1, ...), and one more
+namespace, the switch, holding a bridge per NIC index that every host's NIC of that index is plugged into.
+Each NIC's two directions are shaped (`Link`: rate, delay, jitter, loss; tbf for a rate alone, netem where
+the kernel has it) on its host side (what the host sends) and its switch side (what it receives).
+Addresses exist only inside these namespaces (198.18.0.0/15, the range set aside for benchmarking
+networks: RFC 2544), there is no default route, and the machine's own namespace gets no interface, route
+or address: nothing can leave, nothing can come in.
+
+Processes run inside a host with run(i, cmd) (`ip netns exec`); a NIC's byte counters (counters()) are
+the ground truth for what crossed its link. close() kills every process in the namespaces and deletes
+them, which removes their veths, bridges and qdiscs too; a context manager and atexit call it,
+and since a SIGKILLed owner calls nothing, every Hosts first deletes the namespaces of owners that are
+gone (their names carry the owner's pid). Needs CAP_NET_ADMIN (root): without it, a PermissionError
+that says so.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import re
+import secrets
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+
+PREFIX = "pdk-"  # every namespace this module makes: pdk-<owner pid>-<tag>-<host index or sw>
+RANGE = "198.18"  # 198.18.0.0/15: RFC 2544's benchmarking range, never routed anywhere
+MAX_NICS, MAX_SUBNETS = 4, 64  # 198.18.(subnet * MAX_NICS + nic).(host + 1)/24
+
+
+@dataclass(frozen=True)
+class Link:
+    """What each NIC's link does to a packet, both ways: rate (tc's units: 10gbit, 400mbit), one-way delay
+    and its jitter, and random loss."""
+
+    rate: str = "10gbit"
+    delay_us: int = 0
+    jitter_us: int = 0
+    loss_pct: float = 0.0
+
+    def __post_init__(self):
+        if not re.fullmatch(r"\d+(\.\d+)?([kmgt]?bit|[kmgt]?bps)", str(self.rate)):
+            raise ValueError(
+                f"cluster.link.rate={self.rate!r} is not allowed: a tc rate such as 10gbit or 400mbit"
+            )
+        for key in ("delay_us", "jitter_us"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 10_000_000:
+                raise ValueError(f"cluster.link.{key}={value!r} is not allowed: microseconds in [0, 1e7]")
+        if not 0 <= self.loss_pct <= 100:
+            raise ValueError(
+                f"cluster.link.loss_pct={self.loss_pct!r} is not allowed: a percentage in [0, 100]"
+            )
+
+    def bytes_per_s(self) -> float:
+        number, unit, kind = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgt]?)(bit|bps)", self.rate).groups()
+        scale = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[unit]
+        return float(number) * scale / (8 if kind == "bit" else 1)
+
+    def qdisc(self) -> list[str]:
+        """The root qdisc of each side: tbf for a rate alone (every kernel with traffic control has it),
+        netem with its own rate when there is delay, jitter or loss (sch_netem: not every kernel has it,
+        and then building the link fails naming the keys)."""
+        if not (self.delay_us or self.jitter_us or self.loss_pct):
+            burst = max(
+                int(self.bytes_per_s() * 0.004), 4 * 65536
+            )  # 4 ms of the rate, at least 4 GSO packets
+            return ["tbf", "rate", self.rate, "burst", str(burst), "latency", "100ms"]
+        args = ["netem", "rate", self.rate]
+        if self.delay_us or self.jitter_us:
+            args += ["delay", f"{self.delay_us}us"] + ([f"{self.jitter_us}us"] if self.jitter_us else [])
+        if self.loss_pct:
+            args += ["loss", f"{self.loss_pct}%"]
+        return args + ["limit", "100000"]  # packets queued: room for a fast link's delay
+
+
+def _ip(*args: str) -> str:
+    try:
+        done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+    except FileNotFoundError:
+        raise RuntimeError(
+            "hosts in network namespaces need iproute2's `ip` (apt-get install iproute2)"
+        ) from None
+    if done.returncode:
+        raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip()}")
+    return done.stdout
+
+
+def _tc(namespace: str, *args: str) -> None:
+    done = subprocess.run(["ip", "netns", "exec", namespace, "tc", *args], capture_output=True, text=True)
+    if done.returncode and "netem" in args and "unknown" in done.stderr:
+        raise RuntimeError(
+            "cluster.link.delay_us, jitter_us and loss_pct need the kernel's netem qdisc (sch_netem), "
+            "which this kernel lacks: set them to 0 (a rate alone is shaped by tbf)"
+        )
+    if done.returncode:
+        raise RuntimeError(f"tc {' '.join(args)} in {namespace}: {done.stderr.strip()}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def namespaces() -> list[str]:
+    """This module's namespaces on the machine (anyone's)."""
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line.split()[0] for line in out.splitlines() if line.startswith(PREFIX)]
+
+
+def remove(namespace: str) -> None:
+    """Kill what runs in namespace, then delete it (its veths, bridges and qdiscs go with it)."""
+    pids = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True).stdout.split()
+    for pid in pids:
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+    give_up = time.monotonic() + 10
+    while subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True).stdout.strip():
+        if time.monotonic() > give_up:
+            break
+        time.sleep(0.02)
+    subprocess.run(["ip", "netns", "delete", namespace], capture_output=True)
+
+
+def sweep() -> list[str]:
+    """Delete the namespaces of owners that are gone (a main job SIGKILLed before its cleanup)."""
+    gone = []
+    for name in namespaces():
+        pid = name[len(PREFIX) :].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            remove(name)
+            gone.append(name)
+    return gone
+
+
+class Hosts:
+    def __init__(
+        self,
+        n: int,
+        link: Link | None = None,
+        nics_per_host: int = 1,
+        subnet: int = 0,
+        tag: str | None = None,
+    ):
+        """n hosts of nics_per_host NICs each; subnet (0-63) picks the addresses (tests use their own)."""
+        if os.geteuid() != 0:
+            raise PermissionError(
+                "hosts in network namespaces (launcher=netns) need CAP_NET_ADMIN: run as root"
+            )
+        if not 1 <= n <= 250:
+            raise ValueError(f"cluster.hosts={n!r} is not allowed: 1 to 250 hosts")
+        if not 1 <= nics_per_host <= MAX_NICS:
+            raise ValueError(f"cluster.nics_per_host={nics_per_host!r} is not allowed: 1 to {MAX_NICS}")
+        if not 0 <= subnet < MAX_SUBNETS:
+            raise ValueError(f"subnet={subnet!r} is not allowed: 0 to {MAX_SUBNETS - 1}")
+        sweep()
+        self.link, self.nics, self.subnet = link or Link(), nics_per_host, subnet
+        tag = tag or secrets.token_hex(3)
+        base = f"{PREFIX}{os.getpid()}-{tag}"
+        self.names = [f"{base}-{i}" for i in range(n)]
+        self.switch = f"{base}-sw"
+        self._closed = False
+        atexit.register(self.close)
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self) -> None:
+        for name in [self.switch, *self.names]:
+            _ip("netns", "add", name)
+            _ip("-n", name, "link", "set", "lo", "up")
+        for k in range(self.nics):
+            _ip("-n", self.switch, "link", "add", f"br{k}", "type", "bridge")
+            _ip("-n", self.switch, "link", "set", f"br{k}", "up")
+        for i, host in enumerate(self.names):
+            for k in range(self.nics):
+                port = f"h{i}n{k}"  # the switch's end of host i's NIC k
+                _ip("link", "add", "name", f"eth{k}", "netns", host, "type", "veth", "peer", "name", port,
+                    "netns", self.switch)  # fmt: skip
+                _ip("-n", self.switch, "link", "set", port, "master", f"br{k}", "up")
+                _ip("-n", host, "addr", "add", f"{self.address(i, k)}/24", "dev", f"eth{k}")
+                _ip("-n", host, "link", "set", f"eth{k}", "up")
+                _tc(host, "qdisc", "add", "dev", f"eth{k}", "root", *self.link.qdisc())
+                _tc(self.switch, "qdisc", "add", "dev", port, "root", *self.link.qdisc())
+
+    def address(self, host: int, nic: int = 0) -> str:
+        return f"{RANGE}.{self.subnet * MAX_NICS + nic}.{host + 1}"
+
+    def nic(self, host: int, nic: int = 0) -> str:
+        """The NIC's device name inside its host (UCX_NET_DEVICES there)."""
+        return f"eth{nic}"
+
+    def command(self, host: int, cmd: list[str]) -> list[str]:
+        """cmd run inside host's namespace."""
+        return ["ip", "netns", "exec", self.names[host], *cmd]
+
+    def run(self, host: int, cmd: list[str], **popen) -> subprocess.Popen:
+        return subprocess.Popen(self.command(host, cmd), **popen)
+
+    def counters(self, host: int, nic: int = 0) -> tuple[int, int]:
+        """(bytes sent, bytes received) by host's NIC so far, as its veth counts them."""
+        shown = json.loads(_ip("-n", self.names[host], "-j", "-s", "link", "show", "dev", f"eth{nic}"))
+        stats = shown[0]["stats64"]
+        return stats["tx"]["bytes"], stats["rx"]["bytes"]
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for name in [*self.names, self.switch]:
+            remove(name)
+
+    def __enter__(self) -> Hosts:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

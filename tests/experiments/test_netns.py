@@ -1,0 +1,112 @@
+"""Hosts in network namespaces (experiments/deploy/netns.py): KV written over NIXL/UCX between two of
+them crosses their shaped veth link (its counters say so) and arrives intact; nothing is left behind,
+a SIGKILLed owner's namespaces included; addresses exist only inside the namespaces."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from experiments.deploy import netns
+from experiments.deploy.netns import Hosts, Link
+from tests import needs
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root (CI runs as root)")
+needs.nixl()
+
+
+def _mine(hosts: Hosts) -> list[str]:
+    return [n for n in netns.namespaces() if n in (*hosts.names, hosts.switch)]
+
+
+def test_a_write_over_nixl_crosses_the_shaped_link_intact(tmp_path):
+    nbytes = 32 << 20
+    with Hosts(2, Link("400mbit"), subnet=1) as hosts:
+        before = [hosts.counters(i) for i in range(2)]
+        env = dict(os.environ, TMPDIR=str(tmp_path))
+        cmd = [sys.executable, "-m", "tests.experiments.netns_peer"]
+        procs = [
+            hosts.run(0, [*cmd, "send", str(tmp_path), str(nbytes), hosts.nic(0)], cwd=ROOT, env=env),
+            hosts.run(1, [*cmd, "recv", str(tmp_path), str(nbytes), hosts.nic(1)], cwd=ROOT, env=env),
+        ]
+        assert [p.wait(timeout=180) for p in procs] == [0, 0]
+        assert (tmp_path / "recv.result").read_text() == "intact"
+        state, seconds = (tmp_path / "send.result").read_text().split()
+        assert state == "DONE"
+        sent = hosts.counters(0)[0] - before[0][0]
+        received = hosts.counters(1)[1] - before[1][1]
+        # every byte crossed the veths (not shared memory): the payload plus TCP/IP headers, a few percent
+        assert nbytes <= sent <= 1.06 * nbytes and nbytes <= received <= 1.06 * nbytes, (sent, received)
+        print(f"{nbytes} bytes in {float(seconds):.3f} s over 400mbit: {sent} bytes on the wire")
+    assert not _mine(hosts)
+
+
+def test_addresses_live_only_inside_the_namespaces():
+    with Hosts(2, subnet=2) as hosts:
+        root = subprocess.run(["ip", "-j", "addr"], capture_output=True, text=True).stdout
+        assert hosts.address(0) not in root and hosts.address(1) not in root
+        routes = subprocess.run(hosts.command(0, ["ip", "route"]), capture_output=True, text=True).stdout
+        assert "default" not in routes and routes.count("\n") == 1  # its own /24, nothing else
+        links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+        assert "h0n0" not in links and "br0" not in links  # no end of any link in the machine's namespace
+
+
+def test_a_sigkilled_owner_s_namespaces_are_removed_by_the_next_one(tmp_path):
+    script = textwrap.dedent(
+        f"""
+        import os, sys
+        sys.path.insert(0, {str(ROOT)!r})
+        from experiments.deploy.netns import Hosts
+        hosts = Hosts(2, subnet=3, tag="killed")
+        print(" ".join([*hosts.names, hosts.switch]), flush=True)
+        hosts.run(0, ["sleep", "600"])
+        sys.stdin.read()  # until killed
+        """
+    )
+    owner = subprocess.Popen(
+        [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    names = owner.stdout.readline().split()
+    assert len(names) == 3 and all(n in netns.namespaces() for n in names)
+    owner.send_signal(signal.SIGKILL)
+    owner.wait(timeout=30)
+    assert all(n in netns.namespaces() for n in names)  # nothing ran its cleanup
+    with Hosts(1, subnet=4) as hosts:  # the next one sweeps first
+        assert not any(n in netns.namespaces() for n in names)
+    assert not _mine(hosts)
+
+
+@pytest.mark.parametrize(
+    "link, match",
+    [
+        (dict(rate="fast"), r"cluster.link.rate='fast' is not allowed: a tc rate"),
+        (dict(delay_us=-1), r"cluster.link.delay_us=-1 is not allowed"),
+        (dict(loss_pct=101), r"cluster.link.loss_pct=101 is not allowed"),
+    ],
+)
+def test_bad_link_settings_name_the_key(link, match):
+    with pytest.raises(ValueError, match=match):
+        Link(**link)
+
+
+def test_a_failed_build_leaves_nothing(monkeypatch):
+    """A link the kernel cannot shape (netem missing, here or anywhere) fails naming the keys, and the
+    namespaces made so far are gone."""
+    made = []
+    real = netns._ip
+
+    def spy(*args):
+        if args[:2] == ("netns", "add"):
+            made.append(args[2])
+        return real(*args)
+
+    monkeypatch.setattr(netns, "_ip", spy)
+    monkeypatch.setattr(Link, "qdisc", lambda self: ["no_such_qdisc"])
+    with pytest.raises(RuntimeError, match="no_such_qdisc"):
+        Hosts(2, subnet=5)
+    assert made and not any(n in netns.namespaces() for n in made)
