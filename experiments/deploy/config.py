@@ -18,7 +18,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 KERNEL_BACKENDS = ("auto", "triton", "flashinfer", "torch")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
-LAUNCHERS = ("local", "ray")
+LAUNCHERS = ("local", "ray", "netns")
 ROLES = ("colocated", "prefill", "decode")
 
 
@@ -311,9 +311,43 @@ class RayConfig:
 
 
 @dataclass(frozen=True)
+class ClusterConfig:
+    """The netns launcher's hosts on this machine (conf/launcher/netns.yaml; experiments/deploy/netns.py)."""
+
+    hosts: int = 2  # network namespaces; worker i runs on host i % hosts
+    nics_per_host: int = 1  # veth NICs per host (a bridge per NIC index)
+    # every NIC's link, both ways: a tc rate; one-way delay, jitter (us) and loss (%) need netem
+    link: dict = field(
+        default_factory=lambda: {"rate": "10gbit", "delay_us": 0, "jitter_us": 0, "loss_pct": 0}
+    )
+    subnet: int = 0  # 198.18.(subnet * 4 + nic).(host + 1): two runs at once need two subnets
+
+    def __post_init__(self):
+        from experiments.deploy.netns import MAX_NICS, MAX_SUBNETS, Link
+
+        if hasattr(self.link, "keys"):  # a mapping from the YAML (OmegaConf's, too): a plain dict
+            object.__setattr__(self, "link", {k: self.link[k] for k in self.link.keys()})
+        if isinstance(self.hosts, bool) or not isinstance(self.hosts, int) or not 1 <= self.hosts <= 250:
+            refuse("cluster.hosts", self.hosts, "an integer in [1, 250]")
+        n = self.nics_per_host
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_NICS:
+            refuse("cluster.nics_per_host", n, f"an integer in [1, {MAX_NICS}]")
+        if (
+            isinstance(self.subnet, bool)
+            or not isinstance(self.subnet, int)
+            or not 0 <= self.subnet < MAX_SUBNETS
+        ):
+            refuse("cluster.subnet", self.subnet, f"an integer in [0, {MAX_SUBNETS})")
+        if not isinstance(self.link, dict) or set(self.link) - {"rate", "delay_us", "jitter_us", "loss_pct"}:
+            refuse("cluster.link", self.link, "a mapping of rate, delay_us, jitter_us, loss_pct")
+        Link(**self.link)  # checked: ValueError naming cluster.link.<key>
+
+
+@dataclass(frozen=True)
 class LauncherConfig:
-    name: str = "local"  # local: processes on this host | ray: actors on a Ray cluster
+    name: str = "local"  # local: processes on this host | ray: actors on a Ray cluster | netns: hosts here
     ray: RayConfig | None = None  # the ray launcher's settings
+    cluster: ClusterConfig | None = None  # the netns launcher's hosts
     # local: a dead worker is started again this many times (decode workers too); ray: ray.max_restarts
     max_restarts: int = 0
 
@@ -325,6 +359,8 @@ class LauncherConfig:
             refuse("launcher.max_restarts", r, "an integer >= 0")
         if self.name == "ray" and self.ray is None:
             object.__setattr__(self, "ray", RayConfig())
+        if self.name == "netns" and self.cluster is None:
+            object.__setattr__(self, "cluster", ClusterConfig())
 
 
 STORE_MIN_BYTES = 16 << 20
@@ -471,6 +507,8 @@ def launcher_of(cfg: dict) -> LauncherConfig:
     launcher = {"name": launcher} if isinstance(launcher, str) else dict(launcher)
     if launcher.get("name") == "ray":
         launcher["ray"] = of_dict(RayConfig, "ray", cfg.get("ray"))
+    if launcher.get("name") == "netns":
+        launcher["cluster"] = of_dict(ClusterConfig, "cluster", cfg.get("cluster"))
     return of_dict(LauncherConfig, "launcher", launcher)
 
 

@@ -14,6 +14,9 @@
   to restart a dead prefill or colocated worker `ray.max_restarts` times; the runtime then runs it again
   and it re-handshakes (a decode worker is not restarted: its prefill peers hold its old addresses).
 
+- `netns`: as `local`, each worker inside a host of this machine (a network namespace with shaped links:
+  experiments/deploy/netns.py), its control sockets on its host's address and its KV over its NIC.
+
 A worker handle answers like multiprocessing.Process: is_alive(), exitcode, pid, join(), kill().
 """
 
@@ -95,10 +98,17 @@ def stop_fork_server() -> None:
 
 def _local_main(spec: WorkerSpec, env: dict[str, str]) -> None:
     """A local worker, forked from the fork server: first the environment it was launched in (the
-    server's is from when it started), then worker_main."""
+    server's is from when it started), then its host's network namespace (launcher=netns), then
+    worker_main."""
     os.environ.clear()
     os.environ.update(env)
     tempfile.tempdir = None  # TMPDIR read afresh
+    if spec.netns is not None:
+        from experiments.deploy.netns import enter
+
+        enter(spec.netns)
+        # across hosts UCX takes TCP on the host's NICs alone (no shared memory, no CMA): the link carries it
+        os.environ.update(UCX_TLS="tcp", UCX_NET_DEVICES=spec.transfer.nixl_devices)
     worker_main(spec)
 
 
@@ -165,6 +175,51 @@ class LocalLauncher:
 
     def shutdown(self, workers=None) -> None:
         pass  # Fleet.stop has stopped the processes
+
+
+class NetnsLauncher(LocalLauncher):
+    """Workers as processes of this host, each inside a host of its own (a network namespace joined to
+    the others by a shaped link: experiments/deploy/netns.py). Worker i runs on host i % cluster.hosts,
+    binds its control sockets on that host's address (tcp://, CURVE) and sends or receives KV on its NIC
+    (UCX over TCP alone). The driver stays in this namespace and reaches the workers through the run's
+    private directory (ipc://), as under `local`."""
+
+    def __init__(self, cluster, max_restarts: int = 0):
+        from experiments.deploy.netns import Hosts, Link
+
+        super().__init__(LOOPBACK, max_restarts)
+        self.hosts = Hosts(cluster.hosts, Link(**cluster.link), cluster.nics_per_host, cluster.subnet)
+        self._host: dict[str, int] = {}  # worker -> its host
+
+    def start(self, specs: list[WorkerSpec]) -> dict[str, LocalWorker]:
+        placed = []
+        for i, spec in enumerate(specs):
+            host = i % len(self.hosts.names)
+            self._host[spec.name] = host
+            nics = ",".join(self.hosts.nic(host, k) for k in range(self.hosts.nics))
+            t = replace(
+                spec.transfer,
+                control_transport="tcp",
+                control_host=self.hosts.address(host),
+                nixl_devices=nics,
+            )
+            placed.append(replace(spec, transfer=t, netns=self.hosts.names[host]))
+        return super().start(placed)
+
+    def where(self, worker: LocalWorker) -> dict:
+        """Its host, and that host's NIC byte counters now (what crossed its links so far)."""
+        host = self._host[worker.spec.name]
+        counters = [self.hosts.counters(host, k) for k in range(self.hosts.nics)]
+        return {
+            "node_id": self.hosts.names[host],
+            "pid": worker.pid,
+            "address": self.hosts.address(host),
+            "nic_tx_bytes": [tx for tx, _ in counters],
+            "nic_rx_bytes": [rx for _, rx in counters],
+        }
+
+    def shutdown(self, workers=None) -> None:
+        self.hosts.close()  # the namespaces, their links, and anything still running in them
 
 
 class RayWorker:
@@ -387,7 +442,9 @@ class RayLauncher:
                 log.debug("cleaning up %s: %s", w.name, e)
 
 
-def make_launcher(config) -> LocalLauncher | RayLauncher:
+def make_launcher(config) -> LocalLauncher | NetnsLauncher | RayLauncher:
     if config.launcher.name == "ray":
         return RayLauncher(config.launcher.ray)
+    if config.launcher.name == "netns":
+        return NetnsLauncher(config.launcher.cluster, config.launcher.max_restarts)
     return LocalLauncher(config.transfer.control_host, config.launcher.max_restarts)

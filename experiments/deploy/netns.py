@@ -31,6 +31,7 @@ from dataclasses import dataclass
 PREFIX = "pdk-"  # every namespace this module makes: pdk-<owner pid>-<tag>-<host index or sw>
 RANGE = "198.18"  # 198.18.0.0/15: RFC 2544's benchmarking range, never routed anywhere
 MAX_NICS, MAX_SUBNETS = 4, 64  # 198.18.(subnet * MAX_NICS + nic).(host + 1)/24
+CLONE_NEWNET = 0x40000000
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,20 @@ def _tc(namespace: str, *args: str) -> None:
         )
     if done.returncode:
         raise RuntimeError(f"tc {' '.join(args)} in {namespace}: {done.stderr.strip()}")
+
+
+def enter(namespace: str) -> None:
+    """Move this process into namespace's network stack (setns; os.setns is Python 3.12 on)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/run/netns/{namespace}", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns into {namespace}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
 
 
 def _alive(pid: int) -> bool:

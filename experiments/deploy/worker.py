@@ -77,6 +77,7 @@ class WorkerSpec:
     wait_for: tuple[str, ...] | None = None
     kv_tiers: object = None  # engine.config.KVTiersConfig: its host, disk and pool tiers (None: off)
     step_target_s: float | None = None  # chunk_size: slo: its steps' time target (engine/budget.py)
+    netns: str | None = None  # launcher=netns: the network namespace (host) it runs in
 
 
 def worker_main(spec: WorkerSpec) -> None:
