@@ -189,8 +189,8 @@ class KVTiers:
         still waiting for a host slot is made now or never."""
         if self.config.policy == "on_evict" and self.save(page, name) is None:
             self.stats["host"].skipped += 1
-        if self.pool is not None and self.pool.rejected.pop(name, None) is not None:
-            self._unput.pop(name, None)  # its page leaves before the bad object's lease did: given up
+        if self.pool is not None:  # its page leaves: a bad object it was to replace stays (a put of it
+            self.pool.rejected.pop(name, None)  # now finds the key held), a missing one is put below
         if self._unput.pop(name, None) is not None and not (self._sharing() and self._stage_put(page, name)):
             self.stats["pool"].skipped += 1
 

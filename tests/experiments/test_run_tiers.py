@@ -14,6 +14,12 @@ needs.nixl()
 MULTITURN = ["workload=multiturn", "workload.conversations=4", "workload.turns=3", "workload.concurrency=4"]
 MULTITURN += ["workload.system_prompt_len=40", "workload.turn_len=12", "workload.think_time_s=0.05"]
 MULTITURN += ["workload.output_len.value=8", "model.page_size=4", "model.num_pages=40"]
+# across workers through the pool: a turn's history is put there (off the engine's thread) while its reply
+# goes back, and the next turn, 50 ms later on the other worker, found its last pages not yet in under
+# load (three runs at once: 40 of 48 tokens); half a second leaves the puts their time
+POOL_TURNS = [o for o in MULTITURN if not o.startswith("workload.think_time_s")] + [
+    "workload.think_time_s=0.5"
+]
 ONE = "kind: colocated, num_workers: 1"
 PAIR = f"deployments=[{{name: tiers, {ONE}}}, {{name: plain, {ONE}, prefix_caching: false}}]"
 
@@ -71,7 +77,7 @@ def test_round_robin_turns_find_their_history_in_the_shared_pool(tmp_path):
     during: list[set[str]] = []
     hook = lambda run, runtime: during or during.append(_store_pids())  # while the pool serves
     pool, plain = run(
-        _cfg([*TINY[:1], *TINY[8:], *MULTITURN, pair, *overrides]), tmp_path, progress=False, hooks=hook
+        _cfg([*TINY[:1], *TINY[8:], *POOL_TURNS, pair, *overrides]), tmp_path, progress=False, hooks=hook
     )
     assert _outputs(pool) == _outputs(plain)
     for r in _later_turns(pool):
@@ -107,7 +113,7 @@ def test_decode_workers_load_a_history_from_below_instead_of_being_sent_it(tmp_p
     pair = f"deployments=[{{name: loaded, {one}}}, {{name: plain, {one}, prefix_caching: false}}]"
     overrides = ["kv_tiers.host_bytes=64MiB", "kv_tiers.store=mooncake", "kv_tiers.store_bytes=64MiB"]
     overrides += ["kv_tiers.decode_loads=always"]
-    loaded, plain = run(_cfg([*TINY[:1], *TINY[8:], *MULTITURN, pair, *overrides]), tmp_path, progress=False)
+    loaded, plain = run(_cfg([*TINY[:1], *TINY[8:], *POOL_TURNS, pair, *overrides]), tmp_path, progress=False)
     assert loaded["summary"]["completed"] == plain["summary"]["completed"] == 12
     assert _outputs(loaded) == _outputs(plain)
     hits = loaded["summary"]["kv_tier_hits"]
