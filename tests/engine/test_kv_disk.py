@@ -45,44 +45,45 @@ def _rewrite_pages(folder, fmt, key, payload):
             f.write(view.numpy().tobytes())
 
 
-def test_pages_signed_with_a_key_planted_in_the_folder_are_recomputed(reference, tmp_path, caplog):
-    """The folder keeps no key (earlier versions kept `key` there, so anyone who could write the folder
-    re-signed forged pages: 200s with wrong text); a key planted there signs nothing we accept."""
-    folder = tmp_path / "kv"
+def _pages_then_again(folder, reference, caplog, forge, why: str) -> None:
+    """Pages written by one engine, then forge(fmt, key) run on its folder, then another engine: its
+    replies are the computed ones, and it dropped pages saying why."""
     llm = LLM("tiny-random", **SMALL, kv_tiers=_tiers(folder))
     _one_by_one(llm, _prompts()[:4])
-    fmt = llm.tiers.fmt
+    fmt, key = llm.tiers.fmt, llm.tiers.disk.key
     llm.close()
-    assert not (folder / "key").exists()
-    keys = [os.path.join(key_folder(), k) for k in os.listdir(key_folder())]
-    assert keys and all(stat.S_IMODE(os.stat(k).st_mode) == 0o600 for k in keys)
-    assert stat.S_IMODE(os.stat(key_folder()).st_mode) == 0o700
-    planted = bytes(range(32))
-    (folder / "key").write_bytes(planted)
-    _rewrite_pages(folder, fmt, planted, lambda part: torch.randn_like(part) * 4)
+    forge(fmt, key)
     again = LLM("tiny-random", **SMALL, kv_tiers=_tiers(folder))
     with caplog.at_level(logging.WARNING, logger="engine.kv_tiers"):
         outs = _one_by_one(again, _prompts()[4:])
     assert [o.token_ids for o in outs] == reference
-    assert again.kv_tier_stats["disk"]["dropped"] > 0 and "MAC" in caplog.text
+    assert again.kv_tier_stats["disk"]["dropped"] > 0 and why in caplog.text
     again.close()
+
+
+def test_pages_signed_with_a_key_planted_in_the_folder_are_recomputed(reference, tmp_path, caplog):
+    """The folder keeps no key (earlier versions kept `key` there, so anyone who could write the folder
+    re-signed forged pages: 200s with wrong text); a key planted there signs nothing we accept."""
+    folder = tmp_path / "kv"
+    planted = bytes(range(32))
+
+    def forge(fmt, key):
+        assert not (folder / "key").exists()
+        keys = [os.path.join(key_folder(), k) for k in os.listdir(key_folder())]
+        assert keys and all(stat.S_IMODE(os.stat(k).st_mode) == 0o600 for k in keys)
+        assert stat.S_IMODE(os.stat(key_folder()).st_mode) == 0o700
+        (folder / "key").write_bytes(planted)
+        _rewrite_pages(folder, fmt, planted, lambda part: torch.randn_like(part) * 4)
+
+    _pages_then_again(folder, reference, caplog, forge, "MAC")
 
 
 def test_signed_pages_of_nans_are_recomputed_not_served(reference, tmp_path, caplog):
     """A page whose MAC is right but whose values are not finite (a bug, or a leaked key) is dropped
     like a corrupted one: greedy text as computed, not empty text."""
     folder = tmp_path / "kv"
-    llm = LLM("tiny-random", **SMALL, kv_tiers=_tiers(folder))
-    _one_by_one(llm, _prompts()[:4])
-    fmt, key = llm.tiers.fmt, llm.tiers.disk.key
-    llm.close()
-    _rewrite_pages(folder, fmt, key, lambda part: torch.full_like(part, float("nan")))
-    again = LLM("tiny-random", **SMALL, kv_tiers=_tiers(folder))
-    with caplog.at_level(logging.WARNING, logger="engine.kv_tiers"):
-        outs = _one_by_one(again, _prompts()[4:])
-    assert [o.token_ids for o in outs] == reference
-    assert again.kv_tier_stats["disk"]["dropped"] > 0 and "non-finite" in caplog.text
-    again.close()
+    nans = lambda fmt, key: _rewrite_pages(folder, fmt, key, lambda part: torch.full_like(part, float("nan")))
+    _pages_then_again(folder, reference, caplog, nans, "non-finite")
 
 
 def test_a_page_format_check_names_non_finite_values():

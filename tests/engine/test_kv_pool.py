@@ -161,14 +161,20 @@ def test_pages_of_another_secret_or_salt_are_never_used(store, reference, caplog
     assert salted.kv_tier_stats["pool"]["dropped"] == 0  # other names: nothing to check, nothing found
 
 
-def test_an_object_of_the_wrong_size_or_bytes_is_a_miss(store, reference):
-    writer = LLM(**SMALL, kv_tiers=_tiers(store))  # the first page's name of each prompt, as it names it
+def _plant_junk(store) -> None:
+    """Under the first prompt's first page's key an object too short, under the second's garbage of the
+    right size (the names as an engine names them)."""
+    writer = LLM(**SMALL, kv_tiers=_tiers(store))
     firsts = [page_hashes(p, 4, writer.scheduler.salt, [])[0] for p in _prompts()]
     junk = torch.randint(0, 255, (writer.tiers.fmt.slot_bytes,), dtype=torch.uint8)
     client = StoreClient(store.master, store.metadata, junk, 2.0)
     assert client.put(writer.tiers.pool.key(firsts[0]), 0, 100) == "ok"  # too short
     assert client.put(writer.tiers.pool.key(firsts[1]), 0, junk.numel()) == "ok"  # garbage
     client.close()
+
+
+def test_an_object_of_the_wrong_size_or_bytes_is_a_miss(store, reference):
+    _plant_junk(store)
     reader = LLM(**SMALL, kv_tiers=_tiers(store))
     outs = _one_by_one(reader, _prompts()[:2])
     assert [o.token_ids for o in outs] == reference[:2]
@@ -180,13 +186,7 @@ def test_a_rejected_object_is_replaced_by_the_next_good_put(store, reference):
     """Issue 56: garbage (or a short object) under a page's key was rejected, and since workers skip
     keys the pool holds, that prefix stayed uncached for good. The worker that rejected it puts its own
     page in its place: the next engine loads it."""
-    writer = LLM(**SMALL, kv_tiers=_tiers(store))
-    firsts = [page_hashes(p, 4, writer.scheduler.salt, [])[0] for p in _prompts()]
-    junk = torch.randint(0, 255, (writer.tiers.fmt.slot_bytes,), dtype=torch.uint8)
-    client = StoreClient(store.master, store.metadata, junk, 2.0)
-    assert client.put(writer.tiers.pool.key(firsts[0]), 0, 100) == "ok"  # too short
-    assert client.put(writer.tiers.pool.key(firsts[1]), 0, junk.numel()) == "ok"  # garbage
-    client.close()
+    _plant_junk(store)
     reader = LLM(**SMALL, kv_tiers=_tiers(store))
     assert [o.token_ids for o in _one_by_one(reader, _prompts()[:2])] == reference[:2]
     assert reader.kv_tier_stats["pool"]["dropped"] == 2
