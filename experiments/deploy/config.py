@@ -323,21 +323,11 @@ class ClusterConfig:
     subnet: int = 0  # 198.18.(subnet * 4 + nic).(host + 1): two runs at once need two subnets
 
     def __post_init__(self):
-        from experiments.deploy.netns import MAX_NICS, MAX_SUBNETS, Link
+        from experiments.deploy.netns import Link, check_cluster
 
         if hasattr(self.link, "keys"):  # a mapping from the YAML (OmegaConf's, too): a plain dict
             object.__setattr__(self, "link", {k: self.link[k] for k in self.link.keys()})
-        if isinstance(self.hosts, bool) or not isinstance(self.hosts, int) or not 1 <= self.hosts <= 250:
-            refuse("cluster.hosts", self.hosts, "an integer in [1, 250]")
-        n = self.nics_per_host
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_NICS:
-            refuse("cluster.nics_per_host", n, f"an integer in [1, {MAX_NICS}]")
-        if (
-            isinstance(self.subnet, bool)
-            or not isinstance(self.subnet, int)
-            or not 0 <= self.subnet < MAX_SUBNETS
-        ):
-            refuse("cluster.subnet", self.subnet, f"an integer in [0, {MAX_SUBNETS})")
+        check_cluster(self.hosts, self.nics_per_host, self.subnet)
         if not isinstance(self.link, dict) or set(self.link) - {"rate", "delay_us", "jitter_us", "loss_pct"}:
             refuse("cluster.link", self.link, "a mapping of rate, delay_us, jitter_us, loss_pct")
         Link(**self.link)  # checked: ValueError naming cluster.link.<key>

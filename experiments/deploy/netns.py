@@ -32,6 +32,18 @@ PREFIX = "pdk-"  # every namespace this module makes: pdk-<owner pid>-<tag>-<hos
 RANGE = "198.18"  # 198.18.0.0/15: RFC 2544's benchmarking range, never routed anywhere
 MAX_NICS, MAX_SUBNETS = 4, 64  # 198.18.(subnet * MAX_NICS + nic).(host + 1)/24
 CLONE_NEWNET = 0x40000000
+RATE = re.compile(r"(\d+(?:\.\d+)?)([kmgt]?)(bit|bps)")  # tc's rates: 10gbit, 400mbit, 50mbps
+
+
+def check_cluster(hosts: int, nics_per_host: int, subnet: int) -> None:
+    """The cluster's shape (cluster.hosts, nics_per_host, subnet): a ValueError naming the key otherwise."""
+    for key, value, low, high in (
+        ("hosts", hosts, 1, 250),
+        ("nics_per_host", nics_per_host, 1, MAX_NICS),
+        ("subnet", subnet, 0, MAX_SUBNETS - 1),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise ValueError(f"cluster.{key}={value!r} is not allowed: an integer in [{low}, {high}]")
 
 
 @dataclass(frozen=True)
@@ -45,7 +57,7 @@ class Link:
     loss_pct: float = 0.0
 
     def __post_init__(self):
-        if not re.fullmatch(r"\d+(\.\d+)?([kmgt]?bit|[kmgt]?bps)", str(self.rate)):
+        if not RATE.fullmatch(str(self.rate)):
             raise ValueError(
                 f"cluster.link.rate={self.rate!r} is not allowed: a tc rate such as 10gbit or 400mbit"
             )
@@ -59,7 +71,7 @@ class Link:
             )
 
     def bytes_per_s(self) -> float:
-        number, unit, kind = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgt]?)(bit|bps)", self.rate).groups()
+        number, unit, kind = RATE.fullmatch(self.rate).groups()
         scale = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[unit]
         return float(number) * scale / (8 if kind == "bit" else 1)
 
@@ -174,12 +186,7 @@ class Hosts:
             raise PermissionError(
                 "hosts in network namespaces (launcher=netns) need CAP_NET_ADMIN: run as root"
             )
-        if not 1 <= n <= 250:
-            raise ValueError(f"cluster.hosts={n!r} is not allowed: 1 to 250 hosts")
-        if not 1 <= nics_per_host <= MAX_NICS:
-            raise ValueError(f"cluster.nics_per_host={nics_per_host!r} is not allowed: 1 to {MAX_NICS}")
-        if not 0 <= subnet < MAX_SUBNETS:
-            raise ValueError(f"subnet={subnet!r} is not allowed: 0 to {MAX_SUBNETS - 1}")
+        check_cluster(n, nics_per_host, subnet)
         sweep()
         self.link, self.nics, self.subnet = link or Link(), nics_per_host, subnet
         tag = tag or secrets.token_hex(3)
