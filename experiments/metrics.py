@@ -14,9 +14,9 @@ results.json, schema "pdkernels.results/1" (stable: fields may be added, never r
   free_pages and num_pages when it stopped).
 - summary: "num_requests", "completed", "errors", "rejected" (refused at once by deployment.admission=slo;
   not errors), "duration_s", "throughput_rps",
-  "output_tokens_per_s"; for each of "ttft_s", "tpot_s", "itl_s", "e2e_s", "queue_s", "transfer_s" a
-  {"p50", "p90", "p99", "mean", "n"}; "transfer_bytes", "remote_prefills", "local_prefills",
-  "local_prefills_by_load" (deployment.local_prefill_by_load), "slo"
+  "output_tokens_per_s"; for each of "ttft_s", "tpot_s", "itl_s", "e2e_s", "queue_s", "transfer_s",
+  "kv_span_s", "kv_exposed_s" a {"p50", "p90", "p99", "mean", "n"}; "transfer_bytes", "remote_prefills",
+  "local_prefills", "local_prefills_by_load" (deployment.local_prefill_by_load), "slo"
   ({"ttft_s", "tpot_s", "attainment"}), "attainment_pct" (of every arrival: a rejected request misses),
   "admitted_attainment_pct" (of those not rejected), "meets_slo", "goodput_rps", "slo_goodput_rps"
   (requests meeting the SLO per second of the run: vLLM's request goodput; also as
@@ -33,7 +33,9 @@ results.json, schema "pdkernels.results/1" (stable: fields may be added, never r
   requests, ttft_p50_s, prompt_tokens_mean, new_tokens_mean, cached_tokens_mean, transfer_bytes_mean).
 - request: "request_id", "worker", "prefill" (local | remote), "prefill_worker", "prompt_tokens",
   "output_tokens", "arrival_s", "queue_s", "ttft_s", "tpot_s", "e2e_s", "itl_s" (list),
-  "output_ids", "text" (the output detokenized), "transfer_bytes", "transfer_s", "finish_reason",
+  "output_ids", "text" (the output detokenized), "transfer_bytes", "transfer_s", "kv_span_s" (its first
+  KV post -> every write landed), "kv_exposed_s" (its prefill computed -> every write landed: the part of
+  the transfer the compute did not hide; transfer.send_mode), "finish_reason",
   "error", "error_kind" (bad_request | rejected | cancelled | worker_lost | deadline | internal),
   "meets_slo", "cached_tokens" (its prompt tokens the serving worker's prefix cache held); multiturn:
   "conversation", "turn", "new_tokens" (its prompt past the previous turn's: that turn's reply and this
@@ -68,13 +70,16 @@ from experiments.record import DeploymentRun
 SCHEMA = "pdkernels.results/1"
 CSV_FIELDS = (
     "request_id", "worker", "prefill", "prefill_worker", "prompt_tokens", "output_tokens", "arrival_s",
-    "queue_s", "ttft_s", "tpot_s", "e2e_s", "transfer_bytes", "transfer_s", "finish_reason", "error",
+    "queue_s", "ttft_s", "tpot_s", "e2e_s", "transfer_bytes", "transfer_s", "kv_span_s", "kv_exposed_s",
+    "finish_reason", "error",
     "error_kind", "meets_slo", "cached_tokens", "conversation", "turn", "new_tokens",
 )  # fmt: skip
 
 
 def request_rows(run: DeploymentRun, slo: SloConfig) -> list[dict]:
     rows, prompt_len = [], {}  # (conversation, turn) -> prompt tokens
+    # each request's transfer as its prefill worker saw it: (id, first KV post, computed, done)
+    streamed = {s[0]: s for t in run.timelines for s in t.sent}
     for req in run.requests:
         res, sent = run.results.get(req.request_id), run.sent.get(req.request_id)
         ok = res is not None and res.error is None and res.token_times and sent is not None
@@ -101,6 +106,7 @@ def request_rows(run: DeploymentRun, slo: SloConfig) -> list[dict]:
             "transfer_bytes": res.transfer_bytes if res else 0,
             "cached_tokens": res.cached_tokens if res else 0,
             "transfer_s": res.transfer_s if res else None,
+            **_streaming(res, streamed.get(req.request_id)),
             "finish_reason": res.finish_reason if res else "error",
             "error": (res.error if res else "no result") if not ok else None,
             "error_kind": (str(res.error_kind) if res and res.error_kind else None) if not ok else None,
@@ -113,6 +119,17 @@ def request_rows(run: DeploymentRun, slo: SloConfig) -> list[dict]:
             prompt_len[req.conversation, req.turn] = len(req.prompt_ids)
         rows.append(row)
     return rows
+
+
+def _streaming(res, sent) -> dict:
+    """A remote prefill's KV, from the first post and from its prefill's end to the last write landing
+    (both workers' perf_counter: one clock on one machine, network namespaces included)."""
+    landed = res.kv_landed if res is not None else None
+    _, first_post, computed, _ = sent if sent is not None and landed is not None else (None,) * 4
+    return {
+        "kv_span_s": landed - first_post if first_post is not None else None,
+        "kv_exposed_s": landed - computed if computed is not None else None,
+    }
 
 
 def by_turn(rows: list[dict]) -> list[dict]:
@@ -248,7 +265,7 @@ def summarize(run: DeploymentRun, rows: list[dict], slo: SloConfig, rate: float 
         "output_tokens_per_s": sum(r["output_tokens"] for r in done) / duration,
         **{
             k: percentiles([r[k] for r in done])
-            for k in ("ttft_s", "tpot_s", "e2e_s", "queue_s", "transfer_s")
+            for k in ("ttft_s", "tpot_s", "e2e_s", "queue_s", "transfer_s", "kv_span_s", "kv_exposed_s")
         },
         "itl_s": percentiles([x for r in done for x in r["itl_s"]]),
         "transfer_bytes": sum(r["transfer_bytes"] for r in rows),
@@ -426,6 +443,10 @@ def table(records: list[dict]) -> str:
         ("E2E p50 / p90 ms", [f"{_ms(x['e2e_s'], 'p50')} / {_ms(x['e2e_s'], 'p90')}" for x in s]),
         ("queue p50 ms", [_ms(x["queue_s"], "p50") for x in s]),
         ("transfer p50 ms", [_ms(x["transfer_s"], "p50") for x in s]),
+        (
+            "KV landed after prefill p50 / p90 ms",
+            [f"{_ms(x.get('kv_exposed_s', {}), 'p50')} / {_ms(x.get('kv_exposed_s', {}), 'p90')}" for x in s],
+        ),
         ("KV moved MiB", [f"{x['transfer_bytes'] / 2**20:.1f}" for x in s]),
         *(
             [("prefilled on decode by load", [str(x.get("local_prefills_by_load", 0)) for x in s])]

@@ -12,6 +12,7 @@ BACKENDS = ("nixl", "local")
 NIXL_ENGINES = ("UCX", "LIBFABRIC")
 FAILURE_POLICIES = ("fail", "recompute")
 CONTROL_TRANSPORTS = ("ipc", "tcp")
+SEND_MODES = ("layer", "chunk", "request")
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,10 @@ class TransferConfig:
     layer_timeout_s: float = 60.0  # prefill side: a forward pass's layer must be done within this
     peer_timeout_s: float = 10.0  # silent (no heartbeat) this long: lost. Heartbeats go out between forward
     # passes, so this must outlast the longest pass of either worker
+    # when the prefill side posts a request's KV: layer (each layer's pages as soon as the forward pass has
+    # stored them, while it computes the next: the design) | chunk (a pass's pages, every layer, once the
+    # pass ends) | request (all of its pages once its last chunk is computed: no overlap with compute)
+    send_mode: str = "layer"
     on_transfer_failure: str = "fail"  # fail: end the request with the error | recompute: prefill it locally
     context_slots: int = 64  # requests in flight per decode worker (rows of its context buffer)
     # a worker has one NIXL agent per rank: DP group g's TP rank t on entry g * tp + t (RDMA device names,
@@ -40,6 +45,7 @@ class TransferConfig:
             "nixl_engine": NIXL_ENGINES,
             "on_transfer_failure": FAILURE_POLICIES,
             "control_transport": CONTROL_TRANSPORTS,
+            "send_mode": SEND_MODES,
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:

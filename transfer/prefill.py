@@ -3,10 +3,16 @@
 The engine calls `on_batch` before every forward pass (which chunks, which pages) and `on_prefilled`
 after a request's last chunk. A sender thread then waits on the layer counter and posts layer l's
 writes for the batch the moment counter[0, l] reaches that pass, while the forward pass goes on with
-later layers. A page is posted once, when it is full (or, at the end, when it is the last page), so no
-page is ever written twice; pages the decode side already holds (`skip_pages`, its prefix cache) are
-never written. All backend calls happen on the sender thread; the engine's thread only
-reads flags in `poll`, which also frees finished requests' pages and answers aborts.
+later layers (`transfer.send_mode=layer`; `chunk` waits for the pass's last layer and posts every layer
+at once, `request` holds a request's pages until its last chunk is computed: the baselines the streaming
+is measured against). A page is posted once, when it is full (or, at the end, when it is the last page),
+so no page is ever written twice; pages the decode side already holds (`skip_pages`, its prefix cache)
+are never written. `done_log` keeps, per finished request, when its first KV post went out, when its
+prefill was computed and when its last write finished: what the run's results join with the decode
+side's landing time to tell how much of the transfer the compute hid.
+
+All backend calls happen on the sender thread; the engine's thread only reads flags in `poll`, which also
+frees finished requests' pages and answers aborts.
 
 Each TP rank's KV goes out through an agent of its own (transfer/agents.py: its region only, on its
 NIC), so a post is one (this side's agent, the decode side's agent) pair's writes with its own
@@ -26,7 +32,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -53,6 +59,15 @@ class PrefillEngine(Protocol):
     def release(self, request_id: str) -> None: ...  # free its pages
 
 
+class Sent(NamedTuple):
+    """A finished request's KV transfer, as this side saw it (perf_counter times)."""
+
+    request_id: str
+    first_post: float | None  # its first KV post went out (None: every page was skipped)
+    computed: float | None  # the forward pass that computed its last chunk returned
+    done: float  # its last write (the context) finished
+
+
 @dataclass
 class _Transfer:
     req: PrefillRequest
@@ -63,6 +78,9 @@ class _Transfer:
     posts: int = 0  # posts made, numbering each notification
     context_posted: bool = False
     done_at: float | None = None  # perf_counter when every write had finished
+    first_post: float | None = None  # perf_counter of its first KV post
+    computed: float | None = None  # perf_counter when its last chunk's forward pass returned
+    held: tuple[int, int, list[int]] | None = None  # send_mode=request: pages [i0, i1) of these, not posted
     aborted: str | None = None
     error: str | None = None
 
@@ -91,9 +109,9 @@ class PrefillMessenger:
         self.transfers: dict[str, _Transfer] = {}
         self._peers: dict[tuple[int, bytes], str] = {}  # (agent, a decode agent's metadata) -> its name
         self._passes = 0
-        # the latest (request, layer, perf_counter) of KV posts, and (request, perf_counter) of last writes
+        # the latest (request, layer, perf_counter) of KV posts, and the latest finished transfers
         self.post_log: deque[tuple[str, int, float]] = deque(maxlen=LOG_LIMIT)
-        self.done_log: deque[tuple[str, float]] = deque(maxlen=LOG_LIMIT)
+        self.done_log: deque[Sent] = deque(maxlen=LOG_LIMIT)
         self.refused = 0  # requests refused at the boundary
         self._last_seq: dict[int, int] = {}  # id(channel) -> newest request seq taken from it
         # requests whose id an earlier owner still holds here (moved to another decode worker): taken once
@@ -118,7 +136,10 @@ class PrefillMessenger:
             final = chunk.end == len(chunk.seq.prompt_ids)
             upto = len(chunk.pages) if final else chunk.end // self.spec.page_size
             if upto > t.sent_pages:
-                items.append((t, t.sent_pages, upto, list(chunk.pages[:upto])))
+                if self.config.send_mode == "request":  # held until on_prefilled
+                    t.held = (t.held[0] if t.held else t.sent_pages, upto, list(chunk.pages[:upto]))
+                else:
+                    items.append((t, t.sent_pages, upto, list(chunk.pages[:upto])))
                 t.sent_pages = upto
         if items:
             self._jobs.put(("kv", self._passes, items))
@@ -128,6 +149,10 @@ class PrefillMessenger:
         t = self.transfers.get(seq.request_id)
         if t is None or t.aborted:
             return
+        t.computed = time.perf_counter()
+        if t.held is not None:  # send_mode=request: every page now, once the pass's last layer is stored
+            self._jobs.put(("kv", self._passes, [(t, *t.held)]))
+            t.held = None
         slot = self._slots[seq.request_id]
         self.context[slot] = last_hidden.float()
         done = None
@@ -201,7 +226,7 @@ class PrefillMessenger:
         for t in done:
             rid = t.req.request_id
             if t.done_at is not None:
-                self.done_log.append((rid, t.done_at))
+                self.done_log.append(Sent(rid, t.first_post, t.computed, t.done_at))
             self.engine.stop(rid)  # a failed transfer stops its computation too
             self.engine.release(rid)
             self._free_slots.append(self._slots.pop(rid))
@@ -338,7 +363,8 @@ class PrefillMessenger:
         return [item[0] for item in job[2]] if job[0] == "kv" else [job[1]]
 
     def _send_layers(self, target: int, items: list) -> None:
-        """Post each layer's writes for every item as soon as counter[0, layer] reaches the pass."""
+        """Post each layer's writes for every item as soon as counter[0, layer] reaches the pass (send_mode
+        layer), or every layer's once the last one has (chunk, request)."""
         by_layer = [[] for _ in range(self.spec.num_layers)]  # [(transfer, ops [n, 5])] per layer
         for t, i0, i1, pages in items:
             req = t.req
@@ -353,13 +379,15 @@ class PrefillMessenger:
             for layer, layer_rows in enumerate(np.split(rows, self.spec.num_layers)):
                 by_layer[layer].append((t, layer_rows))
         layer, num_layers = 0, self.spec.num_layers
+        streamed = self.config.send_mode == "layer"
         while layer < num_layers:
             deadline = time.monotonic() + self.config.layer_timeout_s
-            while int(self.counter[0, layer]) < target:  # the kernel bumps it once the layer is stored
+            awaited = layer if streamed else num_layers - 1
+            while int(self.counter[0, awaited]) < target:  # the kernel bumps it once the layer is stored
                 if time.monotonic() > deadline or self._stop.is_set():
                     for t, _ in by_layer[layer]:
                         t.error = (
-                            f"layer {layer} not done within layer_timeout_s={self.config.layer_timeout_s}"
+                            f"layer {awaited} not done within layer_timeout_s={self.config.layer_timeout_s}"
                         )
                     return
                 self._reap()  # drives earlier layers' writes and their notifications meanwhile
@@ -369,8 +397,9 @@ class PrefillMessenger:
                 ready += 1
             for i, (t, _) in enumerate(by_layer[layer]):
                 rows = np.concatenate([by_layer[done][i][1] for done in range(layer, ready)])
+                now = time.perf_counter()
                 if self._post(t, route(rows, len(self.agents.backends), len(t.req.dst_metadata)), "kv"):
-                    now = time.perf_counter()
+                    t.first_post = t.first_post or now
                     self.post_log += [(t.req.request_id, done, now) for done in range(layer, ready)]
             layer = ready
 

@@ -264,7 +264,8 @@ def _messenger_round(pm, counter, commands, results, layer_gap_s: float) -> tupl
         assert time.monotonic() < give_up
     got, timing, error = results.get(timeout=60)
     assert got == rid and error is None, error
-    return timing.landed - first, timing.landed - last, timing.landed - dict(pm.done_log)[rid]
+    done = {s.request_id: s.done for s in pm.done_log}[rid]
+    return timing.landed - first, timing.landed - last, timing.landed - done
 
 
 @pytest.mark.benchmark(group="transfer")

@@ -217,6 +217,7 @@ class Result(Message):
     prefill_worker: str | None = None
     transfer_bytes: int = 0
     transfer_s: float | None = None  # PrefillRequest sent -> every write landed
+    kv_landed: float | None = None  # perf_counter when every write landed (the prefill side's Sent joins it)
     text: str = ""  # the output detokenized (stop strings cut off)
     output_tokens: int | None = None  # how many, where the ids are not known (an endpoint's usage)
     drafted: int = 0  # speculative decoding: drafts proposed, accepted, verify steps
@@ -255,6 +256,9 @@ class Timeline(Message):
     kv_tiers: dict[str, TierCounters] = {}
     # loads from the tiers below device memory: (start, end, tier of most of its pages, pages loaded)
     loads: list[tuple[float, float, str, int]] = []
+    # its transfers as a prefill worker (transfer.prefill.Sent: request id, first KV post, prefill computed,
+    # last write done)
+    sent: list[tuple[str, float | None, float | None, float]] = []
     free_pages: int = -1  # when it stopped, of num_pages (every page free: nothing leaked)
     num_pages: int = -1
 

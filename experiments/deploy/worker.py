@@ -269,6 +269,7 @@ class Worker(RoleSwitching):
                 free, pages = self.llm.pages  # every DP group's
                 self.timeline.free_pages, self.timeline.num_pages = free, pages
                 self.timeline.role = self.role
+                self._keep_sent()
                 self._send(self.timeline)
                 log.info("%s stopped by the driver (%d of %d pages free)", self.spec.name, free, pages)
                 return True
@@ -320,6 +321,7 @@ class Worker(RoleSwitching):
                             return
             if self.pm is not None:
                 self.pm.poll()
+                self._keep_sent()
                 self.llm.poll_groups()  # each other DP group's messenger (none without DP)
             if self.dm is not None:
                 self.front.drain(self.dm, lambda rid, e: self._refuse(rid, self.live.pop(rid), e))
@@ -512,7 +514,7 @@ class Worker(RoleSwitching):
         timing = self.dm.timings.get(rid) if self.dm is not None else None
         if timing is not None:
             result.prefill, result.transfer_bytes = "remote", timing.nbytes
-            result.transfer_s = timing.landed - timing.sent
+            result.transfer_s, result.kv_landed = timing.landed - timing.sent, timing.landed
             result.scheduled = timing.first_landed  # its first KV arriving: prefill has begun
             result.prefill_worker = timing.peer
         elif (

@@ -227,6 +227,50 @@ def test_layers_stream_while_the_forward_pass_runs():
         _close(pm, dm)
 
 
+@pytest.mark.parametrize("mode", ["layer", "chunk", "request"])
+def test_each_send_mode_moves_the_same_kv_at_its_own_time(mode):
+    """A 59-token prompt prefilled in three 24-token passes, sent per layer, per chunk or whole: the same
+    tokens as colocated; per chunk, each pass's pages go in one post of every layer once the pass began;
+    whole, one post after the last pass began and after its prefill was computed."""
+    prefill = LLM("tiny-random", role="prefill", page_size=4, num_pages=PAGES, max_num_batched_tokens=24)
+    decode = LLM("tiny-random", role="decode", page_size=4, num_pages=PAGES)
+    pm, dm = _local_pair(prefill, decode, f"mode-{mode}", send_mode=mode)
+    passes, run = [], prefill.runner.run
+
+    def timed_run(batch, counter=None):
+        passes.append(time.perf_counter())
+        return run(batch, counter)
+
+    prefill.runner.run = timed_run
+    prompt = list(range(100, 160))
+    expected = LLM("tiny-random", page_size=4, num_pages=PAGES).generate([prompt], GREEDY)[0].token_ids
+    try:
+        dm.submit("r", prompt, GREEDY)
+        _run(prefill, decode, pm, dm, ["r"])
+        assert decode.output("r").token_ids == expected
+        assert prefill.allocator.num_free == PAGES and decode.allocator.num_free == PAGES
+        layers = prefill.config.model.num_layers
+        posts: dict[float, list[int]] = {}  # post time -> the layers it carried
+        for _, layer, at in pm.post_log:
+            posts.setdefault(at, []).append(layer)
+        (sent,) = pm.done_log
+        assert sent.request_id == "r" and sent.first_post == min(posts) and sent.done >= max(posts)
+        assert len(passes) == 3 and sent.computed > passes[-1]
+        if mode == "chunk":
+            assert len(posts) == 3 and all(sorted(v) == list(range(layers)) for v in posts.values())
+            assert all(at > start for at, start in zip(sorted(posts), passes, strict=True))
+        if mode == "request":
+            assert len(posts) == 1 and sorted(posts[sent.first_post]) == list(range(layers))
+            assert sent.first_post > sent.computed > passes[-1]
+    finally:
+        _close(pm, dm)
+
+
+def test_transfer_config_names_the_send_modes():
+    with pytest.raises(ValueError, match=r"send_mode must be one of \('layer', 'chunk', 'request'\)"):
+        TransferConfig(send_mode="pass")
+
+
 def test_a_send_timeout_frees_the_pages_at_once(pair):
     """Nothing was sent, so nothing can land: the pages need no quarantine."""
     prefill, decode, pm, dm = pair

@@ -1,0 +1,239 @@
+"""The seed's claim measured: streaming each layer's KV while the prefill computes the next hides the link.
+
+1P1D across two hosts (network namespaces, `launcher=netns`, root only) against colocated, with the KV
+sent per layer (`transfer.send_mode=layer`), per chunk, or whole after the prefill, over links whose rate
+is scaled from real pairs so that the link's time per layer over the compute's time per layer is the
+real pair's:
+
+    here rate = real link x (real compute per layer / compute per layer here) x (KV per layer here / real)
+
+The real pair's compute is the simulator's (experiments/sim: the same model on H200s, tp GPUs); here it
+is measured before the runs (experiments.capacity: the prompt prefilled by one worker's engine, as the
+runs' workers do). Each run is the main job (experiments.run) in this process:
+
+    python -m experiments.repro.streaming --out bench_results/streaming [--model smollm2-135m]
+        [--prompt 1536] [--chunk 512] [--requests 8] [--load 0] [--modes layer,chunk,request]
+        [--links cx7,efa,eth25] [--subnet 1]
+
+Writes <out>/<variant>/results.json, <out>/summary.json and <out>/streaming.md (the table, printed too).
+Columns: TTFT p50/p90 and its p50 against colocated's; "KV after prefill" (the prefill's last pass
+returned -> every write landed on the decode side: what the compute did not hide); "hidden" (1 - that
+p50 over the whole-request mode's on the same link: the share of the transfer the mode hid); TPOT p50;
+bytes the prefill host's NIC sent over the KV bytes. Run it alone on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+
+CONF = str(Path(__file__).resolve().parents[2] / "conf")
+
+
+@dataclass(frozen=True)
+class Pair:
+    name: str
+    label: str
+    bits_per_gpu: float  # the link's bits/s per GPU of the prefill instance (per node: per_node)
+    per_node: bool = False  # one link for the whole node, whatever the instance's GPUs
+
+
+# the real pairs the links are scaled from (the instance sends over every GPU's NIC, or the node's one)
+PAIRS = {
+    "cx7": Pair("cx7", "H200 + 400 Gb/s ConnectX-7 per GPU", 400e9),
+    "efa": Pair("efa", "8 H200 sharing 3.2 Tb/s EFA", 3.2e12 / 8),
+    "eth25": Pair("eth25", "H200 node + 25 Gb/s Ethernet", 25e9, per_node=True),
+}
+# our model -> (the simulator's model of the real deployment, its TP on H200s)
+REAL = {"smollm2-135m": ("smollm2-135m", 1), "random-deepseek-v3": ("deepseek-r1", 8)}
+MODES = ("layer", "chunk", "request")
+
+
+def real_layer_s(model: str, prompt: int) -> tuple[float, float, int]:
+    """The real deployment's prefill of one prompt: (seconds per layer, KV bytes per token and layer, TP)."""
+    from experiments.sim.cost import CostModel
+    from experiments.sim.hardware import hardware
+    from experiments.sim.models import sim_model
+
+    name, tp = REAL[model]
+    m = sim_model(name)
+    cost = CostModel(m, hardware("h200"), tp)
+    return cost.prefill_time([prompt]) / m.layers, m.kv_bytes_per_token() / m.layers, tp
+
+
+def link_rates(args, here_layer_s: float, here_kv_layer: float) -> dict[str, tuple[str, float]]:
+    """Each pair's link here: (label, bits/s); pairs that scale to one rate share a run (and a row)."""
+    real_s, real_kv, tp = real_layer_s(args.model, args.prompt)
+    out: dict[str, tuple[str, float]] = {}
+    for key in args.links:
+        pair = PAIRS[key]
+        real_bits = pair.bits_per_gpu * (1 if pair.per_node else tp)
+        bits = real_bits * (real_s / here_layer_s) * (here_kv_layer / real_kv)
+        same = next((k for k, (_, b) in out.items() if abs(b - bits) < 1e-6 * bits), None)
+        if same is None:
+            out[key] = (pair.label, bits)
+        else:
+            out[same] = (f"{out[same][0]}; {pair.label}", bits)
+    return out
+
+
+def tc_rate(bits: float) -> str:
+    return f"{max(1, round(bits / 1e3))}kbit"
+
+
+def summarize(name: str, mode: str | None, link: str | None, record: dict) -> dict:
+    s = record["summary"]
+    prefill = [w for w in record["workers"] if w["role"] == "prefill"]
+    nic = sum(sum(w.get("nic_tx_bytes") or []) for w in prefill)
+    return {
+        "variant": name,
+        "mode": mode,
+        "link": link,
+        "completed": s["completed"],
+        "requests": s["num_requests"],
+        "ttft_p50_s": s["ttft_s"]["p50"],
+        "ttft_p90_s": s["ttft_s"]["p90"],
+        "tpot_p50_s": s["tpot_s"]["p50"],
+        "exposed_p50_s": s["kv_exposed_s"]["p50"],
+        "exposed_p90_s": s["kv_exposed_s"]["p90"],
+        "kv_bytes": s["transfer_bytes"],
+        "nic_tx_bytes": nic,
+    }
+
+
+def table(rows: list[dict], rates: dict, here_layer_s: float, kv_layer_bytes: float) -> str:
+    base = next((r for r in rows if r["mode"] is None), None)
+    whole = {r["link"]: r for r in rows if r["mode"] == "request"}
+    lines = [
+        "| link (scaled from) | rate here | link/compute per layer | mode | TTFT p50 / p90 ms | vs colocated "
+        "p50 ms | KV after prefill p50 / p90 ms | hidden | TPOT p50 ms | NIC/KV bytes |",
+        "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+
+    def ms(v):
+        return "-" if v is None else f"{1e3 * v:.0f}"
+
+    for r in rows:
+        if r["mode"] is None:
+            label, rate, ratio = "colocated (no transfer)", "-", "-"
+        else:
+            label, bits = rates[r["link"]]
+            rate = f"{bits / 1e6:.1f} Mbit/s"
+            ratio = f"{kv_layer_bytes * 8 / bits / here_layer_s:.2f}"
+        delta = (
+            f"{1e3 * (r['ttft_p50_s'] - base['ttft_p50_s']):+.0f}"
+            if base and r is not base and r["ttft_p50_s"] is not None
+            else "-"
+        )
+        ref = whole.get(r["link"])
+        hidden = (
+            f"{100 * (1 - r['exposed_p50_s'] / ref['exposed_p50_s']):.0f}%"
+            if ref and r["exposed_p50_s"] is not None and ref["exposed_p50_s"]
+            else "-"
+        )
+        nic = f"{r['nic_tx_bytes'] / r['kv_bytes']:.3f}" if r["kv_bytes"] else "-"
+        lines.append(
+            f"| {label} | {rate} | {ratio} | {r['mode'] or '-'} | {ms(r['ttft_p50_s'])} / "
+            f"{ms(r['ttft_p90_s'])} | {delta} | {ms(r['exposed_p50_s'])} / {ms(r['exposed_p90_s'])} | "
+            f"{hidden} | {ms(r['tpot_p50_s'])} | {nic} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    from experiments.capacity import prefill_tokens_s
+    from experiments.config import from_cfg
+    from experiments.run import run
+
+    raw = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=raw)
+    parser.add_argument("--out", required=True, help="a folder for the runs' results")
+    parser.add_argument("--model", default="smollm2-135m", choices=sorted(REAL))
+    parser.add_argument("--prompt", type=int, default=1536, help="prompt tokens (every request)")
+    parser.add_argument("--output", type=int, default=16, help="output tokens (every request)")
+    parser.add_argument("--chunk", type=int, default=512, help="deployment.chunk_size: tokens per pass")
+    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument(
+        "--load",
+        type=float,
+        default=0.0,
+        help="Poisson arrivals at this x the slower of one worker's prefill and the link (default: one "
+        "request at a time, so that each TTFT is its own prefill and transfer, no queue)",
+    )
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--links", default=",".join(PAIRS))
+    parser.add_argument("--subnet", type=int, default=1, help="cluster.subnet (another run's differs)")
+    args = parser.parse_args()
+    args.modes = [m for m in args.modes.split(",") if m]
+    args.links = [k for k in args.links.split(",") if k]
+    bad = [m for m in args.modes if m not in MODES] + [k for k in args.links if k not in PAIRS]
+    if bad:
+        parser.error(f"unknown {bad}: --modes from {MODES}, --links from {tuple(PAIRS)}")
+    if args.prompt < 2 or args.chunk < 1 or args.requests < 1 or args.load < 0:
+        parser.error("--prompt must be >= 2 tokens, --chunk and --requests > 0, --load >= 0")
+
+    base = [
+        f"model={args.model}",
+        "launcher=netns",
+        f"cluster.subnet={args.subnet}",
+        f"workload.num_requests={args.requests}",
+        f"workload.prompt_len.value={args.prompt}",
+        f"workload.output_len.value={args.output}",
+        "plots=false",
+        "log_level=WARNING",
+        "run_timeout_s=3600",
+    ]
+    chunk = [f"deployment.chunk_size={args.chunk}", "deployment.threads_per_worker=1"]
+    with initialize_config_dir(config_dir=CONF, version_base=None):
+        probe = from_cfg(compose("config", overrides=[*base, "deployment=1p1d", *chunk]))
+    from engine.weights import load_model
+
+    m = probe.model
+    layers = load_model(m.name, weights=False).config
+    itemsize = 4 if m.dtype == "float32" else 2
+    kv_layer = layers.kv_bytes_per_token(itemsize) / layers.num_layers  # per token
+    tokens_s = prefill_tokens_s(probe, args.prompt)
+    here_layer_s = args.prompt / tokens_s / layers.num_layers
+    rates = link_rates(args, here_layer_s, kv_layer)
+    kv_request_bits = 8 * kv_layer * layers.num_layers * args.prompt
+
+    def arrivals(bits: float | None) -> list[str]:
+        if not args.load:
+            return ["workload.arrival=concurrency", "workload.concurrency=1"]
+        served = min(tokens_s / args.prompt, bits / kv_request_bits) if bits else tokens_s / args.prompt
+        return ["workload.arrival=poisson", f"workload.rate={args.load * served:.4g}"]
+
+    print(
+        f"{m.name} ({m.dtype}): {tokens_s:.0f} prompt tokens/s here, {1e3 * here_layer_s:.1f} ms per layer "
+        f"of a {args.prompt}-token prompt ({kv_request_bits / 8e6:.1f} MB of KV); links: "
+        + ", ".join(f"{k} {bits / 1e6:.2f} Mbit/s" for k, (_, bits) in rates.items()),
+        flush=True,
+    )
+    todo = [("colocated", None, None, ["deployment=colocated", "deployment.num_workers=2", *arrivals(None)])]
+    for link, (_, bits) in rates.items():
+        for mode in args.modes:
+            more = ["deployment=1p1d", f"cluster.link.rate={tc_rate(bits)}", f"transfer.send_mode={mode}"]
+            todo.append((f"1p1d-{mode}-{link}", mode, link, [*more, *arrivals(bits)]))
+    rows = []
+    for name, mode, link, overrides in todo:
+        with initialize_config_dir(config_dir=CONF, version_base=None):
+            cfg = compose("config", overrides=[*base, *overrides, *chunk])
+        (record,) = run(cfg, Path(args.out) / name, progress=False)
+        rows.append(summarize(name, mode, link, record))
+        print(json.dumps(rows[-1]), flush=True)
+    out = Path(args.out)
+    meta = {"model": m.name, "dtype": m.dtype, "tokens_s": tokens_s, "layer_s": here_layer_s}
+    meta |= {"load": args.load, "prompt": args.prompt, "chunk": args.chunk, "requests": args.requests}
+    meta["links_bits"] = {k: bits for k, (_, bits) in rates.items()}
+    (out / "summary.json").write_text(json.dumps({"setup": meta, "rows": rows}, indent=1))
+    text = table(rows, rates, here_layer_s, kv_layer * args.prompt)
+    (out / "streaming.md").write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
