@@ -15,8 +15,9 @@ results.json, schema "pdkernels.results/1" (stable: fields may be added, never r
 - summary: "num_requests", "completed", "errors", "rejected" (refused at once by deployment.admission=slo;
   not errors), "duration_s", "throughput_rps",
   "output_tokens_per_s"; for each of "ttft_s", "tpot_s", "itl_s", "e2e_s", "queue_s", "transfer_s",
-  "kv_span_s", "kv_exposed_s" a {"p50", "p90", "p99", "mean", "n"}; "transfer_bytes", "remote_prefills",
-  "local_prefills", "local_prefills_by_load" (deployment.local_prefill_by_load), "slo"
+  "prefill_compute_s", "kv_span_s", "kv_exposed_s" a {"p50", "p90", "p99", "mean", "n"};
+  "transfer_bytes", "remote_prefills", "local_prefills", "local_prefills_by_load"
+  (deployment.local_prefill_by_load), "slo"
   ({"ttft_s", "tpot_s", "attainment"}), "attainment_pct" (of every arrival: a rejected request misses),
   "admitted_attainment_pct" (of those not rejected), "meets_slo", "goodput_rps", "slo_goodput_rps"
   (requests meeting the SLO per second of the run: vLLM's request goodput; also as
@@ -33,7 +34,8 @@ results.json, schema "pdkernels.results/1" (stable: fields may be added, never r
   requests, ttft_p50_s, prompt_tokens_mean, new_tokens_mean, cached_tokens_mean, transfer_bytes_mean).
 - request: "request_id", "worker", "prefill" (local | remote), "prefill_worker", "prompt_tokens",
   "output_tokens", "arrival_s", "queue_s", "ttft_s", "tpot_s", "e2e_s", "itl_s" (list),
-  "output_ids", "text" (the output detokenized), "transfer_bytes", "transfer_s", "kv_span_s" (its first
+  "output_ids", "text" (the output detokenized), "transfer_bytes", "transfer_s", "prefill_compute_s" (a
+  remote prefill's first pass began -> its last returned, on the prefill worker), "kv_span_s" (its first
   KV post -> every write landed), "kv_exposed_s" (its prefill computed -> every write landed: the part of
   the transfer the compute did not hide; transfer.send_mode), "finish_reason",
   "error", "error_kind" (bad_request | rejected | cancelled | worker_lost | deadline | internal),
@@ -70,8 +72,8 @@ from experiments.record import DeploymentRun
 SCHEMA = "pdkernels.results/1"
 CSV_FIELDS = (
     "request_id", "worker", "prefill", "prefill_worker", "prompt_tokens", "output_tokens", "arrival_s",
-    "queue_s", "ttft_s", "tpot_s", "e2e_s", "transfer_bytes", "transfer_s", "kv_span_s", "kv_exposed_s",
-    "finish_reason", "error",
+    "queue_s", "ttft_s", "tpot_s", "e2e_s", "transfer_bytes", "transfer_s", "prefill_compute_s",
+    "kv_span_s", "kv_exposed_s", "finish_reason", "error",
     "error_kind", "meets_slo", "cached_tokens", "conversation", "turn", "new_tokens",
 )  # fmt: skip
 
@@ -122,11 +124,13 @@ def request_rows(run: DeploymentRun, slo: SloConfig) -> list[dict]:
 
 
 def _streaming(res, sent) -> dict:
-    """A remote prefill's KV, from the first post and from its prefill's end to the last write landing
-    (both workers' perf_counter: one clock on one machine, network namespaces included)."""
+    """A remote prefill's compute on its prefill worker (its first pass began -> its last returned), and
+    its KV from the first post and from the prefill's end to the last write landing (both workers'
+    perf_counter: one clock on one machine, network namespaces included)."""
     landed = res.kv_landed if res is not None else None
-    _, first_post, computed, _ = sent if sent is not None and landed is not None else (None,) * 4
+    _, started, first_post, computed, _ = sent if sent is not None and landed is not None else (None,) * 5
     return {
+        "prefill_compute_s": computed - started if computed is not None and started is not None else None,
         "kv_span_s": landed - first_post if first_post is not None else None,
         "kv_exposed_s": landed - computed if computed is not None else None,
     }
@@ -265,7 +269,16 @@ def summarize(run: DeploymentRun, rows: list[dict], slo: SloConfig, rate: float 
         "output_tokens_per_s": sum(r["output_tokens"] for r in done) / duration,
         **{
             k: percentiles([r[k] for r in done])
-            for k in ("ttft_s", "tpot_s", "e2e_s", "queue_s", "transfer_s", "kv_span_s", "kv_exposed_s")
+            for k in (
+                "ttft_s",
+                "tpot_s",
+                "e2e_s",
+                "queue_s",
+                "transfer_s",
+                "prefill_compute_s",
+                "kv_span_s",
+                "kv_exposed_s",
+            )
         },
         "itl_s": percentiles([x for r in done for x in r["itl_s"]]),
         "transfer_bytes": sum(r["transfer_bytes"] for r in rows),

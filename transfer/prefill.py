@@ -7,9 +7,9 @@ later layers (`transfer.send_mode=layer`; `chunk` waits for the pass's last laye
 at once, `request` holds a request's pages until its last chunk is computed: the baselines the streaming
 is measured against). A page is posted once, when it is full (or, at the end, when it is the last page),
 so no page is ever written twice; pages the decode side already holds (`skip_pages`, its prefix cache)
-are never written. `done_log` keeps, per finished request, when its first KV post went out, when its
-prefill was computed and when its last write finished: what the run's results join with the decode
-side's landing time to tell how much of the transfer the compute hid.
+are never written. `done_log` keeps, per finished request, when its first pass began, when its first KV
+post went out, when its prefill was computed and when its last write finished: what the run's results
+join with the decode side's landing time to tell how much of the transfer the compute hid.
 
 All backend calls happen on the sender thread; the engine's thread only reads flags in `poll`, which also
 frees finished requests' pages and answers aborts.
@@ -45,7 +45,12 @@ from transfer.plan import ShardSpec, plan_array
 from transfer.protocol import Abort, Accepted, Ended, Hello, Notif, PrefillRequest
 
 log = logging.getLogger(__name__)
-POLL_S = 5e-4  # the sender thread's wait between looks at the layer counter
+# the sender thread's wait between looks at the layer counter: about a POLLS_PER_LAYER-th of the time a
+# layer has been taking, within [POLL_S, MAX_POLL_S]. Where the pass runs on the CPU this thread shares
+# its core, and each look (its reaping drives UCX's progress) takes from the pass: a fixed 0.5 ms poll
+# took about 13% of the core (docs/multi-machine.md); on a GPU a layer takes under a millisecond and the
+# floor holds
+POLL_S, MAX_POLL_S, POLLS_PER_LAYER = 5e-4, 4e-3, 8
 LOG_LIMIT = 4096  # entries kept in post_log / done_log (diagnostics, not per-request state)
 
 
@@ -63,6 +68,7 @@ class Sent(NamedTuple):
     """A finished request's KV transfer, as this side saw it (perf_counter times)."""
 
     request_id: str
+    started: float | None  # the first forward pass with its tokens began (None: it computed nothing)
     first_post: float | None  # its first KV post went out (None: every page was skipped)
     computed: float | None  # the forward pass that computed its last chunk returned
     done: float  # its last write (the context) finished
@@ -78,6 +84,7 @@ class _Transfer:
     posts: int = 0  # posts made, numbering each notification
     context_posted: bool = False
     done_at: float | None = None  # perf_counter when every write had finished
+    started: float | None = None  # perf_counter when the first pass with its tokens began
     first_post: float | None = None  # perf_counter of its first KV post
     computed: float | None = None  # perf_counter when its last chunk's forward pass returned
     held: tuple[int, int, list[int]] | None = None  # send_mode=request: pages [i0, i1) of these, not posted
@@ -109,6 +116,7 @@ class PrefillMessenger:
         self.transfers: dict[str, _Transfer] = {}
         self._peers: dict[tuple[int, bytes], str] = {}  # (agent, a decode agent's metadata) -> its name
         self._passes = 0
+        self._layer_s = 0.0  # seconds a layer has been taking (moving average, as the sender thread saw)
         # the latest (request, layer, perf_counter) of KV posts, and the latest finished transfers
         self.post_log: deque[tuple[str, int, float]] = deque(maxlen=LOG_LIMIT)
         self.done_log: deque[Sent] = deque(maxlen=LOG_LIMIT)
@@ -133,6 +141,7 @@ class PrefillMessenger:
             t = self.transfers.get(chunk.seq.request_id)
             if t is None or t.aborted:
                 continue
+            t.started = t.started or time.perf_counter()
             final = chunk.end == len(chunk.seq.prompt_ids)
             upto = len(chunk.pages) if final else chunk.end // self.spec.page_size
             if upto > t.sent_pages:
@@ -226,7 +235,7 @@ class PrefillMessenger:
         for t in done:
             rid = t.req.request_id
             if t.done_at is not None:
-                self.done_log.append(Sent(rid, t.first_post, t.computed, t.done_at))
+                self.done_log.append(Sent(rid, t.started, t.first_post, t.computed, t.done_at))
             self.engine.stop(rid)  # a failed transfer stops its computation too
             self.engine.release(rid)
             self._free_slots.append(self._slots.pop(rid))
@@ -380,6 +389,7 @@ class PrefillMessenger:
                 by_layer[layer].append((t, layer_rows))
         layer, num_layers = 0, self.spec.num_layers
         streamed = self.config.send_mode == "layer"
+        seen = None  # when the last layer done was seen (the first wait of a job may include a queue)
         while layer < num_layers:
             deadline = time.monotonic() + self.config.layer_timeout_s
             awaited = layer if streamed else num_layers - 1
@@ -391,10 +401,15 @@ class PrefillMessenger:
                         )
                     return
                 self._reap()  # drives earlier layers' writes and their notifications meanwhile
-                time.sleep(POLL_S)  # never spin: on a worker pinned to few cores it would steal the pass's
+                # never spin: on a worker pinned to few cores it would steal the pass's
+                time.sleep(min(MAX_POLL_S, max(POLL_S, self._layer_s / POLLS_PER_LAYER)))
             ready = layer + 1  # every layer already done goes in the same post: fewer, larger posts
             while ready < num_layers and int(self.counter[0, ready]) >= target:
                 ready += 1
+            now = time.perf_counter()
+            if seen is not None and streamed:
+                self._layer_s = 0.8 * self._layer_s + 0.2 * (now - seen) / (ready - layer)
+            seen = now
             for i, (t, _) in enumerate(by_layer[layer]):
                 rows = np.concatenate([by_layer[done][i][1] for done in range(layer, ready)])
                 now = time.perf_counter()

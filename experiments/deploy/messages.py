@@ -256,9 +256,9 @@ class Timeline(Message):
     kv_tiers: dict[str, TierCounters] = {}
     # loads from the tiers below device memory: (start, end, tier of most of its pages, pages loaded)
     loads: list[tuple[float, float, str, int]] = []
-    # its transfers as a prefill worker (transfer.prefill.Sent: request id, first KV post, prefill computed,
-    # last write done)
-    sent: list[tuple[str, float | None, float | None, float]] = []
+    # its transfers as a prefill worker (transfer.prefill.Sent: request id, first pass began, first KV post,
+    # prefill computed, last write done)
+    sent: list[tuple[str, float | None, float | None, float | None, float]] = []
     free_pages: int = -1  # when it stopped, of num_pages (every page free: nothing leaked)
     num_pages: int = -1
 

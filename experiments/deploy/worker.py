@@ -309,7 +309,10 @@ class Worker(RoleSwitching):
                 or (self.dm and self.dm.pending)
                 or self.switch
             )
-            if self.sock.poll(0 if busy or self.pm else 1, zmq.POLLIN):
+            # a decode worker that only waits for KV to land looks again within a millisecond rather than
+            # spinning: on a shared machine the spin takes a core (or its sibling) from the prefill's pass
+            stepping = self.llm.has_unfinished() or self.front.backlog or self.switch
+            if self.sock.poll(0 if stepping or self.pm else 1, zmq.POLLIN):
                 if self._drain():
                     return
                 if not busy and self.gather_s > 0 and self.llm.has_unfinished():

@@ -16,10 +16,11 @@ runs' workers do). Each run is the main job (experiments.run) in this process:
         [--links cx7,efa,eth25] [--subnet 1]
 
 Writes <out>/<variant>/results.json, <out>/summary.json and <out>/streaming.md (the table, printed too).
-Columns: TTFT p50/p90 and its p50 against colocated's; "KV after prefill" (the prefill's last pass
-returned -> every write landed on the decode side: what the compute did not hide); "hidden" (1 - that
-p50 over the whole-request mode's on the same link: the share of the transfer the mode hid); TPOT p50;
-bytes the prefill host's NIC sent over the KV bytes. Run it alone on the machine.
+Columns: TTFT p50/p90 and its p50 against colocated's; the prefill's compute on the prefill worker (its
+first pass began -> its last returned); "KV after prefill" (the last pass returned -> every write landed
+on the decode side: what the compute did not hide); "hidden" (1 - that p50 over the whole-request
+mode's on the same link: the share of the transfer the mode hid); TPOT p50; bytes the prefill host's
+NIC sent over the KV bytes. Run it alone on the machine.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class Pair:
 
 # the real pairs the links are scaled from (the instance sends over every GPU's NIC, or the node's one)
 PAIRS = {
+    "cx8": Pair("cx8", "H200 + 800 Gb/s per GPU (ConnectX-8 class)", 800e9),
     "cx7": Pair("cx7", "H200 + 400 Gb/s ConnectX-7 per GPU", 400e9),
     "efa": Pair("efa", "8 H200 sharing 3.2 Tb/s EFA", 3.2e12 / 8),
     "eth25": Pair("eth25", "H200 node + 25 Gb/s Ethernet", 25e9, per_node=True),
@@ -81,6 +83,49 @@ def link_rates(args, here_layer_s: float, here_kv_layer: float) -> dict[str, tup
     return out
 
 
+def simulated(args, pairs: list[str]) -> list[dict]:
+    """The same rows at real scale from the simulator: the real deployment's prefill and decode instances
+    (H200s, tp GPUs each) on each pair's link, one request alone, TTFT of colocated and of 1P1D with
+    the KV streamed per layer or sent whole (the simulator has no per-chunk mode). The first token is
+    sampled on the decode side, as here."""
+    from dataclasses import replace
+
+    from experiments.sim.cost import CostModel
+    from experiments.sim.hardware import hardware
+    from experiments.sim.instance import SimRequest
+    from experiments.sim.models import sim_model
+    from experiments.sim.simulate import Instance, simulate_colocated, simulate_disaggregated
+
+    name, tp = REAL[args.model]
+    model, h200 = sim_model(name), hardware("h200")
+
+    def ttft(run) -> float:  # one request alone (a simulated step has no noise: one is every one)
+        (r,) = run([SimRequest(0, 0.0, args.prompt, args.output)])
+        return r.first_token - r.arrival
+
+    def inst(hw) -> Instance:
+        return Instance(CostModel(model, hw, tp), budget=args.chunk)
+
+    rows = [
+        {
+            "pair": "colocated",
+            "mode": None,
+            "ttft_p50_s": ttft(lambda r: simulate_colocated([inst(h200)], r)),
+        }
+    ]
+    for key in pairs:
+        pair = PAIRS[key]
+        hw = replace(h200, nic_bw=pair.bits_per_gpu / 8 / (tp if pair.per_node else 1))
+        for mode, layerwise in (("layer", True), ("request", False)):
+            t = ttft(
+                lambda r, lw=layerwise, hw=hw: simulate_disaggregated(
+                    [inst(hw)], [inst(hw)], r, layerwise=lw, first_token_on="decode"
+                )
+            )
+            rows.append({"pair": key, "mode": mode, "ttft_p50_s": t})
+    return rows
+
+
 def tc_rate(bits: float) -> str:
     return f"{max(1, round(bits / 1e3))}kbit"
 
@@ -98,6 +143,7 @@ def summarize(name: str, mode: str | None, link: str | None, record: dict) -> di
         "ttft_p50_s": s["ttft_s"]["p50"],
         "ttft_p90_s": s["ttft_s"]["p90"],
         "tpot_p50_s": s["tpot_s"]["p50"],
+        "compute_p50_s": s["prefill_compute_s"]["p50"],
         "exposed_p50_s": s["kv_exposed_s"]["p50"],
         "exposed_p90_s": s["kv_exposed_s"]["p90"],
         "kv_bytes": s["transfer_bytes"],
@@ -110,8 +156,9 @@ def table(rows: list[dict], rates: dict, here_layer_s: float, kv_layer_bytes: fl
     whole = {r["link"]: r for r in rows if r["mode"] == "request"}
     lines = [
         "| link (scaled from) | rate here | link/compute per layer | mode | TTFT p50 / p90 ms | vs colocated "
-        "p50 ms | KV after prefill p50 / p90 ms | hidden | TPOT p50 ms | NIC/KV bytes |",
-        "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "p50 ms | prefill compute p50 ms | KV after prefill p50 / p90 ms | hidden | TPOT p50 ms "
+        "| NIC/KV bytes |",
+        "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
 
     def ms(v):
@@ -138,8 +185,27 @@ def table(rows: list[dict], rates: dict, here_layer_s: float, kv_layer_bytes: fl
         nic = f"{r['nic_tx_bytes'] / r['kv_bytes']:.3f}" if r["kv_bytes"] else "-"
         lines.append(
             f"| {label} | {rate} | {ratio} | {r['mode'] or '-'} | {ms(r['ttft_p50_s'])} / "
-            f"{ms(r['ttft_p90_s'])} | {delta} | {ms(r['exposed_p50_s'])} / {ms(r['exposed_p90_s'])} | "
+            f"{ms(r['ttft_p90_s'])} | {delta} | {ms(r['compute_p50_s'])} | {ms(r['exposed_p50_s'])} / "
+            f"{ms(r['exposed_p90_s'])} | "
             f"{hidden} | {ms(r['tpot_p50_s'])} | {nic} |"
+        )
+    return "\n".join(lines)
+
+
+def sim_table(rows: list[dict]) -> str:
+    base = rows[0]["ttft_p50_s"]
+    by = {(r["pair"], r["mode"]): r["ttft_p50_s"] for r in rows}
+    lines = [
+        "| link | colocated TTFT ms | 1P1D per layer ms (vs colocated) | 1P1D whole ms (vs colocated) "
+        "| hidden |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for key in dict.fromkeys(r["pair"] for r in rows[1:]):
+        layer, whole = by[key, "layer"], by[key, "request"]
+        hidden = 1 - (layer - base) / (whole - base) if whole > base else float("nan")
+        lines.append(
+            f"| {PAIRS[key].label} | {1e3 * base:.2f} | {1e3 * layer:.2f} ({1e3 * (layer - base):+.2f}) | "
+            f"{1e3 * whole:.2f} ({1e3 * (whole - base):+.2f}) | {100 * hidden:.0f}% |"
         )
     return "\n".join(lines)
 
@@ -231,7 +297,13 @@ def main() -> None:
     meta["links_bits"] = {k: bits for k, (_, bits) in rates.items()}
     (out / "summary.json").write_text(json.dumps({"setup": meta, "rows": rows}, indent=1))
     text = table(rows, rates, here_layer_s, kv_layer * args.prompt)
+    real = simulated(args, args.links)
+    text += (
+        f"\n\nAt real scale (the simulator, {REAL[args.model][0]} on H200s, TP {REAL[args.model][1]}):\n\n"
+    )
+    text += sim_table(real)
     (out / "streaming.md").write_text(text + "\n")
+    (out / "simulated.json").write_text(json.dumps(real, indent=1))
     print(text)
 
 

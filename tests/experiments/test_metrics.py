@@ -56,3 +56,30 @@ def test_prompts_prefilled_on_a_decode_worker_by_load_get_a_row_only_where_there
     records[1]["summary"]["local_prefills_by_load"] = 12
     line = _line(table(records), "prefilled on decode by load")
     assert [cell.strip() for cell in line.split("|")[1:]] == ["0", "12"]
+
+
+def test_a_remote_prefill_shows_how_long_its_kv_landed_after_the_prefill_and_after_the_first_post():
+    """The decode worker's landing time joined with the prefill worker's Sent by request id; a local
+    prefill, and one whose prefill worker's log lacks it, get nothing rather than a made-up time."""
+    from experiments.deploy.config import DeploymentConfig, SloConfig
+    from experiments.deploy.messages import Result, Timeline
+    from experiments.metrics import request_rows
+    from experiments.record import DeploymentRun, Request
+
+    reqs = [Request(f"r{i}", 0.0, [1, 2, 3], 2) for i in range(3)]
+    run = DeploymentRun(DeploymentConfig("1p1d"), reqs, sent={r.request_id: 10.0 for r in reqs}, start=10.0)
+    for i, rid in enumerate(("r0", "r1", "r2")):
+        res = Result(rid, "decode-0", [5, 6], 10.0, 10.1, [11.0, 11.1], "length", None)
+        if i < 2:
+            res.prefill, res.kv_landed = "remote", 10.9
+        run.results[rid] = res
+    run.timelines = [
+        Timeline(
+            "prefill-0", "prefill", sent=[("r0", 10.1, 10.2, 10.7, 10.85), ("r2", 10.1, 10.3, 10.6, 10.9)]
+        )
+    ]
+    rows = {r["request_id"]: r for r in request_rows(run, SloConfig())}
+    assert abs(rows["r0"]["kv_exposed_s"] - 0.2) < 1e-9 and abs(rows["r0"]["kv_span_s"] - 0.7) < 1e-9
+    assert abs(rows["r0"]["prefill_compute_s"] - 0.6) < 1e-9
+    assert rows["r1"]["kv_exposed_s"] is None and rows["r1"]["kv_span_s"] is None  # not in the log
+    assert rows["r2"]["kv_exposed_s"] is None  # prefilled locally: no landing time

@@ -255,7 +255,7 @@ def test_each_send_mode_moves_the_same_kv_at_its_own_time(mode):
             posts.setdefault(at, []).append(layer)
         (sent,) = pm.done_log
         assert sent.request_id == "r" and sent.first_post == min(posts) and sent.done >= max(posts)
-        assert len(passes) == 3 and sent.computed > passes[-1]
+        assert len(passes) == 3 and sent.started < passes[0] and sent.computed > passes[-1]
         if mode == "chunk":
             assert len(posts) == 3 and all(sorted(v) == list(range(layers)) for v in posts.values())
             assert all(at > start for at, start in zip(sorted(posts), passes, strict=True))
