@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST := $(BIN)/python -m pytest
 
-.PHONY: run test test-all test-gpu gpu-check soak bench bench-tiers bench-goodput bench-dp bench-gpu repro lint clean
+.PHONY: run test test-all test-gpu gpu-check soak bench bench-tiers bench-goodput bench-dp bench-streaming bench-gpu repro lint clean
 
 $(STAMP): setup.py pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -69,6 +69,14 @@ bench-dp: $(STAMP)
 	$(BIN)/python -m experiments.bench.dp_step --one --batches 16,32 --kv 1536 --steps 60 \
 		--out $(DP_OUT)/long.json
 	$(BIN)/python -m experiments.sim.dp_check $(DP_OUT)/short.json $(DP_OUT)/long.json
+
+# issue 58's send modes over shaped links (docs/multi-machine.md; root: hosts in network namespaces):
+# 1P1D per layer, per chunk and whole against colocated, links scaled from real pairs, one request at a
+# time; then the simulator's rows at real scale. SmolLM2 about 15 minutes on 2 cores; STREAMING_ARGS picks,
+# e.g. "--model random-deepseek-v3 --prompt 512 --chunk 256 --requests 4"
+STREAMING_ARGS ?=
+bench-streaming: $(STAMP)
+	$(BIN)/python -m experiments.repro.streaming --out bench_results/streaming-$$(date +%Y%m%d-%H%M%S) $(STREAMING_ARGS)
 
 # The GPU side (a CUDA machine): its own venv with CUDA torch, FlashInfer and NIXL (scripts/gpu_env.sh)
 GPU_VENV := .venv-gpu

@@ -170,7 +170,7 @@ def table(rows: list[dict], rates: dict, here_layer_s: float, kv_layer_bytes: fl
         else:
             label, bits = rates[r["link"]]
             rate = f"{bits / 1e6:.1f} Mbit/s"
-            ratio = f"{kv_layer_bytes * 8 / bits / here_layer_s:.2f}"
+            ratio = f"{kv_layer_bytes * 8 / bits / here_layer_s:.3g}"
         delta = (
             f"{1e3 * (r['ttft_p50_s'] - base['ttft_p50_s']):+.0f}"
             if base and r is not base and r["ttft_p50_s"] is not None

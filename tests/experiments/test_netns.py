@@ -129,6 +129,8 @@ def test_the_main_job_runs_1p1d_across_two_hosts_and_its_kv_crosses_the_link(sho
     assert done.returncode == 0, done.stderr[-3000:]
     run = json.loads((tmp_path / "run" / "results.json").read_text())["runs"][0]
     assert sum(1 for r in run["requests"] if r["finish_reason"] in ("length", "stop")) == 8
+    for r in run["requests"]:  # the prefill worker's side of each transfer joined with the decode side's
+        assert r["prefill_compute_s"] > 0 and r["kv_exposed_s"] > 0 and r["kv_span_s"] > 0, r
     kv = run["summary"]["transfer_bytes"]
     workers = {w["role"]: w for w in run["workers"]}
     assert workers["prefill"]["node_id"] != workers["decode"]["node_id"]

@@ -1,0 +1,68 @@
+"""experiments.repro.streaming: the links scaled from real pairs, and the table's derived columns."""
+
+import argparse
+
+import pytest
+
+from experiments.repro import streaming
+
+
+def _args(model="smollm2-135m", links=("cx8", "cx7", "efa", "eth25")):
+    return argparse.Namespace(model=model, prompt=1536, output=16, requests=4, chunk=512, links=list(links))
+
+
+def test_a_link_here_keeps_the_real_pairs_link_time_over_compute_time_per_layer():
+    real_s, real_kv, tp = streaming.real_layer_s("smollm2-135m", 1536)
+    rates = streaming.link_rates(_args(), here_layer_s=0.04, here_kv_layer=real_kv)
+    for key, (_, bits) in rates.items():
+        pair = streaming.PAIRS[key]
+        # link time per layer over compute time per layer, here and on the real pair
+        here = real_kv * 8 / bits / 0.04
+        real = real_kv * 8 / pair.bits_per_gpu / real_s
+        assert here == pytest.approx(real)
+    slower = streaming.link_rates(_args(), here_layer_s=0.08, here_kv_layer=real_kv)
+    assert slower["cx7"][1] == pytest.approx(rates["cx7"][1] / 2)  # half the compute rate: half the link
+
+
+def test_pairs_that_scale_to_one_rate_share_a_run_and_a_row():
+    rates = streaming.link_rates(_args(), here_layer_s=0.04, here_kv_layer=1000.0)
+    assert "efa" not in rates and "3.2 Tb/s EFA" in rates["cx7"][0]  # 400 Gb/s per GPU, both
+    assert rates["cx8"][1] == pytest.approx(2 * rates["cx7"][1])
+
+
+def test_a_per_node_link_is_shared_by_the_instances_gpus_and_a_per_gpu_one_is_not():
+    """DeepSeek on 8 GPUs: per-GPU NICs add up to 8 x 400 Gb/s; the node's one Ethernet link stays 25."""
+    rates = streaming.link_rates(_args("random-deepseek-v3", ("cx7", "eth25")), 1.0, 1000.0)
+    assert rates["cx7"][1] == pytest.approx(rates["eth25"][1] * 8 * 400 / 25)
+
+
+def _row(mode, link, ttft, exposed, compute=1.0):
+    return {
+        "variant": f"{mode}-{link}", "mode": mode, "link": link, "completed": 4, "requests": 4,
+        "ttft_p50_s": ttft, "ttft_p90_s": ttft, "tpot_p50_s": 0.03, "compute_p50_s": compute,
+        "exposed_p50_s": exposed, "exposed_p90_s": exposed, "kv_bytes": 1000, "nic_tx_bytes": 1010,
+    }  # fmt: skip
+
+
+def test_the_share_hidden_is_against_the_whole_request_mode_on_the_same_link():
+    rows = [
+        _row(None, None, 1.0, None),
+        _row("layer", "cx7", 1.2, 0.01),
+        _row("request", "cx7", 2.0, 1.0),
+        _row("layer", "eth25", 3.0, 1.5),  # no whole-request run on this link: nothing to compare with
+    ]
+    rates = {"cx7": ("cx7 label", 2e8), "eth25": ("eth25 label", 1e7)}
+    lines = streaming.table(rows, rates, here_layer_s=0.04, kv_layer_bytes=1e6).splitlines()
+    cells = [[c.strip() for c in line.split("|")[1:-1]] for line in lines[2:]]
+    assert cells[1][5] == "+200" and cells[1][8] == "99%" and cells[2][8] == "0%" and cells[3][8] == "-"
+    assert cells[1][2] == f"{1e6 * 8 / 2e8 / 0.04:.3g}"  # link over compute per layer
+    assert cells[1][10] == "1.010"
+
+
+def test_the_simulator_rows_hide_more_per_layer_than_whole_and_never_beat_colocated():
+    rows = streaming.simulated(_args(links=("cx7", "eth25")), ["cx7", "eth25"])
+    base = rows[0]["ttft_p50_s"]
+    by = {(r["pair"], r["mode"]): r["ttft_p50_s"] for r in rows[1:]}
+    for link in ("cx7", "eth25"):
+        assert base < by[link, "layer"] <= by[link, "request"]
+    assert by["eth25", "request"] > by["cx7", "request"]  # a slower link costs more
