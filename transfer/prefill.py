@@ -45,12 +45,13 @@ from transfer.plan import ShardSpec, plan_array
 from transfer.protocol import Abort, Accepted, Ended, Hello, Notif, PrefillRequest
 
 log = logging.getLogger(__name__)
-# the sender thread's wait between looks at the layer counter: about a POLLS_PER_LAYER-th of the time a
-# layer has been taking, within [POLL_S, MAX_POLL_S]. Where the pass runs on the CPU this thread shares
-# its core, and each look (its reaping drives UCX's progress) takes from the pass: a fixed 0.5 ms poll
-# took about 13% of the core (docs/multi-machine.md); on a GPU a layer takes under a millisecond and the
-# floor holds
+# the sender thread's wait between looks at the layer counter and at posts in flight: about a
+# POLLS_PER_LAYER-th of the time a layer has been taking, within [POLL_S, MAX_POLL_S]. Where the pass runs
+# on the CPU this thread shares its core and the GIL, and each look (its reaping drives UCX's progress)
+# takes from the pass; fewer looks starve UCX's TCP progress where the link is as slow as the compute
+# (docs/multi-machine.md measures both). On a GPU a layer takes under a millisecond and the floor holds
 POLL_S, MAX_POLL_S, POLLS_PER_LAYER = 5e-4, 4e-3, 8
+IDLE_WAIT_S = 0.05  # with nothing in flight, the sender thread waits this long for a job (or close)
 LOG_LIMIT = 4096  # entries kept in post_log / done_log (diagnostics, not per-request state)
 
 
@@ -347,9 +348,11 @@ class PrefillMessenger:
     # ---- sender thread ------------------------------------------------------------------------------------
 
     def _send_loop(self) -> None:
+        busy = False  # posts in flight: look again soon (reaping drives their progress)
         while not self._stop.is_set():
-            try:
-                job = self._jobs.get(timeout=0.001)
+            try:  # idle, the thread sleeps until a job comes: waking a thousand times a second took the
+                # GIL and the core from the forward pass beside it (a prefill 20% slower on one core)
+                job = self._jobs.get(timeout=self._poll_s() if busy else IDLE_WAIT_S)
             except queue.Empty:
                 job = None
             try:
@@ -359,7 +362,7 @@ class PrefillMessenger:
                     self._send_layers(job[1], job[2])
                 else:
                     self._send_context(*job[1:])
-                self._reap()
+                busy = self._reap()
             except Exception as e:  # one bad job fails its own requests, never the thread
                 log.exception("sender thread: a job failed")
                 for t in self._job_transfers(job):
@@ -401,8 +404,7 @@ class PrefillMessenger:
                         )
                     return
                 self._reap()  # drives earlier layers' writes and their notifications meanwhile
-                # never spin: on a worker pinned to few cores it would steal the pass's
-                time.sleep(min(MAX_POLL_S, max(POLL_S, self._layer_s / POLLS_PER_LAYER)))
+                time.sleep(self._poll_s())  # never spin: pinned to few cores, it would steal the pass's
             ready = layer + 1  # every layer already done goes in the same post: fewer, larger posts
             while ready < num_layers and int(self.counter[0, ready]) >= target:
                 ready += 1
@@ -417,6 +419,10 @@ class PrefillMessenger:
                     t.first_post = t.first_post or now
                     self.post_log += [(t.req.request_id, done, now) for done in range(layer, ready)]
             layer = ready
+
+    def _poll_s(self) -> float:
+        """How long the sender thread waits between looks at the counter and at posts in flight."""
+        return min(MAX_POLL_S, max(POLL_S, self._layer_s / POLLS_PER_LAYER))
 
     def _send_context(self, t: _Transfer, slot: int, done=None) -> None:
         if done is not None:
@@ -440,9 +446,10 @@ class PrefillMessenger:
                 t.posts += 1
         return True
 
-    def _reap(self) -> None:
+    def _reap(self) -> bool:
         """Poll in-flight posts oldest first (this also sends their notifications) and drop finished ones;
-        the first unfinished one of a transfer ends its scan (an agent's posts finish in order)."""
+        the first unfinished one of a transfer ends its scan (an agent's posts finish in order). True while
+        any post is still in flight."""
         with self._lock:
             transfers = [t for t in self.transfers.values() if t.in_flight]
         for t in transfers:
@@ -464,3 +471,5 @@ class PrefillMessenger:
                     t.in_flight.remove(post)
                     if not t.in_flight and t.context_posted:
                         t.done_at = time.perf_counter()  # the last write (the context) has landed
+        with self._lock:
+            return any(t.in_flight for t in self.transfers.values())
