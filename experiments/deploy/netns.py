@@ -239,6 +239,11 @@ class Hosts:
         stats = shown[0]["stats64"]
         return stats["tx"]["bytes"], stats["rx"]["bytes"]
 
+    def set_link(self, host: int, up: bool, nic: int = 0) -> None:
+        """A fault: take host's NIC down (its link carries nothing either way; TCP retransmits until it is
+        back) or bring it up again, addresses and shaping kept."""
+        _ip("-n", self.names[host], "link", "set", f"eth{nic}", "up" if up else "down")
+
     def close(self) -> None:
         if self._closed:
             return

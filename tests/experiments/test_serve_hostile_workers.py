@@ -113,9 +113,9 @@ def _drain_and_stop(proc: subprocess.Popen, url: str, tmp_path: Path) -> None:
     assert not list((tmp_path / "tmp").glob("pdk-*"))
 
 
-def test_a_decode_worker_killed_mid_stream_loses_no_request(tmp_path):
+def test_a_decode_worker_killed_while_it_holds_requests_loses_no_request(tmp_path):
     """1 prefill + 2 decode workers, 16 concurrent greedy requests of 80 tokens (half streamed), decode-0
-    SIGKILLed once it runs requests: they go on on decode-1 (prompt + the tokens streamed so far), every
+    SIGKILLed while it holds requests (frozen, it has streamed none of them): they go on on decode-1, every
     text equals the fault-free run's (half ask for n = 2: both completions' texts), the dead worker's
     gauges leave /metrics, migrations are counted, and every page on the live workers is free at the end."""
     from engine import LLM, SamplingParams
@@ -129,6 +129,7 @@ def test_a_decode_worker_killed_mid_stream_loses_no_request(tmp_path):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
         got: dict[int, str] = {}
         errors: list = []
+        chunks = threading.Semaphore(0)  # one release per streamed chunk, whichever request's
 
         def one(i: int) -> None:
             kw = dict(model="tiny-random", prompt=prompts[i], max_tokens=80, temperature=0)
@@ -140,6 +141,7 @@ def test_a_decode_worker_killed_mid_stream_loses_no_request(tmp_path):
                     for chunk in client.completions.create(stream=True, n=n, **kw):
                         for choice in chunk.choices:
                             texts[choice.index] += choice.text
+                        chunks.release()
                 else:
                     texts = [c.text for c in client.completions.create(n=n, **kw).choices]
                 assert len(set(texts)) == 1, texts  # greedy: every completion the same
@@ -147,21 +149,19 @@ def test_a_decode_worker_killed_mid_stream_loses_no_request(tmp_path):
             except Exception as e:  # every failure is the test's finding
                 errors.append((i, repr(e)))
 
+        # killed while it holds requests, whatever the machine's speed: frozen before they come, so that
+        # the router's requests on it (its own live count) wait there, and killed once some do while
+        # decode-1 streams its own. (Waiting for the count on a running decode-0 lost the race on a fast
+        # run: every request had ended before /metrics was first read; letting it go on for a few chunks
+        # lost it too. A request killed after some of its tokens went out goes on from them: the main
+        # job's test_a_killed_decode_worker_s_requests_migrate_and_finish_with_the_same_text.)
+        routed = ("pdk_requests_routed", (("worker", "decode-0"),))
+        os.kill(pid, signal.SIGSTOP)
         threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
         for t in threads:
             t.start()
-        # kill it mid-stream: frozen first, once the router holds requests on it (its own count, live: a
-        # Load's running count is up to half a second old, and waiting on it first let all of decode-0's
-        # requests end meanwhile once in a full run), and killed if it still holds some when frozen
-        routed = ("pdk_requests_routed", (("worker", "decode-0"),))
-        for _ in range(20):
-            _until_gauge(url, routed, 1, 30, "the router never held a request on decode-0")
-            os.kill(pid, signal.SIGSTOP)
-            if _metrics(url).get(routed, 0) >= 1:
-                break
-            os.kill(pid, signal.SIGCONT)  # it had finished them: the next ones
-        else:
-            raise AssertionError("decode-0 never held a request when frozen")
+        _until_gauge(url, routed, 1, 60, "the router never held a request on decode-0")
+        assert chunks.acquire(timeout=120), "decode-1 streamed nothing"
         os.kill(pid, signal.SIGKILL)
         for t in threads:
             t.join(timeout=180)
