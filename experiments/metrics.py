@@ -80,7 +80,8 @@ CSV_FIELDS = (
 
 def request_rows(run: DeploymentRun, slo: SloConfig) -> list[dict]:
     rows, prompt_len = [], {}  # (conversation, turn) -> prompt tokens
-    # each request's transfer as its prefill worker saw it: (id, first KV post, computed, done)
+    # each request's transfer as its prefill worker saw it: (id, first pass began, first KV post, computed,
+    # done)
     streamed = {s[0]: s for t in run.timelines for s in t.sent}
     for req in run.requests:
         res, sent = run.results.get(req.request_id), run.sent.get(req.request_id)
@@ -126,7 +127,8 @@ def request_rows(run: DeploymentRun, slo: SloConfig) -> list[dict]:
 def _streaming(res, sent) -> dict:
     """A remote prefill's compute on its prefill worker (its first pass began -> its last returned), and
     its KV from the first post and from the prefill's end to the last write landing (both workers'
-    perf_counter: one clock on one machine, network namespaces included)."""
+    perf_counter: one clock on one machine, network namespaces included; across Ray's machines the two
+    clocks differ and these are not comparable)."""
     landed = res.kv_landed if res is not None else None
     _, started, first_post, computed, _ = sent if sent is not None and landed is not None else (None,) * 5
     return {

@@ -13,7 +13,7 @@ runs' workers do). Each run is the main job (experiments.run) in this process:
 
     python -m experiments.repro.streaming --out bench_results/streaming [--model smollm2-135m]
         [--prompt 1536] [--chunk 512] [--requests 8] [--load 0] [--modes layer,chunk,request]
-        [--links cx7,efa,eth25] [--subnet 1]
+        [--links cx8,cx7,efa,eth25] [--subnet 1]
 
 Writes <out>/<variant>/results.json, <out>/summary.json and <out>/streaming.md (the table, printed too).
 Columns: TTFT p50/p90 and its p50 against colocated's; the prefill's compute on the prefill worker (its
@@ -39,7 +39,7 @@ CONF = str(Path(__file__).resolve().parents[2] / "conf")
 class Pair:
     name: str
     label: str
-    bits_per_gpu: float  # the link's bits/s per GPU of the prefill instance (per node: per_node)
+    bits: float  # the link's bits/s: each GPU's NIC, or (per_node) the node's one link
     per_node: bool = False  # one link for the whole node, whatever the instance's GPUs
 
 
@@ -73,7 +73,7 @@ def link_rates(args, here_layer_s: float, here_kv_layer: float) -> dict[str, tup
     out: dict[str, tuple[str, float]] = {}
     for key in args.links:
         pair = PAIRS[key]
-        real_bits = pair.bits_per_gpu * (1 if pair.per_node else tp)
+        real_bits = pair.bits * (1 if pair.per_node else tp)
         bits = real_bits * (real_s / here_layer_s) * (here_kv_layer / real_kv)
         same = next((k for k, (_, b) in out.items() if abs(b - bits) < 1e-6 * bits), None)
         if same is None:
@@ -115,7 +115,7 @@ def simulated(args, pairs: list[str]) -> list[dict]:
     ]
     for key in pairs:
         pair = PAIRS[key]
-        hw = replace(h200, nic_bw=pair.bits_per_gpu / 8 / (tp if pair.per_node else 1))
+        hw = replace(h200, nic_bw=pair.bits / 8 / (tp if pair.per_node else 1))
         for mode, layerwise in (("layer", True), ("request", False)):
             t = ttft(
                 lambda r, lw=layerwise, hw=hw: simulate_disaggregated(

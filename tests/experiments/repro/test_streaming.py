@@ -18,7 +18,7 @@ def test_a_link_here_keeps_the_real_pairs_link_time_over_compute_time_per_layer(
         pair = streaming.PAIRS[key]
         # link time per layer over compute time per layer, here and on the real pair
         here = real_kv * 8 / bits / 0.04
-        real = real_kv * 8 / pair.bits_per_gpu / real_s
+        real = real_kv * 8 / pair.bits / real_s
         assert here == pytest.approx(real)
     slower = streaming.link_rates(_args(), here_layer_s=0.08, here_kv_layer=real_kv)
     assert slower["cx7"][1] == pytest.approx(rates["cx7"][1] / 2)  # half the compute rate: half the link
