@@ -26,14 +26,9 @@ from torch import Tensor
 
 from engine.kv_pages import Slots
 from transfer.backends.base import TransferError
-from transfer.backends.files import NixlFiles
+from transfer.backends.files import NixlFiles, open_nofollow
 
 log = logging.getLogger(__name__)
-
-
-def _open(path: str, flags: int, mode: int = 0o600) -> int:
-    """os.open that never follows a symlink (a planted link fails with ELOOP: OSError)."""
-    return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
 
 
 def private_folder(path: str, what: str) -> None:
@@ -69,9 +64,9 @@ def _key(folder: str) -> bytes:
     private_folder(keys, "the disk tier's key folder (XDG_STATE_HOME)")
     path = os.path.join(keys, hashlib.sha256(os.path.realpath(folder).encode()).hexdigest()[:32])
     try:
-        fd = _open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        fd = open_nofollow(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     except FileExistsError:
-        with os.fdopen(_open(path, os.O_RDONLY), "rb") as f:
+        with os.fdopen(open_nofollow(path, os.O_RDONLY), "rb") as f:
             key = f.read(33)
         if len(key) == 32:
             return key
@@ -84,7 +79,7 @@ def _key(folder: str) -> bytes:
 
 
 def _read(path: str) -> str:
-    with os.fdopen(_open(path, os.O_RDONLY), "r", errors="replace") as f:
+    with os.fdopen(open_nofollow(path, os.O_RDONLY), "r", errors="replace") as f:
         return f.read()
 
 
@@ -96,7 +91,7 @@ class DiskTier(Slots):
         another engine holds the folder and OSError when the folder or file cannot be made."""
         private_folder(folder, "kv_tiers.disk_dir")
         self.folder = folder
-        self._lock = os.fdopen(_open(os.path.join(folder, "lock"), os.O_RDWR | os.O_CREAT), "a+")
+        self._lock = os.fdopen(open_nofollow(os.path.join(folder, "lock"), os.O_RDWR | os.O_CREAT), "a+")
         try:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -142,9 +137,9 @@ class DiskTier(Slots):
                 self._slot.pop(name, None)
                 self._slot[name] = slot
             self._slot = OrderedDict((n, s) for n, s in self._slot.items() if by_slot.get(s) == n)
-        with os.fdopen(_open(ns_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w") as f:
+        with os.fdopen(open_nofollow(ns_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w") as f:
             f.write(space.hex())
-        self._index = os.fdopen(_open(index_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w")
+        self._index = os.fdopen(open_nofollow(index_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w")
         self._index.writelines(f"{s} {n.hex()}\n" for n, s in self._slot.items())
         self._index.flush()  # appended to while the tier lives
 

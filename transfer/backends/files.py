@@ -42,6 +42,11 @@ def _reserve(fd: int, path: str, size: int) -> None:
         raise
 
 
+def open_nofollow(path: str, flags: int, mode: int = 0o600) -> int:
+    """os.open that never follows a symlink (a planted link fails with ELOOP: OSError)."""
+    return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+
+
 class NixlFiles:
     def __init__(self, path: str, num_slots: int, slot_bytes: int, memory: Tensor):
         """Open (or create) path as num_slots slots of slot_bytes each; memory: the host buffer (uint8,
@@ -51,7 +56,7 @@ class NixlFiles:
             raise ValueError("NixlFiles needs a contiguous host buffer")
         self.path, self.num_slots, self.slot_bytes = path, num_slots, slot_bytes
         # never through a symlink (ELOOP), and only a regular file of this user's
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        self.fd = open_nofollow(path, os.O_RDWR | os.O_CREAT)
         try:
             _reserve(self.fd, path, num_slots * slot_bytes)
             api = _nixl()
