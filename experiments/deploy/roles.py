@@ -27,7 +27,6 @@ class RoleSwitching:
         channels, agents = list(self.joining.values()), []
         if self.pm is not None:
             self.pm.close()
-            self._keep_sent()
             channels += self.pm.channels
             agents += self.pm.agents.backends
         if self.dm is not None:
@@ -40,12 +39,6 @@ class RoleSwitching:
         self.pm = self.dm = None
         self.joining.clear()
         self.leaving.clear()
-
-    def _keep_sent(self) -> None:
-        """The prefill messenger's finished transfers into the timeline (before it closes, and on Stop)."""
-        if self.pm is not None:
-            self.timeline.sent += [tuple(s) for s in self.pm.done_log]
-            self.pm.done_log.clear()
 
     def _join_and_release(self) -> None:
         """Decode: peers that say Hello for the first time join (an elastic worker now prefilling); a

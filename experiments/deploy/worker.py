@@ -269,7 +269,6 @@ class Worker(RoleSwitching):
                 free, pages = self.llm.pages  # every DP group's
                 self.timeline.free_pages, self.timeline.num_pages = free, pages
                 self.timeline.role = self.role
-                self._keep_sent()
                 self._send(self.timeline)
                 log.info("%s stopped by the driver (%d of %d pages free)", self.spec.name, free, pages)
                 return True
@@ -303,15 +302,10 @@ class Worker(RoleSwitching):
             ops.resolve("decode_attention", kv.device),
         )
         while os.getppid() == self.parent:
-            busy = (
-                self.llm.has_unfinished()
-                or self.front.backlog
-                or (self.dm and self.dm.pending)
-                or self.switch
-            )
+            stepping = self.llm.has_unfinished() or self.front.backlog or self.switch
+            busy = stepping or (self.dm and self.dm.pending)
             # a decode worker that only waits for KV to land looks again within a millisecond rather than
             # spinning: on a shared machine the spin takes a core (or its sibling) from the prefill's pass
-            stepping = self.llm.has_unfinished() or self.front.backlog or self.switch
             if self.sock.poll(0 if stepping or self.pm else 1, zmq.POLLIN):
                 if self._drain():
                     return
@@ -323,8 +317,9 @@ class Worker(RoleSwitching):
                         if self._drain():
                             return
             if self.pm is not None:
-                self.pm.poll()
-                self._keep_sent()
+                self.pm.poll()  # the only place its finished transfers are logged: into the timeline
+                self.timeline.sent += [tuple(s) for s in self.pm.done_log]
+                self.pm.done_log.clear()
                 self.llm.poll_groups()  # each other DP group's messenger (none without DP)
             if self.dm is not None:
                 self.front.drain(self.dm, lambda rid, e: self._refuse(rid, self.live.pop(rid), e))
