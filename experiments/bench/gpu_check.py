@@ -240,14 +240,26 @@ def deployment_step(out: Path, log, timeout_s: float) -> Step:
     if results.exists():
         for r in json.loads(results.read_text()).get("runs", []):
             s = r["summary"]
-            ms = {k: 1e3 * s[k]["p50"] for k in ("ttft_s", "tpot_s") if s.get(k) and s[k].get("n")}
+            keys = ("ttft_s", "tpot_s", "queue_s", "transfer_s", "prefill_compute_s", "kv_exposed_s")
+            ms = {k: 1e3 * s[k]["p50"] for k in keys if s.get(k) and s[k].get("n")}
             ttft, tpot = ms.get("ttft_s", float("nan")), ms.get("tpot_s", float("nan"))
+            # where the time went, for 1P1D: waiting, the transfer, and the KV still landing after prefill
+            parts = [
+                f"{label} p50 {ms[k]:.1f} ms"
+                for k, label in (
+                    ("queue_s", "queue"),
+                    ("prefill_compute_s", "prefill"),
+                    ("transfer_s", "transfer"),
+                    ("kv_exposed_s", "KV landed after prefill"),
+                )
+                if k in ms
+            ]
             step.rows.append(
                 (
                     r["deployment"],
                     "pass" if s["errors"] == 0 and s["completed"] == s["num_requests"] else "FAIL",
-                    f"TTFT p50 {ttft:.1f} ms, TPOT p50 {tpot:.2f} ms, {s['completed']}/{s['num_requests']} "
-                    f"completed, {s.get('transfer_bytes', 0)} KV bytes",
+                    f"TTFT p50 {ttft:.1f} ms, TPOT p50 {tpot:.2f} ms, {', '.join(parts + [''])}"
+                    f"{s['completed']}/{s['num_requests']} completed, {s.get('transfer_bytes', 0)} KV bytes",
                 )
             )
     return step
