@@ -51,7 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.device != "cpu" and flashinfer_ops.available() and not args.without_flashinfer:
         backends.append("flashinfer")
     page_size = 16
-    pages = args.batch * -(-(args.kv + 2 * len(backends) * args.steps + 8) // page_size) + 8
+    # one prompt fills a step (max_num_batched_tokens = kv), so the first sequence decodes a token a step
+    # while the others' prompts run: up to batch tokens before the timed steps, then theirs and warm-ups
+    decoded = args.batch + len(backends) * (args.steps + 2) + 1
+    pages = args.batch * -(-(args.kv + decoded + 8) // page_size) + 8
     llm = LLM(
         args.model,
         device=args.device,
@@ -62,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         max_num_batched_tokens=max(args.kv, 512),
         reserved_tokens=None,
     )
-    params = SamplingParams(max_tokens=len(backends) * (args.steps + 2) + 1, ignore_eos=True)
+    params = SamplingParams(max_tokens=decoded, ignore_eos=True)
     ids = [llm.add_request([100 + (i + t) % 1000 for t in range(args.kv)], params) for i in range(args.batch)]
     waiting = set(ids)
     while waiting:  # the prompts, until each has its first token
