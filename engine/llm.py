@@ -229,6 +229,26 @@ class LLM(DPFront, EngineCore, DecodeHandoff, StepSampling):
         self.last_step: StepStats | None = None  # what the latest step ran
         self._ids = itertools.count()
         self._grammars = None  # engine.structured.Grammars, on the first constrained request
+        if dev.type == "cuda" and self.config.world == 1:
+            self.warm_up()
+
+    def warm_up(self) -> None:
+        """A prefill pass of dummy tokens in borrowed pages, given back (done at start on one GPU: TP
+        and DP ranks run their passes together, so theirs come with the first request)."""
+        c = self.config
+        tokens = min(c.scheduler.max_num_batched_tokens, c.model.max_position) - 1  # not a multiple of 16
+        tokens = min(max(1, tokens), self.allocator.num_free * c.cache.page_size)
+        if tokens < 1:
+            return
+        pages = self.allocator.grow("warm-up", tokens)
+        try:
+            # the prefill role's passes bump a counter: a scratch one, so the messenger's counts stay true
+            counter = None
+            if self.counter is not None:
+                counter = make_layer_counter(c.model.num_layers, self.counter.device)
+            self.runner.warm_up(tokens, pages, counter)
+        finally:
+            self.allocator.free("warm-up")
 
     def _make_tiers(self, model: str) -> KVTiers:
         """The host and disk tiers under the prefix cache, hooked to the allocator and the scheduler."""

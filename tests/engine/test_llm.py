@@ -109,6 +109,22 @@ def test_prefill_role_bumps_each_layer_once_per_pass():
     assert llm.counter.tolist() == [[passes] * 4, [0] * 4]
 
 
+@pytest.mark.parametrize("model", ["tiny-random", "tiny-random-deepseek"])
+def test_a_warm_up_pass_gives_its_pages_back_bumps_no_counter_and_changes_no_token(model, alone):
+    """On one GPU the engine runs a dummy prefill at start (the kernels compile there, not in the first
+    request's TTFT); here it is called by hand: every page back, the prefill role's counter untouched,
+    and the same greedy tokens after it."""
+    llm = LLM(model, role="prefill", page_size=4, num_pages=64, max_num_batched_tokens=600)
+    free = llm.allocator.num_free
+    llm.warm_up()  # 599 tokens: more than the pages hold, so it takes what is free
+    assert llm.allocator.num_free == free and not llm.allocator.pages("warm-up")
+    assert llm.counter.tolist() == [[0] * llm.config.model.num_layers] * 2
+    if model == "tiny-random":
+        colocated = LLM(model, num_pages=64, page_size=4)
+        colocated.warm_up()
+        assert [o.token_ids for o in colocated.generate(_prompts(16), GREEDY)] == alone
+
+
 def test_random_stops_and_aborts_leave_no_page_behind():
     llm = LLM("tiny-random", page_size=4, num_pages=200, max_num_seqs=8, max_num_batched_tokens=48)
     keep_outputs(llm)
