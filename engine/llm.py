@@ -233,22 +233,27 @@ class LLM(DPFront, EngineCore, DecodeHandoff, StepSampling):
             self.warm_up()
 
     def warm_up(self) -> None:
-        """A prefill pass of dummy tokens in borrowed pages, given back (done at start on one GPU: TP
-        and DP ranks run their passes together, so theirs come with the first request)."""
+        """Dummy passes in borrowed pages, given back: a long prompt, then the shapes Triton compiles
+        apart (its integer arguments are specialized on == 1 and on divisibility by 16: one sequence and
+        several, token counts of both kinds, prompt rows beside one-token rows, a decode batch). Done at
+        start on one GPU; TP and DP ranks run their passes together, so theirs come with the first request."""
         c = self.config
-        tokens = min(c.scheduler.max_num_batched_tokens, c.model.max_position) - 1  # not a multiple of 16
-        tokens = min(max(1, tokens), self.allocator.num_free * c.cache.page_size)
-        if tokens < 1:
-            return
-        pages = self.allocator.grow("warm-up", tokens)
-        try:
-            # the prefill role's passes bump a counter: a scratch one, so the messenger's counts stay true
-            counter = None
-            if self.counter is not None:
-                counter = make_layer_counter(c.model.num_layers, self.counter.device)
-            self.runner.warm_up(tokens, pages, counter)
-        finally:
-            self.allocator.free("warm-up")
+        longest = min(c.scheduler.max_num_batched_tokens, c.model.max_position) - 1  # not a multiple of 16
+        free = self.allocator.num_free
+        # the prefill role's passes bump a counter: a scratch one, so the messenger's counts stay true
+        counter = None
+        if self.counter is not None:
+            counter = make_layer_counter(c.model.num_layers, self.counter.device)
+        for lengths in ([max(1, min(longest, free * c.cache.page_size))], [32, 16], [17, 5, 1], [1, 1], [1]):
+            ids = [f"warm-up-{i}" for i in range(len(lengths))]
+            if sum(map(self.allocator.pages_for, lengths)) > self.allocator.num_free:
+                continue
+            try:
+                pages = [list(self.allocator.grow(i, n)) for i, n in zip(ids, lengths, strict=True)]
+                self.runner.warm_up(lengths, pages, counter)
+            finally:
+                for i in ids:
+                    self.allocator.free(i)
 
     def _make_tiers(self, model: str) -> KVTiers:
         """The host and disk tiers under the prefix cache, hooked to the allocator and the scheduler."""
