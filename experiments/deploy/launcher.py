@@ -216,6 +216,7 @@ class NetnsLauncher(LocalLauncher):
             "address": self.hosts.address(host),
             "nic_tx_bytes": [tx for tx, _ in counters],
             "nic_rx_bytes": [rx for _, rx in counters],
+            "tcp_retransmits": self.hosts.retransmits(host),
         }
 
     def shutdown(self, workers=None) -> None:

@@ -2,8 +2,9 @@
 
 `Hosts(n)` makes n namespaces, each a host with `nics_per_host` veth NICs (eth0, eth1, ...), and one more
 namespace, the switch, holding a bridge per NIC index that every host's NIC of that index is plugged into.
-Each NIC's two directions are shaped (`Link`: rate, delay, jitter, loss; tbf for a rate alone, netem where
-the kernel has it) on its host side (what the host sends) and its switch side (what it receives).
+Each NIC's two directions are shaped (`Link`: rate, delay, jitter, loss; tbf for a rate, netem where there
+is delay and the kernel has it, loss by an eBPF classifier: netns_loss.py) on its host side (what the host
+sends) and its switch side (what it receives).
 Addresses exist only inside these namespaces (198.18.0.0/15, the range set aside for benchmarking
 networks: RFC 2544), there is no default route, and the machine's own namespace gets no interface, route
 or address: nothing can leave, nothing can come in.
@@ -27,6 +28,8 @@ import signal
 import subprocess
 import time
 from dataclasses import dataclass
+
+from experiments.deploy import netns_loss
 
 PREFIX = "pdk-"  # every namespace this module makes: pdk-<owner pid>-<tag>-<host index or sw>
 RANGE = "198.18"  # 198.18.0.0/15: RFC 2544's benchmarking range, never routed anywhere
@@ -76,19 +79,16 @@ class Link:
         return float(number) * scale / (8 if kind == "bit" else 1)
 
     def qdisc(self) -> list[str]:
-        """The root qdisc of each side: tbf for a rate alone (every kernel with traffic control has it),
-        netem with its own rate when there is delay, jitter or loss (sch_netem: not every kernel has it,
-        and then building the link fails naming the keys)."""
-        if not (self.delay_us or self.jitter_us or self.loss_pct):
+        """The root qdisc of each side: tbf for the rate (every kernel with traffic control has it), netem
+        with its own rate when there is delay or jitter (sch_netem: not every kernel has it, and then
+        building the link fails naming the keys). Loss is not a qdisc's: netns_loss.attach."""
+        if not (self.delay_us or self.jitter_us):
             burst = max(
                 int(self.bytes_per_s() * 0.004), 4 * 65536
             )  # 4 ms of the rate, at least 4 GSO packets
             return ["tbf", "rate", self.rate, "burst", str(burst), "latency", "100ms"]
-        args = ["netem", "rate", self.rate]
-        if self.delay_us or self.jitter_us:
-            args += ["delay", f"{self.delay_us}us"] + ([f"{self.jitter_us}us"] if self.jitter_us else [])
-        if self.loss_pct:
-            args += ["loss", f"{self.loss_pct}%"]
+        args = ["netem", "rate", self.rate, "delay", f"{self.delay_us}us"]
+        args += [f"{self.jitter_us}us"] if self.jitter_us else []
         return args + ["limit", "100000"]  # packets queued: room for a fast link's delay
 
 
@@ -108,8 +108,8 @@ def _tc(namespace: str, *args: str) -> None:
     done = subprocess.run(["ip", "netns", "exec", namespace, "tc", *args], capture_output=True, text=True)
     if done.returncode and "netem" in args and "unknown" in done.stderr:
         raise RuntimeError(
-            "cluster.link.delay_us, jitter_us and loss_pct need the kernel's netem qdisc (sch_netem), "
-            "which this kernel lacks: set them to 0 (a rate alone is shaped by tbf)"
+            "cluster.link.delay_us and jitter_us need the kernel's netem qdisc (sch_netem), which this "
+            "kernel lacks: set them to 0 (a rate is shaped by tbf, loss_pct by an eBPF classifier)"
         )
     if done.returncode:
         raise RuntimeError(f"tc {' '.join(args)} in {namespace}: {done.stderr.strip()}")
@@ -218,6 +218,9 @@ class Hosts:
                 _ip("-n", host, "link", "set", f"eth{k}", "up")
                 _tc(host, "qdisc", "add", "dev", f"eth{k}", "root", *self.link.qdisc())
                 _tc(self.switch, "qdisc", "add", "dev", port, "root", *self.link.qdisc())
+                if self.link.loss_pct:
+                    netns_loss.attach(host, f"eth{k}", self.link.loss_pct)
+                    netns_loss.attach(self.switch, port, self.link.loss_pct)
 
     def address(self, host: int, nic: int = 0) -> str:
         return f"{RANGE}.{self.subnet * MAX_NICS + nic}.{host + 1}"
@@ -238,6 +241,12 @@ class Hosts:
         shown = json.loads(_ip("-n", self.names[host], "-j", "-s", "link", "show", "dev", f"eth{nic}"))
         stats = shown[0]["stats64"]
         return stats["tx"]["bytes"], stats["rx"]["bytes"]
+
+    def retransmits(self, host: int) -> int:
+        """TCP segments host has sent again so far (its network stack's RetransSegs: what loss costs)."""
+        snmp = subprocess.run(self.command(host, ["cat", "/proc/net/snmp"]), capture_output=True, text=True)
+        names, values = [line.split() for line in snmp.stdout.splitlines() if line.startswith("Tcp:")][:2]
+        return int(values[names.index("RetransSegs")])
 
     def set_link(self, host: int, up: bool, nic: int = 0) -> None:
         """A fault: take host's NIC down (its link carries nothing either way; TCP retransmits until it is

@@ -82,6 +82,69 @@ def test_a_sigkilled_owner_s_namespaces_are_removed_by_the_next_one(tmp_path):
     assert not _mine(hosts)
 
 
+UDP_PROBE = textwrap.dedent(
+    """
+    import socket, sys
+    side, address, folder = sys.argv[1:4]
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    if side == "recv":
+        s.setsockopt(socket.SOL_SOCKET, 33, 8 << 20)  # SO_RCVBUFFORCE: nothing dropped by the socket
+        s.bind((address, 9000))
+        open(folder + "/ready", "w").close()
+        seen = set()
+        while (n := int(s.recv(64))) >= 0:  # -1: the sender's end
+            seen.add(n)
+        open(folder + "/seen", "w").write(str(len(seen)))
+    else:
+        for n in range(int(sys.argv[4])):
+            s.sendto(str(n).encode(), (address, 9000))
+        for _ in range(2000):  # the end, many times: each crosses the same loss
+            s.sendto(b"-1", (address, 9000))
+    """
+)
+
+
+@pytest.mark.parametrize("loss_pct", [0, 20])
+def test_loss_drops_each_packet_on_its_own_draw_on_both_ends_of_the_path(tmp_path, loss_pct):
+    """cluster.link.loss_pct without netem (an eBPF classifier on each NIC's egress, both sides): a
+    datagram from host 0 to host 1 crosses host 0's link and host 1's, so (1 - p)^2 of them arrive."""
+    sent = 4000
+    with Hosts(2, Link("100mbit", loss_pct=loss_pct), subnet=12) as hosts:
+        probe = [sys.executable, "-c", UDP_PROBE]
+        receiver = hosts.run(1, [*probe, "recv", hosts.address(1), str(tmp_path)])
+        while not (tmp_path / "ready").exists():
+            assert receiver.poll() is None, "the receiver ended before it was ready"
+            os.sched_yield()
+        sender = hosts.run(0, [*probe, "send", hosts.address(1), str(tmp_path), str(sent)])
+        assert sender.wait(timeout=60) == 0
+        assert receiver.wait(timeout=60) == 0
+        arrived = int((tmp_path / "seen").read_text()) / sent
+        want = (1 - loss_pct / 100) ** 2
+        assert abs(arrived - want) < 0.04, (arrived, want)  # 5 standard deviations at 20%
+        shown = subprocess.run(hosts.command(0, ["tc", "filter", "show", "dev", "eth0", "egress"]),
+                               capture_output=True, text=True).stdout  # fmt: skip
+        assert ("direct-action" in shown) == (loss_pct > 0)
+    assert not _mine(hosts)
+
+
+def test_the_loss_program_s_threshold_covers_every_percentage():
+    """The draw is compared as an unsigned 32-bit number against loss x 2^32 (an immediate that is
+    negative as a signed one from 50% on); 100% drops without a draw."""
+    import struct
+
+    from experiments.deploy import netns_loss
+
+    def below(pct):
+        code = netns_loss.program(pct)
+        return None if len(code) == 16 else struct.unpack("<BBhi", code[8:16])[3] % 2**32
+
+    assert below(0) == 0 and below(1) == round(0.01 * 2**32) and below(50) == 2**31
+    assert below(99.9) == round(0.999 * 2**32) and below(100) is None
+    with pytest.raises(ValueError, match="loss_pct=101 is not allowed"):
+        netns_loss.program(101)
+    os.close(netns_loss.load(5))  # the kernel's verifier takes it
+
+
 @pytest.mark.parametrize(
     "link, match",
     [

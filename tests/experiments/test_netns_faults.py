@@ -27,6 +27,23 @@ def _pages_back(record) -> None:
         assert t["free_pages"] == t["num_pages"], (t["name"], t["free_pages"], t["num_pages"])
 
 
+@pytest.mark.parametrize("loss_pct", [1, 5])
+def test_random_loss_on_every_link_loses_no_token(short_tmp, tmp_path, monkeypatch, loss_pct):
+    """1% and 5% of packets dropped on each NIC's link both ways (KV, control plane and heartbeats
+    alike): TCP retransmits, and every request ends with the tokens of a run without loss."""
+    monkeypatch.setenv("TMPDIR", str(short_tmp.resolve()))
+    (clean,) = run(_cfg([*RUN, "cluster.subnet=10"]), tmp_path / "clean", progress=False)
+    lossy = [*RUN, f"cluster.subnet={11 + (loss_pct > 1)}", f"cluster.link.loss_pct={loss_pct}"]
+    (record,) = run(_cfg(lossy), tmp_path / "lossy", progress=False)
+    assert record["summary"]["completed"] == 6 and record["summary"]["errors"] == 0
+    assert _outputs(record) == _outputs(clean)
+    prefill = next(w for w in record["workers"] if w["role"] == "prefill")
+    assert prefill["nic_tx_bytes"][0] >= record["summary"]["transfer_bytes"]  # the KV crossed the lossy link
+    clean_prefill = next(w for w in clean["workers"] if w["role"] == "prefill")
+    assert prefill["tcp_retransmits"] > clean_prefill["tcp_retransmits"]  # and lost some of it on the way
+    _pages_back(record)
+
+
 def test_the_prefill_host_s_link_down_for_2_s_mid_transfer_loses_nothing(short_tmp, tmp_path, monkeypatch):
     """Once the prefill host's NIC has sent the KV of about one request, it goes down for 2 s: TCP
     retransmits once it is back, and every request ends with the tokens of the same run without the
