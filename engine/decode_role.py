@@ -90,6 +90,12 @@ class DecodeHandoff:
         self.scheduler.remove(seq, free_pages=False)
         self._finish(seq, "error" if error else "abort", error)
 
+    def set_aside(self, request_id: str, owner: str) -> None:
+        """A stopped request's pages, which a transfer may still write, held under owner (a name no
+        request uses: `release(owner)` frees them) so that request_id can be sent again meanwhile."""
+        self.scheduler.reserved.pop(request_id, None)
+        self.allocator.rename(request_id, owner)
+
     def release(self, request_id: str) -> None:
         """The request's KV is no longer moving (sent, or its transfer ended): unpin and free its pages."""
         self.scheduler.reserved.pop(request_id, None)  # its pages are owed nothing more

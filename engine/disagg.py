@@ -99,6 +99,12 @@ class DecodeSide:
         else:
             self.llm.release(request_id)
 
+    def set_aside(self, request_id: str, owner: str) -> None:
+        if self.group:
+            self.llm.dp_engines.call(self.group, "set_aside", request_id, owner)
+        else:
+            self.llm.set_aside(request_id, owner)
+
     def recompute(self, request_id: str) -> None:
         if self.group:
             self.llm.dp_engines.call(self.group, "recompute", request_id)

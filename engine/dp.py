@@ -43,7 +43,7 @@ from engine.sequence import RequestOutput, SamplingParams, Sequence
 from engine.tp import RankDied, from_lead, stop_processes
 from pdkernels import ops
 
-SIDE_METHODS = ("reserve", "admit", "fail", "free", "recompute")  # what DPEngines.call may run
+SIDE_METHODS = ("reserve", "admit", "fail", "free", "set_aside", "recompute")  # what DPEngines.call may run
 START_TIMEOUT_S = 300  # an engine loads its model and joins the process group within this
 STEP_TIMEOUT_S = 600  # one step of another engine (its collectives time out at 120 s before this)
 

@@ -152,6 +152,18 @@ class PageAllocator:
         for page in reversed(self._owned.pop(request_id, [])):
             self._release(page)
 
+    def rename(self, request_id: str, owner: str) -> None:
+        """Hand request_id's pages (and its pin) to owner, a name no request uses: the pages stay held
+        while the request id is free again."""
+        if owner in self._owned:
+            raise ValueError(f"{owner!r} already owns pages")
+        pages = self._owned.pop(request_id, None)
+        if pages is not None:
+            self._owned[owner] = pages
+        if request_id in self._pinned:
+            self._pinned.discard(request_id)
+            self._pinned.add(owner)
+
     def _release(self, page: int) -> None:
         self._refs[page] -= 1
         if self._refs[page] == 0:

@@ -11,8 +11,10 @@ count reaches what the plan says plus the context write.
 A request that fails (abort, a stage deadline, an error reported by the prefill side, a silent peer)
 ends at once with an error, or with `on_transfer_failure: recompute` is prefilled locally instead. Its
 pages stay pinned until nothing can still land in them: the prefill side's Ended says so, or its
-process is known to be gone. A peer that is only silent (hung, not dead) keeps its requests' pages
-quarantined until it either answers or dies, so a late write can never land in another request's page.
+process is known to be gone. A peer that is only silent (hung, or cut off on another host: not known
+dead) keeps its requests' pages quarantined until it either answers or dies, so a late write can never
+land in another request's page; they are set aside under a name of their own (`fenced`), so the failed
+requests can be sent again, to another prefill worker, meanwhile.
 
 Messages count only from the peer that owns the request: Accepted and Ended from its control channel,
 write notifications from its transfer agents (one per TP rank, named in its Hello) to the agents the
@@ -31,6 +33,7 @@ prefill worker, here.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -45,8 +48,14 @@ from transfer.config import TransferConfig
 from transfer.plan import ShardSpec, plan_array
 from transfer.protocol import PROTOCOL_VERSION, Abort, Accepted, Ended, Hello, Notif, PrefillRequest
 
+log = logging.getLogger(__name__)
 # a prompt token's time from request to landed KV until a peer's first transfer is measured (seconds)
 PRIOR_TOKEN_S = 0.001
+
+
+def _fenced(request_id: str, seq: int) -> tuple[str, str, int]:
+    """Who holds a fenced transfer's pages in the engine: a key no request id can be."""
+    return ("fenced", request_id, seq)
 
 
 class DecodeEngine(Protocol):
@@ -65,6 +74,10 @@ class DecodeEngine(Protocol):
 
     def free(self, request_id: str) -> None: ...  # unpin and free its pages
 
+    # a failed request's pages, which its transfer may still write, held under owner (free(owner) frees
+    # them) while request_id is free to be sent again
+    def set_aside(self, request_id: str, owner: str) -> None: ...
+
     def recompute(self, request_id: str) -> None: ...  # its pages are safe again: prefill it here
 
 
@@ -73,7 +86,8 @@ class _Peer:
     name: str
     channel: object  # transfer.protocol.Endpoint or transfer.channel.ZmqEndpoint
     hello: Hello
-    lost: bool = False  # silent past peer_timeout_s: its requests have failed
+    lost: bool = False  # silent past peer_timeout_s (until it talks again), or dead: its requests failed
+    dead: bool = False  # its process exited (peer_dead): lost until a new process of it says Hello
     worker: str = ""  # the prefill worker it belongs to (itself, or a worker of DP groups: one peer each)
 
     def down(self) -> bool:
@@ -151,6 +165,10 @@ class DecodeMessenger:
         self.peers: dict[str, _Peer] = {}
         self.retired: set[str] = set()  # peers that left the prefill role (retire)
         self.pending: dict[str, _Pending] = {}
+        # failed transfers from a peer that went silent but may be alive (cut off: on another host, or
+        # hung), keyed by (request id, seq): their pages are set aside until it sends Ended or is known
+        # gone, since a write it posted may still land; the request id is free to be sent again
+        self.fenced: dict[tuple[str, int], _Pending] = {}
         # transfer timing of each admitted request, until `forget` (its context goes to the engine)
         self.timings: dict[str, Timing] = {}
         # requests that failed because their prefill worker died or went silent (nothing of theirs is
@@ -201,7 +219,8 @@ class DecodeMessenger:
 
     def holds(self, name: str) -> bool:
         """Whether a transfer of this worker's is still in flight on peer `name`."""
-        return any(p.peer.name == name for p in self.pending.values())
+        held = [*self.pending.values(), *self.fenced.values()]
+        return any(p.peer.name == name for p in held)
 
     def outstanding_tokens(self, peer: str) -> int:
         """Prompt tokens sent to peer and not yet landed (the router's load figure)."""
@@ -302,7 +321,10 @@ class DecodeMessenger:
                     self._rejoin(peer, msg)
                     continue
                 p = self.pending.get(msg.request_id) if isinstance(msg, Accepted | Ended) else None
-                if p is None or p.peer is not peer or p.seq != msg.seq:
+                fenced = self.fenced.get((msg.request_id, msg.seq)) if isinstance(msg, Ended) else None
+                if fenced is not None and fenced.peer is peer:  # back, and done writing its pages
+                    self._unfence((msg.request_id, msg.seq))
+                elif p is None or p.peer is not peer or p.seq != msg.seq:
                     self.dropped["control message for a request the peer does not own"] += 1
                 elif isinstance(msg, Accepted):
                     p.accepted_at, p.timing.accepted = self.clock(), time.perf_counter()
@@ -374,23 +396,50 @@ class DecodeMessenger:
         return None
 
     def _check_peer(self, peer: _Peer) -> None:
-        """A silent peer fails its requests; once its process is known gone their pages are safe."""
+        """A silent peer fails its requests; once its process is known gone their pages are safe. Until
+        then (alive, or on another host: cut off, hung) the failed ones' pages are set aside, so that the
+        requests can be sent again (to another prefill worker) while a write it posted may still land."""
         mine = [rid for rid, p in self.pending.items() if p.peer is peer]
-        if not mine:
-            return
         silent = peer.channel.peer_silent_for() > self.config.peer_timeout_s
-        if silent and not peer.lost:
+        if not silent and not peer.dead:  # it talks (again): it takes requests
+            peer.lost = False
+        if not mine and not self.fenced:
+            return
+        if silent and not peer.lost and mine:
             peer.lost = True
             reason = f"prefill worker {peer.name} silent for over peer_timeout_s={self.config.peer_timeout_s}"
             for rid in mine:
                 if self.pending[rid].failed is None:
                     self.peer_lost.add(rid)
                     self._fail(rid, self.pending[rid], reason)
-        elif not silent:
-            peer.lost = False
         if peer.lost and peer.hello.peer_alive() is False:
             for rid in mine:
                 self._pages_safe(rid)
+            self._unfence_peer(peer)
+        elif peer.lost and self.config.on_transfer_failure == "fail":
+            fence = [rid for rid in mine if self.pending[rid].failed is not None]
+            for rid in fence:
+                p = self.pending.pop(rid)
+                self.groups[p.group].engine.set_aside(rid, _fenced(rid, p.seq))
+                self.fenced[rid, p.seq] = p
+            if fence:
+                log.warning(
+                    "prefill worker %s is silent and may still write: %d failed requests' pages set aside "
+                    "until it ends them or is gone (their ids are free to be sent again)",
+                    peer.name,
+                    len(fence),
+                )
+
+    def _unfence(self, key: tuple[str, int]) -> None:
+        p = self.fenced.pop(key)
+        g = self.groups[p.group]
+        g.free_slots.append(p.slot)
+        g.engine.free(_fenced(*key))
+
+    def _unfence_peer(self, peer: _Peer) -> None:
+        """The peer's process is gone: nothing of its can land any more."""
+        for key in [k for k, p in self.fenced.items() if p.peer is peer]:
+            self._unfence(key)
 
     def _rejoin(self, peer: _Peer, hello: Hello) -> None:
         """A new Hello on a peer's channel: a new process of that worker (same keys). The old one is
@@ -400,13 +449,15 @@ class DecodeMessenger:
             return
         if any(p.peer is peer for p in self.pending.values()):
             self.peer_dead(peer.name)
-        peer.hello, peer.lost = hello, False
+        self._unfence_peer(peer)
+        peer.hello, peer.lost, peer.dead = hello, False, False
         self.retired.discard(peer.name)  # an elastic worker back in the prefill role
 
     def peer_dead(self, name: str) -> None:
         """Whoever started the peer knows it has exited: nothing more can land from it."""
         peer = self.peers[name]
-        peer.lost = True
+        peer.lost = peer.dead = True
+        self._unfence_peer(peer)
         for rid, p in list(self.pending.items()):
             if p.peer is peer:
                 if p.failed is None:

@@ -151,6 +151,9 @@ class _Pages:
     def free(self, request_id):
         pass
 
+    def set_aside(self, request_id, owner):
+        pass
+
     def recompute(self, request_id):
         pass
 

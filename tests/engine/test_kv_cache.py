@@ -46,6 +46,21 @@ def test_pinned_pages_cannot_be_freed_until_unpinned():
 SALT = b"tiny|float32|4"
 
 
+def test_pages_set_aside_under_another_owner_keep_their_pin_and_free_the_request_id():
+    a = PageAllocator(8, 4)
+    pages = list(a.grow("r", 10))
+    a.pin("r")
+    a.rename("r", ("fenced", "r", 1))
+    assert not a.pages("r") and a.pages(("fenced", "r", 1)) == pages and a.num_free == 5
+    assert a.is_pinned(("fenced", "r", 1)) and not a.is_pinned("r")
+    a.grow("r", 4)  # the id serves another request meanwhile
+    with pytest.raises(ValueError, match="already owns pages"):
+        a.rename("r", ("fenced", "r", 1))
+    a.unpin(("fenced", "r", 1))
+    a.free(("fenced", "r", 1))
+    assert a.num_free == 7
+
+
 def test_page_names_chain_and_differ_by_one_token():
     a = page_hashes(list(range(12)), 4, SALT, [])
     assert len(a) == 3 and len(set(a)) == 3

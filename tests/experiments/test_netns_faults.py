@@ -3,6 +3,7 @@ the fault gives, every page comes back on both sides, and nothing hangs."""
 
 import os
 import threading
+import time
 
 import pytest
 
@@ -72,3 +73,76 @@ def test_the_prefill_host_s_link_down_for_2_s_mid_transfer_loses_nothing(short_t
     assert cut["summary"]["completed"] == 6 and cut["summary"]["errors"] == 0
     assert _outputs(cut) == _outputs(clean)
     _pages_back(cut)
+
+
+# 2 prefill hosts and a decode host; the decode pool holds several requests beside the set-aside ones
+TWO_PREFILL = [*RUN, "deployment.num_prefill=2", "cluster.hosts=3", "model.num_pages=1024",
+               "transfer.peer_timeout_s=3"]  # fmt: skip
+PAGES_A_REQUEST = 150  # 600 prompt tokens at tiny-random's 4 per page
+
+
+def _cut_prefill_0(down_s: float | None, log: list):
+    """A hook: once prefill-0's host (host 0) has sent the KV of about 2/3 of a request, its NIC goes
+    down, for down_s seconds or (None) for good."""
+
+    def hook(run_state, runtime):
+        hosts = runtime.fleet.launcher.hosts
+        sent = hosts.counters(0)[0]
+        if not log and sent > 400_000:
+            hosts.set_link(0, up=False)
+            log.append((sent, len(run_state.results)))
+            if down_s is not None:
+                log.append(threading.Timer(down_s, hosts.set_link, (0, True)))
+                log[-1].start()
+
+    return hook
+
+
+def test_a_prefill_host_cut_off_for_good_loses_no_request(short_tmp, tmp_path, monkeypatch):
+    """Prefill-0's host is cut off mid-transfer and never comes back (its process lives on). Past
+    transfer.peer_timeout_s the decode worker fails its requests as lost; they are sent again, to
+    prefill-1, and end with the fault-free tokens. The lost transfers' pages stay set aside on the
+    decode side (a write prefill-0 posted may still land) and their ids are free; nothing else is held."""
+    monkeypatch.setenv("TMPDIR", str(short_tmp.resolve()))
+    (clean,) = run(_cfg([*TWO_PREFILL, "cluster.subnet=13"]), tmp_path / "clean", progress=False)
+    cut = []
+    hook = _cut_prefill_0(None, cut)
+    (record,) = run(_cfg([*TWO_PREFILL, "cluster.subnet=14"]), tmp_path / "cut", progress=False, hooks=hook)
+    assert cut and cut[0][1] < 6, "the KV never flowed, or every request had finished before the cut"
+    assert record["summary"]["completed"] == 6 and record["summary"]["errors"] == 0
+    assert _outputs(record) == _outputs(clean)
+    assert {r["prefill_worker"] for r in record["requests"]} == {"prefill-1"}  # every one, in the end
+    held = {t["name"]: t["num_pages"] - t["free_pages"] for t in record["timelines"]}
+    lost = held["decode-0"] // PAGES_A_REQUEST
+    assert lost >= 1 and held["decode-0"] == lost * PAGES_A_REQUEST, held  # the lost transfers' alone
+    assert held["prefill-1"] == 0 and held["prefill-0"] <= lost * PAGES_A_REQUEST, held
+
+
+def test_a_prefill_host_s_nic_down_past_peer_timeout_loses_nothing_and_gives_every_page_back(
+    short_tmp, tmp_path, monkeypatch
+):
+    """Prefill-0's NIC goes down while it streams, for longer than transfer.peer_timeout_s (3 s), then
+    comes back: its requests were sent again meanwhile and end with the fault-free tokens; once back, its
+    posted writes finish and its Ended frees the pages set aside for them, so every page comes back on
+    every side (the run's last step waits for that, as the workers' Loads report it)."""
+    monkeypatch.setenv("TMPDIR", str(short_tmp.resolve()))
+    (clean,) = run(_cfg([*TWO_PREFILL, "cluster.subnet=15"]), tmp_path / "clean", progress=False)
+    cut, back = [], []
+    cut_hook = _cut_prefill_0(5.0, cut)
+
+    def hook(run_state, runtime):
+        cut_hook(run_state, runtime)
+        if cut and len(run_state.results) == len(run_state.requests) and not back:
+            cut[1].join()  # the link is back
+            give_up = time.monotonic() + 120
+            while any(load.free_pages < 1024 for load in runtime.load.values()):
+                assert time.monotonic() < give_up, {n: load.free_pages for n, load in runtime.load.items()}
+                time.sleep(0.05)
+            back.append(True)
+
+    (record,) = run(_cfg([*TWO_PREFILL, "cluster.subnet=16"]), tmp_path / "cut", progress=False, hooks=hook)
+    assert cut and back, "the KV never flowed"
+    assert cut[0][1] < 6, "every request had finished before the cut"
+    assert record["summary"]["completed"] == 6 and record["summary"]["errors"] == 0
+    assert _outputs(record) == _outputs(clean)
+    _pages_back(record)

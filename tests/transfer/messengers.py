@@ -88,7 +88,8 @@ def _run(prefill, decode, pm, dm, ids, prefill_polls=True, timeout_s=60.0, tick=
         dm.poll()
         if decode.has_unfinished():
             decode.step()
-        if idle and all(finished(decode, i) for i in ids) and not dm.pending and not pm.transfers:
+        held = dm.pending or dm.fenced or pm.transfers
+        if idle and all(finished(decode, i) for i in ids) and not held:
             return
     raise AssertionError("requests did not finish")
 

@@ -94,9 +94,11 @@ def test_abort_from_prefill_mid_transfer_frees_both_sides(pair):
 
 
 def test_a_silent_but_living_prefill_worker_keeps_its_pages_quarantined(pair):
-    """Silence fails the request, but the hung peer may still write: its pages wait until it answers."""
+    """Silence fails the request, but the hung (or cut-off) peer may still write: its pages wait, set
+    aside, until it answers; the request id is free at once, to be sent again."""
     prefill, decode, pm, dm = pair
-    dm.submit("r", list(range(100, 160)), GREEDY)
+    prompt = list(range(100, 160))
+    dm.submit("r", prompt, GREEDY)
     pm.poll()
     prefill.step()
     (peer,) = dm.peers.values()
@@ -104,11 +106,24 @@ def test_a_silent_but_living_prefill_worker_keeps_its_pages_quarantined(pair):
     dm.poll()
     out = decode.output("r")
     assert out.finish_reason == "error" and "silent" in out.error
+    assert dm.peer_lost == {"r"}
     for _ in range(3):
         dm.poll()
-    assert decode.allocator.num_free < PAGES  # its process is alive (it is this one): pages stay pinned
+    held = PAGES - decode.allocator.num_free
+    assert held == 15  # its process is alive (it is this one): pages stay pinned, set aside
+    assert len(dm.fenced) == 1 and dm.holds(peer.name) and not decode.allocator.pages("r")
+    decode.forget("r")
+    dm.forget("r")
+    dm.submit("r", prompt, GREEDY)  # the id again: the only peer is lost, so it ends at once
+    assert "no live prefill worker" in decode.output("r").error
+    assert PAGES - decode.allocator.num_free == held  # what it took came back; the set-aside stay
+    decode.forget("r")
     del peer.channel.peer_silent_for
-    _run(prefill, decode, pm, dm, ["r"])  # it resumes, reads the Abort, answers Ended
+    _run(prefill, decode, pm, dm, [])  # it resumes, reads the Abort, answers Ended (of the first seq)
+    assert not dm.fenced and prefill.allocator.num_free == PAGES and decode.allocator.num_free == PAGES
+    dm.submit("r", prompt, GREEDY)  # and once it talks again, the same id is served as usual
+    _run(prefill, decode, pm, dm, ["r"])
+    assert decode.output("r").finish_reason == "length"
     assert prefill.allocator.num_free == PAGES and decode.allocator.num_free == PAGES
 
 
