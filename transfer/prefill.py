@@ -301,8 +301,12 @@ class PrefillMessenger:
                 raise ValueError(f"request {req.request_id!r} is already being prefilled here")
             if not self._free_slots:
                 raise ValueError("no free context slot (transfer.context_slots)")
-            peers = self._connect(req.dst_metadata)
-            self._check_plan(req, peers)
+            routes = self._plan(req)
+            pairs = {(src, dst) for src, dst, _ in routes} | {(0, 0)}  # (0, 0): the context write
+            peers = self._connect(req.dst_metadata, pairs)
+            for src, dst, ops in routes:
+                self.agents.backends[src].check(peers[src][dst], ops)
+            self.backend.check(peers[0][0], [self._context_op(req, 0)])
             self.engine.start(req.request_id, req.prompt_ids, req.cache_salt)  # checks the token ids
         except Exception as e:  # whatever a peer sent, it fails its own request only
             self.refused += 1
@@ -314,26 +318,26 @@ class PrefillMessenger:
             self.transfers[req.request_id] = _Transfer(req, peers, channel, sent_pages=req.skip_pages)
         self._tell(channel, Accepted(req.request_id, req.seq))
 
-    def _connect(self, metadata: list[bytes]) -> list[list[str]]:
-        """Connect each of this side's agents to each of the decode side's: [ours][theirs] -> its name."""
+    def _connect(self, metadata: list[bytes], pairs: set[tuple[int, int]]) -> list[list[str | None]]:
+        """Connect those of this side's agents to those of the decode side's that the plan pairs (an
+        agent on one NIC may reach only the agents on its own rail): [ours][theirs] -> its name, or None."""
         names = []
         for i, backend in enumerate(self.agents.backends):
-            for md in metadata:
-                if (i, md) not in self._peers:
+            for j, md in enumerate(metadata):
+                if (i, j) in pairs and (i, md) not in self._peers:
                     self._peers[i, md] = backend.connect(md)
-            names.append([self._peers[i, md] for md in metadata])
+            names.append([self._peers[i, md] if (i, j) in pairs else None for j, md in enumerate(metadata)])
         return names
 
-    def _check_plan(self, req: PrefillRequest, peers: list[list[str]]) -> None:
-        """Plan the whole request against placeholder source pages: the specs must be compatible, the page
-        ids in range, and every write (the context one too) inside the regions both sides registered."""
+    def _plan(self, req: PrefillRequest) -> list:
+        """Plan the whole request against placeholder source pages (the specs must be compatible, the page
+        ids in range): the writes of each (our agent, their agent) pair, each checked once connected to be
+        inside the regions both sides registered."""
         n = len(req.dst_pages)
         if n > self.spec.num_pages:
             raise ValueError(f"the prompt needs {n} pages; this worker's cache holds {self.spec.num_pages}")
         rows = plan_array(self.spec, req.dst_spec, list(range(n)), req.dst_pages, seed=req.seq)
-        for src, dst, ops in route(rows, len(self.agents.backends), len(req.dst_metadata)):
-            self.agents.backends[src].check(peers[src][dst], ops)
-        self.backend.check(peers[0][0], [self._context_op(req, 0)])
+        return route(rows, len(self.agents.backends), len(req.dst_metadata))
 
     def _context_op(self, req: PrefillRequest, slot: int) -> WriteOp:
         """The context write: from agent 0's context buffer to the decode side's agent 0's."""

@@ -196,12 +196,19 @@ class NetnsLauncher(LocalLauncher):
         for i, spec in enumerate(specs):
             host = i % len(self.hosts.names)
             self._host[spec.name] = host
-            nics = ",".join(self.hosts.nic(host, k) for k in range(self.hosts.nics))
+            names = [self.hosts.nic(host, k) for k in range(self.hosts.nics)]
+            ranks = spec.tp * spec.dp
+            # its ranks share out the host's NICs (rank r: NICs r, r + ranks, ...; one rank: every NIC), as
+            # transfer.nics_per_rank would say, unless that says otherwise
+            per_rank = spec.transfer.nics_per_rank or tuple(
+                ",".join(names[r::ranks] or names[r % len(names) :: len(names)]) for r in range(ranks)
+            )
             t = replace(
                 spec.transfer,
                 control_transport="tcp",
                 control_host=self.hosts.address(host),
-                nixl_devices=nics,
+                nixl_devices=",".join(names),
+                nics_per_rank=per_rank if len(names) > 1 else spec.transfer.nics_per_rank,
             )
             placed.append(replace(spec, transfer=t, netns=self.hosts.names[host]))
         return super().start(placed)

@@ -34,7 +34,8 @@ from experiments.deploy import netns_loss
 PREFIX = "pdk-"  # every namespace this module makes: pdk-<owner pid>-<tag>-<host index or sw>
 RANGE = "198.18"  # 198.18.0.0/15: RFC 2544's benchmarking range, never routed anywhere
 MAX_NICS, MAX_SUBNETS = 4, 64  # 198.18.(subnet * MAX_NICS + nic).(host + 1)/24
-CLONE_NEWNET = 0x40000000
+CLONE_NEWNET, CLONE_NEWNS = 0x40000000, 0x00020000
+MS_REC, MS_SLAVE, MNT_DETACH = 0x4000, 0x80000, 2
 RATE = re.compile(r"(\d+(?:\.\d+)?)([kmgt]?)(bit|bps)")  # tc's rates: 10gbit, 400mbit, 50mbps
 
 
@@ -116,17 +117,30 @@ def _tc(namespace: str, *args: str) -> None:
 
 
 def enter(namespace: str) -> None:
-    """Move this process into namespace's network stack (setns; os.setns is Python 3.12 on)."""
+    """Move this process (single-threaded still) into namespace's network stack (setns; os.setns is
+    Python 3.12 on), and give it that stack's view of /sys, as `ip netns exec` does: a mount namespace of
+    its own with a fresh sysfs on /sys. UCX finds TCP interfaces by listing /sys/class/net, which
+    otherwise shows the machine's: a host's eth1 went unfound, its eth0 found only if the machine had one."""
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
+
+    def check(result: int, what: str) -> None:
+        if result != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"{what} (entering {namespace}): {os.strerror(err)}")
+
     fd = os.open(f"/run/netns/{namespace}", os.O_RDONLY | os.O_CLOEXEC)
     try:
-        if libc.setns(fd, CLONE_NEWNET) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"setns into {namespace}: {os.strerror(err)}")
+        check(libc.setns(fd, CLONE_NEWNET), "setns")
     finally:
         os.close(fd)
+    check(libc.unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
+    check(
+        libc.mount(b"none", b"/", None, MS_REC | MS_SLAVE, None), "mount --make-rslave /"
+    )  # nothing leaks out
+    check(libc.umount2(b"/sys", MNT_DETACH), "umount /sys")
+    check(libc.mount(namespace.encode(), b"/sys", b"sysfs", 0, None), "mount sysfs")
 
 
 def _alive(pid: int) -> bool:

@@ -88,7 +88,7 @@ UDP_PROBE = textwrap.dedent(
     side, address, folder = sys.argv[1:4]
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     if side == "recv":
-        s.setsockopt(socket.SOL_SOCKET, 33, 8 << 20)  # SO_RCVBUFFORCE: nothing dropped by the socket
+        s.setsockopt(socket.SOL_SOCKET, 33, 256 << 20)  # SO_RCVBUFFORCE: nothing dropped by the socket
         s.bind((address, 9000))
         open(folder + "/ready", "w").close()
         seen = set()
@@ -118,6 +118,9 @@ def test_loss_drops_each_packet_on_its_own_draw_on_both_ends_of_the_path(tmp_pat
         sender = hosts.run(0, [*probe, "send", hosts.address(1), str(tmp_path), str(sent)])
         assert sender.wait(timeout=60) == 0
         assert receiver.wait(timeout=60) == 0
+        snmp = subprocess.run(hosts.command(1, ["cat", "/proc/net/snmp"]), capture_output=True, text=True)
+        names, values = [line.split() for line in snmp.stdout.splitlines() if line.startswith("Udp:")][:2]
+        assert values[names.index("RcvbufErrors")] == "0", "the receiving socket dropped some (not the link)"
         arrived = int((tmp_path / "seen").read_text()) / sent
         want = (1 - loss_pct / 100) ** 2
         assert abs(arrived - want) < 0.04, (arrived, want)  # 5 standard deviations at 20%
@@ -201,6 +204,31 @@ def test_the_main_job_runs_1p1d_across_two_hosts_and_its_kv_crosses_the_link(sho
     assert kv > 4 << 20 and kv <= sent <= 1.15 * kv + (256 << 10), (kv, sent)
     assert kv <= received <= 1.15 * kv + (256 << 10), (kv, received)
     assert set(netns.namespaces()) <= before  # its hosts went with it
+
+
+def test_two_nics_a_host_share_out_the_kv_across_mismatched_tp(short_tmp, tmp_path, monkeypatch):
+    """cluster.nics_per_host=2: a TP-2 prefill worker's ranks each send on a NIC of their own, to a TP-1
+    decode worker whose one agent listens on both; the KV splits across the two links about evenly, and
+    the tokens are those of the same deployment on one NIC."""
+    from experiments.run import run
+    from tests.experiments.runs import _cfg, _outputs
+
+    monkeypatch.setenv("TMPDIR", str(short_tmp.resolve()))
+    base = [
+        "model=tiny-random", "deployment=1p1d", "deployment.prefill_tp=2", "launcher=netns",
+        "cluster.link.rate=50mbit", "workload.num_requests=4", "workload.arrival=concurrency",
+        "workload.concurrency=1", "workload.prompt_len.value=600", "workload.output_len.value=4",
+        "plots=false",
+    ]  # fmt: skip
+    (one,) = run(_cfg([*base, "cluster.subnet=20"]), tmp_path / "one", progress=False)
+    (two,) = run(
+        _cfg([*base, "cluster.subnet=21", "cluster.nics_per_host=2"]), tmp_path / "two", progress=False
+    )
+    assert two["summary"]["completed"] == 4 and _outputs(two) == _outputs(one)
+    kv = two["summary"]["transfer_bytes"]
+    workers = {w["role"]: w for w in two["workers"]}
+    for side in (workers["prefill"]["nic_tx_bytes"], workers["decode"]["nic_rx_bytes"]):
+        assert len(side) == 2 and all(0.4 * kv <= b <= 0.75 * kv for b in side), (kv, side)
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 
 import numpy as np
 from torch import Tensor
@@ -62,6 +63,15 @@ def _nixl():
     raise ImportError("the 'nixl' transfer backend needs nixl-cu12 or nixl-cu13: pip install '.[nixl]'")
 
 
+def _interface(name: str) -> bool:
+    """Whether name is a network interface of this process's network namespace (/sys may show another's)."""
+    try:
+        socket.if_nametoindex(name)
+    except OSError:
+        return False
+    return True
+
+
 class NixlBackend(Backend):
     def __init__(self, name: str, engine: str = "UCX", devices: str = "lo", nic: str | None = None):
         """devices: the network devices UCX may use (UCX_NET_DEVICES: 'lo' keeps it on loopback, 'all'
@@ -76,14 +86,29 @@ class NixlBackend(Backend):
         api = _nixl()
         self.name, self.engine = name, engine
         self.agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False, backends=[]))
-        params = {}
+        params, env = {}, {}
         if nic is not None and engine == "UCX":
-            params["device_list"] = ",".join(d.split(":")[0].strip() for d in nic.split(","))
+            names = [d.split(":")[0].strip() for d in nic.split(",")]
+            if all(_interface(n) for n in names):
+                # network interfaces (TCP: a netns host's eth0, eth1): the plugin's device_list would add
+                # an HCA port to them, so this agent's UCX context reads them from the environment, which
+                # UCX reads again for each context it creates
+                env["UCX_NET_DEVICES"] = ",".join(names)
+            else:
+                params["device_list"] = ",".join(names)
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
         try:
             self.agent.create_backend(engine, params)
         except Exception as e:  # nixl raises its own error types
             where = f"NIC {nic!r} (transfer.nics_per_rank)" if nic else f"devices {devices!r} (nixl_devices)"
             raise TransferError(f"NIXL could not start its {engine} backend on {where}: {e}") from e
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
         self.regions: list[tuple[int, int, int]] = []  # (address, bytes, device id)
         self.mem_type = "DRAM"
         self._tensors: list[Tensor] = []
