@@ -316,7 +316,7 @@ class ClusterConfig:
 
     hosts: int = 2  # network namespaces; worker i runs on host i % hosts
     nics_per_host: int = 1  # veth NICs per host (a bridge per NIC index)
-    # every NIC's link, both ways: a tc rate; one-way delay, jitter (us) and loss (%) need netem
+    # every NIC's link, both ways: a tc rate; one-way delay and jitter (us) need netem; loss (%): eBPF
     link: dict = field(
         default_factory=lambda: {"rate": "10gbit", "delay_us": 0, "jitter_us": 0, "loss_pct": 0}
     )
@@ -495,10 +495,11 @@ def launcher_of(cfg: dict) -> LauncherConfig:
     """`launcher` (a group: {name}, or just its name) and, for ray, the `ray` settings."""
     launcher = cfg.get("launcher") or {"name": "local"}
     launcher = {"name": launcher} if isinstance(launcher, str) else dict(launcher)
+    # the top-level `ray` and `cluster` groups; a saved config (results.json) holds them inside launcher
     if launcher.get("name") == "ray":
-        launcher["ray"] = of_dict(RayConfig, "ray", cfg.get("ray"))
+        launcher["ray"] = of_dict(RayConfig, "ray", cfg.get("ray") or launcher.get("ray"))
     if launcher.get("name") == "netns":
-        launcher["cluster"] = of_dict(ClusterConfig, "cluster", cfg.get("cluster"))
+        launcher["cluster"] = of_dict(ClusterConfig, "cluster", cfg.get("cluster") or launcher.get("cluster"))
     return of_dict(LauncherConfig, "launcher", launcher)
 
 

@@ -113,10 +113,25 @@ class Row:
         return self.simulated / self.measured - 1 if self.measured else 0.0
 
 
+def with_link(hw, config, d):
+    """hw with the run's link where its workers ran on shaped links (launcher=netns): each NIC at the
+    link's rate, cluster.nics_per_host of them, shared by the min(prefill, decode) TP ranks the
+    simulator sends over."""
+    if config.launcher.name != "netns":
+        return hw
+    from experiments.deploy.netns import Link
+
+    cluster = config.launcher.cluster
+    links = min(d.prefill_tp, d.decode_tp)
+    return replace(hw, nic_bw=Link(**cluster.link).bytes_per_s() * cluster.nics_per_host / links)
+
+
 def compare(saved: dict, hw, eff: Efficiency, slowdown: float) -> list[Row]:
-    """Simulate each run of saved (a results.json) on its own requests with the given factors, and pair
-    what it measured with what the simulator predicts."""
+    """Simulate each run of saved (a results.json) on its own requests with the given factors (on its
+    own link: with_link; its KV per layer or whole, as transfer.send_mode says), and pair what it
+    measured with what the simulator predicts."""
     config = from_cfg(saved["config"])
+    layerwise = config.transfer.send_mode != "request"
     model, slo = sim_model(config.model.name), config.slo
     deployments = {d.name: d for d in config.deployments}
     rows = []
@@ -129,7 +144,8 @@ def compare(saved: dict, hw, eff: Efficiency, slowdown: float) -> list[Row]:
         keys += ("conversation", "turn") if reqs and "conversation" in reqs[0] else ()
         trace = tuple([r[k] for r in reqs] for k in keys)
         sim = simulate_deployment(
-            d, workload, model, hw, eff, first_token_on="decode", chunked=True, prefill_slowdown=slowdown,
+            d, workload, model, with_link(hw, config, d), eff, first_token_on="decode", layerwise=layerwise,
+            chunked=True, prefill_slowdown=slowdown,
             trace=trace, router="decode", page_size=config.model.page_size,
             cache_pages=config.model.num_pages, tiers=tier_spec(config, model, rec["summary"]),
             colocated_kv_tokens=config.model.num_pages * config.model.page_size,

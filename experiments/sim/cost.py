@@ -198,15 +198,9 @@ class CostModel:
         return self.step_time([], kv_lens)
 
 
-def transfer_time(
-    kv_bytes: float, hw: Hardware, links: int, eff: Efficiency, prefill_s: float = 0.0, layers: int = 1
-) -> float:
-    """Seconds a request's KV transfer adds after its prefill. links: NICs sending in parallel (one per
-    prefill rank that holds a distinct shard). Request-level (layers=1): the whole transfer. Layer-wise
-    streaming over `layers` layers: layer l leaves when its compute ends, so only what the remaining
-    compute cannot hide shows, and at least the last layer's share."""
-    total = kv_bytes / (hw.nic_bw * links * eff.comm)
-    if layers <= 1:
-        return total
-    hidden = prefill_s * (layers - 1) / layers
-    return max(total / layers, total - hidden)
+def transfer_time(kv_bytes: float, hw: Hardware, links: int, eff: Efficiency) -> float:
+    """Seconds the link takes to carry a request's KV. links: NICs sending in parallel (one per prefill
+    rank that holds a distinct shard). When it leaves and what of it shows after the prefill (layer
+    streaming hides what the passes' compute covers, one request's pages wait for another's) is the
+    simulation's: simulate.Simulation.prefilled."""
+    return kv_bytes / (hw.nic_bw * links * eff.comm)

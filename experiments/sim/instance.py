@@ -41,6 +41,9 @@ class SimRequest:
     local: bool = False  # disaggregated: its decode instance computed the missing rest itself
     computing: bool = False  # on its decode instance: its context computed there, in chunks, until done
     sent_tokens: int = 0  # KV tokens sent to it (the engine sends whole pages: up to a page more)
+    started: float | None = None  # prefill: when its first pass began, and how long that pass took
+    first_pass: float = 0.0  # (its first layer's pages can leave a layer's share of it later)
+    last_chunk: int = 0  # prefill: the tokens of its latest pass (the last layer of the last one goes last)
     rejected: str | None = None  # why the policy's admission refused it (deployment.admission=slo)
     ready: float = 0.0  # kv_tiers: its pages below the device are loaded by then (it waits out of steps)
     # a Mooncake trace's hash ids of its prompt's 512-token blocks (prefix-chained: the same id, the same
@@ -229,6 +232,7 @@ class Instance:
     # elastic roles: role -> the settings this instance takes when it moves to that role
     role_settings: dict = field(default_factory=dict)
     handed_back: int = 0  # requests it handed back when it left the decode role
+    link_free: float = 0.0  # disaggregated prefill: when its NICs have sent what was given them so far
 
     def enable_cache(
         self, pages: int | None = None, tiers: TierSpec | None = None, pool: OrderedDict | None = None

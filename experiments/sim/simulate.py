@@ -346,7 +346,7 @@ class _Simulation:
             inst.speed[4] += dt
         for r, what in events:
             if what == "refetch":  # preempted on a decode instance: its KV is computed again
-                r.computed, r.fetch = 0, r.prompt + r.generated
+                r.computed, r.fetch, r.started = 0, r.prompt + r.generated, None
                 if self.router == "decode":
                     self.home[r.rid] = inst
                     self.homed[id(inst)] += 1
@@ -407,9 +407,18 @@ class _Simulation:
         r.sent_tokens += sent  # sends whole pages: up to a page more)
         kv = sent * inst.cost.model.kv_bytes_per_token()
         links = min(inst.cost.tp, target.cost.tp)
-        layers = inst.cost.model.layers if self.layerwise else 1
-        x = transfer_time(kv, inst.cost.hw, links, inst.cost.eff, prefill_s=dt, layers=layers)
-        self.push(end + x, "land", (target, r))
+        total = transfer_time(kv, inst.cost.hw, links, inst.cost.eff)
+        if self.layerwise:  # each layer's pages leave as each pass computes them, the link in turn
+            layers = inst.cost.model.layers
+            first = (end - dt, dt) if r.started is None else (r.started, r.first_pass)
+            begin = first[0] + first[1] / layers  # the first pass's first layer is computed
+            last = total * min(r.last_chunk or sent, sent) / max(sent, 1) / layers  # the last pass's last
+            landed = max(max(begin, inst.link_free) + total, end + last)
+        else:  # all of it once the prefill is computed
+            landed = max(end, inst.link_free) + total
+        inst.link_free = landed  # its NICs send one request's pages after another's
+        r.started = None
+        self.push(landed, "land", (target, r))
 
     def pick(self, r, now) -> Instance | None:
         """The instance the policy picks, or None where its admission refuses r (r.rejected says why)."""

@@ -67,6 +67,9 @@ def colocated_step(inst: Instance, now: float) -> tuple[float, list]:
 
     for r, n in chunks:
         r.computed += n
+        if r.started is None:
+            r.started, r.first_pass = now, dt * inst.slowdown
+        r.last_chunk = n
         if r.computed == r.context:
             events.append((r, "prefill_done"))
     return dt, events + _decode_events(inst, decode)
@@ -197,7 +200,7 @@ def _preempt(inst: Instance, r: SimRequest) -> list:
         inst.refetched_tokens += context
         return [(r, "refetch")]
     inst.recomputed_tokens += context
-    r.computed = 0
+    r.computed, r.started = 0, None
     inst.recompute.append(r)
     return []
 

@@ -81,13 +81,10 @@ def test_kv_per_rank_sharded_replicated_and_mla():
     assert CostModel(r1, HARDWARE["h200"], tp=8).kv_bytes_per_token_per_rank() == r1.kv_bytes_per_token()
 
 
-def test_layerwise_transfer_hides_behind_the_prefill():
-    # 100 bytes over 2 NICs of 5 B/s: 10 s request-level
+def test_a_transfer_takes_the_kv_over_the_links_at_their_efficiency():
+    # 100 bytes over 2 NICs of 5 B/s: 10 s (what of it shows after the prefill: test_simulate.py)
     assert transfer_time(100, HW, links=2, eff=PERFECT) == pytest.approx(10)
-    # streamed over 10 layers of a 20 s prefill: 18 s of compute follow layer 0; only the last layer shows
-    assert transfer_time(100, HW, 2, PERFECT, prefill_s=20, layers=10) == pytest.approx(1)
-    # a 5 s prefill hides 4.5 s of it
-    assert transfer_time(100, HW, 2, PERFECT, prefill_s=5, layers=10) == pytest.approx(5.5)
+    assert transfer_time(100, HW, links=2, eff=Efficiency(comm=0.5)) == pytest.approx(20)
 
 
 def test_bad_names_and_values_are_refused():

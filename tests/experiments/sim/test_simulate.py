@@ -25,6 +25,12 @@ def _cost():
     return Steps(TOY, HW, eff=Efficiency(comm=1))
 
 
+def _fast_link():
+    """The same steps with a link so fast that requests prefilled together land together (one link
+    carries one request's KV after another's)."""
+    return Steps(TOY, Hardware("toy", flops=1e3, hbm_bw=1e2, hbm_bytes=1e9, nvlink_bw=10, nic_bw=1e9))
+
+
 def test_one_request_colocated():
     (r,) = simulate_colocated([Instance(_cost())], [SimRequest(0, 0.0, prompt=10, output=4)])
     assert r.first_token == pytest.approx(2.0)  # one prefill step of 10 tokens: 1 + 1 s
@@ -71,11 +77,34 @@ def test_first_token_on_decode_adds_a_decode_step():
 def test_the_transfer_gap_counts_in_tpot_when_prefill_samples_and_attainment_checks_both_slos():
     reqs = [SimRequest(i, 0.0, prompt=1, output=2) for i in range(4)]
     simulate_disaggregated([Instance(_cost())], [Instance(_cost()), Instance(_cost())], reqs, layerwise=False)
-    # one prefill step of 4 tokens: 1.4 s; 32 B of KV each over 5 B/s: 6.4 s; one decode step: 1 s
-    assert all(r.first_token == pytest.approx(1.4) and r.done == pytest.approx(8.8) for r in reqs)
-    assert attainment(reqs, ttft_s=None, tpot_s=7.5) == 100.0
+    # one prefill step of 4 tokens: 1.4 s; 32 B of KV each over the one 5 B/s link, one after another:
+    # 6.4 s each; one decode step: 1 s
+    assert all(r.first_token == pytest.approx(1.4) for r in reqs)
+    assert [r.done for r in reqs] == pytest.approx([1.4 + 6.4 * k + 1 for k in (1, 2, 3, 4)])
+    assert attainment(reqs, ttft_s=None, tpot_s=7.5) == 25.0
     assert attainment(reqs, ttft_s=None, tpot_s=7.3) == 0.0
     assert attainment(reqs, ttft_s=1.0, tpot_s=None) == 0.0
+
+
+def test_streamed_kv_hides_behind_every_pass_of_a_chunked_prefill_and_waits_for_the_link():
+    """Layer streaming: a request's pages leave from its first pass's first layer on, so the compute of
+    all its passes hides the link, and only the last pass's last layer must follow the prefill; a
+    second request's pages wait for the first's on the prefill instance's link."""
+    r = SimRequest(0, 0.0, prompt=10, output=2)
+    simulate_disaggregated([Instance(_cost(), budget=4)], [Instance(_cost())], [r], layerwise=True)
+    # passes of 4, 4, 2 tokens: 1.4 + 1.4 + 1.2 = 4 s; 320 B over 5 B/s: 64 s from 0.7 s (layer 0 of
+    # the first pass, 2 layers): lands at 64.7, then a decode step
+    assert r.done == pytest.approx(64.7 + 1)
+    fast = Hardware("toy", flops=1e3, hbm_bw=1e2, hbm_bytes=1e9, nvlink_bw=10, nic_bw=1000)
+    r = SimRequest(0, 0.0, prompt=10, output=2)
+    cost = Steps(TOY, fast, eff=Efficiency(comm=1))
+    simulate_disaggregated([Instance(cost, budget=4)], [Instance(cost)], [r], layerwise=True)
+    # a link faster than compute: the last pass's last layer (2 of 10 tokens, 1 of 2 layers) follows
+    assert r.done == pytest.approx(4 + 0.32 * 2 / 10 / 2 + 1)
+    a, b = SimRequest(0, 0.0, prompt=10, output=2), SimRequest(1, 0.0, prompt=10, output=2)
+    simulate_disaggregated([Instance(_cost(), chunked=False)], [Instance(_cost())], [a, b], layerwise=False)
+    # both prefill in one 3 s pass; a's KV 3 -> 67, b's after it: 67 -> 131 (each then a decode step)
+    assert a.done == pytest.approx(67 + 1) and b.done == pytest.approx(131 + 1)
 
 
 def test_ten_thousand_requests_simulate_quickly():
@@ -132,7 +161,7 @@ def test_a_full_decode_instance_admits_with_room_to_finish_or_thrashes(reserved_
     (reserved_tokens=0), all four start, run out as they grow, and preempted ones are recomputed on the
     decode instance (prefill chunks in its decode steps) or refetched from the prefill instance."""
     reqs = [SimRequest(i, 0.0, prompt=10, output=20) for i in range(4)]
-    prefill = [Instance(_cost(), budget=64, chunked=False)]
+    prefill = [Instance(_fast_link(), budget=64, chunked=False)]
     decode = [Instance(_cost(), kv_tokens=60, reserved_tokens=reserved_tokens, preemption=preemption)]
     simulate_disaggregated(prefill, decode, reqs)
     d = decode[0]
@@ -155,7 +184,7 @@ def test_thrashing_shows_in_tpot_and_room_to_finish_removes_it():
     for reserved in (None, 0):
         reqs = [SimRequest(i, 0.0, prompt=10, output=20) for i in range(4)]
         decode = Instance(_cost(), kv_tokens=60, reserved_tokens=reserved, preemption="recompute_local")
-        prefill = [Instance(_cost(), budget=64, chunked=False)]
+        prefill = [Instance(_fast_link(), budget=64, chunked=False)]
         simulate_disaggregated(prefill, [decode], reqs, first_token_on="decode")  # waits count to TTFT
         tpot[reserved] = max(r.tpot for r in reqs)
     assert tpot[None] == pytest.approx(1.0)  # every step a plain decode step
