@@ -19,6 +19,8 @@ Each worker's device cache holds 25% of the workload's KV (`small`) or all of it
 - 1p2d-sent / 1p2d-loaded / 1p2d-cost: 1 prefill + 2 decode workers, round robin, the pool; a decode
   worker lacking a conversation's history (its last turn went to the other one) is sent it
   (kv_tiers.decode_loads=never), loads it from the pool (always), or picks by cost (cost).
+--across-hosts RATE runs each variant on hosts in network namespaces (launcher=netns, as root): a worker a
+host, the Mooncake Store pool on one more, every link shaped to RATE, so the pool's pages cross links.
 Writes <out>/<variant>/results.json and prints one markdown table. Run it alone on the machine.
 """
 
@@ -119,6 +121,12 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=TURNS)
     parser.add_argument("--reply-spread", type=int, default=0, help=f"replies of {REPLY} +- this many tokens")
     parser.add_argument("--concurrency", type=int, help="requests in flight (default: every conversation)")
+    parser.add_argument(
+        "--across-hosts",
+        metavar="RATE",
+        help="each worker on a host of its own (launcher=netns, root) and the pool on one more, every link "
+        "at this tc rate (e.g. 1gbit): the pool's pages cross the links",
+    )
     args = parser.parse_args()
     if args.concurrency is not None and args.concurrency < 1:
         parser.error(f"--concurrency must be at least 1 request, got {args.concurrency}")
@@ -148,6 +156,12 @@ def main() -> None:
     for name, overrides in todo.items():
         if only and name not in only:
             continue
+        if args.across_hosts:  # as many hosts as workers, and the pool's (launcher=netns: the last one)
+            with initialize_config_dir(config_dir=CONF, version_base=None):
+                d = runtime_of(compose("config", overrides=[*base, *overrides])).deployments[0]
+            workers = d.num_workers if d.kind == "colocated" else d.num_prefill + d.num_decode
+            overrides = [*overrides, "launcher=netns", f"cluster.hosts={workers + 1}"]
+            overrides += [f"cluster.link.rate={args.across_hosts}"]
         with initialize_config_dir(config_dir=CONF, version_base=None):
             cfg = compose("config", overrides=[*base, *overrides])
         hook = _killer("colocated-1") if name == "restart" else None

@@ -323,7 +323,7 @@ def start_fleet(
     sock = driver_socket(keys, run_dir, replace(config.transfer, control_host=launcher.control_host()))
     driver_address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
     try:
-        store = _start_store(config, d, log_dir or Path(run_dir))
+        store = _start_store(config, d, log_dir or Path(run_dir), launcher)
     except BaseException:
         sock.close()
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -345,13 +345,19 @@ def start_fleet(
     return fleet
 
 
-def _start_store(config: RuntimeConfig, d: DeploymentConfig, log_dir: Path):
-    """The deployment's KV pool (kv_tiers.store), started before its workers, who are its clients."""
+def _start_store(config: RuntimeConfig, d: DeploymentConfig, log_dir: Path, launcher=None):
+    """The deployment's KV pool (kv_tiers.store), started before its workers, who are its clients. Under
+    launcher=netns it runs on the last host, so its clients reach it over their links."""
     tiers = config.kv_tiers
     if tiers.store == "none" or not tiers.serves(d):
         return None
     from transfer.backends.mooncake import StoreProcesses
 
+    hosts = getattr(launcher, "hosts", None)
+    if hosts is not None:
+        last = len(hosts.names) - 1
+        return StoreProcesses(hosts.address(last), tiers.store_bytes, str(log_dir), config.start_timeout_s,
+                              netns=hosts.names[last])  # fmt: skip
     return StoreProcesses(tiers.store_host, tiers.store_bytes, str(log_dir), config.start_timeout_s)
 
 

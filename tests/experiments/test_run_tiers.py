@@ -5,6 +5,8 @@ with the same replies as no cache at all, and report it per tier."""
 import os
 from pathlib import Path
 
+import pytest
+
 from experiments.run import run
 from tests import needs
 from tests.experiments.runs import TINY, _cfg, _descendants, _outputs, _running
@@ -119,3 +121,33 @@ def test_decode_workers_load_a_history_from_below_instead_of_being_sent_it(tmp_p
     hits = loaded["summary"]["kv_tier_hits"]
     assert sum(hits.get(f"decode-{i}", {}).get(t, 0) for i in (0, 1) for t in ("host", "pool")) > 0
     assert all(t["free_pages"] == t["num_pages"] for rec in (loaded, plain) for t in rec["timelines"])
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root (CI runs as root)")
+def test_the_shared_pool_on_a_host_of_its_own_serves_workers_on_others_over_their_links(tmp_path, short_tmp):
+    """launcher=netns, 3 hosts: two colocated workers on hosts 0 and 1, the Mooncake Store (master,
+    metadata server, memory) on host 2; each turn to the other worker, whose history comes from the pool
+    over the links (the store host's NIC carries it both ways)."""
+    two = "kind: colocated, num_workers: 2, routing: round_robin"
+    pair = f"deployments=[{{name: pool, {two}}}, {{name: plain, {two}, prefix_caching: false}}]"
+    overrides = ["kv_tiers.host_bytes=64MiB", "kv_tiers.store=mooncake", "kv_tiers.store_bytes=64MiB"]
+    overrides += ["launcher=netns", "cluster.hosts=3", "cluster.link.rate=1gbit", "cluster.subnet=22"]
+    store_nic = {}  # deployment -> its store host's NIC counters (bytes sent, received), latest
+    hook = lambda run, runtime: store_nic.update(
+        {run.deployment.name: runtime.fleet.launcher.hosts.counters(2)}
+    )
+    os.environ["TMPDIR"] = str(short_tmp.resolve())
+    pool, plain = run(
+        _cfg([*TINY[:1], *TINY[8:], *POOL_TURNS, pair, *overrides]), tmp_path, progress=False, hooks=hook
+    )
+    assert _outputs(pool) == _outputs(plain)
+    hits = pool["summary"]["kv_tier_hits"]
+    assert hits["colocated-0"]["pool"] > 0 and hits["colocated-1"]["pool"] > 0  # each reused the other's
+    assert pool["summary"]["kv_tiers"]["pool"]["dropped"] == 0
+    assert sorted(w["node_id"][-2:] for w in pool["workers"]) == ["-0", "-1"]  # the store's host: -2
+    pool_bytes = pool["summary"]["kv_tiers"]["pool"]
+    # the pool's host NIC, last seen once every reply was in: it sent every page loaded from the pool
+    # (each load ended before its turn's reply), and received pages put there (some puts may still run)
+    sent, received = store_nic["pool"]
+    assert sent >= pool_bytes["bytes_in"] > 0 and received > 0, (store_nic, pool_bytes)
+    assert not _store_pids()

@@ -119,13 +119,39 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-class StoreProcesses:
-    """A pool's master, metadata server and memory, started on host, stopped by stop()."""
+def _ports_in(netns: str, host: str, n: int) -> list[int]:
+    """n ports free on host inside network namespace netns (a launcher=netns host: its own stack)."""
+    code = (
+        f"import socket; s = [socket.socket() for _ in range({n})]; [x.bind(({host!r}, 0)) for x in s]; "
+        "print(*[x.getsockname()[1] for x in s])"
+    )
+    out = subprocess.run(["ip", "netns", "exec", netns, sys.executable, "-c", code], capture_output=True,
+                         text=True, check=True, timeout=30)  # fmt: skip
+    return [int(p) for p in out.stdout.split()]
 
-    def __init__(self, host: str, pool_bytes: int, log_dir: str, timeout_s: float = 60.0):
+
+def _listens(pid: int, port: int) -> bool:
+    """Whether a TCP socket in pid's network namespace listens on port (/proc/<pid>/net/tcp is that
+    namespace's table: readable from outside it)."""
+    try:
+        with open(f"/proc/{pid}/net/tcp") as f:
+            rows = [line.split() for line in f.readlines()[1:]]
+    except OSError:
+        return False
+    return any(int(r[1].rsplit(":", 1)[1], 16) == port and r[3] == "0A" for r in rows)  # 0A: LISTEN
+
+
+class StoreProcesses:
+    """A pool's master, metadata server and memory, started on host (inside network namespace netns, a
+    launcher=netns host, where given), stopped by stop()."""
+
+    def __init__(
+        self, host: str, pool_bytes: int, log_dir: str, timeout_s: float = 60.0, netns: str | None = None
+    ):
         site = os.path.join(_site(), "mooncake")
-        self.host = host
-        rpc, metrics, meta, mem = (free_port(host) for _ in range(4))
+        self.host, self.netns = host, netns
+        ports = _ports_in(netns, host, 4) if netns else [free_port(host) for _ in range(4)]
+        rpc, metrics, meta, mem = ports
         self.master = f"{host}:{rpc}"
         self.metadata = f"http://{host}:{meta}/metadata"
         self.procs: list[subprocess.Popen] = []
@@ -164,7 +190,7 @@ class StoreProcesses:
                 with open(os.path.join(log_dir, f"store-{name}.log"), "ab") as out:
                     self.procs.append(
                         subprocess.Popen(
-                            commands[name],
+                            (["ip", "netns", "exec", netns] if netns else []) + commands[name],
                             stdout=out,
                             stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL,
@@ -188,6 +214,13 @@ class StoreProcesses:
                 raise RuntimeError(
                     f"the Mooncake Store {name} exited at start (code {self.procs[-1].returncode})"
                 )
+            if self.netns is not None:  # out of this namespace's reach: its own table says
+                if _listens(self.procs[-1].pid, port):
+                    return
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the Mooncake Store {name} did not listen on {port} in time")
+                time.sleep(0.05)
+                continue
             try:
                 with socket.create_connection((self.host, port), timeout=1):
                     return
