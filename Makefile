@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST := $(BIN)/python -m pytest
 
-.PHONY: run test test-all test-gpu gpu-check soak bench bench-tiers bench-goodput bench-dp bench-streaming bench-gpu repro lint clean
+.PHONY: run test test-all test-gpu gpu-check soak bench profile-cpu bench-tiers bench-goodput bench-dp bench-streaming bench-gpu repro lint clean
 
 $(STAMP): setup.py pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -46,6 +46,11 @@ bench: $(STAMP)
 # workers sent their KV, loading it from the pool, or picking by cost. BENCH_TIERS_ARGS picks, e.g. the
 # 10% target at the workload's 8 requests in flight: "--only none,tiers,full --concurrency 8" (6 minutes)
 BENCH_TIERS_ARGS ?=
+# issue 59: where our prefill (1,024 tokens) and decode steps (batch 1 and 20) spend their time on this CPU,
+# the GEMMs against everything around them (torch profiler); PROFILE_ARGS: --threads 2, --model ...
+profile-cpu: $(STAMP)
+	$(BIN)/python -m experiments.bench.profile_cpu --out bench_results/profile-$$(date +%Y%m%d-%H%M%S) $(PROFILE_ARGS)
+
 bench-tiers: $(STAMP)
 	$(BIN)/python -m experiments.bench.kv_tiers --out bench_results/tiers-$$(date +%Y%m%d-%H%M%S) $(BENCH_TIERS_ARGS)
 

@@ -1,0 +1,177 @@
+"""Where a CPU's time goes in our prefill and decode steps: the GEMMs against everything around them.
+
+    python -m experiments.bench.profile_cpu [--model smollm2-135m] [--prompt 1024] [--batches 1,20]
+        [--threads 1] [--steps 8] [--out DIR]        (make profile-cpu)
+
+Builds the engine on the CPU (the dtype the main job would pick here: bf16 where the CPU computes in it),
+warms it up, then under torch.profiler runs one prefill of a `prompt`-token prompt (prefix caching off:
+every token computed) and `steps` decode steps at each batch size (that many requests of 16-token
+prompts, timed once all of them decode). For each: the wall time, and the self CPU time of the torch ops
+in each kind: gemm (the linear layers: mm, addmm, linear, oneDNN's and our packed ones), attention (bmm,
+softmax, scaled_dot_product_attention and our CPU kernels), elementwise (activations, norms, rope,
+residual adds), copies (copy_, cat, index, gather, contiguous, view-making ops that copy), sampling
+(argmax, topk, sort, softmax over the vocabulary is counted as attention: both are softmax), other ops;
+and "outside ops": the wall time no op accounts for (Python, the scheduler, allocation). Prints one
+table per phase with the machine (lscpu's model name and its AMX and AVX-512 flags) and writes
+<out>/profile.json. Speed is measured here, not asserted: run it alone on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import time
+from pathlib import Path
+
+KINDS = {  # op-name patterns per kind, first match wins: torch's (aten::, mkldnn::) and our extension's
+    # functions (pdk::, recorded around each call: the profiler does not see into a pybind module)
+    "gemm": r"aten::(mm|addmm|linear|matmul)$|mkldnn|pdk::q8_linear",
+    "attention": r"aten::(bmm|baddbmm|_softmax|softmax|scaled_dot_product|_scaled_dot)|"
+    r"pdk::(decode_attention|extend_attention|causal_softmax|gather_kv)",
+    "sampling": r"aten::(argmax|topk|sort|multinomial|max|cumsum|exponential_)$",
+    "copies": r"aten::(copy_|cat|index|index_select|gather|scatter|clone|contiguous|_to_copy|to|"
+    r"index_put_|masked_fill|fill_|zero_|empty_strided|narrow_copy|stack)$|pdk::kv_append",
+    "elementwise": r"aten::(silu|gelu|mul|add|sub|div|rsqrt|pow|mean|neg|exp|sin|cos|sigmoid|where|"
+    r"rms_norm|layer_norm|native_layer_norm|sum|clamp|add_|mul_)$|pdk::(add_rms_norm|rope)",
+}
+ORDER = ("gemm", "attention", "elementwise", "copies", "sampling", "other", "outside ops")
+
+
+def machine() -> dict:
+    """lscpu's model name and the ISA flags that pick our fast paths."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    name = re.search(r"Model name:\s*(.+)", out)
+    flags = re.search(r"Flags:\s*(.+)", out)
+    isa = sorted(f for f in (flags.group(1).split() if flags else []) if f.startswith(("amx", "avx512")))
+    return {"cpu": name.group(1).strip() if name else "unknown", "isa": isa}
+
+
+def kind_of(op: str) -> str:
+    for kind, pattern in KINDS.items():
+        if re.search(pattern, op):
+            return kind
+    return "other"
+
+
+def split(events, wall_s: float, repeats: int) -> dict:
+    """{kind: ms per repeat} from a profile's per-op self CPU times (no op's time counted twice), with
+    the wall time no op accounts for as 'outside ops'; top: the ten costliest ops."""
+    ms = dict.fromkeys(ORDER, 0.0)
+    ops = []
+    for e in events:
+        self_ms = e.self_cpu_time_total / 1e3 / repeats
+        if self_ms <= 0:
+            continue
+        ms[kind_of(e.key)] += self_ms
+        ops.append((self_ms, e.key, e.count // repeats))
+    wall_ms = 1e3 * wall_s / repeats
+    ms["outside ops"] = max(wall_ms - sum(ms[k] for k in ORDER[:-1]), 0.0)
+    top = [{"op": op, "ms": round(t, 3), "calls": n} for t, op, n in sorted(ops, reverse=True)[:10]]
+    return {"wall_ms": wall_ms, "ms": ms, "non_gemm_ms": wall_ms - ms["gemm"], "top": top}
+
+
+def record_extension_calls() -> None:
+    """Wrap each function of our CPU extension in a profiler range named pdk::<name>."""
+    from torch.profiler import record_function
+
+    from pdkernels.cpu import module
+
+    ext = module()
+    if ext is None:
+        return
+    for name in [n for n in dir(ext) if not n.startswith("_") and callable(getattr(ext, n))]:
+        fn = getattr(ext, name)
+
+        def recorded(*args, _fn=fn, _name=f"pdk::{name}", **kwargs):
+            with record_function(_name):
+                return _fn(*args, **kwargs)
+
+        setattr(ext, name, recorded)
+
+
+def profile(run, repeats: int) -> dict:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        run()
+        wall = time.perf_counter() - start
+    return split(prof.key_averages(), wall, repeats)
+
+
+def main(argv=None) -> int:
+    import torch
+
+    from engine import LLM, SamplingParams
+    from pdkernels.cpu import native_bf16
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--prompt", type=int, default=1024)
+    ap.add_argument("--batches", default="1,20")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=8, help="decode steps profiled per batch size")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",") if b]
+    if args.prompt < 1 or args.threads < 1 or args.steps < 1 or not batches or min(batches) < 1:
+        ap.error("--prompt, --threads, --steps and every batch size must be at least 1")
+    torch.set_num_threads(args.threads)
+    record_extension_calls()
+    dtype = "bfloat16" if native_bf16() else "float32"
+    seqs = max(batches)
+    pages = (seqs + 2) * (-(-(args.prompt + args.steps + 64) // 16)) + 8
+    llm = LLM(args.model, device="cpu", dtype=dtype, page_size=16, num_pages=pages, max_num_seqs=seqs,
+              max_num_batched_tokens=max(args.prompt, 512), enable_prefix_caching=False)  # fmt: skip
+    once = SamplingParams(max_tokens=1, ignore_eos=True)
+
+    def prefill(i: int):
+        llm.add_request([100 + (i * 7 + t) % 1000 for t in range(args.prompt)], once)
+        while llm.has_unfinished():
+            llm.step()
+
+    prefill(0)  # warm-up: oneDNN's kernels, our packed weights, the allocator
+    result = {
+        "machine": machine(),
+        "model": args.model,
+        "dtype": dtype,
+        "threads": args.threads,
+        "phases": {},
+    }
+    result["phases"][f"prefill {args.prompt}"] = profile(lambda: prefill(1), 1)
+    for batch in batches:
+        long_enough = SamplingParams(max_tokens=args.steps + 16, ignore_eos=True)  # past the profiled steps
+        ids = [llm.add_request([200 + b + t for t in range(16)], long_enough) for b in range(batch)]
+        while any(not llm.seqs[i].output_ids for i in ids):  # every prompt computed: steps decode only
+            llm.step()
+        for _ in range(2):
+            llm.step()
+        result["phases"][f"decode batch {batch}"] = profile(
+            lambda: [llm.step() for _ in range(args.steps)], args.steps
+        )
+        for i in ids:
+            llm.abort(i)
+        while llm.has_unfinished():
+            llm.step()
+    m = result["machine"]
+    isa = " ".join(m["isa"]) or "no AVX-512"
+    print(f"{args.model} ({dtype}, {args.threads} thread(s)) on {m['cpu']}; {isa}")
+    print("| phase | wall ms | " + " | ".join(ORDER) + " | non-GEMM ms |")
+    print("| --- | ---: | " + " | ".join("---:" for _ in ORDER) + " | ---: |")
+    for phase, p in result["phases"].items():
+        cells = " | ".join(f"{p['ms'][k]:.1f}" for k in ORDER)
+        print(f"| {phase} | {p['wall_ms']:.1f} | {cells} | {p['non_gemm_ms']:.1f} |")
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "profile.json").write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
