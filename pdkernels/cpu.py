@@ -82,6 +82,12 @@ def native_bf16() -> bool:
     return bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
+def amx_bf16() -> bool:
+    """Whether this CPU has AMX tiles for bf16 (Xeon from Sapphire Rapids on): oneDNN's and torch's own
+    bf16 kernels use them, and what suits AVX-512 BF16 alone may not suit them."""
+    return "amx_bf16" in set(_flags().split())
+
+
 def module():
     """The compiled extension, or None (turned off, or no compiler: the torch code runs)."""
     global _module, _tried

@@ -1,8 +1,8 @@
 """The torch backend's causal extend attention on the CPU (pdkernels.ops): in C++ over the pages where the
 extension is built with AVX2 + FMA (pdkernels/csrc/extend_cpu.cpp), except in bf16 on CPUs that compute in
 it; else extend_attention_ref's page gathers, then each request's attention over its keys with the masked
-blocks skipped: torch's flash kernel, or, in bf16 on CPUs that compute in it, blocks of query rows on
-oneDNN's bf16 GEMMs with the C++ softmax.
+blocks skipped: torch's flash kernel, or, in bf16 on CPUs with AVX-512 BF16 but no AMX, blocks of query
+rows on oneDNN's bf16 GEMMs with the C++ softmax.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from pdkernels import cpu
-from pdkernels.cpu import native_bf16
+from pdkernels.cpu import amx_bf16, native_bf16
 from pdkernels.extend_attention import requests_kv
 
 __all__ = ["extend_attention_cpu", "causal_attention", "blocked_causal_attention"]
@@ -28,7 +28,7 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, sm_scale: float) -> Tensor
     is one, with no mask, the two merged by their log-sum-exps (measured on 1 AVX2 core, SmolLM2's heads:
     1024 new tokens 87 -> 61 ms, 1024 over 1024 cached 182 -> 150 ms)."""
     n, L = q.shape[0], k.shape[1]
-    if q.device.type == "cpu" and q.dtype == torch.bfloat16 and native_bf16():
+    if q.device.type == "cpu" and q.dtype == torch.bfloat16 and native_bf16() and not amx_bf16():
         return blocked_causal_attention(q, k, v, sm_scale)
     qh = q.transpose(0, 1)[None]  # [1, Hq, n, D]
     group = q.shape[1] // k.shape[0]
@@ -64,7 +64,9 @@ def blocked_causal_attention(q: Tensor, k: Tensor, v: Tensor, sm_scale: float) -
     stacked as rows), the softmax in fp32, only the diagonal block masked. On CPUs that compute in bf16
     (AVX-512 BF16, AMX) these are oneDNN's bf16 GEMMs, and it beats torch's flash kernel there (one AVX-512
     BF16 core, SmolLM2's heads, bf16: 1024 new tokens 23.1 -> 16.9 ms a layer, 2048 80.0 -> 46.4 ms;
-    in fp32 the flash kernel is the faster, so causal_attention picks this in bf16 on such CPUs only)."""
+    in fp32 the flash kernel is the faster, so causal_attention picks this in bf16 on such CPUs only). With
+    AMX torch's flash kernel is the faster (one core of an AMX Xeon, the same heads, bf16, a layer: 1024 new
+    tokens 12.9 -> 7.1 ms, 2048 43.6 -> 21.3 ms, 512 over 1,024 cached 11.5 -> 6.9 ms): not picked there."""
     n, num_heads, dim = q.shape
     num_kv_heads, L, _ = k.shape
     group = num_heads // num_kv_heads

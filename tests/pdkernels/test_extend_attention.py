@@ -172,10 +172,13 @@ def test_the_blocked_bf16_path_is_the_reference_over_several_blocks(
     called = []
     blocked = ea.blocked_causal_attention
     monkeypatch.setattr(ea, "blocked_causal_attention", lambda *a: called.append(1) or blocked(*a))
-    got = extend_attention_cpu(q, qo_indptr, *tables, sm_scale=0.2)
     atol, rtol = TOL[dtype]
-    torch.testing.assert_close(got, ref, atol=atol, rtol=rtol)
-    assert len(called) == (2 if dtype == torch.bfloat16 else 0)  # fp32 keeps the flash kernel
+    for amx in (False, True):  # with AMX torch's flash kernel is the faster: bf16 takes it too
+        called.clear()
+        monkeypatch.setattr(ea, "amx_bf16", lambda amx=amx: amx)
+        got = extend_attention_cpu(q, qo_indptr, *tables, sm_scale=0.2)
+        torch.testing.assert_close(got, ref, atol=atol, rtol=rtol)
+        assert len(called) == (2 if dtype == torch.bfloat16 and not amx else 0)  # fp32 keeps the flash kernel
     assert max(q_lens) > ea.BLOCK_ROWS
 
 
