@@ -23,7 +23,12 @@ class StepSampling:
         -> the exception that failed it). Each chunk is sampled on its own, so a row whose parameters
         break the arithmetic fails its own sequence only (a failed plain chunk's token is -1)."""
         eos = self.config.model.eos_token_ids
-        greedy = logits[plain].argmax(-1).tolist() if plain else []  # the common case in one call
+        # the common case in one call; rows in a run (every row, usually) as a view: indexing copied the
+        # [rows, vocab] fp32 logits first (0.9 ms of a 50 ms batch-20 decode step, SmolLM2 on one core)
+        run = plain and plain[-1] - plain[0] + 1 == len(plain)
+        greedy = (
+            (logits[plain[0] : plain[-1] + 1] if run else logits[plain]).argmax(-1).tolist() if plain else []
+        )
         tokens, verified, logprobs, failed, k = [], {}, {}, {}, 0
         for c, (lo, hi) in zip(sampling, rows, strict=True):
             try:
