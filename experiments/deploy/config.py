@@ -321,10 +321,13 @@ class ClusterConfig:
         default_factory=lambda: {"rate": "10gbit", "delay_us": 0, "jitter_us": 0, "loss_pct": 0}
     )
     subnet: int = 0  # 198.18.(subnet * 4 + nic).(host + 1): two runs at once need two subnets
+    ray: bool = False  # a Ray node per host (the head, and the driver, on host 0): workers are Ray actors
 
     def __post_init__(self):
         from experiments.deploy.netns import Link, check_cluster
 
+        if not isinstance(self.ray, bool):
+            refuse("cluster.ray", self.ray, "true or false")
         if hasattr(self.link, "keys"):  # a mapping from the YAML (OmegaConf's, too): a plain dict
             object.__setattr__(self, "link", {k: self.link[k] for k in self.link.keys()})
         check_cluster(self.hosts, self.nics_per_host, self.subnet)

@@ -130,6 +130,8 @@ def enter(namespace: str) -> None:
             err = ctypes.get_errno()
             raise OSError(err, f"{what} (entering {namespace}): {os.strerror(err)}")
 
+    if os.stat(f"/run/netns/{namespace}").st_ino == os.stat("/proc/self/ns/net").st_ino:
+        return  # there already (a Ray node's worker, started inside its host by `ip netns exec`)
     fd = os.open(f"/run/netns/{namespace}", os.O_RDONLY | os.O_CLOEXEC)
     try:
         check(libc.setns(fd, CLONE_NEWNET), "setns")
@@ -141,6 +143,25 @@ def enter(namespace: str) -> None:
     )  # nothing leaks out
     check(libc.umount2(b"/sys", MNT_DETACH), "umount /sys")
     check(libc.mount(namespace.encode(), b"/sys", b"sysfs", 0, None), "mount sysfs")
+
+
+def switch_thread(namespace: str | None, back: int | None = None) -> int | None:
+    """Move the calling thread's network stack into namespace (threads it starts later follow it), and
+    return a descriptor of the one it left; with namespace None, move it back to `back` (and close it).
+    The driver of a Ray cluster on these hosts joins its head's host so (a Ray driver connects from a node
+    of its own cluster)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    target = os.open(f"/run/netns/{namespace}", os.O_RDONLY | os.O_CLOEXEC) if namespace else back
+    left = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC) if namespace else None
+    try:
+        if libc.setns(target, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns into {namespace or 'the namespace left'}: {os.strerror(err)}")
+    finally:
+        os.close(target)
+    return left
 
 
 def _alive(pid: int) -> bool:

@@ -206,6 +206,36 @@ def test_the_main_job_runs_1p1d_across_two_hosts_and_its_kv_crosses_the_link(sho
     assert set(netns.namespaces()) <= before  # its hosts went with it
 
 
+def test_ray_nodes_one_per_host_run_the_workers_and_the_kv_crosses_the_link(short_tmp, tmp_path, monkeypatch):
+    """cluster.ray: a Ray node in each host (the head and the driver on host 0), each worker a Ray actor
+    on its host's node; every request completes, the KV crosses the link, and the hosts go with every Ray
+    process in them."""
+    import ray
+
+    from experiments.run import run
+    from tests.experiments.runs import _cfg
+
+    monkeypatch.setenv("TMPDIR", str(short_tmp.resolve()))
+    before = set(netns.namespaces())
+    overrides = [
+        "model=tiny-random", "deployment=1p1d", "launcher=netns", "cluster.ray=true", "cluster.subnet=23",
+        "cluster.link.rate=1gbit", "workload.num_requests=6", "workload.prompt_len.value=800",
+        "workload.output_len.value=8", "plots=false",
+    ]  # fmt: skip
+    (record,) = run(_cfg(overrides), tmp_path, progress=False)
+    assert record["summary"]["completed"] == 6
+    workers = {w["role"]: w for w in record["workers"]}
+    assert workers["prefill"]["node_id"] != workers["decode"]["node_id"]
+    assert workers["prefill"]["ray_node_id"] != workers["decode"]["ray_node_id"]  # two Ray nodes
+    kv = record["summary"]["transfer_bytes"]
+    assert kv <= workers["prefill"]["nic_tx_bytes"][0] <= 1.15 * kv + (256 << 10)
+    assert kv <= workers["decode"]["nic_rx_bytes"][0] <= 1.15 * kv + (256 << 10)
+    assert not ray.is_initialized() and set(netns.namespaces()) <= before
+    # no Ray process of those hosts left (gcs, raylets, workers: each names its node's address)
+    left = subprocess.run(["pgrep", "-f", r"198\.18\.92\."], capture_output=True, text=True).stdout.split()
+    assert not left, left
+
+
 def test_two_nics_a_host_share_out_the_kv_across_mismatched_tp(short_tmp, tmp_path, monkeypatch):
     """cluster.nics_per_host=2: a TP-2 prefill worker's ranks each send on a NIC of their own, to a TP-1
     decode worker whose one agent listens on both; the KV splits across the two links about evenly, and
@@ -238,6 +268,7 @@ def test_two_nics_a_host_share_out_the_kv_across_mismatched_tp(short_tmp, tmp_pa
         (dict(nics_per_host=5), r"cluster.nics_per_host=5 is not allowed"),
         (dict(link={"rate": "fast"}), r"cluster.link.rate='fast' is not allowed"),
         (dict(link={"speed": 1}), r"cluster.link=.* is not allowed: a mapping of rate"),
+        (dict(ray="yes"), r"cluster.ray='yes' is not allowed: true or false"),
     ],
 )
 def test_bad_cluster_settings_name_the_key(cluster, match):
