@@ -465,6 +465,18 @@ class RayLauncher:
                 log.debug("cleaning up %s: %s", w.name, e)
 
 
+def _sweep_ray_temps() -> None:
+    """Remove the Ray folders of NetnsRayLaunchers whose process is gone (SIGKILLed before shutdown)."""
+    import glob
+
+    from experiments.deploy.netns import _alive
+
+    for folder in glob.glob(os.path.join(tempfile.gettempdir(), "pdk-ray-*-*")):
+        owner = os.path.basename(folder).split("-")[2]
+        if owner.isdigit() and not _alive(int(owner)):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
 class NetnsRayLauncher(RayLauncher):
     """launcher=netns with cluster.ray: a Ray node per host (`ray start` inside its namespace, on its
     address, with a resource pdk_host_<i>), the head on host 0, where the driver's thread joins it (a Ray
@@ -487,7 +499,9 @@ class NetnsRayLauncher(RayLauncher):
         super().__init__(replace(cfg, address=head, max_restarts=max_restarts))
         ray = os.path.join(os.path.dirname(sys.executable), "ray")
         env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
-        self._temp = tempfile.mkdtemp(prefix="pdk-ray-")  # short: Ray's socket paths live under it
+        _sweep_ray_temps()
+        # short (Ray's socket paths live under it), and named by its owner: a SIGKILLed one's goes next time
+        self._temp = tempfile.mkdtemp(prefix=f"pdk-ray-{os.getpid()}-")
         try:
             for i in range(len(self.hosts.names)):
                 node = [ray, "start", f"--node-ip-address={self.hosts.address(i)}", "--num-cpus=64",
