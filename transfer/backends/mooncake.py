@@ -198,6 +198,7 @@ class StoreProcesses:
                         )
                     )
                 self._await_port(name, port, time.monotonic() + timeout_s)
+            self._await_mounted(metrics, time.monotonic() + timeout_s)
         except BaseException:
             self.stop()
             raise
@@ -207,6 +208,32 @@ class StoreProcesses:
             pool_bytes,
             self.master,
         )
+
+    def _await_mounted(self, metrics_port: int, deadline: float) -> None:
+        """Until the master counts the memory process's segment (master_total_capacity_bytes > 0): a
+        worker's first put before that fails, and the pool is then skipped for DOWN_FOR_S (a whole short
+        run, once, under load). The master's metrics are read where it listens (inside its namespace)."""
+        code = (
+            "import re, urllib.request; body = urllib.request.urlopen("
+            f"'http://{self.host}:{metrics_port}/metrics', timeout=2).read().decode(); "
+            "m = re.search(r'^master_total_capacity_bytes (\\S+)$', body, re.M); "
+            "print(m.group(1) if m else 0)"
+        )
+        where = ["ip", "netns", "exec", self.netns] if self.netns else []
+        while True:
+            done = subprocess.run(
+                [*where, sys.executable, "-c", code], capture_output=True, text=True, timeout=30
+            )
+            try:
+                if done.returncode == 0 and float(done.stdout.strip() or 0) > 0:
+                    return
+            except ValueError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"the Mooncake Store master never counted the pool's memory: {done.stderr[-300:]}"
+                )
+            time.sleep(0.05)
 
     def _await_port(self, name: str, port: int, deadline: float) -> None:
         while True:
