@@ -62,3 +62,18 @@ def _descendants(pid: int) -> list[int]:
         out += kids
         frontier += kids
     return out
+
+
+def skip_without_ebpf() -> None:
+    """cluster.link.loss_pct needs eBPF traffic-control programs (bpf(2), cls_bpf, a bpf filesystem to
+    mount): skipped, saying why, on a machine that refuses them."""
+    import pytest
+
+    from experiments.deploy.netns import Hosts, Link
+
+    try:
+        Hosts(1, Link("100mbit", loss_pct=1), subnet=63).close()
+    except RuntimeError as e:
+        if "bpf" not in str(e).lower():
+            raise
+        pytest.skip(f"this machine runs no eBPF classifier: {e}")

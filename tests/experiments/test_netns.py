@@ -15,6 +15,7 @@ import pytest
 from experiments.deploy import netns
 from experiments.deploy.netns import Hosts, Link
 from tests import needs
+from tests.experiments.runs import skip_without_ebpf
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root (CI runs as root)")
@@ -108,6 +109,7 @@ UDP_PROBE = textwrap.dedent(
 def test_loss_drops_each_packet_on_its_own_draw_on_both_ends_of_the_path(tmp_path, loss_pct):
     """cluster.link.loss_pct without netem (an eBPF classifier on each NIC's egress, both sides): a
     datagram from host 0 to host 1 crosses host 0's link and host 1's, so (1 - p)^2 of them arrive."""
+    skip_without_ebpf()
     sent = 4000
     with Hosts(2, Link("100mbit", loss_pct=loss_pct), subnet=12) as hosts:
         probe = [sys.executable, "-c", UDP_PROBE]
@@ -145,6 +147,7 @@ def test_the_loss_program_s_threshold_covers_every_percentage():
     assert below(99.9) == round(0.999 * 2**32) and below(100) is None
     with pytest.raises(ValueError, match="loss_pct=101 is not allowed"):
         netns_loss.program(101)
+    skip_without_ebpf()
     os.close(netns_loss.load(5))  # the kernel's verifier takes it
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from experiments.run import run
 from tests import needs
-from tests.experiments.runs import _cfg, _outputs
+from tests.experiments.runs import _cfg, _outputs, skip_without_ebpf
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root (CI runs as root)")
 needs.nixl()
@@ -32,6 +32,7 @@ def _pages_back(record) -> None:
 def test_random_loss_on_every_link_loses_no_token(short_tmp, tmp_path, monkeypatch, loss_pct):
     """1% and 5% of packets dropped on each NIC's link both ways (KV, control plane and heartbeats
     alike): TCP retransmits, and every request ends with the tokens of a run without loss."""
+    skip_without_ebpf()
     monkeypatch.setenv("TMPDIR", str(short_tmp.resolve()))
     (clean,) = run(_cfg([*RUN, "cluster.subnet=10"]), tmp_path / "clean", progress=False)
     lossy = [*RUN, f"cluster.subnet={11 + (loss_pct > 1)}", f"cluster.link.loss_pct={loss_pct}"]
