@@ -112,7 +112,10 @@ def test_the_http_server_serves_1p1d_across_two_nodes(tmp_path):
     proc, url = _start(tmp_path, "deployment=1p1d", *RAY)
     try:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
-        got = client.completions.create(model="tiny-random", prompt="The capital of France is", max_tokens=6)
+        # temperature 0: the server's default is OpenAI's 1.0, the reference below is greedy
+        got = client.completions.create(
+            model="tiny-random", prompt="The capital of France is", max_tokens=6, temperature=0
+        )
         want = LLM("tiny-random").generate(["The capital of France is"], SamplingParams(max_tokens=6))[0]
         assert got.choices[0].text == want.text
         metrics = _metrics(url)
