@@ -29,6 +29,7 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 
@@ -210,28 +211,34 @@ class StoreProcesses:
         )
 
     def _await_mounted(self, metrics_port: int, deadline: float) -> None:
-        """Until the master counts the memory process's segment (master_total_capacity_bytes > 0): a
-        worker's first put before that fails, and the pool is then skipped for DOWN_FOR_S (a whole short
-        run, once, under load). The master's metrics are read where it listens (inside its namespace)."""
-        code = (
-            "import re, urllib.request; body = urllib.request.urlopen("
-            f"'http://{self.host}:{metrics_port}/metrics', timeout=2).read().decode(); "
-            "m = re.search(r'^master_total_capacity_bytes (\\S+)$', body, re.M); "
-            "print(m.group(1) if m else 0)"
+        """Until the master counts the memory process's segment and the metadata server holds that
+        segment's transfer metadata: a worker's first put before either fails (-800 after the mount,
+        seen under the full suite), and the pool is then skipped for DOWN_FOR_S (a whole short run). Read
+        where they listen (inside the store's namespace under netns)."""
+        metrics, metadata = f"http://{self.host}:{metrics_port}/metrics", self.metadata
+        code = textwrap.dedent(
+            f"""
+            import urllib.parse, urllib.request
+            body = urllib.request.urlopen({metrics!r}, timeout=2).read().decode()
+            head = 'segment_total_capacity_bytes{{segment="'
+            line = next((x for x in body.splitlines() if x.startswith(head)), None)
+            assert line and float(line.split()[-1]) > 0, "no segment mounted yet"
+            key = urllib.parse.quote("mooncake/ram/" + line[len(head) :].split('"')[0], safe="")
+            urllib.request.urlopen({metadata!r} + "?key=" + key, timeout=2).read()
+            print("ready")
+            """
         )
         where = ["ip", "netns", "exec", self.netns] if self.netns else []
         while True:
             done = subprocess.run(
                 [*where, sys.executable, "-c", code], capture_output=True, text=True, timeout=30
             )
-            try:
-                if done.returncode == 0 and float(done.stdout.strip() or 0) > 0:
-                    return
-            except ValueError:
-                pass
+            if done.returncode == 0 and done.stdout.strip() == "ready":
+                return
             if time.monotonic() > deadline:
                 raise TimeoutError(
-                    f"the Mooncake Store master never counted the pool's memory: {done.stderr[-300:]}"
+                    f"the Mooncake Store's memory never became ready (mounted, its metadata published): "
+                    f"{done.stderr.strip()[-300:]}"
                 )
             time.sleep(0.05)
 
