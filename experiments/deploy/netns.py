@@ -20,6 +20,7 @@ that says so.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import re
@@ -82,7 +83,7 @@ class Link:
     def qdisc(self) -> list[str]:
         """The root qdisc of each side: tbf for the rate (every kernel with traffic control has it), netem
         with its own rate when there is delay or jitter (sch_netem: not every kernel has it, and then
-        building the link fails naming the keys). Loss is not a qdisc's: netns_loss.attach."""
+        building the link fails naming the keys). Loss is not a qdisc's: an eBPF filter (netns_loss)."""
         if not (self.delay_us or self.jitter_us):
             burst = max(
                 int(self.bytes_per_s() * 0.004), 4 * 65536
@@ -237,25 +238,29 @@ class Hosts:
             raise
 
     def _build(self) -> None:
-        for name in [self.switch, *self.names]:
-            _ip("netns", "add", name)
-            _ip("-n", name, "link", "set", "lo", "up")
-        for k in range(self.nics):
-            _ip("-n", self.switch, "link", "add", f"br{k}", "type", "bridge")
-            _ip("-n", self.switch, "link", "set", f"br{k}", "up")
-        for i, host in enumerate(self.names):
+        # loss: one eBPF program, pinned while it is attached to every NIC's two sides
+        pinned = netns_loss.pinned(self.link.loss_pct) if self.link.loss_pct else contextlib.nullcontext()
+        with pinned as loss:
+            for name in [self.switch, *self.names]:
+                _ip("netns", "add", name)
+                _ip("-n", name, "link", "set", "lo", "up")
             for k in range(self.nics):
-                port = f"h{i}n{k}"  # the switch's end of host i's NIC k
-                _ip("link", "add", "name", f"eth{k}", "netns", host, "type", "veth", "peer", "name", port,
-                    "netns", self.switch)  # fmt: skip
-                _ip("-n", self.switch, "link", "set", port, "master", f"br{k}", "up")
-                _ip("-n", host, "addr", "add", f"{self.address(i, k)}/24", "dev", f"eth{k}")
-                _ip("-n", host, "link", "set", f"eth{k}", "up")
-                _tc(host, "qdisc", "add", "dev", f"eth{k}", "root", *self.link.qdisc())
-                _tc(self.switch, "qdisc", "add", "dev", port, "root", *self.link.qdisc())
-                if self.link.loss_pct:
-                    netns_loss.attach(host, f"eth{k}", self.link.loss_pct)
-                    netns_loss.attach(self.switch, port, self.link.loss_pct)
+                _ip("-n", self.switch, "link", "add", f"br{k}", "type", "bridge")
+                _ip("-n", self.switch, "link", "set", f"br{k}", "up")
+            for i, host in enumerate(self.names):
+                for k in range(self.nics):
+                    port = f"h{i}n{k}"  # the switch's end of host i's NIC k
+                    _ip("link", "add", "name", f"eth{k}", "netns", host, "type", "veth", "peer", "name", port,
+                        "netns", self.switch)  # fmt: skip
+                    _ip("-n", self.switch, "link", "set", port, "master", f"br{k}", "up")
+                    _ip("-n", host, "addr", "add", f"{self.address(i, k)}/24", "dev", f"eth{k}")
+                    _ip("-n", host, "link", "set", f"eth{k}", "up")
+                    for namespace, dev in ((host, f"eth{k}"), (self.switch, port)):
+                        _tc(namespace, "qdisc", "add", "dev", dev, "root", *self.link.qdisc())
+                        if loss is not None:
+                            _tc(namespace, "qdisc", "add", "dev", dev, "clsact")
+                            _tc(namespace, "filter", "add", "dev", dev, "egress", "bpf", "da",
+                                "object-pinned", loss)  # fmt: skip
 
     def address(self, host: int, nic: int = 0) -> str:
         return f"{RANGE}.{self.subnet * MAX_NICS + nic}.{host + 1}"

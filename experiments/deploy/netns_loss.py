@@ -5,12 +5,14 @@ eBPF traffic-control programs: `cls_bpf` in direct-action mode returns TC_ACT_SH
 The program draws bpf_get_prandom_u32() per packet and drops it when the draw is below loss x 2^32, so
 each packet is lost independently with that probability (netem's plain `loss p%`). It is loaded with the
 bpf(2) system call, pinned for a moment in a bpf filesystem mounted in a private folder (tc takes a
-program by its pinned path), attached, then unpinned and unmounted: the filter keeps it alive, and it goes
-with the NIC when the namespace is deleted. Nothing here reads a packet's contents.
+program by its pinned path: `pinned`), attached to each NIC (netns.Hosts), then unpinned and unmounted:
+the filters keep it alive, and it goes with the NICs when the namespaces are deleted. Nothing here reads a
+packet's contents.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import shutil
@@ -83,26 +85,21 @@ def load(loss_pct: float) -> int:
         ) from None
 
 
-def attach(namespace: str, device: str, loss_pct: float) -> None:
-    """Drop loss_pct% of what device (in namespace) sends, each packet on its own draw."""
+@contextlib.contextmanager
+def pinned(loss_pct: float):
+    """The loaded program pinned in a bpf filesystem mounted in a private folder, for as long as the
+    caller attaches it (`tc filter add dev D egress bpf da object-pinned <path>`, as many NICs as it
+    likes); then unpinned and unmounted: each filter keeps it alive."""
     fd = load(loss_pct)
     folder = tempfile.mkdtemp(prefix="pdk-bpf-")
     mounted = False
     try:
         subprocess.run(["mount", "-t", "bpf", "bpf", folder], check=True, capture_output=True, text=True)
         mounted = True
-        pinned = os.path.join(folder, "loss")
-        path = ctypes.create_string_buffer(pinned.encode())
-        _bpf(BPF_OBJ_PIN, struct.pack("<QI", ctypes.addressof(path), fd))
-        for args in (
-            ["qdisc", "add", "dev", device, "clsact"],
-            ["filter", "add", "dev", device, "egress", "bpf", "da", "object-pinned", pinned],
-        ):
-            done = subprocess.run(
-                ["ip", "netns", "exec", namespace, "tc", *args], capture_output=True, text=True
-            )
-            if done.returncode:
-                raise RuntimeError(f"tc {' '.join(args)} in {namespace}: {done.stderr.strip()}")
+        path = os.path.join(folder, "loss")
+        name = ctypes.create_string_buffer(path.encode())
+        _bpf(BPF_OBJ_PIN, struct.pack("<QI", ctypes.addressof(name), fd))
+        yield path
     except subprocess.CalledProcessError as e:
         raise RuntimeError(
             f"cluster.link.loss_pct: mounting a bpf filesystem failed: {e.stderr.strip()}"
