@@ -117,6 +117,29 @@ def _tc(namespace: str, *args: str) -> None:
         raise RuntimeError(f"tc {' '.join(args)} in {namespace}: {done.stderr.strip()}")
 
 
+def _check(result: int, what: str) -> None:
+    """A libc call's result: OSError naming what failed, with errno's text."""
+    import ctypes
+
+    if result != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def _setns(fd: int, what: str) -> None:
+    """The calling thread into the network namespace fd names (closed here)."""
+    import ctypes
+
+    try:
+        _check(ctypes.CDLL(None, use_errno=True).setns(fd, CLONE_NEWNET), what)
+    finally:
+        os.close(fd)
+
+
+def _open_ns(namespace: str) -> int:
+    return os.open(f"/run/netns/{namespace}", os.O_RDONLY | os.O_CLOEXEC)
+
+
 def enter(namespace: str) -> None:
     """Move this process (single-threaded still) into namespace's network stack (setns; os.setns is
     Python 3.12 on), and give it that stack's view of /sys, as `ip netns exec` does: a mount namespace of
@@ -125,25 +148,16 @@ def enter(namespace: str) -> None:
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
-
-    def check(result: int, what: str) -> None:
-        if result != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"{what} (entering {namespace}): {os.strerror(err)}")
-
     if os.stat(f"/run/netns/{namespace}").st_ino == os.stat("/proc/self/ns/net").st_ino:
         return  # there already (a Ray node's worker, started inside its host by `ip netns exec`)
-    fd = os.open(f"/run/netns/{namespace}", os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        check(libc.setns(fd, CLONE_NEWNET), "setns")
-    finally:
-        os.close(fd)
-    check(libc.unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
-    check(
-        libc.mount(b"none", b"/", None, MS_REC | MS_SLAVE, None), "mount --make-rslave /"
-    )  # nothing leaks out
-    check(libc.umount2(b"/sys", MNT_DETACH), "umount /sys")
-    check(libc.mount(namespace.encode(), b"/sys", b"sysfs", 0, None), "mount sysfs")
+    _setns(_open_ns(namespace), f"setns (entering {namespace})")
+    _check(libc.unshare(CLONE_NEWNS), f"unshare(CLONE_NEWNS) (entering {namespace})")
+    _check(  # nothing leaks out
+        libc.mount(b"none", b"/", None, MS_REC | MS_SLAVE, None),
+        f"mount --make-rslave / (entering {namespace})",
+    )
+    _check(libc.umount2(b"/sys", MNT_DETACH), f"umount /sys (entering {namespace})")
+    _check(libc.mount(namespace.encode(), b"/sys", b"sysfs", 0, None), f"mount sysfs (entering {namespace})")
 
 
 def switch_thread(namespace: str | None, back: int | None = None) -> int | None:
@@ -151,17 +165,16 @@ def switch_thread(namespace: str | None, back: int | None = None) -> int | None:
     return a descriptor of the one it left; with namespace None, move it back to `back` (and close it).
     The driver of a Ray cluster on these hosts joins its head's host so (a Ray driver connects from a node
     of its own cluster)."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    target = os.open(f"/run/netns/{namespace}", os.O_RDONLY | os.O_CLOEXEC) if namespace else back
-    left = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC) if namespace else None
+    if namespace is None:
+        _setns(back, "setns into the namespace left")
+        return None
+    target = _open_ns(namespace)
+    left = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
     try:
-        if libc.setns(target, CLONE_NEWNET) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"setns into {namespace or 'the namespace left'}: {os.strerror(err)}")
-    finally:
-        os.close(target)
+        _setns(target, f"setns into {namespace}")
+    except OSError:
+        os.close(left)
+        raise
     return left
 
 
