@@ -151,6 +151,7 @@ class StoreProcesses:
     ):
         site = os.path.join(_site(), "mooncake")
         self.host, self.netns = host, netns
+        self._inside = ["ip", "netns", "exec", netns] if netns else []  # what runs here runs on its host
         ports = _ports_in(netns, host, 4) if netns else [free_port(host) for _ in range(4)]
         rpc, metrics, meta, mem = ports
         self.master = f"{host}:{rpc}"
@@ -191,7 +192,7 @@ class StoreProcesses:
                 with open(os.path.join(log_dir, f"store-{name}.log"), "ab") as out:
                     self.procs.append(
                         subprocess.Popen(
-                            (["ip", "netns", "exec", netns] if netns else []) + commands[name],
+                            self._inside + commands[name],
                             stdout=out,
                             stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL,
@@ -228,10 +229,9 @@ class StoreProcesses:
             print("ready")
             """
         )
-        where = ["ip", "netns", "exec", self.netns] if self.netns else []
         while True:
             done = subprocess.run(
-                [*where, sys.executable, "-c", code], capture_output=True, text=True, timeout=30
+                [*self._inside, sys.executable, "-c", code], capture_output=True, text=True, timeout=30
             )
             if done.returncode == 0 and done.stdout.strip() == "ready":
                 return
