@@ -47,13 +47,15 @@ def server(tmp_path_factory):
 
 
 def test_a_field_the_wire_cannot_carry_fails_alone(server):
-    """top_k or seed of 2**64 beside requests in flight: a 400 naming the field; the others finish."""
+    """top_k or seed of 2**64 beside requests in flight: a 400 naming the field; the others finish.
+    Each runs 160 steps (eos ignored; six fit the 256 pages of 4) to overlap the others by a wide
+    margin: at 60 tokens the first once ended before the sixth began, under the full suite."""
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0)
     results = []
 
     def long_one(stream: bool):
         kw = dict(
-            model="tiny-random", prompt="Long:", max_tokens=60, temperature=0, extra_body={"ignore_eos": True}
+            model="tiny-random", prompt="Long:", max_tokens=160, temperature=0, extra_body={"ignore_eos": True}
         )
         if stream:
             results.append("".join(c.choices[0].text for c in client.completions.create(stream=True, **kw)))
