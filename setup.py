@@ -53,8 +53,9 @@ setup(
         "nixl": ["nixl-cu12==1.5.1"],
         "nixl-cu13": ["nixl-cu13==1.5.1"],
         # the shared KV pool (kv_tiers.store=mooncake): Mooncake Store's CPU build; its RDMA libraries come
-        # from NIXL's wheel (python -m transfer.backends.mooncake links them). On a GPU: the CUDA build
-        "store": ["mooncake-transfer-engine-non-cuda==0.3.13.post1"],
-        "store-cuda": ["mooncake-transfer-engine==0.3.13.post1"],
+        # from NIXL's wheel (python -m transfer.backends.mooncake links them). On a GPU: the CUDA build.
+        # cryptography seals the pool's objects (AES-GCM): any local process can read the pool
+        "store": ["mooncake-transfer-engine-non-cuda==0.3.13.post1", "cryptography>=42"],
+        "store-cuda": ["mooncake-transfer-engine==0.3.13.post1", "cryptography>=42"],
     },
 )

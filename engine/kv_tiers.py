@@ -31,7 +31,7 @@ from torch import Tensor
 
 from engine.config import KVTiersConfig
 from engine.kv_disk import DiskTier
-from engine.kv_pages import HostPool, PageFormat
+from engine.kv_pages import HEADER_BYTES, HostPool, PageFormat
 from engine.kv_pool import PoolTier
 
 log = logging.getLogger(__name__)
@@ -42,6 +42,7 @@ UNPUT_PER_SLOT = 4  # pool puts that may wait for a host slot, per slot (past th
 REMOVE_RETRY_S = 1.0  # a rejected pool object under a read's lease (Mooncake's: 10 s): removed again after
 # a page's load time until a tier has loaded one (seconds; make bench-tiers measured 2.0 / 3.1 / 6.2 ms on
 # 2 cores of an AMD EPYC, the I/O thread's queue included)
+UNSEALED = "its seal did not open (AES-GCM under the deployment's secret): forged, moved or garbage"
 PRIOR_PAGE_S = {"host": 0.002, "disk": 0.003, "pool": 0.006}
 
 
@@ -68,7 +69,6 @@ class Load:
         self.plan, self.pages, self.deadline = plan, pages, deadline  # plan: (tier, name, host, disk slot)
         self.lock = threading.Lock()
         self.ok, self.cancelled, self.finished = 0, False, False
-        self.late: set[int] = set()  # host slots a pool get past its deadline may still write
         self.started, self.began = time.monotonic(), time.perf_counter()
         self.ended = self.started  # when the I/O thread finished it
 
@@ -114,8 +114,9 @@ class KVTiers:
                 self.pool = PoolTier(
                     config.store_master,
                     config.store_metadata,
-                    self.host.memory,
                     space,
+                    self.fmt.secret,
+                    HEADER_BYTES + self.fmt.payload,
                     config.store_deadline_s,
                 )
             except Exception as e:  # a store that is not there: the engine serves without the pool
@@ -362,7 +363,6 @@ class KVTiers:
     def _put_pool(self, name: bytes, slot: int, page: int) -> None:
         self.host.busy[slot] += 1
         self.pool.stored(name)  # so that no other step puts it again meanwhile
-        size = self.fmt.slot_bytes
 
         def put():
             key = self.pool.key(name)
@@ -375,14 +375,13 @@ class KVTiers:
                 state = "held"
             else:
                 self.fmt.stamp(self.host.view(slot), name)
-                state = self.pool.client.put(key, slot * size, size)
+                state = self.pool.put(name, self.host.view(slot))
             self._results.put(lambda: self._pool_put(name, slot, state))
 
         self._submit(_WRITE, put)
 
     def _pool_put(self, name: bytes, slot: int, state: str, page: int | None = None) -> None:
-        if state != "late":  # a put still reading its slot keeps it busy
-            self.host.busy[slot] -= 1
+        self.host.busy[slot] -= 1  # a put past its deadline holds a sealed copy, not the slot
         if state == "leased":  # tried again once the lease may have passed, while its page holds
             self.pool.forget(name)
             if name in self.pool.rejected:
@@ -413,8 +412,6 @@ class KVTiers:
                 self.disk.busy[disk_slot] -= 1
                 if read == "STUCK":
                     continue  # the read may still land in its host slot: that slot stays busy
-            if tier == "pool" and slot in job.late:
-                continue  # likewise a get past its deadline
             self.host.busy[slot] -= 1
             if tier != "host":
                 if i < job.ok:
@@ -467,10 +464,9 @@ class KVTiers:
                 elif tier == "pool":
                     if job.cancelled or time.monotonic() > job.deadline:
                         break
-                    got = self.pool.client.get(self.pool.key(name), slot * size, size)
-                    if got == "late":
-                        job.late.add(slot)
-                    why = f"the get {got}" if got != "ok" else self.fmt.check(view, name)
+                    got = self.pool.get(name, view)
+                    why = UNSEALED if got == "unsealed" else f"the get {got}" if got != "ok" else None
+                    why = why or self.fmt.check(view, name)
                     if why is not None:
                         self._results.put(lambda name=name, why=why: self._bad("pool", name, why))
                         break

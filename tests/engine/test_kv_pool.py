@@ -13,6 +13,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.kv_cache import page_hashes
+from engine.kv_pages import HEADER_BYTES
 from tests import needs
 from tests.tiers import all_busy, release
 from transfer.backends.mooncake import StoreClient, StoreProcesses, link_libraries
@@ -138,27 +139,55 @@ def test_a_waiting_put_whose_page_is_evicted_first_is_skipped_and_counted(store,
     assert llm.tiers.drain()
 
 
-def test_pages_of_another_secret_or_salt_are_never_used(store, reference, caplog):
+def test_pages_of_another_secret_or_salt_are_never_found(store, reference):
+    """A page's key is an HMAC of its name under the secret: another secret or salt looks up other keys
+    and finds nothing (an attacker without the secret cannot tell which prompts are cached)."""
     writer = LLM(**SMALL, kv_tiers=_tiers(store))
     _one_by_one(writer, _prompts())
     assert writer.tiers.drain()
-    # each prompt whose first page reached the pool is one MAC failure for the other secret (a put can
-    # fail under load: Mooncake's -800), and the look-up stops there
     firsts = [page_hashes(p, 4, writer.scheduler.salt, [])[0] for p in _prompts()]
     client = StoreClient(store.master, store.metadata, torch.zeros(8, dtype=torch.uint8), 2.0)
     stored = sum(client.exists([writer.tiers.pool.key(name) for name in firsts]))
     client.close()
-    assert stored >= 1
+    assert stored >= 1  # a put can fail under load (Mooncake's -800)
     other = LLM(**SMALL, kv_tiers=_tiers(store, secret="someone else's"))
-    with caplog.at_level(logging.WARNING, logger="engine.kv_tiers"):
-        outs = _one_by_one(other, _prompts())
+    assert all(other.tiers.pool.key(n) != writer.tiers.pool.key(n) != n.hex() for n in firsts)
+    outs = _one_by_one(other, _prompts())
     assert [o.token_ids for o in outs] == reference
-    assert all(o.num_cached_tokens == 0 for o in outs) and "MAC" in caplog.text
-    assert other.kv_tier_stats["pool"]["dropped"] == stored
+    assert all(o.num_cached_tokens == 0 for o in outs) and other.kv_tier_stats["pool"]["dropped"] == 0
     salted = LLM(**SMALL, kv_tiers=_tiers(store))
     mallory = SamplingParams(max_tokens=6, ignore_eos=True, cache_salt="mallory")
     assert all(o.num_cached_tokens == 0 for o in _one_by_one(salted, _prompts(), mallory))
     assert salted.kv_tier_stats["pool"]["dropped"] == 0  # other names: nothing to check, nothing found
+
+
+def test_a_local_process_reading_the_pool_learns_nothing_and_cannot_move_a_page(store, reference, caplog):
+    """Issue 56: any local process can read the pool's objects whole (Mooncake authenticates no one).
+    They are sealed (AES-GCM): no header, name or KV byte of the slot appears in one, and a valid object
+    copied under another page's key does not open there: dropped and computed, the text unchanged."""
+    writer = LLM(**SMALL, kv_tiers=_tiers(store))
+    _one_by_one(writer, _prompts()[:2])
+    assert writer.tiers.drain()
+    firsts = [page_hashes(p, 4, writer.scheduler.salt, [])[0] for p in _prompts()[:2]]
+    pool = writer.tiers.pool
+    memory = torch.zeros(pool.sealed_bytes, dtype=torch.uint8)
+    intruder = StoreClient(store.master, store.metadata, memory, 2.0)
+    try:
+        assert intruder.get(pool.key(firsts[0]), 0, pool.sealed_bytes) == "ok"
+        sealed = memory.numpy().tobytes()
+        plain = writer.tiers.host.view(writer.tiers.host.get(firsts[0])).numpy().tobytes()
+        assert plain[:4] == b"PDKV" and b"PDKV" not in sealed and firsts[0] not in sealed
+        payload = plain[HEADER_BYTES : HEADER_BYTES + writer.tiers.fmt.payload]
+        assert all(payload[i : i + 16] not in sealed for i in range(0, len(payload), 256))
+        assert intruder.remove(pool.key(firsts[1])) == "ok"
+        assert intruder.put(pool.key(firsts[1]), 0, pool.sealed_bytes) == "ok"  # the first page's, moved
+    finally:
+        intruder.close()
+    reader = LLM(**SMALL, kv_tiers=_tiers(store))
+    with caplog.at_level(logging.WARNING, logger="engine.kv_tiers"):
+        outs = _one_by_one(reader, _prompts()[1:2])
+    assert [o.token_ids for o in outs] == reference[1:2] and outs[0].num_cached_tokens == 0
+    assert reader.kv_tier_stats["pool"]["dropped"] == 1 and "seal did not open" in caplog.text
 
 
 def _plant_junk(store) -> None:
@@ -166,10 +195,11 @@ def _plant_junk(store) -> None:
     right size (the names as an engine names them)."""
     writer = LLM(**SMALL, kv_tiers=_tiers(store))
     firsts = [page_hashes(p, 4, writer.scheduler.salt, [])[0] for p in _prompts()]
-    junk = torch.randint(0, 255, (writer.tiers.fmt.slot_bytes,), dtype=torch.uint8)
+    pool = writer.tiers.pool
+    junk = torch.randint(0, 255, (pool.sealed_bytes,), dtype=torch.uint8)
     client = StoreClient(store.master, store.metadata, junk, 2.0)
-    assert client.put(writer.tiers.pool.key(firsts[0]), 0, 100) == "ok"  # too short
-    assert client.put(writer.tiers.pool.key(firsts[1]), 0, junk.numel()) == "ok"  # garbage
+    assert client.put(pool.key(firsts[0]), 0, 100) == "ok"  # too short
+    assert client.put(pool.key(firsts[1]), 0, junk.numel()) == "ok"  # garbage
     client.close()
 
 

@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from tests.experiments.hostile import _start
+from tests.experiments.hostile import _start, _until_gauge
+from tests.experiments.serving import _metrics
 
 OK = {"model": "tiny-random", "prompt": "Hello", "max_tokens": 2, "temperature": 0}
 ATTACKER, VICTIM = "127.0.0.3", "127.0.0.2"
@@ -117,8 +118,8 @@ def one_worker(tmp_path):
 def test_requests_of_many_completions_take_one_clients_share_not_the_worker(one_worker):
     """Four streamed requests of n=16 (a worker's 64 sequences; on 359d433 another client's first token
     waited over 60 s): the third and fourth are refused with 429 naming server.max_sequences_per_client
-    (32), and another client is served while the first two still stream. Once they end, the client's
-    share is free again."""
+    (32), and another client is served while the first two still stream; /metrics follows their pages.
+    Once they end, the client's share is free again and the gauges read idle."""
     url = one_worker
     attacks = [_stream(url, ATTACKER, 16, 1000) for _ in range(4)]
     statuses = [status for _, status, _ in attacks]
@@ -127,6 +128,12 @@ def test_requests_of_many_completions_take_one_clients_share_not_the_worker(one_
     assert "server.max_sequences_per_client" in refused["message"] and refused["param"] == "n"
     status, body = _post(url, VICTIM)
     assert status == 200, body
+    # item 9: the worker's gauges live under these 32 sequences (the issue read 256 of 256 pages free
+    # while 64 ran); running and free pages come from one report, and a running sequence holds a page
+    running = ("pdk_requests_running", (("worker", "colocated-0"),))
+    free = ("pdk_kv_free_pages", (("worker", "colocated-0"),))
+    _until_gauge(url, running, 32, 60, "the 32 sequences were never seen running")
+    assert all(m[free] < 8192 for m in (_metrics(url) for _ in range(5)) if m[running] > 0)
     for conn, _, _ in attacks[:2]:  # still streaming: the victim did not wait for them
         sock = conn.sock
         sock.setblocking(False)
@@ -141,3 +148,7 @@ def test_requests_of_many_completions_take_one_clients_share_not_the_worker(one_
         time.sleep(0.05)  # the cancels' results are on their way
     assert again[1] == 200
     again[0].close()
+    give_up = time.monotonic() + 60  # and back to idle once they end
+    while (m := _metrics(url))[running] > 0 or m[free] < 8192:
+        assert time.monotonic() < give_up, (m[running], m[free])
+        time.sleep(0.05)

@@ -4,18 +4,19 @@ module that imports `mooncake`.
 `StoreProcesses` is what a launcher starts beside the workers: the master (metadata of every object), an
 HTTP metadata server (Mooncake's own, bound to the host we give it: the master's built-in one binds every
 interface) and one memory process that holds the pool's bytes (`mooncake_client`, so that the pool
-outlives any worker). `StoreClient` is a worker's client: it mounts no memory of its own, registers its
-host pool's buffer and moves pages between it and the pool; every call runs on one thread of its own
-and has a deadline, past which the store counts as down for a while (a miss, never an error).
+outlives any worker). `StoreClient` is a worker's client: it mounts no memory of its own, registers a
+buffer and moves objects between it and the pool; every call runs on one thread of its own and has a
+deadline, past which the store counts as down for a while (a miss, never an error).
 
 On a CPU machine the wheel is `mooncake-transfer-engine-non-cuda`; its libraries need `libibverbs.so.1`
 and libnl, which NIXL's wheel ships under hashed names: `link_libraries()` links them where Mooncake's
 libraries look (its RPATH), once per environment (`make` does it; `python -m transfer.backends.mooncake`).
 
 Mooncake's TCP transfer engine listens on every interface (its port search binds INADDR_ANY) and does not
-authenticate peers; run the pool on a trusted network. What we keep: the master, the metadata server and
-the memory process's service bind to `host`, and every page carries a MAC keyed by the deployment's
-secret, so a page written by anyone else fails its check and is recomputed (engine/kv_pages.py).
+authenticate peers, nor does the master (any process that reaches it may list, read, remove or write
+objects); run the pool on a trusted network. What we keep: the master, its metrics and admin server, the
+metadata server and the memory process's service bind to `host`, and what workers put is sealed under
+keys only the deployment's secret derives (engine/kv_pool.py).
 """
 
 from __future__ import annotations
@@ -290,6 +291,7 @@ class StoreClient:
         self.deadline_s, self.down_until = deadline_s, 0.0
         self._lock = threading.Lock()
         self._calls = cf.ThreadPoolExecutor(1, thread_name_prefix="kv-pool")
+        self._late: cf.Future | None = None  # the last call past its deadline (it goes on)
         self.store = _store_class()()
         rc = self._call(self.store.setup, host, metadata, 0, 16 << 20, "tcp", "", master, wait=30.0)
         if rc is LATE or rc is FAILED or rc != 0:
@@ -311,11 +313,17 @@ class StoreClient:
         try:
             return future.result(timeout=wait or self.deadline_s)
         except cf.TimeoutError:
+            self._late = future
             self._failed(getattr(fn, "__name__", "a call"), "past its deadline")
             return LATE
         except Exception as e:
             self._failed(getattr(fn, "__name__", "a call"), repr(e))
             return FAILED
+
+    def settled(self) -> bool:
+        """Every call that went past its deadline has returned (one thread runs them in order): memory
+        they were given is no longer read or written."""
+        return self._late is None or self._late.done()
 
     def _failed(self, what: str, why) -> None:
         """The pool is down for DOWN_FOR_S (one warning per outage)."""
