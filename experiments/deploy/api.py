@@ -133,14 +133,18 @@ class Parsed:
     def completions(self) -> list[Submit]:
         """One Submit per completion: the first is the request's own; completion i is '<id>#i', seeded
         seed + i, and names the first (Submit.after): it goes to the same worker and shares its prompt."""
-        first = self.submit
+        first = msgspec.structs.replace(self.submit, completions=self.n)
         out = [first]
         for i in range(1, self.n):
             seed = None if first.sampling.seed is None else (first.sampling.seed + i) % (1 << 63)
             sampling = dataclasses.replace(first.sampling, seed=seed)
             out.append(
                 msgspec.structs.replace(
-                    first, request_id=f"{first.request_id}#{i}", sampling=sampling, after=first.request_id
+                    first,
+                    request_id=f"{first.request_id}#{i}",
+                    sampling=sampling,
+                    after=first.request_id,
+                    completions=1,
                 )
             )
         return out

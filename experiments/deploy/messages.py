@@ -54,12 +54,15 @@ class Submit(Message):
     # n > 1: the server sends one Submit per completion; a later one names the first (its request_id),
     # goes to the same worker and starts once that one's prompt KV is there, sharing its pages
     after: str | None = None
+    completions: int = 1  # the first's: how many completions share its prompt (admission prices them all)
     dp_rank: int | None = None  # a worker of DP groups: the router's choice of group (None: the worker's)
 
     def __post_init__(self):
         check_request(self.request_id, self.prompt_ids)
         if self.after is not None:
             check_request_id(self.after)
+        if self.completions < 1:
+            raise ValueError(f"Submit.completions must be at least 1, got {self.completions}")
         if self.sampling.n != 1:
             raise ValueError(
                 f"Submit.sampling.n must be 1 (one Submit per completion), got {self.sampling.n}"

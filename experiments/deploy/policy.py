@@ -253,12 +253,18 @@ class Router:
         )
 
     def route_tokens(
-        self, request_id, token_ids, live: list[str], admit: bool = False, cache_salt: str | None = None
+        self,
+        request_id,
+        token_ids,
+        live: list[str],
+        admit: bool = False,
+        cache_salt: str | None = None,
+        sequences: int = 1,
     ) -> str | None:
         """route() for a real request: its tokens (prompt, and any outputs it resumes after). admit: a
         new request, which admission=slo may refuse (None; `why` says why); a migrated one is not."""
         names = page_names(token_ids, self.page_size, self.salt, cache_salt)
-        return self.route(request_id, names, len(token_ids), live, admit)
+        return self.route(request_id, names, len(token_ids), live, admit, sequences)
 
     # -- admission
 
@@ -312,13 +318,16 @@ class Router:
         known yet)."""
         return self._predict(target, self._prefill_queue(target, tokens), tokens)
 
-    def _predict(self, target: str, queue: str | None, tokens: int) -> tuple[float | None, float | None]:
-        """predict() with the queue it joins already chosen."""
+    def _predict(
+        self, target: str, queue: str | None, tokens: int, sequences: int = 1
+    ) -> tuple[float | None, float | None]:
+        """predict() with the queue it joins already chosen, for a request of `sequences` completions
+        (each joins the decode batch; they share the prompt's pages, computed once)."""
         ttft = self._queue_s(queue, tokens)
         speed = self.speed.get(target)
         if speed is not None:
             speed.expire(self.clock() - BIAS_WINDOW_S)
-        tpot = speed.step_s(len(self.in_flight[target]) + 1) if speed else None
+        tpot = speed.step_s(len(self.in_flight[target]) + sequences) if speed else None
         return (None if ttft is None else ttft + self._bias(target, queue)), tpot
 
     def prefill_of(self, request_id) -> str | None:
@@ -338,17 +347,17 @@ class Router:
             return live[self._prefill_turn % len(live)]  # route() moves the turn on when it admits
         return min(live, key=lambda p: (self._ahead(p) + tokens) / (self._rate(p) or 1.0))
 
-    def _by_load(self, target: str, queue: str, tokens: int) -> str:
+    def _by_load(self, target: str, queue: str, tokens: int, sequences: int = 1) -> str:
         """Conditional disaggregation by load: the decode worker target prefills the request itself (its
         own queue) when the prefill worker's queue would break slo.ttft_s, target's own queue would be
-        sooner, and target's decode step at one more request stays within slo.tpot_s."""
+        sooner, and target's decode step with the request's sequences stays within slo.tpot_s."""
         ttft_slo, tpot_slo = self.slo
         remote = self._queue_s(queue, tokens)
         if remote is None or remote + self._bias(target, queue) <= ttft_slo:
             return queue
         local = self._queue_s(target, tokens)
         speed = self.speed.get(target)
-        tpot = speed.step_s(len(self.in_flight[target]) + 1) if speed else None
+        tpot = speed.step_s(len(self.in_flight[target]) + sequences) if speed else None
         if local is None or local >= remote or (tpot is not None and tpot > tpot_slo):
             return queue
         self.local_by_load += 1
@@ -380,10 +389,10 @@ class Router:
             busy = bool(self.in_flight.get(target, set()) - {request_id}) or self._ahead(queue) > 0
             self.late.append((now, now - entry[2] - entry[3], busy))
 
-    def _admit(self, target: str, queue: str | None, tokens: int) -> str | None:
-        """Why admission=slo refuses a request with `tokens` prompt tokens to compute on target, joining
-        queue (None: it does not)."""
-        ttft, tpot = self._predict(target, queue, tokens)
+    def _admit(self, target: str, queue: str | None, tokens: int, sequences: int = 1) -> str | None:
+        """Why admission=slo refuses a request of `sequences` completions with `tokens` prompt tokens to
+        compute on target, joining queue (None: it does not)."""
+        ttft, tpot = self._predict(target, queue, tokens, sequences)
         ttft_slo, tpot_slo = self.slo
         if ttft is not None and ttft > ttft_slo:
             return f"rejected: predicted TTFT {ttft:.2f} s > slo.ttft_s={ttft_slo:g} (overloaded)"
@@ -408,11 +417,18 @@ class Router:
         self.events += len(events)
 
     def route(
-        self, request_id, names: list[Hashable], tokens: int, live: list[str], admit: bool = False
+        self,
+        request_id,
+        names: list[Hashable],
+        tokens: int,
+        live: list[str],
+        admit: bool = False,
+        sequences: int = 1,
     ) -> str | None:
         """Pick a live worker for a request whose prompt is `tokens` long, its full pages named `names`
         (leading first), and record it there. admit: a new request (not a migrated one), which admission=slo
-        may refuse (None; self.why says why)."""
+        may refuse (None; self.why says why), priced with all its `sequences` (n: the later completions
+        follow it without admission of their own)."""
         self.why = None
         if not live:
             raise ValueError("no live worker to route to")
@@ -428,9 +444,9 @@ class Router:
         to_compute = max(tokens - hit * self.page_size, 1)
         queue = self._prefill_queue(target, to_compute) if admit else None
         if admit and self.by_load and queue is not None and queue != target:
-            queue = self._by_load(target, queue, to_compute)
+            queue = self._by_load(target, queue, to_compute, sequences)
         if admit and self.admission == "slo":
-            why, now = self._admit(target, queue, to_compute), self.clock()
+            why, now = self._admit(target, queue, to_compute, sequences), self.clock()
             last = self.admitted_at if self.admitted_at is not None else self.refusing_since
             if why is not None and last is not None and now - last >= self.probe_s:
                 self.probes += 1  # refusing everything for a probe interval: measure again with this one

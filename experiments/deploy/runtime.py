@@ -375,7 +375,9 @@ class Runtime:
             target = self.router.route_tokens(rid, tokens, [first], cache_salt=salt)
         else:
             msg = msgspec.structs.replace(msg, after=None)
-            target = self.router.route_tokens(rid, tokens, live, admit=True, cache_salt=salt)
+            target = self.router.route_tokens(
+                rid, tokens, live, admit=True, cache_salt=salt, sequences=msg.completions
+            )
         if target is None:  # admission=slo: it would miss the SLO anyway
             sink("result", Result.failed(rid, ErrorKind.REJECTED, self.router.why))
             return

@@ -265,6 +265,31 @@ def test_admission_predicts_tpot_from_the_batch_it_would_join():
     assert r.route("r8", [], 16, ["a"], admit=True) is None and "TPOT" in r.why
 
 
+def test_admission_prices_every_completion_of_a_request():
+    """Issue 56: a request of n=16 was priced as one sequence (its later completions follow the first
+    without admission), so four of them filled a worker's batch while other clients were refused. Its
+    predicted TPOT is now the step at the batch with all n: refused where n=1 is admitted."""
+    r, _ = _slo_router()
+    r.observe_load("a", _Load())  # a step takes 20 ms + 10 ms per sequence (slo.tpot_s 0.1)
+    r.observe_load("a", _Load(decode_steps=10, decode_seqs=20, decode_s=0.4))
+    r.observe_load("a", _Load(decode_steps=20, decode_seqs=80, decode_s=1.2))
+    assert r.route("many", [], 16, ["a"], admit=True, sequences=16) is None and "TPOT" in r.why
+    assert r.route("one", [], 16, ["a"], admit=True) == "a"
+    assert r.route("eight", [], 16, ["a"], admit=True, sequences=7) == "a"  # 20 + 8 x 10 ms: the bound
+
+
+def test_the_first_submit_of_a_request_carries_its_number_of_completions():
+    from engine import SamplingParams
+    from experiments.deploy.api import Parsed
+    from experiments.deploy.messages import Submit
+
+    first = Submit("r", [1, 2], SamplingParams(max_tokens=2))
+    subs = Parsed([1, 2], first, stream=False, include_usage=False, n=3).completions
+    assert [s.completions for s in subs] == [3, 1, 1] and [s.after for s in subs] == [None, "r", "r"]
+    with pytest.raises(ValueError, match="completions"):
+        Submit("r", [1], SamplingParams(), completions=0)
+
+
 def test_the_router_picks_the_prefill_worker_where_a_prompt_starts_soonest_and_skips_a_dead_one():
     now = [0.0]
     r = Router(["d0", "d1"], "least_loaded", admission="slo", slo=(1.6, 1.0), prefill_workers=["p0", "p1"],
