@@ -28,11 +28,11 @@ LENGTH_KINDS = ("fixed", "uniform", "lognormal")
 @dataclass(frozen=True)
 class LengthDist:
     kind: str = "fixed"  # fixed: value | uniform: [low, high] | lognormal: mean (tokens), sigma
-    value: int = 128
-    low: int = 1
-    high: int = 128
-    mean: float = 128.0
-    sigma: float = 0.5
+    value: int = 128  # fixed: every length
+    low: int = 1  # uniform: the shortest
+    high: int = 128  # uniform: the longest
+    mean: float = 128.0  # lognormal: the mean length (tokens)
+    sigma: float = 0.5  # lognormal: the sigma of the underlying normal
 
     def check(self, key: str) -> None:
         if self.kind not in LENGTH_KINDS:
@@ -60,12 +60,12 @@ class WorkloadSampling:
     structured_outputs: one of {json: <schema>, json_object: true, regex: ..., choice: [...],
     grammar: ...}."""
 
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    ignore_eos: bool = True
-    structured_outputs: dict | None = None
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0  # nucleus sampling's probability mass (1: off)
+    top_k: int = 0  # the likeliest k tokens only (0: off)
+    seed: int | None = None  # a request's sampling seed (null: random)
+    ignore_eos: bool = True  # every request runs to its output length
+    structured_outputs: dict | None = None  # null, or {json: <schema>} | {regex: ...} | {choice: [...]} | ...
 
     def __post_init__(self):
         try:
@@ -96,16 +96,16 @@ class WorkloadSampling:
 @dataclass(frozen=True)
 class WorkloadConfig:
     arrival: str = "poisson"  # poisson: `rate` requests/s | concurrency: `concurrency` requests in flight
-    rate: float = 1.0
+    rate: float = 1.0  # poisson: requests per second
     # poisson: the rate as this multiple of one worker's prefill capacity on this machine, measured in a
     # warm-up before the run (experiments.capacity): rate = load x its prompt tokens/s / the mean prompt
     load: float | None = None
-    concurrency: int = 1
-    num_requests: int = 20
+    concurrency: int = 1  # concurrency: requests in flight at once (multiturn: conversations)
+    num_requests: int = 20  # requests the run sends
     prompt_len: LengthDist = field(default_factory=LengthDist)
-    output_len: LengthDist = field(default_factory=lambda: LengthDist(value=32))
+    output_len: LengthDist = field(default_factory=lambda: LengthDist(value=32, high=32, mean=32.0))
     prompts_file: str | None = None  # one prompt per line (text), replaces random prompt tokens
-    seed: int = 0
+    seed: int = 0  # of the random prompts, lengths and arrivals
     dataset: str = "random"  # random | sharegpt (ShareGPT JSON) | mooncake (a Mooncake trace, JSONL)
     dataset_path: str | None = None  # the sharegpt or mooncake file
     trace_scale: float = 1.0  # arrival: trace replays timestamps x this (0.5: twice as fast)
@@ -114,10 +114,10 @@ class WorkloadConfig:
     # arrives think_time_s after the previous reply ended (the first turns: on the arrival schedule);
     # with a ShareGPT file as dataset_path, the messages and reply lengths are its conversations' turns
     conversations: int = 8
-    turns: int = 8
-    system_prompt_len: int = 256
-    turn_len: int = 128
-    think_time_s: float = 1.0
+    turns: int = 8  # multiturn: turns per conversation
+    system_prompt_len: int = 256  # multiturn: tokens of the shared system prompt
+    turn_len: int = 128  # multiturn: tokens of each new user message
+    think_time_s: float = 1.0  # multiturn: seconds from a reply's end to the next turn
     sampling: WorkloadSampling = field(default_factory=WorkloadSampling)
 
     def __post_init__(self):
@@ -239,3 +239,6 @@ def workload_of(cfg: dict) -> WorkloadConfig:
     if "sampling" in w:
         w["sampling"] = of_dict(WorkloadSampling, "workload.sampling", w["sampling"])
     return of_dict(WorkloadConfig, "workload", w)
+
+
+import experiments.schema  # noqa: E402, F401  (hydra gets the dataclasses' defaults: compose finds them)

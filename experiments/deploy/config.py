@@ -61,9 +61,9 @@ def prefill_budget(chunk_size: int | str, device: str, dtype: str) -> int:
 class ModelSpec:
     name: str  # smollm2-135m | tiny-random[-kv4|-kv8] | random-llama-1b | a Hugging Face model directory
     dtype: str = "bfloat16"  # or auto: bfloat16 on CUDA and on CPUs with AVX-512 BF16 or AMX, else float32
-    page_size: int = 16
+    page_size: int = 16  # tokens per KV page
     num_pages: int = 512  # per worker
-    max_num_seqs: int = 64
+    max_num_seqs: int = 64  # sequences a worker runs at once (its largest decode batch)
     device: str = "auto"  # auto: cuda when this machine has it, else cpu
     expert_parallel: bool = False  # an MoE model under TP: whole experts per rank (engine/moe.py)
 
@@ -107,20 +107,20 @@ class KernelsConfig:
 
 @dataclass(frozen=True)
 class DeploymentConfig:
-    name: str
+    name: str  # the deployment's name in results, logs and tables
     kind: str = "colocated"  # colocated | disaggregated (the main job also measures URLs: EndpointConfig)
     num_workers: int = 1  # colocated engines
-    num_prefill: int = 0
-    num_decode: int = 0
+    num_prefill: int = 0  # disaggregated: prefill workers
+    num_decode: int = 0  # disaggregated: decode workers
     tp: int = 1  # colocated workers
-    prefill_tp: int = 1
-    decode_tp: int = 1
+    prefill_tp: int = 1  # TP ranks per prefill worker
+    decode_tp: int = 1  # TP ranks per decode worker
     # data-parallel attention (engine/dp.py, MoE models): a colocated (dp), prefill (prefill_dp) or decode
     # (decode_dp) worker runs that many engines of tp ranks each, the routed experts spread over all of
     # them, behind one endpoint (each prefill group a messenger peer of its own: dp_peers)
     dp: int = 1
-    prefill_dp: int = 1
-    decode_dp: int = 1
+    prefill_dp: int = 1  # DP groups per prefill worker (each a messenger peer of its own)
+    decode_dp: int = 1  # DP groups per decode worker (each request's KV goes to one, picked by its cache)
     threads_per_worker: int = 1  # torch threads per process (each TP rank gets one)
     # prefill tokens per forward pass (the chunked prefill budget), or auto (prefill_budget: 2,048 where
     # the CPU computes in bf16, 1,024 on a CPU in fp32, 512 elsewhere), or slo (auto's, but a step with
@@ -157,7 +157,7 @@ class DeploymentConfig:
     # fewest pages to compute there, x routing_overlap_weight, + the pages it has in flight) |
     # least_loaded (the fewest requests in flight) | round_robin
     routing: str = "cache_aware"
-    routing_overlap_weight: float = 1.0
+    routing_overlap_weight: float = 1.0  # cache_aware: a page to compute against one in flight there
     # none (take every request) | slo (refuse at once one the router predicts will miss the SLO: its
     # TTFT from the prompt tokens ahead of it over the measured prefill speed, its TPOT from the decode
     # batch it would join; a refused request is `rejected` in results, an HTTP 503 with Retry-After)
@@ -267,8 +267,8 @@ def worker_of(peer: str) -> str:
 
 @dataclass(frozen=True)
 class SloConfig:
-    ttft_s: float = 1.0
-    tpot_s: float = 0.1
+    ttft_s: float = 1.0  # time to first token a request must meet (seconds)
+    tpot_s: float = 0.1  # time per output token after the first (seconds)
     attainment: float = 90.0  # percent of requests that must meet both
 
     def __post_init__(self):

@@ -17,7 +17,7 @@ class PlannerConfig:
     enabled: bool = False  # the planner moves workers between prefill and decode by the SLO
     interval_s: float = 5.0  # how often it looks
     min_prefill: int = 1  # it never leaves fewer workers in a role than these
-    min_decode: int = 1
+    min_decode: int = 1  # ... and in decode
     patience: int = 2  # looks in a row that must call for the same move before it is made (hysteresis)
     headroom: float = 0.5  # a role gives a worker up only while its own percentile is under this x its SLO
     window_s: float = 20.0  # the TTFT and TPOT percentiles are over requests finished this recently

@@ -19,7 +19,7 @@ needs.nixl()
     "override, message",
     [
         ("deployment.decode_tp=3", "decode_tp=3 does not fit tiny-random"),
-        ("+model.expert_parallel=true", "does not fit tiny-random: expert_parallel needs an MoE model"),
+        ("model.expert_parallel=true", "does not fit tiny-random: expert_parallel needs an MoE model"),
         ("slo.ttft_s=0", "slo.ttft_s=0 is not allowed: must be a number > 0"),
         ("workload.rate=-1", "workload.rate=-1 is not allowed: must be a number > 0"),
         (

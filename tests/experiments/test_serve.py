@@ -39,7 +39,7 @@ def server(request, tmp_path_factory):
     else:
         head = echo_head(tmp / "echo.safetensors")
         overrides.append(
-            f"+deployment.speculative={{method: mtp, num_speculative_tokens: 2, model: '{head}'}}"
+            f"deployment.speculative={{method: mtp, num_speculative_tokens: 2, model: '{head}'}}"
         )
     proc, url = _start(tmp, *overrides)
     yield request.param, url

@@ -55,7 +55,11 @@ def test_a_field_the_wire_cannot_carry_fails_alone(server):
 
     def long_one(stream: bool):
         kw = dict(
-            model="tiny-random", prompt="Long:", max_tokens=160, temperature=0, extra_body={"ignore_eos": True}
+            model="tiny-random",
+            prompt="Long:",
+            max_tokens=160,
+            temperature=0,
+            extra_body={"ignore_eos": True},
         )
         if stream:
             results.append("".join(c.choices[0].text for c in client.completions.create(stream=True, **kw)))
