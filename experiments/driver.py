@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from experiments.deploy.messages import ErrorKind, Submit, Timeline
-from experiments.deploy.runtime import WAIT_MS, Runtime, start_runtime
+from experiments.deploy.runtime import WAIT_MS, Ended, Event, Routed, Runtime, Streamed, start_runtime
 from experiments.record import DeploymentRun, Request, Turns
 
 log = logging.getLogger(__name__)
@@ -76,13 +76,14 @@ def _generate(run: DeploymentRun, config, runtime: Runtime, progress: bool, hook
     bar = tqdm(total=len(due), desc=run.deployment.name, disable=not progress, unit="req")
 
     def sink_of(rid: str):
-        def sink(kind, payload):  # on the runtime's thread
-            if kind == "routed":
-                run.tokens[rid] = [payload, 0]
-            elif kind == "progress":
-                run.tokens[rid][1] += len(payload[0])
-            else:
-                results.put(payload)
+        def sink(event: Event):  # on the runtime's thread
+            match event:
+                case Routed(worker):
+                    run.tokens[rid] = [worker, 0]
+                case Streamed(ids):
+                    run.tokens[rid][1] += len(ids)
+                case Ended(result):
+                    results.put(result)
 
         return sink
 

@@ -87,12 +87,8 @@ async def _drive(run: DeploymentRun, config: RunConfig, d: EndpointConfig, progr
                 )
                 result.output_tokens = n if n is not None else len(times)
                 result.cached_tokens = cached
-            except openai.APIStatusError as e:  # 503, 429: the server shedding load: rejected, not failed
-                kind = (
-                    ErrorKind.REJECTED
-                    if e.status_code in (429, 503)
-                    else _KINDS.get(e.status_code, ErrorKind.INTERNAL)
-                )
+            except openai.APIStatusError as e:
+                kind = _kind(e)
                 result = Result.failed(req.request_id, kind, f"{type(e).__name__}: {e}", d.name, sent)
             except Exception as e:  # the server went away: this request fails alone
                 result = Result.failed(
@@ -129,6 +125,16 @@ async def _drive(run: DeploymentRun, config: RunConfig, d: EndpointConfig, progr
 
 
 _KINDS = {400: ErrorKind.BAD_REQUEST, 408: ErrorKind.CANCELLED, 504: ErrorKind.DEADLINE}  # else internal
+
+
+def _kind(error) -> ErrorKind:
+    """Why a server refused or failed a request: our server says it in the error's `code` (an ErrorKind:
+    a lost worker is not a refusal); from any other, a 503 or 429 is load shed (rejected), not a failure."""
+    if error.code in set(ErrorKind):
+        return ErrorKind(error.code)
+    if error.status_code in (429, 503):
+        return ErrorKind.REJECTED
+    return _KINDS.get(error.status_code, ErrorKind.INTERNAL)
 
 
 def _sampling(sampling, max_tokens: int) -> dict:

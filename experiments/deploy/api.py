@@ -34,7 +34,7 @@ from experiments.deploy.fields import (
 )
 from experiments.deploy.messages import ErrorKind, Result, Submit
 from experiments.deploy.metrics import Metrics
-from experiments.deploy.runtime import Runtime
+from experiments.deploy.runtime import Ended, Event, Runtime
 from experiments.deploy.server_config import ServerConfig
 from experiments.deploy.shapes import LogprobShapes
 
@@ -322,14 +322,14 @@ class App:
                     kind="rate_limit_exceeded",
                 )
             self._held[client] = held + parsed.n
-        events: asyncio.Queue = asyncio.Queue()  # (completion's index, kind, payload)
+        events: asyncio.Queue = asyncio.Queue()  # (completion's index, runtime Event)
 
         def sink_of(index: int, request_id: str):
-            def sink(kind, payload):  # on the runtime's thread: metrics count every one, cancelled too
-                if kind == "result":
-                    self.metrics.finished(request_id, payload)
+            def sink(event: Event):  # on the runtime's thread: metrics count every one, cancelled too
+                if isinstance(event, Ended):
+                    self.metrics.finished(request_id, event.result)
                     self._release(client)
-                loop.call_soon_threadsafe(events.put_nowait, (index, kind, payload))
+                loop.call_soon_threadsafe(events.put_nowait, (index, event))
 
             return sink
 
@@ -357,4 +357,5 @@ class App:
             result.finish_reason, ErrorKind.INTERNAL
         )
         status, error_type, what = STATUS[kind]
-        raise ApiError(status, f"{what}: {result.error}" if result.error else what, kind=error_type)
+        message = f"{what}: {result.error}" if result.error else what
+        raise ApiError(status, message, kind=error_type, code=str(kind))

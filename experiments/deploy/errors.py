@@ -11,9 +11,18 @@ RETRY_AFTER_S = 1  # what a 503 (overload, no live worker, stopping) or 429 tell
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        kind: str | None = None,
+        code: str | None = None,
+    ):
+        """kind: OpenAI's error type (from the status by default); code: the body's `code` (a failed
+        request's ErrorKind, so a client tells a lost worker from a refusal; else from the status)."""
         super().__init__(message)
-        self.status, self.message, self.param = status, message, param
+        self.status, self.message, self.param, self.code = status, message, param, code
         self.kind = kind or (
             "authentication_error"
             if status == 401
@@ -26,7 +35,7 @@ class ApiError(Exception):
 
     def body(self) -> dict:
         codes = {401: "invalid_api_key", 429: "rate_limit_exceeded", 503: "service_unavailable"}
-        code = codes.get(self.status)
+        code = self.code or codes.get(self.status)
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": code}}
 
     def response(self) -> JSONResponse:

@@ -17,6 +17,7 @@ from experiments.deploy.api import DISCONNECT_POLL_S, INLINE_BYTES, App, Parsed
 from experiments.deploy.errors import RETRY_AFTER_S, ApiError
 from experiments.deploy.fields import parse_json
 from experiments.deploy.messages import Result
+from experiments.deploy.runtime import Ended, Routed, Streamed
 from experiments.deploy.shapes import finish_reason_of, usage_block
 
 log = logging.getLogger(__name__)
@@ -175,27 +176,27 @@ async def generate(request: Request, chat: bool):
     events = state.start(parsed, loop, client)
     if parsed.stream:  # a request refused at once (admission, no worker) is an HTTP error, not a stream
         try:
-            first = await events.get()  # a completion "routed", or its result at once
+            first = await events.get()  # a completion Routed, or Ended at once
         except asyncio.CancelledError:  # the client went away
             state.cancel(parsed)
             raise
-        if first[1] == "result":
-            fail(state, parsed, first[2])
+        if isinstance(first[1], Ended):
+            fail(state, parsed, first[1].result)
         events.put_nowait(first)
         return StreamingResponse(stream(state, parsed, events, chat), media_type="text/event-stream")
     results: dict[int, Result] = {}
     try:
         while len(results) < parsed.n:
             try:
-                index, kind, payload = await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
+                index, event = await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
             except TimeoutError:
                 if await request.is_disconnected():  # the client went away: so does its request
                     state.cancel(parsed)
                     return ApiError(408, "the client went away").response()  # nobody reads it
                 continue
-            if kind == "result":
-                fail(state, parsed, payload)
-                results[index] = payload
+            if isinstance(event, Ended):
+                fail(state, parsed, event.result)
+                results[index] = event.result
     except asyncio.CancelledError:  # the client went away
         state.cancel(parsed)
         raise
@@ -293,11 +294,11 @@ async def stream(state: App, parsed: Parsed, events: asyncio.Queue, chat: bool):
             for index in range(parsed.n):
                 yield chunk(index, None, None, role=True)
         while len(results) < parsed.n:
-            index, kind, payload = await events.get()
-            if kind == "routed":
+            index, event = await events.get()
+            if isinstance(event, Routed):
                 continue
-            if kind == "progress":
-                ids, text, logprobs = payload
+            if isinstance(event, Streamed):
+                ids, text, logprobs = event.ids, event.text, event.logprobs
                 sent_chars[index] += len(text)
                 sent_logprobs[index] += len(logprobs)
                 # a chunk per step that made tokens, its text empty while a stop string may still claim
@@ -305,7 +306,7 @@ async def stream(state: App, parsed: Parsed, events: asyncio.Queue, chat: bool):
                 if ids or text or logprobs:
                     yield chunk(index, text, None, logprobs=logprobs or None)
                 continue
-            result: Result = payload
+            result: Result = event.result
             results[index] = result
             try:
                 fail(state, parsed, result)

@@ -15,6 +15,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -38,12 +39,61 @@ MAX_PREFILL_RETRIES = 3  # times a request whose prefill worker died is prefille
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class Routed:
+    """A request's first event: a worker has it (none comes for a request refused at once)."""
+
+    worker: str
+
+
+@dataclass(frozen=True)
+class Streamed:
+    """Tokens of a streamed request, as they reach the runtime."""
+
+    ids: list[int]
+    text: str
+    logprobs: list
+
+
+@dataclass(frozen=True)
+class Ended:
+    """A request's last event: its Result (finished, failed, refused or cancelled)."""
+
+    result: Result
+
+
+Event = Routed | Streamed | Ended
+
+
+# what other threads ask of the runtime's thread (Runtime.submit, cancel, move, cancel_all)
+@dataclass(frozen=True)
+class _Submit:
+    msg: Submit
+    sink: Callable[[Event], None]
+
+
+@dataclass(frozen=True)
+class _Cancel:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class _Move:
+    worker: str
+    role: str
+
+
+@dataclass(frozen=True)
+class _CancelAll:
+    pass
+
+
 @dataclass
 class Flight:
     """One request in flight: what it was submitted with, where it is, what reached the runtime so far."""
 
     submit: Submit
-    sink: object
+    sink: Callable[[Event], None]
     worker: str
     routed_at: float  # perf_counter
     ids: list[int] = field(default_factory=list)  # its tokens so far (what a migration resumes after)
@@ -79,10 +129,10 @@ def start_runtime(config, d, log_dir=None, first_core: int = 0) -> Runtime:
 class Runtime:
     """A served deployment: its workers (a Fleet), the router, and the thread that talks to them.
 
-    submit() and cancel() may be called from any thread; each request's sink(kind, message) is called
-    on the runtime's thread with ("routed", worker) once a worker has it (not for one refused at once),
-    ("progress", (token ids, text, logprobs)) for streamed requests and finally ("result", Result), whose
-    token_times are when each token reached the runtime."""
+    submit() and cancel() may be called from any thread; each request's sink(event) is called on the
+    runtime's thread with Routed once a worker has it (not for one refused at once), Streamed as a
+    streamed request's tokens come, and finally Ended with its Result, whose token_times are when each
+    token reached the runtime."""
 
     def __init__(
         self,
@@ -166,25 +216,25 @@ class Runtime:
         silent = set(self.silent)
         return [n for n in self.router.workers if n not in self.dead and n not in silent]
 
-    def submit(self, msg: Submit, sink) -> None:
-        self._command("submit", msg, sink)
+    def submit(self, msg: Submit, sink: Callable[[Event], None]) -> None:
+        self._command(_Submit(msg, sink))
 
     def cancel(self, request_id: str) -> None:
-        self._command("cancel", request_id)
+        self._command(_Cancel(request_id))
 
     def move(self, worker: str, role: str) -> None:
         """Move an elastic deployment's worker to role (prefill | decode) as the planner would: its
         requests go on elsewhere first (events and moves record it)."""
         if self.elastic is None:
             raise ValueError("moving workers needs an elastic deployment (deployment.planner)")
-        self._command("move", (worker, role))
+        self._command(_Move(worker, role))
 
     def cancel_all(self) -> None:
         """Cancel every request in flight (a stop whose drain time ran out)."""
-        self._command("cancel_all")
+        self._command(_CancelAll())
 
-    def _command(self, kind: str, arg=None, sink=None) -> None:
-        self.commands.put((kind, arg, sink))
+    def _command(self, command) -> None:
+        self.commands.put(command)
         os.write(self._wake_w, b"c")
 
     def close(self, timeout_s: float = 10.0, on_message=None) -> None:
@@ -235,23 +285,25 @@ class Runtime:
     def _commands(self) -> None:
         while True:
             try:
-                kind, arg, sink = self.commands.get_nowait()
+                command = self.commands.get_nowait()
             except queue.Empty:
                 return
             try:
-                if kind == "submit":
-                    self._route(arg, sink)
-                elif kind == "move":
-                    self.elastic.move(*arg, "asked")
-                elif kind == "cancel_all":
-                    for rid, flight in list(self.flights.items()):
-                        self.fleet.send(flight.worker, Cancel(rid))
-                elif arg in self.flights:
-                    self.fleet.send(self.flights[arg].worker, Cancel(arg))
+                match command:
+                    case _Submit(msg, sink):
+                        self._route(msg, sink)
+                    case _Move(worker, role):
+                        self.elastic.move(worker, role, "asked")
+                    case _CancelAll():
+                        for rid, flight in list(self.flights.items()):
+                            self.fleet.send(flight.worker, Cancel(rid))
+                    case _Cancel(rid) if rid in self.flights:
+                        self.fleet.send(self.flights[rid].worker, Cancel(rid))
             except Exception as e:  # one request's failure is its own: the loop and the others go on
-                log.exception("runtime: %s of a request failed", kind)
-                if kind == "submit":
-                    self._fail_one(arg.request_id, sink, f"the server could not route it: {e!r}")
+                log.exception("runtime: %s failed", type(command).__name__.strip("_"))
+                if isinstance(command, _Submit):
+                    why = f"the server could not route it: {e!r}"
+                    self._fail_one(command.msg.request_id, command.sink, why)
 
     def _message(self, name: str, msg) -> None:
         """One message of worker `name`'s: every kind a worker sends is handled here, and only here."""
@@ -266,7 +318,7 @@ class Runtime:
                 flight.logprobs += logprobs
                 if flight.submit.stream:  # streamed from the worker for the router's and the clock's sake
                     flight.chars += len(text)
-                    flight.sink("progress", (ids, text, logprobs))
+                    flight.sink(Streamed(ids, text, logprobs))
         elif isinstance(msg, Result):
             flight = self.flights.get(msg.request_id)
             if flight is not None and flight.worker == name:  # not a late one from before a migration
@@ -359,14 +411,11 @@ class Runtime:
     def _route(self, msg: Submit, sink) -> None:
         rid = msg.request_id
         if rid in self.flights:
-            sink(
-                "result",
-                Result.failed(rid, ErrorKind.BAD_REQUEST, f"request_id {rid!r} is already in flight"),
-            )
+            sink(Ended(Result.failed(rid, ErrorKind.BAD_REQUEST, f"request_id {rid!r} is already in flight")))
             return
         live = self._live()
         if not live:
-            sink("result", Result.failed(rid, ErrorKind.WORKER_LOST, "no live worker"))
+            sink(Ended(Result.failed(rid, ErrorKind.WORKER_LOST, "no live worker")))
             return
         tokens = list(msg.prompt_ids) + list(msg.output_ids)
         first = self.owner(msg.after) if msg.after is not None else None
@@ -379,7 +428,7 @@ class Runtime:
                 rid, tokens, live, admit=True, cache_salt=salt, sequences=msg.completions
             )
         if target is None:  # admission=slo: it would miss the SLO anyway
-            sink("result", Result.failed(rid, ErrorKind.REJECTED, self.router.why))
+            sink(Ended(Result.failed(rid, ErrorKind.REJECTED, self.router.why)))
             return
         self.flights[rid] = Flight(msg, sink, target, time.perf_counter())
         # the router learns when each prompt's first token comes (its queue, its admission) and the
@@ -391,7 +440,7 @@ class Runtime:
         if not self.fleet.send(target, wire):
             self._finish(Result.failed(rid, ErrorKind.WORKER_LOST, f"worker {target} is gone", target))
             return
-        sink("routed", target)
+        sink(Routed(target))
 
     def _fail_one(self, request_id: str, sink, error: str) -> None:
         """End one request with an error; if a worker has it, cancel it there (its pages come back)."""
@@ -403,7 +452,7 @@ class Runtime:
                 log.exception("runtime: cancelling %s", request_id)
         result = Result.failed(request_id, ErrorKind.INTERNAL, error, flight.worker if flight else "")
         if flight is None:
-            sink("result", result)
+            sink(Ended(result))
         else:
             self._finish(result)
 
@@ -426,4 +475,4 @@ class Runtime:
             done = result.error is None  # what its worker now caches
             tokens = list(msg.prompt_ids) + list(result.output_ids) if done else []
             self.router.finished_tokens(flight.worker, result.request_id, tokens, msg.sampling.cache_salt)
-        flight.sink("result", result)
+        flight.sink(Ended(result))

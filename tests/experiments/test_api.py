@@ -32,3 +32,19 @@ def test_a_bad_salt_or_user_is_a_400_naming_it(body):
 def test_the_isolation_switch_is_checked():
     with pytest.raises(ValueError, match="server.cache_isolation='tenant' is not allowed: one of"):
         ServerConfig(cache_isolation="tenant")
+
+
+@pytest.mark.parametrize(
+    "kind, status",
+    [("rejected", 503), ("worker_lost", 503), ("cancelled", 503), ("deadline", 504), ("internal", 500)],
+)
+def test_a_failed_request_s_error_names_its_kind_in_code(kind, status):
+    """Issue 57: rejected, cancelled and worker_lost all answer 503, and the load client counted every 503
+    as a refusal; the body's `code` says which it was."""
+    from experiments.deploy.api import App
+    from experiments.deploy.messages import ErrorKind, Result
+
+    result = Result.failed("r", ErrorKind(kind), "why", "decode-0", 0.0)
+    with pytest.raises(ApiError) as e:
+        App.finished(None, None, result)
+    assert e.value.status == status and e.value.body()["error"]["code"] == kind

@@ -21,7 +21,7 @@ from experiments.deploy.messages import (
     Submit,
     Switched,
 )
-from experiments.deploy.runtime import MAX_PREFILL_RETRIES, Runtime
+from experiments.deploy.runtime import MAX_PREFILL_RETRIES, Ended, Routed, Runtime, Streamed
 
 DEADLINE_S = 30  # generous: a test waits for events, this only ends one that would hang
 
@@ -136,17 +136,18 @@ class Sink:
     def __init__(self):
         self.events: queue.SimpleQueue = queue.SimpleQueue()
 
-    def __call__(self, kind, payload):
-        self.events.put((kind, payload))
+    def __call__(self, event):
+        self.events.put(event)
 
     def next(self, kind=None):
+        """The next event (of that type)."""
         while True:
             got = self.events.get(timeout=DEADLINE_S)
-            if kind is None or got[0] == kind:
+            if kind is None or isinstance(got, kind):
                 return got
 
     def result(self) -> Result:
-        return self.next("result")[1]
+        return self.next(Ended).result
 
 
 @pytest.fixture
@@ -177,10 +178,10 @@ def test_a_request_streams_and_every_token_is_timed_by_the_runtime(runtime_of):
     sink = Sink()
     runtime.submit(_submit(max_tokens=4, seed=7), sink)
     worker, wire = fleet.next_sent()
-    assert sink.next() == ("routed", worker)
+    assert sink.next() == Routed(worker)
     assert wire.stream and wire.sampling == SamplingParams(max_tokens=4, seed=7)  # handed on unchanged
     fleet.deliver(worker, Progress([("r1", [5, 6], "ab", [])]))
-    assert sink.next("progress")[1] == ([5, 6], "ab", [])
+    assert sink.next(Streamed) == Streamed([5, 6], "ab", [])
     fleet.deliver(worker, _done("r1", worker, [5, 6, 7, 8], text="abcd"))
     result = sink.result()
     assert result.output_ids == [5, 6, 7, 8] and len(result.token_times) == 4 and result.error is None
@@ -196,7 +197,7 @@ def test_a_request_not_streamed_gets_only_its_result_but_is_timed_all_the_same(r
     assert wire.stream  # the worker streams every request: the router and the clock see each token
     fleet.deliver(worker, Progress([("r1", [5], "a", [])]))
     fleet.deliver(worker, _done("r1", worker, [5, 6, 7]))
-    assert [kind for kind in (sink.next()[0], sink.next()[0])] == ["routed", "result"]
+    assert [type(sink.next()), type(sink.next())] == [Routed, Ended]
 
 
 def test_a_dead_worker_s_request_goes_on_elsewhere_after_its_tokens_and_its_late_messages_are_ignored(
@@ -207,14 +208,14 @@ def test_a_dead_worker_s_request_goes_on_elsewhere_after_its_tokens_and_its_late
     runtime.submit(_submit(max_tokens=6), sink)
     first, _ = fleet.next_sent()
     fleet.deliver(first, Progress([("r1", [5, 6], "ab", [])]))
-    sink.next("progress")
+    sink.next(Streamed)
     fleet.kill(first)
     second, resumed = fleet.next_sent()
     assert second != first and resumed.output_ids == [5, 6] and resumed.text_sent == 2
     fleet.deliver(first, _done("r1", first, [5, 6, 9, 9, 9, 9]))  # late, from the dead one: ignored
     fleet.deliver(first, Progress([("r1", [9], "z", [])]))
     fleet.deliver(second, Progress([("r1", [7], "c", [])]))
-    assert sink.next("progress")[1] == ([7], "c", [])
+    assert sink.next(Streamed) == Streamed([7], "c", [])
     fleet.deliver(second, _done("r1", second, [5, 6, 7, 8, 9, 10]))
     result = sink.result()
     assert result.worker == second and result.output_ids == [5, 6, 7, 8, 9, 10] and result.migrations == 1
