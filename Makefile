@@ -107,8 +107,9 @@ repro: $(STAMP)
 	$(BIN)/python -m experiments.repro.distserve
 	$(BIN)/python -m experiments.repro.moe_study
 
+# ruff, then the layout rules (files of at most 500 lines, tests mirroring the packages: scripts/check_layout.py)
 lint: $(STAMP)
-	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/python scripts/check_layout.py
 
 clean:
 	rm -rf $(VENV) $(GPU_VENV) *.egg-info .pytest_cache .benchmarks

@@ -70,6 +70,20 @@ class PoolTier:
         self._aead.encrypt_into(nonce, slot[: self.plain_bytes].numpy(), key.encode(), sealed[NONCE:])
         return self._give(seal, self.client.put(key, at, self.sealed_bytes))
 
+    def offer(self, name: bytes, slot: Tensor, stamp) -> str:
+        """Put name's page (a host slot, stamp(slot, name) writing its header first) unless the pool holds
+        it: 'held' (another worker's: an RPC is cheaper than a page), 'leased' (a rejected object under
+        its key that a read still leases: not replaced yet), else put's state."""
+        key = self.key(name)
+        if name in self.rejected:  # a bad object under this key: this page replaces it
+            if self.client.remove(key) != "ok":  # a read's lease on it, or the store is down
+                return "leased"
+            self.rejected.pop(name, None)
+        if self.client.exists([key])[0]:
+            return "held"
+        stamp(slot, name)
+        return self.put(name, slot)
+
     def get(self, name: bytes, slot: Tensor) -> str:
         """name's object opened into a slot: 'ok', 'miss' (none, or another size), 'failed', 'late', or
         'unsealed' (not sealed under this key with this deployment's secret: forged, moved or garbage)."""

@@ -365,18 +365,8 @@ class KVTiers:
         self.pool.stored(name)  # so that no other step puts it again meanwhile
 
         def put():
-            key = self.pool.key(name)
-            if name in self.pool.rejected:  # a bad object under this key: this page replaces it
-                if self.pool.client.remove(key) != "ok":  # a read's lease on it, or the store is down
-                    self._results.put(lambda: self._pool_put(name, slot, "leased", page))
-                    return
-                self.pool.rejected.pop(name, None)
-            if self.pool.client.exists([key])[0]:  # another worker's: an RPC is cheaper than a page
-                state = "held"
-            else:
-                self.fmt.stamp(self.host.view(slot), name)
-                state = self.pool.put(name, self.host.view(slot))
-            self._results.put(lambda: self._pool_put(name, slot, state))
+            state = self.pool.offer(name, self.host.view(slot), self.fmt.stamp)
+            self._results.put(lambda: self._pool_put(name, slot, state, page))
 
         self._submit(_WRITE, put)
 

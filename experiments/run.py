@@ -24,7 +24,7 @@ from experiments.deploy.launcher import start_fork_server
 
 
 def run(cfg: DictConfig, out_dir: Path, progress: bool = True, hooks=None) -> list[dict]:
-    from experiments import metrics
+    from experiments import metrics, report
     from experiments.driver import run_deployment
     from experiments.load import run_endpoint
     from experiments.workload import Conversations, make_requests
@@ -75,7 +75,7 @@ def run(cfg: DictConfig, out_dir: Path, progress: bool = True, hooks=None) -> li
                     break
             if interrupted:
                 break
-    metrics.report(out_dir, config, records, sweep=bool(rates))
+    report.report(out_dir, config, records, sweep=bool(rates))
     if interrupted:
         print(f"interrupted: wrote the {len(records)} run(s) measured so far", file=sys.stderr)
         raise SystemExit(130)

@@ -21,16 +21,8 @@ from dataclasses import MISSING, fields
 from hydra.core.config_store import ConfigStore
 
 from experiments.config import WorkloadConfig
-from experiments.deploy.config import (
-    ClusterConfig,
-    DeploymentConfig,
-    KernelsConfig,
-    KVTiersSpec,
-    LauncherConfig,
-    ModelSpec,
-    RayConfig,
-    SloConfig,
-)
+from experiments.deploy.config import DeploymentConfig, KernelsConfig, KVTiersSpec, ModelSpec, SloConfig
+from experiments.deploy.launch_config import ClusterConfig, LauncherConfig, RayConfig
 from experiments.deploy.planner import PlannerConfig
 from experiments.deploy.server_config import ServerConfig
 from transfer.config import TransferConfig

@@ -32,7 +32,8 @@ import tempfile
 import threading
 from dataclasses import replace
 
-from experiments.deploy.config import RayConfig, launcher_of
+from experiments.deploy.config import launcher_of
+from experiments.deploy.launch_config import RayConfig
 from experiments.deploy.worker import WorkerSpec, worker_main
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ import shutil
 import tempfile
 from dataclasses import replace
 
-from experiments.deploy.config import RayConfig
+from experiments.deploy.launch_config import RayConfig
 from experiments.deploy.launcher import (
     LOOPBACK,
     LocalLauncher,

@@ -44,6 +44,7 @@ from experiments.deploy.messages import (
     worker_codec,
 )
 from experiments.deploy.roles import RoleSwitching
+from experiments.deploy.worker_results import progress_items, result_of
 from transfer.auth import Credentials
 from transfer.config import TransferConfig
 from transfer.wire import MAX_MESSAGE_BYTES, WireError
@@ -470,75 +471,22 @@ class Worker(RoleSwitching):
                 self._report(out)
 
     def _progress(self, outputs) -> None:
-        """Progress for the streamed requests that gained tokens (text held back by as many characters as
-        a stop string could still claim; a finished request's last tokens go in its Result)."""
-        items = []
-        for out in outputs:
-            sent = self.streamed[out.request_id]
-            if len(out.token_ids) == sent[0]:
-                continue
-            upto = max(sent[1], len(out.text) - self.holdback[out.request_id])
-            new = (out.token_ids[sent[0] :], out.text[sent[1] : upto], _wire_logprobs(out, sent[0]))
-            items.append((out.request_id, *new))
-            sent[0], sent[1] = len(out.token_ids), upto
+        """Progress for the streamed requests that gained tokens (worker_results.progress_items)."""
+        items = progress_items(outputs, self.streamed, self.holdback)
         if items:
             self._send(Progress(items))
 
     def _report(self, out) -> None:
         """The Result of a finished request of this worker's (decode/colocated)."""
         rid = out.request_id
-        result = Result(
-            rid,
-            self.spec.name,
-            out.token_ids,
-            self.live.pop(rid),
-            out.scheduled_time,
-            out.token_times,
-            out.finish_reason,
-            out.error,
-            text=out.text,
-            drafted=out.num_drafted_tokens,
-            accepted=out.num_accepted_tokens,
-            verify_steps=out.num_verify_steps,
-            cached_tokens=out.num_cached_tokens or 0,
-            logprobs=_wire_logprobs(out, 0) if out.logprobs is not None else None,
-        )
-        self.streamed.pop(rid, None)
         here = rid in self.front.prefilled_here
+        by_load = rid in self.front.by_load  # the router sent it here to prefill: the prefill queue was long
         self.front.prefilled_here.discard(rid)
-        if rid in self.front.by_load:  # the router sent it here to prefill: the prefill queue was long
-            self.front.by_load.discard(rid)
-            result.prefill_worker = self.spec.name
-        timing = self.dm.timings.get(rid) if self.dm is not None else None
-        if timing is not None:
-            result.prefill, result.transfer_bytes = "remote", timing.nbytes
-            result.transfer_s, result.kv_landed = timing.landed - timing.sent, timing.landed
-            result.scheduled = timing.first_landed  # its first KV arriving: prefill has begun
-            result.prefill_worker = timing.peer
-        elif (
-            self.dm is not None
-            and not here
-            and len(out.prompt_token_ids) > self.spec.deployment.local_prefill_max_tokens
-        ):
-            result.prefill = "remote"  # its transfer failed (or it was recomputed here)
+        self.front.by_load.discard(rid)
+        self.streamed.pop(rid, None)
+        result = result_of(out, self.spec, self.live.pop(rid), self.dm, here, by_load)
         if out.error is not None:
             log.warning("%s: request %s failed: %s", self.spec.name, rid, out.error)
-            result.prefill_lost = self.dm is not None and rid in self.dm.peer_lost
-            result.error_kind = ErrorKind.WORKER_LOST if result.prefill_lost else ErrorKind.INTERNAL
-        elif out.finish_reason == "abort":
-            result.error_kind = ErrorKind.CANCELLED
         self._send(result)
         if self.dm is not None:
             self.dm.forget(rid)
-
-
-def _wire_logprobs(out, start: int) -> list:
-    """The logprobs of out's tokens from `start` on, as Result and Progress carry them (a request that
-    resumed after tokens made elsewhere has none for those: the runtime keeps them)."""
-    if out.logprobs is None:
-        return []
-    offset = len(out.token_ids) - len(out.logprobs)
-    return [
-        [(t, lp.logprob, lp.rank) for t, lp in entry.items()]
-        for entry in out.logprobs[max(0, start - offset) :]
-    ]

@@ -237,7 +237,7 @@ def _conversations(workload: WorkloadConfig) -> Conversations:
 
 
 def run_sim(cfg: DictConfig, out_dir: Path) -> list[dict]:
-    from experiments import metrics
+    from experiments import metrics, report
 
     c = OmegaConf.to_container(cfg, resolve=True)
     model, hw = sim_model(c["sim_model"]), hardware_of(c["hardware"])
@@ -299,7 +299,7 @@ def run_sim(cfg: DictConfig, out_dir: Path) -> list[dict]:
                 cache_pages=cache_pages, slo=slo,
             )  # fmt: skip
             records.append(metrics.run_record(run, run_config, rate))
-    metrics.report(
+    report.report(
         out_dir, config, records, heading=f"\nsimulated: {model.name} on {hw.name} ({hw.source} figures)\n"
     )
     return records

@@ -50,6 +50,7 @@ from experiments.deploy.messages import LOAD_EVERY_S, Load
 from experiments.deploy.planner import Planner, PlannerConfig
 from experiments.deploy.policy import Router
 from experiments.sim.cost import transfer_time
+from experiments.sim.elastic import hand_back, plan, serve
 from experiments.sim.instance import Instance, SimRequest
 from experiments.sim.steps import (
     admit_decode,
@@ -196,9 +197,9 @@ class _Simulation:
             now, _, kind, payload = heapq.heappop(self.heap)
             self.clock = now
             if self.planner is not None and self.planner.due():
-                self.plan(now)
+                plan(self, now)
             if kind == "switched":
-                self.serve(payload[0], payload[1], now)
+                serve(self, payload[0], payload[1], now)
                 self.kick(payload[0], now)
             elif kind == "step":
                 self.step(payload, now)
@@ -313,7 +314,7 @@ class _Simulation:
         role = self.leaving.get(id(inst))
         if role == "prefill" and inst in self.back:  # at its step boundary: hands back, then switches
             self.back.remove(inst)
-            self.hand_back(inst, now)
+            hand_back(self, inst, now)
             self.push(now + self.switch_s, "switched", (inst, role))
             self.idle[id(inst)] = True
             return
@@ -461,17 +462,6 @@ class _Simulation:
             self.busy += 1
             self.push(now, "route", self.pending.pop(0))
 
-    def hand_back(self, inst, now) -> None:
-        """A decode instance leaves its role: every request it has or expects is fetched again (prompt
-        and outputs so far) for another decode instance, as the real runtime resumes them."""
-        name = self.names[id(inst)]
-        mine = inst.running + inst.waiting + inst.recompute + self.inbox[id(inst)]
-        inst.running, inst.waiting, inst.recompute, self.inbox[id(inst)] = [], [], [], []
-        inst.kv_used = 0.0
-        inst.handed_back += len(mine)
-        for r in mine:
-            self.refetch(r, name, now)
-
     def refetch(self, r, left, now) -> None:
         r.held, r.computed, r.drafting, r.computing, r.named = 0, 0, 0, False, 0
         if r.generated:
@@ -485,37 +475,6 @@ class _Simulation:
             self.home[r.rid] = self.by_name[target]
             self.homed[id(self.by_name[target])] += 1
         self.push(now, "forward", r)
-
-    def plan(self, now) -> None:
-        roles = {self.names[id(i)]: ("prefill" if i in self.front else "decode") for i in self.instances}
-        move = self.planner.decide(roles, self.policy, busy=bool(self.leaving))
-        if move is None or move[0] not in self.by_name:
-            return
-        name, role = move
-        inst = self.by_name[name]
-        if sum(1 for r in roles.values() if r == roles[name]) < 2:
-            return  # the last of its role stays (as the real fleet refuses)
-        self.leaving[id(inst)] = role
-        self.policy.leave(name)
-        self.moves.append(
-            {"worker": name, "from": roles[name], "to": role, "at": now, "why": self.planner.why}
-        )
-        self.kick(inst, now)  # an idle one moves now; a busy one at its next step boundary
-
-    def serve(self, inst, role, now) -> None:
-        """inst serves role from now on."""
-        del self.leaving[id(inst)]
-        (self.back if role == "decode" else self.front).append(inst)
-        for key, value in inst.role_settings.get(role, {}).items():
-            setattr(inst, key, value)
-        if inst.cache is not None:  # as the engine's set_role: only a decode role keeps out of the pool
-            inst.cache.share = role != "decode"
-        self.inbox.setdefault(id(inst), [])
-        self.homed.setdefault(id(inst), 0)
-        self.policy.join(self.names[id(inst)], role)
-        for move in self.moves:
-            if move["worker"] == self.names[id(inst)] and "seconds" not in move:
-                move["seconds"] = now - move["at"]
 
 
 def poisson_requests(rate: float, n: int, prompt: int | np.ndarray, output: int | np.ndarray, seed: int = 0):

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import openai
 
+from tests.heads import echo_head
+
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "test-key-123"
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,"]
@@ -91,3 +93,20 @@ def _pages_and_ends(url: str) -> tuple[dict, dict]:
 
 def _stopped(ended: dict) -> float:
     return ended.get("abort", 0) + ended.get("error", 0)
+
+
+def server_per_deployment(request, tmp_path_factory):
+    """A server per deployment; the colocated one requires an API key, the 1P1D one's decode worker
+    speculates with an MTP head fed by the hand-off (greedy text is the same: lossless)."""
+    tmp = tmp_path_factory.mktemp(request.param)
+    overrides = [f"deployment={request.param}"]
+    if request.param == "colocated":
+        overrides.append(f"server.api_key={KEY}")
+    else:
+        head = echo_head(tmp / "echo.safetensors")
+        overrides.append(
+            f"deployment.speculative={{method: mtp, num_speculative_tokens: 2, model: '{head}'}}"
+        )
+    proc, url = _start(tmp, *overrides)
+    yield request.param, url
+    _stop(proc)

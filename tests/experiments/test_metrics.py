@@ -1,6 +1,7 @@
 """experiments.metrics: the printed table's goodput lines."""
 
-from experiments.metrics import SWEEP, swept_goodput, table
+from experiments.metrics import SWEEP, swept_goodput
+from experiments.report import table
 
 
 def _record(deployment: str, rate, attainment: float, met_per_s: float, meets: bool) -> dict:

@@ -21,29 +21,12 @@ from tests.experiments.serving import (
     _long_stream,
     _metrics,
     _pages_and_ends,
-    _start,
-    _stop,
     _stopped,
+    server_per_deployment,
 )
-from tests.heads import echo_head
 
-
-@pytest.fixture(scope="module", params=["colocated", "1p1d"])
-def server(request, tmp_path_factory):
-    """A server per deployment; the colocated one requires an API key, the 1P1D one's decode worker
-    speculates with an MTP head fed by the hand-off (greedy text is the same: lossless)."""
-    tmp = tmp_path_factory.mktemp(request.param)
-    overrides = [f"deployment={request.param}"]
-    if request.param == "colocated":
-        overrides.append(f"server.api_key={KEY}")
-    else:
-        head = echo_head(tmp / "echo.safetensors")
-        overrides.append(
-            f"deployment.speculative={{method: mtp, num_speculative_tokens: 2, model: '{head}'}}"
-        )
-    proc, url = _start(tmp, *overrides)
-    yield request.param, url
-    _stop(proc)
+# a server per deployment: the colocated one requires an API key, the 1P1D one speculates (serving.py)
+server = pytest.fixture(scope="module", params=["colocated", "1p1d"])(server_per_deployment)
 
 
 def test_completions_streamed_and_not_equal_llm_generate(server, reference):
@@ -439,21 +422,28 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server):
         assert err.value.body["param"] == param, err.value.body
 
 
-def test_api_key_is_enforced_when_set(server):
+def test_api_key_is_enforced_when_set_and_absent_otherwise(server):
+    """The colocated server has server.api_key: a wrong or empty key is a 401 (on /health and /metrics
+    too, unless server.public_health); the 1P1D one has none: any key, or none, is served."""
     kind, url = server
-    if kind != "colocated":
-        pytest.skip("the 1P1D server runs without a key")
+    keyed = kind == "colocated"
     for key in ("wrong", ""):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=key or "x", max_retries=0)
+        if not keyed:
+            assert [m.id for m in client.models.list()] == ["tiny-random"]
+            continue
         with pytest.raises(openai.AuthenticationError) as err:
-            openai.OpenAI(base_url=f"{url}/v1", api_key=key or "x", max_retries=0).models.list()
+            client.models.list()
         assert err.value.status_code == 401 and err.value.body["code"] == "invalid_api_key"
-    assert [m.id for m in _client(server).models.list()] == ["tiny-random"]
-    for path in ("/health", "/metrics"):  # /health follows the key (unless server.public_health)
+    for path in ("/health", "/metrics"):
+        if not keyed:
+            assert urllib.request.urlopen(f"{url}{path}", timeout=10).status == 200, path
+            continue
         with pytest.raises(urllib.error.HTTPError) as err:
             urllib.request.urlopen(f"{url}{path}", timeout=10)
         assert err.value.code == 401, path
-        keyed = urllib.request.Request(f"{url}{path}", headers={"Authorization": f"Bearer {KEY}"})
-        assert urllib.request.urlopen(keyed, timeout=10).status == 200, path
+        request = urllib.request.Request(f"{url}{path}", headers={"Authorization": f"Bearer {KEY}"})
+        assert urllib.request.urlopen(request, timeout=10).status == 200, path
 
 
 def test_metrics_parse_and_count(server):

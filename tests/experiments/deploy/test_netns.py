@@ -17,7 +17,7 @@ from experiments.deploy.netns import Hosts, Link
 from tests import needs
 from tests.experiments.runs import skip_without_ebpf
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root (CI runs as root)")
 needs.nixl()
 
@@ -275,7 +275,7 @@ def test_two_nics_a_host_share_out_the_kv_across_mismatched_tp(short_tmp, tmp_pa
     ],
 )
 def test_bad_cluster_settings_name_the_key(cluster, match):
-    from experiments.deploy.config import ClusterConfig
+    from experiments.deploy.launch_config import ClusterConfig
 
     with pytest.raises(ValueError, match=match):
         ClusterConfig(**cluster)

@@ -21,7 +21,7 @@ needs.nixl()
 from experiments.deploy import launcher  # noqa: E402
 from experiments.run import run  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TINY = ["model=tiny-random", "workload.arrival=concurrency", "workload.concurrency=2", "plots=false"]
 TINY += ["workload.prompt_len.kind=uniform", "workload.prompt_len.low=2", "workload.prompt_len.high=40"]
 TINY += ["workload.output_len.value=8", "start_timeout_s=120", "run_timeout_s=180"]
