@@ -39,7 +39,7 @@ def _missing(text: str) -> list[str]:
 
 
 def test_every_key_the_docs_name_is_a_key_of_the_config():
-    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
     text = "\n".join(p.read_text() for p in docs)
     found = {m.group(1) for m in KEY.finditer(text)}
     assert {"deployment.chunk_size", "workload.sampling.temperature", "kv_tiers.store_bytes"} <= found
