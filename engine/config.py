@@ -199,7 +199,9 @@ class CacheConfig:
     page_size: int = 16
     num_pages: int = 1024
     kv_layout: str = "HND"
-    prefix_caching: bool = True  # share the KV of full pages with the same leading tokens (kv_cache.py)
+    prefix_caching: bool = (
+        True  # share the KV of full pages with the same leading tokens (engine/kv/cache.py)
+    )
 
     def __post_init__(self):
         _check(
@@ -221,7 +223,7 @@ DECODE_LOADS = ("cost", "always", "never")
 
 @dataclass(frozen=True)
 class KVTiersConfig:
-    """KV below device memory (engine/kv_tiers.py): a host pool, files, a pool shared between workers.
+    """KV below device memory (engine/kv/tiers.py): a host pool, files, a pool shared between workers.
 
     Full prefix pages leave device memory into the host pool (LRU) and from it into files (LRU): when a
     device page is evicted ("on_evict") or as soon as it is named ("write_through", which also keeps the

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.kv_cache import OutOfPages
+from engine.kv.cache import OutOfPages
 from engine.sequence import SamplingParams, Sequence
 
 
@@ -30,7 +30,7 @@ class DecodeHandoff:
         says how many pages). A request_id that take_refetches handed out resumes that sequence instead
         (prompt and params are its own: pages for all its tokens but the last).
 
-        Raises engine.kv_cache.OutOfPages (taking nothing) when the free pages, after this reservation,
+        Raises engine.kv.cache.OutOfPages (taking nothing) when the free pages, after this reservation,
         would not cover the growth every admitted request is owed (SchedulerConfig.reserved_tokens)."""
         seq = self.scheduler.refetching.get(request_id) if request_id is not None else None
         if seq is None:

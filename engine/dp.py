@@ -38,7 +38,7 @@ from typing import NamedTuple
 import torch
 import torch.multiprocessing as mp
 
-from engine.kv_cache import OutOfPages
+from engine.kv.cache import OutOfPages
 from engine.sequence import RequestOutput, SamplingParams, Sequence
 from engine.tp import RankDied, from_lead, stop_processes
 from pdkernels import ops
@@ -448,7 +448,7 @@ class DPFront:
         return own + sum(self._theirs("grammar_compiles"))
 
     def record_cache_events(self) -> None:
-        """From now on keep every DP group's prefix-cache events (engine.kv_cache's (stored?, name))."""
+        """From now on keep every DP group's prefix-cache events (engine.kv.cache's (stored?, name))."""
         self.allocator.record_events()
         if self.dp_engines is not None:
             self.dp_engines.record_events()

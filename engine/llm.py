@@ -25,9 +25,9 @@ from engine.core import EngineCore, StepStats
 from engine.decode_role import DecodeHandoff
 from engine.dp import DPEngines, DPFront
 from engine.graphs import DecodeGraphs
-from engine.kv_cache import PageAllocator, allocate_kv_cache
-from engine.kv_pages import namespace
-from engine.kv_tiers import KVTiers
+from engine.kv.cache import PageAllocator, allocate_kv_cache
+from engine.kv.pages import namespace
+from engine.kv.tiers import KVTiers
 from engine.model import Model, Shard
 from engine.mtp import MTPDrafter, load_head_weights
 from engine.runner import ModelRunner
@@ -105,7 +105,7 @@ class LLM(DPFront, EngineCore, DecodeHandoff, StepSampling):
         the prefill role (which never decodes). One page is kept back as the padding rows' scratch page.
         reserved_tokens, preemption, fair_share: admission with room to finish, what a preempted
         decode-role sequence does, and each request's share of the cache (engine.config.SchedulerConfig).
-        enable_prefix_caching: share the KV of leading full pages between requests (engine/kv_cache.py;
+        enable_prefix_caching: share the KV of leading full pages between requests (engine/kv/cache.py;
         vLLM's name and default). expert_parallel: an MoE model under TP holds whole experts per rank
         (engine/moe.py) instead of a slice of each. kv_tiers: KV below device memory under the prefix cache
         (engine.config.KVTiersConfig's fields: host_bytes, disk_bytes, disk_dir, policy, ...).
@@ -408,7 +408,7 @@ class LLM(DPFront, EngineCore, DecodeHandoff, StepSampling):
         return self.tiers.summary() if self.tiers is not None else {}
 
     def record_tier_events(self) -> None:
-        """From now on keep the KV tiers' events (engine.kv_tiers.KVTiers.record_events; none without)."""
+        """From now on keep the KV tiers' events (engine.kv.tiers.KVTiers.record_events; none without)."""
         if self.tiers is not None:
             self.tiers.record_events()
 

@@ -19,7 +19,7 @@ pages no one is owed, or is preempted: its KV is dropped and recomputed here lat
 preemption "refetch") handed back to the worker, which asks a prefill worker for prompt + outputs again,
 so that a decode step never carries a whole prompt.
 Prefix caching (salt set): a sequence that starts holding no pages first looks up the names of its full
-pages (engine/kv_cache.py); the leading ones that are cached are shared and count as computed, but at
+pages (engine/kv/cache.py); the leading ones that are cached are shared and count as computed, but at
 least its last `min_compute` tokens are computed (the one that samples; two when an MTP head needs the
 hidden state before it). After each step the pages a sequence filled get their names.
 """
@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 
 from engine.budget import SloBudget
 from engine.config import SchedulerConfig
-from engine.kv_cache import PageAllocator, page_hashes, request_salt
-from engine.kv_tiers import KVTiers, Load
+from engine.kv.cache import PageAllocator, page_hashes, request_salt
+from engine.kv.tiers import KVTiers, Load
 from engine.sequence import Sequence, Status
 
 
@@ -88,7 +88,7 @@ class Scheduler:
         self.num_recomputed_tokens = 0  # tokens computed again here because a preemption dropped their KV
         self.num_refetched_tokens = 0  # tokens whose KV a preemption dropped, to be fetched again
         self.propose = None  # speculative decoding: seq -> draft token ids for its next decode step
-        self.tiers: KVTiers | None = None  # KV below device memory (engine/kv_tiers.py)
+        self.tiers: KVTiers | None = None  # KV below device memory (engine/kv/tiers.py)
         self.loading: dict[str, tuple[Sequence, Load]] = {}  # admitted, its cached pages coming up
         self.prefilled: set[str] = set()  # decode role: sent KV landed, pages below still loading
         self._candidates = 0  # has_room: a sequence not yet queued that asks for room

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from engine.config import EngineConfig
-from engine.kv_cache import allocate_kv_cache
+from engine.kv.cache import allocate_kv_cache
 from engine.model import BatchMeta, Model, Shard
 from engine.weights import load_model
 from pdkernels import ops

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 COMPILED = os.environ.get("PDKERNELS_TEST_COMPILED") == "1"
-# this user's state folder (the disk tier's MAC keys, engine/kv_disk.py): the run's own, not the home's
+# this user's state folder (the disk tier's MAC keys, engine/kv/disk.py): the run's own, not the home's
 _STATE = tempfile.mkdtemp(prefix="pdk-state-")
 os.environ["XDG_STATE_HOME"] = _STATE
 atexit.register(shutil.rmtree, _STATE, ignore_errors=True)

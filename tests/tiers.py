@@ -1,4 +1,4 @@
-"""What the KV tiers' tests share (engine/kv_tiers.py)."""
+"""What the KV tiers' tests share (engine/kv/tiers.py)."""
 
 import threading
 

@@ -1,7 +1,7 @@
 """Which bytes go where: the KV page writes between a prefill worker and a decode worker (no I/O).
 
 Both sides keep, per TP rank, one KV region ``[layers, pages, planes, H_local, P, D]`` (HND; see
-engine.kv_cache): planes K and V, or one for an MLA latent cache (H = 1, D the latent row). In HND one
+engine.kv.cache): planes K and V, or one for an MLA latent cache (H = 1, D the latent row). In HND one
 head range of one page's K (or V) is a single contiguous run, so a page moves as one write per (source
 rank, destination rank) head overlap, and K and V merge into one write when both ranks hold the same
 heads. Ranks hold heads ``[r * H / tp, (r + 1) * H / tp)`` when ``H >= tp``; with fewer heads than

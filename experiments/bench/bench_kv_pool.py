@@ -1,4 +1,4 @@
-"""What sealing costs a page in the shared pool (engine/kv_pool.py): a SmolLM2-135M page (bf16, 16
+"""What sealing costs a page in the shared pool (engine/kv/pool.py): a SmolLM2-135M page (bf16, 16
 tokens: 368,640 bytes of KV and its header) put into and got from a Mooncake Store on this machine,
 sealed (AES-GCM into the client's buffer), against the same bytes moved unsealed."""
 
@@ -18,7 +18,7 @@ ROUNDS = 200
 
 @pytest.fixture(scope="module")
 def pool():
-    from engine.kv_pool import PoolTier
+    from engine.kv.pool import PoolTier
     from transfer.backends.mooncake import StoreProcesses
 
     store = StoreProcesses("127.0.0.1", 512 << 20, tempfile.mkdtemp(prefix="bench-pool-"))

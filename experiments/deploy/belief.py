@@ -15,7 +15,7 @@ def page_names(
 ) -> list[bytes]:
     """The names of token_ids' full pages: the engine's chained hash (with its salt and the request's
     cache_salt, the same names)."""
-    from engine.kv_cache import page_hashes, request_salt  # here: the simulator imports this without torch
+    from engine.kv.cache import page_hashes, request_salt  # here: the simulator imports this without torch
 
     return page_hashes(list(token_ids), page_size, request_salt(salt or b"router", cache_salt), [])
 

@@ -1,7 +1,7 @@
 """What the router believes sits below each worker's device pages (kv_tiers: its host pool and files, and
 the pool all workers share), and what a page costs there.
 
-The belief comes from the workers' tier events (engine.kv_tiers.KVTiers.take_events, batched in their
+The belief comes from the workers' tier events (engine.kv.tiers.KVTiers.take_events, batched in their
 Loads): each name a tier gained or dropped. A page's price is in units of computing it: on the device 0,
 below it the time a load took per page over the time computing a page takes on that worker (both from
 its Loads: the tier's load seconds over the pages it loaded, the prefill speed), 1 where it is nowhere.

@@ -123,7 +123,7 @@ class DeploymentConfig:
     # predicts that the prefill workers' queue would break slo.ttft_s, its own queue would be sooner and
     # its decode step has room under slo.tpot_s (pair with chunk_size: slo, which keeps its decodes on time)
     local_prefill_by_load: bool = False
-    prefix_caching: bool = True  # every worker shares cached KV pages between requests (engine/kv_cache.py)
+    prefix_caching: bool = True  # every worker shares cached KV pages between requests (engine/kv/cache.py)
     # a worker that was idle keeps reading requests for this many ms before its first step, so that a burst
     # reaching it spread out (over HTTP) shares that step; a lone request's TTFT pays it. 0: step at once
     gather_ms: float = 0.0

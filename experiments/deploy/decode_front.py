@@ -97,7 +97,7 @@ class DecodeFront:
     def drain(self, dm, refuse) -> None:
         """Send what waits to the prefill workers (dm: the decode messenger), while pages last; refuse(
         request_id, error) ends one the plan or the engine refuses."""
-        from engine.kv_cache import OutOfPages
+        from engine.kv.cache import OutOfPages
 
         if self.backlog and self.waiting_for_restart(dm):
             return

@@ -151,7 +151,7 @@ LOAD_EVERY_S = 0.5  # how often a worker sends its Load
 
 
 class TierCounters(msgspec.Struct, forbid_unknown_fields=True):
-    """One KV tier of a worker, so far (engine.kv_tiers.TierStats, and the pages it holds now)."""
+    """One KV tier of a worker, so far (engine.kv.tiers.TierStats, and the pages it holds now)."""
 
     hit_tokens: int = 0
     bytes_in: int = 0

@@ -38,9 +38,9 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def tier_spec(config, model, summary: dict) -> TierSpec | None:
-    """The run's kv_tiers in pages (a slot: header and payload in whole 4 KiB blocks, as engine/kv_pages.py
+    """The run's kv_tiers in pages (a slot: header and payload in whole 4 KiB blocks, as engine/kv/pages.py
     lays them out), and each tier's load time per page as the run measured it."""
-    from engine.kv_pages import ALIGN, HEADER_BYTES
+    from engine.kv.pages import ALIGN, HEADER_BYTES
 
     t = config.kv_tiers
     if not t.host_bytes:

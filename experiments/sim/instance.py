@@ -106,7 +106,7 @@ class PageCache:
     """An instance's prefix cache: page names, least recently used first, at most `capacity` of them;
     with tiers, what it evicts goes to its host pool (and behind it, every host page, to its files), and
     every page it names goes to the pool all instances share (a decode instance's do not: `share`), as
-    engine/kv_tiers.py does."""
+    engine/kv/tiers.py does."""
 
     def __init__(self, capacity: int, tiers: TierSpec | None = None, pool: OrderedDict | None = None):
         self.capacity, self.pages = max(int(capacity), 0), OrderedDict()
@@ -146,7 +146,7 @@ class PageCache:
         names = self.peek(r, context, page)
         tiers = [None if name in self.pages else self._below(name) for name in names]  # device ones first
         staged = self.tiers.host_pages // 2 if self.tiers is not None and self.tiers.host_pages else None
-        if staged is not None:  # as engine/kv_tiers.py's load: a disk or pool page is staged through a
+        if staged is not None:  # as engine/kv/tiers.py's load: a disk or pool page is staged through a
             # host slot, and one load takes a page from them only while it holds under half the slots
             below = [i for i, t in enumerate(tiers) if t is not None]
             cut = next((i for k, i in enumerate(below) if k >= staged and tiers[i] != "host"), len(names))

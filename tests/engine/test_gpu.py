@@ -205,7 +205,7 @@ def test_kv_tiers_on_the_gpu_bring_pages_back_through_a_pinned_host_pool_and_fil
     """A small cache on the GPU: evicted pages come back from the host pool (pinned) and from files (NIXL
     POSIX), copied on the tiers' side streams (a save after the compute stream's writes, a load before a
     request reads the page); greedy tokens equal those with no prefix cache at all, every page back."""
-    from tests.engine.test_kv_tiers import _prompts
+    from tests.engine.kv.test_tiers import _prompts
 
     prompts = _prompts()  # four 120-token prompts, then each again with 3 more tokens
     greedy = SamplingParams(max_tokens=6, ignore_eos=True)

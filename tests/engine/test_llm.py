@@ -361,7 +361,7 @@ def test_tp_that_fits_neither_sharding_nor_replication():
 
 
 def test_reserve_out_of_pages_takes_nothing():
-    from engine.kv_cache import OutOfPages
+    from engine.kv.cache import OutOfPages
 
     llm = LLM("tiny-random", role="decode", page_size=4, num_pages=8)
     llm.reserve(list(range(5, 25)), SamplingParams(max_tokens=4), request_id="a")  # 19 tokens: 5 pages
@@ -377,7 +377,7 @@ def test_reserve_keeps_room_for_admitted_requests_to_finish(reserved_tokens, adm
     """a (19 + 20 tokens to come: 10 pages) and b (7 + 8: 4 pages) are admitted; c would find its 2
     prompt pages free, but then a and b could not finish: it waits, unless the horizon is short (or each
     request is owed only its fair share, the default: test_a_new_request_does_not_wait_for_long_outputs)."""
-    from engine.kv_cache import OutOfPages
+    from engine.kv.cache import OutOfPages
 
     llm = LLM(
         "tiny-random",

@@ -1,4 +1,4 @@
-"""Prefix caching in the engine (engine/kv_cache.py, engine/scheduler.py): shared leading pages are not
+"""Prefix caching in the engine (engine/kv/cache.py, engine/scheduler.py): shared leading pages are not
 computed again, and greedy outputs are the same as without the cache, through chunked prefill,
 preemption, speculative decoding and TP."""
 
@@ -7,7 +7,7 @@ import random
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.kv_cache import page_hashes
+from engine.kv.cache import page_hashes
 from tests.kept import keep_outputs
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)

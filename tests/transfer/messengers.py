@@ -7,7 +7,7 @@ import torch
 
 from engine import SamplingParams
 from engine.disagg import DecodeSide, PrefillSide, decode_messenger, prefill_messenger
-from engine.kv_cache import OutOfPages
+from engine.kv.cache import OutOfPages
 from tests.kept import finished, keep_outputs
 from transfer.backends import make_backend
 from transfer.config import TransferConfig

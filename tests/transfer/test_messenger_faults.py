@@ -19,7 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from engine import LLM, SamplingParams
 from engine.disagg import DecodeSide, PrefillSide, decode_messenger, prefill_messenger, shard_spec
-from engine.kv_cache import OutOfPages
+from engine.kv.cache import OutOfPages
 from tests.kept import keep_outputs
 from tests.transfer.messengers import _full_heads
 from transfer.backends.local import LocalBackend

@@ -16,7 +16,7 @@ Mooncake's TCP transfer engine listens on every interface (its port search binds
 authenticate peers, nor does the master (any process that reaches it may list, read, remove or write
 objects); run the pool on a trusted network. What we keep: the master, its metrics and admin server, the
 metadata server and the memory process's service bind to `host`, and what workers put is sealed under
-keys only the deployment's secret derives (engine/kv_pool.py).
+keys only the deployment's secret derives (engine/kv/pool.py).
 """
 
 from __future__ import annotations

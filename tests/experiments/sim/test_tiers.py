@@ -57,7 +57,7 @@ def test_round_robin_with_the_pool_passes_either_router_without_it():
 
 
 def test_a_load_from_the_pool_takes_at_most_half_the_host_slots_it_is_staged_through():
-    """As engine/kv_tiers.py's load: a pool page lands in a host slot first, and one load takes pool
+    """As engine/kv/tiers.py's load: a pool page lands in a host slot first, and one load takes pool
     pages only while it holds under half of them, so a small host pool caps each turn's pool hits."""
     wide = _sim("round_robin", 4000, TierSpec(host_pages=64, pool_pages=100_000))
     narrow = _sim("round_robin", 4000, TierSpec(host_pages=4, pool_pages=100_000))

@@ -9,7 +9,7 @@ read any object, remove them all or write its own. So nothing in it is readable 
 deployment's secret: a key is an HMAC of the page's name (no one else can tell which prompts are cached,
 salted or not), and an object is its slot sealed with AES-GCM under a key derived from the secret, bound
 to its pool key (read, it is noise; copied under another key or forged, it fails to open and the page is
-computed). The slot inside still carries its MAC and header (engine/kv_pages.py), checked as from any
+computed). The slot inside still carries its MAC and header (engine/kv/pages.py), checked as from any
 tier. An object that fails is replaced by the next put of its page. What an intruder can still do is
 remove or crowd out objects: pages are then computed again (a miss, never wrong text).
 """

@@ -72,7 +72,7 @@ class PageAllocator:
         self.num_evicted = 0  # named pages whose name an allocation dropped
         # (stored?, name) as names come and go, for a router's view of this cache (record_events())
         self.events: list[tuple[bool, bytes]] | None = None
-        # the KV tiers below (engine/kv_tiers.py): told of a named page about to be evicted, whose KV
+        # the KV tiers below (engine/kv/tiers.py): told of a named page about to be evicted, whose KV
         # still holds, or (write-through) of a page just named
         self.on_evict: Callable[[int, bytes], None] | None = None
         self.on_named: Callable[[int, bytes], None] | None = None

@@ -1,4 +1,4 @@
-"""The shared KV pool (engine/kv_pool.py over Mooncake Store, transfer/backends/mooncake.py): an engine
+"""The shared KV pool (engine/kv/pool.py over Mooncake Store, transfer/backends/mooncake.py): an engine
 loads what another one computed, with the same greedy text as no cache; a page of another secret, salt,
 size or namespace is never used; a store that dies or hangs turns into misses within the deadline."""
 
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.kv_cache import page_hashes
-from engine.kv_pages import HEADER_BYTES
+from engine.kv.cache import page_hashes
+from engine.kv.pages import HEADER_BYTES
 from tests import needs
 from tests.tiers import all_busy, release
 from transfer.backends.mooncake import StoreClient, StoreProcesses, link_libraries
@@ -184,7 +184,7 @@ def test_a_local_process_reading_the_pool_learns_nothing_and_cannot_move_a_page(
     finally:
         intruder.close()
     reader = LLM(**SMALL, kv_tiers=_tiers(store))
-    with caplog.at_level(logging.WARNING, logger="engine.kv_tiers"):
+    with caplog.at_level(logging.WARNING, logger="engine.kv.tiers"):
         outs = _one_by_one(reader, _prompts()[1:2])
     assert [o.token_ids for o in outs] == reference[1:2] and outs[0].num_cached_tokens == 0
     assert reader.kv_tier_stats["pool"]["dropped"] == 1 and "seal did not open" in caplog.text

@@ -5,7 +5,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, multiple, rule
 
-from engine.kv_cache import OutOfPages, PageAllocator, page_hashes
+from engine.kv.cache import OutOfPages, PageAllocator, page_hashes
 
 
 def test_grow_free_and_count():

@@ -1,4 +1,4 @@
-"""KV below device memory: the host pool, then files, under the prefix cache (engine/kv_cache.py).
+"""KV below device memory: the host pool, then files, under the prefix cache (engine/kv/cache.py).
 
 Saving: a named device page is copied into a host slot when the allocator evicts it (policy "on_evict")
 or as soon as it is named ("write_through"); every page that reaches the host pool is written behind it
@@ -8,7 +8,7 @@ and starts a `Load`; the request waits out of the batch while one I/O thread rea
 slots, checks them and copies them into its pages, and the other requests keep stepping. A load that
 fails a check or passes its deadline stops there: the pages it did load count, the rest are computed.
 
-The shared pool (engine/kv_pool.py) sits below both: a prefill or colocated engine puts each page it
+The shared pool (engine/kv/pool.py) sits below both: a prefill or colocated engine puts each page it
 names there (staged through a host slot; while none is free the put waits, in order, for one), and
 `find` looks there for what host and disk lack.
 
@@ -30,9 +30,9 @@ from dataclasses import asdict, dataclass
 from torch import Tensor
 
 from engine.config import KVTiersConfig
-from engine.kv_disk import DiskTier
-from engine.kv_pages import HEADER_BYTES, HostPool, PageFormat
-from engine.kv_pool import PoolTier
+from engine.kv.disk import DiskTier
+from engine.kv.pages import HEADER_BYTES, HostPool, PageFormat
+from engine.kv.pool import PoolTier
 
 log = logging.getLogger(__name__)
 TIERS = ("host", "disk", "pool")
@@ -84,7 +84,7 @@ class Load:
 
 class KVTiers:
     def __init__(self, config: KVTiersConfig, caches: list[Tensor], space: bytes, page_size: int):
-        """caches: every TP rank's device cache (rank order); space: kv_pages.namespace(...)."""
+        """caches: every TP rank's device cache (rank order); space: pages.namespace(...)."""
         self.config, self.page_size = config, page_size
         self.fmt = PageFormat(caches, space, config.secret.encode())
         slot = self.fmt.slot_bytes

@@ -1,4 +1,4 @@
-"""KV below device memory (engine/kv_tiers.py, kv_pages.py, kv_disk.py): pages evicted from a small device
+"""KV below device memory (engine/kv/tiers.py, pages.py, disk.py): pages evicted from a small device
 cache come back from the host pool or from files (NIXL POSIX) instead of being computed; greedy text is the
 same as with no cache at all; a page that fails a check, a disk that fails, a load that is aborted or
 passes its deadline all fall back to computing, and every page is accounted for."""
@@ -12,7 +12,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.config import KVTiersConfig
-from engine.kv_pages import HEADER_BYTES, PageFormat, namespace
+from engine.kv.pages import HEADER_BYTES, PageFormat, namespace
 from tests import needs
 from tests.tiers import all_busy, release, stalled
 
@@ -126,7 +126,7 @@ def test_a_load_keeps_its_host_pages_while_taking_device_pages_evicts_others_int
 def test_a_load_whose_device_pages_cannot_be_had_gives_its_host_slots_back(monkeypatch):
     """Its slots are taken before its device pages: if those cannot be had, the load runs as cancelled
     (copying nothing) and every slot it took is idle again."""
-    from engine.kv_cache import OutOfPages
+    from engine.kv.cache import OutOfPages
 
     llm = LLM("tiny-random", **SMALL, kv_tiers={"host_bytes": 4 << 20})
     prompts = _prompts()
@@ -175,7 +175,7 @@ def test_a_corrupted_file_is_dropped_and_recomputed(reference, tmp_path, caplog)
             f.seek(at)
             f.write(bytes([byte[0] ^ 0xFF]) if byte else b"")
     again = LLM("tiny-random", **SMALL, kv_tiers=tiers)
-    with caplog.at_level(logging.WARNING, logger="engine.kv_tiers"):
+    with caplog.at_level(logging.WARNING, logger="engine.kv.tiers"):
         outs = _one_by_one(again, _prompts()[4:])
     assert [o.token_ids for o in outs] == reference[4:]
     assert again.kv_tier_stats["disk"]["dropped"] > 0 and "MAC" in caplog.text
@@ -257,7 +257,7 @@ def test_a_disk_that_fails_turns_its_tier_off_and_requests_compute(reference, tm
         raise TransferError("the disk went away")
 
     llm.tiers.disk.files.start = gone
-    with caplog.at_level(logging.WARNING, logger="engine.kv_disk"):
+    with caplog.at_level(logging.WARNING, logger="engine.kv.disk"):
         outs = _one_by_one(llm, _prompts())
     assert [o.token_ids for o in outs] == reference
     assert caplog.text.count("is off from now on") == 1 and not llm.tiers.disk.alive
@@ -266,7 +266,7 @@ def test_a_disk_that_fails_turns_its_tier_off_and_requests_compute(reference, tm
 
 def test_a_full_disk_serves_without_the_tier_and_says_so_once(tmp_path, caplog):
     tiers = {"host_bytes": 1 << 20, "disk_bytes": 1 << 60, "disk_dir": str(tmp_path)}
-    with caplog.at_level(logging.WARNING, logger="engine.kv_tiers"):
+    with caplog.at_level(logging.WARNING, logger="engine.kv.tiers"):
         llm = LLM("tiny-random", **SMALL, kv_tiers=tiers)
     assert llm.tiers.disk is None and caplog.text.count("no disk tier") == 1
     assert "disk" not in llm.kv_tier_stats

@@ -1,4 +1,4 @@
-"""The disk tier against whoever else can reach its folder (engine/kv_disk.py, transfer/backends/files.py):
+"""The disk tier against whoever else can reach its folder (engine/kv/disk.py, transfer/backends/files.py):
 its MAC key is kept outside the folder, a folder others can enter is refused, no file is opened through a
 symlink, a disk too small takes nothing, and a signed page of NaNs is recomputed rather than served."""
 
@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from engine import LLM
-from engine.kv_disk import key_folder
-from engine.kv_pages import PageFormat, namespace
+from engine.kv.disk import key_folder
+from engine.kv.pages import PageFormat, namespace
 from tests import needs
-from tests.engine.test_kv_tiers import GREEDY, SMALL, _one_by_one, _prompts
+from tests.engine.kv.test_tiers import GREEDY, SMALL, _one_by_one, _prompts
 
 needs.nixl()  # the disk tier moves its files through NIXL POSIX
 
@@ -54,7 +54,7 @@ def _pages_then_again(folder, reference, caplog, forge, why: str) -> None:
     llm.close()
     forge(fmt, key)
     again = LLM("tiny-random", **SMALL, kv_tiers=_tiers(folder))
-    with caplog.at_level(logging.WARNING, logger="engine.kv_tiers"):
+    with caplog.at_level(logging.WARNING, logger="engine.kv.tiers"):
         outs = _one_by_one(again, _prompts()[4:])
     assert [o.token_ids for o in outs] == reference
     assert again.kv_tier_stats["disk"]["dropped"] > 0 and why in caplog.text
@@ -132,7 +132,7 @@ def test_a_file_replaced_by_a_symlink_is_not_followed(tmp_path, caplog, name):
     victim.write_bytes(b"precious")
     (folder / name).unlink()
     (folder / name).symlink_to(victim)
-    with caplog.at_level(logging.WARNING, logger="engine.kv_tiers"):
+    with caplog.at_level(logging.WARNING, logger="engine.kv.tiers"):
         llm = LLM("tiny-random", **SMALL, kv_tiers=_tiers(folder))
     assert llm.tiers.disk is None and "Too many levels of symbolic links" in caplog.text
     assert llm.generate([[5, 6, 7]], GREEDY)[0].token_ids
@@ -157,7 +157,7 @@ def test_a_disk_tier_larger_than_the_free_space_takes_none_of_it(small_fs, caplo
     still free (a preallocation that failed part way kept 267 of 272 MB, even after the engine stopped)."""
     before = os.statvfs(small_fs)
     tiers = {"host_bytes": 256 << 10, "disk_bytes": 16 << 20, "disk_dir": str(small_fs / "kv")}
-    with caplog.at_level(logging.WARNING, logger="engine.kv_tiers"):
+    with caplog.at_level(logging.WARNING, logger="engine.kv.tiers"):
         llm = LLM("tiny-random", **SMALL, kv_tiers=tiers)
     assert llm.tiers.disk is None and caplog.text.count("no disk tier") == 1
     assert "free" in caplog.text

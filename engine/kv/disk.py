@@ -24,7 +24,7 @@ from collections import OrderedDict, deque
 
 from torch import Tensor
 
-from engine.kv_pages import Slots
+from engine.kv.pages import Slots
 from transfer.backends.base import TransferError
 from transfer.backends.files import NixlFiles, open_nofollow
 
