@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import os
 import time
-import traceback
 from dataclasses import replace
 from typing import NamedTuple
 
@@ -40,7 +39,7 @@ import torch.multiprocessing as mp
 
 from engine.kv.cache import OutOfPages
 from engine.sequence import RequestOutput, SamplingParams, Sequence
-from engine.tp import RankDied, from_lead, stop_processes
+from engine.tp import RankDied, stop_processes
 from pdkernels import ops
 
 SIDE_METHODS = ("reserve", "admit", "fail", "free", "set_aside", "recompute")  # what DPEngines.call may run
@@ -77,7 +76,7 @@ class DPEngines:
             lead_end, engine_end = ctx.Pipe()
             # an engine that leads TP ranks starts processes: a daemon may not (close() stops it instead)
             proc = ctx.Process(
-                target=_engine_main,
+                target=_group_process,
                 args=(rank, args, rendezvous, engine_end, ops.get_backend(), os.getpid()),
                 daemon=tp == 1,
                 name=f"dp-engine-{rank}",
@@ -165,7 +164,8 @@ class DPEngines:
             self.stats.setdefault(rank, {}).update(counters)
 
     def start_messenger(self, rank: int, *args) -> list[str]:
-        """Prefill role: engine rank builds its own messenger (_prefill_messenger's args); its agents."""
+        """Prefill role: engine rank builds its own messenger (args: engine/dp_group.py's
+        _prefill_messenger's); its agents."""
         self._send(rank, ("prefill_messenger", args))
         return self._recv(rank, START_TIMEOUT_S)[1]
 
@@ -195,112 +195,13 @@ class DPEngines:
         self.procs, self.conns = [], []
 
 
-def _counters(llm) -> dict:
-    """An engine's counters, for the lead's sums (engine.llm.LLM's own: this engine fronts no other)."""
-    return {
-        "pages": llm.pages,
-        "queues": llm.queues,
-        "prefix_cache_stats": llm.prefix_cache_stats,
-        "preemption_stats": llm.preemption_stats,
-        "grammar_compiles": llm.grammar_compiles,
-    }
+def _group_process(*args) -> None:
+    """A DP group's process: engine/dp_group.py's main, which builds the group's LLM. That module sits
+    above engine.llm (which imports this one), so the child imports it by name: no engine module imports
+    one that imports it back."""
+    from importlib import import_module
 
-
-def _stats(llm) -> dict:
-    """An engine's counters after its step, and what happened in it for the lead to take."""
-    return {
-        **_counters(llm),
-        "cache_events": llm.allocator.take_events(),
-        "refetches": [(q.request_id, q.all_ids, q.params) for q in llm.take_refetches()],
-        "busy": llm.has_unfinished(),
-    }
-
-
-def _engine_main(rank: int, args: dict, rendezvous: str, conn, backend: str, lead: int) -> None:
-    """DP group `rank`'s engine: build it (it joins the process group), then serve the lead's requests
-    and steps until told to stop, or until the lead is gone."""
-    from engine.disagg import DecodeSide
-    from engine.llm import LLM
-
-    llm = pm = None
-    try:
-        torch.set_num_threads(1)
-        ops.set_backend(backend)  # the lead's choice, not this process's environment
-        llm = LLM(**args, dp_rank=rank, dp_rendezvous=rendezvous)
-        role = llm.config.scheduler.role
-        conn.send(("ready", llm.kv_caches if role == "decode" else None))  # shared memory: the front maps it
-        side = DecodeSide(llm)
-        for kind, payload in from_lead(conn, lead):
-            if kind == "add":
-                try:
-                    llm.add_request(*payload)
-                    conn.send(("added", None))
-                except (ValueError, TypeError) as e:
-                    conn.send(("refused", str(e)))
-            elif kind == "abort":
-                llm.abort(*payload)
-            elif kind == "record":
-                llm.allocator.record_events()
-            elif kind == "grammar":  # loaded in the front first: the same vocabulary, it loads here too
-                llm.grammars.load(*payload)
-            elif kind == "prefill_messenger":  # prefill role: this group's own messenger and agent
-                pm = _prefill_messenger(llm, rank, *payload)
-                conn.send(("done", pm.agents.names))
-            elif kind == "poll":
-                if pm is not None:
-                    pm.poll()
-                conn.send(("polled", llm.has_unfinished()))
-            elif kind == "counters":
-                conn.send(("counters", _counters(llm)))
-            elif kind == "side":  # the front's decode messenger, on this group's requests
-                method, call_args = payload
-                if method not in SIDE_METHODS:
-                    raise ValueError(f"no DecodeSide method {method!r}")
-                try:
-                    conn.send(("done", getattr(side, method)(*call_args)))
-                except OutOfPages as e:
-                    conn.send(("refused", ("OutOfPages", str(e))))
-                except (ValueError, TypeError) as e:
-                    conn.send(("refused", ("ValueError", str(e))))
-            elif kind == "step":
-                if pm is not None:
-                    pm.poll()  # what arrived since its last poll joins this step
-                outs = llm.step()
-                if role == "prefill":  # its messenger's requests: the lead has nothing to do with them
-                    outs = []
-                for out in outs:  # the lead has them: not pickled again every step
-                    out.prompt, out.prompt_token_ids = None, []
-                conn.send(("stepped", (outs, _stats(llm))))
-    except Exception:
-        try:
-            conn.send(("failed", traceback.format_exc()))
-        except (BrokenPipeError, OSError):
-            pass
-    finally:
-        if pm is not None:
-            pm.close()
-            for backend in pm.agents.backends:
-                backend.close()
-        if llm is not None:
-            llm.close()
-
-
-def _prefill_messenger(llm, rank: int, transfer, agent: str, peers: list[tuple[str, str]], creds):
-    """Prefill role: DP group rank's messenger in its engine's process, over its own KV, layer counter and
-    NIXL agents (one per TP rank, each on its transfer.nics_per_rank NIC), connected to each decode worker's
-    control address for this group (peers: (decode worker, address)). Each group is a prefill peer of its
-    own to them."""
-    from engine.disagg import prefill_messenger
-    from transfer.backends import rank_agents
-    from transfer.channel import ZmqEndpoint
-    from transfer.protocol import prefill_codec
-
-    if transfer.backend != "nixl":
-        raise ValueError("a DP group's messenger runs in another process: it needs transfer.backend nixl")
-    pm = prefill_messenger(llm, rank_agents(transfer, agent, llm.config.tp, rank), transfer)
-    for peer, address in peers:
-        pm.add_peer(ZmqEndpoint(address, False, creds, peer, prefill_codec()))
-    return pm
+    import_module("engine.dp_group").main(*args)
 
 
 class DPFront:
@@ -349,10 +250,10 @@ class DPFront:
         return seq.request_id
 
     def start_group_messengers(self, transfer, agent: str, peers: dict[int, list], creds) -> list[list[str]]:
-        """Prefill role: each other DP group's own messenger (engine/dp.py's _prefill_messenger), its agents
-        named agent-dp<rank> (and -tp<t> for its other TP ranks), connected to peers[rank] ((decode worker,
-        address) pairs). Returns the agents' names, a list per group. Group 0's messenger is the caller's
-        (engine.disagg.prefill_messenger)."""
+        """Prefill role: each other DP group's own messenger (engine/dp_group.py's _prefill_messenger), its
+        agents named agent-dp<rank> (and -tp<t> for its other TP ranks), connected to peers[rank]
+        ((decode worker, address) pairs). Returns the agents' names, a list per group. Group 0's messenger
+        is the caller's (engine.disagg.prefill_messenger)."""
         names = []
         for rank in range(1, self.config.dp):
             name = f"{agent}-dp{rank}"

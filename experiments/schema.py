@@ -20,11 +20,11 @@ from dataclasses import MISSING, fields
 
 from hydra.core.config_store import ConfigStore
 
-from experiments.config import WorkloadConfig
 from experiments.deploy.config import DeploymentConfig, KernelsConfig, KVTiersSpec, ModelSpec, SloConfig
 from experiments.deploy.launch_config import ClusterConfig, LauncherConfig, RayConfig
 from experiments.deploy.planner import PlannerConfig
 from experiments.deploy.server_config import ServerConfig
+from experiments.workload_config import WorkloadConfig
 from transfer.config import TransferConfig
 
 # group -> the dataclass its options fill (launcher: only name and max_restarts; ray and cluster are

@@ -3,18 +3,22 @@
 - every Python file is at most MAX_LINES lines (a file past it wants splitting where it has a seam);
 - tests mirror the packages: a folder under tests/ is a package's folder (tests/experiments/deploy for
   experiments/deploy), and a test named after a module of a subpackage lives in that subpackage's folder
-  (tests/experiments/deploy/test_policy.py, not tests/experiments/test_policy.py).
+  (tests/experiments/deploy/test_policy.py, not tests/experiments/test_policy.py);
+- no import cycle among the packages' modules: every import counts, inside functions too (only those
+  under `if TYPE_CHECKING:` do not), so dependencies point one way.
 
 python scripts/check_layout.py [ROOT]; exits 1 with one line per breach.
 """
 
 from __future__ import annotations
 
+import ast
 import sys
 from pathlib import Path
 
 MAX_LINES = 500
 SOURCES = ("engine", "experiments", "transfer", "pdkernels", "scripts", "tests")
+PACKAGES = ("engine", "experiments", "transfer", "pdkernels")  # whose modules may not import round a circle
 
 
 def too_long(root: Path) -> list[str]:
@@ -55,8 +59,80 @@ def misplaced_tests(root: Path) -> list[str]:
     return out
 
 
+def _imports(name: str, path: Path, modules: set[str]) -> set[str]:
+    """The project modules module `name` imports (`from pkg import mod` counts as mod, not pkg)."""
+    tree = ast.parse(path.read_text())
+    typing_only = {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for n in ast.walk(node)
+    }
+    named = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            named |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the module's package, up level - 1
+                package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+                for _ in range(node.level - 1):
+                    package = package.rpartition(".")[0]
+                base = f"{package}.{base}" if base else package
+            named |= {f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names}
+    out = set()
+    for target in named:
+        while target and target not in modules:
+            target = target.rpartition(".")[0]
+        if target and target != name:
+            out.add(target)
+    return out
+
+
+def import_cycles(root: Path) -> list[str]:
+    """Each group of modules that import each other, round a circle (Tarjan's strongly connected
+    components of the import graph)."""
+    paths = {}
+    for top in PACKAGES:
+        for path in (root / top).rglob("*.py"):
+            parts = path.relative_to(root).with_suffix("").parts
+            paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {name: _imports(name, path, set(paths)) for name, path in paths.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                out.append(f"an import cycle: {', '.join(sorted(group))}")
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10 * len(graph)))
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
 def main(root: Path) -> int:
-    breaches = too_long(root) + misplaced_tests(root)
+    breaches = too_long(root) + misplaced_tests(root) + import_cycles(root)
     for line in breaches:
         print(line)
     return 1 if breaches else 0

@@ -310,7 +310,7 @@ def start_fleet(
     first_core: where its cores start (a parallel sweep job's own share)."""
     import zmq
 
-    from experiments.deploy.launcher import make_launcher
+    from experiments.deploy.netns_launch import make_launcher
 
     if config.model.device == "cpu":
         # pdkernels' C++ CPU paths: built here once (about 20 s on a new machine), not by each worker

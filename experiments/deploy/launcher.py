@@ -404,18 +404,3 @@ class RayLauncher:
                     ray.util.remove_placement_group(w.group)
             except Exception as e:  # already gone
                 log.debug("cleaning up %s: %s", w.name, e)
-
-
-def make_launcher(config):
-    """The launcher config.launcher names: local processes, Ray actors, or hosts in network namespaces
-    (experiments/deploy/netns_launch.py: processes, or with cluster.ray Ray actors, on each host)."""
-    if config.launcher.name == "ray":
-        return RayLauncher(config.launcher.ray)
-    if config.launcher.name == "netns":
-        from experiments.deploy.netns_launch import NetnsLauncher, NetnsRayLauncher
-
-        if config.launcher.cluster.ray:
-            cfg = config.launcher.ray or RayConfig()
-            return NetnsRayLauncher(config.launcher.cluster, cfg, config.launcher.max_restarts)
-        return NetnsLauncher(config.launcher.cluster, config.launcher.max_restarts)
-    return LocalLauncher(config.transfer.control_host, config.launcher.max_restarts)

@@ -185,3 +185,16 @@ class NetnsRayLauncher(RayLauncher):
                 self._left = None
             self.hosts.close()  # the Ray nodes' processes go with their namespaces
             shutil.rmtree(self._temp, ignore_errors=True)
+
+
+def make_launcher(config):
+    """The launcher config.launcher names: local processes, Ray actors, or hosts in network namespaces
+    (processes, or with cluster.ray Ray actors, on each host; this module sits above the others)."""
+    if config.launcher.name == "ray":
+        return RayLauncher(config.launcher.ray)
+    if config.launcher.name == "netns":
+        if config.launcher.cluster.ray:
+            cfg = config.launcher.ray or RayConfig()
+            return NetnsRayLauncher(config.launcher.cluster, cfg, config.launcher.max_restarts)
+        return NetnsLauncher(config.launcher.cluster, config.launcher.max_restarts)
+    return LocalLauncher(config.transfer.control_host, config.launcher.max_restarts)

@@ -21,7 +21,7 @@ import hydra
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.config import RunConfig, WorkloadConfig, run_job, workload_of
+from experiments.config import RunConfig, run_job, workload_of
 from experiments.deploy.config import (
     DeploymentConfig,
     ModelSpec,
@@ -40,6 +40,7 @@ from experiments.sim.instance import TierSpec
 from experiments.sim.models import sim_model
 from experiments.sim.simulate import Instance, SimRequest, simulate_colocated, simulate_disaggregated
 from experiments.workload import Conversations, draw, mooncake_rows
+from experiments.workload_config import WorkloadConfig
 from transfer.config import TransferConfig
 
 MAX_POSITION = 1 << 20

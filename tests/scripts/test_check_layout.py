@@ -42,3 +42,20 @@ def test_a_long_file_and_misplaced_tests_are_named(tmp_path, capsys):
         "tests/experiments/deploy/",
         "tests/nowhere/test_x.py: tests/nowhere mirrors no package (nowhere does not exist)",
     ]
+
+
+def test_an_import_cycle_is_named_even_through_a_function_level_import(tmp_path):
+    for name, text in {
+        "engine/__init__.py": "from engine.llm import LLM\n",
+        "engine/llm.py": "from engine import dp\nLLM = 1\n",
+        "engine/dp.py": "def main():\n    from .group import run\n",
+        "engine/group.py": "from engine.llm import LLM\nrun = 2\n",
+        "engine/typed.py": "import typing\nif typing.TYPE_CHECKING:\n    from engine.llm import LLM\n",
+        "engine/model.py": "from engine import mla\n",  # the module engine.mla, not the package
+        "engine/mla.py": "x = 1\n",
+    }.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert check_layout.import_cycles(tmp_path) == ["an import cycle: engine.dp, engine.group, engine.llm"]
+    (tmp_path / "engine/dp.py").write_text("def main():\n    import importlib\n")  # the group by name
+    assert check_layout.import_cycles(tmp_path) == []

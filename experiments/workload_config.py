@@ -1,0 +1,148 @@
+"""`workload.*`: what the main job sends (arrivals, prompt and output lengths, datasets, multiturn
+conversations) and how every request samples; checked where it is built, with errors naming the key.
+experiments/workload.py makes the requests of it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from experiments.deploy.checks import check_positive, refuse
+
+ARRIVALS = ("poisson", "concurrency", "trace")
+DATASETS = ("random", "sharegpt", "mooncake", "multiturn")
+LENGTH_KINDS = ("fixed", "uniform", "lognormal")
+
+
+@dataclass(frozen=True)
+class LengthDist:
+    kind: str = "fixed"  # fixed: value | uniform: [low, high] | lognormal: mean (tokens), sigma
+    value: int = 128  # fixed: every length
+    low: int = 1  # uniform: the shortest
+    high: int = 128  # uniform: the longest
+    mean: float = 128.0  # lognormal: the mean length (tokens)
+    sigma: float = 0.5  # lognormal: the sigma of the underlying normal
+
+    def check(self, key: str) -> None:
+        if self.kind not in LENGTH_KINDS:
+            refuse(f"{key}.kind", self.kind, f"one of {LENGTH_KINDS}")
+        if self.kind == "fixed":
+            check_positive(f"{key}.value", self.value, integer=True)
+        elif self.kind == "uniform":
+            check_positive(f"{key}.low", self.low, integer=True)
+            if not isinstance(self.high, int) or self.high < self.low:
+                refuse(f"{key}.high", self.high, f"an integer >= {key}.low ({self.low})")
+        else:
+            check_positive(f"{key}.mean", self.mean)
+            check_positive(f"{key}.sigma", self.sigma)
+
+    @property
+    def expected(self) -> float:
+        """The mean length it draws (lognormal: its `mean` is the mean)."""
+        return {"fixed": self.value, "uniform": (self.low + self.high) / 2}.get(self.kind, self.mean)
+
+
+@dataclass(frozen=True)
+class WorkloadSampling:
+    """How every request of the workload samples (workload.sampling.*): engine.SamplingParams' fields, the
+    same the server takes. ignore_eos (default true) makes each request run to its output length;
+    structured_outputs: one of {json: <schema>, json_object: true, regex: ..., choice: [...],
+    grammar: ...}."""
+
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0  # nucleus sampling's probability mass (1: off)
+    top_k: int = 0  # the likeliest k tokens only (0: off)
+    seed: int | None = None  # a request's sampling seed (null: random)
+    ignore_eos: bool = True  # every request runs to its output length
+    structured_outputs: dict | None = None  # null, or {json: <schema>} | {regex: ...} | {choice: [...]} | ...
+
+    def __post_init__(self):
+        try:
+            self.params(1)
+        except (ValueError, TypeError) as e:
+            key = str(e).split(" ", 1)[0]
+            raise ValueError(f"workload.sampling.{key}: {e}") from e
+
+    def params(self, max_tokens: int):
+        """engine.SamplingParams of a request of max_tokens output tokens."""
+        from engine.sequence import SamplingParams
+        from engine.structured import StructuredOutputs
+
+        spec = self.structured_outputs
+        if spec is not None and not isinstance(spec, dict):
+            raise TypeError(f"structured_outputs must be a mapping such as {{regex: ...}}, got {spec!r}")
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            ignore_eos=self.ignore_eos,
+            structured_outputs=StructuredOutputs(**spec) if spec is not None else None,
+        )
+
+
+@dataclass(frozen=True)
+class WorkloadConfig:
+    arrival: str = "poisson"  # poisson: `rate` requests/s | concurrency: `concurrency` requests in flight
+    rate: float = 1.0  # poisson: requests per second
+    # poisson: the rate as this multiple of one worker's prefill capacity on this machine, measured in a
+    # warm-up before the run (experiments.capacity): rate = load x its prompt tokens/s / the mean prompt
+    load: float | None = None
+    concurrency: int = 1  # concurrency: requests in flight at once (multiturn: conversations)
+    num_requests: int = 20  # requests the run sends
+    prompt_len: LengthDist = field(default_factory=LengthDist)
+    output_len: LengthDist = field(default_factory=lambda: LengthDist(value=32, high=32, mean=32.0))
+    prompts_file: str | None = None  # one prompt per line (text), replaces random prompt tokens
+    seed: int = 0  # of the random prompts, lengths and arrivals
+    dataset: str = "random"  # random | sharegpt (ShareGPT JSON) | mooncake (a Mooncake trace, JSONL)
+    dataset_path: str | None = None  # the sharegpt or mooncake file
+    trace_scale: float = 1.0  # arrival: trace replays timestamps x this (0.5: twice as fast)
+    # multiturn: conversations of `turns` turns over a shared system prompt; each turn adds a user message
+    # of turn_len tokens to the history (earlier messages and the replies the server returned) and
+    # arrives think_time_s after the previous reply ended (the first turns: on the arrival schedule);
+    # with a ShareGPT file as dataset_path, the messages and reply lengths are its conversations' turns
+    conversations: int = 8
+    turns: int = 8  # multiturn: turns per conversation
+    system_prompt_len: int = 256  # multiturn: tokens of the shared system prompt
+    turn_len: int = 128  # multiturn: tokens of each new user message
+    think_time_s: float = 1.0  # multiturn: seconds from a reply's end to the next turn
+    sampling: WorkloadSampling = field(default_factory=WorkloadSampling)
+
+    def __post_init__(self):
+        if self.arrival not in ARRIVALS:
+            refuse("workload.arrival", self.arrival, f"one of {ARRIVALS}")
+        if self.dataset not in DATASETS:
+            refuse("workload.dataset", self.dataset, f"one of {DATASETS}")
+        if self.dataset == "multiturn":
+            for key in ("conversations", "turns", "turn_len"):
+                check_positive(f"workload.{key}", getattr(self, key), integer=True)
+            if isinstance(self.system_prompt_len, bool) or not isinstance(self.system_prompt_len, int):
+                refuse("workload.system_prompt_len", self.system_prompt_len, "an integer >= 0")
+            if self.system_prompt_len < 0:
+                refuse("workload.system_prompt_len", self.system_prompt_len, "an integer >= 0")
+            if not isinstance(self.think_time_s, int | float) or not 0 <= self.think_time_s < float("inf"):
+                refuse("workload.think_time_s", self.think_time_s, "a number of seconds >= 0")
+            if self.dataset_path is not None and not os.path.isfile(self.dataset_path):
+                refuse("workload.dataset_path", self.dataset_path, "null or an existing ShareGPT file")
+        elif self.dataset != "random" and (
+            self.dataset_path is None or not os.path.isfile(self.dataset_path)
+        ):
+            refuse("workload.dataset_path", self.dataset_path, f"an existing {self.dataset} file")
+        check_positive("workload.trace_scale", self.trace_scale)
+        if self.arrival == "trace" and self.dataset != "mooncake":
+            refuse("workload.arrival", self.arrival, "trace needs workload.dataset=mooncake (its timestamps)")
+        if self.arrival == "poisson":
+            check_positive("workload.rate", self.rate)
+        if self.load is not None:
+            check_positive("workload.load", self.load)
+            if self.arrival != "poisson" or self.dataset != "random":
+                refuse("workload.load", self.load, "null unless workload.arrival=poisson on random prompts")
+        elif self.arrival == "concurrency":
+            check_positive("workload.concurrency", self.concurrency, integer=True)
+        check_positive("workload.num_requests", self.num_requests, integer=True)
+        self.prompt_len.check("workload.prompt_len")
+        self.output_len.check("workload.output_len")
+        if self.prompts_file is not None and not os.path.isfile(self.prompts_file):
+            refuse("workload.prompts_file", self.prompts_file, "an existing file (one prompt per line)")
