@@ -266,3 +266,21 @@ class Instance:
 
     def load(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.recompute)
+
+
+def check_fits(d, role: str, instance: Instance, tokens: int) -> None:
+    """Refuse, naming the numbers, a placement whose instance cannot hold its weights or, beside them,
+    the KV of the workload's longest request (`tokens`: its prompt, and on a colocated or decode
+    instance its output too): it would never finish it (a 70B model on one H200 once printed a TTFT p50
+    of an hour instead)."""
+    cost, keys = instance.cost, {"colocated": "tp", "prefill": "prefill_tp", "decode": "decode_tp"}
+    weights, hbm = cost.weight_bytes_per_rank(), cost.hw.hbm_bytes
+    capacity = instance.kv_capacity_tokens
+    if weights < hbm and capacity >= tokens:
+        return
+    raise ValueError(
+        f"deployment {d.name}: a {role} instance of {cost.model.name} at tp={cost.tp}, dp={cost.dp} on "
+        f"{cost.hw.name} holds {weights / 1e9:.1f} GB of weights a rank of its {hbm / 1e9:.1f} GB, "
+        f"leaving KV for {capacity:,.0f} tokens; the workload's longest request needs {tokens:,}: raise "
+        f"deployment.{keys[role]} (or dp), or pick hardware with more memory"
+    )

@@ -36,7 +36,7 @@ from experiments.deploy.policy import Router
 from experiments.record import DeploymentRun, Request
 from experiments.sim.cost import CostModel, Efficiency
 from experiments.sim.hardware import hardware_of
-from experiments.sim.instance import TierSpec
+from experiments.sim.instance import TierSpec, check_fits
 from experiments.sim.models import sim_model
 from experiments.sim.simulate import Instance, SimRequest, simulate_colocated, simulate_disaggregated
 from experiments.workload import Conversations, draw, mooncake_rows
@@ -169,6 +169,7 @@ def simulate_deployment(
         colocated = [inst(d.tp, d.dp, chunked) for _ in range(d.num_workers)]
         for i in colocated:  # a real worker's pages per DP group
             i.kv_tokens = colocated_kv_tokens * d.dp if colocated_kv_tokens is not None else None
+        check_fits(d, "colocated", colocated[0], max(r.prompt + r.output for r in reqs))
         colocated = caching(colocated)
         simulate_colocated(colocated, reqs, follow, concurrency, policy(colocated, range(len(colocated))))
         run_timelines = [_timeline(f"worker-{n}", "colocated", i) for n, i in enumerate(colocated)]
@@ -186,6 +187,8 @@ def simulate_deployment(
             i.kv_tokens = decode_kv_tokens if i in decode else None
             i.reserved_tokens, i.preemption = d.decode_reserved_tokens, d.decode_preemption
             i.local_prefill_max_tokens, i.role_settings = d.local_prefill_max_tokens, roles
+        check_fits(d, "prefill", prefill[0], max(r.prompt for r in reqs))
+        check_fits(d, "decode", decode[0], max(r.prompt + r.output for r in reqs))
         prefill, decode = caching(prefill), caching(decode)
         names = [f"decode-{n}" for n in range(len(decode))]
         bounds = (slo.ttft_s, slo.tpot_s) if slo is not None else (float("inf"), float("inf"))
@@ -287,8 +290,8 @@ def run_sim(cfg: DictConfig, out_dir: Path) -> list[dict]:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
     rates = list((c.get("goodput_search") or {}).get("rates") or []) or [workload.rate]
-    if workload.arrival == "concurrency":  # a multiturn closed loop: no rate, as the real runs record it
-        rates = [None]
+    if workload.arrival in ("concurrency", "trace"):  # a closed loop, or a trace's own timestamps: no
+        rates = [None]  # rate of ours, as the real runs record it (a replayed trace is not "@1/s")
     records = []
     for rate in rates:
         run_config = replace(config, workload=replace(workload, rate=rate or workload.rate))

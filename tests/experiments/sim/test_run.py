@@ -113,6 +113,27 @@ def test_a_mooncake_trace_drives_a_simulated_run(tmp_path):
     assert [r["prompt_tokens"] for r in record["requests"]] == [row["input_length"] for row in rows]
     assert [r["output_tokens"] for r in record["requests"]] == [row["output_length"] for row in rows]
     assert record["summary"]["completed"] == 12
+    assert record["rate"] is None  # replayed at the trace's own timestamps: no "@1/s" in the table
+
+
+def test_a_placement_that_cannot_hold_its_weights_or_longest_request_is_refused_naming_the_numbers(tmp_path):
+    """Issue 60: llama-3-70b on one H200 a worker (its weights alone fill it) printed a TTFT p50 of an
+    hour and 11 TB of KV moved instead of refusing the placement."""
+    overrides = ["sim_model=llama-3-70b", "hardware=h200", "workload.num_requests=20", "plots=false"]
+    refused = (
+        r"a prefill instance of llama-3-70b at tp=1, dp=1 on h200 holds 141\.1 GB of weights a rank of its "
+        r"141\.0 GB, leaving KV for 0 tokens; the workload's longest request needs 128: raise "
+        r"deployment\.prefill_tp"
+    )
+    with pytest.raises(ValueError, match=refused):
+        run_sim(_cfg(overrides), tmp_path)
+    fits = ["deployment.prefill_tp=2", "deployment.decode_tp=2"]
+    assert run_sim(_cfg(overrides + fits), tmp_path)[0]["summary"]["completed"] == 20
+    with pytest.raises(
+        ValueError,
+        match="KV for 386,980 tokens; .* longest request needs 400,128: raise deployment.decode_tp",
+    ):
+        run_sim(_cfg(overrides + fits + ["workload.output_len.value=400000"]), tmp_path)
 
 
 def test_simulated_speculation_gives_the_expected_tokens_per_verify_step_and_its_cost(tmp_path):
