@@ -158,11 +158,12 @@ class Router:
         admit: bool = False,
         cache_salt: str | None = None,
         sequences: int = 1,
+        max_tokens: int = 0,
     ) -> str | None:
         """route() for a real request: its tokens (prompt, and any outputs it resumes after). admit: a
         new request, which admission=slo may refuse (None; `why` says why); a migrated one is not."""
         names = page_names(token_ids, self.page_size, self.salt, cache_salt)
-        return self.route(request_id, names, len(token_ids), live, admit, sequences)
+        return self.route(request_id, names, len(token_ids), live, admit, sequences, max_tokens)
 
     # -- admission
 
@@ -287,9 +288,17 @@ class Router:
             busy = bool(self.in_flight.get(target, set()) - {request_id}) or self._ahead(queue) > 0
             self.late.append((now, now - entry[2] - entry[3], busy))
 
-    def _admit(self, target: str, queue: str | None, tokens: int, sequences: int = 1) -> str | None:
+    def _admit(
+        self, target: str, queue: str | None, tokens: int, sequences: int = 1, pages: int = 0
+    ) -> str | None:
         """Why admission=slo refuses a request of `sequences` completions with `tokens` prompt tokens to
-        compute on target, joining queue (None: it does not)."""
+        compute on target, joining queue, needing `pages` KV pages to finish (None: it does not)."""
+        hold = self.cache_pages * max(self.dp, 1)
+        if pages > hold:  # it could only run by being preempted and recomputed, over and over
+            return (
+                f"rejected: its {sequences} completion(s) need {pages} KV pages to reach max_tokens, more "
+                f"than the {hold} a worker holds (lower n or max_tokens)"
+            )
         ttft, tpot = self._predict(target, queue, tokens, sequences)
         ttft_slo, tpot_slo = self.slo
         if ttft is not None and ttft > ttft_slo:
@@ -322,11 +331,12 @@ class Router:
         live: list[str],
         admit: bool = False,
         sequences: int = 1,
+        max_tokens: int = 0,
     ) -> str | None:
         """Pick a live worker for a request whose prompt is `tokens` long, its full pages named `names`
         (leading first), and record it there. admit: a new request (not a migrated one), which admission=slo
         may refuse (None; self.why says why), priced with all its `sequences` (n: the later completions
-        follow it without admission of their own)."""
+        follow it without admission of their own), each up to max_tokens long (0: not known)."""
         self.why = None
         if not live:
             raise ValueError("no live worker to route to")
@@ -344,7 +354,12 @@ class Router:
         if admit and self.by_load and queue is not None and queue != target:
             queue = self._by_load(target, queue, to_compute, sequences)
         if admit and self.admission == "slo":
-            why, now = self._admit(target, queue, to_compute, sequences), self.clock()
+            # the pages to finish: the prompt's once (its completions share them), each one's outputs
+            need = pages + sequences * -(-max_tokens // self.page_size)
+            why, now = (
+                self._admit(target, queue, to_compute, sequences, need if max_tokens else 0),
+                self.clock(),
+            )
             last = self.admitted_at if self.admitted_at is not None else self.refusing_since
             if why is not None and last is not None and now - last >= self.probe_s:
                 self.probes += 1  # refusing everything for a probe interval: measure again with this one

@@ -425,7 +425,13 @@ class Runtime:
         else:
             msg = msgspec.structs.replace(msg, after=None)
             target = self.router.route_tokens(
-                rid, tokens, live, admit=True, cache_salt=salt, sequences=msg.completions
+                rid,
+                tokens,
+                live,
+                admit=True,
+                cache_salt=salt,
+                sequences=msg.completions,
+                max_tokens=msg.sampling.max_tokens,
             )
         if target is None:  # admission=slo: it would miss the SLO anyway
             sink(Ended(Result.failed(rid, ErrorKind.REJECTED, self.router.why)))

@@ -276,6 +276,18 @@ def test_admission_prices_every_completion_of_a_request():
     assert r.route("eight", [], 16, ["a"], admit=True, sequences=7) == "a"  # 20 + 8 x 10 ms: the bound
 
 
+def test_admission_weighs_the_pages_a_request_s_completions_need_to_finish():
+    """Issue 56: four requests of n=16 x 700 tokens on a worker of 256 pages of 4 tokens were admitted,
+    each needing 16 x 175 pages: they could only run by being preempted and recomputed over and over."""
+    r = Router(["a"], page_size=4, cache_pages=256, admission="slo", slo=(10.0, 1.0))
+    assert r.route("big", [], 5, ["a"], admit=True, sequences=16, max_tokens=700) is None
+    assert "need 2802 KV pages to reach max_tokens, more than the 256 a worker holds" in r.why
+    assert r.route("fits", [], 5, ["a"], admit=True, sequences=16, max_tokens=60) == "a"  # 2 + 16 x 15
+    assert r.route("one", [], 5, ["a"], admit=True, max_tokens=1000) == "a"  # 2 + 250
+    none = Router(["a"], page_size=4, cache_pages=256)  # admission none takes it (fair share copes)
+    assert none.route("big", [], 5, ["a"], admit=True, sequences=16, max_tokens=700) == "a"
+
+
 def test_the_first_submit_of_a_request_carries_its_number_of_completions():
     from engine import SamplingParams
     from experiments.deploy.api import Parsed
