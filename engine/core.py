@@ -240,7 +240,7 @@ class EngineCore:
             for chunk in batch.chunks:
                 self._fail(chunk.seq, f"engine step failed: {e!r}")
             return
-        tokens, verified, logprobs, failed = self._sample(sampling, rows, plain, out.logits)
+        tokens, verified, logprobs, failed = self.sampler.sample(sampling, rows, plain, out.logits)
         now, sampled, row = time.perf_counter(), iter(tokens), 0
         for i, chunk in enumerate(batch.chunks):
             seq = chunk.seq

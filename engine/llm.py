@@ -39,7 +39,7 @@ from engine.sequence import (
     Sequence,
 )
 from engine.speculative import SpeculativeConfig, ngram_drafts
-from engine.step_sampling import StepSampling
+from engine.step_sampling import StepSampler
 from engine.tp import TPGroup, init_rank
 from engine.weights import load_model
 from pdkernels.out_proj import make_layer_counter
@@ -72,7 +72,7 @@ class PrefillListener(Protocol):
     def on_failed(self, seq: Sequence, error: str) -> None: ...  # its step raised: no KV will come
 
 
-class LLM(DPFront, EngineCore, DecodeHandoff, StepSampling):
+class LLM(DPFront, EngineCore, DecodeHandoff):
     def __init__(
         self,
         model: str = "smollm2-135m",
@@ -156,6 +156,8 @@ class LLM(DPFront, EngineCore, DecodeHandoff, StepSampling):
         )
         torch.manual_seed(seed + dp_rank)
         self.tokenizer = loaded.tokenizer
+        me = weakref.ref(self)  # the sampler asks for the grammars only when a chunk has one
+        self.sampler = StepSampler(self.config.model.eos_token_ids, self.tokenizer, lambda: me().grammars)
         dev = torch.device(device)
         shard = Shard.of(loaded.config, 0, tp, expert_parallel, dp, dp_rank)
         # DP front: request -> (its group, its prompt and prompt ids) while another group's engine has it

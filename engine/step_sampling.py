@@ -1,11 +1,12 @@
-"""What a step does with its logits, as methods of engine.LLM (a mixin: LLM is its only user): each
-sampling chunk's grammar mask, its token (or its drafts' verification) and its logprobs, one chunk at a
-time, so that a row whose parameters break the arithmetic fails its own sequence only.
+"""What a step does with its logits (StepSampler, a member of engine.LLM: `llm.sampler`): each sampling
+chunk's grammar mask, its token (or its drafts' verification) and its logprobs, one chunk at a time, so
+that a row whose parameters break the arithmetic fails its own sequence only.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -15,14 +16,19 @@ from engine.speculative import verify_greedy, verify_sampled
 log = logging.getLogger("engine.llm")
 
 
-class StepSampling:
-    """Sampling, verification, grammars and logprobs of a step (self is the LLM)."""
+class StepSampler:
+    """Sampling, verification, grammars and logprobs of a step. eos_token_ids: the model's; tokenizer:
+    decodes logprobs' tokens; grammars: the engine's Grammars, asked for only when a chunk has one (they
+    are built on first use)."""
 
-    def _sample(self, sampling, rows, plain, logits: torch.Tensor):
+    def __init__(self, eos_token_ids, tokenizer, grammars: Callable[[], object]):
+        self.eos, self.tokenizer, self.grammars = eos_token_ids, tokenizer, grammars
+
+    def sample(self, sampling, rows, plain, logits: torch.Tensor):
         """(plain chunks' tokens in order, id(chunk) -> verified drafts, id(chunk) -> logprobs, id(chunk)
         -> the exception that failed it). Each chunk is sampled on its own, so a row whose parameters
         break the arithmetic fails its own sequence only (a failed plain chunk's token is -1)."""
-        eos = self.config.model.eos_token_ids
+        eos = self.eos
         # the common case in one call; rows in a run (every row, usually) as a view: indexing copied the
         # [rows, vocab] fp32 logits first (0.9 ms of a 50 ms batch-20 decode step, SmolLM2 on one core)
         run = plain and plain[-1] - plain[0] + 1 == len(plain)
@@ -55,7 +61,7 @@ class StepSampling:
         """(tokens to append, drafts accepted) of a chunk with drafts, from its 1 + k rows of logits."""
         seq, p = chunk.seq, chunk.seq.params
         if p.processes_logits:  # row j follows the outputs and the first j drafts
-            eos = self.config.model.eos_token_ids
+            eos = self.eos
             logits = torch.stack([processed(row, seq, eos, chunk.drafts[:j]) for j, row in enumerate(logits)])
         if p.greedy:
             return verify_greedy(logits, chunk.drafts)
@@ -66,9 +72,9 @@ class StepSampling:
         """Mask a constrained chunk's rows in place: row j as the grammar stands after its first j drafts
         (each accepted into the matcher to mask the next row, then all rolled back: _append_token
         accepts the tokens the step keeps)."""
-        matcher, drafts, taken = chunk.seq.grammar, chunk.drafts, 0
+        matcher, drafts, taken, grammars = chunk.seq.grammar, chunk.drafts, 0, self.grammars()
         for j, row in enumerate(logits):
-            if not self.grammars.mask(row, matcher, chunk.seq.params.structured_outputs) or j == len(drafts):
+            if not grammars.mask(row, matcher, chunk.seq.params.structured_outputs) or j == len(drafts):
                 break
             if not matcher.accept_token(drafts[j]):
                 break  # this draft is masked out: verification rejects it, later rows are never read
