@@ -178,7 +178,8 @@ def switch_thread(namespace: str | None, back: int | None = None) -> int | None:
     return left
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether process pid exists (another user's counts: it cannot be signalled, but it is there)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -215,7 +216,7 @@ def sweep() -> list[str]:
     gone = []
     for name in namespaces():
         pid = name[len(PREFIX) :].split("-", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not alive(int(pid)):
             remove(name)
             gone.append(name)
     return gone

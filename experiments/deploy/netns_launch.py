@@ -89,11 +89,11 @@ def _sweep_ray_temps() -> None:
     """Remove the Ray folders of NetnsRayLaunchers whose process is gone (SIGKILLed before shutdown)."""
     import glob
 
-    from experiments.deploy.netns import _alive
+    from experiments.deploy.netns import alive
 
     for folder in glob.glob(os.path.join(tempfile.gettempdir(), "pdk-ray-*-*")):
         owner = os.path.basename(folder).split("-")[2]
-        if owner.isdigit() and not _alive(int(owner)):
+        if owner.isdigit() and not alive(int(owner)):
             shutil.rmtree(folder, ignore_errors=True)
 
 
