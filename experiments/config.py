@@ -8,43 +8,13 @@ imports hydra: workers get these dataclasses.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from experiments.deploy.config import (
-    RuntimeConfig,
     as_dict,
     of_dict,
-    refuse,
     runtime_parts,
 )
+from experiments.run_config import EndpointConfig, RunConfig
 from experiments.workload_config import LengthDist, WorkloadConfig, WorkloadSampling
-
-
-@dataclass(frozen=True)
-class EndpointConfig:
-    """A deployment of `kind: endpoint` in `deployments`: any running OpenAI-compatible server, measured
-    by URL with the same workload by the load client (experiments.load), beside the runtime's own."""
-
-    name: str
-    kind: str = "endpoint"
-    url: str | None = None  # the server's base URL (.../v1), ours or vLLM's or any
-    api_key: str | None = None  # its key, if it wants one
-    model: str | None = None  # the model id it serves (default: model.name)
-    processes: int = 0  # nothing of it runs here (a parallel sweep's share of the cores)
-    threads_per_worker: int = 1
-
-    def __post_init__(self):
-        if not isinstance(self.url, str) or not self.url.startswith(("http://", "https://")):
-            refuse(f"deployment.{self.name}.url", self.url, "an http:// or https:// base URL (.../v1)")
-
-
-@dataclass(frozen=True)
-class RunConfig(RuntimeConfig):
-    """An experiment: the runtime's config, the workload it runs and whether it plots. Its deployments
-    are the runtime's (DeploymentConfig) and endpoints (EndpointConfig), in the order they run."""
-
-    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
-    plots: bool = True
 
 
 def run_job(fn, cfg) -> None:

@@ -21,9 +21,9 @@ import asyncio
 import contextlib
 import time
 
-from experiments.config import EndpointConfig, RunConfig
 from experiments.deploy.messages import ErrorKind, Result
 from experiments.record import DeploymentRun, Request
+from experiments.run_config import EndpointConfig, RunConfig
 from experiments.workload import Conversations
 
 

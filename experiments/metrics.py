@@ -65,9 +65,9 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments.config import EndpointConfig, RunConfig
 from experiments.deploy.config import SloConfig
 from experiments.record import DeploymentRun
+from experiments.run_config import EndpointConfig, RunConfig
 
 SCHEMA = "pdkernels.results/1"
 CSV_FIELDS = (

@@ -18,9 +18,10 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.config import EndpointConfig, from_cfg, run_job
+from experiments.config import from_cfg, run_job
 from experiments.deploy.config import check_fits_model
 from experiments.deploy.launcher import start_fork_server
+from experiments.run_config import EndpointConfig
 
 
 def run(cfg: DictConfig, out_dir: Path, progress: bool = True, hooks=None) -> list[dict]:

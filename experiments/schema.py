@@ -24,6 +24,7 @@ from experiments.deploy.config import DeploymentConfig, KernelsConfig, KVTiersSp
 from experiments.deploy.launch_config import ClusterConfig, LauncherConfig, RayConfig
 from experiments.deploy.planner import PlannerConfig
 from experiments.deploy.server_config import ServerConfig
+from experiments.run_config import RunConfig
 from experiments.workload_config import WorkloadConfig
 from transfer.config import TransferConfig
 
@@ -41,17 +42,15 @@ GROUPS = {
     "cluster": ClusterConfig,
 }
 TOP = {"kernels": KernelsConfig, "kv_tiers": KVTiersSpec}
-# the top level's own keys (experiments.config.RunConfig and the main job), with their comments
+# the top level's keys that are RunConfig's own fields (their defaults and comments come from it)
+RUN_FIELDS = ("run_timeout_s", "start_timeout_s", "log_level", "plots")
+# the top level's keys no dataclass holds as such (from_cfg reads them), with their comments
 TOP_KEYS = {
     "deployments": ([], "set by experiment configs that compare deployments on one workload (a list of "
                     "deployments); empty: the single `deployment` runs"),
     "goodput_search": ({"rates": []}, "run each deployment at each of these Poisson rates (req/s) and "
                        "report goodput, the highest rate whose SLO attainment meets the target; empty: "
                        "one run at workload.rate"),
-    "run_timeout_s": (600.0, "the whole run; requests not finished by then are recorded as errors"),
-    "start_timeout_s": (300.0, "every worker up and connected"),
-    "plots": (True, "plot each run's figures into its folder"),
-    "log_level": ("INFO", "DEBUG | INFO | WARNING | ERROR: run.log and logs/ (one file per worker)"),
 }  # fmt: skip
 # fields whose default (None) stands for a dataclass's defaults: the node holds those, so that
 # `deployment.planner.enabled=true` needs no "+"
@@ -88,7 +87,16 @@ def defaults(cls) -> dict:
 
 
 def comments(cls) -> dict[str, str]:
-    """Each field's comment in cls's source: the comment on its line, after the block above it."""
+    """Each field's comment in the source of cls (and of the dataclasses it extends): the comment on its
+    line, after the block above it."""
+    out = {}
+    for base in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(base):
+            out |= _own_comments(base)
+    return out
+
+
+def _own_comments(cls) -> dict[str, str]:
     source = textwrap.dedent(inspect.getsource(cls))
     out, block, current = {}, [], None
     for tok in tokenize.generate_tokens(io.StringIO(source).readline):
@@ -112,7 +120,8 @@ def comments(cls) -> dict[str, str]:
 
 def keys() -> list[tuple[str, object, str]]:
     """(dotted key, default, comment) for every setting of the main job and the server."""
-    rows = [(k, v, c) for k, (v, c) in TOP_KEYS.items()]
+    run, notes = defaults(RunConfig), comments(RunConfig)
+    rows = [(k, v, c) for k, (v, c) in TOP_KEYS.items()] + [(k, run[k], notes.get(k, "")) for k in RUN_FIELDS]
     for prefix, cls in {**GROUPS, **TOP}.items():
         notes = comments(cls)
         for name, value in defaults(cls).items():
@@ -150,7 +159,9 @@ def register() -> None:
     store = ConfigStore.instance()
     for group, cls in GROUPS.items():
         store.store(group=group, name="_defaults", node=defaults(cls))
-    top = {k: v for k, (v, _) in TOP_KEYS.items()} | {k: defaults(cls) for k, cls in TOP.items()}
+    run = defaults(RunConfig)
+    top = {k: v for k, (v, _) in TOP_KEYS.items()} | {k: run[k] for k in RUN_FIELDS}
+    top |= {k: defaults(cls) for k, cls in TOP.items()}
     store.store(name="pdk_defaults", node=top)
     store.store(
         group="hydra/help",

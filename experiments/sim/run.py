@@ -21,7 +21,7 @@ import hydra
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.config import RunConfig, run_job, workload_of
+from experiments.config import run_job, workload_of
 from experiments.deploy.config import (
     DeploymentConfig,
     ModelSpec,
@@ -34,6 +34,7 @@ from experiments.deploy.config import (
 from experiments.deploy.messages import Result, TierCounters, Timeline
 from experiments.deploy.policy import Router
 from experiments.record import DeploymentRun, Request
+from experiments.run_config import RunConfig
 from experiments.sim.cost import CostModel, Efficiency
 from experiments.sim.hardware import hardware_of
 from experiments.sim.instance import TierSpec, check_fits
