@@ -307,9 +307,11 @@ def test_a_frozen_decode_worker_s_streams_go_on_elsewhere(tmp_path):
     them (every one of its pages back) and takes requests again."""
     from engine import LLM, SamplingParams
 
+    # 240 tokens a stream, so that decode-0's two are still running when it is frozen after every first
+    # token came (at 120, both had ended once under the full suite); four of them fit decode-1's 256 pages
     prompts = [f"Frozen {i}: and then, {i}," for i in range(4)]
     reference = LLM("tiny-random", page_size=4, num_pages=256)
-    want = [o.text for o in reference.generate(prompts, SamplingParams(max_tokens=120, ignore_eos=True))]
+    want = [o.text for o in reference.generate(prompts, SamplingParams(max_tokens=240, ignore_eos=True))]
     proc, url = _start(
         tmp_path, "deployment=1p1d", "deployment.num_decode=2", "deployment.routing=round_robin",
         "transfer.peer_timeout_s=2",
@@ -320,7 +322,7 @@ def test_a_frozen_decode_worker_s_streams_go_on_elsewhere(tmp_path):
         got, errors, first = {}, [], threading.Semaphore(0)
 
         def one(i: int) -> None:
-            text, kw = "", dict(model="tiny-random", prompt=prompts[i], max_tokens=120, temperature=0)
+            text, kw = "", dict(model="tiny-random", prompt=prompts[i], max_tokens=240, temperature=0)
             try:
                 for chunk in client.completions.create(stream=True, extra_body={"ignore_eos": True}, **kw):
                     if not text and chunk.choices[0].text:
