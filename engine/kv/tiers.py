@@ -40,9 +40,9 @@ _LOAD, _WRITE = 0, 1  # I/O queue priorities
 COPY_BATCH = 64  # pages per batched copy into device pages (an abort waits for at most one)
 UNPUT_PER_SLOT = 4  # pool puts that may wait for a host slot, per slot (past that the oldest is dropped)
 REMOVE_RETRY_S = 1.0  # a rejected pool object under a read's lease (Mooncake's: 10 s): removed again after
+UNSEALED = "its seal did not open (AES-GCM under the deployment's secret): forged, moved or garbage"
 # a page's load time until a tier has loaded one (seconds; make bench-tiers measured 2.0 / 3.1 / 6.2 ms on
 # 2 cores of an AMD EPYC, the I/O thread's queue included)
-UNSEALED = "its seal did not open (AES-GCM under the deployment's secret): forged, moved or garbage"
 PRIOR_PAGE_S = {"host": 0.002, "disk": 0.003, "pool": 0.006}
 
 
@@ -370,7 +370,7 @@ class KVTiers:
 
         self._submit(_WRITE, put)
 
-    def _pool_put(self, name: bytes, slot: int, state: str, page: int | None = None) -> None:
+    def _pool_put(self, name: bytes, slot: int, state: str, page: int) -> None:
         self.host.busy[slot] -= 1  # a put past its deadline holds a sealed copy, not the slot
         if state == "leased":  # tried again once the lease may have passed, while its page holds
             self.pool.forget(name)
