@@ -108,10 +108,11 @@ GPU_CHECK_OUT ?= gpu_check/$(shell date +%Y%m%d-%H%M%S)
 gpu-check: $(GPU_VENV)/.ready
 	$(GPU_VENV)/bin/python -m experiments.bench.gpu_check --out $(GPU_CHECK_OUT)
 
-# the simulator's paper reproductions (about 5 minutes on one core): DistServe's example, the MoE study
+# every quantitative claim of the seeds, one row each, ours beside it (docs/reproduction.md keeps the table;
+# REPRO_ARGS="--write docs/reproduction.md" rewrites it there). The older studies, each its own table:
+# python -m experiments.repro.distserve (three sets of efficiencies), python -m experiments.repro.moe_study
 repro: $(STAMP)
-	$(BIN)/python -m experiments.repro.distserve
-	$(BIN)/python -m experiments.repro.moe_study
+	$(BIN)/python -m experiments.repro.table $(REPRO_ARGS)
 
 # ruff, then the layout rules (files of at most 500 lines, tests mirroring the packages: scripts/check_layout.py)
 lint: $(STAMP)

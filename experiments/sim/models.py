@@ -77,6 +77,10 @@ MODELS = {
     "opt-13b": SimModel(
         "opt-13b", 40, 5120, 40, 40, 128, 20480, 50272, gated_mlp=False, tied_embeddings=True
     ),
+    # facebook/opt-175b (the OPT paper's 175B shape): 96 layers, 12288 wide, 96 heads (MHA), MLP 49152
+    "opt-175b": SimModel(
+        "opt-175b", 96, 12288, 96, 96, 128, 49152, 50272, gated_mlp=False, tied_embeddings=True
+    ),
     # meta-llama/Meta-Llama-3-8B
     "llama-3-8b": SimModel("llama-3-8b", 32, 4096, 32, 8, 128, 14336, 128256),
     # meta-llama/Meta-Llama-3-70B

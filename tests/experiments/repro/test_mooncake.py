@@ -1,0 +1,29 @@
+import pytest
+
+from experiments.repro import mooncake
+
+
+def test_the_long_context_gain_needs_a_per_token_slo():
+    """16k-token prompts, 100 requests: on mean TPOT the 4 mixed instances keep up with 3P1D; held to a
+    1 s longest token gap, their prefill stalls leave them a ninth of its rate."""
+    assert mooncake.long_context_gain("llama-3-70b", "a100-80gb", 16384, 100) == pytest.approx(
+        (1.8125, 1.8125)
+    )
+    stalled = mooncake.long_context_gain("llama-3-70b", "a100-80gb", 16384, 100, stall_s=1.0)
+    assert stalled == pytest.approx((1.8125, 0.1953), rel=0.02)
+
+
+def test_the_trace_replays_against_colocated_pd_and_the_pool():
+    """The trace's first 150 requests: the highest rate factor each deployment meets the SLO at, and
+    the pool finds at least what the prefill instances' own caches do."""
+    table = mooncake.trace_table("llama-3-70b", 150)
+    factors = {name: row["factor"] for name, row in table.items()}
+    assert factors == pytest.approx({"colocated": 2.123, "PD": 1.804, "PD + pool": 1.804}, rel=0.02)
+    assert table["PD + pool"]["hit_rate"] >= table["PD"]["hit_rate"] > 0
+    assert mooncake.trace_claim(150).ours == pytest.approx(0.850, rel=0.02)
+
+
+def test_the_trace_at_its_own_rate_meets_the_slo_and_a_much_faster_one_does_not():
+    d, pool = mooncake.deployments(4)["PD + pool"]
+    assert mooncake.replay("llama-3-70b", d, pool, 100, 1.0)["attainment"] >= mooncake.TARGET
+    assert mooncake.replay("llama-3-70b", d, pool, 100, 8.0)["attainment"] < mooncake.TARGET
