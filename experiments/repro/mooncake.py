@@ -16,12 +16,15 @@ datasheet peaks, plus a fixed cost a step.
 
 from __future__ import annotations
 
+import argparse
 import functools
+import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
-from experiments.deploy.config import DeploymentConfig
+from experiments.deploy.config import DeploymentConfig, SloConfig
 from experiments.repro.claims import SIMULATED, Claim
 from experiments.sim.cost import CostModel, Efficiency
 from experiments.sim.hardware import hardware
@@ -137,17 +140,26 @@ def deployments(nodes: int) -> dict[str, tuple[DeploymentConfig, bool]]:
     }
 
 
-def replay(model_name: str, d: DeploymentConfig, pool: bool, n: int, factor: float) -> dict:
-    """One replay of the trace's first n requests at `factor` times its rate: attainment (percent), prefix
-    hit rate, TTFT and TPOT P90."""
+def replay(
+    model_name: str, d: DeploymentConfig, pool: bool, n: int, factor: float, admission: bool = False
+) -> dict:
+    """One replay of the trace's first n requests at `factor` times its rate: attainment (percent of all
+    requests), prefix hit rate, TTFT and TPOT P90 of those served, and the percent turned away at arrival
+    (admission: the router's early rejection, deployment.admission=slo, held to the SLO here)."""
     model, hw = sim_model(model_name), hardware("h200")
     page_s = PAGE * model.kv_bytes_per_token() / (8 * hw.nic_bw * _eff().comm)
     tiers = TierSpec(0, 0, 1 << 40, page_s={"host": 0.0, "disk": 0.0, "pool": page_s}) if pool else None
-    run = simulate_deployment(d, trace_workload(n, factor), model, hw, _eff(), page_size=PAGE, tiers=tiers)
-    ttft, tpot, ok, cached, prompts = [], [], 0, 0, 0
+    if admission:
+        d = replace(d, admission="slo")
+    slo = SloConfig(ttft_s=TTFT_S, tpot_s=TPOT_S, attainment=TARGET)
+    run = simulate_deployment(  # the router (and its admission) picks the decode instance, as ours
+        d, trace_workload(n, factor), model, hw, _eff(), page_size=PAGE, tiers=tiers, slo=slo, router="decode"
+    )
+    ttft, tpot, ok, cached, prompts, rejected = [], [], 0, 0, 0, 0
     for rid, r in run.results.items():
         prompts += len(run.requests[int(rid.removeprefix("req-"))].prompt_ids)
         if r.error:
+            rejected += r.finish_reason == "rejected"
             continue
         first = r.token_times[0] - run.sent[rid]
         per = (
@@ -162,6 +174,7 @@ def replay(model_name: str, d: DeploymentConfig, pool: bool, n: int, factor: flo
         "hit_rate": cached / prompts,
         "ttft_p90": float(np.percentile(ttft, 90)) if ttft else float("inf"),
         "tpot_p90": float(np.percentile(tpot, 90)) if tpot else float("inf"),
+        "rejected": 100 * rejected / n,
     }
 
 
@@ -207,3 +220,48 @@ def trace_claim(n: int) -> Claim:
 
 def claims(n: int) -> list[Claim]:
     return [long_context_claim(n), trace_claim(max(n, 500))]
+
+
+MODELS = ("llama-3-70b", "deepseek-r1")
+
+
+def cluster_table(n: int, overload: float, models=MODELS, nodes: int = 4) -> list[dict]:
+    """Per model and deployment: the highest rate factor meeting the SLO, the replay at the trace's own
+    rate, and at `overload` times it with and without early rejection."""
+    rows = []
+    for model in models:
+        for name, (d, pool) in deployments(nodes).items():
+            at = trace_table(model, n, nodes)[name]
+            over = replay(model, d, pool, n, overload)
+            shed = replay(model, d, pool, n, overload, admission=True)
+            rows.append({"model": model, "deployment": name, **at, "over": over, "shed": shed})
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="The Mooncake conversation trace at cluster scale, simulated")
+    p.add_argument("--requests", type=int, default=1000, help="the trace's first N requests (>= 100)")
+    p.add_argument("--overload", type=float, default=3.0, help="a rate factor past every deployment's (> 0)")
+    p.add_argument("--models", default=",".join(MODELS), help=f"sim models, comma-separated ({MODELS})")
+    args = p.parse_args(argv)
+    models = [m for m in args.models.split(",") if m]
+    if args.requests < 100 or not args.overload > 0 or not models:
+        p.error(f"--requests must be >= 100, --overload > 0 and --models name a model; got {vars(args)}")
+    print(
+        f"the trace's first {args.requests} requests, 4 nodes of 8 x H200 (colocated: 4 x TP8; PD: 3P1D), "
+        f"SLO P90 TTFT {TTFT_S:g} s and TPOT {1e3 * TPOT_S:.0f} ms at {TARGET:g}%; {1e3 * STEP_S:g} ms a step"
+    )
+    head = (
+        "| model | deployment | highest rate factor | hit rate at 1x | TTFT p90 at 1x s | TPOT p90 at 1x ms "
+        f"| within SLO at {args.overload:g}x | with early rejection: within SLO / turned away |"
+    )
+    print(head + "\n|" + " --- |" * 8)
+    for r in cluster_table(args.requests, args.overload, tuple(models)):
+        print(f"| {r['model']} | {r['deployment']} | {r['factor']:.2f} | {100 * r['hit_rate']:.0f}% | "
+              f"{r['ttft_p90']:.2f} | {1e3 * r['tpot_p90']:.0f} | {r['over']['attainment']:.0f}% | "
+              f"{r['shed']['attainment']:.0f}% / {r['shed']['rejected']:.0f}% |")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
