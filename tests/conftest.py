@@ -19,6 +19,8 @@ COMPILED = os.environ.get("PDKERNELS_TEST_COMPILED") == "1"
 # this user's state folder (the disk tier's MAC keys, engine/kv/disk.py): the run's own, not the home's
 _STATE = tempfile.mkdtemp(prefix="pdk-state-")
 os.environ["XDG_STATE_HOME"] = _STATE
+# measured machine models (experiments/sim/hardware.py measured_here): the run's own, not the home's
+os.environ["PDK_CACHE_DIR"] = os.path.join(_STATE, "cache")
 atexit.register(shutil.rmtree, _STATE, ignore_errors=True)
 if not COMPILED:
     os.environ.setdefault("TRITON_INTERPRET", "1")

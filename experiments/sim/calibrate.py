@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from experiments.sim.cost import CostModel, Efficiency
-from experiments.sim.hardware import Hardware, load_hardware
+from experiments.sim.hardware import Hardware, load_hardware, measure
 from experiments.sim.models import sim_model
 
 
@@ -124,15 +124,15 @@ def points_from_run(saved: dict, roles=("colocated", "decode", "prefill")) -> tu
     return points, skipped
 
 
-def calibrate_from_run(saved: dict, hw: Hardware) -> dict:
+def calibrate_from_run(saved: dict, hw: Hardware, allow_bound: bool = False) -> dict:
     """Fit the efficiency to the colocated and decode workers' steps; then how much longer the prefill
     workers' steps take than that model says (median ratio: on a CPU the messenger's thread and the
-    NIXL posts share the prefill worker's core); and the hand-off."""
+    NIXL posts share the prefill worker's core); and the hand-off. allow_bound: as fit's."""
     model = sim_model(saved["config"]["model"]["name"])
     points, skipped = points_from_run(saved, roles=("colocated", "decode"))
     if not points:
         raise ValueError(f"no steps of TP-1 colocated or decode workers to fit (left out: {skipped})")
-    eff, err = fit(model, hw, points)
+    eff, err = fit(model, hw, points, allow_bound=allow_bound)
     cost = CostModel(model, hw, 1, eff)
     prefill_points, more = points_from_run(saved, roles=("prefill",))
     ratios = [p.seconds / predict(cost, p) for p in prefill_points]
@@ -166,23 +166,55 @@ def handoff_from_run(saved: dict) -> float | None:
     return float(np.median(gaps)) if gaps else None
 
 
-def fit(model, hw: Hardware, points: list[Point], tp: int = 1) -> tuple[Efficiency, float]:
+# the linear and memory efficiencies fit() tries: steps of 0.05, and below 0.05 down to 0.01 (a small
+# model's GEMMs reach a few percent of an AMX core's peak)
+GRID = np.concatenate([[0.01, 0.02, 0.03, 0.04], np.linspace(0.05, 1.0, 20)])
+
+
+class FitAtBound(ValueError):
+    """A fitted efficiency sits on its grid's bound: the machine model does not describe the steps."""
+
+
+def at_bound(eff: Efficiency) -> list[str]:
+    """The fitted factors that sit on a bound of GRID, as 'linear 1.00 (its upper bound)'."""
+    out = []
+    for name in ("linear", "memory"):
+        v = getattr(eff, name)
+        if np.isclose(v, GRID[-1]) or np.isclose(v, GRID[0]):
+            out.append(f"{name} {v:.2f} (its {'upper' if np.isclose(v, GRID[-1]) else 'lower'} bound)")
+    return out
+
+
+def fit(
+    model, hw: Hardware, points: list[Point], tp: int = 1, allow_bound: bool = False
+) -> tuple[Efficiency, float]:
     """Efficiency minimising the mean squared relative error over points; returns it and that error.
 
     A grid over the linear (= attention) and memory efficiencies; for each, the best step overhead a and
     per-sequence overhead b are a weighted linear least squares (weights 1 / measured^2, the relative
-    error): minimise sum(((pred + a + b x seqs - meas) / meas)^2) with a, b >= 0."""
+    error): minimise sum(((pred + a + b x seqs - meas) / meas)^2) with a, b >= 0. A factor that lands on
+    the grid's bound (the steps ran faster than the machine model's peak allows, or far slower) raises
+    FitAtBound naming it and the machine model, unless allow_bound (the caller then says so itself)."""
     meas = np.array([p.seconds for p in points])
     seqs = np.array([p.seqs for p in points], dtype=float)
     sw = 1 / meas
     best = (np.inf, None)
-    for lin, mem in itertools.product(np.linspace(0.05, 1.0, 20), np.linspace(0.05, 1.0, 20)):
+    for lin, mem in itertools.product(GRID, GRID):
         base = Efficiency(linear=float(lin), attention=float(lin), memory=float(mem))
         preds = np.array([predict(CostModel(model, hw, tp, base), p) for p in points])
         a, b = _overheads(meas - preds, seqs, sw)
         err = float(np.mean(((preds + a + b * seqs - meas) * sw) ** 2))
         if err < best[0]:
             best = (err, Efficiency(float(lin), float(lin), float(mem), step_overhead_s=a, seq_overhead_s=b))
+    bound = at_bound(best[1])
+    if bound and not allow_bound:
+        raise FitAtBound(
+            f"the fitted {' and '.join(bound)} sits on the grid's bound [{GRID[0]:.2f}, {GRID[-1]:.2f}]: the "
+            f"machine model {hw.name} ({hw.flops / 1e9:,.0f} GFLOP/s, {hw.hbm_bw / 1e9:.1f} GB/s; "
+            f"{hw.source}) does not describe these steps. Fit against the machine that ran them (hardware "
+            "cpu-this-machine measures the one you are on; a recorded run wants the figures of the machine "
+            "that recorded it)"
+        )
     return best[1], best[0]
 
 
@@ -201,22 +233,8 @@ def _overheads(resid: np.ndarray, seqs: np.ndarray, sw: np.ndarray) -> tuple[flo
 
 
 def measure_hardware(threads: int, device: str = "cpu") -> Hardware:
-    import os
-
-    import torch
-
-    torch.set_num_threads(threads)
-    n = 8192 if device.startswith("cuda") else 1024
-    a, b = (torch.randn(n, n, dtype=torch.bfloat16, device=device) for _ in range(2))
-    flops = 2 * n**3 / _best(lambda: a @ b, device)
-    x = torch.empty((1 << 30) if device.startswith("cuda") else (64 << 20), dtype=torch.uint8, device=device)
-    y = torch.empty_like(x)
-    bw = 2 * x.numel() / _best(lambda: y.copy_(x), device)  # read + write
-    if device.startswith("cuda"):
-        mem = torch.cuda.get_device_properties(device).total_memory
-        return Hardware("cuda-measured", flops, bw, mem, bw, bw, devices_per_node=1, source="measured here")
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return Hardware("cpu-measured", flops, bw, mem, bw, bw, devices_per_node=1, source="measured here")
+    """This machine's bf16 GEMM peak and copy bandwidth (experiments.sim.hardware.measure)."""
+    return measure(threads, device)
 
 
 def _collective_rank(rank: int, ranks: int, rendezvous: str, hidden: int, rounds: int, out) -> None:
@@ -281,24 +299,6 @@ def measure_collectives(ranks: int = 2, hidden: int = 128, rounds: int = 200) ->
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _best(fn, device: str = "cpu", rounds: int = 5) -> float:
-    import torch
-
-    def sync():
-        if device.startswith("cuda"):
-            torch.cuda.synchronize(device)
-
-    fn()
-    times = []
-    for _ in range(rounds):
-        sync()
-        t = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t)
-    return min(times)
-
-
 def measure_engine(
     model_name: str,
     threads: int,
@@ -355,10 +355,15 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]: where the engine's steps are timed")
     ap.add_argument("--out", type=Path, help="write the fitted efficiency (and the points) here as JSON")
+    ap.add_argument(
+        "--allow-bound",
+        action="store_true",
+        help="keep a fit whose factor sits on the grid's bound (printed as such) instead of refusing it",
+    )
     args = ap.parse_args(argv)
     if args.from_run:
         hw = load_hardware(args.hardware or "cpu-this-machine")
-        cal = calibrate_from_run(json.loads(args.from_run.read_text()), hw)
+        cal = calibrate_from_run(json.loads(args.from_run.read_text()), hw, allow_bound=args.allow_bound)
         model, eff, err, points = cal["model"], cal["efficiency"], cal["rms"] ** 2, cal["points"]
         print(f"{args.from_run}: {len(points)} step shapes of colocated and decode workers"
               + (f" (left out: {', '.join(cal['skipped'])})" if cal["skipped"] else ""))  # fmt: skip
@@ -370,7 +375,9 @@ def main(argv=None) -> int:
         )
         model = sim_model(args.model)
         points = measure_engine(args.model, args.threads, device=args.device)
-        eff, err = fit(model, hw, points)
+        eff, err = fit(model, hw, points, allow_bound=args.allow_bound)
+    if at_bound(eff):
+        print(f"warning: the fit sits on its grid's bound ({', '.join(at_bound(eff))}): read it with care")
     print(
         f"fitted: linear/attention {eff.linear:.2f}, memory {eff.memory:.2f}, step overhead "
         f"{1e3 * eff.step_overhead_s:.1f} ms, per-sequence overhead {1e3 * eff.seq_overhead_s:.2f} ms "

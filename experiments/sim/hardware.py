@@ -3,6 +3,10 @@ sparsity), marked as such: the cost model's efficiency factors turn peaks into w
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,10 +60,111 @@ def hardware(name: str) -> Hardware:
 
 
 def hardware_of(cfg: dict) -> Hardware:
-    """conf/hardware/: a preset by name, or a machine's measured figures in full."""
+    """conf/hardware/: a preset by name, a machine's measured figures in full, or `measure:` this machine
+    (measured_here)."""
     from experiments.deploy.config import of_dict
 
+    if "measure" in cfg:
+        return measured_here(cfg)
     return hardware(cfg["name"]) if set(cfg) == {"name"} else of_dict(Hardware, "hardware", cfg)
+
+
+DTYPES = ("bfloat16", "float32")
+
+
+def best_time(fn, device: str = "cpu", rounds: int = 5) -> float:
+    """The fastest of `rounds` calls of fn (after one to warm up), synchronising a GPU around each."""
+    import torch
+
+    def sync():
+        if device.startswith("cuda"):
+            torch.cuda.synchronize(device)
+
+    fn()
+    times = []
+    for _ in range(rounds):
+        sync()
+        t = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def measure(threads: int, device: str = "cpu", dtype: str = "bfloat16") -> Hardware:
+    """This device as the cost model sees one: a square GEMM's FLOP/s in dtype (oneDNN picks AMX, AVX-512
+    or AVX2 by the CPU's ISA) and a memory copy's bandwidth, with `threads` threads."""
+    import torch
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    torch.set_num_threads(threads)
+    n = 8192 if device.startswith("cuda") else 1024
+    a, b = (torch.randn(n, n, dtype=getattr(torch, dtype), device=device) for _ in range(2))
+    flops = 2 * n**3 / best_time(lambda: a @ b, device)
+    x = torch.empty((1 << 30) if device.startswith("cuda") else (64 << 20), dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    bw = 2 * x.numel() / best_time(lambda: y.copy_(x), device)  # read + write
+    if device.startswith("cuda"):
+        mem = torch.cuda.get_device_properties(device).total_memory
+        return Hardware("cuda-measured", flops, bw, mem, bw, bw, devices_per_node=1, source="measured here")
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return Hardware("cpu-measured", flops, bw, mem, bw, bw, devices_per_node=1, source="measured here")
+
+
+def cpu_model() -> str:
+    """/proc/cpuinfo's model name (what the cache of measured machines is keyed by)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(
+                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown"
+            )
+    except OSError:
+        return "unknown"
+
+
+def cache_dir() -> Path:
+    """Where measured machines are kept: $PDK_CACHE_DIR, else $XDG_CACHE_HOME/pdkernels (~/.cache)."""
+    base = os.environ.get("PDK_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pdkernels"
+    )
+    return Path(base) / "machines"
+
+
+def measured_here(cfg: dict) -> Hardware:
+    """A machine model of the CPU the simulator runs on (conf/hardware/cpu-this-machine.yaml): its GEMM
+    peak in `measure.dtype` and its copy bandwidth with `measure.threads` threads, measured once per CPU
+    model and kept in cache_dir(); the memory size and the NIC (the messenger's rate) come from cfg."""
+    spec = cfg["measure"] or {}
+    threads, dtype = int(spec.get("threads", 1)), str(spec.get("dtype", "bfloat16"))
+    if threads < 1 or dtype not in DTYPES:
+        raise ValueError(
+            f"hardware.measure must have threads >= 1 and dtype one of {DTYPES}, got {threads}, {dtype!r}"
+        )
+    cpu = cpu_model()
+    path = cache_dir() / (re.sub(r"[^A-Za-z0-9]+", "-", f"{cpu}-{threads}t-{dtype}").strip("-") + ".json")
+    try:
+        figures = json.loads(path.read_text())
+        flops, bw, when = float(figures["flops"]), float(figures["hbm_bw"]), str(figures["measured"])
+    except (OSError, ValueError, KeyError, TypeError):
+        hw = measure(threads, "cpu", dtype)
+        flops, bw, when = hw.flops, hw.hbm_bw, time.strftime("%Y-%m-%d")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        record = {
+            "cpu": cpu,
+            "threads": threads,
+            "dtype": dtype,
+            "flops": flops,
+            "hbm_bw": bw,
+            "measured": when,
+        }
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(record, indent=1))
+        tmp.replace(path)
+    return Hardware(
+        str(cfg["name"]), flops, bw, float(cfg["hbm_bytes"]), bw, float(cfg["nic_bw"]), devices_per_node=1,
+        source=f"measured here: {cpu}, {threads} thread(s), {dtype}, {when} ({path})",
+    )  # fmt: skip
 
 
 def load_hardware(name: str) -> Hardware:

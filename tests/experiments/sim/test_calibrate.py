@@ -127,7 +127,8 @@ def test_recorded_chunks_price_a_cached_prefix_the_step_attended_over():
     decode = [[0, cost.decode_time([1040] * b), 0, b, 0, []] for b in (1, 2, 4)]
     decode += [[0, cost.step_time([(512, 0)], [1040], sampled=2), 512, 1, 0, [[512, 0]]]]
     prefill = [[a, a + 1.3 * long, 128, 0, 0, [[128, 1536]]] for a in (0.0, 5.0, 10.0)]
-    cal = calibrate_from_run(_one_p_one_d(decode, prefill, 1664), CPU)
+    # decode steps of 1-4 sequences leave the memory factor unidentified (it lands on the grid's bound)
+    cal = calibrate_from_run(_one_p_one_d(decode, prefill, 1664), CPU, allow_bound=True)
     assert cal["prefill_points"][0].chunks == [(128, 1536)]
     assert cal["prefill_slowdown"] == pytest.approx(1.3, rel=0.03)
 
@@ -168,7 +169,8 @@ def test_the_engines_moe_mla_steps_fit_and_feed_the_large_moe_study(tmp_path, ca
 
     out = tmp_path / "eff.json"
     model = ["--model", "tiny-random-deepseek", "--hardware", "cpu-this-machine"]
-    assert calibrate.main([*model, "--out", str(out)]) == 0
+    # a toy model's steps are overhead: on some machines its fit lands on the grid's bound, kept here
+    assert calibrate.main([*model, "--out", str(out), "--allow-bound"]) == 0
     fitted = json.loads(out.read_text())
     assert fitted["model"] == "tiny-random-deepseek" and fitted["hardware"] == "cpu-this-machine"
     steps = [p["step"] for p in fitted["points"]]

@@ -15,10 +15,11 @@ from experiments.sim.calibrate import calibrate_from_run
 from experiments.sim.hardware import load_hardware
 
 RECORDED = Path(__file__).parent / "fixtures" / "overload.json"
+EPYC = ["--hardware", "cpu-epyc-2026-11-29"]  # the machine that recorded it
 
 
 def _held_out(saved: dict) -> list[compare_real.Row]:
-    hw = load_hardware("cpu-this-machine")
+    hw = load_hardware("cpu-epyc-2026-11-29")
     cal = calibrate_from_run(compare_real.with_rates(saved, lambda rate: rate == 0.5), hw)
     held = compare_real.with_rates(saved, lambda rate: rate != 0.5)
     return compare_real.compare(held, hw, cal["efficiency"], cal["prefill_slowdown"])
@@ -47,7 +48,7 @@ def test_a_slimmed_run_compares_as_the_whole_one(tmp_path, capsys):
     path = tmp_path / "results.json"
     path.write_text(json.dumps(saved))
     out = tmp_path / "slim.json"
-    assert compare_real.main([str(path), "--calibrate-rate", "0.5", "--save-slim", str(out)]) == 0
+    assert compare_real.main([str(path), *EPYC, "--calibrate-rate", "0.5", "--save-slim", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "at 0.5 req/s" in printed and "@0.5/s" not in printed  # calibrated on it, not compared
     assert json.loads(out.read_text()) == saved
@@ -66,5 +67,5 @@ def test_a_calibration_the_options_cannot_give_is_refused_by_name(tmp_path, caps
     path = tmp_path / "results.json"
     path.write_text(RECORDED.read_text())
     with pytest.raises(SystemExit):
-        compare_real.main([str(path), *args])
+        compare_real.main([str(path), *EPYC, *args])
     assert message in capsys.readouterr().err

@@ -79,7 +79,7 @@ def test_compare_real_against_a_simulated_run_of_the_same_config_shows_no_error(
 
     overrides = [
         "sim_model=smollm2-135m",
-        "hardware=cpu-this-machine",
+        "hardware=cpu-epyc-2026-11-29",
         "first_token_on=decode",
         "router=decode",
         "plots=false",
@@ -97,7 +97,10 @@ def test_compare_real_against_a_simulated_run_of_the_same_config_shows_no_error(
     run_sim(_cfg(overrides), tmp_path)
     capsys.readouterr()
     factors = ["--linear", "0.75", "--memory", "0.2", "--overhead-ms", "0.9"]
-    assert compare_real.main([str(tmp_path / "results.json"), *factors]) == 0
+    assert (
+        compare_real.main([str(tmp_path / "results.json"), "--hardware", "cpu-epyc-2026-11-29", *factors])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "mean |error| 0%, worst 0%" in out and out.count("TTFT p90") == 4
 
@@ -161,7 +164,7 @@ MULTITURN += ["workload.system_prompt_len=200", "workload.turn_len=100", "worklo
 
 
 def _multiturn_sim(tmp_path, extra=(), cached=""):
-    overrides = ["sim_model=smollm2-135m", "hardware=cpu-this-machine", "first_token_on=decode"]
+    overrides = ["sim_model=smollm2-135m", "hardware=cpu-epyc-2026-11-29", "first_token_on=decode"]
     overrides += ["router=decode", "plots=false", "efficiency.memory=0.2", *MULTITURN, *extra]
     overrides += [
         f"deployments=[{{name: cached, kind: disaggregated, num_prefill: 1, num_decode: 1{cached}}},"
@@ -212,7 +215,20 @@ def test_compare_real_on_a_multiturn_run_compares_hits_and_kv_sent(tmp_path, cap
 
     _multiturn_sim(tmp_path, ["efficiency.linear=0.75", "efficiency.attention=0.75"])
     capsys.readouterr()
-    assert compare_real.main([str(tmp_path / "results.json"), "--linear", "0.75", "--memory", "0.2"]) == 0
+    assert (
+        compare_real.main(
+            [
+                str(tmp_path / "results.json"),
+                "--hardware",
+                "cpu-epyc-2026-11-29",
+                "--linear",
+                "0.75",
+                "--memory",
+                "0.2",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "mean |error| 0%, worst 0%" in out and out.count("TTFT turn 4") == 3
     hits = [line for line in out.splitlines() if "prefix hit" in line]
