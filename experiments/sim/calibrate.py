@@ -363,7 +363,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.from_run:
         hw = load_hardware(args.hardware or "cpu-this-machine")
-        cal = calibrate_from_run(json.loads(args.from_run.read_text()), hw, allow_bound=args.allow_bound)
+        try:
+            cal = calibrate_from_run(json.loads(args.from_run.read_text()), hw, allow_bound=args.allow_bound)
+        except FitAtBound as e:
+            ap.error(str(e))
         model, eff, err, points = cal["model"], cal["efficiency"], cal["rms"] ** 2, cal["points"]
         print(f"{args.from_run}: {len(points)} step shapes of colocated and decode workers"
               + (f" (left out: {', '.join(cal['skipped'])})" if cal["skipped"] else ""))  # fmt: skip
@@ -375,7 +378,10 @@ def main(argv=None) -> int:
         )
         model = sim_model(args.model)
         points = measure_engine(args.model, args.threads, device=args.device)
-        eff, err = fit(model, hw, points, allow_bound=args.allow_bound)
+        try:
+            eff, err = fit(model, hw, points, allow_bound=args.allow_bound)
+        except FitAtBound as e:
+            ap.error(str(e))
     if at_bound(eff):
         print(f"warning: the fit sits on its grid's bound ({', '.join(at_bound(eff))}): read it with care")
     print(

@@ -25,7 +25,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from experiments.config import from_cfg
-from experiments.sim.calibrate import calibrate_from_run
+from experiments.sim.calibrate import FitAtBound, at_bound, calibrate_from_run
 from experiments.sim.compare_real import Row, compare
 from experiments.sim.cost import Efficiency
 from experiments.sim.hardware import load_hardware
@@ -65,6 +65,12 @@ def main(argv=None) -> int:
         "--calibrate-on", type=int, default=0, help="the run (its index) the factors are fitted to"
     )
     ap.add_argument("--hardware", default="cpu-this-machine")
+    ap.add_argument(
+        "--allow-bound",
+        action="store_true",
+        help="keep a fitted factor on its grid's bound (a run of one-at-a-time requests has decode-only "
+        "steps on its decode worker, which leave the linear factor unidentified), printed as such",
+    )
     args = ap.parse_args(argv)
     runs = [json.loads(p.read_text()) for p in args.results]
     if not 0 <= args.calibrate_on < len(runs):
@@ -72,8 +78,13 @@ def main(argv=None) -> int:
     rates = [link_rate(saved) for saved in runs]
     hw = load_hardware(args.hardware)
     calibration = runs[args.calibrate_on]
-    cal = calibrate_from_run(calibration, hw)
+    try:
+        cal = calibrate_from_run(calibration, hw, allow_bound=args.allow_bound)
+    except FitAtBound as e:
+        ap.error(f"{e}; --allow-bound keeps it")
     eff, slowdown = cal["efficiency"], cal["prefill_slowdown"]
+    if at_bound(eff):
+        print(f"warning: {', '.join(at_bound(eff))} sits on the fit's bound: the steps do not determine it")
     eff = replace(eff, comm=fit_comm(calibration, hw, eff, slowdown))
     print(f"calibrated on {rates[args.calibrate_on]}: linear {eff.linear:.2f}, memory {eff.memory:.2f}, "
           f"prefill slowdown {slowdown:.2f}, link efficiency {eff.comm:.3f}")  # fmt: skip

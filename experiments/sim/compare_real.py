@@ -27,7 +27,7 @@ from pathlib import Path
 
 from experiments.config import from_cfg
 from experiments.metrics import request_rows, summarize
-from experiments.sim.calibrate import calibrate_from_run
+from experiments.sim.calibrate import FitAtBound, calibrate_from_run
 from experiments.sim.cost import Efficiency
 from experiments.sim.hardware import load_hardware
 from experiments.sim.instance import TierSpec
@@ -219,7 +219,10 @@ def main(argv=None) -> int:
         else:
             source = args.calibrate_from or args.results
             cal_run = json.loads(Path(source).read_text())
-        cal = calibrate_from_run(cal_run, hw)
+        try:
+            cal = calibrate_from_run(cal_run, hw)
+        except FitAtBound as e:
+            ap.error(f"--hardware {args.hardware}: {e}")
         eff, slowdown = cal["efficiency"], cal["prefill_slowdown"]
     model = sim_model(from_cfg(saved["config"]).model.name)
     print(f"{model.name} on {hw.name} ({hw.source}); factors ({source}): linear {eff.linear:.2f}, "

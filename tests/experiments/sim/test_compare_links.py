@@ -24,6 +24,7 @@ def test_a_saved_run_keeps_its_link():
     assert compare_links.link_rate(_run("200mbit")) == "200mbit"
 
 
+AMX = "cpu-xeon-amx-2026-12-04"  # the machine that recorded the runs
 RUNS = [str(FIXTURES / f"links-{r}.json") for r in ("100mbit", "200mbit", "1gbit")]
 
 
@@ -31,8 +32,11 @@ def test_calibrated_on_one_link_rate_the_others_ttft_is_within_15_percent(capsys
     assert compare_links.main([*RUNS, "--hardware", "cpu-epyc-2026-11-29"]) == 0
     out = capsys.readouterr().out
     assert "calibrated on 100mbit" in out and "held-out TTFT: worst |error|" in out
-    hw = load_hardware("cpu-epyc-2026-11-29")
-    cal = calibrate_from_run(_run("100mbit"), hw)
+    # one request at a time: the decode worker's steps are decode-only and leave the linear factor
+    # unidentified (anywhere from the grid's bound up; the prefill worker's slowdown carries the prefill's
+    # cost), so the fit may sit on its bound: kept (--allow-bound), and only the predictions are held
+    hw = load_hardware(AMX)
+    cal = calibrate_from_run(_run("100mbit"), hw, allow_bound=True)
     eff, slowdown = cal["efficiency"], cal["prefill_slowdown"]
     comm = compare_links.fit_comm(_run("100mbit"), hw, eff, slowdown)
     assert 0.5 < comm <= 1.0  # UCX over TCP reaches most of the rate

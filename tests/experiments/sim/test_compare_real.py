@@ -6,6 +6,7 @@ the overload at 1.0 and 1.5 req/s, where every queue grows (1P1D's TTFT p90: 7.2
 and 32.1 s at 1.0 and 1.5)."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -69,3 +70,20 @@ def test_a_calibration_the_options_cannot_give_is_refused_by_name(tmp_path, caps
     with pytest.raises(SystemExit):
         compare_real.main([str(path), *EPYC, *args])
     assert message in capsys.readouterr().err
+
+
+def test_on_an_amx_xeon_the_machine_model_measured_there_predicts_its_overload_within_15_percent(capsys):
+    """Issue 60 item 4: the same protocol on the other CPU family (run 2026-12-04 on 2 cores of a Xeon with
+    AMX, slimmed to what the check reads), against that machine's measured figures; against the EPYC's
+    (6.5x less GEMM peak a core) the fit would pin at its grid's top, and is refused instead."""
+    amx = Path(__file__).parent / "fixtures" / "overload-amx.json"
+    assert (
+        compare_real.main([str(amx), "--hardware", "cpu-xeon-amx-2026-12-04", "--calibrate-rate", "0.5"]) == 0
+    )
+    out = capsys.readouterr().out
+    mean, worst = (float(x) for x in re.search(r"mean \|error\| (\d+)%, worst (\d+)%", out).groups())
+    assert mean <= 15 and worst <= 30, out
+    assert "linear 0.40" in out  # of the AMX core's 1,352 GFLOP/s
+    with pytest.raises(SystemExit):
+        compare_real.main([str(amx), *EPYC, "--calibrate-rate", "0.5"])
+    assert "linear 1.00 (its upper bound)" in capsys.readouterr().err
