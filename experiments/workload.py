@@ -195,36 +195,42 @@ def _sharegpt_chats(workload: WorkloadConfig, tokenizer) -> list[list[tuple[list
 
 
 def mooncake_rows(workload: WorkloadConfig) -> list[dict]:
-    """The trace's first num_requests lines (timestamp, input_length, output_length, hash_ids)."""
-    rows = []
+    """num_requests lines of the trace from its trace_offset-th (timestamp, input_length, output_length,
+    hash_ids)."""
+    rows, skip = [], workload.trace_offset
     with open(workload.dataset_path) as f:
         for line in f:
             if line.strip():
+                if skip:
+                    skip -= 1
+                    continue
                 rows.append(json.loads(line))
             if len(rows) == workload.num_requests:
                 break
     if len(rows) < workload.num_requests:
         raise ValueError(
-            f"workload.dataset_path={workload.dataset_path!r} holds {len(rows)} requests; "
-            f"workload.num_requests={workload.num_requests}"
+            f"workload.dataset_path={workload.dataset_path!r} holds {len(rows)} requests after "
+            f"workload.trace_offset={workload.trace_offset}; workload.num_requests={workload.num_requests}"
         )
     return rows
+
+
+def mooncake_block(workload: WorkloadConfig) -> int:
+    """Tokens a trace's hash id names in this workload: Mooncake's 512, scaled with the lengths."""
+    return max(1, round(MOONCAKE_BLOCK * workload.trace_length_scale))
 
 
 def _mooncake(workload: WorkloadConfig, vocab_size: int, max_position: int):
     """(prompt ids, output lengths, arrival offsets in s) of the trace's first num_requests lines."""
     rows = mooncake_rows(workload)
     prompts, outputs = [], []
+    scale, block = workload.trace_length_scale, mooncake_block(workload)
     for row in rows:
-        out = max(1, min(int(row["output_length"]), max_position // 2))
-        length = max(1, min(int(row["input_length"]), max_position - out - 1))
+        out = max(1, min(round(int(row["output_length"]) * scale), max_position // 2))
+        length = max(1, min(round(int(row["input_length"]) * scale), max_position - out - 1))
         ids: list[int] = []
         for h in row.get("hash_ids") or []:  # the same hash id, the same block of tokens
-            ids += (
-                np.random.default_rng([workload.seed, int(h)])
-                .integers(3, vocab_size, MOONCAKE_BLOCK)
-                .tolist()
-            )
+            ids += np.random.default_rng([workload.seed, int(h)]).integers(3, vocab_size, block).tolist()
             if len(ids) >= length:
                 break
         if len(ids) < length:

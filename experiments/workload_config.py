@@ -99,6 +99,10 @@ class WorkloadConfig:
     dataset: str = "random"  # random | sharegpt (ShareGPT JSON) | mooncake (a Mooncake trace, JSONL)
     dataset_path: str | None = None  # the sharegpt or mooncake file
     trace_scale: float = 1.0  # arrival: trace replays timestamps x this (0.5: twice as fast)
+    # mooncake: lengths x this (prompts, outputs and the 512-token blocks each hash id names, so equal ids
+    # stay equal tokens): a trace of 12k-token prompts scaled to a small model on a CPU (1/16: 750)
+    trace_length_scale: float = 1.0
+    trace_offset: int = 0  # mooncake: skip the trace's first lines (a later slice; its clock starts at 0)
     # multiturn: conversations of `turns` turns over a shared system prompt; each turn adds a user message
     # of turn_len tokens to the history (earlier messages and the replies the server returned) and
     # arrives think_time_s after the previous reply ended (the first turns: on the arrival schedule);
@@ -131,6 +135,14 @@ class WorkloadConfig:
         ):
             refuse("workload.dataset_path", self.dataset_path, f"an existing {self.dataset} file")
         check_positive("workload.trace_scale", self.trace_scale)
+        if not (isinstance(self.trace_length_scale, int | float) and 0 < self.trace_length_scale <= 1):
+            refuse("workload.trace_length_scale", self.trace_length_scale, "a number in (0, 1]")
+        if (
+            isinstance(self.trace_offset, bool)
+            or not isinstance(self.trace_offset, int)
+            or self.trace_offset < 0
+        ):
+            refuse("workload.trace_offset", self.trace_offset, "an integer >= 0")
         if self.arrival == "trace" and self.dataset != "mooncake":
             refuse("workload.arrival", self.arrival, "trace needs workload.dataset=mooncake (its timestamps)")
         if self.arrival == "poisson":

@@ -49,14 +49,16 @@ class SimRequest:
     # a Mooncake trace's hash ids of its prompt's 512-token blocks (prefix-chained: the same id, the same
     # tokens before it too), which name its pages as the real run's prompts built from them share them
     blocks: tuple = ()
+    block: int = MOONCAKE_BLOCK  # tokens each of those ids names (a trace scaled down: fewer)
 
     def names(self, tokens: int, page: int) -> list:
         """The names of the pages its first `tokens` tokens fill (whole pages only)."""
         own = self.stream if self.stream is not None else ("request", self.rid)
-        in_blocks = min(self.prompt, len(self.blocks) * MOONCAKE_BLOCK)
+        size = self.block
+        in_blocks = min(self.prompt, len(self.blocks) * size)
         return [
-            ("block", self.blocks[i * page // MOONCAKE_BLOCK], i * page % MOONCAKE_BLOCK // page)
-            if (i + 1) * page <= in_blocks and MOONCAKE_BLOCK % page == 0
+            ("block", self.blocks[i * page // size], i * page % size // page)
+            if (i + 1) * page <= in_blocks and size % page == 0
             else ("shared", i)
             if (i + 1) * page <= self.shared
             else (own, i)

@@ -40,7 +40,7 @@ from experiments.sim.hardware import hardware_of
 from experiments.sim.instance import TierSpec, check_fits
 from experiments.sim.models import sim_model
 from experiments.sim.simulate import Instance, SimRequest, simulate_colocated, simulate_disaggregated
-from experiments.workload import Conversations, draw, mooncake_rows
+from experiments.workload import Conversations, draw, mooncake_block, mooncake_rows
 from experiments.workload_config import WorkloadConfig
 from transfer.config import TransferConfig
 
@@ -126,9 +126,9 @@ def simulate_deployment(
     else:
         arrivals, prompts, outputs = draw(workload, MAX_POSITION)
         reqs = [SimRequest(i, float(arrivals[i]), prompts[i], outputs[i]) for i in range(len(prompts))]
-        if workload.dataset == "mooncake":  # its pages named by the trace's blocks, as the real prompts share
-            for r, row in zip(reqs, mooncake_rows(workload), strict=True):
-                r.blocks = tuple(row.get("hash_ids") or ())
+    if workload.dataset == "mooncake":  # its pages named by the trace's blocks, as the real prompts share
+        for r, row in zip(reqs, mooncake_rows(workload), strict=True):  # (a replay's too: the same lines)
+            r.blocks, r.block = tuple(row.get("hash_ids") or ()), mooncake_block(workload)
 
     k = int((d.speculative or {}).get("num_speculative_tokens", 2)) if d.speculative else 0
     budget = prefill_budget(d.chunk_size, "cpu" if hw.name.startswith("cpu") else "cuda", "bfloat16")

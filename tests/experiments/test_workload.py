@@ -69,6 +69,27 @@ def test_mooncake_trace_lengths_timestamps_and_shared_prefixes():
     assert np.allclose([r.arrival_s for r in faster], np.asarray(want) / 2)
 
 
+def test_a_mooncake_trace_scaled_down_keeps_its_blocks_equal_where_the_ids_are():
+    """Issue 60 item 3: lengths x 1/16 (a block of 32 tokens an id), a later slice from trace_offset."""
+    import dataclasses
+    import json
+
+    path = str(DATA / "mooncake_sample.jsonl")
+    rows = [json.loads(line) for line in open(path)]
+    w = WorkloadConfig(
+        num_requests=12, dataset="mooncake", dataset_path=path, arrival="trace", trace_length_scale=1 / 16
+    )
+    reqs = make_requests(w, None, 1000, 4096)
+    assert [len(r.prompt_ids) for r in reqs] == [max(1, round(row["input_length"] / 16)) for row in rows]
+    assert [r.max_tokens for r in reqs] == [max(1, round(row["output_length"] / 16)) for row in rows]
+    # requests 0 and 3 share their first two ids: 64 equal tokens, then they differ
+    assert reqs[0].prompt_ids[:64] == reqs[3].prompt_ids[:64] != reqs[1].prompt_ids[:64]
+    assert reqs[0].prompt_ids[64:80] != reqs[3].prompt_ids[64:80]
+    later = make_requests(dataclasses.replace(w, trace_offset=3, num_requests=9), None, 1000, 4096)
+    assert [r.prompt_ids for r in later] == [r.prompt_ids for r in reqs[3:]]
+    assert later[0].arrival_s == 0.0  # the slice's own clock
+
+
 def test_dataset_config_errors_name_the_key(tmp_path):
     import pytest
 
@@ -78,6 +99,9 @@ def test_dataset_config_errors_name_the_key(tmp_path):
         WorkloadConfig(dataset="lmsys")
     with pytest.raises(ValueError, match="trace needs workload.dataset=mooncake"):
         WorkloadConfig(arrival="trace")
+    for key, bad in (("trace_length_scale", 0), ("trace_length_scale", 2.0), ("trace_offset", -1)):
+        with pytest.raises(ValueError, match=f"workload.{key}={bad!r} is not allowed"):
+            WorkloadConfig(**{key: bad})
     with pytest.raises(ValueError, match="holds 12 requests"):
         make_requests(
             WorkloadConfig(

@@ -395,3 +395,13 @@ def test_a_decode_instance_s_own_prefills_keep_to_its_step_budget():
     assert max(r.tpot for r in fixed) > 2.5  # a 5 s step among 1 s ones
     assert all(r.tpot <= 1.5 + CREDIT_STEPS * 1.5 / 19 + 1e-9 for r in slo)
     assert sorted(r.ttft for r in slo)[8] > sorted(r.ttft for r in fixed)[8]  # the prompts pay for it
+
+
+def test_a_scaled_traces_blocks_name_its_pages():
+    """A Mooncake trace scaled by 1/16 names 32 tokens an id: two pages of 16 each, equal ids equal names."""
+    from experiments.sim.instance import SimRequest
+
+    r = SimRequest(0, 0.0, prompt=70, output=1, blocks=(7, 9), block=32)
+    assert r.names(70, 16) == [("block", 7, 0), ("block", 7, 1), ("block", 9, 0), ("block", 9, 1)]
+    other = SimRequest(1, 0.0, prompt=40, output=1, blocks=(7, 5), block=32)
+    assert other.names(32, 16) == r.names(32, 16)
