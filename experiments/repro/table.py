@@ -85,6 +85,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.requests < 100 or args.trace_requests < 100:
         p.error(f"--requests and --trace-requests must be >= 100, got {args.requests}, {args.trace_requests}")
+    try:
+        mooncake.trace_path(args.trace_requests)
+    except ValueError as e:
+        p.error(str(e))
     if args.write is not None and not args.write.is_file():
         p.error(f"--write must be an existing markdown file, got {args.write}")
     t = time.perf_counter()

@@ -69,10 +69,11 @@ _REQUEST_KEYS = ("arrival_s", "prompt_tokens", "output_tokens", "prefill", "pref
 _SUMMARY_KEYS = ("ttft_s", "tpot_s", "transfer_bytes", "prefix_hit_rate", "kv_tiers", "by_turn")
 
 
-def slim(saved: dict, calibrate_rate: float) -> dict:
+def slim(saved: dict, calibrate_rate: float | None, timelines: bool = True) -> dict:
     """What compare and calibrate read of saved, for a check to replay (tests/experiments/sim/fixtures):
     the config; per run its summary's latencies and counters and its requests' arrivals, lengths and
-    prefill placement; the step timelines of the runs at calibrate_rate only; times to 0.1 ms."""
+    prefill placement; the step timelines of the runs at calibrate_rate only (none: timelines=False);
+    times to 0.1 ms."""
 
     def short(x):
         return round(x, 4) if isinstance(x, float) else x
@@ -93,7 +94,9 @@ def slim(saved: dict, calibrate_rate: float) -> dict:
                 "rate": rec["rate"],
                 "summary": {k: rec["summary"][k] for k in _SUMMARY_KEYS if k in rec["summary"]},
                 "requests": [request(r) for r in rec["requests"]],
-                "timelines": [timeline(t) for t in rec["timelines"] if rec["rate"] == calibrate_rate],
+                "timelines": [
+                    timeline(t) for t in rec["timelines"] if timelines and rec["rate"] == calibrate_rate
+                ],
             }
             for rec in saved["runs"]
         ],

@@ -87,3 +87,23 @@ def test_on_an_amx_xeon_the_machine_model_measured_there_predicts_its_overload_w
     with pytest.raises(SystemExit):
         compare_real.main([str(amx), *EPYC, "--calibrate-rate", "0.5"])
     assert "linear 1.00 (its upper bound)" in capsys.readouterr().err
+
+
+def test_a_real_trace_scaled_to_the_engine_is_predicted_from_its_first_slice(tmp_path, capsys):
+    """Issue 60 item 3: Mooncake's conversation trace scaled to SmolLM2 on 2 cores (lengths and blocks x
+    1/16, timestamps x 2), colocated and 1P1D; the simulator, calibrated on its first 40 requests, predicts
+    the next 120 (run 2026-12-04 23:08-23:12 UTC on the AMX Xeon, alone; docs/reproduction.md)."""
+    root = Path(__file__).parents[3]
+    paths = {}
+    for part in ("a", "b"):
+        saved = json.loads((Path(__file__).parent / "fixtures" / f"trace-slice-{part}.json").read_text())
+        saved["config"]["workload"]["dataset_path"] = str(root / saved["config"]["workload"]["dataset_path"])
+        paths[part] = tmp_path / f"{part}.json"
+        paths[part].write_text(json.dumps(saved))
+    args = [str(paths["b"]), "--calibrate-from", str(paths["a"]), "--hardware", "cpu-xeon-amx-2026-12-04"]
+    assert compare_real.main(args) == 0
+    out = capsys.readouterr().out
+    mean, worst = (float(x) for x in re.search(r"mean \|error\| (\d+)%, worst (\d+)%", out).groups())
+    assert mean <= 15 and worst <= 25, out
+    hits = re.findall(r"prefix hit %\s+(\d+)\s+(\d+)", out)  # the trace's own reuse, found by both
+    assert len(hits) == 2 and all(int(m) > 0 and abs(int(m) - int(s)) <= 2 for m, s in hits), out
