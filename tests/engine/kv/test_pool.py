@@ -248,7 +248,12 @@ def test_a_store_that_dies_or_hangs_mid_run_is_a_miss_within_the_deadline(store,
         with caplog.at_level(logging.WARNING, logger="transfer.backends.mooncake"):
             outs = _one_by_one(second, _prompts())
         assert [o.token_ids for o in outs] == reference
-        assert all(o.num_cached_tokens == 0 for o in outs)  # recomputed: the pool was a miss
+        if fault == "killed":
+            assert all(o.num_cached_tokens == 0 for o in outs)  # recomputed: the pool was a miss
+        else:  # a stopped master: once in a full suite's run a lookup and some gets still came back (what
+            # Mooncake's client knew of it; their pages sealed and checked), until one missed its deadline:
+            # from then on the pool is down, and the later prompts are computed whole
+            assert outs[-1].num_cached_tokens == 0
         assert not second.tiers.pool.client.up and "the pool is a miss" in caplog.text
         assert second.tiers.drain() and second.allocator.num_free == second.allocator.num_pages
     finally:
