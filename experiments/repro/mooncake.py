@@ -34,7 +34,7 @@ from experiments.sim.run import simulate_deployment
 from experiments.sim.simulate import Instance, poisson_requests, simulate_colocated, simulate_disaggregated
 from experiments.workload_config import WorkloadConfig
 
-SOURCE = "survey: Mooncake (FAST'25)"
+SOURCE = "survey, quoting Mooncake (FAST'25)"
 # the trace's first 1,000 lines, kept here (data/README.md); the whole hour where a checkout has ../shared
 TRACE = Path(__file__).resolve().parent / "data" / "mooncake_conversation_1000.jsonl"
 WHOLE = Path(__file__).resolve().parents[2].parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
@@ -123,7 +123,7 @@ def long_context_claim(n: int) -> Claim:
     return Claim(
         "mooncake-long-context",
         "Mooncake against vLLM on long-context simulated scenarios: up to +525% throughput",
-        SOURCE + " §8",
+        SOURCE + ", abstract",
         6.25,
         "x",
         _gain(*gains[best]),
@@ -224,7 +224,7 @@ def trace_claim(n: int) -> Claim:
     return Claim(
         "mooncake-trace",
         "Mooncake on real load (the conversation trace): +75% requests served within the SLO",
-        SOURCE + " §8",
+        SOURCE + ", abstract",
         1.75,
         "x",
         _gain(ours, base),

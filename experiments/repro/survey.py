@@ -17,7 +17,7 @@ from experiments.sim.cost import CostModel, Efficiency
 from experiments.sim.hardware import hardware
 from experiments.sim.models import sim_model
 
-SOURCE = "survey: DistServe (OSDI'24) §2-3"
+SOURCE = "survey, quoting DistServe (OSDI'24)"
 INTERFERENCE = {128: 1.8, 1024: 12.6}  # decode step with one prompt of this many tokens / without it
 BATCH = 1  # the decode batch the interference is read at (the figure's smallest: its largest ratio)
 OPT175_TOKENS = 2048
@@ -54,7 +54,7 @@ def distserve_claims(n: int) -> list[Claim]:
         Claim(
             f"distserve-{key}",
             f"DistServe's example: {words[key]}",
-            SOURCE + " (Fig. 1)",
+            SOURCE + ", Fig. 1",
             paper,
             "rps/GPU",
             got[key],
@@ -93,7 +93,7 @@ def interference_claims(n: int) -> list[Claim]:
             Claim(
                 f"interference-{prompt}",
                 f"a decode step with one {prompt:,}-token prompt batched in, against without",
-                SOURCE + " (Fig. 2)",
+                SOURCE + ", Fig. 2",
                 paper,
                 "x",
                 interference_ratio(cost, prompt, BATCH, kv),
@@ -120,7 +120,7 @@ def opt175_claims(n: int) -> list[Claim]:
         Claim(
             "opt175b-kv-transfer",
             f"OPT-175B: moving a {OPT175_TOKENS:,}-token request's KV between GPUs",
-            SOURCE + " (§4.2)",
+            SOURCE,
             17.6,
             "ms",
             transfer_ms,
@@ -131,7 +131,7 @@ def opt175_claims(n: int) -> list[Claim]:
         Claim(
             "opt175b-decode-step",
             "OPT-175B: an A100 decode step, against which that transfer is small",
-            SOURCE + " (§4.2)",
+            SOURCE,
             30.0,
             "ms",
             step_ms[1],

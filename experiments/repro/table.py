@@ -37,7 +37,7 @@ def measured_claims(model: str = MEASURE_MODEL, threads: int = 1) -> list[Claim]
         Claim(
             f"interference-{n}-cpu",
             f"the same, on the engine: a decode step with one {n:,}-token prompt batched in",
-            survey.SOURCE + " (Fig. 2)",
+            survey.SOURCE + ", Fig. 2",
             survey.INTERFERENCE[n],
             "x",
             ratio,
