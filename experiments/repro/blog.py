@@ -1,12 +1,12 @@
 """The disaggregation blog's figures (Perplexity, "Disaggregated Prefill and Decode", 2025): DeepSeek-R1 and
 Qwen3-Coder-480B on nodes of 8 x H200, in the simulator.
 
-The blog gives no workload, so these rows assume one (WORKLOAD: long search-context prompts, answers of a
-few hundred tokens) and the cost model's default efficiencies on datasheet peaks, plus a fixed cost a
-step that the roofline lacks (launches, routing, collective latency). That one cost is solved so the
-blog's headline row holds (1 prefill node feeding 3 decode nodes: 90 tok/s per user at 1 QPS a decode
-node); every other row is then a prediction with nothing left to tune, and a row that misses says which
-value of which assumption would reproduce it.
+The blog gives no workload, so these rows assume one (PROMPT, OUTPUT: long search-context prompts,
+answers of a few hundred tokens) and the cost model's default efficiencies on datasheet peaks, plus a
+fixed cost a step that the roofline lacks (launches, routing, collective latency). That one cost is
+solved so the blog's headline row holds (1 prefill node feeding 3 decode nodes: 90 tok/s per user at 1
+QPS a decode node); every other row is then a prediction with nothing left to tune, and a row that
+misses says which value of which assumption would reproduce it.
 """
 
 from __future__ import annotations

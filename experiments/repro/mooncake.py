@@ -4,10 +4,10 @@ simulator.
 - Long context, simulated: Mooncake (prefill and decode instances, KV layer-streamed) against vLLM of
   its time (every instance mixed, no chunked prefill: a long prompt stalls every decode in its batch),
   on the same GPUs; the highest Poisson rate meeting the SLO, over prompt lengths (the paper's "up to").
-- Real load: the conversation trace (../shared/traces) replayed at its timestamps, compressed by a
-  factor (trace_scale = 1 / factor), against colocated instances with prefix caching, PD without a
-  pool (each instance its own cache) and PD with the pool every instance shares (Mooncake Store): the
-  highest factor meeting the SLO.
+- Real load: the conversation trace (its first 1,000 lines in data/, the hour in ../shared/traces)
+  replayed at its timestamps, compressed by a factor (trace_scale = 1 / factor), against colocated
+  instances with prefix caching, PD without a pool (each instance its own cache) and PD with the pool
+  every instance shares (Mooncake Store): the highest factor meeting the SLO.
 
 The pool's page load time is the page over the instance's NICs (8 x 400 Gb/s at the comm efficiency),
 as Mooncake's transfer engine reads it over RDMA; everything else is the cost model's defaults on
