@@ -27,9 +27,9 @@ adds its reply's pages. A worker that dies forgets all of it. A belief that is s
 the worker looks its own cache up and computes what it lacks.
 
 A disaggregated request's prefill worker is the router's choice too (prefill_of(); the decode worker
-asks it unless it is down there): the live one where its prompt would start soonest, the prompt tokens
-routed to each and not yet at their first token over each one's measured speed (round_robin: the next
-live one in turn).
+asks it unless it is down there): the live one where its prompt would be done soonest, the prompt tokens
+routed to each and not yet at their first token plus the ones of this prompt it lacks (its own believed
+cache: the decode worker's does not spare it computing them) over its speed (round_robin: in turn).
 
 Admission (`deployment.admission`): `none` takes every request; `slo` refuses at once a request the
 router predicts will miss the SLO anyway (Mooncake's early rejection), instead of spending prefill time
@@ -111,7 +111,8 @@ class Router:
         self.events = 0  # cache events observed (stored and dropped names)
         self.workers = list(workers)
         self.in_flight: dict[str, set] = {w: set() for w in self.workers}
-        self.cached: dict[str, OrderedDict] = {w: OrderedDict() for w in self.workers}  # its belief
+        # its belief of each worker's cache: the routed ones', and a prefill worker's once it has prompts
+        self.cached: dict[str, OrderedDict] = {w: OrderedDict() for w in self.workers}
         self._pages: dict = {}  # request -> pages of its prompt (the load it adds)
         self._turn = self._prefill_turn = 0  # round_robin's next worker, and next prefill worker
         self.routed_pages = self.overlap_pages = 0  # what it routed, and found cached where it went
@@ -215,7 +216,8 @@ class Router:
     def predict(self, target: str, tokens: int) -> tuple[float | None, float | None]:
         """(TTFT, TPOT) a request with `tokens` prompt tokens to compute would see on target (None: not
         known yet)."""
-        return self._predict(target, self._prefill_queue(target, tokens), tokens)
+        queue = self._prefill_queue(target, tokens, tokens, ())
+        return self._predict(target, queue, tokens)
 
     def _predict(
         self, target: str, queue: str | None, tokens: int, sequences: int = 1
@@ -234,9 +236,15 @@ class Router:
         entry = self.waiting.get(request_id)
         return entry[0] if entry is not None and self.prefill_workers else None
 
-    def _prefill_queue(self, target: str, tokens: int) -> str | None:
+    def _prompt_on(self, worker: str | None, target: str, tokens: int, to_compute: int, names) -> int:
+        """The prompt tokens worker computes of a request routed to target (to_compute there)."""
+        if worker is None or worker == target:
+            return to_compute
+        return max(tokens - self.overlap(worker, names) * self.page_size, 1)
+
+    def _prefill_queue(self, target: str, tokens: int, to_compute: int, names) -> str | None:
         """Whose prompt queue a request joins: its colocated worker; disaggregated, the live prefill worker
-        where it would start soonest (tokens ahead over its speed); None when none is up."""
+        where it would be done soonest (the module's docstring); None when none is up."""
         if not self.prefill_workers:
             return target
         live = [p for p in self.prefill_workers if p in self.prefill_live]
@@ -244,14 +252,15 @@ class Router:
             return None
         if self.policy == "round_robin":
             return live[self._prefill_turn % len(live)]  # route() moves the turn on when it admits
-        return min(live, key=lambda p: (self._ahead(p) + tokens) / (self._rate(p) or 1.0))
+        lacks = {p: self._prompt_on(p, target, tokens, to_compute, names) for p in live}
+        return min(live, key=lambda p: (self._ahead(p) + lacks[p]) / (self._rate(p) or 1.0))
 
-    def _by_load(self, target: str, queue: str, tokens: int, sequences: int = 1) -> str:
+    def _by_load(self, target: str, queue: str, remote_tokens: int, tokens: int, sequences: int = 1) -> str:
         """Conditional disaggregation by load: the decode worker target prefills the request itself (its
-        own queue) when the prefill worker's queue would break slo.ttft_s, target's own queue would be
-        sooner, and target's decode step with the request's sequences stays within slo.tpot_s."""
+        own queue, `tokens` to compute) when the prefill worker's queue (`remote_tokens`) would break
+        slo.ttft_s, target's own would be sooner, and target's decode step stays within slo.tpot_s."""
         ttft_slo, tpot_slo = self.slo
-        remote = self._queue_s(queue, tokens)
+        remote = self._queue_s(queue, remote_tokens)
         if remote is None or remote + self._bias(target, queue) <= ttft_slo:
             return queue
         local = self._queue_s(target, tokens)
@@ -350,14 +359,16 @@ class Router:
             target = min(live, key=lambda w: (self.cost(w, names, pages), len(self.in_flight[w])))
         hit = self.overlap(target, names)
         to_compute = max(tokens - hit * self.page_size, 1)
-        queue = self._prefill_queue(target, to_compute) if admit else None
+        queue = self._prefill_queue(target, tokens, to_compute, names) if admit else None
         if admit and self.by_load and queue is not None and queue != target:
-            queue = self._by_load(target, queue, to_compute, sequences)
+            remote = self._prompt_on(queue, target, tokens, to_compute, names)
+            queue = self._by_load(target, queue, remote, to_compute, sequences)
+        prompt = self._prompt_on(queue, target, tokens, to_compute, names)  # what its prefill computes
         if admit and self.admission == "slo":
             # the pages to finish: the prompt's once (its completions share them), each one's outputs
             need = pages + sequences * -(-max_tokens // self.page_size)
             why, now = (
-                self._admit(target, queue, to_compute, sequences, need if max_tokens else 0),
+                self._admit(target, queue, prompt, sequences, need if max_tokens else 0),
                 self.clock(),
             )
             last = self.admitted_at if self.admitted_at is not None else self.refusing_since
@@ -372,8 +383,10 @@ class Router:
             self.admitted_at, self.refusing_since = now, None
         if admit:  # a new request's prompt: ahead of the next ones in its queue until its first token
             self._prefill_turn += queue in self.prefill_workers  # not prefilled by its decode worker
-            predicted = self._queue_s(queue, to_compute)
-            self.waiting[request_id] = (queue, to_compute, self.clock(), predicted, target)
+            predicted = self._queue_s(queue, prompt)
+            self.waiting[request_id] = (queue, prompt, self.clock(), predicted, target)
+            if queue is not None and queue != target:
+                self._remember(queue, names)  # a prefill worker: it will hold the prompt's pages
         self.routed_pages += len(names)
         self.overlap_pages += hit
         self.in_flight[target].add(request_id)
@@ -394,7 +407,7 @@ class Router:
 
     def overlap(self, worker: str, names: list[Hashable]) -> int:
         """How many of names' leading pages the router believes worker caches."""
-        return leading(self.cached[worker], names)
+        return leading(self.cached.get(worker, {}), names)
 
     def cost(self, worker: str, names: list[Hashable], pages: int) -> float:
         load = sum(self._pages.get(r, 0) for r in self.in_flight[worker])
@@ -477,7 +490,7 @@ class Router:
         self.prefill_live.discard(worker)
 
     def _remember(self, worker: str, names: Iterable[Hashable]) -> None:
-        cached = self.cached[worker]
+        cached = self.cached.setdefault(worker, OrderedDict())
         for name in names:
             cached[name] = None
             cached.move_to_end(name)
