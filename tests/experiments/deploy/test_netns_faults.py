@@ -42,7 +42,10 @@ def test_random_loss_on_every_link_loses_no_token(short_tmp, tmp_path, monkeypat
     prefill = next(w for w in record["workers"] if w["role"] == "prefill")
     assert prefill["nic_tx_bytes"][0] >= record["summary"]["transfer_bytes"]  # the KV crossed the lossy link
     clean_prefill = next(w for w in clean["workers"] if w["role"] == "prefill")
-    assert prefill["tcp_retransmits"] > clean_prefill["tcp_retransmits"]  # and lost some of it on the way
+    if loss_pct >= 5:  # and lost some of it on the way. Not held at 1%: 1% of a run this small is a
+        # handful of drops at most (fewer still where the veths carry TCP's segments unsplit), which the
+        # clean run's own retransmits can equal (once in a full suite's run: 2 against the clean run's 3)
+        assert prefill["tcp_retransmits"] > clean_prefill["tcp_retransmits"]
     _pages_back(record)
 
 
