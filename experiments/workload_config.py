@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from experiments.deploy.checks import check_positive, refuse
+from experiments.deploy.checks import check_count, check_positive, refuse
 
 ARRIVALS = ("poisson", "concurrency", "trace")
 DATASETS = ("random", "sharegpt", "mooncake", "multiturn")
@@ -122,10 +122,7 @@ class WorkloadConfig:
         if self.dataset == "multiturn":
             for key in ("conversations", "turns", "turn_len"):
                 check_positive(f"workload.{key}", getattr(self, key), integer=True)
-            if isinstance(self.system_prompt_len, bool) or not isinstance(self.system_prompt_len, int):
-                refuse("workload.system_prompt_len", self.system_prompt_len, "an integer >= 0")
-            if self.system_prompt_len < 0:
-                refuse("workload.system_prompt_len", self.system_prompt_len, "an integer >= 0")
+            check_count("workload.system_prompt_len", self.system_prompt_len)
             if not isinstance(self.think_time_s, int | float) or not 0 <= self.think_time_s < float("inf"):
                 refuse("workload.think_time_s", self.think_time_s, "a number of seconds >= 0")
             if self.dataset_path is not None and not os.path.isfile(self.dataset_path):
@@ -137,12 +134,7 @@ class WorkloadConfig:
         check_positive("workload.trace_scale", self.trace_scale)
         if not (isinstance(self.trace_length_scale, int | float) and 0 < self.trace_length_scale <= 1):
             refuse("workload.trace_length_scale", self.trace_length_scale, "a number in (0, 1]")
-        if (
-            isinstance(self.trace_offset, bool)
-            or not isinstance(self.trace_offset, int)
-            or self.trace_offset < 0
-        ):
-            refuse("workload.trace_offset", self.trace_offset, "an integer >= 0")
+        check_count("workload.trace_offset", self.trace_offset)
         if self.arrival == "trace" and self.dataset != "mooncake":
             refuse("workload.arrival", self.arrival, "trace needs workload.dataset=mooncake (its timestamps)")
         if self.arrival == "poisson":

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from experiments.deploy.checks import check_positive, refuse
+from experiments.deploy.checks import check_count, check_positive, refuse
 
 ROLES = ("colocated", "prefill", "decode")
 LAUNCHERS = ("local", "ray", "netns")
@@ -33,9 +33,7 @@ class RayConfig:
             check_positive("ray.local_nodes", self.local_nodes, integer=True)
         check_positive("ray.cpus_per_node", self.cpus_per_node, integer=True)
         check_positive("ray.start_timeout_s", self.start_timeout_s)
-        restarts = self.max_restarts
-        if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
-            refuse("ray.max_restarts", self.max_restarts, "an integer >= 0")
+        check_count("ray.max_restarts", self.max_restarts)
         unknown = sorted(set(self.role_resources) - set(ROLES))
         if unknown:
             refuse("ray.role_resources", dict(self.role_resources), f"keys among {ROLES}; got {unknown}")
@@ -81,9 +79,7 @@ class LauncherConfig:
     def __post_init__(self):
         if self.name not in LAUNCHERS:
             refuse("launcher", self.name, f"one of {LAUNCHERS}")
-        r = self.max_restarts
-        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
-            refuse("launcher.max_restarts", r, "an integer >= 0")
+        check_count("launcher.max_restarts", self.max_restarts)
         if self.name == "ray" and self.ray is None:
             object.__setattr__(self, "ray", RayConfig())
         if self.name == "netns" and self.cluster is None:
