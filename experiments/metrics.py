@@ -68,6 +68,7 @@ import numpy as np
 from experiments.deploy.config import SloConfig
 from experiments.record import DeploymentRun
 from experiments.run_config import EndpointConfig, RunConfig
+from experiments.sim.hardware import cpu_model
 
 SCHEMA = "pdkernels.results/1"
 CSV_FIELDS = (
@@ -402,12 +403,7 @@ def environment() -> dict:
             versions[package] = metadata.version(package)
         except metadata.PackageNotFoundError:
             pass
-    cpu = platform.processor() or None
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
+    cpu = cpu_model(platform.processor() or None)
     import torch
 
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None

@@ -11,7 +11,7 @@ time), and the share of the step that the lead rank spent in the MoE layers' all
 inside torch.distributed.all_to_all_single, waiting for slower ranks included). One process per rank,
 one thread each (the lead's too): run it alone on a machine with a core per rank. Prints a Markdown
 table and writes the rows as JSON, with this machine's measured peak, bandwidth and collective latencies
-(the simulator's hardware: experiments.sim.calibrate's measure_hardware on one thread and
+(the simulator's hardware: experiments.sim.hardware's measure on one thread and
 measure_collectives between `ways` processes).
 """
 
@@ -130,11 +130,12 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from engine.weights import load_model
-    from experiments.sim.calibrate import measure_collectives, measure_hardware
+    from experiments.sim.calibrate import measure_collectives
+    from experiments.sim.hardware import measure
 
     hidden = load_model(args.model, weights=False).config.hidden_size
     allreduce_s, alltoall_s = measure_collectives(args.ways, hidden)
-    hw = measure_hardware(1)  # sets one thread: one core per rank, the lead's too
+    hw = measure(1)  # sets one thread: one core per rank, the lead's too
     hardware = asdict(replace(hw, allreduce_s=allreduce_s, alltoall_s=alltoall_s))
     torch.set_num_threads(1)
     layouts = [(1, 1)] * args.one + [(args.ways, 1), (1, args.ways)]

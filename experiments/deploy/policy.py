@@ -360,10 +360,10 @@ class Router:
         hit = self.overlap(target, names)
         to_compute = max(tokens - hit * self.page_size, 1)
         queue = self._prefill_queue(target, tokens, to_compute, names) if admit else None
-        if admit and self.by_load and queue is not None and queue != target:
-            remote = self._prompt_on(queue, target, tokens, to_compute, names)
-            queue = self._by_load(target, queue, remote, to_compute, sequences)
         prompt = self._prompt_on(queue, target, tokens, to_compute, names)  # what its prefill computes
+        if admit and self.by_load and queue is not None and queue != target:
+            queue = self._by_load(target, queue, prompt, to_compute, sequences)
+            prompt = to_compute if queue == target else prompt
         if admit and self.admission == "slo":
             # the pages to finish: the prompt's once (its completions share them), each one's outputs
             need = pages + sequences * -(-max_tokens // self.page_size)

@@ -232,11 +232,6 @@ def _overheads(resid: np.ndarray, seqs: np.ndarray, sw: np.ndarray) -> tuple[flo
     return (only_a, 0.0) if cost_a <= cost_b else (0.0, only_b)
 
 
-def measure_hardware(threads: int, device: str = "cpu") -> Hardware:
-    """This machine's bf16 GEMM peak and copy bandwidth (experiments.sim.hardware.measure)."""
-    return measure(threads, device)
-
-
 def _collective_rank(rank: int, ranks: int, rendezvous: str, hidden: int, rounds: int, out) -> None:
     import os
     import statistics
@@ -371,7 +366,7 @@ def main(argv=None) -> int:
         print(f"{args.from_run}: {len(points)} step shapes of colocated and decode workers"
               + (f" (left out: {', '.join(cal['skipped'])})" if cal["skipped"] else ""))  # fmt: skip
     else:
-        hw = load_hardware(args.hardware) if args.hardware else measure_hardware(args.threads, args.device)
+        hw = load_hardware(args.hardware) if args.hardware else measure(args.threads, args.device)
         print(
             f"{hw.name} ({hw.source or 'preset'}), {args.threads} thread(s): {hw.flops / 1e9:.0f} GFLOP/s "
             f"bf16 matmul, {hw.hbm_bw / 1e9:.1f} GB/s copy"

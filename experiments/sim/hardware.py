@@ -112,15 +112,14 @@ def measure(threads: int, device: str = "cpu", dtype: str = "bfloat16") -> Hardw
     return Hardware("cpu-measured", flops, bw, mem, bw, bw, devices_per_node=1, source="measured here")
 
 
-def cpu_model() -> str:
-    """/proc/cpuinfo's model name (what the cache of measured machines is keyed by)."""
+def cpu_model(default: str | None = "unknown") -> str | None:
+    """/proc/cpuinfo's model name (what the cache of measured machines is keyed by), or default."""
     try:
         with open("/proc/cpuinfo") as f:
-            return next(
-                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown"
-            )
+            names = (line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+            return next(names, default)
     except OSError:
-        return "unknown"
+        return default
 
 
 def cache_dir() -> Path:
