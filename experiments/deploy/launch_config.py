@@ -48,7 +48,7 @@ class ClusterConfig:
 
     hosts: int = 2  # network namespaces; worker i runs on host i % hosts
     nics_per_host: int = 1  # veth NICs per host (a bridge per NIC index)
-    # every NIC's link, both ways: a tc rate; one-way delay and jitter (us) need netem; loss (%): eBPF
+    # every NIC's link, both ways: a tc rate; one-way delay and jitter (us): netem, else netns_wire; loss (%)
     link: dict = field(
         default_factory=lambda: {"rate": "10gbit", "delay_us": 0, "jitter_us": 0, "loss_pct": 0}
     )

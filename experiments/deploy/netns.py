@@ -4,7 +4,9 @@
 namespace, the switch, holding a bridge per NIC index that every host's NIC of that index is plugged into.
 Each NIC's two directions are shaped (`Link`: rate, delay, jitter, loss; tbf for a rate, netem where there
 is delay and the kernel has it, loss by an eBPF classifier: netns_loss.py) on its host side (what the host
-sends) and its switch side (what it receives).
+sends) and its switch side (what it receives). Where there is delay and the kernel has no netem, a process
+in the switch's namespace carries the frames in place of the bridges and holds each for its links' delay
+(netns_wire.py); `Hosts.delay_by` says which.
 Addresses exist only inside these namespaces (198.18.0.0/15, the range set aside for benchmarking
 networks: RFC 2544), there is no default route, and the machine's own namespace gets no interface, route
 or address: nothing can leave, nothing can come in.
@@ -27,6 +29,7 @@ import re
 import secrets
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 
@@ -80,11 +83,16 @@ class Link:
         scale = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[unit]
         return float(number) * scale / (8 if kind == "bit" else 1)
 
-    def qdisc(self) -> list[str]:
+    @property
+    def delayed(self) -> bool:
+        return bool(self.delay_us or self.jitter_us)
+
+    def qdisc(self, netem: bool = True) -> list[str]:
         """The root qdisc of each side: tbf for the rate (every kernel with traffic control has it), netem
-        with its own rate when there is delay or jitter (sch_netem: not every kernel has it, and then
-        building the link fails naming the keys). Loss is not a qdisc's: an eBPF filter (netns_loss)."""
-        if not (self.delay_us or self.jitter_us):
+        with its own rate when there is delay or jitter and netem is to do it (sch_netem: not every kernel
+        has it; Hosts then delays in user space, netns_wire). Loss is not a qdisc's: an eBPF filter
+        (netns_loss)."""
+        if not (self.delayed and netem):
             burst = max(
                 int(self.bytes_per_s() * 0.004), 4 * 65536
             )  # 4 ms of the rate, at least 4 GSO packets
@@ -109,12 +117,21 @@ def _ip(*args: str) -> str:
 def _tc(namespace: str, *args: str) -> None:
     done = subprocess.run(["ip", "netns", "exec", namespace, "tc", *args], capture_output=True, text=True)
     if done.returncode and "netem" in args and "unknown" in done.stderr:
-        raise RuntimeError(
-            "cluster.link.delay_us and jitter_us need the kernel's netem qdisc (sch_netem), which this "
-            "kernel lacks: set them to 0 (a rate is shaped by tbf, loss_pct by an eBPF classifier)"
-        )
+        raise RuntimeError("this kernel has no netem qdisc (sch_netem): delay_by='wire' delays in user space")
     if done.returncode:
         raise RuntimeError(f"tc {' '.join(args)} in {namespace}: {done.stderr.strip()}")
+
+
+def has_netem(namespace: str) -> bool:
+    """Whether the kernel has sch_netem: tried on namespace's loopback (and taken off again)."""
+    try:
+        _tc(namespace, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms")
+    except RuntimeError as e:
+        if "sch_netem" in str(e):
+            return False
+        raise
+    _tc(namespace, "qdisc", "del", "dev", "lo", "root")
+    return True
 
 
 def _check(result: int, what: str) -> None:
@@ -230,8 +247,13 @@ class Hosts:
         nics_per_host: int = 1,
         subnet: int = 0,
         tag: str | None = None,
+        delay_by: str = "auto",
     ):
-        """n hosts of nics_per_host NICs each; subnet (0-63) picks the addresses (tests use their own)."""
+        """n hosts of nics_per_host NICs each; subnet (0-63) picks the addresses (tests use their own);
+        delay_by: what delays a link with delay_us or jitter_us, "netem", "wire" (netns_wire) or "auto"
+        (netem where the kernel has it)."""
+        if delay_by not in ("auto", "netem", "wire"):
+            raise ValueError(f"delay_by={delay_by!r} is not allowed: auto, netem or wire")
         if os.geteuid() != 0:
             raise PermissionError(
                 "hosts in network namespaces (launcher=netns) need CAP_NET_ADMIN: run as root"
@@ -243,6 +265,9 @@ class Hosts:
         base = f"{PREFIX}{os.getpid()}-{tag}"
         self.names = [f"{base}-{i}" for i in range(n)]
         self.switch = f"{base}-sw"
+        self._delay_by = delay_by
+        self.delay_by: str | None = None  # "netem" or "wire" (netns_wire) where the link has delay
+        self._wire: subprocess.Popen | None = None
         self._closed = False
         atexit.register(self.close)
         try:
@@ -258,23 +283,68 @@ class Hosts:
             for name in [self.switch, *self.names]:
                 _ip("netns", "add", name)
                 _ip("-n", name, "link", "set", "lo", "up")
-            for k in range(self.nics):
+            if self.link.delayed and self._delay_by == "auto":
+                self.delay_by = "netem" if has_netem(self.switch) else "wire"
+            elif self.link.delayed:
+                self.delay_by = self._delay_by
+            wire = self.delay_by == "wire"
+            for k in range(self.nics if not wire else 0):  # the wire forwards in place of bridges
                 _ip("-n", self.switch, "link", "add", f"br{k}", "type", "bridge")
                 _ip("-n", self.switch, "link", "set", f"br{k}", "up")
+            ports = []
             for i, host in enumerate(self.names):
                 for k in range(self.nics):
                     port = f"h{i}n{k}"  # the switch's end of host i's NIC k
+                    ports.append(port)
                     _ip("link", "add", "name", f"eth{k}", "netns", host, "type", "veth", "peer", "name", port,
                         "netns", self.switch)  # fmt: skip
-                    _ip("-n", self.switch, "link", "set", port, "master", f"br{k}", "up")
+                    if wire:
+                        _ip("-n", self.switch, "link", "set", port, "promisc", "on", "up")
+                    else:
+                        _ip("-n", self.switch, "link", "set", port, "master", f"br{k}", "up")
                     _ip("-n", host, "addr", "add", f"{self.address(i, k)}/24", "dev", f"eth{k}")
                     _ip("-n", host, "link", "set", f"eth{k}", "up")
                     for namespace, dev in ((host, f"eth{k}"), (self.switch, port)):
-                        _tc(namespace, "qdisc", "add", "dev", dev, "root", *self.link.qdisc())
+                        qdisc = self.link.qdisc(netem=not wire)
+                        _tc(namespace, "qdisc", "add", "dev", dev, "root", *qdisc)
                         if loss is not None:
                             _tc(namespace, "qdisc", "add", "dev", dev, "clsact")
                             _tc(namespace, "filter", "add", "dev", dev, "egress", "bpf", "da",
                                 "object-pinned", loss)  # fmt: skip
+            if wire:
+                self._start_wire(ports)
+            self._wait_up()
+
+    def _wait_up(self, timeout_s: float = 30.0) -> None:
+        """Until every host's NICs are operationally up. The kernel marks a veth's carrier up a moment after
+        both ends are (linkwatch runs deferred), and UCX, which lists interfaces that are running, started
+        in that moment found none but `lo` (it happened once)."""
+        give_up = time.monotonic() + timeout_s
+        for host in self.names:
+            for k in range(self.nics):
+                while True:
+                    (shown,) = json.loads(_ip("-n", host, "-j", "link", "show", "dev", f"eth{k}"))
+                    if shown.get("operstate") == "UP":
+                        break
+                    if time.monotonic() > give_up:
+                        raise RuntimeError(f"eth{k} of {host} is not up after {timeout_s:.0f} s: {shown}")
+                    time.sleep(0.01)
+
+    def _start_wire(self, ports: list[str]) -> None:
+        """netns_wire in the switch's namespace, forwarding between ports; returns once it is ready."""
+        from experiments.deploy import netns_wire
+
+        cmd = [sys.executable, netns_wire.__file__, *ports, f"--delay-us={self.link.delay_us}",
+               f"--jitter-us={self.link.jitter_us}", f"--owner={os.getpid()}"]  # fmt: skip
+        self._wire = subprocess.Popen(
+            ["ip", "netns", "exec", self.switch, *cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        line = self._wire.stdout.readline()  # "ready", or nothing when it failed
+        if line.strip() != b"ready":
+            self._wire.wait(timeout=10)
+            raise RuntimeError(
+                f"the switch's wire (netns_wire) did not start: {self._wire.stderr.read()[-2000:]!r}"
+            )
 
     def address(self, host: int, nic: int = 0) -> str:
         return f"{RANGE}.{self.subnet * MAX_NICS + nic}.{host + 1}"
@@ -312,7 +382,11 @@ class Hosts:
             return
         self._closed = True
         for name in [*self.names, self.switch]:
-            remove(name)
+            remove(name)  # the wire too, a process in the switch's namespace
+        if self._wire is not None:
+            self._wire.wait(timeout=10)
+            self._wire.stdout.close()
+            self._wire.stderr.close()
 
     def __enter__(self) -> Hosts:
         return self

@@ -82,6 +82,7 @@ def _host_of(hosts, host: int) -> dict:
         "nic_tx_bytes": [tx for tx, _ in counters],
         "nic_rx_bytes": [rx for _, rx in counters],
         "tcp_retransmits": hosts.retransmits(host),
+        "link_delayed_by": hosts.delay_by,  # netem, the switch's wire (netns_wire), or None: no delay
     }
 
 

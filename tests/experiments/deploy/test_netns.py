@@ -165,8 +165,8 @@ def test_bad_link_settings_name_the_key(link, match):
 
 
 def test_a_failed_build_leaves_nothing(monkeypatch):
-    """A link the kernel cannot shape (netem missing, here or anywhere) fails naming the keys, and the
-    namespaces made so far are gone."""
+    """A link the kernel cannot shape (a qdisc it lacks) fails naming the qdisc, and the namespaces made
+    so far are gone."""
     made = []
     real = netns._ip
 
@@ -176,7 +176,7 @@ def test_a_failed_build_leaves_nothing(monkeypatch):
         return real(*args)
 
     monkeypatch.setattr(netns, "_ip", spy)
-    monkeypatch.setattr(Link, "qdisc", lambda self: ["no_such_qdisc"])
+    monkeypatch.setattr(Link, "qdisc", lambda self, netem=True: ["no_such_qdisc"])
     with pytest.raises(RuntimeError, match="no_such_qdisc"):
         Hosts(2, subnet=5)
     assert made and not any(n in netns.namespaces() for n in made)
