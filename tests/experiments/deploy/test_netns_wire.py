@@ -4,17 +4,14 @@ does, and drops what a full port refuses; across two hosts, a TCP round trip tak
 delay and the bytes arrive intact."""
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from experiments.bench.link_probe import probe
 from experiments.deploy import netns
 from experiments.deploy.netns import Hosts, Link
 from experiments.deploy.netns_wire import VNET_HDR, Wire
 
-ROOT = Path(__file__).resolve().parents[3]
 A, B, C = (bytes([2, 0, 0, 0, 0, i]) for i in (1, 2, 3))
 BROADCAST = b"\xff" * 6
 
@@ -95,23 +92,15 @@ def test_a_full_port_drops_the_frame_and_the_wire_goes_on():
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root (CI runs as root)")
-def test_two_hosts_joined_by_the_wire_see_the_delay_and_their_bytes(tmp_path):
+def test_two_hosts_joined_by_the_wire_see_the_delay_and_their_bytes():
     """The wire where netem would be (chosen here, whatever the kernel has): a TCP echo's round trip
     crosses four links of 5 ms, so it takes at least 20 ms; 4 MB arrive whole; closing leaves no
     namespace and no wire running."""
-    peer = [sys.executable, "-m", "tests.experiments.deploy.wire_peer"]
     with Hosts(2, Link("200mbit", delay_us=5000), subnet=44, delay_by="wire") as hosts:
         assert hosts.delay_by == "wire"
-        server = hosts.run(1, [*peer, "serve", hosts.address(1)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
-        assert server.stdout.readline().strip() == "listening"
-        done = subprocess.run(
-            hosts.command(0, [*peer, "call", hosts.address(1), str(4 << 20)]),
-            cwd=ROOT, capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
-        assert done.returncode == 0, done.stderr[-2000:]
-        rtts, received = done.stdout.split("\n")[:2]
-        assert min(float(r) for r in rtts.split()) >= 0.020
-        assert int(received) == 4 << 20
+        rtts, received, _ = probe(hosts, 4 << 20)
+        assert min(rtts) >= 0.020
+        assert received == 4 << 20
         assert hosts.counters(0)[0] >= 4 << 20  # it crossed host 0's NIC
         wire = hosts._wire
     assert wire.poll() is not None
