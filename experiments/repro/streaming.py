@@ -13,7 +13,10 @@ runs' workers do). Each run is the main job (experiments.run) in this process:
 
     python -m experiments.repro.streaming --out bench_results/streaming [--model smollm2-135m]
         [--prompt 1536] [--chunk 512] [--requests 8] [--load 0] [--modes layer,chunk,request]
-        [--links cx8,cx7,efa,eth25] [--subnet 1]
+        [--links cx8,cx7,efa,eth25] [--delay-us 0] [--subnet 1]
+
+--delay-us is the real pair's one-way delay per link (a host's NIC to the switch; host to host crosses two),
+scaled as the rate is, by real compute per layer / compute per layer here, into cluster.link.delay_us.
 
 Writes <out>/<variant>/results.json, <out>/summary.json and <out>/streaming.md (the table, printed too).
 Columns: TTFT p50/p90 and its p50 against colocated's; the prefill's compute on the prefill worker (its
@@ -232,6 +235,7 @@ def main() -> None:
     )
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--links", default=",".join(PAIRS))
+    parser.add_argument("--delay-us", type=float, default=0.0, help="the real one-way delay a link (us)")
     parser.add_argument("--subnet", type=int, default=1, help="cluster.subnet (another run's differs)")
     args = parser.parse_args()
     args.modes = [m for m in args.modes.split(",") if m]
@@ -239,8 +243,8 @@ def main() -> None:
     bad = [m for m in args.modes if m not in MODES] + [k for k in args.links if k not in PAIRS]
     if bad:
         parser.error(f"unknown {bad}: --modes from {MODES}, --links from {tuple(PAIRS)}")
-    if args.prompt < 2 or args.chunk < 1 or args.requests < 1 or args.load < 0:
-        parser.error("--prompt must be >= 2 tokens, --chunk and --requests > 0, --load >= 0")
+    if args.prompt < 2 or args.chunk < 1 or args.requests < 1 or args.load < 0 or args.delay_us < 0:
+        parser.error("--prompt must be >= 2 tokens, --chunk and --requests > 0, --load and --delay-us >= 0")
 
     base = [
         f"model={args.model}",
@@ -265,6 +269,7 @@ def main() -> None:
     tokens_s = prefill_tokens_s(probe, args.prompt)
     here_layer_s = args.prompt / tokens_s / layers.num_layers
     rates = link_rates(args, here_layer_s, kv_layer)
+    delay_us = round(args.delay_us * here_layer_s / real_layer_s(args.model, args.prompt)[0])
     kv_request_bits = 8 * kv_layer * layers.num_layers * args.prompt
 
     def arrivals(bits: float | None) -> list[str]:
@@ -276,13 +281,15 @@ def main() -> None:
     print(
         f"{m.name} ({m.dtype}): {tokens_s:.0f} prompt tokens/s here, {1e3 * here_layer_s:.1f} ms per layer "
         f"of a {args.prompt}-token prompt ({kv_request_bits / 8e6:.1f} MB of KV); links: "
-        + ", ".join(f"{k} {bits / 1e6:.2f} Mbit/s" for k, (_, bits) in rates.items()),
+        + ", ".join(f"{k} {bits / 1e6:.2f} Mbit/s" for k, (_, bits) in rates.items())
+        + f"; {args.delay_us:g} us a link there, {delay_us} us here",
         flush=True,
     )
     todo = [("colocated", None, None, ["deployment=colocated", "deployment.num_workers=2", *arrivals(None)])]
     for link, (_, bits) in rates.items():
         for mode in args.modes:
             more = ["deployment=1p1d", f"cluster.link.rate={tc_rate(bits)}", f"transfer.send_mode={mode}"]
+            more += [f"cluster.link.delay_us={delay_us}"]
             todo.append((f"1p1d-{mode}-{link}", mode, link, [*more, *arrivals(bits)]))
     rows = []
     for name, mode, link, overrides in todo:
@@ -294,9 +301,14 @@ def main() -> None:
     out = Path(args.out)
     meta = {"model": m.name, "dtype": m.dtype, "tokens_s": tokens_s, "layer_s": here_layer_s}
     meta |= {"load": args.load, "prompt": args.prompt, "chunk": args.chunk, "requests": args.requests}
+    meta |= {"real_delay_us": args.delay_us, "delay_us": delay_us}
     meta["links_bits"] = {k: bits for k, (_, bits) in rates.items()}
     (out / "summary.json").write_text(json.dumps({"setup": meta, "rows": rows}, indent=1))
     text = table(rows, rates, here_layer_s, kv_layer * args.prompt)
+    if delay_us:
+        text += (
+            f"\n\nOne-way delay a link: {args.delay_us:g} us there, {delay_us} us here (host to host: two).\n"
+        )
     real = simulated(args, args.links)
     text += (
         f"\n\nAt real scale (the simulator, {REAL[args.model][0]} on H200s, TP {REAL[args.model][1]}):\n\n"
