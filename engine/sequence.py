@@ -14,24 +14,24 @@ from engine.structured import StructuredOutputs
 
 @dataclass(frozen=True)
 class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 0.0  # 0: greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0: off
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
+    max_tokens: int = 16  # the most tokens it generates
+    temperature: float = 0.0  # 0: greedy; else in [0.01, 100]
+    top_p: float = 1.0  # nucleus sampling's probability mass (1: off)
+    top_k: int = 0  # the likeliest k tokens only (0: off)
+    seed: int | None = None  # its sampling's seed (None: random)
+    stop: tuple[str, ...] = ()  # strings that end it (not included, unless include_stop_str_in_output)
+    ignore_eos: bool = False  # run to max_tokens through EOS and stop_token_ids
     # vLLM's: penalties on tokens already there (presence/frequency: the output's; repetition: prompt and
     # output), min_p (relative to the likeliest token), no EOS/stop before min_tokens, logit_bias added
     # to the logits (token id -> bias in [-100, 100]), stop_token_ids that end it like EOS
     presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_p: float = 0.0
-    min_tokens: int = 0
-    logit_bias: dict[int, float] | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    include_stop_str_in_output: bool = False
+    frequency_penalty: float = 0.0  # in [-2, 2], per time a token is already in the output
+    repetition_penalty: float = 1.0  # in [0.01, 100], on tokens in the prompt or output (1: off)
+    min_p: float = 0.0  # drop tokens below min_p x the likeliest token's probability (0: off)
+    min_tokens: int = 0  # no EOS or stop before this many tokens
+    logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100], added to its logit
+    stop_token_ids: tuple[int, ...] = ()  # tokens that end it as EOS does
+    include_stop_str_in_output: bool = False  # keep the stop string that ended it in its text
     logprobs: int | None = None  # the sampled token's log-probability and this many of the likeliest
     structured_outputs: StructuredOutputs | None = None  # a JSON schema, regex, choice or grammar to keep to
     n: int = 1  # completions of the prompt: computed once, its pages shared (child i seeded seed + i)

@@ -14,7 +14,7 @@ from experiments.deploy.config import (
     runtime_parts,
 )
 from experiments.run_config import EndpointConfig, RunConfig
-from experiments.workload_config import LengthDist, WorkloadConfig, WorkloadSampling
+from experiments.workload_config import LengthDist, WorkloadConfig, sampling_of
 
 
 def run_job(fn, cfg) -> None:
@@ -69,7 +69,7 @@ def workload_of(cfg: dict) -> WorkloadConfig:
         if key in w:
             w[key] = of_dict(LengthDist, f"workload.{key}", w[key])
     if "sampling" in w:
-        w["sampling"] = of_dict(WorkloadSampling, "workload.sampling", w["sampling"])
+        w["sampling"] = sampling_of(w["sampling"])
     return of_dict(WorkloadConfig, "workload", w)
 
 

@@ -12,6 +12,7 @@ import bisect
 import logging
 import queue
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from experiments.deploy.messages import ErrorKind, Submit, Timeline
@@ -100,7 +101,10 @@ def _generate(run: DeploymentRun, config, runtime: Runtime, progress: bool, hook
                 req = due.pop(0)
                 run.sent[req.request_id] = time.perf_counter()
                 submit = Submit(
-                    req.request_id, list(req.prompt_ids), w.sampling.params(req.max_tokens), stream=True
+                    req.request_id,
+                    list(req.prompt_ids),
+                    replace(w.sampling, max_tokens=req.max_tokens),
+                    stream=True,
                 )
                 runtime.submit(submit, sink_of(req.request_id))
                 busy += 1

@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 
+from engine.sequence import SamplingParams
 from experiments.deploy.messages import ErrorKind, Result
 from experiments.record import DeploymentRun, Request
 from experiments.run_config import EndpointConfig, RunConfig
 from experiments.workload import Conversations
+from experiments.workload_config import SET_BY_WORKLOAD
 
 
 def run_endpoint(
@@ -137,15 +140,25 @@ def _kind(error) -> ErrorKind:
     return _KINDS.get(error.status_code, ErrorKind.INTERNAL)
 
 
-def _sampling(sampling, max_tokens: int) -> dict:
-    """The workload's sampling (experiments.config.WorkloadSampling) as a completion's arguments: OpenAI's
-    own, and vLLM's extras (top_k, ignore_eos, structured_outputs) in the body as vLLM and ours take them."""
+def _sampling(sampling: SamplingParams, max_tokens: int) -> dict:
+    """The workload's sampling (workload.sampling, an engine.SamplingParams) as a completion's arguments:
+    OpenAI's own, and vLLM's extras (top_k, ignore_eos, min_p, structured_outputs, ...) in the body, as
+    vLLM and ours take them; fields at their defaults are left out but for temperature, top_p, ignore_eos."""
     args = {"max_tokens": max_tokens, "temperature": sampling.temperature, "top_p": sampling.top_p}
-    if sampling.seed is not None:
-        args["seed"] = sampling.seed
     extra = {"ignore_eos": sampling.ignore_eos}
-    if sampling.top_k:
-        extra["top_k"] = sampling.top_k
-    if sampling.structured_outputs is not None:
-        extra["structured_outputs"] = dict(sampling.structured_outputs)
+    for f in dataclasses.fields(SamplingParams):
+        value = getattr(sampling, f.name)
+        if f.name in (*args, "ignore_eos", *SET_BY_WORKLOAD) or value == f.default or value is None:
+            continue
+        if f.name == "seed":
+            args["seed"] = value
+        elif f.name == "structured_outputs":
+            spec = dataclasses.asdict(value).items()
+            extra[f.name] = {
+                k: list(v) if isinstance(v, tuple) else v for k, v in spec if v not in (None, False)
+            }
+        elif f.name == "logit_bias":  # OpenAI's: token ids as strings
+            extra[f.name] = {str(k): v for k, v in value.items()}
+        else:
+            extra[f.name] = list(value) if isinstance(value, tuple) else value
     return {**args, "extra_body": extra}

@@ -17,7 +17,7 @@ from experiments.deploy.messages import Result, Timeline
 @dataclass(frozen=True)
 class Request:
     """A request of a run: what the driver submits (experiments.workload makes them; how it samples is
-    the workload's, WorkloadSampling)."""
+    the workload's: workload.sampling, an engine.SamplingParams)."""
 
     request_id: str
     arrival_s: float  # offset from the start of the run (poisson); 0 under fixed concurrency

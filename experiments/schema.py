@@ -20,12 +20,13 @@ from dataclasses import MISSING, fields
 
 from hydra.core.config_store import ConfigStore
 
+from engine.sequence import SamplingParams
 from experiments.deploy.config import DeploymentConfig, KernelsConfig, KVTiersSpec, ModelSpec, SloConfig
 from experiments.deploy.launch_config import ClusterConfig, LauncherConfig, RayConfig
 from experiments.deploy.planner import PlannerConfig
 from experiments.deploy.server_config import ServerConfig
 from experiments.run_config import RunConfig
-from experiments.workload_config import WorkloadConfig
+from experiments.workload_config import SET_BY_WORKLOAD, WorkloadConfig
 from transfer.config import TransferConfig
 
 # group -> the dataclass its options fill (launcher: only name and max_restarts; ray and cluster are
@@ -55,13 +56,15 @@ TOP_KEYS = {
 # fields whose default (None) stands for a dataclass's defaults: the node holds those, so that
 # `deployment.planner.enabled=true` needs no "+"
 EXPANDED = {(DeploymentConfig, "planner"): PlannerConfig}
-# fields a group's node leaves out (they live elsewhere in the tree)
-LEFT_OUT = {LauncherConfig: {"ray", "cluster"}}
+# fields a node leaves out: they live elsewhere in the tree (launcher's), or the workload sets them for
+# each request (workload.sampling's: engine.SamplingParams)
+LEFT_OUT = {LauncherConfig: {"ray", "cluster"}, SamplingParams: set(SET_BY_WORKLOAD)}
 
 
 def _plain(value):
     if dataclasses.is_dataclass(value):
-        return {k: _plain(v) for k, v in dataclasses.asdict(value).items()}
+        left_out = LEFT_OUT.get(type(value), ())
+        return {k: _plain(v) for k, v in dataclasses.asdict(value).items() if k not in left_out}
     if isinstance(value, tuple | list):
         return [_plain(v) for v in value]
     if isinstance(value, dict):

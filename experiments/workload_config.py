@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from engine.sequence import SamplingParams
 from experiments.deploy.checks import check_count, check_positive, refuse
 
 ARRIVALS = ("poisson", "concurrency", "trace")
@@ -43,44 +44,39 @@ class LengthDist:
         return {"fixed": self.value, "uniform": (self.low + self.high) / 2}.get(self.kind, self.mean)
 
 
-@dataclass(frozen=True)
-class WorkloadSampling:
-    """How every request of the workload samples (workload.sampling.*): engine.SamplingParams' fields, the
-    same the server takes. ignore_eos (default true) makes each request run to its output length;
-    structured_outputs: one of {json: <schema>, json_object: true, regex: ..., choice: [...],
-    grammar: ...}."""
+# workload.sampling is engine.SamplingParams, the one declaration of the sampling fields (the server's
+# too), with these set by the workload instead: each request's max_tokens is its output length
+# (workload.output_len), one completion each (n), no min_tokens (requests run to their length: ignore_eos,
+# true here by default)
+SET_BY_WORKLOAD = {
+    "max_tokens": (16, "each request's is its output length, workload.output_len"),
+    "n": (1, "one completion a request"),
+    "min_tokens": (0, "requests run to their output length (ignore_eos)"),
+}  # key -> (SamplingParams' default, why the workload sets it)
 
-    temperature: float = 0.0  # 0: greedy
-    top_p: float = 1.0  # nucleus sampling's probability mass (1: off)
-    top_k: int = 0  # the likeliest k tokens only (0: off)
-    seed: int | None = None  # a request's sampling seed (null: random)
-    ignore_eos: bool = True  # every request runs to its output length
-    structured_outputs: dict | None = None  # null, or {json: <schema>} | {regex: ...} | {choice: [...]} | ...
 
-    def __post_init__(self):
-        try:
-            self.params(1)
-        except (ValueError, TypeError) as e:
-            key = str(e).split(" ", 1)[0]
-            raise ValueError(f"workload.sampling.{key}: {e}") from e
-
-    def params(self, max_tokens: int):
-        """engine.SamplingParams of a request of max_tokens output tokens."""
-        from engine.sequence import SamplingParams
-        from engine.structured import StructuredOutputs
-
-        spec = self.structured_outputs
-        if spec is not None and not isinstance(spec, dict):
-            raise TypeError(f"structured_outputs must be a mapping such as {{regex: ...}}, got {spec!r}")
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            seed=self.seed,
-            ignore_eos=self.ignore_eos,
-            structured_outputs=StructuredOutputs(**spec) if spec is not None else None,
-        )
+def sampling_of(values) -> SamplingParams:
+    """workload.sampling (a mapping of SamplingParams' fields; a saved config's too) -> its SamplingParams,
+    every wrong value a ValueError naming workload.sampling.<key>."""
+    values = dict(values or {})
+    known = set(SamplingParams.__dataclass_fields__) - {"max_tokens"}
+    unknown = sorted(set(values) - known - {"max_tokens"})
+    if unknown:
+        raise ValueError(f"workload.sampling has unknown key(s) {unknown}; allowed: {sorted(known)}")
+    for key, (default, why) in SET_BY_WORKLOAD.items():
+        if key in values and values[key] != default:
+            refuse(f"workload.sampling.{key}", values[key], f"the workload sets it: {why}")
+    values.setdefault("ignore_eos", True)
+    bias = values.get("logit_bias")
+    if isinstance(bias, dict):  # a saved config's JSON keys are strings
+        values["logit_bias"] = {
+            int(k) if isinstance(k, str) and k.isdigit() else k: v for k, v in bias.items()
+        }
+    try:
+        return SamplingParams(**values)
+    except (ValueError, TypeError) as e:
+        key = str(e).split(" ", 1)[0]
+        raise ValueError(f"workload.sampling.{key}: {e}") from e
 
 
 @dataclass(frozen=True)
@@ -112,7 +108,10 @@ class WorkloadConfig:
     system_prompt_len: int = 256  # multiturn: tokens of the shared system prompt
     turn_len: int = 128  # multiturn: tokens of each new user message
     think_time_s: float = 1.0  # multiturn: seconds from a reply's end to the next turn
-    sampling: WorkloadSampling = field(default_factory=WorkloadSampling)
+    # how every request samples: engine.SamplingParams' fields (the server takes the same), greedy and
+    # ignore_eos by default so that each request runs to its output length; structured_outputs: one of
+    # {json: <schema>, json_object: true, regex: ..., choice: [...], grammar: ...}
+    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(ignore_eos=True))
 
     def __post_init__(self):
         if self.arrival not in ARRIVALS:

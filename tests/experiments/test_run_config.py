@@ -67,6 +67,9 @@ needs.nixl()
         ("model.device=tpu", "model.device='tpu' is not allowed: one of ('auto', 'cpu', 'cuda')"),
         ("workload.sampling.temperature=-1", "workload.sampling.temperature: temperature must be 0 (greedy)"),
         ("+workload.sampling.tempreature=1", "workload.sampling has unknown key(s) ['tempreature']"),
+        ("+workload.sampling.n=2", "workload.sampling.n=2 is not allowed: the workload sets it: one"),
+        ("+workload.sampling.max_tokens=9", "max_tokens=9 is not allowed: the workload sets it: each"),
+        ("workload.sampling.min_p=2", "workload.sampling.min_p: min_p must be in [0, 1], got 2"),
         (
             "kv_tiers.host_bytes=lots",
             "kv_tiers.host_bytes='lots' is not allowed: a size in bytes: an integer >= 0 or a number with a "
