@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -222,22 +222,19 @@ DECODE_LOADS = ("cost", "always", "never")
 
 
 @dataclass(frozen=True)
-class KVTiersConfig:
-    """KV below device memory (engine/kv/tiers.py): a host pool, files, a pool shared between workers.
+class TierSettings:
+    """kv_tiers' settings that every worker's engine takes as they are (declared once: the deployment's
+    `kv_tiers`, experiments.deploy.config.KVTiersSpec, and each engine's KVTiersConfig extend this).
 
     Full prefix pages leave device memory into the host pool (LRU) and from it into files (LRU): when a
     device page is evicted ("on_evict") or as soon as it is named ("write_through", which also keeps the
     files warm for a restarted worker). The disk tier and the shared pool stage through the host pool."""
 
-    host_bytes: int = 0  # 0: no host tier
-    disk_bytes: int = 0  # 0: no disk tier
-    disk_dir: str | None = None  # this engine's own folder for the disk tier (locked while in use)
-    policy: str = "on_evict"
-    store: str = "none"  # "mooncake": Mooncake Store, shared by every worker of a deployment
-    store_master: str = "127.0.0.1:50051"  # its master's RPC address
-    store_metadata: str = ""  # its metadata server's URL (http://127.0.0.1:port/metadata)
+    host_bytes: int = 0  # per worker; 0: no host tier
+    disk_bytes: int = 0  # per worker; 0: no disk tier
+    policy: str = "on_evict"  # on_evict | write_through: when a page goes below device memory
+    store: str = "none"  # none | mooncake: a pool every worker of the deployment shares (Mooncake Store)
     store_deadline_s: float = 2.0  # every store call's deadline; past it the pool is a miss
-    secret: str = ""  # keys each page's MAC in files and the pool (a deployment's secret)
     # decode role: a disaggregated request's leading pages found below device memory are loaded here
     # instead of sent by the prefill worker: "cost" when their load is expected to end before the
     # transfer would land (each tier's measured load time per page against the prefill workers'
@@ -261,10 +258,6 @@ class KVTiersConfig:
             f"kv_tiers.decode_loads must be one of {DECODE_LOADS}, got {self.decode_loads!r}",
         )
         _check(
-            self.disk_bytes == 0 or bool(self.disk_dir),
-            f"kv_tiers.disk_bytes={self.disk_bytes} needs kv_tiers.disk_dir (a folder of this engine's own)",
-        )
-        _check(
             (self.disk_bytes == 0 and self.store == "none") or self.host_bytes > 0,
             "kv_tiers.disk_bytes and kv_tiers.store stage pages through the host pool: set "
             f"kv_tiers.host_bytes too (got host_bytes={self.host_bytes}, disk_bytes={self.disk_bytes}, "
@@ -275,9 +268,31 @@ class KVTiersConfig:
             f"kv_tiers.store_deadline_s must be in (0, 60] seconds, got {self.store_deadline_s!r}",
         )
 
+    def settings(self) -> dict:
+        """TierSettings' fields and their values (what a KVTiersConfig takes from a deployment's)."""
+        return {f.name: getattr(self, f.name) for f in fields(TierSettings)}
+
     @property
     def enabled(self) -> bool:
         return self.host_bytes > 0
+
+
+@dataclass(frozen=True)
+class KVTiersConfig(TierSettings):
+    """One engine's KV below device memory (engine/kv/tiers.py): the tiers' settings, and where this
+    engine's files and the deployment's pool are."""
+
+    disk_dir: str | None = None  # this engine's own folder for the disk tier (locked while in use)
+    store_master: str = "127.0.0.1:50051"  # the pool's master's RPC address
+    store_metadata: str = ""  # its metadata server's URL (http://127.0.0.1:port/metadata)
+    secret: str = ""  # keys each page's MAC in files and the pool (a deployment's secret)
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check(
+            self.disk_bytes == 0 or bool(self.disk_dir),
+            f"kv_tiers.disk_bytes={self.disk_bytes} needs kv_tiers.disk_dir (a folder of this engine's own)",
+        )
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
+from engine.config import TierSettings
 from experiments.deploy.checks import check_positive, refuse
 from experiments.deploy.launch_config import ClusterConfig, LauncherConfig, RayConfig
 from transfer.config import TransferConfig
@@ -285,28 +286,21 @@ def byte_count(key: str, value) -> int:
 
 
 @dataclass(frozen=True)
-class KVTiersSpec:
-    """`kv_tiers`: KV below every worker's device pages (engine.config.KVTiersConfig; off by default):
-    a host pool and files per worker, and the pool every worker shares (Mooncake Store)."""
+class KVTiersSpec(TierSettings):
+    """`kv_tiers`: KV below every worker's device pages (off by default): a host pool and files per worker,
+    and the pool every worker shares (Mooncake Store). The engine's settings (engine.config.TierSettings)
+    and where the deployment keeps its files and its pool; sizes also as strings (64MiB)."""
 
-    host_bytes: int | str = 0  # per worker; 0: no host tier
-    disk_bytes: int | str = 0  # per worker; 0: no disk tier
     # where each worker's files go (<disk_dir>/<deployment>/<worker>, kept after the run); null: in the
     # run's private directory, removed when the deployment stops
     disk_dir: str | None = None
-    policy: str = "on_evict"  # on_evict | write_through (engine.config.KVTiersConfig)
-    store: str = "none"  # none | mooncake: a pool every worker of the deployment shares
     store_bytes: int | str = "1GiB"  # the pool's memory (held by the store's own process)
     store_host: str = "127.0.0.1"  # where its master and memory listen
-    store_deadline_s: float = 2.0  # every store call's deadline; past it the pool is a miss
-    decode_loads: str = (
-        "cost"  # cost | always | never: a decode worker loads a prefix from below or is sent it
-    )
 
     def __post_init__(self):
         for key in ("host_bytes", "disk_bytes", "store_bytes"):
             object.__setattr__(self, key, byte_count(f"kv_tiers.{key}", getattr(self, key)))
-        self.engine(disk_dir="/")  # the engine's own checks, with kv_tiers.* names
+        super().__post_init__()
         if self.store == "mooncake" and self.store_bytes < STORE_MIN_BYTES:
             refuse(
                 "kv_tiers.store_bytes", self.store_bytes, "at least 16MiB (Mooncake Store's smallest segment)"
@@ -320,17 +314,8 @@ class KVTiersSpec:
         """This worker's engine.config.KVTiersConfig (disk_dir resolved, the store's addresses)."""
         from engine.config import KVTiersConfig
 
-        return KVTiersConfig(
-            host_bytes=self.host_bytes,
-            disk_bytes=self.disk_bytes,
-            disk_dir=disk_dir if self.disk_bytes else None,
-            policy=self.policy,
-            store=self.store,
-            store_deadline_s=self.store_deadline_s,
-            decode_loads=self.decode_loads,
-            secret=secret,
-            **store,
-        )
+        disk_dir = disk_dir if self.disk_bytes else None
+        return KVTiersConfig(**self.settings(), disk_dir=disk_dir, secret=secret, **store)
 
 
 @dataclass(frozen=True)
