@@ -3,11 +3,12 @@
 make_sequence checks and tokenizes a request; add_request queues it with the scheduler; step() takes the
 scheduler's batch (engine/scheduler.py), runs it (the model runner, engine/runner.py), samples it
 (engine/step_sampling.py) and post-processes each sequence: its new tokens, stop strings, EOS, grammar,
-length; a finished request is handed back once. Roles' hand-offs are engine/decode_role.py's.
+length; a finished request is handed back once. The decode role's hand-off is engine/decode_role.py's.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -37,8 +38,33 @@ class StepStats:
 
 
 class EngineCore:
-    """LLM's request lifecycle: checking, queueing, stepping and post-processing (a mixin: LLM holds the
-    state, built in its __init__: config, tokenizer, allocator, scheduler, runner, drafter, seqs)."""
+    """One engine's request lifecycle: checking, queueing, stepping and post-processing. engine.LLM builds
+    its parts (the model runner, the scheduler over the page allocator, the step's sampler) and holds it;
+    the DP front (engine/dp.py) and the decode role's hand-off (engine/decode_role.py) work through it."""
+
+    def __init__(self, config, tokenizer, allocator, scheduler, runner, sampler, leads=None):
+        """leads: the process group of every DP group's first rank (dp > 1), for each step's agreement."""
+        self.config, self.tokenizer = config, tokenizer
+        self.allocator, self.scheduler, self.runner, self.sampler = allocator, scheduler, runner, sampler
+        self._leads = leads
+        self.listener = None  # the prefill role's messenger (engine.llm.PrefillListener)
+        self.counter: torch.Tensor | None = None  # the prefill role's layer counter
+        self.drafter = None  # the MTP head, while the scheduler drafts with it
+        self.seqs: dict[str, Sequence] = {}  # requests in flight (a finished one until step hands it back)
+        self._ended: dict[str, Sequence] = {}  # finished, not yet handed back by step()
+        self.last_step: StepStats | None = None  # what the latest step ran
+        self._ids = itertools.count()
+        self._grammars = None  # engine.structured.Grammars, on the first constrained request
+
+    @property
+    def grammars(self):
+        """The engine's structured-output compiler (engine.structured.Grammars), built on first use."""
+        if self._grammars is None:
+            from engine.structured import Grammars
+
+            model = self.config.model
+            self._grammars = Grammars(self.tokenizer, model.vocab_size, model.eos_token_ids)
+        return self._grammars
 
     def make_sequence(
         self,
@@ -110,6 +136,10 @@ class EngineCore:
         """Queue a request (output_ids: make_sequence's; computed here with the prompt). after: the
         request_id of an earlier completion of the same prompt (n > 1, fanned out by the caller): this
         one starts once that one's prompt KV is computed, sharing its pages through the prefix cache."""
+        return self.submit(self.prepare(prompt, params, request_id, output_ids, after))
+
+    def prepare(self, prompt, params=None, request_id=None, output_ids=None, after=None) -> Sequence:
+        """add_request's sequence, checked, not yet queued (after: linked when that one is here)."""
         if params is not None and params.n > 1:
             raise ValueError(
                 f"n={params.n}: add_request takes one completion (generate takes n; or add each, with after)"
@@ -118,7 +148,7 @@ class EngineCore:
         first = self.seqs.get(after) if after is not None else None
         if first is not None and first.prompt_ids == seq.prompt_ids and not output_ids:
             seq.after = first
-        return self._submit(seq)
+        return seq
 
     def resume(self, seq: Sequence) -> None:
         """Decode role: a sequence that resumes with outputs (make_sequence's output_ids) waits, holding
@@ -128,7 +158,8 @@ class EngineCore:
         self.seqs[seq.request_id] = seq
         self.scheduler.refetching[seq.request_id] = seq
 
-    def _submit(self, seq: Sequence) -> str:
+    def submit(self, seq: Sequence) -> str:
+        """Queue a checked sequence (make_sequence's) with the scheduler; its request_id."""
         self.seqs[seq.request_id] = seq
         if self.drafter is not None:
             self.drafter.begin(seq)
@@ -141,6 +172,15 @@ class EngineCore:
         if seq is None or seq.finished:
             return
         self.scheduler.remove(seq)
+        self._finish(seq, "error" if error else "abort", error)
+
+    def stop(self, request_id: str, error: str | None = None) -> None:
+        """End a request now (finish_reason 'abort', or 'error') but keep its pages until they are released
+        (engine/decode_role.py): a transfer may still be reading or writing them."""
+        seq = self.seqs.get(request_id)
+        if seq is None or seq.finished:
+            return
+        self.scheduler.remove(seq, free_pages=False)
         self._finish(seq, "error" if error else "abort", error)
 
     def forget(self, request_id: str) -> None:

@@ -7,8 +7,9 @@ The MoE layers' routed experts are spread over all tp x dp ranks, and each layer
 experts and come back through an all-to-all (engine/moe.py's dispatch; gloo on CPU, NCCL on GPU). That
 is the deployment DeepSeek's serving papers describe: attention data-parallel, experts expert-parallel.
 
-The LLM object is DP group 0's engine and the front of the others: DPEngines spawns groups 1..N-1 (each
-an LLM with its dp_rank, in its own process, leading its own TP ranks), sends each request to one group
+The LLM object is DP group 0's engine and, through its DPFront, the front of the others: DPEngines
+spawns groups 1..N-1 (each an LLM with its dp_rank, in its own process, leading its own TP ranks),
+sends each request to one group
 (add_request's dp_rank, else the one with the fewest requests) and steps all of them together. Every
 step every engine schedules; the groups' first ranks then agree (engine.collectives.any_true) whether any has
 a batch, and a group without one runs an idle forward pass that joins each MoE layer's all-to-all with
@@ -37,6 +38,7 @@ from typing import NamedTuple
 import torch
 import torch.multiprocessing as mp
 
+from engine.core import EngineCore
 from engine.kv.cache import OutOfPages
 from engine.sequence import RequestOutput, SamplingParams, Sequence
 from engine.tp import RankDied, stop_processes
@@ -205,47 +207,53 @@ def _group_process(*args) -> None:
 
 
 class DPFront:
-    """What LLM does as the front of the other DP groups' engines (a mixin: self is the LLM; dp_engines
-    is None with dp = 1, and then every method is EngineCore's)."""
+    """The front of the other DP groups' engines, over this engine's core (engine.LLM's `front`). With
+    dp = 1 (engines None) every method is the core's own."""
 
-    dp_engines: DPEngines | None = None
-    _dp_choice: tuple[int | None, str | None] | None = None  # add_request's (dp_rank, after), for _submit
+    def __init__(self, core: EngineCore, engines: DPEngines | None, kv_caches: list[torch.Tensor]):
+        """kv_caches: this group's (each TP rank's), what group_kv_caches(0) hands a decode messenger."""
+        self.core, self.engines, self.kv_caches = core, engines, kv_caches
+        # request -> (its group, its prompt and prompt ids) while another group's engine has it
+        self._remote: dict[str, tuple[int, str | None, list[int]]] = {}
 
     def add_request(self, prompt, params=None, request_id=None, output_ids=None, after=None, dp_rank=None):
         """EngineCore.add_request; dp_rank: the DP group that takes it (None: the one with the fewest
         requests; a completion with `after` goes where that one is)."""
+        dp = self.core.config.dp
         if dp_rank is not None and (
-            isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or not 0 <= dp_rank < self.config.dp
+            isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or not 0 <= dp_rank < dp
         ):
-            raise ValueError(f"dp_rank must be an integer in [0, {self.config.dp}), got {dp_rank!r}")
+            raise ValueError(f"dp_rank must be an integer in [0, {dp}), got {dp_rank!r}")
         if after is not None and after in self._remote:  # its first completion is on another group
             dp_rank = self._remote[after][0]
-        self._dp_choice = (dp_rank, after)
-        try:
-            return super().add_request(prompt, params, request_id, output_ids, after)
-        finally:
-            self._dp_choice = None
+        self._check_free(request_id)
+        return self.submit(self.core.prepare(prompt, params, request_id, output_ids, after), dp_rank, after)
 
-    def make_sequence(self, prompt, params=None, request_id=None, output_ids=None):
+    def make_sequence(self, prompt, params=None, request_id=None, output_ids=None) -> Sequence:
+        """EngineCore.make_sequence, refusing a request_id another DP group's engine holds too."""
+        self._check_free(request_id)
+        return self.core.make_sequence(prompt, params, request_id, output_ids)
+
+    def _check_free(self, request_id: str | None) -> None:
         if request_id is not None and request_id in self._remote:
             raise ValueError(f"request_id {request_id!r} is already in use (until it finishes)")
-        return super().make_sequence(prompt, params, request_id, output_ids)
 
     def dp_rank_of(self, request_id: str) -> int:
         """The DP group whose engine holds a request in flight (0: this one)."""
         return self._remote[request_id][0] if request_id in self._remote else 0
 
-    def _submit(self, seq: Sequence) -> str:
-        if self.dp_engines is None:
-            return super()._submit(seq)
-        rank, after = self._dp_choice or (None, None)
+    def submit(self, seq: Sequence, rank: int | None = None, after: str | None = None) -> str:
+        """Queue a checked sequence on DP group rank's engine (None: where its `after` is, else the least
+        busy group); its request_id."""
+        if self.engines is None:
+            return self.core.submit(seq)
         if seq.after is not None:
             rank, after = self.dp_rank_of(seq.after.request_id), seq.after.request_id
         elif rank is None:
             rank = self.least_busy_group()
         if rank == 0:
-            return super()._submit(seq)
-        self.dp_engines.add(rank, seq, after)
+            return self.core.submit(seq)
+        self.engines.add(rank, seq, after)
         self._remote[seq.request_id] = (rank, seq.prompt, seq.prompt_ids)
         return seq.request_id
 
@@ -255,125 +263,127 @@ class DPFront:
         ((decode worker, address) pairs). Returns the agents' names, a list per group. Group 0's messenger
         is the caller's (engine.disagg.prefill_messenger)."""
         names = []
-        for rank in range(1, self.config.dp):
+        for rank in range(1, self.core.config.dp):
             name = f"{agent}-dp{rank}"
-            names.append(self.dp_engines.start_messenger(rank, transfer, name, peers[rank], creds))
+            names.append(self.engines.start_messenger(rank, transfer, name, peers[rank], creds))
         return names
 
     def poll_groups(self) -> bool:
         """Prefill role: every other DP group's messenger takes what arrived; whether any group has work
         (has_unfinished says so too from now on)."""
-        return self.dp_engines.poll() if self.dp_engines is not None else False
+        return self.engines.poll() if self.engines is not None else False
 
     def least_busy_group(self) -> int:
         """The DP group whose engine holds the fewest requests (0 without DP)."""
-        counts = [len(self.seqs)] + [0] * (self.config.dp - 1)
+        counts = [len(self.core.seqs)] + [0] * (self.core.config.dp - 1)
         for r, *_ in self._remote.values():
             counts[r] += 1
-        return min(range(self.config.dp), key=lambda r: counts[r])
+        return min(range(self.core.config.dp), key=lambda r: counts[r])
 
     def holds(self, request_id: str) -> bool:
         """Whether some DP group's engine has this request (running, waiting, or preempted)."""
-        return request_id in self.seqs or request_id in self._remote
+        return request_id in self.core.seqs or request_id in self._remote
 
     def group_kv_caches(self, rank: int) -> list[torch.Tensor]:
         """DP group rank's KV caches (each of its TP ranks'), mapped into this process (decode role)."""
-        return self.kv_caches if rank == 0 else self.dp_engines.kv_caches[rank]
+        return self.kv_caches if rank == 0 else self.engines.kv_caches[rank]
 
     def reserve_in(self, rank: int, request_id: str, prompt_ids: list[int], params, load_within_s: float):
         """engine.disagg.DecodeSide.reserve on DP group rank's engine (another process): its pages and the
         tokens they hold already; the request is that group's from now on."""
-        pages, held = self.dp_engines.call(rank, "reserve", request_id, prompt_ids, params, load_within_s)
+        pages, held = self.engines.call(rank, "reserve", request_id, prompt_ids, params, load_within_s)
         if request_id not in self._remote:  # a refetch is there already
             self._remote[request_id] = (rank, None, list(prompt_ids))
         return pages, held
 
     def take_refetches(self) -> list:
-        """DecodeHandoff.take_refetches over every DP group (the others' as Refetch tuples)."""
-        own = super().take_refetches()
-        if self.dp_engines is None:
+        """Decode role with preemption "refetch": sequences preempted since the last call, every DP
+        group's (the others' as Refetch tuples). Each holds no pages; the caller fetches the KV of
+        seq.all_ids[:-1] again (reserve with its request_id, then admit_prefilled) or aborts it."""
+        own = self.core.scheduler.take_refetches()
+        if self.engines is None:
             return own
-        theirs, self.dp_engines.refetches = self.dp_engines.refetches, []
+        theirs, self.engines.refetches = self.engines.refetches, []
         return own + theirs
 
     def abort(self, request_id: str, error: str | None = None) -> None:
         if request_id in self._remote:
-            self.dp_engines.abort(self._remote[request_id][0], request_id, error)
+            self.engines.abort(self._remote[request_id][0], request_id, error)
             return
-        super().abort(request_id, error)
+        self.core.abort(request_id, error)
 
     def has_unfinished(self) -> bool:
-        theirs = self.dp_engines is not None and any(self.dp_engines.busy.values())
-        return super().has_unfinished() or bool(self._remote) or theirs
+        theirs = self.engines is not None and any(self.engines.busy.values())
+        return self.core.has_unfinished() or bool(self._remote) or theirs
 
     # ---- counters over every DP group (what a worker reports) -----------------------------------------
 
     def _theirs(self, key: str) -> list:
-        return [s[key] for s in self.dp_engines.stats.values()] if self.dp_engines is not None else []
+        return [s[key] for s in self.engines.stats.values()] if self.engines is not None else []
 
     @property
     def pages(self) -> tuple[int, int]:
         """(free, all) KV pages of every DP group's engine, now (asks the others)."""
-        if self.dp_engines is not None:
-            self.dp_engines.refresh()
-        own = (self.allocator.num_free, self.allocator.num_pages)
+        if self.engines is not None:
+            self.engines.refresh()
+        own = (self.core.allocator.num_free, self.core.allocator.num_pages)
         return tuple(sum(p) for p in zip(own, *self._theirs("pages"), strict=True))
 
     @property
     def queues(self) -> tuple[int, int]:
         """(running, waiting) sequences of every DP group's engine."""
-        own = (len(self.scheduler.running), len(self.scheduler.waiting))
+        own = (len(self.core.scheduler.running), len(self.core.scheduler.waiting))
         return tuple(sum(q) for q in zip(own, *self._theirs("queues"), strict=True))
 
     @property
     def prefix_cache_stats(self) -> dict[str, int]:
-        own = super().prefix_cache_stats
+        own = self.core.prefix_cache_stats
         return {k: v + sum(s[k] for s in self._theirs("prefix_cache_stats")) for k, v in own.items()}
 
     @property
     def preemption_stats(self) -> dict[str, int]:
-        own = super().preemption_stats
+        own = self.core.preemption_stats
         return {k: v + sum(s[k] for s in self._theirs("preemption_stats")) for k, v in own.items()}
 
     def load_grammar(self, spec, compiled_json: str) -> None:
         """engine.structured.Grammars.load in every DP group's engine (a request may go to any of them),
         so that none compiles a client's grammar on its step loop (ValueError if it does not load)."""
-        self.grammars.load(spec, compiled_json)
-        if self.dp_engines is not None:
-            self.dp_engines.load_grammar(spec, compiled_json)
+        self.core.grammars.load(spec, compiled_json)
+        if self.engines is not None:
+            self.engines.load_grammar(spec, compiled_json)
 
     @property
     def grammar_compiles(self) -> int:
         """Grammars compiled by the engines themselves (every DP group's; the others' as of their step)."""
-        own = len(self._grammars.compile_s) if self._grammars is not None else 0
+        own = len(self.core._grammars.compile_s) if self.core._grammars is not None else 0
         return own + sum(self._theirs("grammar_compiles"))
 
     def record_cache_events(self) -> None:
         """From now on keep every DP group's prefix-cache events (engine.kv.cache's (stored?, name))."""
-        self.allocator.record_events()
-        if self.dp_engines is not None:
-            self.dp_engines.record_events()
+        self.core.allocator.record_events()
+        if self.engines is not None:
+            self.engines.record_events()
 
     def take_cache_events(self) -> list[list[tuple[bool, bytes]]]:
         """Each DP group's prefix-cache events since the last call, group 0 first (the others' as of their
         latest step; one list for one engine)."""
-        out = [self.allocator.take_events()]
-        if self.dp_engines is not None:
-            for rank, events in self.dp_engines.events.items():
+        out = [self.core.allocator.take_events()]
+        if self.engines is not None:
+            for rank, events in self.engines.events.items():
                 out.append(events)
-                self.dp_engines.events[rank] = []
+                self.engines.events[rank] = []
         return out
 
     def step(self) -> list[RequestOutput]:
         """Every DP group's engine steps (each its own batch, all in one set of collectives); the outputs
         of all of them."""
-        if self.dp_engines is None:
-            return super().step()
-        self.dp_engines.begin_step()
+        if self.engines is None:
+            return self.core.step()
+        self.engines.begin_step()
         try:
-            outs = super().step()
+            outs = self.core.step()
         finally:  # their answers are read even when this engine's step raised: the next step starts clean
-            theirs = self.dp_engines.end_step()
+            theirs = self.engines.end_step()
         for out in theirs:
             _, out.prompt, prompt_ids = self._remote[out.request_id]
             out.prompt_token_ids = list(prompt_ids)

@@ -139,3 +139,18 @@ class DecodeGraphs:
             out = self.model.forward(self.ids[:b], self._meta(b), self.kv_cache)
         self.replays += 1
         return out[: len(ids)]
+
+
+def graphs_wanted(cuda_graphs: bool | None, model, dev: torch.device, tp: int, role: str, num_pages: int):
+    """Whether decode steps replay as CUDA graphs (None: on CUDA with tp 1 outside the prefill role); a
+    ValueError where they cannot. MoE: the experts' grouping reads counts on the host, which a capture
+    cannot; MLA: its decode path has not been captured on a GPU yet."""
+    moe, mla = model.moe is not None, model.mla is not None
+    if cuda_graphs is None:
+        return dev.type == "cuda" and tp == 1 and role != "prefill" and not (moe or mla)
+    if cuda_graphs and (dev.type != "cuda" or tp != 1 or num_pages < 2 or moe or mla):
+        raise ValueError(
+            "cuda_graphs=True needs device='cuda', tp=1, num_pages >= 2 and a model without MoE or MLA "
+            f"layers; got device={dev.type!r}, tp={tp}, num_pages={num_pages}, moe={moe}, mla={mla}"
+        )
+    return cuda_graphs

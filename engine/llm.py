@@ -9,7 +9,6 @@ running the last prompt token as the first decode step.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import shutil
@@ -21,15 +20,15 @@ from typing import Protocol
 import torch
 
 from engine.config import CacheConfig, EngineConfig, KVTiersConfig, SchedulerConfig
-from engine.core import EngineCore, StepStats
+from engine.core import EngineCore
 from engine.decode_role import DecodeHandoff
 from engine.dp import DPEngines, DPFront
-from engine.graphs import DecodeGraphs
+from engine.graphs import DecodeGraphs, graphs_wanted
 from engine.kv.cache import PageAllocator, allocate_kv_cache
 from engine.kv.pages import namespace
 from engine.kv.tiers import KVTiers
 from engine.model import Model, Shard
-from engine.mtp import MTPDrafter, load_head_weights
+from engine.mtp import drafting
 from engine.runner import ModelRunner
 from engine.scheduler import Batch, Scheduler
 from engine.sequence import (
@@ -38,7 +37,7 @@ from engine.sequence import (
     SamplingParams,
     Sequence,
 )
-from engine.speculative import SpeculativeConfig, ngram_drafts
+from engine.speculative import SpeculativeConfig
 from engine.step_sampling import StepSampler
 from engine.tp import TPGroup, init_rank
 from engine.weights import load_model
@@ -72,7 +71,7 @@ class PrefillListener(Protocol):
     def on_failed(self, seq: Sequence, error: str) -> None: ...  # its step raised: no KV will come
 
 
-class LLM(DPFront, EngineCore, DecodeHandoff):
+class LLM:
     def __init__(
         self,
         model: str = "smollm2-135m",
@@ -133,105 +132,72 @@ class LLM(DPFront, EngineCore, DecodeHandoff):
                 f"CPU so far; got device={device!r}"
             )
         loaded = load_model(model)
-        self.config = EngineConfig(
+        config = EngineConfig(
             model=loaded.config,
             cache=CacheConfig(page_size, num_pages, kv_layout, enable_prefix_caching),
             scheduler=SchedulerConfig(
-                role,
-                max_num_seqs,
-                max_num_batched_tokens,
-                reserved_tokens,
-                preemption,
-                fair_share,
+                role, max_num_seqs, max_num_batched_tokens, reserved_tokens, preemption, fair_share,
                 step_target_s,
             ),
-            device=device,
-            dtype=dtype,
-            tp=tp,
-            seed=seed,
-            expert_parallel=expert_parallel,
+            device=device, dtype=dtype, tp=tp, seed=seed, expert_parallel=expert_parallel,
             kv_tiers=kv_tiers if isinstance(kv_tiers, KVTiersConfig) else KVTiersConfig(**(kv_tiers or {})),
-            dp=dp,
-            dp_rank=dp_rank,
-        )
+            dp=dp, dp_rank=dp_rank,
+        )  # fmt: skip
         torch.manual_seed(seed + dp_rank)
         self.tokenizer = loaded.tokenizer
-        me = weakref.ref(self)  # the sampler asks for the grammars only when a chunk has one
-        self.sampler = StepSampler(self.config.model.eos_token_ids, self.tokenizer, lambda: me().grammars)
         dev = torch.device(device)
         shard = Shard.of(loaded.config, 0, tp, expert_parallel, dp, dp_rank)
-        # DP front: request -> (its group, its prompt and prompt ids) while another group's engine has it
-        self._remote: dict[str, tuple[int, str | None, list[int]]] = {}
-        self.tp_group = self.dp_engines = self._leads = None
-        if self.config.world > 1:  # ranks of this engine's group (and, dp > 1, of the other groups)
+        self.tp_group = self.dp_engines = leads = None
+        if config.world > 1:  # ranks of this engine's group (and, dp > 1, of the other groups)
             own = dp_rendezvous is None  # the first engine: a private directory (mode 0700) for the store
             folder = tempfile.mkdtemp(prefix="pdk-tp-") if own else None
             rendezvous = dp_rendezvous or os.path.join(folder, "rendezvous")
             if dp > 1 and own:
                 self.dp_engines = DPEngines(engine_args, dp, tp, rendezvous)
             try:
-                self.tp_group = TPGroup(model, self.config, rendezvous) if tp > 1 else None
+                self.tp_group = TPGroup(model, config, rendezvous) if tp > 1 else None
             except BaseException:
                 _close_ranks(None, self.dp_engines, folder)
                 raise
             self._finalizer = weakref.finalize(self, _close_ranks, self.tp_group, self.dp_engines, folder)
-        self.model = Model(loaded.config, loaded.weights, dev, self.config.torch_dtype, shard)
-        kv_cache = allocate_kv_cache(
-            loaded.config, self.config.cache, shard.num_kv_heads, dev, self.config.torch_dtype
-        )
+        self.model = Model(loaded.config, loaded.weights, dev, config.torch_dtype, shard)
+        kv_cache = allocate_kv_cache(loaded.config, config.cache, shard.num_kv_heads, dev, config.torch_dtype)
         # shared with the lead (TP) and, in the decode role, with DP group 0's agents (engine/dp.py)
         shared = tp > 1 or (dp > 1 and role == "decode")
         self.kv_cache = kv_cache.share_memory_() if shared and dev.type == "cpu" else kv_cache
-        if self.config.world > 1:  # every rank has loaded its shard: join them
-            groups = init_rank(0, self.config, rendezvous)
-            self.model.tp_group, self._leads = groups.tp, groups.leads
+        if config.world > 1:  # every rank has loaded its shard: join them
+            groups = init_rank(0, config, rendezvous)
+            self.model.tp_group, leads = groups.tp, groups.leads
             if self.dp_engines is not None:
                 self.dp_engines.await_ready()
-        # MoE: the experts' grouping reads counts on the host, which a capture cannot; MLA: its decode
-        # path has not been captured on a GPU yet
-        moe, mla = loaded.config.moe is not None, loaded.config.mla is not None
-        if cuda_graphs is None:
-            cuda_graphs = dev.type == "cuda" and tp == 1 and role != "prefill" and not (moe or mla)
-        if cuda_graphs and (dev.type != "cuda" or tp != 1 or num_pages < 2 or moe or mla):
-            raise ValueError(
-                "cuda_graphs=True needs device='cuda', tp=1, num_pages >= 2 and a model without MoE or MLA "
-                f"layers; got device={device!r}, tp={tp}, num_pages={num_pages}, moe={moe}, mla={mla}"
-            )
+        cuda_graphs = graphs_wanted(cuda_graphs, loaded.config, dev, tp, role, num_pages)
         # with graphs, the last page is the padding rows' scratch page: never allocated
         self.allocator = PageAllocator(num_pages - 1 if cuda_graphs else num_pages, page_size)
         salt = f"{loaded.config.name}|{dtype}|{page_size}".encode() if enable_prefix_caching else None
-        self.scheduler = Scheduler(self.config.scheduler, self.allocator, loaded.config.max_position, salt)
-        self.tiers = self._make_tiers(loaded.config.name) if self.config.kv_tiers.enabled else None
+        self.scheduler = Scheduler(config.scheduler, self.allocator, loaded.config.max_position, salt)
         # speculative decoding (vLLM's names: {"method": "ngram" | "mtp", "num_speculative_tokens": k, ...})
         # (a prefill-role engine given one builds its drafter too: set_role may make it decode)
         self.speculative = SpeculativeConfig.of(speculative_config)
-        self.drafter: MTPDrafter | None = None  # the MTP head, while the scheduler drafts with it
-        self._drafter: MTPDrafter | None = None
-        self._propose = None  # what the scheduler proposes drafts with outside the prefill role
-        if self.speculative is not None:
-            s = self.speculative
-            if s.method == "mtp":
-                head = load_head_weights(s.model, loaded.config, loaded.weights, seed)
-                self._drafter = MTPDrafter(self.model, head, s.num_speculative_tokens)
-                self._propose = self._drafter.propose
-            else:
-                self._propose = lambda seq: ngram_drafts(
-                    seq.all_ids, s.num_speculative_tokens, s.prompt_lookup_min, s.prompt_lookup_max
-                )
-        self._wire_drafts()
+        self._drafter, self._propose = drafting(self.speculative, self.model, loaded, seed)
         self.runner = ModelRunner(self.model, self.kv_cache, page_size, kv_layout, self.tp_group)
         if cuda_graphs:
             self.runner.graphs = DecodeGraphs(
                 self.model, self.kv_cache, page_size, num_pages - 1, max_num_seqs
             )
-        self.listener = listener
-        self.counter = make_layer_counter(loaded.config.num_layers, dev) if role == "prefill" else None
-        self.seqs: dict[str, Sequence] = {}  # requests in flight (a finished one until step hands it back)
-        self._ended: dict[str, Sequence] = {}  # finished, not yet handed back by step()
-        self.last_step: StepStats | None = None  # what the latest step ran
-        self._ids = itertools.count()
-        self._grammars = None  # engine.structured.Grammars, on the first constrained request
-        if dev.type == "cuda" and self.config.world == 1:
+        me = weakref.ref(self)  # the sampler asks for the grammars only when a chunk has one
+        sampler = StepSampler(loaded.config.eos_token_ids, self.tokenizer, lambda: me().grammars)
+        # the parts: one engine's request lifecycle, the front of the other DP groups' engines, the
+        # decode role's hand-off
+        self.core = EngineCore(
+            config, self.tokenizer, self.allocator, self.scheduler, self.runner, sampler, leads
+        )
+        self.core.listener = listener
+        self.core.counter = make_layer_counter(loaded.config.num_layers, dev) if role == "prefill" else None
+        self.front = DPFront(self.core, self.dp_engines, self.kv_caches)
+        self.handoff = DecodeHandoff(self.core, self.front.make_sequence)
+        self.tiers = self._make_tiers(loaded.config.name) if config.kv_tiers.enabled else None
+        self._wire_drafts()
+        if dev.type == "cuda" and config.world == 1:
             self.warm_up()
 
     def warm_up(self) -> None:
@@ -281,9 +247,9 @@ class LLM(DPFront, EngineCore, DecodeHandoff):
         """The scheduler proposes drafts in the decode and colocated roles, when speculation is set."""
         drafting = self._propose is not None and self.scheduler.role != "prefill"
         self.scheduler.propose = self._propose if drafting else None
-        self.drafter = self._drafter if drafting else None
+        self.core.drafter = self._drafter if drafting else None
         # the MTP head reads the hidden state before the last token
-        self.scheduler.min_compute = 2 if self.drafter is not None else 1
+        self.scheduler.min_compute = 2 if self.core.drafter is not None else 1
 
     def set_role(self, role: str) -> None:
         """Serve another role from now on (an elastic worker: prefill <-> decode), keeping the weights, the
@@ -295,11 +261,11 @@ class LLM(DPFront, EngineCore, DecodeHandoff):
         if self.seqs or self.has_unfinished() or self.scheduler.reserved or self.scheduler.refetching:
             raise ValueError(f"set_role({role!r}) needs an idle engine; {len(self.seqs)} requests are here")
         config = replace(self.config.scheduler, role=role)
-        self.config = replace(self.config, scheduler=config)
+        self.core.config = replace(self.config, scheduler=config)
         self.scheduler.config = config
         self._wire_drafts()
         if role == "prefill" and self.counter is None:
-            self.counter = make_layer_counter(self.config.model.num_layers, self.kv_cache.device)
+            self.core.counter = make_layer_counter(self.config.model.num_layers, self.kv_cache.device)
         self.listener = None  # the new role's messenger sets its own
         if self.tiers is not None:
             self.tiers.share = role != "decode"
@@ -326,15 +292,106 @@ class LLM(DPFront, EngineCore, DecodeHandoff):
 
     # ---- requests -------------------------------------------------------------------------------
 
-    @property
-    def grammars(self):
-        """The engine's structured-output compiler (engine.structured.Grammars), built on first use."""
-        if self._grammars is None:
-            from engine.structured import Grammars
+    def make_sequence(self, prompt, params=None, request_id=None, output_ids=None) -> Sequence:
+        """Tokenize and check a request (EngineCore.make_sequence; a request_id another DP group holds is
+        refused too)."""
+        return self.front.make_sequence(prompt, params, request_id, output_ids)
 
-            model = self.config.model
-            self._grammars = Grammars(self.tokenizer, model.vocab_size, model.eos_token_ids)
-        return self._grammars
+    def add_request(self, prompt, params=None, request_id=None, output_ids=None, after=None, dp_rank=None):
+        """Queue a request (EngineCore.add_request; dp_rank: DPFront.add_request's)."""
+        return self.front.add_request(prompt, params, request_id, output_ids, after, dp_rank)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one batch (every DP group's); the outputs it advanced or ended (EngineCore.step)."""
+        return self.front.step()
+
+    def has_unfinished(self) -> bool:
+        return self.front.has_unfinished()
+
+    def abort(self, request_id: str, error: str | None = None) -> None:
+        """End a request now (finish_reason 'abort', or 'error' with a message) and free its pages."""
+        self.front.abort(request_id, error)
+
+    def stop(self, request_id: str, error: str | None = None) -> None:
+        """End a request but keep its pages until `release` (EngineCore.stop)."""
+        self.core.stop(request_id, error)
+
+    def output(self, request_id: str) -> RequestOutput:
+        return self.core.output(request_id)
+
+    def forget(self, request_id: str) -> None:
+        self.core.forget(request_id)
+
+    def resume(self, seq: Sequence) -> None:
+        self.core.resume(seq)
+
+    # the decode role's hand-off (engine/decode_role.py)
+    def reserve(self, prompt, params=None, request_id=None, load_within_s: float = 0.0) -> Sequence:
+        return self.handoff.reserve(prompt, params, request_id, load_within_s)
+
+    def reserved_below(self, request_id: str) -> int:
+        return self.handoff.reserved_below(request_id)
+
+    def admit_prefilled(self, request_id: str, context: torch.Tensor | None = None) -> None:
+        self.handoff.admit_prefilled(request_id, context)
+
+    def prefill_locally(self, request_id: str) -> None:
+        self.handoff.prefill_locally(request_id)
+
+    def set_aside(self, request_id: str, owner: str) -> None:
+        self.handoff.set_aside(request_id, owner)
+
+    def release(self, request_id: str) -> None:
+        self.handoff.release(request_id)
+
+    def take_refetches(self) -> list:
+        return self.front.take_refetches()
+
+    # the DP front (engine/dp.py)
+    def dp_rank_of(self, request_id: str) -> int:
+        return self.front.dp_rank_of(request_id)
+
+    def holds(self, request_id: str) -> bool:
+        return self.front.holds(request_id)
+
+    def least_busy_group(self) -> int:
+        return self.front.least_busy_group()
+
+    def group_kv_caches(self, rank: int) -> list[torch.Tensor]:
+        return self.front.group_kv_caches(rank)
+
+    def reserve_in(self, rank: int, request_id: str, prompt_ids: list[int], params, load_within_s: float):
+        return self.front.reserve_in(rank, request_id, prompt_ids, params, load_within_s)
+
+    def start_group_messengers(self, transfer, agent: str, peers: dict[int, list], creds) -> list[list[str]]:
+        return self.front.start_group_messengers(transfer, agent, peers, creds)
+
+    def poll_groups(self) -> bool:
+        return self.front.poll_groups()
+
+    def load_grammar(self, spec, compiled_json: str) -> None:
+        self.front.load_grammar(spec, compiled_json)
+
+    def record_cache_events(self) -> None:
+        self.front.record_cache_events()
+
+    def take_cache_events(self) -> list[list[tuple[bool, bytes]]]:
+        return self.front.take_cache_events()
+
+    # the engine's state, as the core holds it
+    config = property(lambda self: self.core.config)
+    seqs = property(lambda self: self.core.seqs)
+    counter = property(lambda self: self.core.counter)
+    drafter = property(lambda self: self.core.drafter)
+    grammars = property(lambda self: self.core.grammars)
+    listener = property(lambda self: self.core.listener, lambda self, v: setattr(self.core, "listener", v))
+    last_step = property(lambda self: self.core.last_step, lambda self, v: setattr(self.core, "last_step", v))
+    # counters over every DP group
+    pages = property(lambda self: self.front.pages)
+    queues = property(lambda self: self.front.queues)
+    prefix_cache_stats = property(lambda self: self.front.prefix_cache_stats)
+    preemption_stats = property(lambda self: self.front.preemption_stats)
+    grammar_compiles = property(lambda self: self.front.grammar_compiles)
 
     def generate(
         self,
@@ -352,7 +409,7 @@ class LLM(DPFront, EngineCore, DecodeHandoff):
         ids = {s.request_id for family in families for s in family}
         for family in families:
             for seq in family:
-                self._submit(seq)
+                self.front.submit(seq)
         done: dict[str, RequestOutput] = {}
         while len(done) < len(ids) and self.has_unfinished():
             done.update((o.request_id, o) for o in self.step() if o.finished and o.request_id in ids)

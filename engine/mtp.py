@@ -296,3 +296,20 @@ class MTPDrafter:
             attn_mask=mask,
         )
         return o.transpose(0, 1).reshape(n, -1), k, v
+
+
+def drafting(speculative, model: Model, loaded, seed: int):
+    """(the MTP drafter or None, what the scheduler proposes drafts with or None) for an engine's
+    speculative decoding (engine.speculative.SpeculativeConfig, or None: none)."""
+    from engine.speculative import ngram_drafts
+
+    if speculative is None:
+        return None, None
+    s = speculative
+    if s.method == "mtp":
+        head = load_head_weights(s.model, loaded.config, loaded.weights, seed)
+        drafter = MTPDrafter(model, head, s.num_speculative_tokens)
+        return drafter, drafter.propose
+    return None, lambda seq: ngram_drafts(
+        seq.all_ids, s.num_speculative_tokens, s.prompt_lookup_min, s.prompt_lookup_max
+    )
