@@ -1,6 +1,6 @@
-"""What a step does with its logits (StepSampler, a member of engine.LLM: `llm.sampler`): each sampling
-chunk's grammar mask, its token (or its drafts' verification) and its logprobs, one chunk at a time, so
-that a row whose parameters break the arithmetic fails its own sequence only.
+"""What a step does with its logits (StepSampler, a member of the engine's core: `llm.core.sampler`): each
+sampling chunk's grammar mask, its token (or its drafts' verification) and its logprobs, one chunk at a
+time, so that a row whose parameters break the arithmetic fails its own sequence only.
 """
 
 from __future__ import annotations

@@ -440,13 +440,25 @@ class Runtime:
         # the router learns when each prompt's first token comes (its queue, its admission) and the
         # runtime times every token: the worker streams every request; only a streamed one's tokens
         # reach its client before the end
-        wire = msgspec.structs.replace(
+        while not self.fleet.send(target, self._wire(msg)):
+            # gone before the runtime heard (its death is seen with the next look at the processes): the
+            # request goes to another live worker, as a migration would take it
+            self.router.moved(rid, target)
+            live = [w for w in live if w != target]
+            if self.on_worker_death != "migrate" or not live:
+                self._finish(Result.failed(rid, ErrorKind.WORKER_LOST, f"worker {target} is gone", target))
+                return
+            msg = msgspec.structs.replace(msg, after=None)
+            target = self.router.route_tokens(rid, tokens, live, cache_salt=salt)
+            self.flights[rid].worker = target
+        sink(Routed(target))
+
+    def _wire(self, msg: Submit) -> Submit:
+        """msg as a worker gets it: streamed, with the prefill worker and DP group the router chose."""
+        rid = msg.request_id
+        return msgspec.structs.replace(
             msg, stream=True, prefill_worker=self.router.prefill_of(rid), dp_rank=self.router.dp_rank_of(rid)
         )
-        if not self.fleet.send(target, wire):
-            self._finish(Result.failed(rid, ErrorKind.WORKER_LOST, f"worker {target} is gone", target))
-            return
-        sink(Routed(target))
 
     def _fail_one(self, request_id: str, sink, error: str) -> None:
         """End one request with an error; if a worker has it, cancel it there (its pages come back)."""

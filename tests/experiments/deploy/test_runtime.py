@@ -58,13 +58,14 @@ class FakeFleet:
         self.sent: queue.SimpleQueue = queue.SimpleQueue()  # (worker, message) the runtime sent
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.stopped = False
+        self.gone: set[str] = set()  # workers whose socket is gone before their death is seen
 
     @property
     def frontends(self):
         return [n for n, r in self.roles.items() if r != "prefill"]
 
     def send(self, name, msg) -> bool:
-        if name in self.dead:
+        if name in self.dead or name in self.gone:
             return False
         self.sent.put((name, msg))
         return True
@@ -221,6 +222,31 @@ def test_a_dead_worker_s_request_goes_on_elsewhere_after_its_tokens_and_its_late
     assert result.worker == second and result.output_ids == [5, 6, 7, 8, 9, 10] and result.migrations == 1
     assert len(result.token_times) == 6
     assert any(f"{first} exited (code -9)" in what for _, what in runtime.events)
+
+
+@pytest.mark.parametrize("on_worker_death", ["migrate", "fail"])
+def test_a_request_routed_to_a_worker_gone_before_its_death_is_seen_goes_to_another(
+    runtime_of, on_worker_death
+):
+    """Seen once in a full suite's run: a request sent to a worker killed moments before failed as lost,
+    though another worker was live (the runtime learns of a death at its next look at the processes).
+    It goes to the live one (on_worker_death: migrate), or fails as lost (fail)."""
+    fleet, runtime = runtime_of(on_worker_death=on_worker_death)
+    fleet.gone = {"decode-0"}
+    sinks = [Sink() for _ in range(4)]
+    for i, sink in enumerate(sinks):  # the router spreads them: some are routed to decode-0 first
+        runtime.submit(_submit(f"r{i}"), sink)
+    if on_worker_death == "fail":
+        kinds = [sink.next() for sink in sinks]
+        lost = [e.result for e in kinds if isinstance(e, Ended)]
+        assert lost and all(r.error_kind == ErrorKind.WORKER_LOST for r in lost)
+        return
+    for i, sink in enumerate(sinks):
+        assert sink.next(Routed) == Routed("decode-1")
+        name, msg = fleet.next_sent()
+        assert name == "decode-1"
+        fleet.deliver(name, _done(msg.request_id, name, [7] * 8))
+    assert all(sink.result().worker == "decode-1" for sink in sinks)
 
 
 def test_with_on_worker_death_fail_a_dead_worker_s_requests_end_as_worker_lost(runtime_of):
