@@ -241,7 +241,7 @@ def test_a_request_routed_to_a_worker_gone_before_its_death_is_seen_goes_to_anot
         lost = [e.result for e in kinds if isinstance(e, Ended)]
         assert lost and all(r.error_kind == ErrorKind.WORKER_LOST for r in lost)
         return
-    for i, sink in enumerate(sinks):
+    for sink in sinks:
         assert sink.next(Routed) == Routed("decode-1")
         name, msg = fleet.next_sent()
         assert name == "decode-1"
