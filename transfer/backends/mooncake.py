@@ -35,7 +35,10 @@ import threading
 import time
 
 log = logging.getLogger(__name__)
-DOWN_FOR_S = 5.0  # after a failed or late call, the pool is skipped this long
+# after a failed or late call the pool is skipped FIRST_DOWN_S, twice as long after each failure that follows
+# with no call done well between, up to DOWN_FOR_S: one transient failure costs a short run half a second
+# of its pool, not five; a store that stays down is asked once every DOWN_FOR_S
+FIRST_DOWN_S, DOWN_FOR_S = 0.5, 5.0
 LOOKUP_S = 0.5  # an existence check's deadline: the engine's thread waits on it
 NO_OBJECT, TOO_SMALL = -704, -600  # Mooncake's codes for a key it does not hold, a buffer too small
 LATE, FAILED = object(), object()
@@ -198,6 +201,7 @@ class StoreProcesses:
                             stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL,
                             preexec_fn=_die_with_parent,
+                            env=_bound_to(host),
                         )
                     )
                 self._await_port(name, port, time.monotonic() + timeout_s)
@@ -215,7 +219,7 @@ class StoreProcesses:
     def _await_mounted(self, metrics_port: int, deadline: float) -> None:
         """Until the master counts the memory process's segment and the metadata server holds that
         segment's transfer metadata: a worker's first put before either fails (-800 after the mount,
-        seen under the full suite), and the pool is then skipped for DOWN_FOR_S (a whole short run). Read
+        seen under the full suite), and the pool was then skipped for 5 s (a whole short run). Read
         where they listen (inside the store's namespace under netns)."""
         metrics, metadata = f"http://{self.host}:{metrics_port}/metrics", self.metadata
         code = textwrap.dedent(
@@ -282,18 +286,39 @@ class StoreProcesses:
         self.procs = []
 
 
+# the address Mooncake's transfer engine tells its peers to reach it at (not what it binds). Given per
+# process, never left in this one's environment: a client's 127.0.0.1, left there by setdefault, was
+# inherited by the next store's processes and workers in network-namespace hosts, whose peers then
+# dialled their own 127.0.0.1 (the first put's -800 beside the full suite: a test file of loopback
+# pools ran first in the same pytest worker)
+BIND = "MC_TCP_BIND_ADDRESS"
+
+
+def _bound_to(host: str) -> dict:
+    """This process's environment with the store's processes told to give peers host."""
+    return {**os.environ, BIND: host}
+
+
 class StoreClient:
     """A worker's client of the pool: pages move between its registered host buffer and the pool."""
 
     def __init__(self, master: str, metadata: str, memory, deadline_s: float):
         host = local_address(master)
-        os.environ.setdefault("MC_TCP_BIND_ADDRESS", host)  # the address it tells peers (not its bind)
         self.deadline_s, self.down_until = deadline_s, 0.0
+        self.down_for = FIRST_DOWN_S  # the next outage's length
+        self.outages = 0  # times the pool went down (a failure while up)
         self._lock = threading.Lock()
         self._calls = cf.ThreadPoolExecutor(1, thread_name_prefix="kv-pool")
         self._late: cf.Future | None = None  # the last call past its deadline (it goes on)
         self.store = _store_class()()
-        rc = self._call(self.store.setup, host, metadata, 0, 16 << 20, "tcp", "", master, wait=30.0)
+        told = os.environ.get(BIND)  # set for this process by its user: theirs; else this client's address,
+        if told is None:  # for the setup (which reads it) only
+            os.environ[BIND] = host
+        try:
+            rc = self._call(self.store.setup, host, metadata, 0, 16 << 20, "tcp", "", master, wait=30.0)
+        finally:
+            if told is None:
+                os.environ.pop(BIND, None)
         if rc is LATE or rc is FAILED or rc != 0:
             raise RuntimeError(f"Mooncake Store client setup failed (code {rc}) against master {master}")
         self.base = memory.data_ptr()
@@ -326,13 +351,20 @@ class StoreClient:
         return self._late is None or self._late.done()
 
     def _failed(self, what: str, why) -> None:
-        """The pool is down for DOWN_FOR_S (one warning per outage)."""
+        """The pool is down for down_for, which doubles for the next (one warning per outage)."""
         with self._lock:
             if self.up:
+                self.outages += 1
                 log.warning(
-                    "Mooncake Store %s failed (%s): the pool is a miss for %s s", what, why, DOWN_FOR_S
+                    "Mooncake Store %s failed (%s): the pool is a miss for %s s", what, why, self.down_for
                 )
-            self.down_until = time.monotonic() + DOWN_FOR_S
+            self.down_until = time.monotonic() + self.down_for
+            self.down_for = min(DOWN_FOR_S, 2 * self.down_for)
+
+    def _done(self) -> None:
+        """A call came back well: the next outage is short again."""
+        with self._lock:
+            self.down_for = FIRST_DOWN_S
 
     def exists(self, keys: list[str]) -> list[bool]:
         """Which keys the pool holds (all False while it is down)."""
@@ -343,6 +375,7 @@ class StoreClient:
             if found not in (LATE, FAILED):
                 self._failed("batch_is_exist", found)
             return [False] * len(keys)
+        self._done()
         return [f == 1 for f in found]
 
     def _page(self, fn, *args):
@@ -360,6 +393,7 @@ class StoreClient:
         if isinstance(n, str):
             return n
         if n == nbytes:
+            self._done()
             return "ok"
         if n in (NO_OBJECT, TOO_SMALL) or n >= 0:
             return "miss"
@@ -374,6 +408,7 @@ class StoreClient:
         if rc != 0:
             self._failed("put_from", rc)
             return "failed"
+        self._done()
         return "ok"
 
     def remove(self, key: str) -> str:

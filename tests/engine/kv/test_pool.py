@@ -254,8 +254,34 @@ def test_a_store_that_dies_or_hangs_mid_run_is_a_miss_within_the_deadline(store,
             # Mooncake's client knew of it; their pages sealed and checked), until one missed its deadline:
             # from then on the pool is down, and the later prompts are computed whole
             assert outs[-1].num_cached_tokens == 0
-        assert not second.tiers.pool.client.up and "the pool is a miss" in caplog.text
+        assert second.tiers.pool.client.outages >= 1 and "the pool is a miss" in caplog.text
         assert second.tiers.drain() and second.allocator.num_free == second.allocator.num_pages
     finally:
         if fault == "hung":
             os.kill(master.pid, signal.SIGCONT)
+
+
+def test_an_outage_doubles_while_calls_keep_failing_and_is_short_again_after_one_that_works():
+    """A failed or late call makes the pool a miss for 0.5 s, then 1, 2, 4, 5, 5 s while the calls
+    that follow fail too (a store that stays down is asked once every 5 s); one call done well makes the
+    next outage short again (one transient failure cost a short run the pool's first 5 s before)."""
+    import threading
+
+    from transfer.backends import mooncake
+
+    client = object.__new__(StoreClient)  # the outage bookkeeping alone: no store behind it
+    client.down_until, client.down_for, client.outages = 0.0, mooncake.FIRST_DOWN_S, 0
+    client._lock = threading.Lock()
+    lengths = []
+    for _ in range(6):
+        client.down_until = 0.0  # the last outage is over: the next call is made, and fails
+        before = time.monotonic()
+        client._failed("put_from", -800)
+        lengths.append(round(client.down_until - before, 1))
+        assert not client.up
+    assert lengths == [0.5, 1.0, 2.0, 4.0, 5.0, 5.0] and client.outages == 6
+    client._done()
+    client.down_until = 0.0
+    before = time.monotonic()
+    client._failed("put_from", -800)
+    assert round(client.down_until - before, 1) == 0.5
