@@ -168,19 +168,18 @@ class EngineCore:
 
     def abort(self, request_id: str, error: str | None = None) -> None:
         """End a request now (finish_reason 'abort', or 'error' with a message) and free its pages."""
-        seq = self.seqs.get(request_id)
-        if seq is None or seq.finished:
-            return
-        self.scheduler.remove(seq)
-        self._finish(seq, "error" if error else "abort", error)
+        self._end(request_id, error, free_pages=True)
 
     def stop(self, request_id: str, error: str | None = None) -> None:
         """End a request now (finish_reason 'abort', or 'error') but keep its pages until they are released
         (engine/decode_role.py): a transfer may still be reading or writing them."""
+        self._end(request_id, error, free_pages=False)
+
+    def _end(self, request_id: str, error: str | None, free_pages: bool) -> None:
         seq = self.seqs.get(request_id)
         if seq is None or seq.finished:
             return
-        self.scheduler.remove(seq, free_pages=False)
+        self.scheduler.remove(seq, free_pages=free_pages)
         self._finish(seq, "error" if error else "abort", error)
 
     def forget(self, request_id: str) -> None:
