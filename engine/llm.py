@@ -245,9 +245,9 @@ class LLM:
 
     def _wire_drafts(self) -> None:
         """The scheduler proposes drafts in the decode and colocated roles, when speculation is set."""
-        drafting = self._propose is not None and self.scheduler.role != "prefill"
-        self.scheduler.propose = self._propose if drafting else None
-        self.core.drafter = self._drafter if drafting else None
+        drafts = self._propose is not None and self.scheduler.role != "prefill"
+        self.scheduler.propose = self._propose if drafts else None
+        self.core.drafter = self._drafter if drafts else None
         # the MTP head reads the hidden state before the last token
         self.scheduler.min_compute = 2 if self.core.drafter is not None else 1
 
