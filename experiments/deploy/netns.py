@@ -122,6 +122,11 @@ def _tc(namespace: str, *args: str) -> None:
         raise RuntimeError(f"tc {' '.join(args)} in {namespace}: {done.stderr.strip()}")
 
 
+def link_stats(namespace: str, dev: str) -> dict:
+    """A device's counters in namespace (iproute2's stats64: tx and rx bytes, packets, dropped, ...)."""
+    return json.loads(_ip("-n", namespace, "-j", "-s", "link", "show", "dev", dev))[0]["stats64"]
+
+
 def has_netem(namespace: str) -> bool:
     """Whether the kernel has sch_netem: tried on namespace's loopback (and taken off again)."""
     try:
@@ -362,8 +367,7 @@ class Hosts:
 
     def counters(self, host: int, nic: int = 0) -> tuple[int, int]:
         """(bytes sent, bytes received) by host's NIC so far, as its veth counts them."""
-        shown = json.loads(_ip("-n", self.names[host], "-j", "-s", "link", "show", "dev", f"eth{nic}"))
-        stats = shown[0]["stats64"]
+        stats = link_stats(self.names[host], f"eth{nic}")
         return stats["tx"]["bytes"], stats["rx"]["bytes"]
 
     def retransmits(self, host: int) -> int:

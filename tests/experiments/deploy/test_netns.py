@@ -22,13 +22,6 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces ne
 needs.nixl()
 
 
-def _stats(hosts: Hosts, namespace: str, dev: str) -> dict:
-    """A veth's counters (stats64) in its namespace."""
-    cmd = ["ip", "-n", namespace, "-j", "-s", "link", "show", "dev", dev]
-    shown = subprocess.run(cmd, capture_output=True, text=True).stdout
-    return json.loads(shown)[0]["stats64"]
-
-
 def _mine(hosts: Hosts) -> list[str]:
     return [n for n in netns.namespaces() if n in (*hosts.names, hosts.switch)]
 
@@ -143,7 +136,7 @@ def test_loss_drops_each_packet_on_its_own_draw_on_both_ends_of_the_path(tmp_pat
             ]
             if loss_pct:  # 5 standard deviations at 20% over about 6,000 packets
                 assert seen[0] > sent and abs(seen[1] / seen[0] - p) < 0.03, (dev, seen, p)
-        backlog = sum(_stats(hosts, namespace, dev)["tx"]["dropped"] for namespace, dev in sides)
+        backlog = sum(netns.link_stats(namespace, dev)["tx"]["dropped"] for namespace, dev in sides)
         assert arrived < want + 0.04, (arrived, want)
         if not backlog:
             assert arrived > want - 0.04, (arrived, want)
