@@ -59,10 +59,11 @@ def sampling_of(values) -> SamplingParams:
     """workload.sampling (a mapping of SamplingParams' fields; a saved config's too) -> its SamplingParams,
     every wrong value a ValueError naming workload.sampling.<key>."""
     values = dict(values or {})
-    known = set(SamplingParams.__dataclass_fields__) - {"max_tokens"}
-    unknown = sorted(set(values) - known - {"max_tokens"})
+    fields = set(SamplingParams.__dataclass_fields__)
+    unknown = sorted(set(values) - fields)
     if unknown:
-        raise ValueError(f"workload.sampling has unknown key(s) {unknown}; allowed: {sorted(known)}")
+        allowed = sorted(fields - {"max_tokens"})
+        raise ValueError(f"workload.sampling has unknown key(s) {unknown}; allowed: {allowed}")
     for key, (default, why) in SET_BY_WORKLOAD.items():
         if key in values and values[key] != default:
             refuse(f"workload.sampling.{key}", values[key], f"the workload sets it: {why}")
