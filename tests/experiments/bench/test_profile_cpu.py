@@ -1,5 +1,6 @@
 """make profile-cpu's script (experiments/bench/profile_cpu.py), tried small: every phase's time split by
-kind, none counted twice, and our extension's calls seen by the profiler."""
+kind, none counted twice, our extension's calls seen by the profiler, and a peer's (vLLM's) phases sorted
+into the same kinds."""
 
 import json
 
@@ -30,7 +31,9 @@ def test_each_phase_splits_its_wall_time_by_kind(tmp_path, capsys):
         ("aten::bmm", "attention"), ("pdk::decode_attention", "attention"), ("aten::argmax", "sampling"),
         ("aten::copy_", "copies"), ("pdk::kv_append", "copies"), ("aten::silu", "elementwise"),
         ("pdk::add_rms_norm", "elementwise"), ("aten::mul", "elementwise"),
-        ("aten::empty", "other"),
+        ("aten::empty", "other"), ("_C::onednn_mm", "gemm"), ("_C::weight_packed_linear", "gemm"),
+        ("_C::cpu_attention_with_kv_cache", "attention"), ("_C::cpu_attn_reshape_and_cache", "copies"),
+        ("## Call CompiledFxGraph None ##", "elementwise"), ("_C::greedy_argmax", "sampling"),
     ],
 )  # fmt: skip
 def test_ops_fall_in_their_kinds(op, kind):
@@ -40,3 +43,66 @@ def test_ops_fall_in_their_kinds(op, kind):
 def test_bad_arguments_are_refused():
     with pytest.raises(SystemExit):
         profile_cpu.main(["--batches", "0"])
+
+
+FAKE_PEER = """#!{python}
+# stands in for vLLM's python running profile_vllm.py: the phases asked for, with vLLM's op names
+import argparse, json
+ap = argparse.ArgumentParser()
+ap.add_argument("script")
+for name in ("--model", "--prompt", "--batches", "--threads", "--out"):
+    ap.add_argument(name)
+ap.add_argument("--steps", type=int)
+a = ap.parse_args()
+if a.model != "{model}":
+    raise SystemExit("wrong model")
+ops = [["_C::onednn_mm", 3000.0, 2], ["_C::weight_packed_linear", 1000.0, 2],
+       ["_C::cpu_attention_with_kv_cache", 2000.0, 2], ["## Call CompiledFxGraph None ##", 500.0, 1],
+       ["_C::cpu_attn_reshape_and_cache", 250.0, 2], ["_C::greedy_argmax", 100.0, 1],
+       ["aten::slice", 50.0, 9]]
+names = ["prefill " + a.prompt] + ["decode batch " + b for b in a.batches.split(",")]
+phases = {{n: {{"wall_s": 0.01, "unprofiled_s": 0.009, "repeats": 1 if n.startswith("prefill") else a.steps,
+               "ops": ops}} for n in names}}
+json.dump({{"engine": "vLLM (fake)", "threads": 1, "phases": phases}}, open(a.out, "w"))
+"""
+
+
+def _fake_peer(tmp_path, model="/weights"):
+    import sys
+
+    path = tmp_path / "python"
+    path.write_text(FAKE_PEER.format(python=sys.executable, model=model))
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_the_peers_ops_fall_in_our_kinds_beside_ours(tmp_path, capsys):
+    peer = _fake_peer(tmp_path)
+    args = ["--model", "tiny-random", "--prompt", "24", "--batches", "2", "--steps", "2"]
+    args += ["--peer-python", peer, "--peer-model", "/weights", "--out", str(tmp_path)]
+    assert profile_cpu.main(args) == 0
+    result = json.loads((tmp_path / "profile.json").read_text())
+    assert result["peer"]["engine"] == "vLLM (fake)"
+    prefill, decode = result["peer"]["phases"]["prefill 24"], result["peer"]["phases"]["decode batch 2"]
+    assert prefill["ms"]["gemm"] == pytest.approx(4.0) and decode["ms"]["gemm"] == pytest.approx(
+        2.0
+    )  # per step
+    assert prefill["ms"]["attention"] == pytest.approx(2.0) and prefill["ms"]["elementwise"] == pytest.approx(
+        0.5
+    )
+    assert prefill["ms"]["copies"] == pytest.approx(0.25) and prefill["ms"]["sampling"] == pytest.approx(0.1)
+    assert prefill["ms"]["other"] == pytest.approx(0.05) and prefill["unprofiled_ms"] == pytest.approx(9.0)
+    assert prefill["non_gemm_ms"] == pytest.approx(10.0 - 4.0)
+    assert all(p["unprofiled_ms"] > 0 for p in result["phases"].values())
+    out = capsys.readouterr().out
+    assert "| ours | prefill 24 |" in out and "| vLLM (fake) | prefill 24 |" in out
+
+
+def test_a_peer_that_fails_is_an_error_that_says_so(tmp_path):
+    peer = _fake_peer(tmp_path, model="/elsewhere")  # exits 1: "wrong model"
+    with pytest.raises(SystemExit, match="wrong model"):
+        profile_cpu.main(["--model", "tiny-random", "--prompt", "8", "--batches", "1", "--steps", "1",
+                          "--peer-python", peer, "--peer-model", "/weights"])  # fmt: skip
+    with pytest.raises(SystemExit, match="--peer-model"):  # only SmolLM2's weights are written for it
+        profile_cpu.main(["--model", "tiny-random", "--prompt", "8", "--batches", "1", "--steps", "1",
+                          "--peer-python", peer])  # fmt: skip
