@@ -176,10 +176,27 @@ class Model:
             layer.update({k: cpu.pack(layer[k]) for k in PROJECTIONS if k in layer})
         if packing:  # build (first time on this machine, ~20 s) or load the C++ paths now, not in a request
             cpu.module()
+        self.decoder = self._dense_decoder() if packing else None
         positions = torch.arange(config.max_position, dtype=torch.float32)
         freqs = torch.outer(positions, rope_inv_freq(config))  # [max_pos, D/2]
         scale = rope_attention_factor(config)
         self.cos, self.sin = (freqs.cos() * scale).to(device), (freqs.sin() * scale).to(device)
+
+    def _dense_decoder(self):
+        """The C++ decode step through every layer (pdkernels.cpu's DenseDecoder: the same kernels in the
+        same order as forward, without the Python between them) where it serves: one rank, dense layers
+        (no MLA, MoE or qk-norm), every projection on oneDNN's packed bf16 weights; else None."""
+        ext, c = cpu.module(), self.config
+        plain = not c.mla and not c.qk_norm and not any(c.is_moe_layer(i) for i in range(c.num_layers))
+        if ext is None or not hasattr(ext, "DenseDecoder") or not plain or self.shard.size != 1:
+            return None
+        weights = [layer[k] for layer in self.layers for k in ("qkv", "o", "gate_up", "down")]
+        if not all(type(w) is cpu.PackedWeight for w in weights):  # fp32, or int8 blocks (Q8Weight)
+            return None
+        norms = [layer[k] for layer in self.layers for k in ("input_norm", "post_norm")]
+        d = c.head_dim
+        return ext.DenseDecoder([w.data for w in weights], norms, self.norm, self.shard.num_q_heads,
+                                self.shard.num_kv_heads, d, c.rms_norm_eps, 1.0 / math.sqrt(d))  # fmt: skip
 
     def _load_layer(self, weights: dict[str, Tensor], i: int) -> dict[str, Tensor]:
         p, s, d = f"model.layers.{i}.", self.shard, self.config.head_dim
@@ -300,6 +317,15 @@ class Model:
         rope = self.cos[meta.positions].unsqueeze(1), self.sin[meta.positions].unsqueeze(1)  # [T, 1, D/2]
         eps = self.config.rms_norm_eps
         h = ops.add_rms_norm(x, self.layers[0]["input_norm"], eps, validate=False)
+        if meta.all_decode and self.decoder is not None and kv_cache.is_contiguous():
+            tables = (
+                meta.batch_indices,
+                meta.positions,
+                meta.kv_indices,
+                meta.kv_indptr,
+                meta.kv_last_page_len,
+            )
+            return self.decoder.run(x, h, *rope, *tables, kv_cache, meta.counter)
         for i, layer in enumerate(self.layers):
             attn = self.attention(layer, i, h, meta, kv_cache, rope)
             h = ops.add_rms_norm(x, layer["post_norm"], eps, attn, validate=False)  # x += attn, then norm

@@ -1,6 +1,6 @@
 """Fast CPU paths behind pdkernels.ops for the torch backend: C++ for the paged cache
-(pdkernels/csrc/: paged_cpu.cpp, decode_cpu.cpp, linear_cpu.cpp; simd_cpu.h their shared helpers) and
-oneDNN's prepacked weights for bf16 GEMMs.
+(pdkernels/csrc/: paged_cpu.cpp, decode_cpu.cpp, extend_cpu.cpp, linear_cpu.cpp, layers_cpu.cpp; simd_cpu.h
+their shared helpers) and oneDNN's prepacked weights for bf16 GEMMs.
 
 Built at first use with torch.utils.cpp_extension (g++ and ninja; about 20 s once, then loaded from
 TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions); the engine's Model asks for it when it is
@@ -17,6 +17,8 @@ What it holds:
   scores in one pass (torch's exp alone ran at about 0.7 ns an element here).
 - q8_linear: fp32 linear layers whose weights are exactly int8 blocks (GGUF's Q8_0 and Q4_1, as SmolLM2's
   file holds them), multiplied from the int8 copy at decode sizes (Q8Weight; AVX2 + FMA builds only).
+- DenseDecoder: a dense model's decode step through all its layers in one call, the same kernels in the
+  same order as engine.model.Model.forward (layers_cpu.cpp), without the Python between them.
 - decode_attention on AVX-512 BF16 CPUs, bf16 caches: 16 tokens' scores at a time (vdpbf16ps), their
   lanes reduced together, P V accumulated in registers (2.5x the portable loop at batch 20; docs/engine.md);
   on AVX2 + FMA CPUs the same shape in 8-lane fp32 for fp32 and bf16 caches (decode_cpu.cpp; 3.7-4x).
@@ -44,7 +46,7 @@ from torch import Tensor
 log = logging.getLogger(__name__)
 SOURCES = [
     Path(__file__).parent / "csrc" / name
-    for name in ("paged_cpu.cpp", "decode_cpu.cpp", "extend_cpu.cpp", "linear_cpu.cpp")
+    for name in ("paged_cpu.cpp", "decode_cpu.cpp", "extend_cpu.cpp", "linear_cpu.cpp", "layers_cpu.cpp")
 ]
 _lock = threading.Lock()
 _module = None

@@ -253,11 +253,13 @@ torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
 void register_decode(pybind11::module& m);  // decode_cpu.cpp
 void register_linear(pybind11::module& m);  // linear_cpu.cpp
 void register_extend(pybind11::module& m);  // extend_cpu.cpp
+void register_layers(pybind11::module& m);  // layers_cpu.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_decode(m);
   register_linear(m);
   register_extend(m);
+  register_layers(m);
   m.def("add_rms_norm", &add_rms_norm, "residual add and RMSNorm in one pass (CPU)", py::arg("x"),
         py::arg("residual"), py::arg("weight"), py::arg("eps"));
   m.def("kv_append", &kv_append, "append K and V rows to a 5-D HND paged cache (CPU)");
