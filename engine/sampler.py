@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from engine.sequence import SamplingParams, Sequence
+from pdkernels import ops
 
 MASKED_LOGPROB = -9999.0
 
@@ -29,7 +30,7 @@ class Logprob:
 
 def sample(logits: Tensor, seqs: list[Sequence], eos_ids: tuple[int, ...] = ()) -> list[int]:
     """logits [n, vocab] fp32, one row per sequence -> one token id per row."""
-    tokens = logits.argmax(-1).tolist()
+    tokens = ops.argmax(logits).tolist()
     for i, seq in enumerate(seqs):
         p = seq.params
         if p.greedy and not p.processes_logits:

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from pdkernels import ops
+
 METHODS = ("ngram", "mtp")
 
 
@@ -77,7 +79,7 @@ def ngram_drafts(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]
 
 def verify_greedy(logits: Tensor, drafts: list[int]) -> tuple[list[int], int]:
     """logits [k + 1, vocab] at the last token and each draft -> (tokens to append, drafts accepted)."""
-    target = logits.argmax(-1).tolist()
+    target = ops.argmax(logits).tolist()
     accepted = 0
     while accepted < len(drafts) and drafts[accepted] == target[accepted]:
         accepted += 1

@@ -178,6 +178,15 @@ def rope(x, cos, sin, validate: bool = True):
     return _rope.rope_ref(x, cos, sin)
 
 
+def argmax(x):
+    """x.argmax(-1) for logits [R, N]: on the CPU, fp32 with a contiguous last dim, the C++ pass
+    (pdkernels.cpu) where it is built (the same indices: the first of equal maxima, a NaN's first)."""
+    ext = _cpu.module() if x.device.type == "cpu" else None
+    if ext is not None and x.dim() == 2 and x.dtype == torch.float32 and x.shape[1] and x.stride(1) == 1:
+        return ext.argmax_rows(x)
+    return x.argmax(-1)
+
+
 def _check_packed(x, w, out) -> None:
     require(
         x.dim() == 2 and x.dtype == w.dtype and x.shape[1] == w.shape[1] and x.device == w.device,

@@ -5,6 +5,7 @@
 // them: about 40 Python-level calls a layer, 5 ms of a 32 ms decode step of SmolLM2 on one Xeon core.
 #include <torch/extension.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/record_function.h>
 
 #include <cmath>
 #include <cstdint>
@@ -21,6 +22,14 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor cache, torch::Tens
                                torch::Tensor kv_indices, torch::Tensor kv_last_page_len, double scale);
 
 namespace {
+
+// f() in a profiler range named pdk::<name>, as pdkernels' profile_cpu names this extension's calls from
+// Python (they are plain C++ calls here, which the profiler would not see; free when it is off)
+template <typename F>
+auto recorded(const char* name, F&& f) {
+  RECORD_FUNCTION(name, std::vector<c10::IValue>());
+  return f();
+}
 
 // torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""), as pdkernels.cpu.linear calls it
 torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& w) {
@@ -62,17 +71,23 @@ class DenseDecoder {
       const torch::Tensor* w = &weights_[4 * i];
       const auto cache = kv_cache.select(0, i);
       auto qkv = packed_linear(h, w[0]).view({tokens, -1, head_dim_});
-      auto rotated = rope(qkv.narrow(1, 0, qk), cos, sin);
+      auto rotated = recorded("pdk::rope", [&] { return rope(qkv.narrow(1, 0, qk), cos, sin); });
       auto k = rotated.narrow(1, q_heads_, kv_heads_), v = qkv.narrow(1, qk, kv_heads_);
-      kv_append(k, v, batch_indices, positions, cache, kv_indices, kv_indptr);
+      recorded("pdk::kv_append", [&] {
+        kv_append(k, v, batch_indices, positions, cache, kv_indices, kv_indptr);
+        return 0;
+      });
       auto q = rotated.narrow(1, 0, q_heads_).to(at::kFloat).contiguous();
-      auto o = decode_attention(q, cache, kv_indptr, kv_indices, kv_last_page_len, scale_).to(x.scalar_type());
-      auto attn = packed_linear(o.reshape({tokens, -1}), w[1]);
+      auto o = recorded("pdk::decode_attention", [&] {
+        return decode_attention(q, cache, kv_indptr, kv_indices, kv_last_page_len, scale_);
+      });
+      auto attn = packed_linear(o.to(x.scalar_type()).reshape({tokens, -1}), w[1]);
       if (counter) (*counter)[0][i] += 1;
-      h = add_rms_norm(x, attn, norms_[2 * i + 1], eps_);
+      h = recorded("pdk::add_rms_norm", [&] { return add_rms_norm(x, attn, norms_[2 * i + 1], eps_); });
       auto gate_up = packed_linear(h, w[2]).chunk(2, -1);
       auto mlp = packed_linear(at::silu(gate_up[0]) * gate_up[1], w[3]);
-      h = add_rms_norm(x, mlp, i + 1 == layers ? final_norm_ : norms_[2 * (i + 1)], eps_);
+      const auto& next = i + 1 == layers ? final_norm_ : norms_[2 * (i + 1)];
+      h = recorded("pdk::add_rms_norm", [&] { return add_rms_norm(x, mlp, next, eps_); });
     }
     return h;
   }

@@ -250,6 +250,55 @@ torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   return out;
 }
 
+// The index of each row's largest value, as torch.argmax(x, -1): the first of equal maxima, and a NaN counts as
+// larger than any number (the first NaN's index). x [R, N] fp32, a contiguous last dim (any row stride).
+// torch's took 2.1 ms for a batch-20 step's [20, 49152] logits on one Xeon core; this, two passes of AVX-512
+// where built with it (the max, then where it first is), about a tenth of that.
+torch::Tensor argmax_rows(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 && x.size(1) > 0,
+              "x: [R, N > 0] fp32, a contiguous last dim");
+  const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
+  auto out = torch::empty({rows}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) {
+      const float* row = xp + r * stride;
+      float top = row[0];
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      __m512 vmax = _mm512_set1_ps(row[0]);
+      __mmask16 nan = 0;
+      for (; i + 16 <= n; i += 16) {
+        const __m512 v = _mm512_loadu_ps(row + i);
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        vmax = _mm512_max_ps(vmax, v);
+      }
+      top = nan ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(vmax);
+#endif
+      for (; i < n; ++i) top = (std::isnan(row[i]) || std::isnan(top)) ? std::numeric_limits<float>::quiet_NaN()
+                                                                       : std::max(top, row[i]);
+      int64_t at = 0;
+      if (std::isnan(top)) {
+        while (!std::isnan(row[at])) ++at;
+      } else {
+        i = 0;
+#if defined(__AVX512F__)
+        const __m512 want = _mm512_set1_ps(top);
+        for (; i + 16 <= n; i += 16) {
+          const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(row + i), want, _CMP_EQ_OQ);
+          if (hit) break;
+        }
+#endif
+        for (at = i; row[at] != top; ++at) {
+        }
+      }
+      op[r] = at;
+    }
+  });
+  return out;
+}
+
 void register_decode(pybind11::module& m);  // decode_cpu.cpp
 void register_linear(pybind11::module& m);  // linear_cpu.cpp
 void register_extend(pybind11::module& m);  // extend_cpu.cpp
@@ -266,4 +315,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gather_kv", &gather_kv, "one sequence's K and V from its pages, [2, Hkv, L, D] (CPU)");
   m.def("causal_softmax", &causal_softmax, "scaled softmax of a causal block of scores (CPU)");
   m.def("rope", &rope, "rotary embedding, half-split layout (CPU)");
+  m.def("argmax_rows", &argmax_rows, "each row's argmax, as torch.argmax(x, -1) (CPU, fp32)");
 }

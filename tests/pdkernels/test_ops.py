@@ -85,3 +85,27 @@ def test_backend_names_are_checked(backend):
     with pytest.raises(ValueError, match="'flashinfer' needs a CUDA device"):
         ops.resolve("decode_attention", torch.device("cpu"))
     assert ops.resolve("linear", torch.device("cpu")) == "triton"  # GEMMs are never FlashInfer's
+
+
+@pytest.mark.parametrize("rows, n", [(1, 1), (3, 15), (20, 49152), (4, 100)])
+def test_argmax_gives_torchs_indices(rows, n):
+    x = torch.randn(rows, n, generator=torch.Generator().manual_seed(n))
+    assert torch.equal(ops.argmax(x), x.argmax(-1))
+    ties = torch.zeros(rows, n)  # equal maxima: the first
+    assert torch.equal(ops.argmax(ties), ties.argmax(-1)) and ops.argmax(ties).tolist() == [0] * rows
+
+
+def test_argmax_on_nan_inf_and_strided_rows_is_torchs():
+    x = torch.randn(5, 40)
+    x[0, 7] = float("nan")
+    x[0, 30] = float("inf")  # a NaN beats an infinity: torch's rule
+    x[1, 33] = float("inf")
+    x[2] = float("-inf")
+    x[3, 39] = float("nan")  # in the tail past the last 16 lanes
+    x[3, 2] = float("nan")
+    x[4, 35] = 1e30
+    assert torch.equal(ops.argmax(x), x.argmax(-1))
+    assert ops.argmax(x).tolist()[:4] == [7, 33, 0, 2]
+    wide = torch.randn(6, 80)[::2, :50]  # rows of a larger tensor
+    assert torch.equal(ops.argmax(wide), wide.argmax(-1))
+    assert torch.equal(ops.argmax(x.double()), x.double().argmax(-1))  # other dtypes: torch's own
