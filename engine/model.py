@@ -346,8 +346,7 @@ class Model:
         """The dense SwiGLU MLP, or the routed experts on an MoE layer (this rank's partial sum under TP)."""
         if "router" in layer:
             return moe.forward(layer, x, self.config.moe, self.shard)
-        gate, up = self.linear(x, layer["gate_up"]).chunk(2, dim=-1)
-        return self.linear(F.silu(gate) * up, layer["down"])
+        return self.linear(ops.silu_mul(self.linear(x, layer["gate_up"])), layer["down"])
 
     def logits(self, hidden: Tensor) -> Tensor:
         """hidden [n, hidden] -> fp32 logits [n, vocab]."""

@@ -178,6 +178,16 @@ def rope(x, cos, sin, validate: bool = True):
     return _rope.rope_ref(x, cos, sin)
 
 
+def silu_mul(gate_up):
+    """SwiGLU's silu(gate) * up of gate_up [T, 2F] (gate, then up) -> [T, F]; on the CPU the C++ pass
+    (pdkernels.cpu) where it is built (each product rounded to the dtype as torch's two ops round it)."""
+    ext = _cpu.module() if gate_up.device.type == "cpu" else None
+    if ext is not None and gate_up.dim() == 2 and gate_up.stride(1) == 1 and gate_up.shape[1] % 2 == 0:
+        return ext.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
 def argmax(x):
     """x.argmax(-1) for logits [R, N]: on the CPU, fp32 with a contiguous last dim, the C++ pass
     (pdkernels.cpu) where it is built (the same indices: the first of equal maxima, a NaN's first)."""

@@ -68,6 +68,44 @@ void add_rms_norm_row(T* x, const T* residual, const T* weight, T* out, int64_t 
     out[d] = static_cast<T>(static_cast<float>(static_cast<T>(row[d] * inv)) * static_cast<float>(weight[d]));
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// The same row in bf16, 16 lanes at a time (dim a multiple of 16): c10::BFloat16's conversions left the
+// loops above scalar (29 ms of SmolLM2's 1,024-token prefill on one Xeon core).
+template <>
+void add_rms_norm_row(c10::BFloat16* x, const c10::BFloat16* residual, const c10::BFloat16* weight,
+                      c10::BFloat16* out, int64_t dim, float eps, float* row) {
+  if (dim % 16 != 0) {
+    if (residual != nullptr)
+      for (int64_t d = 0; d < dim; ++d)
+        x[d] = static_cast<c10::BFloat16>(static_cast<float>(x[d]) + static_cast<float>(residual[d]));
+    to_float(x, row, dim);
+    float squares = 0.0f;
+    for (int64_t d = 0; d < dim; ++d) squares += row[d] * row[d];
+    const float inv = 1.0f / std::sqrt(squares / static_cast<float>(dim) + eps);
+    for (int64_t d = 0; d < dim; ++d)
+      out[d] = static_cast<c10::BFloat16>(static_cast<float>(static_cast<c10::BFloat16>(row[d] * inv)) *
+                                          static_cast<float>(weight[d]));
+    return;
+  }
+  __m512 squares = _mm512_setzero_ps();
+  for (int64_t d = 0; d < dim; d += 16) {
+    __m512 v = pdk::load_bf16_16(x + d);
+    if (residual != nullptr) {
+      v = pdk::round_bf16_16(_mm512_add_ps(v, pdk::load_bf16_16(residual + d)));
+      pdk::store_bf16_16(x + d, v);
+    }
+    _mm512_storeu_ps(row + d, v);
+    squares = _mm512_fmadd_ps(v, v, squares);
+  }
+  const float inv = 1.0f / std::sqrt(_mm512_reduce_add_ps(squares) / static_cast<float>(dim) + eps);
+  const __m512 scale = _mm512_set1_ps(inv);
+  for (int64_t d = 0; d < dim; d += 16) {
+    const __m512 normed = pdk::round_bf16_16(_mm512_mul_ps(_mm512_loadu_ps(row + d), scale));
+    pdk::store_bf16_16(out + d, _mm512_mul_ps(normed, pdk::load_bf16_16(weight + d)));
+  }
+}
+#endif
+
 // x [T, D] contiguous (the residual stream, updated in place), residual [T, D] (or none), weight [D], all of
 // one dtype: x += residual, then returns rms_norm(x) * weight: the model's residual add and RMSNorm in one
 // pass over each row (as torch ops they were five calls and passes).
@@ -92,6 +130,58 @@ torch::Tensor add_rms_norm(torch::Tensor x, std::optional<torch::Tensor> residua
       for (int64_t t = lo; t < hi; ++t)
         add_rms_norm_row<scalar_t>(xp + t * dim, rp ? rp + t * dim : nullptr, wp, op + t * dim, dim,
                                    static_cast<float>(eps), row.data());
+    });
+  });
+  return out;
+}
+
+// One row of silu_mul: o = silu(g) * u, each product rounded to T as torch's two ops round it.
+template <typename T>
+void silu_mul_row(const T* g, const T* u, T* o, int64_t width) {
+  for (int64_t i = 0; i < width; ++i) {
+    const float x = static_cast<float>(g[i]);
+    const float s = static_cast<float>(static_cast<T>(x / (1.0f + std::exp(-x))));
+    o[i] = static_cast<T>(s * static_cast<float>(u[i]));
+  }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// In bf16, 16 lanes at a time: silu(x) = x * sigmoid(x), sigmoid from e = exp(-|x|) (1 / (1 + e), or
+// e / (1 + e) for x < 0), the tail as above
+template <>
+void silu_mul_row(const c10::BFloat16* g, const c10::BFloat16* u, c10::BFloat16* o, int64_t width) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  int64_t i = 0;
+  for (; i + 16 <= width; i += 16) {
+    const __m512 x = pdk::load_bf16_16(g + i);
+    const __m512 e = pdk::exp_nonpositive16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
+    const __m512 r = _mm512_div_ps(one, _mm512_add_ps(one, e));
+    const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+    const __m512 s = pdk::round_bf16_16(_mm512_mul_ps(x, _mm512_mask_mul_ps(r, neg, e, r)));
+    pdk::store_bf16_16(o + i, _mm512_mul_ps(s, pdk::load_bf16_16(u + i)));
+  }
+  for (; i < width; ++i) {
+    const float x = static_cast<float>(g[i]);
+    const float s = static_cast<float>(static_cast<c10::BFloat16>(x / (1.0f + std::exp(-x))));
+    o[i] = static_cast<c10::BFloat16>(s * static_cast<float>(u[i]));
+  }
+}
+#endif
+
+// gate_up [T, 2F] (gate, then up; a contiguous last dim) -> silu(gate) * up [T, F] in its dtype (as
+// F.silu(gate) * up: two passes and a temporary, 45 ms of SmolLM2's 1,024-token prefill in bf16 on one
+// Xeon core).
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
+              "gate_up: [T, 2F], a contiguous last dim");
+  const int64_t rows = gate_up.size(0), width = gate_up.size(1) / 2, stride = gate_up.stride(0);
+  auto out = torch::empty({rows, width}, gate_up.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_mul", [&] {
+    const scalar_t* gp = gate_up.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 16, [&](int64_t lo, int64_t hi) {
+      for (int64_t t = lo; t < hi; ++t)
+        silu_mul_row<scalar_t>(gp + t * stride, gp + t * stride + width, op + t * width, width);
     });
   });
   return out;
@@ -315,5 +405,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gather_kv", &gather_kv, "one sequence's K and V from its pages, [2, Hkv, L, D] (CPU)");
   m.def("causal_softmax", &causal_softmax, "scaled softmax of a causal block of scores (CPU)");
   m.def("rope", &rope, "rotary embedding, half-split layout (CPU)");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of [T, 2F] gate_up (CPU)");
   m.def("argmax_rows", &argmax_rows, "each row's argmax, as torch.argmax(x, -1) (CPU, fp32)");
 }

@@ -109,3 +109,21 @@ def test_argmax_on_nan_inf_and_strided_rows_is_torchs():
     wide = torch.randn(6, 80)[::2, :50]  # rows of a larger tensor
     assert torch.equal(ops.argmax(wide), wide.argmax(-1))
     assert torch.equal(ops.argmax(x.double()), x.double().argmax(-1))  # other dtypes: torch's own
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows, width", [(1, 16), (7, 40), (64, 1536)])
+def test_silu_mul_is_swiglus_two_ops(dtype, rows, width):
+    gate_up = (torch.randn(rows, 2 * width, generator=torch.Generator().manual_seed(width)) * 4).to(dtype)
+    gate_up[0, :3] = torch.tensor([-200.0, 200.0, 0.0])  # far out on both sides, and zero
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    got = ops.silu_mul(gate_up)
+    assert got.dtype == dtype and got.shape == (rows, width)
+    # the same roundings; exp may differ from torch's in fp32's last bit, so a bf16 result by one unit
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7 if dtype == torch.bfloat16 else 1e-6,
+                               atol=1e-6)  # fmt: skip
+    if dtype == torch.bfloat16:
+        assert int((got != want).sum()) <= max(1, got.numel() // 100)
+    strided = torch.cat([gate_up, gate_up], dim=1)[:, : 2 * width]  # rows of a wider tensor
+    assert torch.equal(ops.silu_mul(strided), got)
