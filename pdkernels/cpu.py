@@ -46,7 +46,14 @@ from torch import Tensor
 log = logging.getLogger(__name__)
 SOURCES = [
     Path(__file__).parent / "csrc" / name
-    for name in ("paged_cpu.cpp", "decode_cpu.cpp", "extend_cpu.cpp", "linear_cpu.cpp", "layers_cpu.cpp")
+    for name in (
+        "paged_cpu.cpp",
+        "decode_cpu.cpp",
+        "extend_cpu.cpp",
+        "linear_cpu.cpp",
+        "layers_cpu.cpp",
+        "attention_amx.cpp",
+    )
 ]
 _lock = threading.Lock()
 _module = None

@@ -393,12 +393,14 @@ void register_decode(pybind11::module& m);  // decode_cpu.cpp
 void register_linear(pybind11::module& m);  // linear_cpu.cpp
 void register_extend(pybind11::module& m);  // extend_cpu.cpp
 void register_layers(pybind11::module& m);  // layers_cpu.cpp
+void register_attention_amx(pybind11::module& m);  // attention_amx.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_decode(m);
   register_linear(m);
   register_extend(m);
   register_layers(m);
+  register_attention_amx(m);
   m.def("add_rms_norm", &add_rms_norm, "residual add and RMSNorm in one pass (CPU)", py::arg("x"),
         py::arg("residual"), py::arg("weight"), py::arg("eps"));
   m.def("kv_append", &kv_append, "append K and V rows to a 5-D HND paged cache (CPU)");

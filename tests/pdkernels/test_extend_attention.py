@@ -1,5 +1,6 @@
 import pytest
 import torch
+import torch.nn.functional as F
 
 from pdkernels import ops
 from pdkernels.extend_attention import extend_attention, extend_attention_ref
@@ -173,13 +174,39 @@ def test_the_blocked_bf16_path_is_the_reference_over_several_blocks(
     blocked = ea.blocked_causal_attention
     monkeypatch.setattr(ea, "blocked_causal_attention", lambda *a: called.append(1) or blocked(*a))
     atol, rtol = TOL[dtype]
-    for amx in (False, True):  # with AMX torch's flash kernel is the faster: bf16 takes it too
+    for amx in (False, True):  # with AMX our AMX kernel where built, else torch's flash kernel
         called.clear()
         monkeypatch.setattr(ea, "amx_bf16", lambda amx=amx: amx)
         got = extend_attention_cpu(q, qo_indptr, *tables, sm_scale=0.2)
         torch.testing.assert_close(got, ref, atol=atol, rtol=rtol)
         assert len(called) == (2 if dtype == torch.bfloat16 and not amx else 0)  # fp32 keeps the flash kernel
     assert max(q_lens) > ea.BLOCK_ROWS
+
+
+@pytest.mark.parametrize("n, L, group", [(1024, 1024, 3), (100, 100, 3), (37, 200, 1), (1, 65, 3), (64, 64, 3),
+                                         (65, 130, 9), (130, 300, 2)])  # fmt: skip
+def test_the_amx_attention_is_the_reference(n, L, group):
+    """causal_attention_amx (bf16 on AMX CPUs): a whole prompt and chunks after a prefix, blocks of 64 query
+    rows and 128 keys whole and cut, GQA groups of 1 to 9, one query row; q a view of a wider qkv row."""
+    from pdkernels import cpu
+
+    ext = cpu.module()
+    if ext is None or not hasattr(ext, "causal_attention_amx"):
+        pytest.skip("no AMX here (oneDNN's bf16 brgemm): torch's flash kernel serves")
+    g = torch.Generator().manual_seed(n + L)
+    qkv = torch.randn(n, 2 * group + 2, HEAD_DIM, generator=g).to(torch.bfloat16)  # group + 2 kv heads' rows
+    q = qkv[:, : 2 * group]  # 2 kv heads, `group` query heads each
+    k, v = (torch.randn(2, L, HEAD_DIM, generator=g).to(torch.bfloat16) for _ in range(2))
+    keep = torch.arange(L)[None, :] <= (L - n + torch.arange(n))[:, None]
+    ref = F.scaled_dot_product_attention(q.float().transpose(0, 1)[None], k.float()[None], v.float()[None],
+                                         attn_mask=keep, scale=0.125, enable_gqa=True)[0].transpose(0, 1)  # fmt: skip
+    got = ext.causal_attention_amx(q, k, v, 0.125)
+    assert got.dtype == torch.bfloat16 and got.shape == q.shape
+    torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
+    with pytest.raises(RuntimeError, match="k, v"):
+        ext.causal_attention_amx(q, k.float(), v, 0.125)
+    with pytest.raises(RuntimeError, match="disagree"):  # more queries than keys
+        ext.causal_attention_amx(q, k[:, :0], v[:, :0], 0.1)
 
 
 def test_the_cpu_extensions_gather_and_softmax_are_the_torch_codes(monkeypatch):
