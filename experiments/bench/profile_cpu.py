@@ -43,7 +43,7 @@ KINDS = {  # op-name patterns per kind, first match wins: torch's (aten::, mkldn
     "gemm": r"aten::(mm|addmm|linear|matmul)$|mkldnn|pdk::q8_linear|"
     r"_C::(onednn_mm|weight_packed_linear|onednn_scaled_mm|int8_scaled_mm)",
     "attention": r"aten::(bmm|baddbmm|_softmax|softmax|scaled_dot_product|_scaled_dot)|"
-    r"pdk::(decode_attention|extend_attention|causal_softmax|gather_kv)|"
+    r"pdk::(decode_attention|extend_attention|causal_softmax|gather_kv|causal_attention_amx)|"
     r"_C::(cpu_attention|paged_attention)|vllm::unified_attention",
     "sampling": r"aten::(argmax|topk|sort|multinomial|max|cumsum|exponential_)$|pdk::argmax|"
     r"_C::greedy_argmax",

@@ -183,8 +183,18 @@ def test_the_blocked_bf16_path_is_the_reference_over_several_blocks(
     assert max(q_lens) > ea.BLOCK_ROWS
 
 
-@pytest.mark.parametrize("n, L, group", [(1024, 1024, 3), (100, 100, 3), (37, 200, 1), (1, 65, 3), (64, 64, 3),
-                                         (65, 130, 9), (130, 300, 2)])  # fmt: skip
+AMX_CASES = [
+    (1024, 1024, 3),
+    (100, 100, 3),
+    (37, 200, 1),
+    (1, 65, 3),
+    (64, 64, 3),
+    (65, 130, 9),
+    (130, 300, 2),
+]
+
+
+@pytest.mark.parametrize("n, L, group", AMX_CASES)
 def test_the_amx_attention_is_the_reference(n, L, group):
     """causal_attention_amx (bf16 on AMX CPUs): a whole prompt and chunks after a prefix, blocks of 64 query
     rows and 128 keys whole and cut, GQA groups of 1 to 9, one query row; q a view of a wider qkv row."""
@@ -198,8 +208,9 @@ def test_the_amx_attention_is_the_reference(n, L, group):
     q = qkv[:, : 2 * group]  # 2 kv heads, `group` query heads each
     k, v = (torch.randn(2, L, HEAD_DIM, generator=g).to(torch.bfloat16) for _ in range(2))
     keep = torch.arange(L)[None, :] <= (L - n + torch.arange(n))[:, None]
-    ref = F.scaled_dot_product_attention(q.float().transpose(0, 1)[None], k.float()[None], v.float()[None],
-                                         attn_mask=keep, scale=0.125, enable_gqa=True)[0].transpose(0, 1)  # fmt: skip
+    qh, kh, vh = q.float().transpose(0, 1)[None], k.float()[None], v.float()[None]
+    ref = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=keep, scale=0.125, enable_gqa=True)
+    ref = ref[0].transpose(0, 1)
     got = ext.causal_attention_amx(q, k, v, 0.125)
     assert got.dtype == torch.bfloat16 and got.shape == q.shape
     torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
