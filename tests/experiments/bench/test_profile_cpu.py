@@ -28,7 +28,8 @@ def test_each_phase_splits_its_wall_time_by_kind(tmp_path, capsys):
     "op, kind",
     [
         ("aten::addmm", "gemm"), ("mkldnn::_linear_pointwise", "gemm"), ("pdk::q8_linear", "gemm"),
-        ("aten::bmm", "attention"), ("pdk::causal_attention_amx", "attention"), ("pdk::decode_attention", "attention"), ("aten::argmax", "sampling"),
+        ("aten::bmm", "attention"), ("pdk::causal_attention_amx", "attention"),
+        ("pdk::decode_attention", "attention"), ("aten::argmax", "sampling"),
         ("aten::copy_", "copies"), ("pdk::kv_append", "copies"), ("aten::silu", "elementwise"),
         ("pdk::add_rms_norm", "elementwise"), ("aten::mul", "elementwise"),
         ("aten::empty", "other"), ("_C::onednn_mm", "gemm"), ("_C::weight_packed_linear", "gemm"),
