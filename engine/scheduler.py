@@ -30,7 +30,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.budget import SloBudget
+from engine.budget import SloBudget, decode_state
 from engine.config import SchedulerConfig
 from engine.kv.cache import PageAllocator, page_hashes, request_salt
 from engine.kv.tiers import KVTiers, Load
@@ -226,8 +226,12 @@ class Scheduler:
         batch, budget = Batch(), self.config.max_num_batched_tokens
         decoding = [s for s in self.running if self.target(s) - s.num_computed == 1]
         if self.budget is not None and decoding:  # prompts get what keeps the decodes on time
-            n = min(len(decoding), self.config.max_num_seqs)
-            budget = min(budget, n + self.budget.prompt_tokens(n))
+            now = time.perf_counter()
+            states = [
+                decode_state(s.token_times, now, s.params.max_tokens - len(s.output_ids) - 1)
+                for s in decoding[: self.config.max_num_seqs]
+            ]
+            budget = min(budget, len(states) + self.budget.prompt_tokens(states))
         prefilling = [s for s in self.running if self.target(s) - s.num_computed > 1]
         spare = self.allocator.num_free - self.debt()  # pages no admitted sequence is owed
         for seq in decoding + prefilling:

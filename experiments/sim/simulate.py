@@ -327,7 +327,7 @@ class _Simulation:
             for r in self.inbox[id(inst)]:  # forwarded between steps
                 self.push(now, "forward", r)
             self.inbox[id(inst)].clear()
-            dt, events = decode_step(inst)
+            dt, events = decode_step(inst, now)
         else:
             dt, events = colocated_step(inst, now)
         if dt == 0.0:

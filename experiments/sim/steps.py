@@ -26,7 +26,7 @@ def colocated_step(inst: Instance, now: float) -> tuple[float, list]:
     if inst.chunked or not inst.waiting and not any(r.computed < r.context for r in inst.running):
         budget -= len(decode)
         if inst.step_budget is not None and decode:  # chunk_size: slo, as the engine sizes its steps
-            budget = min(budget, inst.step_budget.prompt_tokens(len(decode)))
+            budget = min(budget, inst.step_budget.prompt_tokens(decode_states(decode, now)))
     else:
         decode = []  # a whole-prompt prefill step runs alone
     for r in [r for r in inst.running if r.computed < r.context and r.ready <= now]:
@@ -205,7 +205,14 @@ def _preempt(inst: Instance, r: SimRequest) -> list:
     return []
 
 
-def decode_step(inst: Instance) -> tuple[float, list]:
+def decode_states(requests: list, now: float) -> list:
+    """engine.budget.decode_state of each decoding request, on the simulated clock."""
+    from engine.budget import decode_state  # here: the simulator imports without torch otherwise
+
+    return [decode_state(r.token_times, now, r.output - r.generated - 1) for r in requests]
+
+
+def decode_step(inst: Instance, now: float) -> tuple[float, list]:
     """One step of a decode instance: a token for each decoding request, and chunks of what it computes
     itself (a preempted request's context, a local prefill's missing rest) under its token budget, with
     chunk_size: slo under the TPOT budget too, as the engine's scheduler sizes them; such a request
@@ -226,7 +233,7 @@ def decode_step(inst: Instance) -> tuple[float, list]:
     batch = [r for r in inst.running[: inst.max_seqs] if not r.computing]
     budget = inst.budget - len(batch)
     if inst.step_budget is not None and batch:
-        budget = min(budget, inst.step_budget.prompt_tokens(len(batch)))
+        budget = min(budget, inst.step_budget.prompt_tokens(decode_states(batch, now)))
     chunks = []
     for r in computing:
         if budget <= 0:

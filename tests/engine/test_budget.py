@@ -1,12 +1,13 @@
 """The SLO-driven step budget (engine/budget.py): the step-time fit recovers a known machine, the budget
-gives prompts what keeps a step with decodes within its target, and the engine's text does not change."""
+gives prompts what keeps every decoding request's mean interval within its target (its slack so far, and
+its next steps up to a horizon), and the engine's text does not change."""
 
 import random
 
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.budget import CREDIT_STEPS, MIN_PROMPT_TOKENS, SloBudget, StepTimeModel
+from engine.budget import HORIZON_TOKENS, MIN_PROMPT_TOKENS, SloBudget, StepTimeModel, decode_state
 
 A, B, C = 0.004, 0.0015, 0.00025  # seconds: per step, per decode token, per prompt token
 
@@ -32,7 +33,12 @@ def test_steps_of_one_shape_tell_nothing_and_the_budget_stays_full():
     budget = SloBudget(0.1, 2048)
     for _ in range(32):
         budget.model.observe(4, 128, 0.05)
-    assert budget.prompt_tokens(4) == 2048
+    assert budget.prompt_tokens(_fresh(4)) == 2048
+
+
+def _fresh(n):
+    """n requests at their first decode step, with no token to come after it."""
+    return [(0, 0.0, 0)] * n
 
 
 @pytest.mark.parametrize(
@@ -40,33 +46,38 @@ def test_steps_of_one_shape_tell_nothing_and_the_budget_stays_full():
     [
         (0.1, 8, int((0.1 - A - 8 * B) / C)),  # what the target leaves after the decodes
         (0.1, 0, 2048),  # nothing decoding: no TPOT to keep
-        (0.01, 8, 0),  # the decodes alone pass it: no prompt token until credit builds
+        (0.01, 8, 0),  # the decodes alone pass it: no prompt token until slack builds
         (10.0, 8, 2048),  # never past the engine's own budget
     ],
 )
 def test_the_budget_leaves_the_decodes_their_target(target, decode, expected):
     budget = SloBudget(target, 2048)
     _steps(budget.model)
-    assert budget.prompt_tokens(decode) == expected
+    assert budget.prompt_tokens(_fresh(decode)) == expected
 
 
-def test_steps_under_the_target_save_credit_for_a_bigger_chunk_and_late_ones_spend_it():
+def test_a_request_under_the_target_lends_its_slack_and_one_over_it_takes_none():
     budget = SloBudget(0.02, 2048)
     _steps(budget.model)
-    budget.credit = 0.0
-    # 8 decodes alone: 16 ms of the 20; what is left moves 16 prompt tokens, under the minimum
-    assert budget.prompt_tokens(8) == 0
-    for _ in range(4):
-        budget.observe(8, 0, A + 8 * B)  # 4 ms under the target each
-    assert budget.credit == pytest.approx(0.016)
-    assert budget.prompt_tokens(8) == int((0.02 + 0.016 - A - 8 * B) / C)  # 80 tokens
-    budget.observe(8, 80, 0.1)  # a step far past it: the credit goes below zero, bounded
-    assert budget.credit == pytest.approx(-CREDIT_STEPS * 0.02)
-    assert budget.prompt_tokens(8) == 0
-    for _ in range(100):
-        budget.observe(1, 0, 0.0)
-    assert budget.credit == pytest.approx(CREDIT_STEPS * 0.02)  # bounded above too
+    d = A + 8 * B  # a decode-only step of 8: 16 ms of the 20
+    # at its first decode, nothing to come: what the target leaves moves 16 prompt tokens, under the minimum
+    assert budget.prompt_tokens(_fresh(8)) == 0
+    ahead = [(4, 4 * d, 0)] * 8  # 4 intervals of 16 ms: 16 ms saved
+    assert budget.prompt_tokens(ahead) == int((0.02 * 5 - 4 * d - d) / C)  # 80 tokens
+    late = (4, 4 * 0.025, 0)  # 25 ms each: over
+    assert budget.prompt_tokens([*ahead[:7], late]) == 0  # the tightest request decides
+    # tokens to come: each of its next decode-only steps gives back 4 ms
+    coming = [(0, 0.0, 40)] * 8
+    slack = 0.02 * (1 + HORIZON_TOKENS) - HORIZON_TOKENS * d
+    assert budget.prompt_tokens(coming) == int((slack - d) / C)
+    assert budget.prompt_tokens([(0, 0.0, 3)] * 8) == int((0.02 * 4 - 3 * d - d) / C)  # 3 more, not 16
     assert MIN_PROMPT_TOKENS > 16
+
+
+def test_decode_state_reads_a_request_s_token_times():
+    assert decode_state([10.0, 10.5, 11.0], now=11.2, remaining=5) == (2, pytest.approx(1.2), 5)
+    assert decode_state([], now=3.0, remaining=2) == (0, 0.0, 2)  # no token yet: no slack spent
+    assert decode_state([1.0], now=2.0, remaining=-1) == (0, 1.0, 0)
 
 
 def test_steps_with_decodes_take_only_the_budget_and_the_text_does_not_change():
@@ -78,15 +89,17 @@ def test_steps_with_decodes_take_only_the_budget_and_the_text_does_not_change():
     budget = llm.scheduler.budget
     budget.model.coef = (0.0, 0.001, 0.001)  # as if measured: 100 tokens fill a step
     budget.model.observe = lambda *step: None  # and kept so
+    allowed = []
+    sized = budget.prompt_tokens
+    budget.prompt_tokens = lambda states: allowed.append(sized(states)) or allowed[-1]  # what each step got
     for i, p in enumerate(prompts):
         llm.add_request(p, params, request_id=f"r{i}")
     sizes, done = [], {}
     while llm.has_unfinished():
-        decoding = sum(1 for s in llm.scheduler.running if s.num_computed == s.num_tokens - 1)
-        allowed = budget.prompt_tokens(decoding)  # before the step: it moves the credit
+        asked = len(allowed)
         done.update((o.request_id, o.token_ids) for o in llm.step() if o.finished)
-        if llm.last_step is not None and decoding:
-            sizes.append((llm.last_step.prefill_tokens, allowed))
+        if llm.last_step is not None and len(allowed) > asked:  # a step with decodes
+            sizes.append((llm.last_step.prefill_tokens, allowed[-1]))
             llm.last_step = None
     assert [done[f"r{i}"] for i in range(6)] == expected
     assert sizes and any(p > 0 for p, _ in sizes)  # prompts went on beside the decodes ...
