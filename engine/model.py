@@ -177,15 +177,20 @@ class Model:
         if packing:  # build (first time on this machine, ~20 s) or load the C++ paths now, not in a request
             cpu.module()
         self.decoder = self._dense_decoder() if packing else None
+        # ... and its steps with prompt tokens: where the AMX attention takes this head dim
+        self.decoder_extends = (
+            self.decoder is not None and self.decoder.extends() and config.head_dim % 32 == 0
+        )
         positions = torch.arange(config.max_position, dtype=torch.float32)
         freqs = torch.outer(positions, rope_inv_freq(config))  # [max_pos, D/2]
         scale = rope_attention_factor(config)
         self.cos, self.sin = (freqs.cos() * scale).to(device), (freqs.sin() * scale).to(device)
 
     def _dense_decoder(self):
-        """The C++ decode step through every layer (pdkernels.cpu's DenseDecoder: the same kernels in the
-        same order as forward, without the Python between them) where it serves: one rank, dense layers
-        (no MLA, MoE or qk-norm), every projection on oneDNN's packed bf16 weights; else None."""
+        """The C++ step through every layer (pdkernels.cpu's DenseDecoder: the same kernels in the same
+        order as forward, without the Python between them; decode steps, and steps with prompt tokens where
+        their attention is the AMX kernel) where it serves: one rank, dense layers (no MLA, MoE or
+        qk-norm), every projection on oneDNN's packed bf16 weights; else None."""
         ext, c = cpu.module(), self.config
         plain = not c.mla and not c.qk_norm and not any(c.is_moe_layer(i) for i in range(c.num_layers))
         if ext is None or not hasattr(ext, "DenseDecoder") or not plain or self.shard.size != 1:
@@ -317,7 +322,11 @@ class Model:
         rope = self.cos[meta.positions].unsqueeze(1), self.sin[meta.positions].unsqueeze(1)  # [T, 1, D/2]
         eps = self.config.rms_norm_eps
         h = ops.add_rms_norm(x, self.layers[0]["input_norm"], eps, validate=False)
-        if meta.all_decode and self.decoder is not None and kv_cache.is_contiguous():
+        if (
+            self.decoder is not None
+            and kv_cache.is_contiguous()
+            and (meta.all_decode or self.decoder_extends)
+        ):
             tables = (
                 meta.batch_indices,
                 meta.positions,
@@ -325,7 +334,8 @@ class Model:
                 meta.kv_indptr,
                 meta.kv_last_page_len,
             )
-            return self.decoder.run(x, h, *rope, *tables, kv_cache, meta.counter)
+            qo = None if meta.all_decode else meta.qo_indptr
+            return self.decoder.run(x, h, *rope, *tables, kv_cache, meta.counter, qo)
         for i, layer in enumerate(self.layers):
             attn = self.attention(layer, i, h, meta, kv_cache, rope)
             h = ops.add_rms_norm(x, layer["post_norm"], eps, attn, validate=False)  # x += attn, then norm

@@ -1,15 +1,18 @@
-// A dense Llama-family model's decode step through all its layers in one call (pdkernels/cpu.py builds this
+// A dense Llama-family model's step through all its layers in one call: decode steps, and on AMX CPUs steps
+// with prompt tokens too (pdkernels/cpu.py builds this
 // with the other files into one module): the same kernels in the same order as engine.model.Model.forward
 // on the CPU (oneDNN's GEMMs on prepacked bf16 weights, this extension's rope, KV append, decode attention
 // and residual add + RMSNorm and SwiGLU's SiLU and multiply), so the same bits, without the Python between
 // them: about 40 Python-level calls a layer, 5 ms of a 32 ms decode step of SmolLM2 on one Xeon core.
 #include <torch/extension.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/native/CPUBlas.h>
 #include <ATen/record_function.h>
 
 #include <cmath>
 #include <cstdint>
 #include <optional>
+#include <tuple>
 #include <vector>
 
 // paged_cpu.cpp and decode_cpu.cpp
@@ -19,6 +22,10 @@ torch::Tensor add_rms_norm(torch::Tensor x, std::optional<torch::Tensor> residua
                            double eps);
 torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor silu_mul(torch::Tensor gate_up);
+torch::Tensor gather_kv(torch::Tensor cache, torch::Tensor pages, int64_t seq_len);
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+torch::Tensor causal_attention_amx(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale);  // attention_amx.cpp
+#endif
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor cache, torch::Tensor kv_indptr,
                                torch::Tensor kv_indices, torch::Tensor kv_last_page_len, double scale);
 
@@ -58,13 +65,24 @@ class DenseDecoder {
     TORCH_CHECK(weights_.size() % 4 == 0 && norms_.size() == weights_.size() / 2, "4 weights, 2 norms a layer");
   }
 
-  // x [B, H] the residual stream (updated in place), h its first layer's normed input; cos, sin [B, D / 2];
+  // Whether run can take steps with prompt tokens: their causal attention on AMX (attention_amx.cpp)
+  static bool extends() {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    return at::native::cpublas::could_pack(at::kBFloat16);
+#else
+    return false;
+#endif
+  }
+
+  // x [T, H] the residual stream (updated in place), h its first layer's normed input; cos, sin [T, D / 2];
   // the page tables int32; kv_cache [layers, pages, 2, Hkv, P, D]; counter [2, layers] int32 or none (a
-  // layer's count bumped after its output projection). Returns the final norm's output [B, H].
+  // layer's count bumped after its output projection); qo_indptr [B + 1] int32 for a step with prompt
+  // tokens (extends()), none for one token a sequence (decode). Returns the final norm's output [T, H].
   torch::Tensor run(torch::Tensor x, torch::Tensor h, torch::Tensor cos, torch::Tensor sin,
                     torch::Tensor batch_indices, torch::Tensor positions, torch::Tensor kv_indices,
                     torch::Tensor kv_indptr, torch::Tensor kv_last_page_len, torch::Tensor kv_cache,
-                    std::optional<torch::Tensor> counter) const {
+                    std::optional<torch::Tensor> counter, std::optional<torch::Tensor> qo_indptr) const {
+    TORCH_CHECK(!qo_indptr || extends(), "qo_indptr: steps with prompt tokens need AMX here");
     const int64_t layers = static_cast<int64_t>(weights_.size() / 4), tokens = x.size(0);
     TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(0) == layers, "kv_cache: [layers, pages, 2, Hkv, P, D]");
     const int64_t qk = q_heads_ + kv_heads_;
@@ -78,11 +96,17 @@ class DenseDecoder {
         kv_append(k, v, batch_indices, positions, cache, kv_indices, kv_indptr);
         return 0;
       });
-      auto q = rotated.narrow(1, 0, q_heads_).to(at::kFloat).contiguous();
-      auto o = recorded("pdk::decode_attention", [&] {
-        return decode_attention(q, cache, kv_indptr, kv_indices, kv_last_page_len, scale_);
-      });
-      auto attn = packed_linear(o.to(x.scalar_type()).reshape({tokens, -1}), w[1]);
+      torch::Tensor o;
+      if (qo_indptr) {
+        o = extend(rotated.narrow(1, 0, q_heads_), cache, *qo_indptr, kv_indptr, kv_indices, kv_last_page_len);
+      } else {
+        auto q = rotated.narrow(1, 0, q_heads_).to(at::kFloat).contiguous();
+        o = recorded("pdk::decode_attention", [&] {
+          return decode_attention(q, cache, kv_indptr, kv_indices, kv_last_page_len, scale_);
+        });
+        o = o.to(x.scalar_type());
+      }
+      auto attn = packed_linear(o.reshape({tokens, -1}), w[1]);
       if (counter) (*counter)[0][i] += 1;
       h = recorded("pdk::add_rms_norm", [&] { return add_rms_norm(x, attn, norms_[2 * i + 1], eps_); });
       auto act = recorded("pdk::silu_mul", [&] { return silu_mul(packed_linear(h, w[2])); });
@@ -94,6 +118,39 @@ class DenseDecoder {
   }
 
  private:
+  // Each request's causal attention over its pages, as pdkernels.extend_attention_cpu takes it in bf16 on
+  // AMX: its K and V gathered (gather_kv), then causal_attention_amx; one request over every row is the
+  // output as it is, else each request's rows in a zeroed [T, Hq, D].
+  torch::Tensor extend(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& qo_indptr,
+                       const torch::Tensor& kv_indptr, const torch::Tensor& kv_indices,
+                       const torch::Tensor& kv_last_page_len) const {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    const int32_t* qo = qo_indptr.data_ptr<int32_t>();
+    const int32_t* indptr = kv_indptr.data_ptr<int32_t>();
+    const int32_t* last = kv_last_page_len.data_ptr<int32_t>();
+    const int64_t batch = qo_indptr.size(0) - 1, page_size = cache.size(3), tokens = q.size(0);
+    std::vector<std::tuple<int64_t, int64_t, torch::Tensor>> parts;
+    for (int64_t b = 0; b < batch; ++b) {
+      const int64_t pages = indptr[b + 1] - indptr[b];
+      const int64_t seq_len = pages ? (pages - 1) * page_size + last[b] : 0;
+      if (qo[b + 1] == qo[b] || seq_len == 0) continue;
+      auto kv = recorded("pdk::gather_kv", [&] {
+        return gather_kv(cache, kv_indices.slice(0, indptr[b], indptr[b + 1]), seq_len);
+      });
+      parts.emplace_back(qo[b], qo[b + 1], recorded("pdk::causal_attention_amx", [&] {
+                           return causal_attention_amx(q.slice(0, qo[b], qo[b + 1]), kv[0], kv[1], scale_);
+                         }));
+    }
+    if (parts.size() == 1 && std::get<0>(parts[0]) == 0 && std::get<1>(parts[0]) == tokens)
+      return std::get<2>(parts[0]);
+    auto out = torch::zeros_like(q);
+    for (const auto& [lo, hi, part] : parts) out.slice(0, lo, hi).copy_(part);
+    return out;
+#else
+    TORCH_CHECK(false, "no AMX attention in this build");
+#endif
+  }
+
   std::vector<torch::Tensor> weights_, norms_;
   torch::Tensor final_norm_;
   int64_t q_heads_, kv_heads_, head_dim_;
@@ -106,6 +163,7 @@ void register_layers(pybind11::module& m) {
   pybind11::class_<DenseDecoder>(m, "DenseDecoder")
       .def(pybind11::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, torch::Tensor, int64_t, int64_t,
                           int64_t, double, double>())
-      .def("run", &DenseDecoder::run, "a decode step through every layer (CPU)",
+      .def_static("extends", &DenseDecoder::extends, "whether run takes steps with prompt tokens (AMX)")
+      .def("run", &DenseDecoder::run, "a step through every layer (CPU)",
            pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -1,6 +1,7 @@
-"""engine.model's decode step through pdkernels.cpu's DenseDecoder (every layer in one C++ call) against
-the same step through the Python layers: the same bits, the same KV written, each layer counted once; and
-where it does not serve, the Python layers run."""
+"""engine.model's steps through pdkernels.cpu's DenseDecoder (every layer in one C++ call) against the same
+steps through the Python layers: decode steps, and where the AMX attention serves, steps with prompt
+tokens (whole prompts, chunks after a prefix, several requests): the same bits, the same KV written, each
+layer counted once; and where it does not serve, the Python layers run."""
 
 from types import SimpleNamespace
 
@@ -8,6 +9,9 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.model import Model
+from engine.runner import ModelRunner
+from engine.weights import tiny_random
 from pdkernels import cpu
 from pdkernels.out_proj import make_layer_counter
 
@@ -16,15 +20,25 @@ def _llm(model="tiny-random", dtype="bfloat16"):
     return LLM(model, device="cpu", dtype=dtype, page_size=4, num_pages=64, enable_prefix_caching=False)
 
 
-def _chunks(lengths, page_size, decode: bool):
-    """Sequences of these lengths, their pages in turn: the whole prompts, or each one's next token."""
+def _dim32():
+    """A 2-layer random model whose head dim (32) the AMX attention takes: 6 query heads over 2 (SmolLM2's
+    group of 3), its runner over a 64-page cache of 4 tokens a page."""
+    loaded = tiny_random("tiny-dim32", geometry=(192, 256, 2, 6, 2, 32))
+    model = Model(loaded.config, loaded.weights, torch.device("cpu"), torch.bfloat16)
+    cache = torch.zeros(2, 64, 2, 2, 4, 32, dtype=torch.bfloat16)
+    return SimpleNamespace(model=model, kv_cache=cache, runner=ModelRunner(model, cache, 4))
+
+
+def _chunks(lengths, page_size, decode: bool, new=None):
+    """Sequences of these lengths, their pages in turn: the whole prompts, each one's next token, or (new)
+    that many more tokens each."""
     chunks, first = [], 0
     for i, n in enumerate(lengths):
-        total = n + decode
+        total = n + (new[i] if new else decode)
         pages = list(range(first, first + -(-total // page_size)))
         first = pages[-1] + 1
         tokens = [(7 * i + t) % 200 + 1 for t in range(total)]
-        start = n if decode else 0
+        start = n if decode or new else 0
         chunks.append(SimpleNamespace(token_ids=tokens[start:total], start=start, end=total,
                                       num_tokens=total - start, pages=pages))  # fmt: skip
     return SimpleNamespace(chunks=chunks)
@@ -42,11 +56,9 @@ def prefilled():
     return llm, lengths
 
 
-def test_the_c_plus_plus_decode_step_gives_the_python_layers_bits(prefilled):
-    llm, lengths = prefilled
+def _same_step(llm, meta, ids):
+    """The step through the decoder and through the Python layers, each on a copy of the cache."""
     model, layers = llm.model, llm.model.config.num_layers
-    ids, meta = llm.runner.meta(_chunks(lengths, 4, decode=True))
-    assert meta.all_decode
     results, decoder = [], model.decoder
     try:
         for model.decoder in (decoder, None):
@@ -55,11 +67,43 @@ def test_the_c_plus_plus_decode_step_gives_the_python_layers_bits(prefilled):
             results.append((model.forward(ids, meta, kv), kv, meta.counter))
     finally:
         model.decoder = decoder
-    (fused, fused_kv, fused_count), (plain, plain_kv, plain_count) = results
+    return results
+
+
+def test_the_c_plus_plus_decode_step_gives_the_python_layers_bits(prefilled):
+    llm, lengths = prefilled
+    layers = llm.model.config.num_layers
+    ids, meta = llm.runner.meta(_chunks(lengths, 4, decode=True))
+    assert meta.all_decode
+    (fused, fused_kv, fused_count), (plain, plain_kv, plain_count) = _same_step(llm, meta, ids)
     assert fused.shape == (len(lengths), llm.model.config.hidden_size)
     assert torch.equal(fused, plain) and torch.equal(fused_kv, plain_kv)
     assert fused_count[0].tolist() == [1] * layers == plain_count[0].tolist()
     assert not torch.equal(fused_kv, llm.kv_cache)  # the step wrote its tokens' K and V
+
+
+@pytest.mark.parametrize("new", [[1, 9, 2], [4, 0, 30], [40, 40, 40]])
+def test_the_c_plus_plus_prefill_step_gives_the_python_layers_bits(new):
+    """Chunks after cached prompts (one request with none: its rows skipped), whole pages and not."""
+    llm, lengths = _dim32(), [5, 8, 13]
+    if not llm.model.decoder_extends:
+        pytest.skip("steps with prompt tokens take the Python layers here (no AMX)")
+    llm.model.forward(*llm.runner.meta(_chunks(lengths, 4, decode=False)), llm.kv_cache)  # the prompts
+    ids, meta = llm.runner.meta(_chunks(lengths, 4, decode=False, new=new))
+    assert not meta.all_decode
+    (fused, fused_kv, fused_count), (plain, plain_kv, plain_count) = _same_step(llm, meta, ids)
+    assert fused.shape == (sum(new), llm.model.config.hidden_size)
+    assert torch.equal(fused, plain) and torch.equal(fused_kv, plain_kv)
+    assert fused_count[0].tolist() == plain_count[0].tolist() == [1] * llm.model.config.num_layers
+
+
+def test_a_whole_prompt_through_it_is_the_python_layers_bits():
+    llm = _dim32()
+    if not llm.model.decoder_extends:
+        pytest.skip("steps with prompt tokens take the Python layers here (no AMX)")
+    ids, meta = llm.runner.meta(_chunks([37], 4, decode=False))
+    (fused, fused_kv, _), (plain, plain_kv, _) = _same_step(llm, meta, ids)
+    assert torch.equal(fused, plain) and torch.equal(fused_kv, plain_kv)
 
 
 def test_generation_is_the_same_with_and_without_it():
@@ -89,5 +133,5 @@ def test_a_cache_of_the_wrong_shape_is_refused_by_name(prefilled):
     cos, sin = (t[meta.positions.long()] for t in (llm.model.cos, llm.model.sin))
     tables = (meta.batch_indices, meta.positions, meta.kv_indices, meta.kv_indptr, meta.kv_last_page_len)
     with pytest.raises(RuntimeError, match="kv_cache"):
-        llm.model.decoder.run(x, x.clone(), cos, sin, *tables, llm.kv_cache[:1], None)
+        llm.model.decoder.run(x, x.clone(), cos, sin, *tables, llm.kv_cache[:1], None, None)
     assert cpu.module() is not None
