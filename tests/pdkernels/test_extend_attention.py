@@ -197,7 +197,7 @@ AMX_CASES = [
 @pytest.mark.parametrize("n, L, group", AMX_CASES)
 def test_the_amx_attention_is_the_reference(n, L, group):
     """causal_attention_amx (bf16 on AMX CPUs): a whole prompt and chunks after a prefix, blocks of 64 query
-    rows and 128 keys whole and cut, GQA groups of 1 to 9, one query row; q a view of a wider qkv row."""
+    rows and 256 keys whole and cut, GQA groups of 1 to 9, one query row; q a view of a wider qkv row."""
     from pdkernels import cpu
 
     ext = cpu.module()
