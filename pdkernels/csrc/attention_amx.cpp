@@ -128,7 +128,8 @@ torch::Tensor causal_attention_amx(torch::Tensor q, torch::Tensor k, torch::Tens
             return keep >= j + 16 ? 0xFFFF : keep <= j ? 0 : static_cast<__mmask16>((1u << (keep - j)) - 1);
           };
           __m512 vmax = _mm512_set1_ps(-inf);
-          for (int64_t j = 0; j < kKV; j += 16) vmax = _mm512_mask_max_ps(vmax, live(j), vmax, _mm512_loadu_ps(row + j));
+          const int64_t seen = (keep + 15) / 16 * 16;  // lanes past it: no key this row sees
+          for (int64_t j = 0; j < seen; j += 16) vmax = _mm512_mask_max_ps(vmax, live(j), vmax, _mm512_loadu_ps(row + j));
           const float new_max = std::max(m[r], _mm512_reduce_max_ps(vmax) * fscale);
           if (new_max == -inf) {  // no key seen yet (not reached: key 0 is in every row's first block)
             std::memset(p.data() + r * kKV, 0, kKV * sizeof(c10::BFloat16));
@@ -137,12 +138,13 @@ torch::Tensor causal_attention_amx(torch::Tensor q, torch::Tensor k, torch::Tens
           const float alpha = pdk::exp_nonpositive(m[r] - new_max);  // exp(-inf) ~ 1.6e-38: l and o are 0
           const __m512 top = _mm512_set1_ps(new_max), vscale = _mm512_set1_ps(fscale);
           __m512 sum = _mm512_setzero_ps();
-          for (int64_t j = 0; j < kKV; j += 16) {  // exp(score * scale - max), 0 for keys not seen
+          for (int64_t j = 0; j < seen; j += 16) {  // exp(score * scale - max), 0 for keys not seen
             const __m512 e = exp_for_bf16(_mm512_fmsub_ps(_mm512_loadu_ps(row + j), vscale, top));
             const __m512 rounded = pdk::round_bf16_16(_mm512_maskz_mov_ps(live(j), e));  // P as multiplied
             sum = _mm512_add_ps(sum, rounded);
             pdk::store_bf16_16(p.data() + r * kKV + j, rounded);
           }
+          if (seen < kKV) std::memset(p.data() + r * kKV + seen, 0, (kKV - seen) * sizeof(c10::BFloat16));
           l[r] = l[r] * alpha + _mm512_reduce_add_ps(sum);
           m[r] = new_max;
           if (alpha == 1.0f) continue;  // the running max held: o as it is
