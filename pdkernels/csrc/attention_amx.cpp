@@ -56,17 +56,21 @@ void pack_keys(const c10::BFloat16* k, int64_t len, int64_t dim, c10::BFloat16* 
 }
 
 // V [L, D] bf16 -> per block of kKV keys, VNNI layout [kKV / 2][D][2] (two keys' values side by side), the
-// B operand of O += P V; keys past L are zeros.
+// B operand of O += P V; keys past L are zeros. Each pair of keys' rows interleaved 16 dims at a time.
 void pack_values(const c10::BFloat16* v, int64_t len, int64_t dim, c10::BFloat16* out) {
-  const int64_t blocks = (len + kKV - 1) / kKV;
+  const int64_t pairs = (len + kKV - 1) / kKV * kKV / 2;
   const auto* src = reinterpret_cast<const uint16_t*>(v);
-  auto* dst = reinterpret_cast<uint16_t*>(out);
-  for (int64_t b = 0; b < blocks; ++b) {
-    uint16_t* block = dst + b * kKV * dim;
-    for (int64_t j = 0; j < kKV; ++j) {
-      const int64_t key = b * kKV + j;
-      for (int64_t d = 0; d < dim; ++d)
-        block[(j / 2) * dim * 2 + d * 2 + (j % 2)] = key < len ? src[key * dim + d] : 0;
+  auto* dst = reinterpret_cast<uint32_t*>(out);  // [pairs][dim] of (even key, odd key)
+  for (int64_t p = 0; p < pairs; ++p) {
+    const int64_t even = 2 * p, odd = 2 * p + 1;
+    for (int64_t d = 0; d < dim; d += 16) {
+      const __m512i lo = even < len ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                          reinterpret_cast<const __m256i*>(src + even * dim + d)))
+                                    : _mm512_setzero_si512();
+      const __m512i hi = odd < len ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                         reinterpret_cast<const __m256i*>(src + odd * dim + d)))
+                                   : _mm512_setzero_si512();
+      _mm512_storeu_si512(dst + p * dim + d, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
     }
   }
 }
