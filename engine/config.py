@@ -312,8 +312,8 @@ class SchedulerConfig:
     # outputs; one that grows past its share when the pages run out is preempted instead.
     fair_share: bool = True
     # An SLO-driven step budget (engine/budget.py): a step with sequences decoding takes only as many
-    # prompt tokens as its measured step-time model says keep it within this many seconds (a TPOT
-    # target); None: every step may take max_num_batched_tokens
+    # prompt tokens as its measured step-time model says keep each decoding request's mean time per output
+    # token within this many seconds (a TPOT target); None: every step may take max_num_batched_tokens
     step_target_s: float | None = None
 
     def __post_init__(self):

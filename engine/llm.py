@@ -108,10 +108,11 @@ class LLM:
         vLLM's name and default). expert_parallel: an MoE model under TP holds whole experts per rank
         (engine/moe.py) instead of a slice of each. kv_tiers: KV below device memory under the prefix cache
         (engine.config.KVTiersConfig's fields: host_bytes, disk_bytes, disk_dir, policy, ...).
-        step_target_s: size each step's prompt tokens so that steps with decodes keep within it
-        (engine/budget.py; None: max_num_batched_tokens every step). dp: data-parallel attention over dp
-        engines of tp ranks each, the routed experts spread over all of them (engine/dp.py; an MoE model,
-        the colocated role); dp_rank and dp_rendezvous are set by engine/dp.py for the engines it starts."""
+        step_target_s: size each step's prompt tokens so that each decoding request's mean interval
+        keeps within it (engine/budget.py; None: max_num_batched_tokens every step). dp: data-parallel
+        attention over dp engines of tp ranks each, the routed experts spread over all of them
+        (engine/dp.py; an MoE model, the colocated role); dp_rank and dp_rendezvous are set by
+        engine/dp.py for the engines it starts."""
         engine_args = dict(
             model=model, tp=tp, page_size=page_size, num_pages=num_pages, device=device, dtype=dtype,
             role=role, kv_layout=kv_layout, max_num_seqs=max_num_seqs,

@@ -115,7 +115,8 @@ class DeploymentConfig:
     threads_per_worker: int = 1  # torch threads per process (each TP rank gets one)
     # prefill tokens per forward pass (the chunked prefill budget), or auto (prefill_budget: 2,048 where
     # the CPU computes in bf16, 1,024 on a CPU in fp32, 512 elsewhere), or slo (auto's, but a step with
-    # decodes takes only the prompt tokens its measured step time leaves within slo.tpot_s)
+    # decodes takes only the prompt tokens that, at its measured step time, keep each decoding request's
+    # mean interval within slo.tpot_s: docs/scheduling.md)
     chunk_size: int | str = "auto"
     # prompts at most this long, or whose KV the decode worker's prefix cache lacks for at most this many
     # tokens, are prefilled on the decode worker (no round trip)
