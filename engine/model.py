@@ -178,8 +178,11 @@ class Model:
             cpu.module()
         self.decoder = self._dense_decoder() if packing else None
         # ... and its steps with prompt tokens: where the AMX attention takes this head dim
-        self.decoder_extends = (
-            self.decoder is not None and self.decoder.extends() and config.head_dim % 32 == 0
+        self.decoder_extends = (  # where the Python layers' attention is the same AMX kernel
+            self.decoder is not None
+            and self.decoder.extends()
+            and cpu.amx_bf16()
+            and config.head_dim % 32 == 0
         )
         positions = torch.arange(config.max_position, dtype=torch.float32)
         freqs = torch.outer(positions, rope_inv_freq(config))  # [max_pos, D/2]

@@ -55,7 +55,8 @@ void kv_append(torch::Tensor k, torch::Tensor v, torch::Tensor batch_indices, to
 // out = (x * rsqrt(mean(x^2) + eps)).to(dtype) * weight. A function of its own: pragmas cannot sit
 // inside the dispatch macro's argument.
 template <typename T>
-void add_rms_norm_row(T* x, const T* residual, const T* weight, T* out, int64_t dim, float eps, float* row) {
+void add_rms_norm_row_scalar(T* x, const T* residual, const T* weight, T* out, int64_t dim, float eps,
+                             float* row) {
   if (residual != nullptr)
     for (int64_t d = 0; d < dim; ++d)
       x[d] = static_cast<T>(static_cast<float>(x[d]) + static_cast<float>(residual[d]));
@@ -68,25 +69,18 @@ void add_rms_norm_row(T* x, const T* residual, const T* weight, T* out, int64_t 
     out[d] = static_cast<T>(static_cast<float>(static_cast<T>(row[d] * inv)) * static_cast<float>(weight[d]));
 }
 
+template <typename T>  // the scalar row; in bf16 with AVX-512 BF16, 16 lanes at a time (below)
+void add_rms_norm_row(T* x, const T* residual, const T* weight, T* out, int64_t dim, float eps, float* row) {
+  add_rms_norm_row_scalar(x, residual, weight, out, dim, eps, row);
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 // The same row in bf16, 16 lanes at a time (dim a multiple of 16): c10::BFloat16's conversions left the
 // loops above scalar (29 ms of SmolLM2's 1,024-token prefill on one Xeon core).
 template <>
 void add_rms_norm_row(c10::BFloat16* x, const c10::BFloat16* residual, const c10::BFloat16* weight,
                       c10::BFloat16* out, int64_t dim, float eps, float* row) {
-  if (dim % 16 != 0) {
-    if (residual != nullptr)
-      for (int64_t d = 0; d < dim; ++d)
-        x[d] = static_cast<c10::BFloat16>(static_cast<float>(x[d]) + static_cast<float>(residual[d]));
-    to_float(x, row, dim);
-    float squares = 0.0f;
-    for (int64_t d = 0; d < dim; ++d) squares += row[d] * row[d];
-    const float inv = 1.0f / std::sqrt(squares / static_cast<float>(dim) + eps);
-    for (int64_t d = 0; d < dim; ++d)
-      out[d] = static_cast<c10::BFloat16>(static_cast<float>(static_cast<c10::BFloat16>(row[d] * inv)) *
-                                          static_cast<float>(weight[d]));
-    return;
-  }
+  if (dim % 16 != 0) return add_rms_norm_row_scalar(x, residual, weight, out, dim, eps, row);
   __m512 squares = _mm512_setzero_ps();
   for (int64_t d = 0; d < dim; d += 16) {
     __m512 v = pdk::load_bf16_16(x + d);
