@@ -28,7 +28,7 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, sm_scale: float) -> Tensor
     is one, with no mask, the two merged by their log-sum-exps (measured on 1 AVX2 core, SmolLM2's heads:
     1024 new tokens 87 -> 61 ms, 1024 over 1024 cached 182 -> 150 ms). In bf16 on AMX CPUs our own
     (pdkernels/csrc/attention_amx.cpp: oneDNN's brgemm tiles, each kv head's keys packed once for its
-    group; a layer of SmolLM2's 1,024-token prompt on one Xeon core 5.0 -> 3.9 ms); in bf16 on AVX-512
+    group; a layer of SmolLM2's 1,024-token prompt on one Xeon core 4.9-5.3 -> 3.5-3.6 ms); in bf16 on AVX-512
     BF16 CPUs without AMX, blocked_causal_attention."""
     n, L = q.shape[0], k.shape[1]
     if q.device.type == "cpu" and q.dtype == torch.bfloat16 and native_bf16():
