@@ -111,7 +111,8 @@ def extend_attention_cpu(
     """The torch backend's causal extend attention (pdkernels.ops). On a 5-D HND cache where the CPU
     extension has it (built with AVX2 + FMA), in C++ over the pages where they lie (extend_cpu.cpp: a
     flash-style online softmax in fp32, the query heads of a GQA group sharing each key's load), except in
-    bf16 on CPUs that compute in it, where oneDNN's bf16 GEMMs serve (blocked_causal_attention). Else
+    bf16 on CPUs that compute in it: there, with AMX, each request's pages gathered and its attention on
+    AMX tiles, all in C++ (attention_amx.cpp), else oneDNN's bf16 GEMMs (blocked_causal_attention). Else
     extend_attention_ref's gathers, then each request's attention by causal_attention. One AVX2 core,
     SmolLM2's heads (9 over 3, dim 64), fp32, one layer of a whole prompt: 128 tokens 0.93 -> 0.38 ms,
     512 10.8 -> 4.8, 1024 26.2 -> 19.8 ms (about 61 GFLOP/s)."""
@@ -128,6 +129,18 @@ def extend_attention_cpu(
             t.to(torch.int32).contiguous() for t in (qo_indptr, kv_indptr, kv_indices, kv_last_page_len)
         )
         return ext.extend_attention(q.float().contiguous(), paged_kv_cache, *tables, sm_scale).to(q.dtype)
+    if (  # bf16 on AMX: every request in C++ (attention_amx.cpp's loop, which the C++ layers run too)
+        hasattr(ext, "extend_attention_amx")
+        and kv_layout == "HND"
+        and q.dtype == torch.bfloat16
+        and amx_bf16()
+        and q.shape[-1] % 32 == 0
+        and q.stride(-1) == 1
+    ):
+        tables = (
+            t.to(torch.int32).contiguous() for t in (qo_indptr, kv_indptr, kv_indices, kv_last_page_len)
+        )
+        return ext.extend_attention_amx(q, paged_kv_cache, *tables, sm_scale)
     parts = [
         (lo, hi, causal_attention(q[lo:hi], k, v, sm_scale))
         for lo, hi, k, v in requests_kv(

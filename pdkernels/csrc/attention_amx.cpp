@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <tuple>
 #include <vector>
 
 #include "simd_cpu.h"
@@ -170,10 +171,47 @@ torch::Tensor causal_attention_amx(torch::Tensor q, torch::Tensor k, torch::Tens
   return out;
 }
 
+torch::Tensor gather_kv(torch::Tensor cache, torch::Tensor pages, int64_t seq_len);  // paged_cpu.cpp
+
+// q [T, Hq, D] bf16 (a contiguous last dim): a step's prompt tokens, request b's rows qo_indptr[b]..[b + 1];
+// cache [pages, 2, Hkv, P, D] bf16; the page tables int32. Each request's causal attention over its pages
+// (its K and V gathered, then causal_attention_amx); one request over every row is the output as it is,
+// else each request's rows in a zeroed [T, Hq, D]. pdkernels.extend_attention_cpu's path in bf16 on AMX,
+// and the C++ layers' (layers_cpu.cpp).
+torch::Tensor extend_attention_amx(torch::Tensor q, torch::Tensor cache, torch::Tensor qo_indptr,
+                                   torch::Tensor kv_indptr, torch::Tensor kv_indices,
+                                   torch::Tensor kv_last_page_len, double scale) {
+  for (const auto& t : {qo_indptr, kv_indptr, kv_indices, kv_last_page_len})
+    TORCH_CHECK(t.scalar_type() == at::kInt && t.is_contiguous(), "page table: int32, contiguous");
+  TORCH_CHECK(cache.dim() == 5 && qo_indptr.size(0) == kv_indptr.size(0), "cache: 5-D HND; one indptr a request");
+  const int32_t* qo = qo_indptr.data_ptr<int32_t>();
+  const int32_t* indptr = kv_indptr.data_ptr<int32_t>();
+  const int32_t* last = kv_last_page_len.data_ptr<int32_t>();
+  const int64_t batch = qo_indptr.size(0) - 1, page_size = cache.size(3), tokens = q.size(0);
+  std::vector<std::tuple<int64_t, int64_t, torch::Tensor>> parts;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t pages = indptr[b + 1] - indptr[b];
+    const int64_t seq_len = pages ? (pages - 1) * page_size + last[b] : 0;
+    if (qo[b + 1] == qo[b] || seq_len == 0) continue;
+    auto kv = pdk::recorded("pdk::gather_kv", [&] {
+      return gather_kv(cache, kv_indices.slice(0, indptr[b], indptr[b + 1]), seq_len);
+    });
+    parts.emplace_back(qo[b], qo[b + 1], pdk::recorded("pdk::causal_attention_amx", [&] {
+                         return causal_attention_amx(q.slice(0, qo[b], qo[b + 1]), kv[0], kv[1], scale);
+                       }));
+  }
+  if (parts.size() == 1 && std::get<0>(parts[0]) == 0 && std::get<1>(parts[0]) == tokens)
+    return std::get<2>(parts[0]);
+  auto out = torch::zeros_like(q);
+  for (const auto& [lo, hi, part] : parts) out.slice(0, lo, hi).copy_(part);
+  return out;
+}
+
 void register_attention_amx(pybind11::module& m) {
   if (!at::native::cpublas::could_pack(at::kBFloat16)) return;  // no AMX: not offered (torch's flash serves)
   m.def("causal_attention_amx", &causal_attention_amx,
         "causal attention of a prompt's chunk, bf16, on oneDNN's brgemm (AMX) with an AVX-512 softmax (CPU)");
+  m.def("extend_attention_amx", &extend_attention_amx, "each request's causal_attention_amx over its pages (CPU)");
 }
 
 #else

@@ -7,13 +7,13 @@
 #include <torch/extension.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/native/CPUBlas.h>
-#include <ATen/record_function.h>
 
 #include <cmath>
 #include <cstdint>
 #include <optional>
-#include <tuple>
 #include <vector>
+
+#include "simd_cpu.h"
 
 // paged_cpu.cpp, decode_cpu.cpp
 void kv_append(torch::Tensor k, torch::Tensor v, torch::Tensor batch_indices, torch::Tensor positions,
@@ -22,23 +22,18 @@ torch::Tensor add_rms_norm(torch::Tensor x, std::optional<torch::Tensor> residua
                            double eps);
 torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor silu_mul(torch::Tensor gate_up);
-torch::Tensor gather_kv(torch::Tensor cache, torch::Tensor pages, int64_t seq_len);
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 // attention_amx.cpp
-torch::Tensor causal_attention_amx(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale);
+torch::Tensor extend_attention_amx(torch::Tensor q, torch::Tensor cache, torch::Tensor qo_indptr,
+                                   torch::Tensor kv_indptr, torch::Tensor kv_indices,
+                                   torch::Tensor kv_last_page_len, double scale);
 #endif
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor cache, torch::Tensor kv_indptr,
                                torch::Tensor kv_indices, torch::Tensor kv_last_page_len, double scale);
 
-namespace {
+using pdk::recorded;
 
-// f() in a profiler range named pdk::<name>, as pdkernels' profile_cpu names this extension's calls from
-// Python (they are plain C++ calls here, which the profiler would not see; free when it is off)
-template <typename F>
-auto recorded(const char* name, F&& f) {
-  RECORD_FUNCTION(name, std::vector<c10::IValue>());
-  return f();
-}
+namespace {
 
 // torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""), as pdkernels.cpu.linear calls it
 torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& w) {
@@ -99,7 +94,10 @@ class DenseDecoder {
       });
       torch::Tensor o;
       if (qo_indptr) {
-        o = extend(rotated.narrow(1, 0, q_heads_), cache, *qo_indptr, kv_indptr, kv_indices, kv_last_page_len);
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+        o = extend_attention_amx(rotated.narrow(1, 0, q_heads_), cache, *qo_indptr, kv_indptr, kv_indices,
+                                 kv_last_page_len, scale_);
+#endif
       } else {
         auto q = rotated.narrow(1, 0, q_heads_).to(at::kFloat).contiguous();
         o = recorded("pdk::decode_attention", [&] {
@@ -119,39 +117,6 @@ class DenseDecoder {
   }
 
  private:
-  // Each request's causal attention over its pages, as pdkernels.extend_attention_cpu takes it in bf16 on
-  // AMX: its K and V gathered (gather_kv), then causal_attention_amx; one request over every row is the
-  // output as it is, else each request's rows in a zeroed [T, Hq, D].
-  torch::Tensor extend(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& qo_indptr,
-                       const torch::Tensor& kv_indptr, const torch::Tensor& kv_indices,
-                       const torch::Tensor& kv_last_page_len) const {
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-    const int32_t* qo = qo_indptr.data_ptr<int32_t>();
-    const int32_t* indptr = kv_indptr.data_ptr<int32_t>();
-    const int32_t* last = kv_last_page_len.data_ptr<int32_t>();
-    const int64_t batch = qo_indptr.size(0) - 1, page_size = cache.size(3), tokens = q.size(0);
-    std::vector<std::tuple<int64_t, int64_t, torch::Tensor>> parts;
-    for (int64_t b = 0; b < batch; ++b) {
-      const int64_t pages = indptr[b + 1] - indptr[b];
-      const int64_t seq_len = pages ? (pages - 1) * page_size + last[b] : 0;
-      if (qo[b + 1] == qo[b] || seq_len == 0) continue;
-      auto kv = recorded("pdk::gather_kv", [&] {
-        return gather_kv(cache, kv_indices.slice(0, indptr[b], indptr[b + 1]), seq_len);
-      });
-      parts.emplace_back(qo[b], qo[b + 1], recorded("pdk::causal_attention_amx", [&] {
-                           return causal_attention_amx(q.slice(0, qo[b], qo[b + 1]), kv[0], kv[1], scale_);
-                         }));
-    }
-    if (parts.size() == 1 && std::get<0>(parts[0]) == 0 && std::get<1>(parts[0]) == tokens)
-      return std::get<2>(parts[0]);
-    auto out = torch::zeros_like(q);
-    for (const auto& [lo, hi, part] : parts) out.slice(0, lo, hi).copy_(part);
-    return out;
-#else
-    TORCH_CHECK(false, "no AMX attention in this build");
-#endif
-  }
-
   std::vector<torch::Tensor> weights_, norms_;
   torch::Tensor final_norm_;
   int64_t q_heads_, kv_heads_, head_dim_;

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <torch/extension.h>
+#include <ATen/record_function.h>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -13,6 +14,14 @@
 #include <cstdint>
 
 namespace pdk {
+
+// f() in a profiler range named pdk::<name>, as pdkernels' profile_cpu names this extension's calls from
+// Python (a call from C++ to C++ the profiler would not see; free when it is off)
+template <typename F>
+auto recorded(const char* name, F&& f) {
+  RECORD_FUNCTION(name, std::vector<c10::IValue>());
+  return f();
+}
 
 template <typename T>
 inline void to_float(const T* src, float* dst, int64_t n) {

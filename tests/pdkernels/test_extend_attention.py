@@ -221,6 +221,25 @@ def test_the_amx_attention_is_the_reference(n, L, group):
         ext.causal_attention_amx(q, k[:, :0], v[:, :0], 0.1)
 
 
+def test_the_amx_paged_loop_is_the_reference_and_refuses_wide_tables():
+    """extend_attention_amx (each request's pages gathered, then causal_attention_amx: the loop the torch
+    backend and the C++ layers share): several requests, one with no new token, against the reference."""
+    from pdkernels import cpu
+
+    ext = cpu.module()
+    if ext is None or not hasattr(ext, "extend_attention_amx"):
+        pytest.skip("no AMX here (oneDNN's bf16 brgemm): torch's flash kernel serves")
+    case = make_paged_cache([40, 70, 9], KV_HEADS, HEAD_DIM, 16, "HND", dtype=torch.bfloat16)
+    qo_indptr = _qo_indptr([40, 0, 5])
+    q = torch.randn(int(qo_indptr[-1]), 3 * KV_HEADS, HEAD_DIM).to(torch.bfloat16)
+    tables = (case.kv_indptr, case.kv_indices, case.kv_last_page_len)
+    ref = extend_attention_ref(q, qo_indptr, case.cache, *tables, "HND", sm_scale=0.2)
+    got = ext.extend_attention_amx(q, case.cache, qo_indptr.int(), *(t.int() for t in tables), 0.2)
+    torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    with pytest.raises(RuntimeError, match="page table: int32"):
+        ext.extend_attention_amx(q, case.cache, qo_indptr.long(), *(t.int() for t in tables), 0.2)
+
+
 def test_the_cpu_extensions_gather_and_softmax_are_the_torch_codes(monkeypatch):
     """What extend_attention_cpu and the blocked bf16 path call in C++: one sequence's K/V gathered from its
     pages (as gather_pages), a page id out of range refused; the causal softmax of a block of scores (as
