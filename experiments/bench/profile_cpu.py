@@ -112,8 +112,10 @@ def record_extension_calls() -> None:
         setattr(ext, name, recorded)
 
 
-def profile(run, repeats: int) -> dict:
-    """run() under the profiler, split by kind, and its unprofiled wall time (the median of three)."""
+def measure(run, times: int = 3) -> dict:
+    """run() under the profiler: its wall seconds and each op's (name, self CPU us, calls); then its
+    unprofiled wall seconds, the median of `times` more runs. Torch only: profile_vllm.py (vLLM's venv)
+    measures its engine's phases with it too."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -121,18 +123,24 @@ def profile(run, repeats: int) -> dict:
         start = time.perf_counter()
         run()
         wall = time.perf_counter() - start
-    ops = [(e.key, e.self_cpu_time_total, e.count) for e in prof.key_averages()]
-    return {**split(ops, wall, repeats), "unprofiled_ms": 1e3 * unprofiled(run) / repeats}
-
-
-def unprofiled(run, times: int = 3) -> float:
-    """The median wall seconds of `times` runs."""
+    ops = [[e.key, e.self_cpu_time_total, e.count] for e in prof.key_averages() if e.self_cpu_time_total > 0]
     walls = []
     for _ in range(times):
         start = time.perf_counter()
         run()
         walls.append(time.perf_counter() - start)
-    return statistics.median(walls)
+    return {"wall_s": wall, "unprofiled_s": statistics.median(walls), "ops": ops}
+
+
+def by_kind(measured: dict, repeats: int) -> dict:
+    """measure's result (ours or the peer's) split by kind, per repeat, with its unprofiled ms."""
+    split_ms = split(measured["ops"], measured["wall_s"], repeats)
+    return {**split_ms, "unprofiled_ms": 1e3 * measured["unprofiled_s"] / repeats}
+
+
+def profile(run, repeats: int) -> dict:
+    """run() measured and split by kind."""
+    return by_kind(measure(run), repeats)
 
 
 def peer(args) -> dict:
@@ -156,13 +164,7 @@ def peer(args) -> dict:
         if done.returncode != 0 or not out.exists():
             sys.exit(f"--peer-python: {' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
         raw = json.loads(out.read_text())
-    phases = {
-        name: {
-            **split(p["ops"], p["wall_s"], p["repeats"]),
-            "unprofiled_ms": 1e3 * p["unprofiled_s"] / p["repeats"],
-        }
-        for name, p in raw["phases"].items()
-    }
+    phases = {name: by_kind(p, p["repeats"]) for name, p in raw["phases"].items()}
     return {"engine": raw["engine"], "phases": phases}
 
 

@@ -19,12 +19,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 
-
-def ops_of(prof) -> list:
-    return [[e.key, e.self_cpu_time_total, e.count] for e in prof.key_averages() if e.self_cpu_time_total > 0]
+from profile_cpu import measure  # this script's sibling (stdlib and torch only): the same measurement
 
 
 def main(argv=None) -> int:
@@ -44,7 +40,6 @@ def main(argv=None) -> int:
     os.sched_setaffinity(0, range(args.threads))
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     import torch
-    from torch.profiler import ProfilerActivity, profile
     from vllm import EngineArgs, LLMEngine, SamplingParams
 
     engine = LLMEngine.from_engine_args(EngineArgs(
@@ -66,18 +61,7 @@ def main(argv=None) -> int:
             engine.step()
 
     def timed(run, repeats: int) -> dict:
-        """run() under the profiler, and unprofiled: the median wall of three more runs."""
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            start = time.perf_counter()
-            run()
-            wall = time.perf_counter() - start
-        walls = []
-        for _ in range(3):
-            start = time.perf_counter()
-            run()
-            walls.append(time.perf_counter() - start)
-        unprofiled = statistics.median(walls)
-        return {"wall_s": wall, "unprofiled_s": unprofiled, "repeats": repeats, "ops": ops_of(prof)}
+        return {**measure(run), "repeats": repeats}
 
     fresh = iter(range(1 << 30))
 
