@@ -22,11 +22,11 @@
 
 namespace {
 
-// exp(x) for x <= 0 to about 4e-5 relative: 2^(x log2 e) as 2^n (scalef) times a quartic in the fraction.
-// P goes to bf16 (2^-8 relative), so pdk::exp_nonpositive16's precision bought nothing here, and its
-// degree-6 polynomial and integer exponent were 1.4 ms of a 4.7 ms layer.
-inline __m512 exp_for_bf16(__m512 x) {
-  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(1.44269504088896341f));
+// 2^t for t <= 0 to about 4e-5 relative: 2^n (scalef) times a quartic in the fraction. P goes to bf16 (2^-8
+// relative), so pdk::exp_nonpositive16's precision bought nothing here, and its degree-6 polynomial and
+// integer exponent were 1.4 ms of a 4.7 ms layer. The caller folds log2(e) into the scores' scale.
+inline __m512 exp2_for_bf16(__m512 t) {
+  t = _mm512_max_ps(t, _mm512_set1_ps(-126.0f));
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);  // [-0.5, 0.5]
   __m512 p = _mm512_set1_ps(9.6181291076e-3f);  // 2^f, degree 4 (Taylor in f ln 2): 4e-5 at |f| = 0.5
@@ -37,8 +37,9 @@ inline __m512 exp_for_bf16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+constexpr float kLog2e = 1.44269504088896341f;
 constexpr int64_t kQ = 64;   // query rows a block
-constexpr int64_t kKV = 256;  // keys a block (64 and 128 measured: 256 the fastest of the three)
+constexpr int64_t kKV = 256;  // keys a block (64, 128 and 512 measured: 256 the fastest)
 
 // K [L, D] bf16 -> for each block of kKV keys, K^T in VNNI layout: [D / 2][kKV][2] (the pair of dims of
 // one key side by side), the B operand of S = Q K^T; keys past L are zeros.
@@ -129,27 +130,32 @@ torch::Tensor causal_attention_amx(torch::Tensor q, torch::Tensor k, torch::Tens
           float* row = s.data() + r * kKV;
           const int64_t keep = masked ? std::clamp<int64_t>(offset + r0 + r - kb * kKV + 1, 0, kKV) : kKV;
           const float inf = std::numeric_limits<float>::infinity();
-          auto live = [&](int64_t j) -> __mmask16 {  // the lanes of keys j..j+15 this row sees
-            return keep >= j + 16 ? 0xFFFF : keep <= j ? 0 : static_cast<__mmask16>((1u << (keep - j)) - 1);
-          };
+          const int64_t full = keep / 16 * 16, seen = (keep + 15) / 16 * 16;  // whole groups; any lane seen
+          const __mmask16 tail = static_cast<__mmask16>((1u << (keep - full)) - 1);  // the last group's lanes
           __m512 vmax = _mm512_set1_ps(-inf);
-          const int64_t seen = (keep + 15) / 16 * 16;  // lanes past it: no key this row sees
-          for (int64_t j = 0; j < seen; j += 16) vmax = _mm512_mask_max_ps(vmax, live(j), vmax, _mm512_loadu_ps(row + j));
+          for (int64_t j = 0; j < full; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(row + j));
+          if (full < seen) vmax = _mm512_mask_max_ps(vmax, tail, vmax, _mm512_loadu_ps(row + full));
           const float new_max = std::max(m[r], _mm512_reduce_max_ps(vmax) * fscale);
           if (new_max == -inf) {  // no key seen yet (not reached: key 0 is in every row's first block)
             std::memset(p.data() + r * kKV, 0, kKV * sizeof(c10::BFloat16));
             continue;
           }
           const float alpha = pdk::exp_nonpositive(m[r] - new_max);  // exp(-inf) ~ 1.6e-38: l and o are 0
-          const __m512 top = _mm512_set1_ps(new_max), vscale = _mm512_set1_ps(fscale);
+          // exp(score x scale - max) = 2^(score x scale log2 e - max log2 e); P in bf16, l summed in fp32
+          const __m512 top = _mm512_set1_ps(new_max * kLog2e), vscale = _mm512_set1_ps(fscale * kLog2e);
+          c10::BFloat16* prow = p.data() + r * kKV;
           __m512 sum = _mm512_setzero_ps();
-          for (int64_t j = 0; j < seen; j += 16) {  // exp(score * scale - max), 0 for keys not seen
-            const __m512 e = exp_for_bf16(_mm512_fmsub_ps(_mm512_loadu_ps(row + j), vscale, top));
-            const __m512 rounded = pdk::round_bf16_16(_mm512_maskz_mov_ps(live(j), e));  // P as multiplied
-            sum = _mm512_add_ps(sum, rounded);
-            pdk::store_bf16_16(p.data() + r * kKV + j, rounded);
+          for (int64_t j = 0; j < full; j += 16) {
+            const __m512 e = exp2_for_bf16(_mm512_fmsub_ps(_mm512_loadu_ps(row + j), vscale, top));
+            sum = _mm512_add_ps(sum, e);
+            pdk::store_bf16_16(prow + j, e);
           }
-          if (seen < kKV) std::memset(p.data() + r * kKV + seen, 0, (kKV - seen) * sizeof(c10::BFloat16));
+          if (full < seen) {  // 0 for the keys this row does not see
+            const __m512 e = _mm512_maskz_mov_ps(tail, exp2_for_bf16(_mm512_fmsub_ps(_mm512_loadu_ps(row + full), vscale, top)));
+            sum = _mm512_add_ps(sum, e);
+            pdk::store_bf16_16(prow + full, e);
+          }
+          if (seen < kKV) std::memset(prow + seen, 0, (kKV - seen) * sizeof(c10::BFloat16));
           l[r] = l[r] * alpha + _mm512_reduce_add_ps(sum);
           m[r] = new_max;
           if (alpha == 1.0f) continue;  // the running max held: o as it is
