@@ -210,6 +210,8 @@ def linear(x: Tensor, w: PackedWeight, out: Tensor | None = None) -> Tensor:
             return torch.mm(x, w.data.t(), out=out)
         x = x if x.stride(-1) == 1 else x.contiguous()
         y = module().q8_linear(x, w.q, w.scales, w.offsets, w.shape[0])
+    elif (ext := module()) is not None:
+        y = ext.packed_linear(x, w.data)
     else:
         y = torch.ops.mkldnn._linear_pointwise(x.contiguous(), w.data, None, "none", [], "")
     return y if out is None else out.copy_(y)

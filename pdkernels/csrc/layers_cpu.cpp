@@ -31,19 +31,11 @@ torch::Tensor extend_attention_amx(torch::Tensor q, torch::Tensor cache, torch::
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor cache, torch::Tensor kv_indptr,
                                torch::Tensor kv_indices, torch::Tensor kv_last_page_len, double scale);
 
+torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& w);  // linear_cpu.cpp
+
 using pdk::recorded;
 
 namespace {
-
-// torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""), as pdkernels.cpu.linear calls it
-torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& w) {
-  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-  std::vector<c10::IValue> stack{x.contiguous(), w, c10::IValue(), c10::IValue(std::string("none")),
-                                 c10::IValue(c10::List<std::optional<at::Scalar>>()),
-                                 c10::IValue(std::string(""))};
-  op.callBoxed(&stack);
-  return stack[0].toTensor();
-}
 
 // Per layer: the packed qkv, o, gate_up and down weights and the two norms' weights; head counts and sizes.
 class DenseDecoder {

@@ -29,6 +29,27 @@ def test_a_packed_weight_gives_the_plain_gemms_bits(m):
     assert torch.equal(ops.linear(strided, p), torch.mm(strided, w.t()))
 
 
+@pytest.mark.parametrize("m", [256, 600])
+def test_on_two_threads_each_takes_its_rows_and_inference_mode_holds(m):
+    """Two threads and a weight that fits a core's L2: each thread multiplies its half of the rows
+    (linear_cpu.cpp packed_linear), inside InferenceMode as the engine calls it (the worker thread is not in
+    it, and an in-place copy into the output there raised)."""
+    w, p = _packed()
+    x = torch.randn(m, 128).to(torch.bfloat16)[:, ::2]
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with torch.inference_mode():
+            y = ops.linear(x, p)
+            out = ops.linear(x, p, out=torch.empty(m, 96, dtype=torch.bfloat16))
+    finally:
+        torch.set_num_threads(before)
+    half = (m + 1) // 2
+    want = torch.cat([torch.mm(x[:half], w.t()), torch.mm(x[half:], w.t())])
+    assert torch.equal(y, want) and torch.equal(out, want)
+    assert torch.allclose(y.float(), x.float() @ w.float().t(), rtol=2e-2, atol=2e-2)
+
+
 def test_out_proj_on_a_packed_weight_bumps_its_layer_once():
     w, p = _packed()
     counter = make_layer_counter(4, torch.device("cpu"))
