@@ -301,10 +301,11 @@ def measure_engine(
     batches=(1, 8, 32),
     kv=128,
     device: str = "cpu",
+    dtype: str = "bfloat16",
 ) -> list[Point]:
-    """Best-of-3 step times of the engine on this device (bf16): one prefill of each prompt length, then
-    decode steps of each batch size at KV length about kv (the step returns its sampled tokens, so a
-    GPU's work is done when it returns)."""
+    """Best-of-3 step times of the engine on this device: one prefill of each prompt length, then decode
+    steps of each batch size at KV length about kv (the step returns its sampled tokens, so a GPU's work
+    is done when it returns)."""
     import torch
 
     from engine import LLM, SamplingParams
@@ -312,7 +313,10 @@ def measure_engine(
 
     torch.set_num_threads(threads)
     ops.set_backend("torch" if device == "cpu" else "auto")
-    llm = LLM(model_name, device=device, dtype="bfloat16", num_pages=512, max_num_batched_tokens=max(prompts))
+    pages = max(512, -(-max(prompts) // 16) + 64)
+    # no prefix cache: every timed prefill computes its whole prompt (the same prompt again would be a hit)
+    llm = LLM(model_name, device=device, dtype=dtype, num_pages=pages, max_num_batched_tokens=max(prompts),
+              enable_prefix_caching=False)  # fmt: skip
     points = []
     for n in prompts:
         times = []
