@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from experiments.config import from_cfg, run_job
 from experiments.deploy.config import check_fits_model
 from experiments.deploy.launcher import start_fork_server
+from experiments.layout import Steps
 from experiments.run_config import EndpointConfig
 
 
@@ -52,6 +53,7 @@ def run(cfg: DictConfig, out_dir: Path, progress: bool = True, hooks=None) -> li
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
     records, interrupted = [], False
+    steps = Steps(config.model)  # num_workers: auto's measured steps (measured on first use, once a job)
     logging.getLogger().setLevel(config.log_level)  # the driver's log: hydra's <run folder>/run.log
     with _sigterm_interrupts():
         for rate in rates or [config.workload.rate if config.workload.arrival == "poisson" else None]:
@@ -63,14 +65,19 @@ def run(cfg: DictConfig, out_dir: Path, progress: bool = True, hooks=None) -> li
                 turns, requests = None, make_requests(workload, tokenizer, vocab, max_position)
             run_config = replace(config, workload=workload)
             for d in config.deployments:
+                choice = None
                 if isinstance(d, EndpointConfig):  # a running server, by URL: the load client measures it
                     result = run_endpoint(run_config, d, requests, progress, turns, tokenizer)
                 else:
+                    if d.num_workers == "auto":  # the cores' split that this machine's steps serve best
+                        d, choice = _layout(run_config, d, requests, steps)
                     log_dir = out_dir / "logs" / d.name
                     result = run_deployment(
                         run_config, d, requests, progress, hooks, log_dir, first_core, turns
                     )
                 records.append(metrics.run_record(result, run_config, rate))
+                if choice is not None:
+                    records[-1]["layout_choice"] = choice
                 metrics.write_results(out_dir, config, records)  # an interrupted run keeps what it measured
                 if interrupted := result.interrupted:
                     break
@@ -81,6 +88,22 @@ def run(cfg: DictConfig, out_dir: Path, progress: bool = True, hooks=None) -> li
         print(f"interrupted: wrote the {len(records)} run(s) measured so far", file=sys.stderr)
         raise SystemExit(130)
     return records
+
+
+def _layout(config, d, requests, steps):
+    """num_workers: auto: d with its cores' split chosen (experiments/layout.py), and the table of splits."""
+    from experiments import layout
+    from experiments.deploy.config import prefill_budget
+
+    if config.launcher.name == "ray":
+        raise ValueError(
+            f"deployment {d.name}: num_workers: auto measures this machine's cores; with launcher=ray give "
+            "num_workers and threads_per_worker as numbers"
+        )
+    budget = prefill_budget(d.chunk_size, config.model.device, config.model.dtype)
+    return layout.choose(
+        config, d, requests, steps, layout.prompt_lengths(requests, budget), layout.job_cores()
+    )
 
 
 def _sweep_cores(config) -> int:
@@ -105,6 +128,12 @@ def _sweep_cores(config) -> int:
                 "cluster: start it (ray start --head) and set ray.address, or sweep with the basic launcher"
             )
         return 0  # Ray gives each job's workers their own CPUs
+    if any(getattr(d, "num_workers", None) == "auto" for d in config.deployments):
+        raise ValueError(
+            f"hydra.launcher.n_jobs={n_jobs} parallel jobs with num_workers: auto: auto splits all of a "
+            "job's cores, so parallel jobs would measure each other. Give num_workers a number, or sweep "
+            "with the basic launcher"
+        )
     per_job = max((d.processes * d.threads_per_worker for d in config.deployments), default=0)
     if per_job * n_jobs > ncpu:
         raise ValueError(

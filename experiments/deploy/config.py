@@ -100,7 +100,10 @@ class KernelsConfig:
 class DeploymentConfig:
     name: str  # the deployment's name in results, logs and tables
     kind: str = "colocated"  # colocated | disaggregated (the main job also measures URLs: EndpointConfig)
-    num_workers: int = 1  # colocated engines
+    # colocated engines, or auto: the job's cores split as workers x threads_per_worker by measurement (each
+    # split's steps timed here, the run's requests simulated through it, the one meeting the SLO best run;
+    # experiments/layout.py)
+    num_workers: int | str = 1
     num_prefill: int = 0  # disaggregated: prefill workers
     num_decode: int = 0  # disaggregated: decode workers
     tp: int = 1  # colocated workers
@@ -172,7 +175,15 @@ class DeploymentConfig:
                 SpeculativeConfig.of(dict(self.speculative))
             except (ValueError, TypeError) as e:
                 raise ValueError(f"deployment.{self.name}.speculative: {e}") from e
-        counts = ("num_workers",) if self.kind == "colocated" else ("num_prefill", "num_decode")
+        if self.num_workers == "auto":
+            if self.kind != "colocated" or self.tp != 1 or self.dp != 1 or self.threads_per_worker != 1:
+                refuse(
+                    f"deployment.{self.name}.num_workers", "auto",
+                    "auto only for kind=colocated with tp=1, dp=1 and threads_per_worker left at 1 (auto "
+                    "sets it), or an integer >= 1",
+                )  # fmt: skip
+        counts = ("num_workers",) if self.kind == "colocated" and self.num_workers != "auto" else ()
+        counts += ("num_prefill", "num_decode") if self.kind != "colocated" else ()
         keys = ("tp", "prefill_tp", "decode_tp", "dp", "prefill_dp", "decode_dp", "threads_per_worker")
         for key in counts + keys:
             check_positive(f"deployment.{key}", getattr(self, key), integer=True)
@@ -227,6 +238,10 @@ class DeploymentConfig:
     def processes(self) -> int:
         """Worker processes including TP ranks and DP groups (what the cores are shared by)."""
         if self.kind == "colocated":
+            if self.num_workers == "auto":
+                raise ValueError(
+                    f"deployment {self.name}: num_workers: auto has no count until the job measures it"
+                )
             return self.num_workers * self.tp * self.dp
         prefill = self.num_prefill * self.prefill_tp * self.prefill_dp
         return prefill + self.num_decode * self.decode_tp * self.decode_dp

@@ -127,6 +127,11 @@ def serve(cfg: DictConfig, out_dir: Path, ready=None) -> None:
         raise ValueError(
             f"serving takes one deployment; `deployments` lists {[d.name for d in config.deployments]}"
         )
+    if config.deployments[0].num_workers == "auto":
+        raise ValueError(
+            "deployment.num_workers=auto is chosen by simulating a run's requests (experiments.run); a "
+            "server has none ahead: give num_workers and threads_per_worker as numbers"
+        )
     loaded = check_fits_model(config)
     # the context a request may fill: the model's, and the KV one worker holds (less a CUDA-graph page)
     pages = config.model.num_pages - 1

@@ -273,6 +273,12 @@ def run_sim(cfg: DictConfig, out_dir: Path) -> list[dict]:
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
         raise ValueError(f"page_size={page_size!r} is not allowed: an integer >= 1")
     deployments, workload, slo = deployments_of(c), workload_of(c), slo_of(c)
+    for d in deployments:
+        if d.num_workers == "auto":
+            raise ValueError(
+                f"deployment {d.name}: num_workers=auto is chosen by the main job from this machine's steps; "
+                "the simulator takes a number (workers x threads_per_worker)"
+            )
     arrivals = ("poisson", "concurrency") if workload.dataset == "multiturn" else ("poisson", "trace")
     if workload.arrival not in arrivals or workload.prompts_file:
         raise ValueError(

@@ -340,3 +340,19 @@ def test_admission_slo_refuses_requests_it_predicts_late_and_serves_the_rest_exa
     assert served == {rid: want[rid] for rid in served}
     assert s["admitted_attainment_pct"] >= s["attainment_pct"]
     assert all(t["free_pages"] == t["num_pages"] for t in slo["timelines"])
+
+
+def test_num_workers_auto_runs_the_split_of_the_cores_it_chose_and_records_why(tmp_path):
+    """num_workers: auto times this machine's steps on each thread count, simulates the run's requests
+    through each split of the job's cores, runs the chosen one and keeps the table in the record."""
+    from experiments.layout import job_cores, splits
+
+    records = run(
+        _cfg([*TINY, "deployment=colocated", "deployment.num_workers=auto"]), tmp_path, progress=False
+    )
+    (rec,) = records
+    table = rec["layout_choice"]
+    assert sorted((r["num_workers"], r["threads_per_worker"]) for r in table) == sorted(splits(job_cores()))
+    assert all(0 <= r["simulated_attainment_pct"] <= 100 and r["fit_error_pct"] >= 0 for r in table)
+    assert len([t for t in rec["timelines"] if t["role"] == "colocated"]) == table[0]["num_workers"]
+    assert rec["summary"]["completed"] == 6

@@ -70,6 +70,8 @@ def test_the_simulator_refuses_what_it_cannot_model(tmp_path):
         run_sim(_cfg(["router=random"]), tmp_path)
     with pytest.raises(ValueError, match="prefill_slowdown=0.5 is not allowed"):
         run_sim(_cfg(["prefill_slowdown=0.5"]), tmp_path)
+    with pytest.raises(ValueError, match="num_workers=auto is chosen by the main job"):
+        run_sim(_cfg(["deployment=colocated", "deployment.num_workers=auto"]), tmp_path)
 
 
 def test_compare_real_against_a_simulated_run_of_the_same_config_shows_no_error(tmp_path, capsys):
