@@ -50,6 +50,7 @@ def run(cfg: DictConfig, out_dir: Path, progress: bool = True, hooks=None) -> li
 
         config = replace(config, workload=replace(config.workload, rate=rate_for_load(config)))
     first_core = _sweep_cores(config)
+    _check_auto(config)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
     records, interrupted = [], False
@@ -90,16 +91,26 @@ def run(cfg: DictConfig, out_dir: Path, progress: bool = True, hooks=None) -> li
     return records
 
 
+def _check_auto(config) -> None:
+    """num_workers: auto splits this machine's CPU cores: refused, before anything runs, where it cannot."""
+    auto = [d.name for d in config.deployments if getattr(d, "num_workers", None) == "auto"]
+    if auto and config.launcher.name == "ray":
+        raise ValueError(
+            f"deployment {auto[0]}: num_workers: auto measures this machine's cores; with launcher=ray give "
+            "num_workers and threads_per_worker as numbers"
+        )
+    if auto and config.model.device != "cpu":
+        raise ValueError(
+            f"deployment {auto[0]}: num_workers: auto splits CPU cores between workers; on "
+            f"model.device={config.model.device} give num_workers as a number"
+        )
+
+
 def _layout(config, d, requests, steps):
     """num_workers: auto: d with its cores' split chosen (experiments/layout.py), and the table of splits."""
     from experiments import layout
     from experiments.deploy.config import prefill_budget
 
-    if config.launcher.name == "ray":
-        raise ValueError(
-            f"deployment {d.name}: num_workers: auto measures this machine's cores; with launcher=ray give "
-            "num_workers and threads_per_worker as numbers"
-        )
     budget = prefill_budget(d.chunk_size, config.model.device, config.model.dtype)
     return layout.choose(
         config, d, requests, steps, layout.prompt_lengths(requests, budget), layout.job_cores()

@@ -186,7 +186,8 @@ class DeploymentConfig:
         counts += ("num_prefill", "num_decode") if self.kind != "colocated" else ()
         keys = ("tp", "prefill_tp", "decode_tp", "dp", "prefill_dp", "decode_dp", "threads_per_worker")
         for key in counts + keys:
-            check_positive(f"deployment.{key}", getattr(self, key), integer=True)
+            name = "num_workers (or auto)" if key == "num_workers" else key
+            check_positive(f"deployment.{name}", getattr(self, key), integer=True)
         g = self.gather_ms
         if isinstance(g, bool) or not isinstance(g, int | float) or not 0 <= g <= 1000:
             refuse(f"deployment.{self.name}.gather_ms", g, "a number of milliseconds from 0 to 1000")

@@ -94,10 +94,23 @@ def test_the_prefill_shapes_timed_are_the_median_prompt_within_one_steps_budget(
 def test_auto_is_refused_where_it_cannot_split_the_cores(kw, what):
     with pytest.raises(ValueError, match=what):
         _d(**kw)
-    with pytest.raises(ValueError, match="num_workers.*integer >= 1|must be"):
+    with pytest.raises(
+        ValueError, match=r"num_workers \(or auto\)='many' is not allowed: must be an integer"
+    ):
         DeploymentConfig(name="x", kind="colocated", num_workers="many")
     with pytest.raises(ValueError, match="no count until the job measures it"):
         _ = _d().processes
+
+
+def test_the_main_job_refuses_auto_on_ray_before_anything_runs(tmp_path):
+    from experiments.run import run
+
+    cfg = _cfg(["model=tiny-random", "launcher=ray", "deployment=colocated", "deployment.num_workers=auto"])
+    with pytest.raises(
+        ValueError, match="num_workers: auto measures this machine's cores; with launcher=ray"
+    ):
+        run(cfg, tmp_path, progress=False)
+    assert not (tmp_path / "results.json").exists()
 
 
 def test_the_server_asks_for_a_number(tmp_path):
