@@ -11,7 +11,9 @@ results.json, schema "pdkernels.results/1" (stable: fields may be added, never r
   name), "timelines" (per worker: name, role (its last), steps [start, end, prefill tokens, decode
   tokens, sequences verifying drafts, prompt chunks [tokens, first position], KV positions the decode
   tokens attend over (summed)], loads [start, end, tier, pages] (KV loaded from below device memory),
-  free_pages and num_pages when it stopped).
+  free_pages and num_pages when it stopped); with deployment.num_workers: auto, "layout_choice" (per split
+  of the cores, best first: num_workers, threads_per_worker, simulated_attainment_pct,
+  simulated_ttft_p90_s, simulated_tpot_p90_s, fit_error_pct; experiments/layout.py).
 - summary: "num_requests", "completed", "errors", "rejected" (refused at once by deployment.admission=slo;
   not errors), "duration_s", "throughput_rps",
   "output_tokens_per_s"; for each of "ttft_s", "tpot_s", "itl_s", "e2e_s", "queue_s", "transfer_s",
