@@ -140,7 +140,7 @@ torch::Tensor causal_attention_amx(torch::Tensor q, torch::Tensor k, torch::Tens
             std::memset(p.data() + r * kKV, 0, kKV * sizeof(c10::BFloat16));
             continue;
           }
-          const float alpha = pdk::exp_nonpositive(m[r] - new_max);  // exp(-inf) ~ 1.6e-38: l and o are 0
+          const float alpha = new_max == m[r] ? 1.0f : pdk::exp_nonpositive(m[r] - new_max);  // exp(-inf) ~ 1.6e-38: l, o are 0
           // exp(score x scale - max) = 2^(score x scale log2 e - max log2 e); P in bf16, l summed in fp32
           const __m512 top = _mm512_set1_ps(new_max * kLog2e), vscale = _mm512_set1_ps(fscale * kLog2e);
           c10::BFloat16* prow = p.data() + r * kKV;
