@@ -302,10 +302,12 @@ def measure_engine(
     kv=128,
     device: str = "cpu",
     dtype: str = "bfloat16",
+    mixed: int = 0,
 ) -> list[Point]:
     """Best-of-3 step times of the engine on this device: one prefill of each prompt length, then decode
     steps of each batch size at KV length about kv (the step returns its sampled tokens, so a GPU's work
-    is done when it returns)."""
+    is done when it returns); with mixed, also the longest prompt's prefill in the step of that many
+    decoding sequences (a colocated worker's step under load)."""
     import torch
 
     from engine import LLM, SamplingParams
@@ -313,9 +315,10 @@ def measure_engine(
 
     torch.set_num_threads(threads)
     ops.set_backend("torch" if device == "cpu" else "auto")
-    pages = max(512, -(-max(prompts) // 16) + 64)
+    longest = max(prompts)
+    pages = max(512, -(-longest // 16) + (max(batches) + mixed) * (-(-(kv + 16) // 16)) + 64)
     # no prefix cache: every timed prefill computes its whole prompt (the same prompt again would be a hit)
-    llm = LLM(model_name, device=device, dtype=dtype, num_pages=pages, max_num_batched_tokens=max(prompts),
+    llm = LLM(model_name, device=device, dtype=dtype, num_pages=pages, max_num_batched_tokens=longest + mixed,
               enable_prefix_caching=False)  # fmt: skip
     points = []
     for n in prompts:
@@ -326,19 +329,50 @@ def measure_engine(
             llm.step()
             times.append(time.perf_counter() - t)
         points.append(Point("prefill", n, 0, min(times)))
-    for b in batches:
-        prompting = {
-            llm.add_request(list(range(100, 100 + kv)), SamplingParams(max_tokens=5, ignore_eos=True))
+
+    def decoding(b: int) -> list[str]:
+        """b requests of kv prompt tokens, each decoding once every prompt is in (more tokens asked than
+        the steps that take: a request that finished would shrink the batch being timed)."""
+        ids = [
+            llm.add_request(list(range(100, 100 + kv)), SamplingParams(max_tokens=1 << 12, ignore_eos=True))
             for _ in range(b)
-        }
+        ]
+        prompting = set(ids)
         while prompting:  # the prompts (they sample their first token)
             prompting -= {o.request_id for o in llm.step() if o.token_ids}
-        times = []
+        return ids
+
+    def done(ids: list[str]) -> None:
+        for rid in ids:
+            llm.abort(rid)
         while llm.has_unfinished():
+            llm.step()
+
+    for b in batches:
+        ids = decoding(b)
+        times = []
+        for _ in range(4):
             t = time.perf_counter()
             llm.step()
             times.append(time.perf_counter() - t)
-        points.append(Point("decode", b, kv + 2, min(times)))
+        done(ids)
+        points.append(Point("decode", b, kv + 3, min(times)))
+    if mixed:
+        ids = decoding(mixed)
+        times = []
+        for _ in range(3):  # the whole prompt and every decode in one step (the budget holds them)
+            rid = llm.add_request(
+                list(range(100, 100 + longest)), SamplingParams(max_tokens=1, ignore_eos=True)
+            )
+            t = time.perf_counter()
+            out = llm.step()
+            times.append(time.perf_counter() - t)
+            if not any(o.request_id == rid and o.token_ids for o in out):
+                raise RuntimeError(
+                    f"the {longest}-token prompt was not prefilled in one step beside {mixed} decodes"
+                )
+        points.append(Point("prefill", longest, kv + 4, min(times), decode=mixed))
+        done(ids)
     return points
 
 

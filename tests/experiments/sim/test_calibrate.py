@@ -178,7 +178,7 @@ def test_the_engines_moe_mla_steps_fit_and_feed_the_large_moe_study(tmp_path, ca
         "prefill 32",
         "prefill 128",
         "prefill 512",
-        *(f"decode {b} x kv 130" for b in (1, 8, 32)),
+        *(f"decode {b} x kv 131" for b in (1, 8, 32)),
     ]
     assert all(p["measured_s"] > 0 and p["model_s"] > 0 for p in fitted["points"])
     study = ["--requests", "40", "--prompt", "256", "--output", "16", "--decode-nodes", "1", "--mtp", "0"]
@@ -187,3 +187,33 @@ def test_the_engines_moe_mla_steps_fit_and_feed_the_large_moe_study(tmp_path, ca
     out.write_text('{"efficiency": {"linear": 7}}')
     with pytest.raises(SystemExit):
         moe_study.main([*study, "--efficiency", str(out)])
+
+
+def test_each_timed_decode_step_holds_the_whole_batch_and_the_mixed_step_its_prompt(monkeypatch):
+    """measure_engine's decode points are steps of all b sequences (they used to ask 5 tokens each, so the
+    first prompts finished while the last were still prefilling and a "batch of 32" step held a few), and
+    its mixed point prefills the whole longest prompt beside that many decodes in one step."""
+    from engine import LLM
+    from experiments.sim.calibrate import measure_engine
+
+    produced = []  # tokens each step sampled, and whether it held a prompt of 64 tokens
+    step = LLM.step
+
+    def counting(self):
+        out = step(self)
+        produced.append(sum(1 for o in out if o.token_ids))
+        return out
+
+    monkeypatch.setattr(LLM, "step", counting)
+    points = measure_engine("tiny-random", 1, prompts=(16, 64), batches=(1, 12), kv=40, mixed=5)
+    labels = [p.label() for p in points]
+    assert labels == [
+        "prefill 16",
+        "prefill 64",
+        "decode 1 x kv 43",
+        "decode 12 x kv 43",
+        "prefill 64 + decode 5",
+    ]
+    runs = "".join("x" if n == 12 else "." for n in produced)
+    assert "xxxx" in runs  # four timed steps of all twelve
+    assert produced.count(6) >= 3  # the prompt and the five decodes, three times
