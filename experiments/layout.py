@@ -71,7 +71,7 @@ class Steps:
     """This machine's fitted cost model per thread count, measured on first use and kept for the job."""
 
     def __init__(self, model_spec):
-        self.spec, self.fits = model_spec, {}
+        self.spec, self.fits, self.core = model_spec, {}, None
 
     def fitted(self, threads: int, prompts: tuple[int, ...]):
         """(sim model, hardware, efficiency, rms relative error) for steps on `threads` threads, fitted to
@@ -89,10 +89,11 @@ class Steps:
 
         before = torch.get_num_threads()
         try:
-            core, cores = measure(1), measure(threads)
+            self.core = self.core or measure(1)
+            cores = self.core if threads == 1 else measure(threads)
             # the cores' peak: one core's GEMM rate times the threads (oneDNN's own 1,024-square GEMM on 2
             # threads reached 1.16x one core's on a Xeon with AMX, where the engine's prefill reaches 1.8x)
-            hw = replace(cores, name=f"cpu-{threads}t", flops=core.flops * threads)
+            hw = replace(cores, name=f"cpu-{threads}t", flops=self.core.flops * threads)
             points = measure_engine(
                 self.spec.name,
                 threads,
