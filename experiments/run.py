@@ -91,9 +91,14 @@ def run(cfg: DictConfig, out_dir: Path, progress: bool = True, hooks=None) -> li
     return records
 
 
+def _auto(config) -> list[str]:
+    """The deployments whose num_workers is auto (an endpoint has none)."""
+    return [d.name for d in config.deployments if getattr(d, "num_workers", None) == "auto"]
+
+
 def _check_auto(config) -> None:
     """num_workers: auto splits this machine's CPU cores: refused, before anything runs, where it cannot."""
-    auto = [d.name for d in config.deployments if getattr(d, "num_workers", None) == "auto"]
+    auto = _auto(config)
     if auto and config.launcher.name == "ray":
         raise ValueError(
             f"deployment {auto[0]}: num_workers: auto measures this machine's cores; with launcher=ray give "
@@ -139,7 +144,7 @@ def _sweep_cores(config) -> int:
                 "cluster: start it (ray start --head) and set ray.address, or sweep with the basic launcher"
             )
         return 0  # Ray gives each job's workers their own CPUs
-    if any(getattr(d, "num_workers", None) == "auto" for d in config.deployments):
+    if _auto(config):
         raise ValueError(
             f"hydra.launcher.n_jobs={n_jobs} parallel jobs with num_workers: auto: auto splits all of a "
             "job's cores, so parallel jobs would measure each other. Give num_workers a number, or sweep "
