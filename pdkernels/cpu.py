@@ -17,8 +17,13 @@ What it holds:
   scores in one pass (torch's exp alone ran at about 0.7 ns an element here).
 - q8_linear: fp32 linear layers whose weights are exactly int8 blocks (GGUF's Q8_0 and Q4_1, as SmolLM2's
   file holds them), multiplied from the int8 copy at decode sizes (Q8Weight; AVX2 + FMA builds only).
-- DenseDecoder: a dense model's decode step through all its layers in one call, the same kernels in the
-  same order as engine.model.Model.forward (layers_cpu.cpp), without the Python between them.
+- DenseDecoder: a dense model's decode step (and, on AMX CPUs, a step with prompt tokens) through all its
+  layers in one call, the same kernels in the same order as engine.model.Model.forward (layers_cpu.cpp),
+  without the Python between them.
+- causal_attention_amx / extend_attention_amx (AMX CPUs only): a prompt chunk's causal attention in bf16 on
+  oneDNN's brgemm through torch's cpublas, the online softmax in AVX-512 (attention_amx.cpp).
+- packed_linear: `linear`'s oneDNN call; on several threads, each thread's own rows where the weight fits a
+  core's L2 (linear_cpu.cpp: oneDNN's own division left SmolLM2's down projection at one core's speed).
 - decode_attention on AVX-512 BF16 CPUs, bf16 caches: 16 tokens' scores at a time (vdpbf16ps), their
   lanes reduced together, P V accumulated in registers (2.5x the portable loop at batch 20; docs/engine.md);
   on AVX2 + FMA CPUs the same shape in 8-lane fp32 for fp32 and bf16 caches (decode_cpu.cpp; 3.7-4x).
