@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST := $(BIN)/python -m pytest
 
-.PHONY: run test test-all test-gpu gpu-check soak bench profile-cpu bench-tiers bench-goodput bench-dp bench-streaming bench-gpu repro lint clean
+.PHONY: run test test-repeat test-all test-gpu gpu-check soak bench profile-cpu bench-tiers bench-goodput bench-dp bench-streaming bench-gpu repro lint clean
 
 $(STAMP): setup.py pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,13 @@ run: $(STAMP)
 TEST_JOBS ?= 2
 test: $(STAMP)
 	$(PYTEST) -m "not slow" -q -n $(TEST_JOBS) --dist loadfile
+
+# the suite N times, each failing test with its count (scripts/test_repeat.py); BUSY=1 keeps every core
+# busy beside it (the suite must pass on a shared machine too)
+N ?= 3
+BUSY ?=
+test-repeat: $(STAMP)
+	$(BIN)/python scripts/test_repeat.py $(N) $(if $(BUSY),--busy)
 
 test-all: $(STAMP)
 	$(PYTEST) -q

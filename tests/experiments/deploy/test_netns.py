@@ -85,22 +85,34 @@ def test_a_sigkilled_owner_s_namespaces_are_removed_by_the_next_one(tmp_path):
 
 UDP_PROBE = textwrap.dedent(
     """
-    import socket, sys
+    import os, socket, sys
     side, address, folder = sys.argv[1:4]
+    WINDOW = 200  # datagrams in flight at most: far below every queue on the path (the CPUs' backlogs: 1,000)
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     if side == "recv":
         s.setsockopt(socket.SOL_SOCKET, 33, 256 << 20)  # SO_RCVBUFFORCE: nothing dropped by the socket
         s.bind((address, 9000))
         open(folder + "/ready", "w").close()
         seen = set()
-        while (n := int(s.recv(64))) >= 0:  # -1: the sender's end
-            seen.add(n)
-        open(folder + "/seen", "w").write(str(len(seen)))
+        while True:  # until the test stops it
+            data, sender = s.recvfrom(64)
+            if data.startswith(b"b"):  # a barrier: every datagram of the windows before it has arrived
+                open(folder + "/seen.tmp", "w").write(str(len(seen)))
+                os.replace(folder + "/seen.tmp", folder + "/seen")
+                s.sendto(b"a" + data[1:], sender)
+            else:
+                seen.add(int(data))
     else:
-        for n in range(int(sys.argv[4])):
-            s.sendto(str(n).encode(), (address, 9000))
-        for _ in range(2000):  # the end, many times: each crosses the same loss
-            s.sendto(b"-1", (address, 9000))
+        import select
+        total = int(sys.argv[4])
+        for start in range(-WINDOW, total, WINDOW):  # the first barrier resolves the neighbours (ARP): the
+            for n in range(max(start, 0), min(start + WINDOW, total)):  # unresolved queue drops the rest
+                s.sendto(str(n).encode(), (address, 9000))
+            barrier, acked = b"b%d" % start, False  # it crosses the same loss: sent until its ack comes
+            while not acked:
+                s.sendto(barrier, (address, 9000))
+                while not acked and select.select([s], [], [], 0.05)[0]:  # 0.05 s: when to send it again
+                    acked = s.recv(64) == b"a" + barrier[1:]
     """
 )
 
@@ -109,8 +121,10 @@ UDP_PROBE = textwrap.dedent(
 def test_loss_drops_each_packet_on_its_own_draw_on_both_ends_of_the_path(tmp_path, loss_pct):
     """cluster.link.loss_pct without netem (an eBPF classifier on each NIC's egress, both sides): each
     classifier drops p of the packets it sees (tc's own count), and a datagram from host 0 to host 1
-    crosses host 0's link and host 1's, so (1 - p)^2 of them arrive, unless a veth's backlog dropped
-    some too (once beside the full suite: 0.589 for 0.64), which its counters say, and then fewer."""
+    crosses host 0's link and host 1's, so (1 - p)^2 of them arrive. The sender keeps at most a window of
+    them in flight (a barrier acknowledged by the receiver ends each, and one before the first resolves
+    the hosts' addresses): sent as fast as it could, the datagrams queued for ARP's answer and the CPUs'
+    backlogs overflowed on a busy machine, and 0.55 arrived for 0.64, by machine speed."""
     skip_without_ebpf()
     sent = 4000
     with Hosts(2, Link("100mbit", loss_pct=loss_pct), subnet=12) as hosts:
@@ -120,26 +134,26 @@ def test_loss_drops_each_packet_on_its_own_draw_on_both_ends_of_the_path(tmp_pat
             assert receiver.poll() is None, "the receiver ended before it was ready"
             os.sched_yield()
         sender = hosts.run(0, [*probe, "send", hosts.address(1), str(tmp_path), str(sent)])
-        assert sender.wait(timeout=60) == 0
-        assert receiver.wait(timeout=60) == 0
+        assert sender.wait(timeout=120) == 0
+        receiver.kill()
+        receiver.wait(timeout=60)
         snmp = subprocess.run(hosts.command(1, ["cat", "/proc/net/snmp"]), capture_output=True, text=True)
         names, values = [line.split() for line in snmp.stdout.splitlines() if line.startswith("Udp:")][:2]
         assert values[names.index("RcvbufErrors")] == "0", "the receiving socket dropped some (not the link)"
         arrived = int((tmp_path / "seen").read_text()) / sent
         want, p = (1 - loss_pct / 100) ** 2, loss_pct / 100
         sides = [(hosts.names[0], "eth0"), (hosts.switch, "h1n0")]  # the path's two egresses
-        for namespace, dev in sides:
+        for hop, (namespace, dev) in enumerate(sides):
             cmd = ["ip", "netns", "exec", namespace, "tc", "-s", "-j", "qdisc", "show", "dev", dev]
             shown = subprocess.run(cmd, capture_output=True, text=True).stdout
             (seen,) = [(q["packets"], q["drops"]) for q in json.loads(shown) if q["kind"] == "clsact"] or [
                 (0, 0)
             ]
-            if loss_pct:  # 5 standard deviations at 20% over about 6,000 packets
-                assert seen[0] > sent and abs(seen[1] / seen[0] - p) < 0.03, (dev, seen, p)
-        backlog = sum(netns.link_stats(namespace, dev)["tx"]["dropped"] for namespace, dev in sides)
-        assert arrived < want + 0.04, (arrived, want)
-        if not backlog:
-            assert arrived > want - 0.04, (arrived, want)
+            if loss_pct:  # each sees what the hop before let through; 0.03: 4 standard deviations at 20%
+                assert seen[0] > sent * ((1 - p) ** hop - 0.03), (dev, seen, p)
+                assert abs(seen[1] / seen[0] - p) < 0.03, (dev, seen, p)
+        dropped = [netns.link_stats(namespace, dev)["tx"]["dropped"] for namespace, dev in sides]
+        assert abs(arrived - want) < 0.04, (arrived, want, "veths' drops:", dropped)
         shown = subprocess.run(hosts.command(0, ["tc", "filter", "show", "dev", "eth0", "egress"]),
                                capture_output=True, text=True).stdout  # fmt: skip
         assert ("direct-action" in shown) == (loss_pct > 0)
