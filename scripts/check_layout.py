@@ -1,6 +1,7 @@
 """The codebase's layout rules, checked by `make lint` (and so by CI):
 
-- every Python file is at most MAX_LINES lines (a file past it wants splitting where it has a seam);
+- no Python file is past MAX_LINES lines: a backstop, not where code is cut (files follow seams: a file
+  past ~800 lines is a smell to look at, STYLE.md; one past 1,000 has grown several ideas);
 - tests mirror the packages: a folder under tests/ is a package's folder (tests/experiments/deploy for
   experiments/deploy), and a test named after a module of a subpackage lives in that subpackage's folder
   (tests/experiments/deploy/test_policy.py, not tests/experiments/test_policy.py);
@@ -16,7 +17,7 @@ import ast
 import sys
 from pathlib import Path
 
-MAX_LINES = 500
+MAX_LINES = 1000
 SOURCES = ("engine", "experiments", "transfer", "pdkernels", "scripts", "tests")
 PACKAGES = ("engine", "experiments", "transfer", "pdkernels")  # whose modules may not import round a circle
 
