@@ -36,14 +36,18 @@ class DecodeHandoff:
         (prompt and params are its own: pages for all its tokens but the last).
 
         Raises engine.kv.cache.OutOfPages (taking nothing) when the free pages, after this reservation,
-        would not cover the growth every admitted request is owed (SchedulerConfig.reserved_tokens)."""
+        would not cover the growth every admitted request is owed (SchedulerConfig.reserved_tokens), and
+        no client over its share gives way (engine/fair.py)."""
         seq = self.core.scheduler.refetching.get(request_id) if request_id is not None else None
         if seq is None:
             if params is not None and params.n > 1:
                 raise ValueError(f"n={params.n}: reserve takes one completion (add each, with after)")
             seq = self.make_sequence(prompt, params, request_id)
-        hit = self.core.scheduler.lookup(seq)
+        scheduler = self.core.scheduler
+        hit = scheduler.lookup(seq)
         seq.admitted_at = seq.num_tokens  # what it is owed counts from now (a refetch's too)
+        if not scheduler.has_room(seq, hit) and scheduler.give_way(seq):  # clients over their share
+            hit = scheduler.lookup(seq)
         if not self.core.scheduler.has_room(seq, hit):
             raise OutOfPages(
                 f"{seq.request_id}: {self.core.scheduler.need(seq) - len(hit)} pages to finish, "

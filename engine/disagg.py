@@ -42,8 +42,8 @@ class PrefillSide:
     def __init__(self, llm: LLM):
         self.llm = llm
 
-    def start(self, request_id: str, prompt_ids: list[int], cache_salt: str = "") -> None:
-        params = SamplingParams(max_tokens=1, cache_salt=cache_salt or None)
+    def start(self, request_id: str, prompt_ids: list[int], cache_salt: str = "", client=()) -> None:
+        params = SamplingParams(max_tokens=1, cache_salt=cache_salt or None, client=tuple(client) or None)
         # this engine's own (DP group 0's with DP: each group's messenger serves its own engine)
         self.llm.add_request(prompt_ids, params, request_id=request_id, dp_rank=0)
 

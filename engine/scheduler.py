@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 from engine.budget import SloBudget, decode_state
 from engine.config import SchedulerConfig
+from engine.fair import Shares
 from engine.kv.cache import PageAllocator, page_hashes, request_salt
 from engine.kv.tiers import KVTiers, Load
 from engine.sequence import Sequence, Status
@@ -199,11 +200,15 @@ class Scheduler:
         owned = len(self.allocator.pages(seq.request_id))
         return max(0, self.allocator.pages_for(self.final_tokens(seq)) - owned)
 
-    def debt(self) -> int:
-        """Pages the admitted sequences (running, reserved, or queued with pages) are owed."""
+    def admitted(self) -> list[Sequence]:
+        """The sequences admitted: running, reserved, queued with pages, or loading them from below."""
         queued = [s for s in self.waiting if self.allocator.pages(s.request_id)]
         queued += [self.loading[rid][0] for rid in self.landing]
-        return sum(self.need(s) for s in (*self.running, *self.reserved.values(), *queued))
+        return [*self.running, *self.reserved.values(), *queued]
+
+    def debt(self) -> int:
+        """Pages the admitted sequences are owed."""
+        return sum(self.need(s) for s in self.admitted())
 
     def has_room(self, seq: Sequence, hit: list[int] = ()) -> bool:
         """Whether seq, not yet admitted and holding no pages, may start now (sharing the cached pages
@@ -221,8 +226,36 @@ class Scheduler:
         owned = len(self.allocator.pages(seq.request_id))
         return max(0, self.allocator.pages_for(num_tokens) - owned - self.need(seq))
 
+    def next_waiting(self, shares: Shares) -> Sequence:
+        """The waiting sequence admitted next: one holding pages first, else the earliest of the client
+        that holds the fewest (engine/fair.py; first come, first served among one client's)."""
+        return min(self.waiting, key=lambda s: (not self.allocator.pages(s.request_id), shares.rank(s)))
+
+    def give_way(self, seq: Sequence, shares: Shares | None = None) -> bool:
+        """seq, not admitted, may not start (no room, or max_num_seqs run): preempt the newest running
+        sequence of the client that holds the most, while it holds at least two more than seq's
+        (engine/fair.py), until seq could start. Returns whether it could."""
+        shares = shares or Shares(self.admitted())
+        hit = self.lookup(seq)  # named pages stay cached when a preemption frees them
+        while True:
+            if len(self.running) < self.config.max_num_seqs and self.has_room(seq, hit):
+                return True
+            pinned = self.allocator.is_pinned
+            victims = [s for s in self.running if shares.gives_way(s, seq) and not pinned(s.request_id)]
+            if not victims:
+                return False
+            victim = max(reversed(victims), key=shares.rank)  # the first of the most: the newest of them
+            shares.remove(victim)
+            self.preempt(victim)
+
     def schedule(self) -> Batch | None:
         self._landed()
+        held = self._held()
+        shares = Shares(self.admitted())
+        if self.waiting and self.role != "prefill":  # a prefill's pages go free once sent, soon
+            head = self.next_waiting(shares)
+            if not self.allocator.pages(head.request_id):
+                self.give_way(head, shares)
         batch, budget = Batch(), self.config.max_num_batched_tokens
         decoding = [s for s in self.running if self.target(s) - s.num_computed == 1]
         if self.budget is not None and decoding:  # prompts get what keeps the decodes on time
@@ -253,9 +286,8 @@ class Scheduler:
                 budget -= n + len(drafts)
                 spare -= excess
         debt = self.debt()
-        held = self._held()
         while self.waiting and budget > 0 and len(batch.chunks) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+            seq = self.next_waiting(shares)
             holds = bool(self.allocator.pages(seq.request_id))  # then already counted in debt
             hit = [] if holds else self.lookup(seq)
             below = [] if holds else self._below(seq, len(hit))
@@ -274,9 +306,10 @@ class Scheduler:
                     self.preempt(seq)  # nothing else can free a page for it: let the others go on
                     continue
                 break  # wait for pages: running sequences' growth comes first
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             if not holds:
                 self._start(seq, hit)
+                shares.add(seq)
             if below:  # it waits out of the batch while they load
                 self._load(seq, below)
                 debt = others + self.need(seq)

@@ -9,6 +9,7 @@ from enum import Enum
 
 import torch
 
+from engine.fair import check_client
 from engine.structured import StructuredOutputs
 
 
@@ -36,6 +37,8 @@ class SamplingParams:
     structured_outputs: StructuredOutputs | None = None  # a JSON schema, regex, choice or grammar to keep to
     n: int = 1  # completions of the prompt: computed once, its pages shared (child i seeded seed + i)
     cache_salt: str | None = None  # prefix-cache pages are shared only among requests of the same salt
+    # who it is for (engine/fair.py): sender, then user; workers admit by each client's share of what runs
+    client: tuple[str, ...] | None = None
 
     def __post_init__(self):
         _integer("max_tokens", self.max_tokens, 1, "an integer >= 1")
@@ -102,6 +105,7 @@ class SamplingParams:
             not isinstance(self.cache_salt, str) or not 0 < len(self.cache_salt) <= MAX_CACHE_SALT
         ):
             raise ValueError(f"cache_salt must be None or a string of 1-{MAX_CACHE_SALT} characters")
+        object.__setattr__(self, "client", check_client(self.client))
         if self.logprobs is not None:
             _integer(
                 "logprobs", self.logprobs, 0, f"None or an integer in [0, {MAX_LOGPROBS}]", MAX_LOGPROBS + 1

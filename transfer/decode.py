@@ -236,12 +236,14 @@ class DecodeMessenger:
         prefer: str | None = None,
         cache_salt: str = "",
         group: int = 0,
+        client: tuple[str, ...] = (),
     ) -> bool:
         """Reserve pages and ask a prefill worker (peer if named; else prefer, the router's choice, while
         it is live: the least loaded of its DP groups; else the least loaded live one) for prompt_ids[:-1],
         past the pages the engine holds already; when the tokens the engine would still have to compute
         (those missing and the last) are at most local_max_tokens, or only the last, it computes them itself
-        instead. cache_salt: the request's, for the prefill side's prefix cache. group: the DP group whose
+        instead. cache_salt: the request's, for the prefill side's prefix cache; client: who it is for (the
+        prefill side's fair share). group: the DP group whose
         engine takes it (add_group's number). Returns whether a prefill worker was asked.
 
         Raises what engine.reserve raises (out of pages, a bad request) with nothing taken."""
@@ -295,8 +297,9 @@ class DecodeMessenger:
         pending = _Pending(seq, target, slot, self.clock(), len(prompt_ids) - 1, timing, group=group)
         self.pending[request_id] = pending
         request = PrefillRequest(
-            request_id, list(prompt_ids[:-1]), pages, g.spec, g.metadata, slot, seq, skip, cache_salt
-        )
+            request_id, list(prompt_ids[:-1]), pages, g.spec, g.metadata, slot, seq, skip, cache_salt,
+            list(client),
+        )  # fmt: skip
         try:
             target.channel.send(request)
         except TimeoutError as e:  # nothing was sent: nothing can land, the pages are safe at once

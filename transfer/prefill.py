@@ -56,7 +56,8 @@ LOG_LIMIT = 4096  # entries kept in post_log / done_log (diagnostics, not per-re
 
 
 class PrefillEngine(Protocol):
-    def start(self, request_id: str, prompt_ids: list[int], cache_salt: str = "") -> None: ...  # their KV
+    # compute their KV; client: who it is for (names of the decode side's; the engine's fair share)
+    def start(self, request_id: str, prompt_ids: list[int], cache_salt: str = "", client=()) -> None: ...
 
     def pages(self, request_id: str) -> list[int]: ...
 
@@ -307,7 +308,7 @@ class PrefillMessenger:
             for src, dst, ops in routes:
                 self.agents.backends[src].check(peers[src][dst], ops)
             self.backend.check(peers[0][0], [self._context_op(req, 0)])
-            self.engine.start(req.request_id, req.prompt_ids, req.cache_salt)  # checks the token ids
+            self.engine.start(req.request_id, req.prompt_ids, req.cache_salt, req.client)  # checks the ids
         except Exception as e:  # whatever a peer sent, it fails its own request only
             self.refused += 1
             log.warning("refused request %s: %s", req.request_id, e)

@@ -66,6 +66,7 @@ class PrefillRequest(Message):
     skip_pages: int = 0  # the decode side holds these leading pages already (its prefix cache): write
     # only dst_pages[skip_pages:]
     cache_salt: str = ""  # the request's (the prefill side names and looks up its pages with it too)
+    client: list[str] = []  # who it is for (digests): the prefill side admits by each client's share too
 
     def __post_init__(self):
         check_request(self.request_id, self.prompt_ids)
@@ -85,6 +86,8 @@ class PrefillRequest(Message):
             raise ValueError("context_slot must be >= 0 and seq in [0, 2**63)")
         if len(self.cache_salt) > 256:
             raise ValueError("cache_salt holds at most 256 characters")
+        if len(self.client) > 2 or not all(0 < len(c) <= 64 for c in self.client):
+            raise ValueError("client holds at most 2 names of 1-64 characters")
         if len(self.dst_metadata) not in (1, self.dst_spec.tp):
             raise ValueError(
                 f"dst_metadata holds {len(self.dst_metadata)} agents' metadata; one per decode TP rank "

@@ -182,7 +182,7 @@ def _messenger_decode(page_bytes, creds, commands, results):
 
 
 class _Source:
-    def start(self, request_id, prompt_ids, cache_salt=""):
+    def start(self, request_id, prompt_ids, cache_salt="", client=()):
         pass
 
     def pages(self, request_id):

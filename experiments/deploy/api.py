@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
+import ipaddress
 import logging
 import secrets
 import threading
@@ -26,7 +28,8 @@ from experiments.deploy.fields import (
     COMPLETION_FIELDS,
     UNSUPPORTED_UNLESS,
     cache_salt_of,
-    check_messages,
+    extras,
+    messages_of,
     number,
     sampling_fields,
     structured_of,
@@ -44,6 +47,9 @@ log = logging.getLogger(__name__)
 INLINE_BYTES = 16 * 1024  # bodies and completion prompts up to this size are parsed on the event loop
 DISCONNECT_POLL_S = 0.25  # how often a non-streamed request looks for its client's disconnect
 MAX_TOP_K = (1 << 31) - 1
+# include_usage: a last chunk with the usage; vLLM's continuous_usage_stats and OpenAI's
+# include_obfuscation (random padding against length side channels) are taken and not acted on
+STREAM_OPTIONS = {"include_usage", "continuous_usage_stats", "include_obfuscation"}
 
 
 @dataclass
@@ -113,7 +119,7 @@ class App:
         self.metrics.sandboxes(templates, grammars, lambda: self.compiles)
         self.logprobs = LogprobShapes(tokenizer)
         self.stopping = False  # set when the server drains before it stops: new requests get 503
-        self._held: Counter[str] = Counter()  # completions in flight by client address
+        self._held: Counter[str] = Counter()  # completions in flight by client (max_sequences_per_client)
         self._held_lock = threading.Lock()  # results come on the runtime's thread
         # the Host names served (a browser page on another site cannot forge one: DNS rebinding)
         cfg = self.config
@@ -125,6 +131,37 @@ class App:
             *(h.lower() for h in cfg.allowed_hosts),
         }
         self.any_host = "*" in self.hosts or (cfg.host in ("0.0.0.0", "::") and not cfg.allowed_hosts)
+        self._proxies = [ipaddress.ip_network(p, strict=False) for p in cfg.trusted_proxies]
+        self._secret = secrets.token_bytes(32)  # client digests (client_of)
+
+    # -- who asks
+
+    def client_of(self, peer: str, headers, body) -> tuple[str, ...]:
+        """The client a request is for (engine/fair.py): its sender, the address a trusted proxy says
+        is behind it (server.client_header's last entry) or else the peer's own address; then, when the
+        request names one, its user (user, else safety_identifier, else the bearer key it sends). Each
+        as a digest under this server's own secret: no address, name or key leaves the server."""
+        sender = peer
+        if self._trusted(peer):
+            forwarded = (headers.get(self.config.client_header) or "").rsplit(",", 1)[-1].strip()
+            sender = forwarded[:64] or peer
+        user = None
+        if isinstance(body, dict):
+            user = next(
+                (body[k] for k in ("user", "safety_identifier") if isinstance(body.get(k), str)), None
+            )
+        key = headers.get("authorization", "")
+        if user is None and key.startswith("Bearer ") and self.api_key is None:  # a gateway's own users
+            user = "key:" + key
+        names = [sender] if user is None else [sender, user]
+        return tuple(hashlib.blake2b(n.encode(), key=self._secret, digest_size=8).hexdigest() for n in names)
+
+    def _trusted(self, peer: str) -> bool:
+        try:
+            address = ipaddress.ip_address(peer)
+        except ValueError:
+            return False
+        return any(address in net for net in self._proxies)
 
     # -- checking requests
 
@@ -139,6 +176,8 @@ class App:
                     )
             elif key not in allowed:
                 raise ApiError(400, f"unsupported field {key!r}; supported: {sorted(allowed)}", key)
+        if allowed is CHAT_FIELDS:
+            extras(body)
         model = body.get("model")
         if model != self.model_name:
             raise ApiError(
@@ -162,13 +201,11 @@ class App:
     async def _render(self, messages, client: str) -> str:
         from experiments.deploy.sandbox import SandboxError, Task
 
-        check_messages(messages)
+        messages = messages_of(messages)
         self._check_chars(sum(len(m["content"]) for m in messages), "messages")
         if not self.tokenizer.chat_template:
             raise ApiError(400, "this model has no chat template; use /v1/completions", "messages")
-        task = Task(
-            self.config.template_timeout_s, [{"role": m["role"], "content": m["content"]} for m in messages]
-        )
+        task = Task(self.config.template_timeout_s, messages)
         try:
             return await self.templates.run(task, client)
         except SandboxError as e:  # the template is the model's (untrusted): its failures are the request's
@@ -196,7 +233,9 @@ class App:
             self.compiled_chars -= len(self.compiled.popitem(last=False)[1])
         return grammar
 
-    def parse(self, body: dict, chat: bool, prepared: Prepared) -> Parsed:
+    def parse(
+        self, body: dict, chat: bool, prepared: Prepared, client: tuple[str, ...] | None = None
+    ) -> Parsed:
         self.check_fields(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
         if chat:
             prompt_ids = self._chat_prompt(prepared.text)
@@ -230,8 +269,14 @@ class App:
             if not isinstance(value, bool):
                 raise ApiError(400, f"{key2} must be a boolean, got {value!r}", key2)
         options = body.get("stream_options") or {}
-        if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
-            raise ApiError(400, "stream_options may hold include_usage (a boolean)", "stream_options")
+        if (
+            not isinstance(options, dict)
+            or not set(options) <= STREAM_OPTIONS
+            or not all(isinstance(v, bool | None) for v in options.values())
+        ):
+            raise ApiError(
+                400, f"stream_options may hold {sorted(STREAM_OPTIONS)}, each a boolean", "stream_options"
+            )
         seed = body.get("seed")
         if seed is not None:
             seed = number(body, "seed", None, 0, (1 << 63) - 1, integer=True)
@@ -246,6 +291,7 @@ class App:
                 stop=tuple(stop),
                 ignore_eos=ignore_eos,
                 cache_salt=cache_salt_of(body, self.config.cache_isolation),
+                client=client or None,
                 **fields,
             )
         except (ValueError, TypeError) as e:
@@ -300,8 +346,9 @@ class App:
     # -- running requests
 
     def start(self, parsed: Parsed, loop: asyncio.AbstractEventLoop, client: str = "?") -> asyncio.Queue:
-        """Submit parsed's completions; client (its address) holds them against its share until each one's
-        result comes (every completion gets one, a cancelled one too)."""
+        """Submit parsed's completions. With server.max_sequences_per_client set, client (client_of's,
+        joined) holds them against that limit until each one's result comes (every completion gets one,
+        a cancelled one too); past it, 429."""
         if self.stopping:
             raise ApiError(503, "the server is stopping", kind="service_unavailable")
         if not self.runtime.can_serve:
@@ -310,7 +357,7 @@ class App:
                 f"no live worker can take requests (exited: {sorted(self.runtime.dead)})",
                 kind="service_unavailable",
             )
-        limit = self.config.max_sequences_per_client
+        limit = self.config.max_sequences_per_client or float("inf")
         with self._held_lock:
             held = self._held[client]
             if held + parsed.n > limit:

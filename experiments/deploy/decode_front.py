@@ -12,6 +12,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from engine.fair import Shares
+
 log = logging.getLogger(__name__)
 
 
@@ -101,13 +103,15 @@ class DecodeFront:
 
         if self.backlog and self.waiting_for_restart(dm):
             return
+        shares = Shares(self.llm.scheduler.admitted())
         while self.backlog:
-            item = self.backlog[0]
+            # the client holding the fewest here goes first (engine/fair.py): refetches first among its own
+            item = min(self.backlog, key=shares.rank)
             rid = item.request_id
             first = self.llm.seqs.get(self.after.pop(rid, ""))
             if first is not None and not first.finished and first.prompt_ids == item.token_ids:
                 # n > 1: the first completion's transfer serves this one too (engine: add_request after)
-                self.backlog.popleft()
+                self.backlog.remove(item)
                 self.llm.add_request(item.token_ids, item.params, rid, after=first.request_id)
                 self.prefilled_here.add(rid)
                 continue
@@ -121,6 +125,7 @@ class DecodeFront:
                     local_max_tokens=local,
                     prefer=item.peer,
                     cache_salt=salt,
+                    client=item.params.client or (),
                     group=item.group if item.group is not None else self.llm.least_busy_group(),
                 ):
                     self.prefilled_here.add(rid)
@@ -131,4 +136,5 @@ class DecodeFront:
                     self.llm.abort(rid, f"could not fetch its KV again: {e}")
                 else:
                     refuse(rid, e)
-            self.backlog.popleft()
+            self.backlog.remove(item)
+            shares.add(item)

@@ -36,10 +36,32 @@ COMMON = {
     "structured_outputs",
     "cache_salt",
 }
-COMPLETION_FIELDS = COMMON | {"prompt", "echo"}
-CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs", "response_format"}
+COMPLETION_FIELDS = COMMON | {"prompt", "echo", "best_of", "suffix"}
+# the OpenAI API's further chat fields that the field's clients send (SDKs' typed helpers, LangChain,
+# LiteLLM, agent frameworks): each taken as far as it means something here (extras() checks them)
+CHAT_FIELDS = COMMON | {
+    "messages",
+    "max_completion_tokens",
+    "top_logprobs",
+    "response_format",
+    "metadata",
+    "store",
+    "service_tier",
+    "modalities",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "prompt_cache_key",
+    "safety_identifier",
+}
+# fields taken only at these values (what the API does without them); any other is a 400 naming it
 UNSUPPORTED_UNLESS = {
     "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "store": (None, False),  # nothing is stored here
+    "service_tier": (None, "auto", "default"),
+    "modalities": (None, ["text"]),  # no model here speaks audio
 }
 MAX_TOP_LOGPROBS = {True: 20, False: 5}  # chat's top_logprobs, completions' logprobs (OpenAI's bounds)
 MAX_TOKEN_LIST = 1024  # entries of logit_bias or stop_token_ids
@@ -152,18 +174,85 @@ def cache_salt_of(body: dict, isolation: str) -> str | None:
     return salt
 
 
-def check_messages(messages) -> None:
+ROLES = ("system", "developer", "user", "assistant")  # developer: OpenAI's newer name for system
+MESSAGE_KEYS = {"role", "content", "name"}
+ASSISTANT_NONE = ("refusal", "tool_calls", "function_call", "audio")  # taken when null (or an empty list)
+
+
+def messages_of(messages) -> list[dict[str, str]]:
+    """The chat as the model's template takes it, [{role, content: str}]: content a string or a list of
+    text parts (joined by newlines, as vLLM joins them); an assistant's may be null. An image, audio or
+    file part, a tool message or call, or a key the API does not have is a 400 naming where it is."""
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list of {role, content}", "messages")
-    for m in messages:
-        if not (
-            isinstance(m, dict)
-            and m.get("role") in ("system", "user", "assistant")
-            and isinstance(m.get("content"), str)
-        ):
-            raise ApiError(
-                400, "each message must be {role: system|user|assistant, content: string}", "messages"
-            )
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise ApiError(400, f"{where} must be an object {{role, content}}", "messages")
+        role = m.get("role")
+        if role not in ROLES:
+            raise ApiError(400, f"{where}.role={role!r} is not supported: one of {ROLES}", "messages")
+        for key, value in m.items():
+            if key in MESSAGE_KEYS or (role == "assistant" and key in ASSISTANT_NONE and value in (None, [])):
+                continue
+            what = "tool calls need tools, and none are served here" if "call" in key else "not supported"
+            raise ApiError(400, f"{where}.{key}: {what} (a message takes {sorted(MESSAGE_KEYS)})", "messages")
+        name = m.get("name")
+        if name is not None and (not isinstance(name, str) or not 0 < len(name) <= MAX_SALT_CHARS):
+            raise ApiError(400, f"{where}.name must be a string of 1-{MAX_SALT_CHARS} characters", "messages")
+        content = m.get("content")
+        if content is None and role == "assistant":
+            content = ""
+        elif isinstance(content, list):
+            content = "\n".join(_text_part(part, f"{where}.content[{j}]") for j, part in enumerate(content))
+        elif not isinstance(content, str):
+            what = "a string or a list of text parts {type: text, text}"
+            raise ApiError(400, f"{where}.content must be {what}", "messages")
+        out.append({"role": "system" if role == "developer" else role, "content": content})
+    return out
+
+
+def _text_part(part, where: str) -> str:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "text" and isinstance(part.get("text"), str) and set(part) <= {"type", "text"}:
+        return part["text"]
+    if kind == "text":
+        raise ApiError(400, f"{where} must be {{type: text, text: string}}", "messages")
+    what = "is not supported: this model takes text parts only (type: text)"
+    raise ApiError(400, f"{where}.type={kind!r} {what}", "messages")
+
+
+MAX_METADATA = 16  # OpenAI's bounds on metadata: 16 pairs, keys of 64 characters, values of 512
+
+
+def extras(body: dict) -> None:
+    """The chat fields this server takes without acting on them, checked: metadata (OpenAI's bounds),
+    tools only with tool_choice none (the model is never asked to call one), parallel_tool_calls a
+    boolean, prompt_cache_key and safety_identifier strings like user."""
+    meta = body.get("metadata")
+    pairs = meta.items() if isinstance(meta, dict) else ()
+    fits = all(isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512 for k, v in pairs)
+    if meta is not None and not (isinstance(meta, dict) and len(meta) <= MAX_METADATA and fits):
+        raise ApiError(
+            400, f"metadata must map at most {MAX_METADATA} keys (64 characters) to strings (512)", "metadata"
+        )
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if tools is not None and not isinstance(tools, list):
+        raise ApiError(400, "tools must be a list", "tools")
+    if tools and choice != "none":
+        raise ApiError(
+            400, "tools are not served here: give tool_choice: none (the model then answers in text)", "tools"
+        )
+    if choice not in (None, "none", "auto"):
+        what = "is not supported: none (or auto without tools)"
+        raise ApiError(400, f"tool_choice={choice!r} {what}", "tool_choice")
+    if not isinstance(body.get("parallel_tool_calls", False), bool | None):
+        raise ApiError(400, "parallel_tool_calls must be a boolean", "parallel_tool_calls")
+    for key in ("prompt_cache_key", "safety_identifier"):
+        value = body.get(key)
+        if value is not None and (not isinstance(value, str) or not 0 < len(value) <= MAX_SALT_CHARS):
+            raise ApiError(400, f"{key} must be a string of 1-{MAX_SALT_CHARS} characters", key)
 
 
 def structured_of(body: dict):

@@ -1,10 +1,14 @@
 """What the local launcher's fork server does once for every worker it forks (launcher._fork_server):
-import torch (3.4 s of CPU per process on an AVX2 EPYC) and read the tokenizer GGUF that every built-in
-model uses (SmolLM2's, or PDKERNELS_TOKENIZER_GGUF's: 0.8 s). A forked worker inherits both. Nothing here
-may stop the fork server: a file that cannot be read is left to the worker's own load to report."""
+import torch (3.4 s of CPU per process on an AVX2 EPYC) and xgrammar (1.2 s on a Xeon: every grammar
+sandbox child and every worker that samples), and read the tokenizer GGUF that every built-in model uses
+(SmolLM2's, or PDKERNELS_TOKENIZER_GGUF's: 0.8 s). A forked process inherits them: a grammar sandbox child
+started for a client then is ready in a fraction of a second. Nothing here may stop the fork server: a
+file that cannot be read is left to the worker's own load to report."""
 
 import torch  # noqa: F401
+import xgrammar  # noqa: F401
 
+import engine.structured  # noqa: F401  (what a grammar child builds its compiler with)
 from engine.weights import read_builtin_tokenizer
 
 try:

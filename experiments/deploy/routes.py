@@ -164,16 +164,17 @@ async def generate(request: Request, chat: bool):
     sandboxed = chat or (
         isinstance(body, dict) and ("structured_outputs" in body or "response_format" in body)
     )
-    client = request.client.host if request.client else "?"  # its address: its share of what all share
-    work = state.prepare(body, chat, client)  # templates, grammars: in the sandboxes, cancelled with it
+    # who it is for: its share of what all share (workers' admission, the sandboxes)
+    client = state.client_of(request.client.host if request.client else "?", request.headers, body)
+    work = state.prepare(body, chat, "/".join(client))  # templates, grammars: in the sandboxes
     prepared = await (unless_gone(request, work) if sandboxed else work)
     prompt = body.get("prompt") if isinstance(body, dict) and not chat else None
     if isinstance(prompt, list | str) and len(prompt) <= INLINE_BYTES // 4:
-        parsed = state.parse(body, chat, prepared)  # a short completion prompt: well under a millisecond
+        parsed = state.parse(body, chat, prepared, client)  # a short completion prompt: under a millisecond
     else:  # rendered chats and long prompts tokenize off the loop
-        parsed = await asyncio.to_thread(state.parse, body, chat, prepared)
+        parsed = await asyncio.to_thread(state.parse, body, chat, prepared, client)
     loop = asyncio.get_running_loop()
-    events = state.start(parsed, loop, client)
+    events = state.start(parsed, loop, "/".join(client))
     if parsed.stream:  # a request refused at once (admission, no worker) is an HTTP error, not a stream
         try:
             first = await events.get()  # a completion Routed, or Ended at once

@@ -10,10 +10,11 @@ torch imported), never on the event loop or a worker's step loop:
   GIL for a minute (`10 ** 30000000` in a template) or a schema whose conversion grows without bound
   costs one child, not the server;
 - what crosses the pipe is msgspec JSON, never a pickle;
-- one client's tasks hold at most all children but one at a time (run(task, client)): six hostile
-  grammars from one client held both grammar children, and another client's trivial schema waited
-  14.7-19.5 s; the others wait for their client's turn, cancelled with it. Children run at a lower
-  CPU priority (nice 10) than the server and its workers.
+- clients share the pool fairly (Sandbox's docstring): one client's tasks hold at most all children but
+  one at a time (six hostile grammars from one client held both grammar children, and another client's
+  trivial schema waited 14.7-19.5 s), the others wait for their turn, cancelled with it, a client with
+  nothing running gets a child of its own while the pool may grow, and a slow task yields its CPU.
+  Children run at a lower CPU priority (nice 10) than the server and its workers.
 A grammar compiled here reaches the worker serialized (Submit.grammar) and is only loaded there.
 """
 
@@ -27,6 +28,7 @@ import queue
 import resource
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
@@ -37,6 +39,7 @@ START_TIMEOUT_S = 60.0  # a child's start (imports) may take this long: not coun
 POLL_S = 0.05  # how often a waiting task looks whether its caller gave up
 MAX_COMPILED_CHARS = 16 << 20  # a compiled grammar's serialized length (it travels in a Submit)
 CHILD_NICE = 10  # the children's CPU priority below the server's
+SLOW_S, SLOW_NICE = 0.25, 19  # a task running longer yields its CPU to the others' (fair share)
 
 
 class Setup(msgspec.Struct, frozen=True):
@@ -145,6 +148,21 @@ class _Child:
         self.ready = False
         self._killed = threading.Lock()  # a task's thread and close() may both kill it: once
 
+    def yield_cpu(self) -> bool:
+        """Its task is slow: the others' tasks go first (nice 19); whether that took."""
+        try:
+            os.setpriority(os.PRIO_PROCESS, self.proc.pid, SLOW_NICE)
+            return True
+        except OSError:  # gone already
+            return False
+
+    def resume_cpu(self) -> None:
+        """Back to CHILD_NICE for its next task (raising a priority again needs root: then it stays)."""
+        try:
+            os.setpriority(os.PRIO_PROCESS, self.proc.pid, CHILD_NICE)
+        except OSError:
+            pass
+
     def kill(self) -> None:
         if not self._killed.acquire(blocking=False):
             return
@@ -154,12 +172,20 @@ class _Child:
 
 
 class Sandbox:
-    """A pool of up to `processes` children of one kind, each started when a task first finds none idle
-    (a server that never renders a chat or compiles a grammar starts none: a grammar child's start costs
-    about a second of CPU). run() is for the event loop: it waits in the pool's own threads (the default
-    executor stays free), and a caller that is cancelled kills its child."""
+    """A pool of children of one kind: up to `processes` kept, each started when a task first finds none
+    idle (a server that never renders a chat or compiles a grammar starts none: a grammar child's start
+    costs about a second of CPU), and up to `max_processes` while tasks of clients that run nothing wait.
+    run() is for the event loop: it waits in the pool's own threads (the default executor stays free), and
+    a caller that is cancelled kills its child.
 
-    def __init__(self, setup: Setup, processes: int = 2, ctx=None):
+    Fair share (as the workers' admission, engine/fair.py): a client runs at most processes - 1 tasks at
+    once; a waiting task goes to a free child in the order of its client's tasks running (fewest first,
+    then the earliest); a client running nothing gets a child of its own, started for it, while the pool
+    has fewer than max_processes; and a task that has run past SLOW_S yields its CPU to the others (nice
+    19). Six clients each holding a hostile grammar for its whole timeout kept another client's trivial
+    one waiting 15 s behind them in a first-come queue."""
+
+    def __init__(self, setup: Setup, processes: int = 2, ctx=None, max_processes: int | None = None):
         if setup.kind not in KINDS:
             raise ValueError(f"sandbox kind must be one of {KINDS}, got {setup.kind!r}")
         if ctx is None:
@@ -167,54 +193,95 @@ class Sandbox:
 
             ctx = _fork_server()
         self.setup, self._ctx, self._json = setup, ctx, msgspec.json.encode(setup)
+        self.processes = processes
+        self.max_processes = max(processes, max_processes or 4 * processes)
         self._idle: queue.SimpleQueue = queue.SimpleQueue()
-        self._executor = ThreadPoolExecutor(processes, thread_name_prefix=f"sandbox-{setup.kind}")
+        self._executor = ThreadPoolExecutor(self.max_processes, thread_name_prefix=f"sandbox-{setup.kind}")
         self._children: set[_Child] = set()
         self._lock = threading.Lock()
-        self.processes = processes
         self.per_client = max(1, processes - 1)  # tasks of one client running at once: one child stays free
-        self._clients: dict[str, tuple[asyncio.Semaphore, int]] = {}  # client -> (its turns, tasks of it)
+        self._running: Counter[str] = Counter()  # tasks running, by client
+        self._waiting: list[tuple[str, asyncio.Future]] = []  # in arrival order
         self.killed = 0  # children killed past a deadline, on a cancel, or dead on their own
         self._closed = False
 
-    def _take(self) -> _Child:
-        """An idle child; a new one while the pool has fewer than `processes`; else wait for one (a
-        task runs in one of the pool's `processes` threads, so a child is free or about to be)."""
-        try:
-            return self._idle.get_nowait()
-        except queue.Empty:
-            pass
-        with self._lock:
-            start = len(self._children) < self.processes
-            if start:
-                child = _Child(self._ctx, self._json)
-                self._children.add(child)
-        return child if start else self._idle.get()
+    def _may_run(self, client: str) -> bool:
+        if self._running[client] >= self.per_client:
+            return False
+        busy = self._running.total()
+        return busy < self.processes or (busy < self.max_processes and not self._running[client])
 
-    def _replace(self, child: _Child) -> None:
-        """Kill a child (its next task starts a fresh one)."""
+    def _next(self) -> None:
+        """Start the waiting tasks that may run now, their clients' fewest running first."""
+        while self._waiting:
+            ready = [(self._running[c], i) for i, (c, f) in enumerate(self._waiting) if self._may_run(c)]
+            if not ready:
+                return
+            client, turn = self._waiting.pop(min(ready)[1])
+            if not turn.done():  # its caller may have given up meanwhile
+                self._running[client] += 1
+                turn.set_result(None)
+
+    def _take(self) -> _Child:
+        """An idle child, else a new one while the pool has fewer than max_processes, else wait for one
+        (run() lets at most max_processes tasks in, so one is free or about to be). Once the pool is past
+        `processes` and none is left idle, a spare starts beside it: the next client to arrive finds a
+        started child instead of waiting out a start (about a second of CPU for grammars)."""
+        try:
+            child = self._idle.get_nowait()
+        except queue.Empty:
+            with self._lock:
+                start = len(self._children) < self.max_processes
+                if start:
+                    child = _Child(self._ctx, self._json)
+                    self._children.add(child)
+            if not start:
+                return self._idle.get()
+        with self._lock:
+            spare = self._idle.empty() and self.processes <= len(self._children) < self.max_processes
+            if spare:
+                self._children.add(new := _Child(self._ctx, self._json))
+        if spare:
+            self._idle.put(new)
+        return child
+
+    def _replace(self, child: _Child, killed: bool = True) -> None:
+        """Kill a child (its next task starts a fresh one); killed: counted as killed (not retired)."""
         child.kill()
         with self._lock:
             self._children.discard(child)
-            self.killed += 1
+            self.killed += killed
 
     async def run(self, task: Task, client: str = "?") -> str:
-        """The task's output, or SandboxError (failed, too slow, too big, or its child died). A client
-        (its address) runs at most per_client tasks at once; its others wait here (on the event loop)."""
-        turns, waiting = self._clients.get(client) or (asyncio.Semaphore(self.per_client), 0)
-        self._clients[client] = (turns, waiting + 1)
+        """The task's output, or SandboxError (failed, too slow, too big, or its child died). client (who
+        asks: the server's client_of) waits here, on the event loop, for its turn (the class's fair share)."""
+        if self._may_run(client) and not self._waiting:
+            self._running[client] += 1
+        else:
+            turn = asyncio.get_running_loop().create_future()
+            self._waiting.append((client, turn))
+            self._next()  # a client running nothing may start now, ahead of those waiting for a child
+            try:
+                await turn
+            except asyncio.CancelledError:
+                if turn.done() and not turn.cancelled():  # given its turn as it was cancelled
+                    self._done(client)
+                else:
+                    self._waiting = [(c, f) for c, f in self._waiting if f is not turn]
+                raise
         try:
-            async with turns:
-                reply = await self._submit(task)
+            reply = await self._submit(task)
         finally:
-            turns, waiting = self._clients[client]
-            if waiting == 1:
-                del self._clients[client]
-            else:
-                self._clients[client] = (turns, waiting - 1)
+            self._done(client)
         if reply.error is not None:
             raise SandboxError(reply.error)
         return reply.ok
+
+    def _done(self, client: str) -> None:
+        self._running[client] -= 1
+        if self._running[client] <= 0:
+            del self._running[client]
+        self._next()
 
     async def _submit(self, task: Task) -> Reply:
         gave_up = threading.Event()
@@ -243,8 +310,11 @@ class Sandbox:
             child.ready = True
         try:
             child.conn.send_bytes(msgspec.json.encode(task))
-            deadline = time.monotonic() + task.timeout_s
+            started = time.monotonic()
+            deadline, slow = started + task.timeout_s, False
             while not child.conn.poll(POLL_S):
+                if not slow and time.monotonic() > started + SLOW_S:
+                    slow = child.yield_cpu()
                 if gave_up.is_set() or time.monotonic() > deadline:
                     self._replace(child)
                     why = "cancelled" if gave_up.is_set() else f"ran past {task.timeout_s} s"
@@ -253,9 +323,13 @@ class Sandbox:
         except (EOFError, OSError, msgspec.DecodeError):  # it died (SIGXCPU, the kernel's OOM) mid-task
             self._replace(child)
             return Reply(error=f"the {self._what} was stopped (over its time or memory)")
-        if reply.spent or not child.proc.is_alive():
-            self._replace(child)
+        with self._lock:  # past `processes`, one idle child is kept (the spare), no more
+            keep = len(self._children) <= self.processes or self._idle.empty()
+        if reply.spent or not child.proc.is_alive() or not keep:
+            self._replace(child, killed=reply.spent or not child.proc.is_alive())
         else:
+            if slow:
+                child.resume_cpu()
             self._idle.put(child)
         return reply
 

@@ -63,6 +63,22 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def open_files_for(connections: int) -> int:
+    """Raise this process's open-files limit (soft, up to the hard one) to hold `connections` sockets
+    and the workers' besides; returns the limit now. Many machines start at 1,024."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = connections + 512  # workers' sockets, sandboxes' pipes, logs
+    if soft != resource.RLIM_INFINITY and soft < want:
+        soft = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    if soft != resource.RLIM_INFINITY and soft < want:
+        log.warning("open files are limited to %d: fewer than server.max_connections=%d can be open", soft,
+                    connections)  # fmt: skip
+    return soft
+
+
 def sandboxes(server: ServerConfig, loaded, max_chars: int):
     """The processes chat templates render in and grammars compile in (none for grammars where the
     model has no tokenizer), started now: their children fork from the fork server meanwhile."""
@@ -143,6 +159,7 @@ def serve(cfg: DictConfig, out_dir: Path, ready=None) -> None:
     del loaded
     logging.getLogger().setLevel(config.log_level)
     name = server.served_model_name or config.model.name
+    open_files_for(server.max_connections)
     sock = listening_socket(server.host, server.port)
     runtime = start_runtime(config, config.deployments[0], out_dir / "logs")
     try:

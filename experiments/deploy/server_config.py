@@ -5,6 +5,7 @@ every request (experiments/deploy/api.py enforces them). A module of its own so 
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 
 
@@ -25,11 +26,20 @@ class ServerConfig:
     sandbox_processes: int = 2  # processes rendering templates, and as many compiling grammars
     timeout_keep_alive_s: float = 5.0  # an idle kept-alive connection is closed after this
     header_timeout_s: float = 10.0  # a request line and headers must arrive within this, else it closes
-    max_connections: int = 512  # open at once; past it, a new connection gets 503 and is closed
-    max_connections_per_client: int = 64  # of those, from one client address (the rest stay for others)
-    # completions in flight from one client address (a request of n counts n); past it, 429: four requests
-    # of n=16 held a worker's 64 sequences, and another client's first token waited over 60 s
-    max_sequences_per_client: int = 32
+    # open at once; at it the idlest kept-alive connection is closed to let a new one in, and only when
+    # none is idle is a new connection answered 503 and closed (the server raises its open-files limit)
+    max_connections: int = 2048
+    # of those, from one client address (the rest stay for others): a benchmark at concurrency 256 holds
+    # 256 from one host, and a gateway all of its users'
+    max_connections_per_client: int = 512
+    # Clients are told apart by the address behind a trusted proxy (its client_header), else the peer's
+    # address; and within it by the request's user (or safety_identifier, or the bearer key it sends).
+    # Workers admit each client's sequences by its share of what runs (engine/fair.py): a client over its
+    # share waits its turn, it is not refused
+    trusted_proxies: tuple[str, ...] = ()  # addresses (or networks: 10.0.0.0/8) whose client_header counts
+    client_header: str = "x-forwarded-for"  # its last entry is the client's address (as the proxy saw it)
+    # a hard limit (off by default): completions in flight from one client (n counts n); past it, 429
+    max_sequences_per_client: int | None = None
     shutdown_timeout_s: float = 5.0  # SIGTERM/Ctrl-C: requests in flight may finish this long (new: 503)
     # Host headers served besides this machine's loopback names and the bound address ("*": any)
     allowed_hosts: tuple[str, ...] = ()
@@ -48,7 +58,7 @@ class ServerConfig:
                     "sandbox_processes", "max_connections", "max_connections_per_client",
                     "max_sequences_per_client"):  # fmt: skip
             value = getattr(self, key)
-            if (value is not None or key != "max_prompt_chars") and (
+            if (value is not None or key not in ("max_prompt_chars", "max_sequences_per_client")) and (
                 isinstance(value, bool) or not isinstance(value, int) or value < 1
             ):
                 raise ValueError(f"server.{key}={value!r} is not allowed: an integer >= 1")
@@ -57,11 +67,22 @@ class ServerConfig:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1e6:
                 raise ValueError(f"server.{key}={value!r} is not allowed: a number of seconds > 0")
-        for key in ("allowed_hosts", "cors_origins"):
+        for key in ("allowed_hosts", "cors_origins", "trusted_proxies"):
             value = getattr(self, key)
             if not isinstance(value, list | tuple) or not all(isinstance(v, str) and v for v in value):
                 raise ValueError(f"server.{key}={value!r} is not allowed: a list of non-empty strings")
             object.__setattr__(self, key, tuple(value))
+        for proxy in self.trusted_proxies:
+            try:
+                ipaddress.ip_network(proxy, strict=False)
+            except ValueError:
+                what = "not an address or network (10.0.0.5, 10.0.0.0/8)"
+                raise ValueError(f"server.trusted_proxies holds {proxy!r}: {what}") from None
+        header = self.client_header
+        if not isinstance(header, str) or not header or not header.replace("-", "").isalnum():
+            what = "a header name (x-forwarded-for)"
+            raise ValueError(f"server.client_header={header!r} is not allowed: {what}")
+        object.__setattr__(self, "client_header", header.lower())
         if self.cache_isolation not in CACHE_ISOLATION:
             raise ValueError(
                 f"server.cache_isolation={self.cache_isolation!r} is not allowed: one of {CACHE_ISOLATION}"

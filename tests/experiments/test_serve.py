@@ -329,7 +329,10 @@ def test_n_completions_reproduce_by_seed_and_share_one_prompt(server, reference)
         assert [c.message.content for c in chat.choices] == want
 
 
-def test_fifty_concurrent_streams_complete(server):
+def test_sixty_four_concurrent_streams_from_one_client_complete(server):
+    """What vLLM's benchmark does at --max-concurrency 64 (on 40c8490 the 33rd stream of one address was
+    refused with 429, and this test failed beside the full suite on a slower machine): none is refused."""
+
     async def one(client, i):
         stream = await client.completions.create(
             model="tiny-random", prompt=f"Request {i}:", max_tokens=16, temperature=0, stream=True
@@ -339,9 +342,9 @@ def test_fifty_concurrent_streams_complete(server):
 
     async def all_of_them():
         client = _async_client(server)
-        return await asyncio.gather(*(one(client, i) for i in range(50)))
+        return await asyncio.gather(*(one(client, i) for i in range(64)))
 
-    assert asyncio.run(all_of_them()) == ["length"] * 50
+    assert asyncio.run(all_of_them()) == ["length"] * 64
 
 
 def test_a_client_that_disconnects_frees_every_page(server):

@@ -266,10 +266,21 @@ def _closed_by_server(sock, give_up: float, trickle: bytes | None = None) -> boo
     return False
 
 
+def _open_stream(host: str, port: int) -> http.client.HTTPConnection:
+    """A connection with a long streamed request in flight (its response under way), left open."""
+    conn = http.client.HTTPConnection(host, port, timeout=60)
+    body = dict(OK, max_tokens=1000, ignore_eos=True, stream=True)
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200 and response.read(16)
+    return conn
+
+
 def test_slowloris_and_idle_connections_are_closed_and_connections_are_capped(tmp_path):
     """server.header_timeout_s: a connection that sends nothing, or trickles header lines without ever
     ending them, is closed (they stayed open for as long as the client liked); server.max_connections:
-    one more is answered 503 in OpenAI's shape and closed, and once they are gone requests are served."""
+    at the cap the connection that has waited longest for a request makes way for a new one, and only
+    when every one has a request in flight is one more answered 503 in OpenAI's shape and closed."""
 
     proc, url = _start(
         tmp_path, "deployment=colocated", "server.header_timeout_s=3", "server.max_connections=4"
@@ -279,15 +290,23 @@ def test_slowloris_and_idle_connections_are_closed_and_connections_are_capped(tm
         idle = socket.create_connection((host, int(port)))
         slow = socket.create_connection((host, int(port)))
         slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
-        busy = [socket.create_connection((host, int(port))) for _ in range(2)]  # 4 open now: the cap
-        status, headers, body = _post(url, json.dumps(OK))  # the fifth
-        assert status == 503 and headers.get("retry-after") and json.loads(body)["error"]["code"], body
-        for s in busy:
-            s.close()
+        silent = [socket.create_connection((host, int(port))) for _ in range(2)]  # 4 open now: the cap
+        status, _, body = _post(url, json.dumps(OK))  # the fifth: the idlest one (the first) makes way
+        assert status == 200, body
         give_up = time.monotonic() + 60  # generous: the deadline is 3 s
+        assert _closed_by_server(idle, give_up), "the idlest connection was kept open at the cap"
+        for s in silent:
+            s.close()
         assert _closed_by_server(slow, give_up, trickle=b"X-Slow: 1\r\n"), "the slowloris was kept open"
-        assert _closed_by_server(idle, give_up), "the idle connection was kept open"
-        _still_serving(url)
+        streams = [_open_stream(host, int(port)) for _ in range(4)]  # every connection busy
+        status, headers, body = _post(url, json.dumps(OK))
+        assert status == 503 and headers.get("retry-after") and json.loads(body)["error"]["code"], body
+        for conn in streams:
+            conn.close()
+        give_up = time.monotonic() + 60
+        while _post(url, json.dumps(OK))[0] != 200:  # the server hears the closes a moment later
+            assert time.monotonic() < give_up, "still refused after every stream was closed"
+            time.sleep(0.05)
         # a kept-alive connection's next request is due within the deadline too
         conn = http.client.HTTPConnection(host, int(port), timeout=30)
         conn.request("POST", "/v1/completions", json.dumps(OK), {"Content-Type": "application/json"})
