@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 import weakref
 from dataclasses import replace
 from typing import Protocol
@@ -214,15 +215,41 @@ class LLM:
         if self.counter is not None:
             counter = make_layer_counter(c.model.num_layers, self.counter.device)
         for lengths in ([max(1, min(longest, free * c.cache.page_size))], [32, 16], [17, 5, 1], [1, 1], [1]):
-            ids = [f"warm-up-{i}" for i in range(len(lengths))]
-            if sum(map(self.allocator.pages_for, lengths)) > self.allocator.num_free:
-                continue
-            try:
-                pages = [list(self.allocator.grow(i, n)) for i, n in zip(ids, lengths, strict=True)]
-                self.runner.warm_up(lengths, pages, counter)
-            finally:
-                for i in ids:
-                    self.allocator.free(i)
+            self._dummy_pass(lengths, counter)
+
+    def _dummy_pass(self, lengths: list[int], counter=None) -> float | None:
+        """One pass of dummy prompts of these lengths in borrowed pages, given back; its seconds (None:
+        too few free pages for it)."""
+        ids = [f"warm-up-{i}" for i in range(len(lengths))]
+        if sum(map(self.allocator.pages_for, lengths)) > self.allocator.num_free:
+            return None
+        try:
+            pages = [list(self.allocator.grow(i, n)) for i, n in zip(ids, lengths, strict=True)]
+            start = time.perf_counter()
+            self.runner.warm_up(lengths, pages, counter)
+            return time.perf_counter() - start
+        finally:
+            for i in ids:
+                self.allocator.free(i)
+
+    def measure_speed(self) -> tuple[float | None, float | None]:
+        """(prompt tokens a second at one step's token budget, a one-sequence decode step's seconds), each
+        the faster of two dummy passes (the first pays one-time costs), so that a router predicts from
+        this machine's speed before the first request reports one. (None, None) where the ranks would
+        have to pass together (TP, DP) or the pages are too few; the prefill rate is None in the decode
+        role (it prefills nothing of its own), the step None in the prefill role."""
+        c = self.config
+        if c.world > 1 or c.dp > 1:
+            return None, None
+        counter = None
+        if self.counter is not None:  # the prefill role's passes bump a counter: a scratch one
+            counter = make_layer_counter(c.model.num_layers, self.counter.device)
+        n = max(1, min(c.scheduler.max_num_batched_tokens, c.model.max_position - 1))
+        role = c.scheduler.role
+        prefill = [self._dummy_pass([n], counter) for _ in range(2)] if role != "decode" else []
+        step = [self._dummy_pass([1], counter) for _ in range(3)] if role != "prefill" else []
+        prefill, step = [t for t in prefill if t], [t for t in step if t]
+        return (n / min(prefill) if prefill else None), (min(step) if step else None)
 
     def _make_tiers(self, model: str) -> KVTiers:
         """The host and disk tiers under the prefix cache, hooked to the allocator and the scheduler."""

@@ -138,6 +138,7 @@ class Fleet:
     dead: set[str] = field(default_factory=set)
     restarting: set[str] = field(default_factory=set)
     cache_salt: bytes = b""  # what the workers' prefix cache page names start from (their Ready says)
+    speeds: dict[str, tuple] = field(default_factory=dict)  # name -> its Ready's (prefill tok/s, step s)
     switching: dict[str, str] = field(default_factory=dict)  # elastic worker -> the role it moves to
     releasing: dict[str, set] = field(default_factory=dict)  # leaving prefill worker -> decode workers
     # that may still have something in flight there (their Released has not come)
@@ -371,6 +372,7 @@ def _await_ready(fleet: Fleet, timeout_s: float) -> None:
                 raise RuntimeError(f"worker {name} failed to start:\n{msg.error}")
             if isinstance(msg, Ready):
                 ready.add(name)
+                fleet.speeds[name] = (msg.prefill_tok_s, msg.decode_step_s)
                 fleet.cache_salt = fleet.cache_salt or msg.cache_salt
         dead = [n for n, p in fleet.procs.items() if not p.is_alive()]
         if dead:

@@ -32,6 +32,10 @@ class Connect(Message):
 class Ready(Message):
     name: str
     cache_salt: bytes = b""  # what its prefix cache's page names start from (empty: caching off)
+    # its speed, timed on dummy passes as it started (engine LLM.measure_speed; None: not measured): the
+    # router predicts from them until its Loads measure real steps
+    prefill_tok_s: float | None = None
+    decode_step_s: float | None = None
 
 
 class Submit(Message):

@@ -41,11 +41,15 @@ on it and on the requests behind it:
   worker with nothing in flight, of those that came with nothing else on their worker);
 - TPOT = the decode step time at the batch it would join (least squares of step time on batch over the
   worker's recent Loads).
-Until a worker's speed is known (its first busy Load; a measured peer's stands in for it) the router
-admits. It cannot lock itself out: a refused request never yields a first token, so refusals alone
-would leave a bias (or a slow decode step) in place for good. Evidence therefore expires (a first token
-counts for BIAS_WINDOW_S), and while the router refuses everything it still admits one request per
-probe interval (slo.ttft_s, within [PROBE_MIN_S, PROBE_MAX_S]) to measure the deployment again.
+A worker's speed starts from what it timed on dummy passes as it started (its Ready: engine
+LLM.measure_speed), and its Loads' measurements take over as they come (admitting on a speed not yet
+measured, the router let 5 of the first 6 requests of an overloaded run miss the TTFT SLO by up to 2x).
+A worker that timed nothing (TP, DP) borrows a measured peer's speed, and with none the router admits.
+It cannot lock itself out: a refused request never yields a first token, so refusals alone would leave
+a bias (or a slow decode step) in place for good. Evidence therefore expires (a first token counts for
+BIAS_WINDOW_S), and while the router refuses everything it still admits one request per probe interval
+(slo.ttft_s, within [PROBE_MIN_S, PROBE_MAX_S]) to measure the deployment again: never one that needs
+more KV pages than a worker holds, which is refused every time.
 `refusing` says how long it has refused every new request (GET /health, /metrics).
 """
 
@@ -63,6 +67,7 @@ BIAS_WINDOW_S = 20.0  # a first token's lateness (and a decode step's time) coun
 BIAS_SAMPLES = 64  # and only the most recent this many
 PROBE_MIN_S, PROBE_MAX_S = 0.5, 10.0  # while all is refused, one is admitted every slo.ttft_s in these
 ADMISSIONS = ("none", "slo")
+CANNOT_FIT = "rejected: it cannot fit"  # a refusal whatever the load (what _admit says starts with it)
 ROLES = ("prefill", "decode")
 
 
@@ -305,8 +310,8 @@ class Router:
         hold = self.cache_pages * max(self.dp, 1)
         if pages > hold:  # it could only run by being preempted and recomputed, over and over
             return (
-                f"rejected: its {sequences} completion(s) need {pages} KV pages to reach max_tokens, more "
-                f"than the {hold} a worker holds (lower n or max_tokens)"
+                f"{CANNOT_FIT}: its {sequences} completion(s) need {pages} KV pages to reach max_tokens, "
+                f"more than the {hold} a worker holds (lower n or max_tokens)"
             )
         ttft, tpot = self._predict(target, queue, tokens, sequences)
         ttft_slo, tpot_slo = self.slo
@@ -372,6 +377,10 @@ class Router:
                 self.clock(),
             )
             last = self.admitted_at if self.admitted_at is not None else self.refusing_since
+            if why is not None and why.startswith(CANNOT_FIT):  # no probe measures anything by it
+                self.why = why
+                self.rejected += 1
+                return None
             if why is not None and last is not None and now - last >= self.probe_s:
                 self.probes += 1  # refusing everything for a probe interval: measure again with this one
             elif why is not None:
@@ -473,6 +482,14 @@ class Router:
             self.cached.setdefault(worker, OrderedDict())
             if self.dp > 1:
                 self.groups.setdefault(worker, Groups(self.dp, self.cache_pages))
+
+    def measured(self, worker: str, prefill_tok_s: float | None, step_s: float | None) -> None:
+        """What worker timed as it started (its Ready): where its speed starts until Loads measure it."""
+        speed = self.speed.setdefault(worker, Speed())
+        if prefill_tok_s and speed.prefill_tok_s is None:
+            speed.prefill_tok_s = prefill_tok_s
+        if step_s and not speed.decode:
+            speed.decode.append((1.0, step_s, self.clock()))
 
     def up(self, worker: str) -> None:
         """worker is up (its Ready): a prefill worker may be chosen from now on, before its first Load."""

@@ -120,6 +120,8 @@ def start_runtime(config, d, log_dir=None, first_core: int = 0) -> Runtime:
         )
         for name in prefill:  # start_fleet saw each one's Ready
             router.up(name)
+        for name, (prefill_tok_s, step_s) in fleet.speeds.items():
+            router.measured(name, prefill_tok_s, step_s)
         return Runtime(fleet, d.on_worker_death, config.transfer.peer_timeout_s, router, d, config.slo)
     except BaseException:
         fleet.stop()
@@ -330,6 +332,7 @@ class Runtime:
         elif isinstance(msg, Ready):  # a restarted worker is back (Fleet.receive reconnected it)
             self.events.append((time.perf_counter(), f"{name} back after a restart"))
             self.router.up(name)
+            self.router.measured(name, msg.prefill_tok_s, msg.decode_step_s)
         elif isinstance(msg, HandedBack):  # it leaves the decode role: they go on elsewhere
             for rid in msg.request_ids:
                 flight = self.flights.get(rid)

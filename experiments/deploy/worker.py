@@ -287,7 +287,8 @@ class Worker(RoleSwitching):
     def serve(self) -> None:
         import zmq
 
-        self._send(Ready(self.spec.name, self.llm.scheduler.salt or b""))
+        prefill_tok_s, step_s = self.llm.measure_speed()
+        self._send(Ready(self.spec.name, self.llm.scheduler.salt or b"", prefill_tok_s, step_s))
         from pdkernels import ops
 
         kv = self.llm.kv_cache

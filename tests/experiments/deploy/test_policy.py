@@ -288,6 +288,35 @@ def test_admission_weighs_the_pages_a_request_s_completions_need_to_finish():
     assert none.route("big", [], 5, ["a"], admit=True, sequences=16, max_tokens=700) == "a"
 
 
+def test_a_request_that_cannot_fit_is_refused_every_time_even_by_the_probe():
+    """Issue 70: with admission=slo, one of four identical requests needing 1,616 pages of 256 was
+    admitted: the probe that admits one request after a probe interval of refusals took it."""
+    now = [0.0]
+    r = Router(["a"], page_size=4, cache_pages=256, admission="slo", slo=(1.0, 1.0), clock=lambda: now[0])
+    assert r.route("small", [], 5, ["a"], admit=True, max_tokens=8) == "a"
+    for i in range(4):
+        now[0] += 100.0  # far past the probe interval each time
+        assert r.route(f"big{i}", [], 5, ["a"], admit=True, sequences=16, max_tokens=400) is None
+        assert r.why.startswith("rejected: it cannot fit") and "1602 KV pages" in r.why
+    assert r.probes == 0 and r.rejected == 4 and r.refusing is None  # it says nothing of the load
+
+
+def test_admission_starts_from_the_speed_a_worker_timed_as_it_started():
+    """Issue 70: the router admitted on a speed it had not measured yet, and 5 of the first 6 admitted
+    missed TTFT. With what each worker timed as it started (its Ready), the burst's third 1,024-token
+    prompt, predicted at 3.1 s on a 1,000 token/s worker, is refused at once."""
+    burst = [f"r{i}" for i in range(4)]
+    blind = Router(["a"], page_size=16, admission="slo", slo=(3.0, 1.0))
+    assert [blind.route(rid, [], 1024, ["a"], admit=True) for rid in burst] == ["a"] * 4
+    seeded = Router(["a"], page_size=16, admission="slo", slo=(3.0, 1.0))
+    seeded.measured("a", 1000.0, 0.02)
+    assert [seeded.route(rid, [], 1024, ["a"], admit=True) for rid in burst] == ["a", "a", None, None]
+    assert "predicted TTFT 3.07 s" in seeded.why
+    assert seeded.predict("a", 1)[1] == pytest.approx(0.02)  # the decode step it timed
+    seeded.observe_load("a", _Load(prefill_tokens=1024, prefill_s=2.048))  # its Loads take over: 500/s
+    assert seeded.speed["a"].prefill_tok_s == pytest.approx(0.7 * 1000 + 0.3 * 500)
+
+
 def test_the_first_submit_of_a_request_carries_its_number_of_completions():
     from engine import SamplingParams
     from experiments.deploy.api import Parsed
