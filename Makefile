@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST := $(BIN)/python -m pytest
 
-.PHONY: run test test-repeat test-all test-gpu gpu-check soak bench profile-cpu bench-tiers bench-goodput bench-dp bench-streaming bench-gpu repro lint clean
+.PHONY: run test test-repeat compat test-all test-gpu gpu-check soak bench profile-cpu bench-tiers bench-goodput bench-dp bench-streaming bench-gpu repro lint clean
 
 $(STAMP): setup.py pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -61,6 +61,19 @@ VLLM_PYTHON ?=
 profile-cpu: $(STAMP)
 	$(BIN)/python -m experiments.bench.profile_cpu --out bench_results/profile-$$(date +%Y%m%d-%H%M%S) \
 		$(if $(VLLM_PYTHON),--peer-python $(VLLM_PYTHON)) $(PROFILE_ARGS)
+
+# issue 70: the field's clients, unchanged, against our server (experiments/bench/compat.py): vLLM's `vllm bench
+# serve` (completions, chat), AIPerf, GuideLLM, LangChain and LiteLLM, each from its own venv under .compat/
+# (scripts/compat_env.sh), on colocated and 1P1D at concurrency 64 and 256, the server's own timings beside
+# each client's (about 40 minutes on 2 cores, the venvs' first install 5 more); COMPAT_ARGS picks, e.g.
+# "--clients vllm,aiperf --deployments colocated --concurrency 64"
+COMPAT_ARGS ?=
+.compat/.ready: scripts/compat_env.sh $(STAMP)
+	PROJECT_PYTHON=$(BIN)/python scripts/compat_env.sh .compat
+	touch $@
+
+compat: $(STAMP) .compat/.ready
+	$(BIN)/python -m experiments.bench.compat --out bench_results/compat-$$(date +%Y%m%d-%H%M%S) $(COMPAT_ARGS)
 
 bench-tiers: $(STAMP)
 	$(BIN)/python -m experiments.bench.kv_tiers --out bench_results/tiers-$$(date +%Y%m%d-%H%M%S) $(BENCH_TIERS_ARGS)

@@ -162,24 +162,32 @@ def by_turn(rows: list[dict]) -> list[dict]:
 
 
 def vllm_bench(record: dict, config: RunConfig, model_id: str) -> dict:
-    """One run in the fields of vLLM's `bench serve` result JSON (times in ms). request_goodput counts the
-    requests per second that meet every SLO (vLLM's --goodput), not DistServe's highest rate meeting the
-    attainment target, which results.json keeps as goodput_rps."""
+    """One run in the shape of vLLM's `bench serve --save-result --save-detailed` JSON (vLLM 0.32: times in
+    ms, mean/median/std and p50/p90/p99 of ttft, tpot, itl and e2el; per request input_lens, output_lens,
+    ttfts and itls in seconds, errors), so that plotting scripts written for vLLM's results read ours.
+    request_goodput counts the requests per second that meet every SLO (vLLM's --goodput), not
+    DistServe's highest rate meeting the attainment target, which results.json keeps as goodput_rps."""
     import datetime
 
     rows, s = record["requests"], record["summary"]
     done = [r for r in rows if r["error"] is None]
     duration = s["duration_s"]
+    backend = "openai" if record.get("endpoint") else "pdkernels"
     out = {
         "date": datetime.datetime.now().strftime("%Y%m%d-%H%M%S"),
-        "backend": "openai" if record.get("endpoint") else "pdkernels",
+        "endpoint_type": backend,
+        "backend": backend,
+        "label": record["deployment"],
         "model_id": model_id,
+        "tokenizer_id": model_id,
         "deployment": record["deployment"],
         "num_prompts": len(rows),
         "request_rate": record["rate"] if record["rate"] is not None else "inf",
+        "burstiness": 1.0,  # Poisson arrivals (a gamma of shape 1), as vLLM's default
         "max_concurrency": record["concurrency"],
         "duration": duration,
         "completed": len(done),
+        "failed": len(rows) - len(done),
         "total_input_tokens": sum(r["prompt_tokens"] for r in done),
         "total_output_tokens": sum(r["output_tokens"] for r in done),
         "request_throughput": len(done) / duration,
@@ -197,7 +205,13 @@ def vllm_bench(record: dict, config: RunConfig, model_id: str) -> dict:
         ms = np.asarray(values, dtype=float) * 1e3
         for stat, fn in (("mean", np.mean), ("median", np.median), ("std", np.std)):
             out[f"{stat}_{name}"] = float(fn(ms)) if ms.size else None
-        out[f"p99_{name}"] = float(np.percentile(ms, 99)) if ms.size else None
+        for q in (50, 90, 99):
+            out[f"p{q}_{name}"] = float(np.percentile(ms, q)) if ms.size else None
+    out["input_lens"] = [r["prompt_tokens"] for r in rows]
+    out["output_lens"] = [r["output_tokens"] if r["error"] is None else 0 for r in rows]
+    out["ttfts"] = [r["ttft_s"] or 0.0 for r in rows]
+    out["itls"] = [r["itl_s"] for r in rows]
+    out["errors"] = [r["error"] or "" for r in rows]
     return out
 
 

@@ -105,9 +105,11 @@ class App:
         config: ServerConfig | None = None,
         templates=None,
         grammars=None,
+        request_log=None,
     ):
         """templates, grammars: the sandboxes (experiments.deploy.sandbox.Sandbox) chat templates render
-        and grammars compile in (grammars None: the model has no tokenizer, so no structured output)."""
+        and grammars compile in (grammars None: the model has no tokenizer, so no structured output);
+        request_log: the file server.request_log writes to (Metrics)."""
         self.runtime, self.tokenizer, self.model_name = runtime, tokenizer, model_name
         self.max_position, self.api_key = max_position, api_key
         self.config = config or ServerConfig(api_key=api_key)
@@ -115,7 +117,7 @@ class App:
         self.templates, self.grammars = templates, grammars
         self.compiled: OrderedDict[tuple[str, str], str] = OrderedDict()  # spec's key -> its grammar
         self.compiled_chars = self.compiles = 0
-        self.metrics = Metrics(runtime)
+        self.metrics = Metrics(runtime, request_log)
         self.metrics.sandboxes(templates, grammars, lambda: self.compiles)
         self.logprobs = LogprobShapes(tokenizer)
         self.stopping = False  # set when the server drains before it stops: new requests get 503
@@ -345,7 +347,9 @@ class App:
 
     # -- running requests
 
-    def start(self, parsed: Parsed, loop: asyncio.AbstractEventLoop, client: str = "?") -> asyncio.Queue:
+    def start(
+        self, parsed: Parsed, loop: asyncio.AbstractEventLoop, client: str = "?", arrived: float | None = None
+    ) -> asyncio.Queue:
         """Submit parsed's completions. With server.max_sequences_per_client set, client (client_of's,
         joined) holds them against that limit until each one's result comes (every completion gets one,
         a cancelled one too); past it, 429."""
@@ -381,7 +385,7 @@ class App:
             return sink
 
         for i, submit in enumerate(parsed.completions):
-            self.metrics.started(submit.request_id)
+            self.metrics.started(submit.request_id, arrived)
             self.runtime.submit(submit, sink_of(i, submit.request_id))
         return events
 

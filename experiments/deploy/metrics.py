@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 from prometheus_client import Gauge
@@ -13,8 +14,11 @@ from experiments.deploy.runtime import Runtime
 class Metrics:
     """Prometheus metrics of one server (its own registry)."""
 
-    def __init__(self, runtime: Runtime):
+    def __init__(self, runtime: Runtime, request_log=None):
+        """request_log: a text file each finished request's times go to, a JSON line each (or None)."""
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.request_log = request_log
 
         self.registry = r = CollectorRegistry()
         buckets = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -154,9 +158,10 @@ class Metrics:
             registry=self.registry,
         ).set_function(compiles)
 
-    def started(self, request_id: str) -> None:
-        """A sequence the workers serve began: a request, or each of its n completions."""
-        self.sent[request_id] = time.perf_counter()
+    def started(self, request_id: str, arrived: float | None = None) -> None:
+        """A sequence the workers serve began: a request, or each of its n completions; arrived: when its
+        HTTP request came (perf_counter), what its latencies count from (as a client's do)."""
+        self.sent[request_id] = time.perf_counter() if arrived is None else arrived
         self.in_flight.inc()
 
     def finished(self, request_id: str, result: Result) -> None:
@@ -167,10 +172,17 @@ class Metrics:
         self.requests.labels(result.finish_reason or "unknown").inc()
         self.e2e.observe(now - sent)
         times = result.token_times
-        if times:
-            self.ttft.observe(times[0] - sent)
-            if len(times) > 1:
-                self.tpot.observe((times[-1] - times[0]) / (len(times) - 1))
+        ttft = times[0] - sent if times else None
+        tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
+        if ttft is not None:
+            self.ttft.observe(ttft)
+        if tpot is not None:
+            self.tpot.observe(tpot)
+        if self.request_log is not None:
+            row = {"id": request_id, "finish": result.finish_reason, "tokens": len(times), "ttft_s": ttft,
+                   "tpot_s": tpot, "e2e_s": now - sent}  # fmt: skip
+            self.request_log.write(json.dumps(row) + "\n")
+            self.request_log.flush()
         self.kv_bytes.inc(result.transfer_bytes)
         self.migrations.inc(result.migrations)
         failed = result.finish_reason == "error" and "transfer" in (result.error or "")

@@ -9,6 +9,7 @@ import asyncio
 import json
 import logging
 import secrets
+import time
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -158,6 +159,7 @@ async def models(request: Request):
 
 
 async def generate(request: Request, chat: bool):
+    arrived = time.perf_counter()  # what its latencies count from, as a client's do
     state = request.app.state.pdk
     guard(state, request)
     body = await body_of(state, request)
@@ -174,7 +176,7 @@ async def generate(request: Request, chat: bool):
     else:  # rendered chats and long prompts tokenize off the loop
         parsed = await asyncio.to_thread(state.parse, body, chat, prepared, client)
     loop = asyncio.get_running_loop()
-    events = state.start(parsed, loop, "/".join(client))
+    events = state.start(parsed, loop, "/".join(client), arrived)
     if parsed.stream:  # a request refused at once (admission, no worker) is an HTTP error, not a stream
         try:
             first = await events.get()  # a completion Routed, or Ended at once
@@ -290,10 +292,10 @@ async def stream(state: App, parsed: Parsed, events: asyncio.Queue, chat: bool):
 
     sent_chars, sent_logprobs = [0] * parsed.n, [0] * parsed.n
     results: dict[int, Result] = {}
+    # chat: a choice's role chunk goes just before its first token's, as vLLM's does (sent at once, it
+    # was the first chunk a client saw, and vLLM's benchmark read it as the first token: TTFT too short)
+    role = [chat] * parsed.n
     try:
-        if chat:
-            for index in range(parsed.n):
-                yield chunk(index, None, None, role=True)
         while len(results) < parsed.n:
             index, event = await events.get()
             if isinstance(event, Routed):
@@ -305,6 +307,9 @@ async def stream(state: App, parsed: Parsed, events: asyncio.Queue, chat: bool):
                 # a chunk per step that made tokens, its text empty while a stop string may still claim
                 # it or its bytes end mid-character (as vLLM's): a client times every token by it
                 if ids or text or logprobs:
+                    if role[index]:
+                        role[index] = False
+                        yield chunk(index, None, None, role=True)
                     yield chunk(index, text, None, logprobs=logprobs or None)
                 continue
             result: Result = event.result
@@ -315,6 +320,9 @@ async def stream(state: App, parsed: Parsed, events: asyncio.Queue, chat: bool):
                 yield f"data: {json.dumps(e.body())}\n\n"
                 yield "data: [DONE]\n\n"
                 return
+            if role[index]:
+                role[index] = False
+                yield chunk(index, None, None, role=True)
             rest = result.text[sent_chars[index] :]
             logprobs = result.logprobs[sent_logprobs[index] :] if result.logprobs is not None else None
             yield chunk(index, rest, finish_reason_of(result), logprobs=logprobs)

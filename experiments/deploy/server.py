@@ -162,8 +162,11 @@ def serve(cfg: DictConfig, out_dir: Path, ready=None) -> None:
     open_files_for(server.max_connections)
     sock = listening_socket(server.host, server.port)
     runtime = start_runtime(config, config.deployments[0], out_dir / "logs")
+    log_file = open(out_dir / "requests.jsonl", "a") if server.request_log else None  # noqa: SIM115
     try:
-        state = App(runtime, tokenizer, name, max_position, server.api_key, server, templates, grammars)
+        state = App(
+            runtime, tokenizer, name, max_position, server.api_key, server, templates, grammars, log_file
+        )
         app = make_app(state)
         host, port = sock.getsockname()[:2]
         url = f"http://{host}:{port}"
@@ -187,6 +190,8 @@ def serve(cfg: DictConfig, out_dir: Path, ready=None) -> None:
         server_class(uvicorn_config, state, server.shutdown_timeout_s).run(sockets=[sock])
     finally:
         runtime.close(timeout_s=server.shutdown_timeout_s)
+        if log_file is not None:
+            log_file.close()
         for sandbox in (templates, grammars):
             if sandbox is not None:
                 sandbox.close()

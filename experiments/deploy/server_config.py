@@ -48,6 +48,9 @@ class ServerConfig:
     # whose requests share prefix-cache pages: none (all with the same cache_salt, none given: all), user
     # (the request's `user` is part of its salt), salt (only requests that give the same cache_salt)
     cache_isolation: str = "none"
+    # each finished request's times (TTFT from its HTTP request's arrival, TPOT) as a JSON line in the run
+    # folder's requests.jsonl: what a client's own figures are held against (make compat); it grows
+    request_log: bool = False
 
     def __post_init__(self):
         if not isinstance(self.port, int) or not 0 <= self.port < 65536:
@@ -87,8 +90,9 @@ class ServerConfig:
             raise ValueError(
                 f"server.cache_isolation={self.cache_isolation!r} is not allowed: one of {CACHE_ISOLATION}"
             )
-        if not isinstance(self.public_health, bool):
-            raise ValueError(f"server.public_health={self.public_health!r} is not allowed: true or false")
+        for key in ("public_health", "request_log"):
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(f"server.{key}={getattr(self, key)!r} is not allowed: true or false")
 
 
 CACHE_ISOLATION = ("none", "user", "salt")

@@ -84,3 +84,37 @@ def test_a_remote_prefill_shows_how_long_its_kv_landed_after_the_prefill_and_aft
     assert abs(rows["r0"]["prefill_compute_s"] - 0.6) < 1e-9
     assert rows["r1"]["kv_exposed_s"] is None and rows["r1"]["kv_span_s"] is None  # not in the log
     assert rows["r2"]["kv_exposed_s"] is None  # prefilled locally: no landing time
+
+
+# the fields vLLM 0.32's `vllm bench serve --save-result --save-detailed` writes (read off its result JSON)
+VLLM_FIELDS = {
+    "date", "endpoint_type", "backend", "label", "model_id", "tokenizer_id", "num_prompts", "request_rate",
+    "burstiness", "max_concurrency", "duration", "completed", "failed", "total_input_tokens",
+    "total_output_tokens", "request_throughput", "request_goodput", "output_throughput",
+    "total_token_throughput", "input_lens", "output_lens", "ttfts", "itls", "errors",
+}  # fmt: skip
+STATS = ("mean", "median", "std", "p50", "p90", "p99")
+VLLM_FIELDS |= {f"{s}_{m}_ms" for s in STATS for m in ("ttft", "tpot", "itl", "e2el")}
+
+
+def test_a_run_is_written_in_the_shape_of_vllm_s_bench_serve_result():
+    from types import SimpleNamespace
+
+    from experiments.metrics import vllm_bench
+
+    def row(ttft, times, error=None):
+        e2e = None if error else ttft + sum(times)
+        return {"prompt_tokens": 10, "output_tokens": len(times) + 1 if error is None else 0, "ttft_s": ttft,
+                "tpot_s": sum(times) / len(times) if times else None, "e2e_s": e2e,
+                "itl_s": times, "error": error, "meets_slo": error is None}  # fmt: skip
+
+    rows = [row(0.1, [0.02, 0.03]), row(0.3, [0.04]), row(None, [], error="refused")]
+    record = {"requests": rows, "summary": {"duration_s": 2.0}, "deployment": "1p1d", "rate": 1.5,
+              "concurrency": None}  # fmt: skip
+    out = vllm_bench(record, SimpleNamespace(), "smollm2")
+    assert VLLM_FIELDS <= set(out)
+    assert out["completed"] == 2 and out["failed"] == 1 and out["total_output_tokens"] == 5
+    assert out["p50_ttft_ms"] == 200.0 and out["p90_ttft_ms"] == 280.0 and out["median_itl_ms"] == 30.0
+    assert (
+        out["ttfts"] == [0.1, 0.3, 0.0] and out["itls"][0] == [0.02, 0.03] and out["errors"][2] == "refused"
+    )
