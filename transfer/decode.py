@@ -58,6 +58,10 @@ def _fenced(request_id: str, seq: int) -> tuple[str, str, int]:
     return ("fenced", request_id, seq)
 
 
+class NoFreeSlot(Exception):
+    """Every context slot of the group waits for a transfer to land: submit again once one has."""
+
+
 class DecodeEngine(Protocol):
     # pinned pages for prompt[:-1], and how many of its leading tokens those pages hold already or load
     # from below device memory (a whole number of pages: its prefix cache, its KV tiers, which may take
@@ -246,7 +250,9 @@ class DecodeMessenger:
         prefill side's fair share). group: the DP group whose
         engine takes it (add_group's number). Returns whether a prefill worker was asked.
 
-        Raises what engine.reserve raises (out of pages, a bad request) with nothing taken."""
+        Raises what engine.reserve raises (out of pages, a bad request) with nothing taken, and NoFreeSlot
+        while every context slot (transfer.context_slots) waits for a transfer to land: the caller keeps
+        the request and submits it again later (at 256 streams, 378 of 512 requests failed on it instead)."""
         for name, p in self.peers.items():  # a process gone (seen from this host) but not yet silent:
             if not p.lost and p.down():  # nothing more lands from it, and it takes nothing new
                 self.peer_dead(name)
@@ -260,6 +266,8 @@ class DecodeMessenger:
                 f"group must be a DP group of this worker, in [0, {len(self.groups)}), got {group!r}"
             )
         target, g = self.peers[peer], self.groups[group]
+        if len(prompt_ids) > 1 and not g.free_slots:  # every slot waits for a transfer: so does this one
+            raise NoFreeSlot(f"{request_id}: all {self.config.context_slots} context slots are in use")
         if len(prompt_ids) > 1:  # check before anything is taken: a plan that raises leaves nothing behind
             # counts do not depend on which pages are used: plan against placeholder ids; the specs and
             # the highest id are what can fail, so the check plans the last page only
@@ -284,10 +292,6 @@ class DecodeMessenger:
                 g.engine.free(request_id)
             else:
                 g.engine.recompute(request_id)
-            return False
-        if not g.free_slots:
-            g.engine.fail(request_id, "decode worker has no free context slot (transfer.context_slots)")
-            g.engine.free(request_id)
             return False
         seq, skip = next(self._seqs), cached // g.spec.page_size
         writes = plan_array(target.hello.spec, g.spec, placeholder[skip:], placeholder[skip:], skip)

@@ -294,14 +294,20 @@ class PrefillMessenger:
             self.abort(req.request_id, "the request moved to another decode worker")
             self._waiting.append((req, channel))
             return
+        if old is not None:  # its owner again, newer: it is done with the old one (landed: a preempted
+            # request fetched again; or aborted), which this side has not reaped yet. It waits for that
+            # (refused, 2 of 512 requests failed at 256 streams on 1P1D)
+            self._waiting.append((req, channel))
+            return
         self._take(req, channel)
 
     def _take(self, req: PrefillRequest, channel) -> None:
         try:
             if req.request_id in self.transfers:
                 raise ValueError(f"request {req.request_id!r} is already being prefilled here")
-            if not self._free_slots:
-                raise ValueError("no free context slot (transfer.context_slots)")
+            if not self._free_slots:  # decode workers' requests beyond them wait for a transfer to end
+                self._waiting.append((req, channel))
+                return
             routes = self._plan(req)
             pairs = {(src, dst) for src, dst, _ in routes} | {(0, 0)}  # (0, 0): the context write
             peers = self._connect(req.dst_metadata, pairs)

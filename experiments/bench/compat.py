@@ -219,9 +219,14 @@ def _call(cmd: list[str], run: Path, timeout: float, offline: bool = True) -> No
         raise RuntimeError(f"{cmd[0]} exited {code}: {run / 'client.log'}")
 
 
-def ours(requests: list[dict]) -> tuple:
-    """The server's TTFT p50/p90 and TPOT p50 (ms) over a run's requests, and how many it logged."""
-    ttft = [r["ttft_s"] * 1e3 for r in requests if r.get("ttft_s") is not None]
+def ours(lines: list[dict]) -> tuple:
+    """The server's TTFT p50/p90 and TPOT p50 (ms) over a run's requests, and how many it logged. A
+    streamed request's TTFT is when its first token was written to its client (its first_chunk_s line),
+    else when the token reached the runtime (ttft_s)."""
+    first = {r["id"]: r["first_chunk_s"] for r in lines if "first_chunk_s" in r}
+    requests = [r for r in lines if "first_chunk_s" not in r]
+    ttft = [first.get(r["id"], r.get("ttft_s")) for r in requests]
+    ttft = [t * 1e3 for t in ttft if t is not None]
     tpot = [r["tpot_s"] * 1e3 for r in requests if r.get("tpot_s") is not None]
     return pct(ttft, 50), pct(ttft, 90), pct(tpot, 50), len(requests)
 

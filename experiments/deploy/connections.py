@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import struct
 import time
 from collections import Counter
 
@@ -32,6 +34,10 @@ import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 RETRY_AFTER_S = 1
+ARRIVED = "pdk_arrived"  # the request scope's state key: perf_counter when the request began to arrive
+# Linux's struct tcp_info: 8 bytes of u8 fields, then u32 rto, ato, snd_mss, rcv_mss, unacked, sacked,
+# lost, retrans, fackets, last_data_sent, last_ack_sent, last_data_recv (ms since the last data came)
+LAST_DATA_RECV_OFFSET, TCP_INFO_BYTES = 8 + 11 * 4, 104
 LINGER_S, LINGER_BYTES = 1.0, 1 << 16  # how long and how much a refused connection is read and dropped
 
 
@@ -59,6 +65,20 @@ BUSY_CLIENT = _busy_response(
 )
 
 
+def arrived_in_kernel(transport: asyncio.Transport) -> float:
+    """perf_counter when the socket's latest data reached the kernel (TCP_INFO's tcpi_last_data_recv, in
+    ms), not when the event loop got to read it: a busy loop read a burst of new requests 200 ms after
+    their clients had sent them (what their TTFT counts). Now where TCP_INFO is not to be had."""
+    now = time.perf_counter()
+    sock = transport.get_extra_info("socket")
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, TCP_INFO_BYTES)
+        (ago_ms,) = struct.unpack_from("I", info, LAST_DATA_RECV_OFFSET)
+    except (AttributeError, OSError, struct.error):
+        return now
+    return now - ago_ms / 1000 if ago_ms < 60_000 else now
+
+
 def guarded_h11(header_timeout_s: float, max_connections: int, per_client: int) -> type[H11Protocol]:
     """uvicorn's h11 protocol with these limits (uvicorn.Config(http=...))."""
     open_from: Counter[str] = Counter()  # accepted connections open, by client address
@@ -68,6 +88,7 @@ def guarded_h11(header_timeout_s: float, max_connections: int, per_client: int) 
         _header_timer: asyncio.TimerHandle | None = None
         _refused: int | None = None  # over the cap: the bytes it may still send, read and dropped
         _address: str | None = None  # counted in open_from while open
+        _began: float | None = None  # perf_counter of the first bytes of the request being read
 
         def connection_made(self, transport: asyncio.Transport) -> None:
             super().connection_made(transport)
@@ -122,10 +143,17 @@ def guarded_h11(header_timeout_s: float, max_connections: int, per_client: int) 
                 if self._refused < 0:
                     self.transport.close()
                 return
+            idle_before = self.conn.their_state is h11.IDLE  # between requests: these begin the next one
+            if idle_before and self._began is None:  # when it arrived, as its client counts
+                self._began = arrived_in_kernel(self.transport)
             super().data_received(data)
-            if self.conn.their_state is not h11.IDLE:  # its request line and headers are in: busy until
-                self._disarm()  # its response is complete (a trickle of header lines stays evictable)
+            if idle_before and self.conn.their_state is not h11.IDLE:  # its request line and headers are in:
+                self._disarm()  # busy until its response is complete (a trickle of headers stays evictable)
                 idle.pop(self, None)
+                scope = getattr(self, "scope", None)
+                if scope is not None:  # the route reads it (experiments.deploy.routes: arrived_at)
+                    scope.setdefault("state", {})[ARRIVED] = self._began
+                self._began = None
 
         def on_response_complete(self) -> None:
             super().on_response_complete()

@@ -100,6 +100,7 @@ class DecodeFront:
         """Send what waits to the prefill workers (dm: the decode messenger), while pages last; refuse(
         request_id, error) ends one the plan or the engine refuses."""
         from engine.kv.cache import OutOfPages
+        from transfer.decode import NoFreeSlot
 
         if self.backlog and self.waiting_for_restart(dm):
             return
@@ -129,8 +130,9 @@ class DecodeFront:
                     group=item.group if item.group is not None else self.llm.least_busy_group(),
                 ):
                     self.prefilled_here.add(rid)
-            except OutOfPages:
-                return  # pages come back as running requests finish (engine.scheduler: room to finish)
+            except (OutOfPages, NoFreeSlot):
+                return  # pages come back as running requests finish (engine.scheduler: room to finish),
+                # context slots as transfers land
             except (ValueError, TypeError) as e:  # the plan or the engine refused it
                 if self.llm.holds(rid):  # a refetch: it ends with its tokens so far
                     self.llm.abort(rid, f"could not fetch its KV again: {e}")

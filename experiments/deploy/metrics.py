@@ -164,6 +164,16 @@ class Metrics:
         self.sent[request_id] = time.perf_counter() if arrived is None else arrived
         self.in_flight.inc()
 
+    def first_chunk(self, request_id: str) -> None:
+        """A streamed completion's first token is being written to its client (on the event loop): with
+        server.request_log, a line of its own says when, from its arrival (what a client times as TTFT;
+        the finished row's ttft_s is when the token reached the runtime)."""
+        sent = self.sent.get(request_id)
+        if self.request_log is not None and sent is not None:
+            row = {"id": request_id, "first_chunk_s": time.perf_counter() - sent}
+            self.request_log.write(json.dumps(row) + "\n")  # one write: the runtime's thread writes too
+            self.request_log.flush()
+
     def finished(self, request_id: str, result: Result) -> None:
         """Latencies from the token times the runtime took as each token arrived (perf_counter)."""
         now = time.perf_counter()

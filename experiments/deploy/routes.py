@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from experiments.deploy.api import DISCONNECT_POLL_S, INLINE_BYTES, App, Parsed
+from experiments.deploy.connections import ARRIVED
 from experiments.deploy.errors import RETRY_AFTER_S, ApiError
 from experiments.deploy.fields import parse_json
 from experiments.deploy.messages import Result
@@ -158,8 +159,15 @@ async def models(request: Request):
     return {"object": "list", "data": [card]}
 
 
+def arrived_at(request: Request) -> float:
+    """When the request began to arrive (perf_counter): its first bytes, or its connection's opening for a
+    connection's first request (the protocol's stamp, experiments.deploy.connections), what a client's
+    own latencies count from; the handler's start where no stamp is (a test's app)."""
+    return request.scope.get("state", {}).get(ARRIVED) or time.perf_counter()
+
+
 async def generate(request: Request, chat: bool):
-    arrived = time.perf_counter()  # what its latencies count from, as a client's do
+    arrived = arrived_at(request)  # what its latencies count from, as a client's do
     state = request.app.state.pdk
     guard(state, request)
     body = await body_of(state, request)
@@ -295,6 +303,8 @@ async def stream(state: App, parsed: Parsed, events: asyncio.Queue, chat: bool):
     # chat: a choice's role chunk goes just before its first token's, as vLLM's does (sent at once, it
     # was the first chunk a client saw, and vLLM's benchmark read it as the first token: TTFT too short)
     role = [chat] * parsed.n
+    first = [True] * parsed.n  # a choice's first token not yet written (Metrics.first_chunk)
+    submits = [s.request_id for s in parsed.completions]
     try:
         while len(results) < parsed.n:
             index, event = await events.get()
@@ -307,6 +317,9 @@ async def stream(state: App, parsed: Parsed, events: asyncio.Queue, chat: bool):
                 # a chunk per step that made tokens, its text empty while a stop string may still claim
                 # it or its bytes end mid-character (as vLLM's): a client times every token by it
                 if ids or text or logprobs:
+                    if first[index]:
+                        first[index] = False
+                        state.metrics.first_chunk(submits[index])
                     if role[index]:
                         role[index] = False
                         yield chunk(index, None, None, role=True)

@@ -331,3 +331,76 @@ def test_an_unexpected_error_on_the_sender_thread_fails_its_request_not_the_thre
     _run(prefill, decode, pm, dm, ["good"])
     assert decode.output("good").finish_reason == "length"
     assert prefill.allocator.num_free == PAGES and decode.allocator.num_free == PAGES
+
+
+def test_requests_past_the_context_slots_wait_for_a_transfer_to_land():
+    """Issue 70: at 256 streams a 1P1D server failed 378 of 512 requests with "no free context slot".
+    Past the decode side's transfer.context_slots a request is not taken (NoFreeSlot, nothing reserved)
+    and goes again once a transfer lands; a prefill side given more requests than its own slots (as by
+    two decode workers) queues them instead of refusing. Tokens as colocated, every page back."""
+    from engine.disagg import DecodeSide, PrefillSide
+    from transfer.decode import NoFreeSlot
+
+    prefill = LLM("tiny-random", role="prefill", page_size=4, num_pages=PAGES, max_num_batched_tokens=24)
+    decode = LLM("tiny-random", role="decode", page_size=4, num_pages=PAGES)
+    keep_outputs(prefill), keep_outputs(decode)
+    decode_end, prefill_end = local_channel()
+    pm = prefill_messenger(prefill, make_backend("local", "p-slots"), TransferConfig(backend="local",
+                           context_slots=1), side=PrefillSide)  # fmt: skip
+    pm.add_peer(prefill_end)
+    dm = decode_messenger(decode, make_backend("local", "d-slots"), TransferConfig(backend="local",
+                          context_slots=2), side=DecodeSide)  # fmt: skip
+    dm.add_peer("prefill-0", decode_end, wait_hello(decode_end, timeout_s=1))
+    prompts = [p for p in _prompts(12) if len(p) > 1][:6]
+    ids = [f"s{i}" for i in range(len(prompts))]
+    backlog, waits = list(zip(ids, prompts, strict=True)), []
+
+    def tick() -> bool:
+        while backlog:
+            free = decode.allocator.num_free
+            try:
+                dm.submit(*backlog[0], GREEDY)
+            except NoFreeSlot:
+                assert decode.allocator.num_free == free and backlog[0][0] not in decode.seqs
+                waits.append(backlog[0][0])
+                return False
+            backlog.pop(0)
+        return True
+
+    _run(prefill, decode, pm, dm, ids, tick=tick)
+    expected = LLM("tiny-random", page_size=4, num_pages=PAGES).generate(prompts, GREEDY)
+    assert [decode.output(rid).token_ids for rid in ids] == [o.token_ids for o in expected]
+    assert waits and pm.refused == 0  # some waited on each side's slots; none was refused
+    assert prefill.allocator.num_free == PAGES and decode.allocator.num_free == PAGES
+    _close(pm, dm)
+
+
+def test_a_request_fetched_again_before_its_old_transfer_is_reaped_waits_for_it(pair):
+    """Issue 70: at 256 streams on 1P1D a preempted request, fetched again, reached the prefill worker
+    before that side had reaped its first transfer, and was refused ("already being prefilled here"): the
+    newer one from the same owner now waits, and is taken once the old one is reaped."""
+    import msgspec
+
+    from transfer.protocol import Abort
+
+    prefill, decode, pm, dm = pair
+    dm.submit("again", list(range(100, 130)), GREEDY)
+    pm.poll()  # accepted: its transfer is held here until reaped
+    old = pm.transfers["again"]
+    newer = msgspec.structs.replace(old.req, seq=old.req.seq + 1)
+    refused = pm.refused
+    pm._accept(newer, old.channel)
+    assert pm.refused == refused and (newer, old.channel) in pm._waiting
+    give_up = time.monotonic() + 60
+    while not (pm.transfers.get("again") and pm.transfers["again"].req.seq == newer.seq):
+        assert time.monotonic() < give_up, "the newer request was never taken"
+        if prefill.has_unfinished():
+            prefill.step()
+        dm.poll()
+        if decode.has_unfinished():
+            decode.step()
+        pm.poll()  # reaps the old transfer, then takes the newer one
+    pm._on_abort(Abort("again", newer.seq, "the test is done with it"), old.channel)
+    _run(prefill, decode, pm, dm, ["again"])
+    assert decode.output("again").finish_reason == "length" and pm.refused == refused
+    assert prefill.allocator.num_free == PAGES and decode.allocator.num_free == PAGES

@@ -20,10 +20,13 @@ def test_percentiles_are_linear_between_ranks_as_numpy_s():
 
 
 def test_the_server_s_figures_of_a_run_come_from_its_request_log():
-    log = [{"ttft_s": 0.1, "tpot_s": 0.02}, {"ttft_s": 0.3, "tpot_s": None}]
-    log.append({"ttft_s": None, "tpot_s": None})  # a request refused: no token
+    """A streamed request's TTFT: when its first token was written (its own line, before the finished
+    one); a request that was not streamed: when its token reached the runtime."""
+    log = [{"id": "a", "first_chunk_s": 0.12}, {"id": "a", "ttft_s": 0.1, "tpot_s": 0.02}]
+    log.append({"id": "b", "ttft_s": 0.3, "tpot_s": None})
+    log.append({"id": "c", "ttft_s": None, "tpot_s": None})  # a request refused: no token
     p50, p90, tpot, n = compat.ours(log)
-    assert (p50, p90, tpot, n) == (pytest.approx(200.0), pytest.approx(280.0), pytest.approx(20.0), 3)
+    assert (p50, p90, tpot, n) == (pytest.approx(210.0), pytest.approx(282.0), pytest.approx(20.0), 3)
 
 
 def test_guidellm_s_report_is_read_by_its_successful_requests():
