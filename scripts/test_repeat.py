@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -27,16 +26,6 @@ def spin() -> None:
     """A busy loop: one core's worth of load until killed."""
     while True:
         pass
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def outcomes(junit: Path) -> tuple[Counter, list[str]]:
@@ -93,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         for p in busy:
             if p.is_alive():
                 p.kill()
+    from experiments.sim.hardware import cpu_model
+
     print(f"\n{cpu_model()}, {os.cpu_count()} cores{', a busy loop on each' if args.busy else ''}; "
           f"reports in {args.out}")  # fmt: skip
     for name, count in failures.most_common():

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import signal
 import subprocess
 import sys
@@ -302,7 +301,9 @@ def main(argv: list[str] | None = None) -> int:
                     print(table([row]).splitlines()[-1], flush=True)
         finally:
             server.close()
-    meta = {"machine": platform.processor() or platform.machine(), "versions": versions(args.venvs),
+    from experiments.sim.hardware import cpu_model
+
+    meta = {"machine": f"{cpu_model()}, {os.cpu_count()} cores", "versions": versions(args.venvs),
             "args": {k: str(v) for k, v in vars(args).items()}}  # fmt: skip
     (args.out / "compat.json").write_text(json.dumps({**meta, "rows": [asdict(r) for r in rows]}, indent=1))
     (args.out / "compat.md").write_text(table(rows) + "\n")
