@@ -234,16 +234,18 @@ class Scheduler:
     def give_way(self, seq: Sequence, shares: Shares | None = None) -> bool:
         """seq, not admitted, may not start (no room, or max_num_seqs run): preempt the newest running
         sequence of the client that holds the most, while it holds at least two more than seq's
-        (engine/fair.py), until seq could start. Returns whether it could."""
+        (engine/fair.py), until seq could start. Returns whether seq could start once they gave way
+        (False without asking about room when no client holds two more: one client alone costs nothing)."""
         shares = shares or Shares(self.admitted())
-        hit = self.lookup(seq)  # named pages stay cached when a preemption frees them
+        hit = None
         while True:
-            if len(self.running) < self.config.max_num_seqs and self.has_room(seq, hit):
-                return True
             pinned = self.allocator.is_pinned
             victims = [s for s in self.running if shares.gives_way(s, seq) and not pinned(s.request_id)]
             if not victims:
                 return False
+            hit = self.lookup(seq) if hit is None else hit  # named pages stay cached through preemptions
+            if len(self.running) < self.config.max_num_seqs and self.has_room(seq, hit):
+                return True
             victim = max(reversed(victims), key=shares.rank)  # the first of the most: the newest of them
             shares.remove(victim)
             self.preempt(victim)
