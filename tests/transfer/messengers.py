@@ -11,6 +11,7 @@ from engine.kv.cache import OutOfPages
 from tests.kept import finished, keep_outputs
 from transfer.backends import make_backend
 from transfer.config import TransferConfig
+from transfer.decode import NoFreeSlot
 from transfer.protocol import local_channel, wait_hello
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
@@ -60,7 +61,7 @@ def _refetching_worker(decode, dm, backlog: list, params, refetched: list | None
             rid, ids, group = backlog[0]
             try:
                 dm.submit(rid, ids, params, group=group)
-            except OutOfPages:
+            except (OutOfPages, NoFreeSlot):  # pages, or a context slot, come back as others finish
                 break
             backlog.pop(0)
         return not backlog
