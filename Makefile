@@ -24,10 +24,11 @@ run: $(STAMP)
 	$(BIN)/python -m experiments.run experiment=compare
 
 # two test files at a time (pytest-xdist): most tests wait on worker processes, and every test keeps to
-# its own ports and TMPDIR; TEST_JOBS=0 runs them one after another
+# its own ports and TMPDIR; TEST_JOBS=0 runs them one after another. A worker that dies (killed for memory)
+# fails its test and ends the run: xdist 3.8 replacing it under loadfile can wait forever
 TEST_JOBS ?= 2
 test: $(STAMP)
-	$(PYTEST) -m "not slow" -q -n $(TEST_JOBS) --dist loadfile
+	$(PYTEST) -m "not slow" -q -n $(TEST_JOBS) --dist loadfile --max-worker-restart=0
 
 # the suite N times, each failing test with its count (scripts/test_repeat.py); BUSY=1 keeps every core
 # busy beside it (the suite must pass on a shared machine too)

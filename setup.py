@@ -38,6 +38,7 @@ setup(
             "pytest",
             "pytest-xdist",  # make test runs two test files at once: most tests wait on worker processes
             "pytest-benchmark",
+            "pytest-timeout",  # a test past its ceiling fails with every thread's stack instead of hanging CI
             "hypothesis",
             "transformers",
             "accelerate",

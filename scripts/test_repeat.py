@@ -19,7 +19,8 @@ import xml.etree.ElementTree as ET
 from collections import Counter
 from pathlib import Path
 
-DEFAULT_ARGS = ["-m", "not slow", "-q", "-n", "2", "--dist", "loadfile"]  # what `make test` runs
+# what `make test` runs
+DEFAULT_ARGS = ["-m", "not slow", "-q", "-n", "2", "--dist", "loadfile", "--max-worker-restart=0"]
 
 
 def spin() -> None:

@@ -44,6 +44,7 @@ def _rss_mib(pid: int) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # ten minutes of traffic and more (the suite's ceiling is 900 s)
 def test_chaos_soak_through_the_http_server(tmp_path):
     from engine import LLM, SamplingParams
 

@@ -62,6 +62,7 @@ def _prefill_process(address, creds, parent, abort_rate, seed, report):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # ten minutes of traffic and more (the suite's ceiling is 900 s)
 def test_soak_10000_requests_with_aborts_and_prefill_restarts(tmp_path):
     from transfer.auth import keyring
     from transfer.channel import ZmqEndpoint

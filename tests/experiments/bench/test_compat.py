@@ -60,6 +60,7 @@ def test_the_table_marks_what_a_client_did_not_measure():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # every client at three concurrencies: about 15 minutes
 @pytest.mark.skipif(not (ROOT / ".compat/.ready").exists(), reason="make compat sets up the clients' venvs")
 def test_every_client_is_served_without_a_failure_and_times_what_the_server_times(tmp_path):
     """Every client at concurrency 8 on colocated: no request fails, and where a client streams, its TTFT

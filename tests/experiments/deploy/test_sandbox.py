@@ -95,9 +95,10 @@ def test_a_caller_that_gives_up_kills_its_child():
 
         async def abandon():
             slow = asyncio.ensure_future(pool.run(Task(600.0, [{"role": "user", "content": "loop"}])))
-            while not pool._children or not next(iter(pool._children)).ready:  # the task is running
+            # the task is running (the pool also starts a spare beside it, which stays unstarted)
+            while not (running := [c for c in pool._children if c.ready]):
                 await asyncio.sleep(0.05)
-            first = next(iter(pool._children))
+            (first,) = running
             slow.cancel()  # the client went away
             with pytest.raises(asyncio.CancelledError):
                 await slow
