@@ -7,6 +7,7 @@
 """
 
 import atexit
+import ctypes
 import os
 import shutil
 import tempfile
@@ -24,6 +25,16 @@ os.environ["PDK_CACHE_DIR"] = os.path.join(_STATE, "cache")
 atexit.register(shutil.rmtree, _STATE, ignore_errors=True)
 if not COMPILED:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+_LIBC = ctypes.CDLL(None)
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    """Give the heap a test freed back to the system: glibc keeps it, and a worker of `make test` that
+    ran 700 tests held 5 GB of freed memory (test_messenger.py alone: 1.4 GB, 0.5 GB trimmed)."""
+    if hasattr(_LIBC, "malloc_trim"):  # glibc
+        _LIBC.malloc_trim(0)
 
 
 def pytest_sessionstart(session):

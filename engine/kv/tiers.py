@@ -24,6 +24,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
 
@@ -132,8 +133,11 @@ class KVTiers:
         self.host.notify = lambda stored, name: self._event("host", stored, name)
         if self.disk is not None:
             self.disk.notify = lambda stored, name: self._event("disk", stored, name)
-        self._io = threading.Thread(target=self._serve, name="kv-tiers-io", daemon=True)
+        # the thread holds the queue, not this object: one dropped without close() (with the KV caches
+        # it references) is still collected, and its finalizer ends the thread
+        self._io = threading.Thread(target=_serve, args=(self._jobs,), name="kv-tiers-io", daemon=True)
         self._io.start()
+        weakref.finalize(self, self._jobs.put, (-1, 0, None))
 
     # ---- the engine's thread -------------------------------------------------------------------------
 
@@ -427,16 +431,6 @@ class KVTiers:
     def _submit(self, priority: int, fn) -> None:
         self._jobs.put((priority, next(self._order), fn))
 
-    def _serve(self) -> None:
-        while True:
-            _, _, fn = self._jobs.get()
-            if fn is None:
-                return
-            try:
-                fn()
-            except Exception:  # a bug here must not stop the thread: the job's pages become misses
-                log.exception("kv_tiers: an I/O job failed")
-
     def _run_load(self, job: Load) -> None:
         size, read = self.fmt.slot_bytes, "DONE"
         disk = [(slot * size, d) for tier, _, slot, d in job.plan if tier == "disk"]
@@ -494,3 +488,16 @@ class KVTiers:
             if "get miss" in why:
                 return
         log.warning("kv_tiers: a %s page was dropped and will be recomputed: %s", tier, why)
+
+
+def _serve(jobs: queue.PriorityQueue) -> None:
+    """The I/O thread: each job in priority order until a None one."""
+    while True:
+        _, _, fn = jobs.get()
+        if fn is None:
+            return
+        try:
+            fn()
+        except Exception:  # a bug here must not stop the thread: the job's pages become misses
+            log.exception("kv_tiers: an I/O job failed")
+        fn = None  # the job's closure holds its KVTiers: not while this thread waits for the next

@@ -3,9 +3,11 @@ cache come back from the host pool or from files (NIXL POSIX) instead of being c
 same as with no cache at all; a page that fails a check, a disk that fails, a load that is aborted or
 passes its deadline all fall back to computing, and every page is accounted for."""
 
+import gc
 import logging
 import os
 import random
+import weakref
 
 import pytest
 import torch
@@ -309,3 +311,16 @@ def test_tiers_need_the_prefix_cache_and_room_for_a_page():
         LLM("tiny-random", **SMALL, enable_prefix_caching=False, kv_tiers={"host_bytes": 1 << 20})
     with pytest.raises(ValueError, match=r"kv_tiers.host_bytes=100 holds no page: one takes \d+ bytes"):
         LLM("tiny-random", **SMALL, kv_tiers={"host_bytes": 100})
+
+
+def test_an_engine_dropped_without_close_frees_its_kv_and_its_io_thread():
+    """Its I/O thread holds the job queue, not the tiers: the engine, its KV cache and the host pool go
+    when the last reference does (a test process that made dozens of engines held them all: 5 GB)."""
+    llm = LLM("tiny-random", **SMALL, kv_tiers={"host_bytes": 4 << 20})
+    llm.generate([_prompts(1)[0]], GREEDY)
+    kv, io = weakref.ref(llm.kv_cache), llm.tiers._io
+    del llm
+    gc.collect()
+    assert kv() is None
+    io.join(timeout=60)  # the finalizer's stop, already queued: the join returns at once
+    assert not io.is_alive()
