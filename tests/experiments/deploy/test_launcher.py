@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-import ray  # noqa: F401  (make test installs it: missing, this module fails)
+import ray  # make test installs it: missing, this module fails
 from hydra import compose, initialize_config_dir
 
 from tests import needs
@@ -19,6 +19,7 @@ from tests import needs
 needs.nixl()
 
 from experiments.deploy import launcher  # noqa: E402
+from experiments.deploy.launch_config import RayConfig  # noqa: E402
 from experiments.run import run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -67,6 +68,15 @@ def test_1p1d_across_two_nodes_from_the_command_line_gives_the_colocated_tokens(
     assert workers["prefill-0"]["node_id"] != workers["decode-0"]["node_id"]  # the roles' two nodes
     assert all(w["pid"] > 0 and w["role"] == n.split("-")[0] for n, w in workers.items())
     assert colocated["workers"][0]["node_id"] in {w["node_id"] for w in workers.values()}
+
+
+def test_the_local_clusters_workers_serve_at_full_priority():
+    """Ray starts its workers at nice 15: beside a busy machine (the rest of the suite) an actor took over
+    two minutes to import its module and the command line's run above failed. The local cluster's are
+    at nice 0, as a worker process of the local launcher is."""
+    launcher.connect(RayConfig(local_nodes=1))
+    niceness = ray.remote(num_cpus=0)(lambda: os.getpriority(os.PRIO_PROCESS, 0))
+    assert ray.get(niceness.remote(), timeout=120) == 0
 
 
 @pytest.mark.slow  # make test-all; make test keeps the restart under the local launcher (test_run.py)
