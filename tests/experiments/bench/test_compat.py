@@ -50,6 +50,29 @@ def test_guidellm_s_report_is_read_by_its_successful_requests():
     )
 
 
+def test_the_sharegpt_like_file_is_real_text_in_sharegpt_s_shape_and_our_runs_read_it_too(tmp_path):
+    from engine.weights import load_model
+    from experiments.workload import make_requests
+    from experiments.workload_config import WorkloadConfig
+
+    path = compat.sharegpt_like(tmp_path / "sharegpt.json", n=40, seed=3)
+    data = json.loads(path.read_text())
+    assert path.read_text() == compat.sharegpt_like(tmp_path / "again.json", n=40, seed=3).read_text()
+    assert len(data) == 40 and len({c["id"] for c in data}) == 40
+    asked, replies = [], []
+    for c in data:
+        (human, gpt) = c["conversations"]
+        assert (human["from"], gpt["from"]) == ("human", "gpt")
+        asked.append(len(human["value"].split("\n\n", 1)[1].split()))
+        replies.append(len(gpt["value"].split()))
+    assert all(20 <= a <= 300 for a in asked) and all(10 <= r <= 60 for r in replies)
+    assert len(set(asked)) > 20  # of many lengths
+    tok = load_model("tiny-random", weights=False).tokenizer
+    w = WorkloadConfig(num_requests=40, dataset="sharegpt", dataset_path=str(path))
+    requests = make_requests(w, tok, tok.vocab_size, 2048)
+    assert len({tuple(r.prompt_ids) for r in requests}) == 40  # every conversation, once
+
+
 def test_the_table_marks_what_a_client_did_not_measure():
     figures = (90.0, 300.0, 40.5, 1200.0, 85.0, 280.0, 39.0, 512)
     rows = [compat.Row("litellm", "1p1d", 256, 512, 512, 0, *figures),
