@@ -309,9 +309,10 @@ def test_cache_aware_routing_keeps_each_conversation_where_its_history_is(tmp_pa
 
 def test_admission_slo_refuses_requests_it_predicts_late_and_serves_the_rest_exactly(tmp_path):
     """1P1D under a burst far past a 20 ms TTFT: with deployment.admission=slo the router refuses
-    requests at once (rejected, not errors: no worker saw them) once it has measured the prefill worker's
-    speed, and every request it admitted ends with LLM.generate's output; admission=none over the same
-    arrivals refuses none."""
+    requests at once (rejected, not errors: no worker saw them) from the speed each worker timed as it
+    started, and every request it admitted ends with LLM.generate's output; admission=none over the same
+    arrivals refuses none. (Whether the first request fits depends on that speed: beside busy loops it
+    did not, so nothing here asks.)"""
     from engine import LLM, SamplingParams
     from experiments.deploy.config import check_fits_model
     from experiments.workload import make_requests
@@ -334,8 +335,6 @@ def test_admission_slo_refuses_requests_it_predicts_late_and_serves_the_rest_exa
     assert s["rejected"] > 0 and s["errors"] == 0 and s["completed"] + s["rejected"] == 48, slo["requests"]
     refused = [r for r in slo["requests"] if r["finish_reason"] == "rejected"]
     assert all("predicted TTFT" in r["error"] and r["worker"] == "" and not r["output_ids"] for r in refused)
-    first = min(slo["requests"], key=lambda r: r["arrival_s"])
-    assert first["finish_reason"] != "rejected"  # until a Load has measured the prefill speed: taken
     served = {r["request_id"]: r["output_ids"] for r in slo["requests"] if r["finish_reason"] != "rejected"}
     assert served == {rid: want[rid] for rid in served}
     assert s["admitted_attainment_pct"] >= s["attainment_pct"]
