@@ -39,7 +39,7 @@ def _first_bytes(sock: socket.socket) -> bytes:
 def server(tmp_path):
     proc, url = _start(
         tmp_path, "deployment=colocated", "server.max_connections=8", "server.max_connections_per_client=3",
-        "server.header_timeout_s=2",
+        "server.header_timeout_s=2", "server.body_timeout_s=600",  # a body under way stays for the test
     )  # fmt: skip
     yield url
     proc.send_signal(signal.SIGTERM)
@@ -92,15 +92,16 @@ def test_one_client_holding_every_connection_locks_no_one_else_out(server):
 
 def test_a_client_whose_connections_are_all_busy_is_refused_past_its_share(server):
     """At its cap with no connection idle (three requests in flight), a client's fourth connection is
-    answered 503 naming server.max_connections_per_client; once they end, it is served again."""
-    busy = [_stream(server, "127.0.0.4", 1, 1000) for _ in range(3)]
-    assert [status for _, status, _ in busy] == [200] * 3
+    answered 503 naming server.max_connections_per_client; once they end, it is served again. The three
+    are requests whose bodies are under way (asked for: 100 Continue), which cannot end while the test
+    runs (three streams of 1,000 tokens could: beside busy loops one did, and the fourth took its place)."""
+    busy = [_uploading(server, "127.0.0.4") for _ in range(3)]
     host, port = server.removeprefix("http://").rsplit(":", 1)
     extra = socket.create_connection((host, int(port)), source_address=("127.0.0.4", 0))
     assert _first_bytes(extra).startswith(b"HTTP/1.1 503")
     extra.close()
-    for conn, _, _ in busy:
-        conn.close()
+    for sock in busy:
+        sock.close()
     give_up = time.monotonic() + 60
     while (status := _post(server, "127.0.0.4")[0]) != 200 and time.monotonic() < give_up:
         time.sleep(0.05)  # the server hears the closes a moment later
@@ -128,6 +129,18 @@ def test_idle_sockets_from_nine_addresses_at_the_cap_leave_a_new_client_served(s
         assert status == 200, body
     for s in held:
         s.close()
+
+
+def _uploading(url: str, source: str) -> socket.socket:
+    """A request whose body its client has begun and not finished: in flight (not idle) from when the
+    server asks for the body (100 Continue) until server.body_timeout_s."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=60, source_address=(source, 0))
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+    sock.sendall(f"{head}Content-Length: 100\r\nExpect: 100-continue\r\n\r\n".encode())
+    assert sock.recv(4096).startswith(b"HTTP/1.1 100 ")
+    sock.sendall(b'{"model": ')
+    return sock
 
 
 def _stream(url: str, source: str, n: int, max_tokens: int) -> tuple[http.client.HTTPConnection, int, bytes]:
