@@ -25,7 +25,7 @@ def _start(tmp: Path, *overrides: str) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(
         args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, text=True
     )
-    give_up = time.monotonic() + 120
+    give_up = time.monotonic() + 600  # a bound only a broken start reaches, beside busy loops too
     while not (tmp / "server.json").exists():
         if proc.poll() is not None or time.monotonic() > give_up:
             proc.kill()

@@ -18,7 +18,7 @@ RUN = [
     "model=tiny-random", "deployment=1p1d", "launcher=netns", "cluster.link.rate=20mbit",
     "workload.num_requests=6", "workload.arrival=concurrency", "workload.concurrency=2",
     "workload.prompt_len.value=600", "workload.output_len.value=8", "plots=false",
-    "start_timeout_s=120", "run_timeout_s=300",
+    "start_timeout_s=600", "run_timeout_s=600",
 ]  # fmt: skip
 DOWN_S = 2.0
 
