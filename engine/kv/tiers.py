@@ -137,7 +137,7 @@ class KVTiers:
         # it references) is still collected, and its finalizer ends the thread
         self._io = threading.Thread(target=_serve, args=(self._jobs,), name="kv-tiers-io", daemon=True)
         self._io.start()
-        weakref.finalize(self, self._jobs.put, (-1, 0, None))
+        self._stop_io = weakref.finalize(self, self._jobs.put, (-1, 0, None))  # close(), or when collected
 
     # ---- the engine's thread -------------------------------------------------------------------------
 
@@ -340,7 +340,7 @@ class KVTiers:
     def close(self) -> None:
         """Finish the writes in flight (so that the files hold them), then stop the I/O thread."""
         self.drain(timeout=2 * self.config.store_deadline_s)
-        self._jobs.put((-1, 0, None))
+        self._stop_io()  # once: the finalizer does nothing more
         self._io.join(timeout=5)
         if self.disk is not None:
             self.disk.close()
