@@ -92,9 +92,13 @@ def test_the_prefill_host_s_link_down_for_2_s_mid_transfer_loses_nothing(short_t
     _pages_back(cut)
 
 
-# 2 prefill hosts and a decode host; the decode pool holds several requests beside the set-aside ones
-TWO_PREFILL = [*RUN, "deployment.num_prefill=2", "cluster.hosts=3", "model.num_pages=1024",
-               "transfer.peer_timeout_s=3"]  # fmt: skip
+# 2 prefill hosts and a decode host; the decode pool holds several requests beside the set-aside ones.
+# round_robin: prefill-0 takes the 1st, 3rd and 5th prompts, so the KV crosses host 0's link, which the
+# hooks cut. cache_aware picks the prefill worker by the speed each timed as it started, and in CI a
+# prefill-0 that timed itself at under half prefill-1's speed (three workers starting on 2 cores) took
+# no prompt at all: its link carried no KV and was never cut
+TWO_PREFILL = [*RUN, "deployment.num_prefill=2", "deployment.routing=round_robin", "cluster.hosts=3",
+               "model.num_pages=1024", "transfer.peer_timeout_s=3"]  # fmt: skip
 PAGES_A_REQUEST = 150  # 600 prompt tokens at tiny-random's 4 per page
 
 
