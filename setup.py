@@ -5,7 +5,7 @@ setup(
     version="0.1.0",
     description="Disaggregated prefill/decode for LLM serving: kernels, engine, KV transfer, experiments",
     python_requires=">=3.10",
-    packages=find_packages(include=["pdkernels", "engine*", "transfer*", "experiments*"]),
+    packages=find_packages(include=["pdkernels", "engine*", "transfer*", "serving*", "experiments*"]),
     package_data={"pdkernels": ["csrc/*.cpp"]},  # built at first use (pdkernels/cpu.py)
     install_requires=[
         # no exact pins here: they would replace a GPU user's CUDA torch. The Makefile installs the tested
@@ -28,7 +28,7 @@ setup(
         "uvloop",  # uvicorn's faster event loop and HTTP parser, picked up when present (the HTTP path's
         "httptools",  # TTFT overhead at concurrency 1: +5% without them, +3% with, measured here)
         "prometheus-client",  # its /metrics
-        "ray>=2.60",  # launcher=ray: workers as actors on a Ray cluster (experiments/deploy/launcher.py)
+        "ray>=2.60",  # launcher=ray: workers as actors on a Ray cluster (serving/fleet/launcher.py)
         "xgrammar>=0.2.9,<0.3",  # structured output: grammars and token masks (engine/structured.py)
         "ninja",  # builds pdkernels' C++ CPU paths at first use (torch.utils.cpp_extension; pdkernels/cpu.py)
     ],

@@ -224,7 +224,7 @@ DECODE_LOADS = ("cost", "always", "never")
 @dataclass(frozen=True)
 class TierSettings:
     """kv_tiers' settings that every worker's engine takes as they are (declared once: the deployment's
-    `kv_tiers`, experiments.deploy.config.KVTiersSpec, and each engine's KVTiersConfig extend this).
+    `kv_tiers`, serving.config.KVTiersSpec, and each engine's KVTiersConfig extend this).
 
     Full prefix pages leave device memory into the host pool (LRU) and from it into files (LRU): when a
     device page is evicted ("on_evict") or as soon as it is named ("write_through", which also keeps the

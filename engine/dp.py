@@ -24,7 +24,7 @@ its own NIC: transfer.nics_per_rank) and drives each group's engine through engi
 is a prefill peer of its own: its messenger, layer counter and agents run in its engine's process
 (start_group_messengers), the front polls them between steps (poll_groups) and steps every group when
 any has work.
-A worker of DP groups behind the router: experiments/deploy/policy.py's Groups picks each request's
+A worker of DP groups behind the router: serving/router/policy.py's Groups picks each request's
 group, which add_request's dp_rank (and a decode worker's messenger's group) takes.
 """
 

@@ -217,7 +217,7 @@ def render_template(
     """Render a compiled chat template; whatever it raises becomes a ValueError. timeout_s: a template
     still running after this long (nested loops) is stopped between two of its lines: ValueError. A
     single C-level operation cannot be stopped so; the HTTP server renders in a process it can kill
-    (experiments.deploy.sandbox)."""
+    (serving.http.sandbox)."""
     previous = sys.gettrace()
     try:
         if timeout_s is not None:

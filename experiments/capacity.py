@@ -25,7 +25,7 @@ def prefill_tokens_s(config, prompt_tokens: int) -> float:
     import torch
 
     from engine import LLM, SamplingParams
-    from experiments.deploy.config import DeploymentConfig, prefill_budget
+    from serving.config import DeploymentConfig, prefill_budget
 
     m = config.model
     d = next((d for d in config.deployments if isinstance(d, DeploymentConfig)), None)

@@ -1,4 +1,4 @@
-"""The experiment config: the deployment runtime's (experiments/deploy/config.py) plus the workload and
+"""The experiment config: the deployment runtime's (serving/config.py) plus the workload and
 what the experiment reports, checked and turned into dataclasses in one place, before any process starts.
 
 `from_cfg` takes the composed hydra config (conf/config.yaml) and returns a RunConfig; every wrong value
@@ -8,13 +8,13 @@ imports hydra: workers get these dataclasses.
 
 from __future__ import annotations
 
-from experiments.deploy.config import (
+from experiments.run_config import EndpointConfig, RunConfig
+from experiments.workload_config import LengthDist, WorkloadConfig, sampling_of
+from serving.config import (
     as_dict,
     of_dict,
     runtime_parts,
 )
-from experiments.run_config import EndpointConfig, RunConfig
-from experiments.workload_config import LengthDist, WorkloadConfig, sampling_of
 
 
 def run_job(fn, cfg) -> None:

@@ -1,5 +1,5 @@
 """The main job's load generator: it starts a deployment through the same Runtime the HTTP server runs
-(experiments.deploy.runtime: routing, admission, deaths, migration, restarts, elastic moves), submits
+(serving.runtime: routing, admission, deaths, migration, restarts, elastic moves), submits
 each request of the workload on its schedule (Poisson, a fixed number in flight, a trace, or a multiturn
 workload's turns after each reply), and records what comes back. Whatever happens (an error, Ctrl-C,
 SIGTERM), every worker process is stopped before `run_deployment` returns. A request's token times are
@@ -15,9 +15,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from experiments.deploy.messages import ErrorKind, Submit, Timeline
-from experiments.deploy.runtime import WAIT_MS, Ended, Event, Routed, Runtime, Streamed, start_runtime
 from experiments.record import DeploymentRun, Request, Turns
+from serving.messages import ErrorKind, Submit, Timeline
+from serving.runtime import WAIT_MS, Ended, Event, Routed, Runtime, Streamed, start_runtime
 
 log = logging.getLogger(__name__)
 

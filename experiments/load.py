@@ -23,11 +23,11 @@ import dataclasses
 import time
 
 from engine.sequence import SamplingParams
-from experiments.deploy.messages import ErrorKind, Result
 from experiments.record import DeploymentRun, Request
 from experiments.run_config import EndpointConfig, RunConfig
 from experiments.workload import Conversations
 from experiments.workload_config import SET_BY_WORKLOAD
+from serving.messages import ErrorKind, Result
 
 
 def run_endpoint(

@@ -67,10 +67,10 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments.deploy.config import SloConfig
 from experiments.record import DeploymentRun
 from experiments.run_config import EndpointConfig, RunConfig
 from experiments.sim.hardware import cpu_model
+from serving.config import SloConfig
 
 SCHEMA = "pdkernels.results/1"
 CSV_FIELDS = (

@@ -2,7 +2,7 @@
 
 The main job's driver (experiments.driver), the load client (experiments.load) and the simulator
 (experiments.sim) each fill a DeploymentRun; experiments.workload makes the Requests. Nothing here
-crosses a socket: the runtime's wire messages are experiments/deploy/messages.py's.
+crosses a socket: the runtime's wire messages are serving/messages.py's.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from experiments.deploy.config import DeploymentConfig
-from experiments.deploy.messages import Result, Timeline
+from serving.config import DeploymentConfig
+from serving.messages import Result, Timeline
 
 
 @dataclass(frozen=True)

@@ -19,10 +19,10 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.config import from_cfg, run_job
-from experiments.deploy.config import check_fits_model
-from experiments.deploy.launcher import start_fork_server
 from experiments.layout import Steps
 from experiments.run_config import EndpointConfig
+from serving.config import check_fits_model
+from serving.fleet.launcher import start_fork_server
 
 
 def run(cfg: DictConfig, out_dir: Path, progress: bool = True, hooks=None) -> list[dict]:
@@ -114,7 +114,7 @@ def _check_auto(config) -> None:
 def _layout(config, d, requests, steps):
     """num_workers: auto: d with its cores' split chosen (experiments/layout.py), and the table of splits."""
     from experiments import layout
-    from experiments.deploy.config import prefill_budget
+    from serving.config import prefill_budget
 
     budget = prefill_budget(d.chunk_size, config.model.device, config.model.dtype)
     return layout.choose(

@@ -1,4 +1,4 @@
-"""The experiment's config as the main job runs it: the runtime's (experiments/deploy/config.py) with the
+"""The experiment's config as the main job runs it: the runtime's (serving/config.py) with the
 workload and whether it plots (RunConfig), and deployments measured by URL (EndpointConfig).
 experiments/config.py builds it from the composed hydra config.
 """
@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from experiments.deploy.checks import refuse
-from experiments.deploy.config import RuntimeConfig
 from experiments.workload_config import WorkloadConfig
+from serving.checks import refuse
+from serving.config import RuntimeConfig
 
 
 @dataclass(frozen=True)

@@ -21,12 +21,12 @@ from dataclasses import MISSING, fields
 from hydra.core.config_store import ConfigStore
 
 from engine.sequence import SamplingParams
-from experiments.deploy.config import DeploymentConfig, KernelsConfig, KVTiersSpec, ModelSpec, SloConfig
-from experiments.deploy.launch_config import ClusterConfig, LauncherConfig, RayConfig
-from experiments.deploy.planner import PlannerConfig
-from experiments.deploy.server_config import ServerConfig
 from experiments.run_config import RunConfig
 from experiments.workload_config import SET_BY_WORKLOAD, WorkloadConfig
+from serving.config import DeploymentConfig, KernelsConfig, KVTiersSpec, ModelSpec, SloConfig
+from serving.fleet.launch_config import ClusterConfig, LauncherConfig, RayConfig
+from serving.http.server_config import ServerConfig
+from serving.router.planner import PlannerConfig
 from transfer.config import TransferConfig
 
 # group -> the dataclass its options fill (launcher: only name and max_restarts; ray and cluster are

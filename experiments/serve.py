@@ -1,5 +1,5 @@
 """python -m experiments.serve [group=option] [key=value]: an OpenAI-compatible HTTP endpoint over any
-deployment. The server itself is experiments.deploy.server; this is its hydra entry point."""
+deployment. The server itself is serving.http.server; this is its hydra entry point."""
 
 import hydra
 from omegaconf import DictConfig
@@ -9,7 +9,7 @@ from experiments.config import run_job
 
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    from experiments.deploy.server import serve
+    from serving.http.server import serve
 
     run_job(serve, cfg)
 

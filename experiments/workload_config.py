@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass, field
 
 from engine.sequence import SamplingParams
-from experiments.deploy.checks import check_count, check_positive, refuse
+from serving.checks import check_count, check_positive, refuse
 
 ARRIVALS = ("poisson", "concurrency", "trace")
 DATASETS = ("random", "sharegpt", "mooncake", "multiturn")

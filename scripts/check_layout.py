@@ -2,11 +2,14 @@
 
 - no Python file is past MAX_LINES lines: a backstop, not where code is cut (files follow seams: a file
   past ~800 lines is a smell to look at, STYLE.md; one past 1,000 has grown several ideas);
-- tests mirror the packages: a folder under tests/ is a package's folder (tests/experiments/deploy for
-  experiments/deploy), and a test named after a module of a subpackage lives in that subpackage's folder
-  (tests/experiments/deploy/test_policy.py, not tests/experiments/test_policy.py);
+- tests mirror the packages: a folder under tests/ is a package's folder (tests/serving/router for
+  serving/router), and a test named after a module of a subpackage lives in that subpackage's folder
+  (tests/serving/router/test_policy.py, not tests/serving/test_policy.py);
 - no import cycle among the packages' modules: every import counts, inside functions too (only those
-  under `if TYPE_CHECKING:` do not), so dependencies point one way.
+  under `if TYPE_CHECKING:` do not), so dependencies point one way;
+- and between packages, down LAYERS alone: experiments -> serving -> engine -> transfer -> pdkernels (a
+  package imports only those after it: the serving runtime never imports the main job or the simulator,
+  the engine never imports the runtime, the transfer layer never imports the engine).
 
 python scripts/check_layout.py [ROOT]; exits 1 with one line per breach.
 """
@@ -18,8 +21,9 @@ import sys
 from pathlib import Path
 
 MAX_LINES = 1000
-SOURCES = ("engine", "experiments", "transfer", "pdkernels", "scripts", "tests")
-PACKAGES = ("engine", "experiments", "transfer", "pdkernels")  # whose modules may not import round a circle
+SOURCES = ("engine", "serving", "experiments", "transfer", "pdkernels", "scripts", "tests")
+PACKAGES = ("engine", "serving", "experiments", "transfer", "pdkernels")  # no import circle among these
+LAYERS = ("experiments", "serving", "engine", "transfer", "pdkernels")  # each imports only those after it
 
 
 def too_long(root: Path) -> list[str]:
@@ -92,15 +96,32 @@ def _imports(name: str, path: Path, modules: set[str]) -> set[str]:
     return out
 
 
-def import_cycles(root: Path) -> list[str]:
-    """Each group of modules that import each other, round a circle (Tarjan's strongly connected
-    components of the import graph)."""
+def _graph(root: Path) -> dict[str, set[str]]:
+    """Each of the packages' modules -> the project modules it imports."""
     paths = {}
     for top in PACKAGES:
         for path in (root / top).rglob("*.py"):
             parts = path.relative_to(root).with_suffix("").parts
             paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
-    graph = {name: _imports(name, path, set(paths)) for name, path in paths.items()}
+    return {name: _imports(name, path, set(paths)) for name, path in paths.items()}
+
+
+def upward_imports(root: Path) -> list[str]:
+    """Each import from a package into one at or above it in LAYERS (its own excepted)."""
+    out = []
+    for name, targets in sorted(_graph(root).items()):
+        top = name.split(".")[0]
+        below = LAYERS[LAYERS.index(top) + 1 :]
+        for target in sorted(targets):
+            if target.split(".")[0] not in (top, *below):
+                out.append(f"{name} imports {target}: {top} may import only {', '.join(below) or 'itself'}")
+    return out
+
+
+def import_cycles(root: Path) -> list[str]:
+    """Each group of modules that import each other, round a circle (Tarjan's strongly connected
+    components of the import graph)."""
+    graph = _graph(root)
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -133,7 +154,7 @@ def import_cycles(root: Path) -> list[str]:
 
 
 def main(root: Path) -> int:
-    breaches = too_long(root) + misplaced_tests(root) + import_cycles(root)
+    breaches = too_long(root) + misplaced_tests(root) + import_cycles(root) + upward_imports(root)
     for line in breaches:
         print(line)
     return 1 if breaches else 0

@@ -80,7 +80,7 @@ def pytest_collection_modifyitems(config, items):
 def short_tmp(tmp_path):
     """tmp_path / "tmp", a link to a new short folder in /tmp (removed after the test), for a TMPDIR whose
     unix-socket paths stay under the kernel's 107 bytes: the runtime puts a run's private folder in
-    TMPDIR only while they do (experiments/deploy/control.py), and pytest-xdist's tmp_path is longer.
+    TMPDIR only while they do (serving/control.py), and pytest-xdist's tmp_path is longer.
     Pass its resolved path as TMPDIR."""
     real = Path(tempfile.mkdtemp(prefix="pdkt-", dir="/tmp"))
     (tmp_path / "tmp").symlink_to(real)

@@ -13,7 +13,7 @@ from experiments.schema import keys
 ROOT = Path(__file__).resolve().parents[1]
 GROUPS = "deployment|workload|kv_tiers|model|slo|transfer|server|launcher|ray|cluster|kernels"
 # a dotted key after a group's name, not a file name (workload.py, transfer.md), not inside a longer
-# dotted name (experiments.deploy.server), not after a "+" (hydra's append of a key the config has not:
+# dotted name (serving.http.server), not after a "+" (hydra's append of a key the config has not:
 # +model.no_such_key=...)
 KEY = re.compile(rf"(?<![+\w./-])((?:{GROUPS})(?:\.(?!(?:py|md|json|yaml|log)\b)[a-z_][a-z0-9_]*)+)")
 # names that read like keys but are not settings: modules, and a checkpoint's tensor names

@@ -145,7 +145,7 @@ def main() -> None:
     with initialize_config_dir(config_dir=CONF, version_base=None):
         probe = compose("config", overrides=base)
     from engine.weights import load_model
-    from experiments.deploy.config import runtime_of
+    from serving.config import runtime_of
 
     spec = runtime_of(probe).model  # its dtype resolved (auto: bf16 where this CPU computes in it)
     itemsize = 4 if spec.dtype == "float32" else 2

@@ -3,7 +3,7 @@
     python -m experiments.bench.link_probe --rate 1gbit --delay-us 1000 [--jitter-us 0] [--mbytes 200]
         [--delay-by auto|netem|wire]
 
-builds two hosts (experiments/deploy/netns.py; root), serves on host 1 and calls from host 0, and prints
+builds two hosts (serving/fleet/netns.py; root), serves on host 1 and calls from host 0, and prints
 the round trips (a round trip crosses four links: each host's, both ways), the bulk rate, and what
 delayed the links (netem or the switch's user-space wire, netns_wire). The two ends are this module too:
 `serve ADDR` echoes ten bytes, then counts what follows and answers with the count; `call ADDR N` prints
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--delay-by", default="auto", choices=["auto", "netem", "wire"])
     parser.add_argument("--subnet", type=int, default=60)
     args = parser.parse_args(argv)
-    from experiments.deploy.netns import Hosts, Link
+    from serving.fleet.netns import Hosts, Link
 
     link = Link(args.rate, delay_us=args.delay_us, jitter_us=args.jitter_us)
     with Hosts(2, link, subnet=args.subnet, delay_by=args.delay_by) as hosts:

@@ -24,7 +24,6 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments.deploy.config import DeploymentConfig, SloConfig
 from experiments.repro.claims import SIMULATED, Claim
 from experiments.sim.cost import CostModel, Efficiency
 from experiments.sim.hardware import hardware
@@ -33,6 +32,7 @@ from experiments.sim.models import sim_model
 from experiments.sim.run import simulate_deployment
 from experiments.sim.simulate import Instance, poisson_requests, simulate_colocated, simulate_disaggregated
 from experiments.workload_config import WorkloadConfig
+from serving.config import DeploymentConfig, SloConfig
 
 SOURCE = "survey, quoting Mooncake (FAST'25)"
 # the trace's first 1,000 lines, kept here (data/README.md); the whole hour where a checkout has ../shared

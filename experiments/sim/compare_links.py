@@ -4,7 +4,7 @@ TTFT predicted.
     python -m experiments.sim.compare_links RUN/results.json RUN/results.json ... [--calibrate-on 0]
         [--hardware cpu-this-machine]
 
-Each results.json is a run with launcher=netns (hosts in network namespaces, experiments/deploy/netns.py)
+Each results.json is a run with launcher=netns (hosts in network namespaces, serving/fleet/netns.py)
 at its own cluster.link.rate: the same model, deployments and workload otherwise. On the calibration run
 (by default the first) the compute factors are fitted to its workers' step timelines (as compare_real
 does), then the link's efficiency (Efficiency.comm: the share of the link's rate a transfer reaches,

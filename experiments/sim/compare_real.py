@@ -122,7 +122,7 @@ def with_link(hw, config, d):
     simulator sends over."""
     if config.launcher.name != "netns":
         return hw
-    from experiments.deploy.netns import Link
+    from serving.fleet.netns import Link
 
     cluster = config.launcher.cluster
     links = min(d.prefill_tp, d.decode_tp)

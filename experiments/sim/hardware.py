@@ -62,7 +62,7 @@ def hardware(name: str) -> Hardware:
 def hardware_of(cfg: dict) -> Hardware:
     """conf/hardware/: a preset by name, a machine's measured figures in full, or `measure:` this machine
     (measured_here)."""
-    from experiments.deploy.config import of_dict
+    from serving.config import of_dict
 
     if "measure" in cfg:
         return measured_here(cfg)

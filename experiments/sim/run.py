@@ -22,17 +22,6 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.config import run_job, workload_of
-from experiments.deploy.config import (
-    DeploymentConfig,
-    ModelSpec,
-    SloConfig,
-    deployments_of,
-    of_dict,
-    prefill_budget,
-    slo_of,
-)
-from experiments.deploy.messages import Result, TierCounters, Timeline
-from experiments.deploy.policy import Router
 from experiments.record import DeploymentRun, Request
 from experiments.run_config import RunConfig
 from experiments.sim.cost import CostModel, Efficiency
@@ -42,6 +31,17 @@ from experiments.sim.models import sim_model
 from experiments.sim.simulate import Instance, SimRequest, simulate_colocated, simulate_disaggregated
 from experiments.workload import Conversations, draw, mooncake_block, mooncake_rows
 from experiments.workload_config import WorkloadConfig
+from serving.config import (
+    DeploymentConfig,
+    ModelSpec,
+    SloConfig,
+    deployments_of,
+    of_dict,
+    prefill_budget,
+    slo_of,
+)
+from serving.messages import Result, TierCounters, Timeline
+from serving.router.policy import Router
 from transfer.config import TransferConfig
 
 MAX_POSITION = 1 << 20

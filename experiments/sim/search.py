@@ -19,7 +19,6 @@ from pathlib import Path
 import hydra
 
 from experiments.config import run_job
-from experiments.deploy.config import of_dict, slo_of
 from experiments.sim.cost import CostModel, Efficiency
 from experiments.sim.models import sim_model
 from experiments.sim.simulate import (
@@ -29,6 +28,7 @@ from experiments.sim.simulate import (
     simulate_colocated,
     simulate_disaggregated,
 )
+from serving.config import of_dict, slo_of
 
 
 @dataclass(frozen=True)

@@ -46,9 +46,6 @@ import heapq
 
 import numpy as np
 
-from experiments.deploy.messages import LOAD_EVERY_S, Load
-from experiments.deploy.planner import Planner, PlannerConfig
-from experiments.deploy.policy import Router
 from experiments.sim.cost import transfer_time
 from experiments.sim.elastic import hand_back, plan, serve
 from experiments.sim.instance import Instance, SimRequest
@@ -61,6 +58,9 @@ from experiments.sim.steps import (
     prefill_here,
     prefill_locally,
 )
+from serving.messages import LOAD_EVERY_S, Load
+from serving.router.planner import Planner, PlannerConfig
+from serving.router.policy import Router
 
 
 def simulate_colocated(

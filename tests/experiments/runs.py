@@ -70,7 +70,7 @@ def skip_without_ebpf() -> None:
     mount): skipped, saying why, on a machine that refuses them."""
     import pytest
 
-    from experiments.deploy.netns import Hosts, Link
+    from serving.fleet.netns import Hosts, Link
 
     try:
         Hosts(1, Link("100mbit", loss_pct=1), subnet=63).close()

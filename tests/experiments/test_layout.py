@@ -5,12 +5,12 @@ import numpy as np
 import pytest
 
 from experiments.config import from_cfg
-from experiments.deploy.config import DeploymentConfig
 from experiments.layout import choose, prompt_lengths, splits
 from experiments.record import Request
 from experiments.sim.cost import Efficiency
 from experiments.sim.hardware import Hardware
 from experiments.sim.models import sim_model
+from serving.config import DeploymentConfig
 from tests.experiments.runs import _cfg
 
 SLO = ["slo.ttft_s=3", "slo.tpot_s=0.1"]

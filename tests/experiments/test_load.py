@@ -5,9 +5,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from experiments.deploy.messages import ErrorKind
 from experiments.load import _kind, _sampling
 from experiments.workload_config import sampling_of
+from serving.messages import ErrorKind
 
 
 def _error(status: int, code: str | None):

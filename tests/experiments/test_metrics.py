@@ -62,10 +62,10 @@ def test_prompts_prefilled_on_a_decode_worker_by_load_get_a_row_only_where_there
 def test_a_remote_prefill_shows_how_long_its_kv_landed_after_the_prefill_and_after_the_first_post():
     """The decode worker's landing time joined with the prefill worker's Sent by request id; a local
     prefill, and one whose prefill worker's log lacks it, get nothing rather than a made-up time."""
-    from experiments.deploy.config import DeploymentConfig, SloConfig
-    from experiments.deploy.messages import Result, Timeline
     from experiments.metrics import request_rows
     from experiments.record import DeploymentRun, Request
+    from serving.config import DeploymentConfig, SloConfig
+    from serving.messages import Result, Timeline
 
     reqs = [Request(f"r{i}", 0.0, [1, 2, 3], 2) for i in range(3)]
     run = DeploymentRun(DeploymentConfig("1p1d"), reqs, sent={r.request_id: 10.0 for r in reqs}, start=10.0)

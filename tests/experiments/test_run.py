@@ -314,8 +314,8 @@ def test_admission_slo_refuses_requests_it_predicts_late_and_serves_the_rest_exa
     arrivals refuses none. (Whether the first request fits depends on that speed: beside busy loops it
     did not, so nothing here asks.)"""
     from engine import LLM, SamplingParams
-    from experiments.deploy.config import check_fits_model
     from experiments.workload import make_requests
+    from serving.config import check_fits_model
 
     overrides = [*TINY, "workload.arrival=poisson", "workload.rate=40", "workload.num_requests=48"]
     overrides += ["workload.prompt_len.low=150", "workload.prompt_len.high=300"]

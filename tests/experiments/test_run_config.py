@@ -152,8 +152,8 @@ def test_config_maps_to_dataclasses():
 def test_an_endpoint_is_the_experiment_s_config_not_the_runtime_s():
     """`kind: endpoint` (a URL the load client measures) is experiments.config.EndpointConfig, kept in its
     place among the deployments; the runtime's own config (the server's) has no such kind."""
-    from experiments.deploy.config import DeploymentConfig, runtime_of
     from experiments.run_config import EndpointConfig
+    from serving.config import DeploymentConfig, runtime_of
 
     url = "http://127.0.0.1:9/v1"
     listed = f"deployments=[{{name: a, kind: endpoint, url: '{url}'}}, {{name: b, kind: colocated}}]"
@@ -174,7 +174,7 @@ def test_a_long_tmpdir_still_gives_sockets_the_kernel_takes(tmp_path, monkeypatc
     import shutil
     import tempfile
 
-    from experiments.deploy.control import IPC_PATH_MAX, private_dir
+    from serving.control import IPC_PATH_MAX, private_dir
 
     deep = tmp_path / ("d" * 60) / ("e" * 40)
     deep.mkdir(parents=True)
@@ -199,8 +199,8 @@ def test_the_prefill_budget_auto_is_picked_by_what_computes_the_step(monkeypatch
     """deployment.chunk_size=auto (the default): vLLM's CPU budget on AVX-512 BF16 or AMX CPUs running a
     bf16 model, 1,024 on a CPU in fp32, each where it was measured better; 512 on a GPU or in bf16 on a
     CPU without bf16 compute."""
-    from experiments.deploy.config import DeploymentConfig, prefill_budget
     from pdkernels import cpu
+    from serving.config import DeploymentConfig, prefill_budget
 
     assert DeploymentConfig(name="d").chunk_size == "auto"
     for native, device, dtype, want in [

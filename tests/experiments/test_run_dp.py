@@ -7,8 +7,8 @@ import re
 import pytest
 
 from experiments.config import from_cfg
-from experiments.deploy.config import check_fits_model
 from experiments.run import run
+from serving.config import check_fits_model
 from tests.experiments.runs import TINY, _cfg, _outputs
 
 DEEPSEEK = ["model=tiny-random-deepseek", "deployment=colocated", "deployment.num_workers=1"]

@@ -92,7 +92,7 @@ def test_an_exception_mid_run_stops_every_worker_process(tmp_path):
             ["ps", "-ww", "-eo", "ppid,pid,args"], capture_output=True, text=True
         ).stdout.splitlines()[1:]
     ]
-    me = str(os.getpid())  # workers fork from this process's fork server (experiments/deploy/launcher.py)
+    me = str(os.getpid())  # workers fork from this process's fork server (serving/fleet/launcher.py)
     servers = {pid for ppid, pid, args in rows if ppid == me and "multiprocessing.forkserver" in args}
     assert servers  # (so the check below looks where the workers were)
     left = [args for ppid, pid, args in rows if ppid in servers or (ppid == me and "spawn_main" in args)]
@@ -145,8 +145,8 @@ def test_killed_workers_restart_under_the_local_launcher_and_take_requests_again
     requests are served by the restarted decode worker, and every output equals LLM.generate's (a
     transfer the prefill kill cuts is recomputed on its decode worker: on_transfer_failure=recompute)."""
     from engine import LLM, SamplingParams
-    from experiments.deploy.config import check_fits_model
     from experiments.workload import make_requests
+    from serving.config import check_fits_model
 
     overrides = [*TINY, "workload.arrival=poisson", "workload.rate=4", "workload.num_requests=80"]
     overrides += ["workload.output_len.value=24", "launcher.max_restarts=1"]  # 20 s: a restart takes ~3

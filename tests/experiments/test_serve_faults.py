@@ -110,7 +110,7 @@ def test_the_servers_connections_send_without_nagle():
     socket must say IPPROTO_TCP), so a token's chunk never waits for the client's delayed ACK."""
     import socket as so
 
-    from experiments.deploy.server import listening_socket
+    from serving.http.server import listening_socket
 
     async def accepted_nodelay() -> int:
         sock = listening_socket("127.0.0.1", 0)

@@ -100,7 +100,7 @@ def test_a_build_killed_mid_way_does_not_hang_the_next_process(tmp_path, monkeyp
 
 
 def test_native_bf16_is_read_off_the_cpus_flags(monkeypatch):
-    """model.dtype=auto picks bf16 only where the CPU computes in it (experiments.deploy.config.ModelSpec)."""
+    """model.dtype=auto picks bf16 only where the CPU computes in it (serving.config.ModelSpec)."""
     for flags, want in [
         ("flags : fpu sse2 avx2 fma f16c", False),
         ("flags : avx2 avx512f avx512_bf16", True),

@@ -1,4 +1,5 @@
-"""scripts/check_layout.py finds a file past 1,000 lines and a test outside its package's folder."""
+"""scripts/check_layout.py finds a file past 1,000 lines, a test outside its package's folder, an import
+cycle and an import against the layers."""
 
 import importlib.util
 from pathlib import Path
@@ -26,21 +27,22 @@ def test_a_long_file_and_misplaced_tests_are_named(tmp_path, capsys):
         {
             "experiments/__init__.py": 1,
             "experiments/run.py": 10,
-            "experiments/deploy/__init__.py": 1,
-            "experiments/deploy/policy.py": 1001,
+            "serving/__init__.py": 1,
+            "serving/router/policy.py": 1001,
             "tests/experiments/test_run_faults.py": 5,  # named after experiments/run.py: in place
-            "tests/experiments/test_policy_admission.py": 5,  # experiments/deploy/policy.py's: misplaced
+            "serving/router/__init__.py": 1,
+            "tests/serving/test_policy_admission.py": 5,  # serving/router/policy.py's: misplaced
             "tests/nowhere/test_x.py": 5,  # no package nowhere/
-            "tests/experiments/deploy/test_policy.py": 1000,  # in place, and 1,000 lines is allowed
+            "tests/serving/router/test_policy.py": 1000,  # in place, and 1,000 lines is allowed
         },
     )
     assert check_layout.main(tmp_path) == 1
     out = capsys.readouterr().out.splitlines()
     assert out == [
-        "experiments/deploy/policy.py: 1001 lines (at most 1000)",
-        "tests/experiments/test_policy_admission.py: tests experiments/deploy/policy.py: belongs in "
-        "tests/experiments/deploy/",
+        "serving/router/policy.py: 1001 lines (at most 1000)",
         "tests/nowhere/test_x.py: tests/nowhere mirrors no package (nowhere does not exist)",
+        "tests/serving/test_policy_admission.py: tests serving/router/policy.py: belongs in "
+        "tests/serving/router/",
     ]
 
 
@@ -59,3 +61,23 @@ def test_an_import_cycle_is_named_even_through_a_function_level_import(tmp_path)
     assert check_layout.import_cycles(tmp_path) == ["an import cycle: engine.dp, engine.group, engine.llm"]
     (tmp_path / "engine/dp.py").write_text("def main():\n    import importlib\n")  # the group by name
     assert check_layout.import_cycles(tmp_path) == []
+
+
+def test_an_import_against_the_layers_is_named(tmp_path):
+    """serving never imports the main job (experiments), the engine never imports serving: each package
+    imports only those after it in LAYERS."""
+    for name, text in {
+        "experiments/run.py": "from serving import runtime\n",  # down: allowed
+        "serving/__init__.py": "",
+        "serving/runtime.py": "from engine import llm\n",  # down: allowed
+        "serving/router/policy.py": "def f():\n    from experiments import run\n",  # up, inside a function
+        "engine/llm.py": "import serving.router.policy\n",  # up
+        "transfer/plan.py": "import pdkernels.ops\n",
+        "pdkernels/ops.py": "x = 1\n",
+    }.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert check_layout.upward_imports(tmp_path) == [
+        "engine.llm imports serving.router.policy: engine may import only transfer, pdkernels",
+        "serving.router.policy imports experiments.run: serving may import only engine, transfer, pdkernels",
+    ]

@@ -116,8 +116,8 @@ def test_received_objects_run_their_own_checks():
 
 
 def test_driver_drops_a_worker_that_claims_another_identity(tmp_path):
-    from experiments.deploy.control import driver_socket, recv_all
-    from experiments.deploy.messages import Ready, worker_codec
+    from serving.control import driver_socket, recv_all
+    from serving.messages import Ready, worker_codec
     from transfer.config import TransferConfig
 
     keys = keyring(["driver", "decode-0", "prefill-0"])
@@ -146,7 +146,7 @@ def test_driver_drops_a_worker_that_claims_another_identity(tmp_path):
 
 
 def test_driver_socket_runs_no_pickle_from_a_stranger_or_a_member(tmp_path):
-    from experiments.deploy.control import driver_socket, recv_all
+    from serving.control import driver_socket, recv_all
     from transfer.config import TransferConfig
 
     keys = keyring(["driver", "decode-0"])

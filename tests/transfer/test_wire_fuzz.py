@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from engine import LLM, SamplingParams
 from engine.disagg import decode_messenger, prefill_messenger
-from experiments.deploy.messages import (
+from serving.messages import (
     ErrorKind,
     HandedBack,
     Result,

@@ -238,7 +238,7 @@ def test_the_policy_s_admission_refuses_what_would_be_late_in_the_simulator_too(
     request every 0.5 s: 4x what it can serve): it measures the speed from the instance's counters as it
     would from Loads, refuses at once what the queue would make later than a 6 s TTFT, and the requests it
     takes meet it; without admission the queue grows and almost none do."""
-    from experiments.deploy.policy import Router
+    from serving.router.policy import Router
 
     def run(admission):
         reqs = [SimRequest(i, 0.5 * i, prompt=10, output=2) for i in range(60)]
@@ -280,7 +280,7 @@ def test_scripted_switches_hand_requests_back_and_every_one_finishes(router):
     """decode-0 turns prefill at t=5 while it decodes (its requests are fetched again, prompt and outputs
     so far, for decode-1), then prefill-0 turns decode at t=20 once its prompts are done: every request
     gets all its tokens, each move is recorded with its time, and no instance holds KV after."""
-    from experiments.deploy.planner import PlannerConfig
+    from serving.router.planner import PlannerConfig
 
     prefill, decode = _elastic(1, 2)
     reqs = [SimRequest(i, 0.5 * i, prompt=10, output=12) for i in range(12)]
@@ -303,7 +303,7 @@ def test_the_planner_moves_a_decode_instance_to_prefill_when_prompts_queue_and_t
     """Prefill-heavy load on 1 prefill + 3 decode instances: TTFT far over its SLO while decode has
     room. With the planner on, decode instances move to prefill (never the last one) and TTFT p90
     falls below the fixed deployment's."""
-    from experiments.deploy.planner import PlannerConfig, percentile
+    from serving.router.planner import PlannerConfig, percentile
 
     def run(enabled):
         prefill, decode = _elastic(1, 3)
@@ -356,7 +356,7 @@ def test_prefill_by_load_sends_what_the_prefill_queue_would_make_late_to_the_dec
     """deployment.local_prefill_by_load in the simulator: the real router's choice (Router._by_load) over
     a prefill instance that serves a 10-token prompt in 2 s while one arrives every second; the decode
     instance prefills those the queue would make later than 4 s, and the TTFT tail shrinks."""
-    from experiments.deploy.policy import Router
+    from serving.router.policy import Router
 
     def run(by_load):
         reqs = [SimRequest(i, 1.0 * i, prompt=10, output=4) for i in range(30)]

@@ -7,13 +7,13 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from experiments.config import workload_of
-from experiments.deploy.config import deployments_of
 from experiments.metrics import request_rows, summarize
 from experiments.sim.cost import Efficiency
 from experiments.sim.hardware import load_hardware
 from experiments.sim.instance import TierSpec
 from experiments.sim.models import sim_model
 from experiments.sim.run import simulate_deployment
+from serving.config import deployments_of
 
 CONF = str(Path(__file__).resolve().parents[3] / "conf")
 MULTITURN = ["workload=multiturn", "workload.conversations=8", "workload.turns=4", "workload.concurrency=8"]

@@ -1,0 +1,473 @@
+"""The deployment runtime's configuration: the model, the deployments, the SLO their router and planner
+hold requests to, the transfer, the kernels and the launcher, checked and turned into dataclasses before
+any process starts. Every wrong value fails with a ValueError naming the key, the value and what is
+allowed (`check_fits_model` adds the checks that need the model: TP against its heads). The experiment
+tools build on this (experiments/config.py adds the workload); nothing here knows of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+
+from engine.config import TierSettings
+from serving.checks import check_positive, refuse
+from serving.fleet.launch_config import ClusterConfig, LauncherConfig, RayConfig
+from transfer.config import TransferConfig
+
+DEPLOYMENT_KINDS = ("colocated", "disaggregated")
+DECODE_PREEMPTIONS = ("refetch", "recompute_local")
+ON_WORKER_DEATH = ("migrate", "fail")
+DTYPES = ("float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+KERNEL_BACKENDS = ("auto", "triton", "flashinfer", "torch")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+CPU_BF16_CHUNK, CPU_FP32_CHUNK, DEFAULT_CHUNK = 2048, 1024, 512
+# chunk_size: slo: a step with decodes aims at this share of slo.tpot_s (engine/budget.py); the rest is
+# the worker's own time between steps and the step-time model's error
+SLO_STEP_SHARE = 0.9
+
+
+def prefill_budget(chunk_size: int | str, device: str, dtype: str) -> int:
+    """deployment.chunk_size with auto resolved by what computes the step. 2,048 tokens (vLLM's CPU
+    budget) on a CPU that computes in bf16 (AVX-512 BF16 or AMX) running a bf16 model: measured there
+    (docs/engine.md), a colocated worker under a stream of 1,024-token prompts met the SLO more often and
+    a burst of 20 prompts decoded faster than at 512. 1,024 on a CPU in fp32: measured on an AVX2-only CPU
+    (docs/engine.md), a burst of 20 prompts decoded 20% faster than at 512 or 256 (2,048 swung with how the
+    burst's arrivals split) and a stream of 1,024-token prompts met the SLO more often; a lone prompt
+    prefilled as fast. 512 elsewhere (bf16 converted by each GEMM, a GPU): no budget measured there.
+    slo: auto's budget, which steps with decodes shrink to keep within the TPOT SLO (step_target_s)."""
+    if chunk_size not in ("auto", "slo"):
+        return chunk_size
+    from pdkernels.cpu import native_bf16
+
+    if device == "cpu" and dtype == "float32":
+        return CPU_FP32_CHUNK
+    native = device == "cpu" and dtype == "bfloat16" and native_bf16()
+    return CPU_BF16_CHUNK if native else DEFAULT_CHUNK
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str  # smollm2-135m | tiny-random[-kv4|-kv8] | random-llama-1b | a Hugging Face model directory
+    dtype: str = "bfloat16"  # or auto: bfloat16 on CUDA and on CPUs with AVX-512 BF16 or AMX, else float32
+    page_size: int = 16  # tokens per KV page
+    num_pages: int = 512  # per worker
+    max_num_seqs: int = 64  # sequences a worker runs at once (its largest decode batch)
+    device: str = "auto"  # auto: cuda when this machine has it, else cpu
+    expert_parallel: bool = False  # an MoE model under TP: whole experts per rank (engine/moe.py)
+
+    def __post_init__(self):
+        if not isinstance(self.expert_parallel, bool):
+            refuse("model.expert_parallel", self.expert_parallel, "true or false")
+        if self.device not in DEVICES:
+            refuse("model.device", self.device, f"one of {DEVICES}")
+        if self.dtype not in DTYPES + ("auto",):
+            refuse("model.dtype", self.dtype, f"one of {DTYPES + ('auto',)}")
+        for key in ("page_size", "num_pages", "max_num_seqs"):
+            check_positive(f"model.{key}", getattr(self, key), integer=True)
+        import torch
+
+        cuda = torch.cuda.is_available()
+        if self.device == "cuda" and not cuda:
+            refuse(
+                "model.device",
+                self.device,
+                "this machine has no CUDA device (torch.cuda.is_available() is False): use cpu or auto",
+            )
+        device = self.device if self.device != "auto" else ("cuda" if cuda else "cpu")
+        object.__setattr__(self, "device", device)  # resolved once, in the main process: workers get the same
+        if self.dtype == "auto":
+            from pdkernels.cpu import native_bf16
+
+            bf16 = device == "cuda" or native_bf16()
+            object.__setattr__(self, "dtype", "bfloat16" if bf16 else "float32")
+
+
+@dataclass(frozen=True)
+class KernelsConfig:
+    backend: str = (
+        "auto"  # auto: Triton on CUDA, the torch references on the CPU; or triton | flashinfer | torch
+    )
+
+    def __post_init__(self):
+        if self.backend not in KERNEL_BACKENDS:
+            refuse("kernels.backend", self.backend, f"one of {KERNEL_BACKENDS}")
+
+
+@dataclass(frozen=True)
+class DeploymentConfig:
+    name: str  # the deployment's name in results, logs and tables
+    kind: str = "colocated"  # colocated | disaggregated (the main job also measures URLs: EndpointConfig)
+    # colocated engines, or auto: the job's cores split as workers x threads_per_worker by measurement (each
+    # split's steps timed here, the run's requests simulated through it, the one meeting the SLO best run;
+    # experiments/layout.py)
+    num_workers: int | str = 1
+    num_prefill: int = 0  # disaggregated: prefill workers
+    num_decode: int = 0  # disaggregated: decode workers
+    tp: int = 1  # colocated workers
+    prefill_tp: int = 1  # TP ranks per prefill worker
+    decode_tp: int = 1  # TP ranks per decode worker
+    # data-parallel attention (engine/dp.py, MoE models): a colocated (dp), prefill (prefill_dp) or decode
+    # (decode_dp) worker runs that many engines of tp ranks each, the routed experts spread over all of
+    # them, behind one endpoint (each prefill group a messenger peer of its own: dp_peers)
+    dp: int = 1
+    prefill_dp: int = 1  # DP groups per prefill worker (each a messenger peer of its own)
+    decode_dp: int = 1  # DP groups per decode worker (each request's KV goes to one, picked by its cache)
+    threads_per_worker: int = 1  # torch threads per process (each TP rank gets one)
+    # prefill tokens per forward pass (the chunked prefill budget), or auto (prefill_budget: 2,048 where
+    # the CPU computes in bf16, 1,024 on a CPU in fp32, 512 elsewhere), or slo (auto's, but a step with
+    # decodes takes only the prompt tokens that, at its measured step time, keep each decoding request's
+    # mean interval within slo.tpot_s: docs/scheduling.md)
+    chunk_size: int | str = "auto"
+    # prompts at most this long, or whose KV the decode worker's prefix cache lacks for at most this many
+    # tokens, are prefilled on the decode worker (no round trip)
+    local_prefill_max_tokens: int = 0
+    # conditional disaggregation by load: a decode worker also prefills a prompt itself when the router
+    # predicts that the prefill workers' queue would break slo.ttft_s, its own queue would be sooner and
+    # its decode step has room under slo.tpot_s (pair with chunk_size: slo, which keeps its decodes on time)
+    local_prefill_by_load: bool = False
+    prefix_caching: bool = True  # every worker shares cached KV pages between requests (engine/kv/cache.py)
+    # a worker that was idle keeps reading requests for this many ms before its first step, so that a burst
+    # reaching it spread out (over HTTP) shares that step; a lone request's TTFT pays it. 0: step at once
+    gather_ms: float = 0.0
+    # speculative decoding on the decode / colocated workers, vLLM's names:
+    # {method: ngram, num_speculative_tokens: k, prompt_lookup_min: a, prompt_lookup_max: b}
+    speculative: dict | None = None
+    # Admission with room to finish (engine.scheduler): a decode worker reserves pages for incoming KV,
+    # and any worker starts a prefill, only when the free pages still cover every admitted request's
+    # growth to min(max_tokens, this many tokens). null: to max_tokens.
+    decode_reserved_tokens: int | None = 512
+    # ... but no more than its share of the worker's cache (its pages over the requests it holds or
+    # queues), so a new request does not wait for others' long outputs; past it, preempted if need be
+    fair_share: bool = True
+    # A decode worker's request preempted anyway (past that horizon): refetch (its KV computed again by a
+    # prefill worker, prompt + outputs) | recompute_local (computed again on the decode worker)
+    decode_preemption: str = "refetch"
+    # A decode (or colocated) worker that dies: migrate (its requests go on on another live one: prompt +
+    # the tokens streamed so far, recomputed there) | fail (they end with an error)
+    on_worker_death: str = "migrate"
+    # Which decode (or colocated) worker takes a request (serving/router/policy.py): cache_aware (the
+    # fewest pages to compute there, x routing_overlap_weight, + the pages it has in flight) |
+    # least_loaded (the fewest requests in flight) | round_robin
+    routing: str = "cache_aware"
+    routing_overlap_weight: float = 1.0  # cache_aware: a page to compute against one in flight there
+    # none (take every request) | slo (refuse at once one the router predicts will miss the SLO: its
+    # TTFT from the prompt tokens ahead of it over the measured prefill speed, its TPOT from the decode
+    # batch it would join; a refused request is `rejected` in results, an HTTP 503 with Retry-After)
+    admission: str = "none"
+    # elastic roles (disaggregated): {enabled, interval_s, min_prefill, min_decode, patience, headroom,
+    # window_s, switches: [[at_s, worker, role], ...]} (serving.router.policy.PlannerConfig)
+    planner: dict | None = None
+
+    def __post_init__(self):
+        from serving.router.planner import PlannerConfig
+
+        if not isinstance(self.planner, PlannerConfig):
+            object.__setattr__(self, "planner", of_dict(PlannerConfig, "deployment.planner", self.planner))
+        if self.kind not in DEPLOYMENT_KINDS:
+            refuse(f"deployment.{self.name}.kind", self.kind, f"one of {DEPLOYMENT_KINDS}")
+        if self.speculative is not None:
+            from engine.speculative import SpeculativeConfig
+
+            try:
+                SpeculativeConfig.of(dict(self.speculative))
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"deployment.{self.name}.speculative: {e}") from e
+        if self.num_workers == "auto":
+            if self.kind != "colocated" or self.tp != 1 or self.dp != 1 or self.threads_per_worker != 1:
+                refuse(
+                    f"deployment.{self.name}.num_workers", "auto",
+                    "auto only for kind=colocated with tp=1, dp=1 and threads_per_worker left at 1 (auto "
+                    "sets it), or an integer >= 1",
+                )  # fmt: skip
+        counts = ("num_workers",) if self.kind == "colocated" and self.num_workers != "auto" else ()
+        counts += ("num_prefill", "num_decode") if self.kind != "colocated" else ()
+        keys = ("tp", "prefill_tp", "decode_tp", "dp", "prefill_dp", "decode_dp", "threads_per_worker")
+        for key in counts + keys:
+            name = "num_workers (or auto)" if key == "num_workers" else key
+            check_positive(f"deployment.{name}", getattr(self, key), integer=True)
+        g = self.gather_ms
+        if isinstance(g, bool) or not isinstance(g, int | float) or not 0 <= g <= 1000:
+            refuse(f"deployment.{self.name}.gather_ms", g, "a number of milliseconds from 0 to 1000")
+        if self.chunk_size not in ("auto", "slo"):
+            check_positive("deployment.chunk_size (or auto, or slo)", self.chunk_size, integer=True)
+        r = self.decode_reserved_tokens
+        if r is not None and (isinstance(r, bool) or not isinstance(r, int) or r < 0):
+            refuse("deployment.decode_reserved_tokens", r, "null or an integer >= 0")
+        if not isinstance(self.fair_share, bool):
+            refuse("deployment.fair_share", self.fair_share, "true or false")
+        if not isinstance(self.local_prefill_by_load, bool):
+            refuse("deployment.local_prefill_by_load", self.local_prefill_by_load, "true or false")
+        if self.on_worker_death not in ON_WORKER_DEATH:
+            refuse("deployment.on_worker_death", self.on_worker_death, f"one of {ON_WORKER_DEATH}")
+        from serving.router.policy import ADMISSIONS, POLICIES
+
+        if self.routing not in POLICIES:
+            refuse("deployment.routing", self.routing, f"one of {POLICIES}")
+        if self.admission not in ADMISSIONS:
+            refuse("deployment.admission", self.admission, f"one of {ADMISSIONS}")
+        w = self.routing_overlap_weight
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w < float("inf"):
+            refuse("deployment.routing_overlap_weight", w, "a finite number >= 0")
+        if self.decode_preemption not in DECODE_PREEMPTIONS:
+            refuse("deployment.decode_preemption", self.decode_preemption, f"one of {DECODE_PREEMPTIONS}")
+        if not isinstance(self.prefix_caching, bool):
+            refuse("deployment.prefix_caching", self.prefix_caching, "true or false")
+        if not isinstance(self.local_prefill_max_tokens, int) or self.local_prefill_max_tokens < 0:
+            refuse("deployment.local_prefill_max_tokens", self.local_prefill_max_tokens, "an integer >= 0")
+        if self.planner.elastic and self.kind != "disaggregated":
+            refuse("deployment.planner", "enabled or switches", "elastic roles need kind=disaggregated")
+        if self.planner.elastic:
+            names = [f"prefill-{i}" for i in range(self.num_prefill)]
+            names += [f"decode-{i}" for i in range(self.num_decode)]
+            for _, worker, _ in self.planner.switches:
+                if worker not in names:
+                    refuse("deployment.planner.switches", worker, f"a worker of this deployment: {names}")
+
+    @property
+    def elastic(self) -> bool:
+        """Workers may switch between prefill and decode (deployment.planner)."""
+        return self.planner.elastic
+
+    def step_target_s(self, tpot_s: float) -> float | None:
+        """chunk_size: slo: the seconds a worker's step with decodes aims at (engine/budget.py)."""
+        return SLO_STEP_SHARE * tpot_s if self.chunk_size == "slo" else None
+
+    @property
+    def processes(self) -> int:
+        """Worker processes including TP ranks and DP groups (what the cores are shared by)."""
+        if self.kind == "colocated":
+            if self.num_workers == "auto":
+                raise ValueError(
+                    f"deployment {self.name}: num_workers: auto has no count until the job measures it"
+                )
+            return self.num_workers * self.tp * self.dp
+        prefill = self.num_prefill * self.prefill_tp * self.prefill_dp
+        return prefill + self.num_decode * self.decode_tp * self.decode_dp
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """Its workers' roles; the last is the one requests are routed to."""
+        return ("colocated",) if self.kind == "colocated" else ("prefill", "decode")
+
+    def tp_of(self, role: str) -> int:
+        """The TP degree of this deployment's workers of role."""
+        return {"colocated": self.tp, "prefill": self.prefill_tp, "decode": self.decode_tp}[role]
+
+    def dp_of(self, role: str) -> int:
+        """The DP groups of this deployment's workers of role."""
+        return {"colocated": self.dp, "prefill": self.prefill_dp, "decode": self.decode_dp}[role]
+
+
+def dp_peers(worker: str, dp: int) -> list[str]:
+    """A prefill worker's messenger peers as its decode workers see them: itself (DP group 0) and, with
+    DP groups, one per other group, whose messenger runs in that group's engine process."""
+    return [worker] + [f"{worker}-dp{rank}" for rank in range(1, dp)]
+
+
+def worker_of(peer: str) -> str:
+    """The worker a messenger peer belongs to (dp_peers' inverse)."""
+    head, _, rank = peer.rpartition("-dp")
+    return head if head and rank.isdigit() else peer
+
+
+@dataclass(frozen=True)
+class SloConfig:
+    ttft_s: float = 1.0  # time to first token a request must meet (seconds)
+    tpot_s: float = 0.1  # time per output token after the first (seconds)
+    attainment: float = 90.0  # percent of requests that must meet both
+
+    def __post_init__(self):
+        check_positive("slo.ttft_s", self.ttft_s)
+        check_positive("slo.tpot_s", self.tpot_s)
+        if not (isinstance(self.attainment, int | float) and 0 < self.attainment <= 100):
+            refuse("slo.attainment", self.attainment, "a percentage in (0, 100]")
+
+
+STORE_MIN_BYTES = 16 << 20
+UNITS = {"": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+
+
+def byte_count(key: str, value) -> int:
+    """A size in bytes: an integer, or a string with a binary unit ("512MiB", "4 GiB")."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if isinstance(value, str):
+        number = value.rstrip("BKMGTi ")
+        unit = value[len(number) :].strip()
+        if unit in UNITS and number.strip().isdigit():
+            return int(number) * UNITS[unit]
+    refuse(key, value, f"a size in bytes: an integer >= 0 or a number with a unit of {list(UNITS)[2:]}")
+
+
+@dataclass(frozen=True)
+class KVTiersSpec(TierSettings):
+    """`kv_tiers`: KV below every worker's device pages (off by default): a host pool and files per worker,
+    and the pool every worker shares (Mooncake Store). The engine's settings (engine.config.TierSettings)
+    and where the deployment keeps its files and its pool; sizes also as strings (64MiB)."""
+
+    # where each worker's files go (<disk_dir>/<deployment>/<worker>, kept after the run); null: in the
+    # run's private directory, removed when the deployment stops
+    disk_dir: str | None = None
+    store_bytes: int | str = "1GiB"  # the pool's memory (held by the store's own process)
+    store_host: str = "127.0.0.1"  # where its master and memory listen
+
+    def __post_init__(self):
+        for key in ("host_bytes", "disk_bytes", "store_bytes"):
+            object.__setattr__(self, key, byte_count(f"kv_tiers.{key}", getattr(self, key)))
+        super().__post_init__()
+        if self.store == "mooncake" and self.store_bytes < STORE_MIN_BYTES:
+            refuse(
+                "kv_tiers.store_bytes", self.store_bytes, "at least 16MiB (Mooncake Store's smallest segment)"
+            )
+
+    def serves(self, d: DeploymentConfig) -> bool:
+        """Whether d's workers get tiers: they keep prefix-cache pages, so only with prefix caching."""
+        return self.host_bytes > 0 and d.prefix_caching
+
+    def engine(self, disk_dir: str | None = None, secret: str = "", **store):
+        """This worker's engine.config.KVTiersConfig (disk_dir resolved, the store's addresses)."""
+        from engine.config import KVTiersConfig
+
+        disk_dir = disk_dir if self.disk_bytes else None
+        return KVTiersConfig(**self.settings(), disk_dir=disk_dir, secret=secret, **store)
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """What the deployment runtime needs to start and serve deployments, for the main job and the HTTP
+    server alike: experiments.config.RunConfig adds the workload and what the experiment reports."""
+
+    model: ModelSpec
+    deployments: tuple[DeploymentConfig, ...]
+    slo: SloConfig = field(default_factory=SloConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    kv_tiers: KVTiersSpec = field(default_factory=KVTiersSpec)
+    run_timeout_s: float = 600.0  # the whole run; requests not finished by then are recorded as errors
+    start_timeout_s: float = 300.0  # every worker up and connected
+    log_level: str = "INFO"  # of the run's log (run.log in the run folder) and logs/ (one file per worker)
+
+    def __post_init__(self):
+        if self.log_level not in LOG_LEVELS:
+            refuse("log_level", self.log_level, f"one of {LOG_LEVELS}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+RUNTIME_KEYS = ("run_timeout_s", "start_timeout_s", "log_level")
+
+
+def as_dict(cfg) -> dict:
+    """A composed hydra config (a DictConfig) as plain containers, resolved; a dict as it is."""
+    if isinstance(cfg, dict):
+        return cfg
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def runtime_of(cfg) -> RuntimeConfig:
+    """The composed config (a DictConfig or a plain dict) -> the runtime's checked config (the HTTP
+    server's: what else it holds, a workload, is not the runtime's)."""
+    return RuntimeConfig(**runtime_parts(as_dict(cfg)))
+
+
+def runtime_parts(cfg: dict) -> dict:
+    """RuntimeConfig's fields from a composed config (a plain dict), each checked."""
+    model = of_dict(ModelSpec, "model", cfg.get("model"))
+    transfer = of_dict(TransferConfig, "transfer", cfg.get("transfer"))
+    kernels = of_dict(KernelsConfig, "kernels", cfg.get("kernels"))
+    launcher = launcher_of(cfg)
+    if launcher.name == "ray" and transfer.control_transport == "ipc":
+        # workers on other nodes: the control plane is tcp (CURVE), each worker binding its node's address
+        transfer = replace(transfer, control_transport="tcp")
+    run = {k: cfg[k] for k in RUNTIME_KEYS if k in cfg}
+    return dict(
+        model=model,
+        deployments=deployments_of(cfg),
+        slo=slo_of(cfg),
+        transfer=transfer,
+        kernels=kernels,
+        launcher=launcher,
+        kv_tiers=of_dict(KVTiersSpec, "kv_tiers", cfg.get("kv_tiers")),
+        **run,
+    )
+
+
+def of_dict(cls, key: str, values) -> object:
+    values = dict(values or {})
+    known = set(cls.__dataclass_fields__)
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"{key} has unknown key(s) {unknown}; allowed: {sorted(known)}")
+    return cls(**values)
+
+
+def launcher_of(cfg: dict) -> LauncherConfig:
+    """`launcher` (a group: {name}, or just its name) and, for ray, the `ray` settings."""
+    launcher = cfg.get("launcher") or {"name": "local"}
+    launcher = {"name": launcher} if isinstance(launcher, str) else dict(launcher)
+    # the top-level `ray` and `cluster` groups; a saved config (results.json) holds them inside launcher
+    if launcher.get("name") == "ray":
+        launcher["ray"] = of_dict(RayConfig, "ray", cfg.get("ray") or launcher.get("ray"))
+    if launcher.get("name") == "netns":
+        launcher["cluster"] = of_dict(ClusterConfig, "cluster", cfg.get("cluster") or launcher.get("cluster"))
+    return of_dict(LauncherConfig, "launcher", launcher)
+
+
+def deployments_of(cfg: dict) -> tuple[DeploymentConfig, ...]:
+    """`deployments` (a list), else the one `deployment`, checked. Also the simulator's."""
+    return tuple(
+        of_dict(DeploymentConfig, "deployment", d)
+        for d in (cfg.get("deployments") or [cfg.get("deployment")])
+    )
+
+
+def slo_of(cfg: dict) -> SloConfig:
+    return of_dict(SloConfig, "slo", cfg.get("slo"))
+
+
+def check_fits_model(config: RuntimeConfig):
+    """Read the model's config and tokenizer (what the runtime tokenizes with; not its weights, which only
+    workers load) and check every TP degree against it, through the engine's own EngineConfig checks."""
+    from engine.config import EngineConfig
+    from engine.weights import load_model
+
+    try:
+        loaded = load_model(config.model.name, weights=False)
+    except (ValueError, FileNotFoundError) as e:
+        raise ValueError(f"model.name={config.model.name!r}: {e}") from e
+    for d in config.deployments:
+        if not isinstance(d, DeploymentConfig):
+            continue  # an endpoint (experiments.config.EndpointConfig): its server checks its own
+        dp = max(d.dp_of(role) for role in d.roles)
+        if dp > 1 and d.elastic:
+            refuse("deployment.prefill_dp and decode_dp", dp, f"1 for {d.name}: elastic workers switch roles")
+        if d.kind != "colocated" and d.decode_dp > 1 and config.model.device != "cpu":
+            refuse("deployment.decode_dp", d.decode_dp, f"1 for {d.name}: DP decode workers run on the CPU")
+        nics, ranks = config.transfer.nics_per_rank, max(d.tp_of(r) * d.dp_of(r) for r in d.roles)
+        if nics and len(nics) < ranks:
+            refuse(
+                "transfer.nics_per_rank", list(nics), f"one device name per rank (tp x dp: {ranks}), or none"
+            )
+        for role in d.roles:
+            try:
+                EngineConfig(
+                    model=loaded.config,
+                    tp=d.tp_of(role),
+                    dtype=config.model.dtype,
+                    device=config.model.device,
+                    expert_parallel=config.model.expert_parallel,
+                    dp=d.dp_of(role),
+                )
+            except ValueError as e:
+                key = "tp" if role == "colocated" else f"{role}_tp"
+                raise ValueError(
+                    f"deployment {d.name}: {key}={d.tp_of(role)} does not fit {loaded.config.name}: {e}"
+                ) from e
+    return loaded
