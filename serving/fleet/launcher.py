@@ -34,6 +34,7 @@ from dataclasses import replace
 
 from serving.config import launcher_of
 from serving.fleet.launch_config import RayConfig
+from serving.fleet.procs import die_with
 from serving.worker import WorkerSpec, worker_main
 
 log = logging.getLogger(__name__)
@@ -98,10 +99,11 @@ def stop_fork_server() -> None:
         log.warning("could not stop the resource tracker: %r", e)
 
 
-def _local_main(spec: WorkerSpec, env: dict[str, str]) -> None:
-    """A local worker, forked from the fork server: first the environment it was launched in (the
-    server's is from when it started), then its host's network namespace (launcher=netns), then
-    worker_main."""
+def _local_main(spec: WorkerSpec, env: dict[str, str], owner: int) -> None:
+    """A local worker, forked from the fork server: it ends with the job that launched it (owner: its
+    pid; the fork server is its parent), then takes the environment it was launched in (the server's is
+    from when it started), then its host's network namespace (launcher=netns), then worker_main."""
+    die_with(owner, f"worker {spec.name}")
     os.environ.clear()
     os.environ.update(env)
     tempfile.tempdir = None  # TMPDIR read afresh
@@ -129,7 +131,7 @@ class LocalWorker:
         self._start()
 
     def _start(self) -> None:
-        args = (self.spec, dict(os.environ))
+        args = (self.spec, dict(os.environ), os.getpid())
         self.proc = self._ctx.Process(target=_local_main, args=args, name=self.spec.name)
         self.proc.start()  # not a daemon: a worker with TP > 1 starts its own rank processes
 

@@ -13,9 +13,11 @@ or address: nothing can leave, nothing can come in.
 
 Processes run inside a host with run(i, cmd) (`ip netns exec`); a NIC's byte counters (counters()) are
 the ground truth for what crossed its link. close() kills every process in the namespaces and deletes
-them, which removes their veths, bridges and qdiscs too; a context manager and atexit call it,
-and since a SIGKILLed owner calls nothing, every Hosts first deletes the namespaces of owners that are
-gone (their names carry the owner's pid). Needs CAP_NET_ADMIN (root): without it, a PermissionError
+them, which removes their veths, bridges and qdiscs too; a context manager and atexit call it.
+A SIGKILLed owner calls nothing: each Hosts starts a watcher (`python -m serving.fleet.netns`, in a
+session of its own) that waits for its owner to end and then does what close() does; and should the
+watcher be gone too, every Hosts first deletes the namespaces of owners that are gone (their names carry
+the owner's pid). Needs CAP_NET_ADMIN (root): without it, a PermissionError
 that says so.
 """
 
@@ -244,6 +246,27 @@ def sweep() -> list[str]:
     return gone
 
 
+def watch(owner: int, names: list[str]) -> None:
+    """Wait for process owner to end, however it ends, then remove these namespaces (and what runs in
+    them). Hosts runs it as a process of its own; close() stops it once it has removed them itself."""
+    import select
+
+    try:
+        fd = os.pidfd_open(owner)
+    except ProcessLookupError:
+        fd = None  # gone already
+    except (AttributeError, OSError):  # no pidfd here: poll
+        while alive(owner):
+            time.sleep(0.5)
+        fd = None
+    if fd is not None:
+        select.select([fd], [], [])
+    mine = set(namespaces())
+    for name in names:
+        if name in mine:
+            remove(name)
+
+
 class Hosts:
     def __init__(
         self,
@@ -274,6 +297,13 @@ class Hosts:
         self.delay_by: str | None = None  # "netem" or "wire" (netns_wire) where the link has delay
         self._wire: subprocess.Popen | None = None
         self._closed = False
+        self._watcher = subprocess.Popen(
+            [sys.executable, "-m", "serving.fleet.netns", str(os.getpid()), *self.names, self.switch],
+            start_new_session=True,  # a signal to the owner's process group leaves it to clean up
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+        )
         atexit.register(self.close)
         try:
             self._build()
@@ -387,6 +417,8 @@ class Hosts:
         self._closed = True
         for name in [*self.names, self.switch]:
             remove(name)  # the wire too, a process in the switch's namespace
+        self._watcher.kill()  # nothing left for it to remove
+        self._watcher.wait(timeout=10)
         if self._wire is not None:
             self._wire.wait(timeout=10)
             self._wire.stdout.close()
@@ -397,3 +429,7 @@ class Hosts:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+if __name__ == "__main__":  # the watcher Hosts starts: OWNER_PID NAMESPACE...
+    watch(int(sys.argv[1]), sys.argv[2:])

@@ -1,5 +1,6 @@
 """The processes below a worker, from /proc: found, waited for and killed, so nothing of a stopped
-deployment outlives it (a worker's TP ranks too)."""
+deployment outlives it (a worker's TP ranks too); and die_with(), which ends a process with the job
+that started it, however that job ends."""
 
 from __future__ import annotations
 
@@ -56,3 +57,41 @@ def reap(procs: list[tuple[int, str]], timeout_s: float) -> None:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def die_with(owner: int, what: str = "this process") -> None:
+    """End this process, and every process below it, when process `owner` ends, however it ends (a
+    SIGKILL runs no cleanup of its own): a daemon thread waits on a pidfd of owner (Linux 5.3+; elsewhere
+    it polls owner once a second), then SIGKILLs what runs below this process and this process.
+    For what the local launcher starts (the fork server, each worker and grammar or template child),
+    whose parent is not the job that needs them: PR_SET_PDEATHSIG follows the parent, and the thread
+    that made it. An owner already gone ends this process at once."""
+    import select
+    import signal
+    import threading
+
+    def end() -> None:
+        log.info("%s: its owner (pid %d) is gone: stopping", what, owner)
+        for pid, _ in descendants(os.getpid()):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    try:
+        fd = os.pidfd_open(owner)
+    except ProcessLookupError:
+        end()
+    except (AttributeError, OSError):  # no pidfd here: poll
+        fd = None
+
+    def watch() -> None:
+        if fd is not None:
+            select.select([fd], [], [])
+        else:
+            while _stat(owner) is not None and _stat(owner)[0] != "Z":
+                time.sleep(1.0)
+        end()
+
+    threading.Thread(target=watch, name=f"die-with-{owner}", daemon=True).start()

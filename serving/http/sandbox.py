@@ -33,6 +33,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 
+from serving.fleet.procs import die_with
+
 log = logging.getLogger(__name__)
 KINDS = ("template", "grammar")
 START_TIMEOUT_S = 60.0  # a child's start (imports) may take this long: not counted in a task's time
@@ -80,8 +82,10 @@ def _cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _child_main(conn, setup_json: bytes) -> None:
-    """A child: its limits, then one task at a time from the pipe until it closes."""
+def _child_main(conn, setup_json: bytes, owner: int) -> None:
+    """A child: it ends with the server (owner: its pid; the fork server is its parent), takes its limits,
+    then one task at a time from the pipe until it closes."""
+    die_with(owner, "a sandbox child")
     setup = msgspec.json.decode(setup_json, type=Setup)
     os.nice(CHILD_NICE)  # a compile's CPU yields to the event loop and the workers' steps
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
@@ -142,7 +146,7 @@ def _grammar_work(setup: Setup):
 class _Child:
     def __init__(self, ctx, setup_json: bytes):
         self.conn, theirs = ctx.Pipe()
-        self.proc = ctx.Process(target=_child_main, args=(theirs, setup_json), daemon=True)
+        self.proc = ctx.Process(target=_child_main, args=(theirs, setup_json, os.getpid()), daemon=True)
         self.proc.start()
         theirs.close()
         self.ready = False

@@ -1,6 +1,7 @@
 """Hosts in network namespaces (serving/fleet/netns.py): KV written over NIXL/UCX between two of
 them crosses their shaped veth link (its counters say so) and arrives intact; nothing is left behind,
-a SIGKILLed owner's namespaces included; addresses exist only inside the namespaces."""
+a SIGKILLed owner's namespaces included (its watcher removes them); addresses exist only inside the
+namespaces."""
 
 import json
 import os
@@ -8,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -58,26 +60,56 @@ def test_addresses_live_only_inside_the_namespaces():
         assert "h0n0" not in links and "br0" not in links  # no end of any link in the machine's namespace
 
 
-def test_a_sigkilled_owner_s_namespaces_are_removed_by_the_next_one(tmp_path):
-    script = textwrap.dedent(
-        f"""
-        import os, sys
-        sys.path.insert(0, {str(ROOT)!r})
-        from serving.fleet.netns import Hosts
-        hosts = Hosts(2, subnet=3, tag="killed")
-        print(" ".join([*hosts.names, hosts.switch]), flush=True)
-        hosts.run(0, ["sleep", "600"])
-        sys.stdin.read()  # until killed
-        """
-    )
+OWNER = textwrap.dedent(
+    f"""
+    import os, sys
+    sys.path.insert(0, {str(ROOT)!r})
+    from serving.fleet.netns import Hosts
+    hosts = Hosts(2, subnet=int(sys.argv[1]), tag="killed")
+    print(hosts._watcher.pid, " ".join([*hosts.names, hosts.switch]), flush=True)
+    print(hosts.run(0, ["sleep", "600"]).pid, flush=True)
+    sys.stdin.read()  # until killed
+    """
+)
+
+
+def _killed_owner(subnet: int, kill_watcher: bool) -> tuple[list[str], int]:
+    """An owner of 2 hosts (a process sleeping in one) SIGKILLed, its watcher first if kill_watcher:
+    its namespaces' names and the sleeper's pid."""
     owner = subprocess.Popen(
-        [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", OWNER, str(subnet)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
-    names = owner.stdout.readline().split()
+    watcher, *names = owner.stdout.readline().split()
+    sleeper = int(owner.stdout.readline())
     assert len(names) == 3 and all(n in netns.namespaces() for n in names)
+    if kill_watcher:
+        os.kill(int(watcher), signal.SIGKILL)
     owner.send_signal(signal.SIGKILL)
     owner.wait(timeout=30)
-    assert all(n in netns.namespaces() for n in names)  # nothing ran its cleanup
+    return names, sleeper
+
+
+def test_a_sigkilled_owner_s_namespaces_are_removed_by_its_watcher():
+    """The owner runs no cleanup; the watcher Hosts started sees it end and removes its namespaces, and
+    kills what ran in them."""
+    names, sleeper = _killed_owner(3, kill_watcher=False)
+    give_up = time.monotonic() + 120  # a bound only a watcher that never acts reaches
+    while any(n in netns.namespaces() for n in names):
+        assert time.monotonic() < give_up, f"{names} still there"
+        time.sleep(0.05)
+    assert _state(sleeper) in (None, "Z")  # killed (a zombie until init reaps it: the owner is gone)
+
+
+def _state(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
+def test_namespaces_whose_owner_and_watcher_were_both_killed_go_with_the_next_hosts():
+    names, _ = _killed_owner(7, kill_watcher=True)
+    assert all(n in netns.namespaces() for n in names)  # nothing ran a cleanup
     with Hosts(1, subnet=4) as hosts:  # the next one sweeps first
         assert not any(n in netns.namespaces() for n in names)
     assert not _mine(hosts)
