@@ -287,6 +287,11 @@ class SloConfig:
 
 
 STORE_MIN_BYTES = 16 << 20
+# What a fleet on this machine may ask of it (check_fits_machine). A worker process's own memory before
+# its KV and weights: 172-182 MB PSS for each tiny-random worker of `experiments.serve deployment=1p1d`
+# (2 cores of an Intel Xeon with AMX, forked from the fork server: torch's pages shared)
+PROCESS_BYTES = 180 << 20
+PROCESSES_PER_CORE = 4  # processes (x threads each) time-sharing a core: past it, refused
 UNITS = {"": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
 
 
@@ -432,9 +437,58 @@ def slo_of(cfg: dict) -> SloConfig:
     return of_dict(SloConfig, "slo", cfg.get("slo"))
 
 
+def check_fits_machine(config: RuntimeConfig, loaded) -> None:
+    """Refuse a deployment whose workers cannot fit this machine (local, netns, or a Ray cluster started
+    here): more processes (TP ranks and DP groups each, x threads_per_worker) than PROCESSES_PER_CORE times
+    the cores this job may use, or more memory than the machine has available, counting for each process
+    PROCESS_BYTES and its KV pages, and for each worker its host tier (the weights come on top: this is
+    the least they need). The message names both."""
+    import os
+
+    import torch
+
+    if config.launcher.name == "ray" and config.launcher.ray.address is not None:
+        return  # another cluster's nodes: Ray places the workers there and says what does not fit
+    cores = len(os.sched_getaffinity(0))
+    try:
+        with open("/proc/meminfo") as f:
+            available = next(int(line.split()[1]) << 10 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        available = None
+    page = config.model.page_size * loaded.config.kv_bytes_per_token(
+        getattr(torch, config.model.dtype).itemsize
+    )
+    for d in config.deployments:
+        if not isinstance(d, DeploymentConfig) or d.num_workers == "auto":
+            continue  # an endpoint; auto splits the cores it has
+        workers = d.num_workers if d.kind == "colocated" else d.num_prefill + d.num_decode
+        groups = sum(d.dp_of(r) * n for r, n in _role_counts(d))
+        tiers = config.kv_tiers.host_bytes if config.kv_tiers.serves(d) else 0
+        need = d.processes * PROCESS_BYTES + groups * config.model.num_pages * page + workers * tiers
+        threads = d.processes * d.threads_per_worker
+        if threads > PROCESSES_PER_CORE * cores or (available is not None and need > available):
+            have = f"{available / 2**30:.1f} GiB available" if available is not None else "unknown memory"
+            raise ValueError(
+                f"deployment {d.name} does not fit this machine: {d.processes} worker processes of "
+                f"{d.threads_per_worker} thread(s) on {cores} cores (at most {PROCESSES_PER_CORE} a core), "
+                f"and at least {need / 2**30:.1f} GiB of memory (a process {PROCESS_BYTES >> 20} MiB, "
+                f"{config.model.num_pages} KV pages of {page} bytes per engine, the host tier) against "
+                f"{have}. Lower the deployment's worker counts, tp, dp or threads_per_worker, or "
+                "model.num_pages"
+            )
+
+
+def _role_counts(d: DeploymentConfig) -> list[tuple[str, int]]:
+    """(role, workers of it) of deployment d."""
+    if d.kind == "colocated":
+        return [("colocated", d.num_workers)]
+    return [("prefill", d.num_prefill), ("decode", d.num_decode)]
+
+
 def check_fits_model(config: RuntimeConfig):
     """Read the model's config and tokenizer (what the runtime tokenizes with; not its weights, which only
-    workers load) and check every TP degree against it, through the engine's own EngineConfig checks."""
+    workers load) and check every TP degree against it, through the engine's own EngineConfig checks, and
+    the deployments against this machine (check_fits_machine)."""
     from engine.config import EngineConfig
     from engine.weights import load_model
 
@@ -470,4 +524,5 @@ def check_fits_model(config: RuntimeConfig):
                 raise ValueError(
                     f"deployment {d.name}: {key}={d.tp_of(role)} does not fit {loaded.config.name}: {e}"
                 ) from e
+    check_fits_machine(config, loaded)
     return loaded

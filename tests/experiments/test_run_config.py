@@ -102,6 +102,23 @@ def test_bad_configs_fail_before_any_process_starts(tmp_path, override, message)
     assert not mp.active_children()
 
 
+@pytest.mark.parametrize("what", ["cores", "memory"])
+def test_a_fleet_that_cannot_fit_the_machine_is_refused_naming_its_cores_and_memory(tmp_path, what):
+    """More worker processes than 4 a core, or KV pages past the memory available: refused before any
+    process starts (64 workers on 2 cores had started 14 processes and 2.6 GB within 5 s), the message
+    naming both the cores and the memory."""
+    cores = len(os.sched_getaffinity(0))
+    fleet = ["deployment=colocated", f"deployment.num_workers={4 * cores + 1}"]
+    if what == "memory":
+        fleet = ["deployment=1p1d", "model.num_pages=1000000000"]  # terabytes of KV
+    with pytest.raises(ValueError) as err:
+        run(_cfg(["model=tiny-random", *fleet]), tmp_path, progress=False)
+    message = str(err.value)
+    assert "does not fit this machine" in message and f"on {cores} cores" in message, message
+    assert "GiB of memory" in message and "GiB available" in message, message
+    assert not mp.active_children()
+
+
 def test_a_deployment_that_an_experiment_would_ignore_is_refused(tmp_path):
     out = _cli(["experiment=compare", "deployment=2p1d", f"hydra.run.dir={tmp_path}"], tmp_path)
     assert out.returncode == 2 and "deployment is ignored here" in out.stderr, out.stderr[-2000:]
