@@ -33,6 +33,9 @@ def shard_spec(llm: LLM) -> ShardSpec:
         dtype=llm.config.dtype,
         kv_layout=c.kv_layout,
         planes=m.kv_planes,
+        model=llm.identity[0],
+        weights=llm.identity[1],
+        tokenizer=llm.identity[2],
     )
 
 

@@ -41,7 +41,7 @@ from engine.sequence import (
 from engine.speculative import SpeculativeConfig
 from engine.step_sampling import StepSampler
 from engine.tp import TPGroup, init_rank
-from engine.weights import load_model
+from engine.weights import identity, load_model
 from pdkernels.out_proj import make_layer_counter
 
 log = logging.getLogger(__name__)
@@ -147,6 +147,7 @@ class LLM:
         )  # fmt: skip
         torch.manual_seed(seed + dp_rank)
         self.tokenizer = loaded.tokenizer
+        self.identity = identity(loaded)  # (model, weights, tokenizer) digests: a KV peer must share them
         dev = torch.device(device)
         shard = Shard.of(loaded.config, 0, tp, expert_parallel, dp, dp_rank)
         self.tp_group = self.dp_engines = leads = None

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from engine.config import MLAConfig, ModelConfig, MoEConfig
 from engine.model import yarn_mscale
-from engine.tensors import check_shapes, random_weights
+from engine.tensors import RandomWeights, check_shapes, random_weights
 from engine.tokenizer import NoTokenizer, TextTokenizer, from_gguf_fields, from_hf_dir
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -107,6 +107,37 @@ class LoadedModel:
     config: ModelConfig
     weights: dict[str, Tensor]
     tokenizer: TextTokenizer | NoTokenizer
+
+
+IDENTITY_SAMPLES = 1024  # values of each tensor a weights digest reads, spread over the whole tensor
+
+
+def identity(loaded: LoadedModel) -> tuple[str, str, str]:
+    """Digests (16 hex digits each) of what makes one worker's KV mean what another's means beyond its
+    shape: the model's config; its weights (each tensor's name, shape, dtype and IDENTITY_SAMPLES values
+    spread over it: another checkpoint differs there, where hashing every byte of a 1B model would cost
+    seconds at each start; random weights, drawn as they are read, by their seed and shapes); its
+    tokenizer (its whole definition: the same text, the same ids)."""
+    import dataclasses
+    import hashlib
+
+    def digest(*parts: bytes) -> str:
+        h = hashlib.sha256()
+        for part in parts:
+            h.update(len(part).to_bytes(8, "little") + part)
+        return h.hexdigest()[:16]
+
+    config = json.dumps(dataclasses.asdict(loaded.config), sort_keys=True, default=str).encode()
+    tensors = []
+    if isinstance(loaded.weights, RandomWeights):  # drawn when read (seconds for 1B): its definition
+        tensors = [f"random|{loaded.weights.seed}|{sorted(loaded.weights.specs.items())}".encode()]
+    for name in sorted(loaded.weights) if not tensors else ():
+        t = loaded.weights[name].detach()
+        where = torch.linspace(0, t.numel() - 1, min(t.numel(), IDENTITY_SAMPLES)).long()
+        sample = t[torch.unravel_index(where, t.shape)].cpu() if t.dim() else t.reshape(1).cpu()
+        tensors += [f"{name}:{tuple(t.shape)}:{t.dtype}".encode(), sample.view(torch.uint8).numpy().tobytes()]
+    tok = loaded.tokenizer.tokenizer
+    return digest(config), digest(*tensors), digest(tok.to_str().encode() if tok is not None else b"")
 
 
 def load_model(model: str, weights: bool = True) -> LoadedModel:

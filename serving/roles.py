@@ -49,7 +49,11 @@ class RoleSwitching:
             for msg in channel.receive():
                 if isinstance(msg, Hello) and msg.version == PROTOCOL_VERSION:
                     del self.joining[peer]
-                    self.dm.add_peer(peer, channel, msg)
+                    try:
+                        self.dm.add_peer(peer, channel, msg)
+                    except ValueError as e:  # its KV would not mean the same here: it is asked nothing
+                        log.error("%s: %s", self.spec.name, e)
+                        break
                     log.info("%s: prefill worker %s joined", self.spec.name, peer)
                     break
         for peer in [p for p in self.leaving if not self.dm.holds(p)]:

@@ -45,7 +45,7 @@ from torch import Tensor
 from transfer.agents import RankAgents
 from transfer.backends import Backend
 from transfer.config import TransferConfig
-from transfer.plan import ShardSpec, plan_array
+from transfer.plan import ShardSpec, check_compatible, check_sendable, plan_array
 from transfer.protocol import PROTOCOL_VERSION, Abort, Accepted, Ended, Hello, Notif, PrefillRequest
 
 log = logging.getLogger(__name__)
@@ -197,6 +197,7 @@ class DecodeMessenger:
         """Another destination (a DP group): its engine side, its own agents (one per TP rank, or one) over
         its KV regions, and a context buffer registered with rank 0's. Returns its number for submit's
         group."""
+        check_sendable(spec)
         context = torch.zeros(
             self.config.context_slots, self.hidden_size, dtype=torch.float32, device=kv_regions[0].device
         )
@@ -213,7 +214,13 @@ class DecodeMessenger:
     def add_peer(self, name: str, channel, hello: Hello, worker: str | None = None) -> None:
         """A prefill worker reachable over channel, whose Hello (shard spec, host, pid) arrived. worker: the
         prefill worker this peer is a DP group of (None: itself); a router's choice of worker (submit's
-        prefer) takes the least loaded of its groups."""
+        prefer) takes the least loaded of its groups. A peer whose KV would not mean the same here (another
+        model, weights or tokenizer; another page size, dtype or layout) is refused now, a ValueError
+        naming the field and both values, before any transfer."""
+        try:
+            check_compatible(hello.spec, self.spec)
+        except ValueError as e:
+            raise ValueError(f"prefill worker {name} cannot send its KV to this decode worker: {e}") from e
         self.peers[name] = _Peer(name, channel, hello, worker=worker or name)
 
     def retire(self, name: str) -> None:
@@ -457,6 +464,13 @@ class DecodeMessenger:
         if any(p.peer is peer for p in self.pending.values()):
             self.peer_dead(peer.name)
         self._unfence_peer(peer)
+        try:
+            check_compatible(hello.spec, self.spec)
+        except ValueError as e:  # a new process of it that does not fit: it is asked nothing
+            self.dropped["Hello of a peer that does not fit"] += 1
+            log.error("prefill worker %s came back unable to send its KV here: %s", peer.name, e)
+            peer.lost = peer.dead = True
+            return
         peer.hello, peer.lost, peer.dead = hello, False, False
         self.retired.discard(peer.name)  # an elastic worker back in the prefill role
 

@@ -37,6 +37,12 @@ class ShardSpec:
     dtype: str = "bfloat16"
     kv_layout: str = "HND"
     planes: int = 2  # K and V; 1 for an MLA latent cache
+    # what the KV means beyond its shape: digests of the model's config, its weights and its tokenizer
+    # (engine.weights.identity; "" where a caller has none). Another model's KV, or another checkpoint's
+    # of the same shape, or KV of another tokenizer's ids, is well-formed garbage: both sides must agree
+    model: str = ""
+    weights: str = ""
+    tokenizer: str = ""
 
     def __post_init__(self):
         for name in (
@@ -51,10 +57,8 @@ class ShardSpec:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"ShardSpec.{name} must be >= 1, got {getattr(self, name)}")
-        if self.kv_layout != "HND":
-            raise ValueError(
-                f"KV transfer needs kv_layout 'HND' (a page's head range is one run), got {self.kv_layout!r}"
-            )
+        if self.kv_layout not in ("HND", "NHD"):  # the plan writes HND alone (check_compatible)
+            raise ValueError(f"ShardSpec.kv_layout must be 'HND' or 'NHD', got {self.kv_layout!r}")
         if self.num_kv_heads % self.tp and self.tp % self.num_kv_heads:
             raise ValueError(
                 f"tp={self.tp} must divide num_kv_heads={self.num_kv_heads} or be a multiple of it"
@@ -102,11 +106,33 @@ class Write(NamedTuple):
     nbytes: int
 
 
+# what both sides of a transfer must share (tp may differ: the plan converts between degrees)
+MUST_MATCH = (
+    "model", "weights", "tokenizer", "num_kv_heads", "num_layers", "page_size", "head_dim", "itemsize",
+    "dtype", "kv_layout", "planes",
+)  # fmt: skip
+
+
+def check_sendable(spec: ShardSpec) -> None:
+    """A worker's own cache, checked once as its messenger starts: the plan writes HND pages alone."""
+    if spec.kv_layout != "HND":
+        raise ValueError(
+            f"KV transfer needs kv_layout 'HND' (a page's head range is one run), got {spec.kv_layout!r}"
+        )
+
+
 def check_compatible(src: ShardSpec, dst: ShardSpec) -> None:
-    for name in ("num_kv_heads", "num_layers", "page_size", "head_dim", "itemsize", "dtype", "planes"):
+    """Refuse a pair of specs whose KV does not mean the same on both sides, naming the first field they
+    disagree on and both values (the decode side checks a prefill worker's Hello at connect; the prefill
+    side each request's destination)."""
+    for name in MUST_MATCH:
         a, b = getattr(src, name), getattr(dst, name)
         if a != b:
-            raise ValueError(f"prefill and decode disagree on {name}: {a!r} vs {b!r}; both sides must match")
+            raise ValueError(
+                f"prefill and decode disagree on {name}: {a!r} (prefill) vs {b!r} (decode); both sides "
+                "must match"
+            )
+    check_sendable(src)
 
 
 def plan_writes(

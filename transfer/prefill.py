@@ -41,7 +41,7 @@ from torch import Tensor
 from transfer.agents import RankAgents, context_region, route
 from transfer.backends import Backend, TransferError, WriteOp
 from transfer.config import TransferConfig
-from transfer.plan import ShardSpec, plan_array
+from transfer.plan import ShardSpec, check_sendable, plan_array
 from transfer.protocol import Abort, Accepted, Ended, Hello, Notif, PrefillRequest
 
 log = logging.getLogger(__name__)
@@ -105,6 +105,7 @@ class PrefillMessenger:
         hidden_size: int,
         config: TransferConfig | None = None,
     ):
+        check_sendable(spec)
         self.engine, self.spec, self.counter = engine, spec, counter
         self.config = config or TransferConfig()
         slots = self.config.context_slots

@@ -404,3 +404,44 @@ def test_a_request_fetched_again_before_its_old_transfer_is_reaped_waits_for_it(
     _run(prefill, decode, pm, dm, ["again"])
     assert decode.output("again").finish_reason == "length" and pm.refused == refused
     assert prefill.allocator.num_free == PAGES and decode.allocator.num_free == PAGES
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("model", "another-config"),  # another model of the same KV shape
+        ("weights", "another-checkpoint"),  # another checkpoint (or seed) of the same model
+        ("tokenizer", "another-vocab"),  # the same ids would be other text
+        ("page_size", 8),
+        ("dtype", "float16"),
+        ("kv_layout", "NHD"),
+    ],
+)
+def test_a_prefill_worker_whose_kv_would_not_mean_the_same_is_refused_at_connect(pair, field, value):
+    """The decode side checks a prefill worker's Hello against its own cache before any transfer: a field
+    they disagree on is refused, naming it and both values (found later it would be garbage text); a new
+    process of a known peer that does not fit is asked nothing and counted."""
+    from transfer.protocol import Hello, local_channel
+
+    prefill, decode, pm, dm = pair
+    (peer,) = dm.peers.values()
+    own = getattr(dm.spec, field)
+    hello = Hello.of(replace(peer.hello.spec, **{field: value}), "elsewhere")
+    with pytest.raises(ValueError) as err:
+        dm.add_peer("prefill-1", local_channel()[0], hello)
+    message = str(err.value)
+    assert "prefill worker prefill-1 cannot send its KV to this decode worker: prefill and decode " in message
+    assert f"disagree on {field}: {value!r} (prefill) vs {own!r} (decode)" in message, message
+    assert "prefill-1" not in dm.peers
+    dm._rejoin(peer, hello)  # prefill-0 restarted as a worker that does not fit
+    assert peer.lost and dm.dropped["Hello of a peer that does not fit"] == 1
+    assert dm.submit("r", list(range(100, 140)), GREEDY) is False  # nothing is asked of it
+    assert not dm.pending and "r" in dm.peer_lost
+
+
+def test_both_sides_of_a_real_pair_share_model_weights_and_tokenizer_digests(pair):
+    prefill, decode, pm, dm = pair
+    (peer,) = dm.peers.values()
+    assert peer.hello.spec == pm.spec and all(
+        len(getattr(pm.spec, f)) == 16 for f in ("model", "weights", "tokenizer")
+    )
