@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST := $(BIN)/python -m pytest
 
-.PHONY: run test test-repeat compat test-all test-gpu gpu-check soak bench profile-cpu bench-tiers bench-goodput bench-dp bench-streaming bench-gpu repro lint clean
+.PHONY: run test test-repeat compat test-all test-gpu gpu-check soak bench profile-cpu bench-aborts bench-tiers bench-goodput bench-dp bench-streaming bench-gpu repro lint clean
 
 $(STAMP): setup.py pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -75,6 +75,11 @@ COMPAT_ARGS ?=
 
 compat: $(STAMP) .compat/.ready
 	$(BIN)/python -m experiments.bench.compat --out bench_results/compat-$$(date +%Y%m%d-%H%M%S) $(COMPAT_ARGS)
+
+# issue 71's abort storm (docs/security-and-faults.md): 1P1D and 1P2D with the tiers on, 300 long prompts whose
+# clients leave at random moments, a decode worker frozen 10 s halfway
+bench-aborts: $(STAMP)
+	$(BIN)/python -m experiments.bench.aborts --out bench_results/aborts-$$(date +%Y%m%d-%H%M%S) $(BENCH_ABORTS_ARGS)
 
 bench-tiers: $(STAMP)
 	$(BIN)/python -m experiments.bench.kv_tiers --out bench_results/tiers-$$(date +%Y%m%d-%H%M%S) $(BENCH_TIERS_ARGS)

@@ -81,6 +81,7 @@ class Cancel(Message):
     """End a request now (its client went away); its Result still comes, finish_reason abort."""
 
     request_id: str
+    at: float = 0.0  # time.time() when the client went away (the prefill side counts work done past it)
 
 
 class Progress(Message):
@@ -197,6 +198,10 @@ class Load(Message):
     decode_steps: int = 0
     decode_seqs: int = 0
     decode_s: float = 0.0
+    # so far, a prefill worker's: prompt tokens computed for requests more than one step after their
+    # client went away (work for nobody: a cancel that reaches it late, or an abort it does not heed)
+    prompt_tokens_after_cancel: int = 0
+    prefills_cancelled: int = 0  # requests whose client went away while this prefill worker held them
 
 
 class ErrorKind(StrEnum):
@@ -261,6 +266,8 @@ class Timeline(Message):
     prefix_hits: int = 0
     cached_pages: int = 0
     kv_tiers: dict[str, TierCounters] = {}
+    prompt_tokens_after_cancel: int = 0  # as in Load
+    prefills_cancelled: int = 0
     # loads from the tiers below device memory: (start, end, tier of most of its pages, pages loaded)
     loads: list[tuple[float, float, str, int]] = []
     # its transfers as a prefill worker (transfer.prefill.Sent: request id, first pass began, first KV post,

@@ -75,6 +75,7 @@ class _Submit:
 @dataclass(frozen=True)
 class _Cancel:
     request_id: str
+    at: float  # time.time() when its client went away
 
 
 @dataclass(frozen=True)
@@ -222,7 +223,7 @@ class Runtime:
         self._command(_Submit(msg, sink))
 
     def cancel(self, request_id: str) -> None:
-        self._command(_Cancel(request_id))
+        self._command(_Cancel(request_id, time.time()))
 
     def move(self, worker: str, role: str) -> None:
         """Move an elastic deployment's worker to role (prefill | decode) as the planner would: its
@@ -298,9 +299,14 @@ class Runtime:
                         self.elastic.move(worker, role, "asked")
                     case _CancelAll():
                         for rid, flight in list(self.flights.items()):
-                            self.fleet.send(flight.worker, Cancel(rid))
-                    case _Cancel(rid) if rid in self.flights:
-                        self.fleet.send(self.flights[rid].worker, Cancel(rid))
+                            self.fleet.send(flight.worker, Cancel(rid, time.time()))
+                    case _Cancel(rid, at) if rid in self.flights:
+                        flight = self.flights[rid]
+                        self.fleet.send(flight.worker, Cancel(rid, at))
+                        if not flight.ids:  # it may be computing on a prefill worker: stopped there now,
+                            # not once its decode worker (busy, or frozen) passes the cancel on
+                            for name in self.router.prefill_live:
+                                self.fleet.send(name, Cancel(rid, at))
             except Exception as e:  # one request's failure is its own: the loop and the others go on
                 log.exception("runtime: %s failed", type(command).__name__.strip("_"))
                 if isinstance(command, _Submit):

@@ -363,6 +363,8 @@ class Worker(RoleSwitching):
             "prefix_hits": cache["hits"],
             "cached_pages": cache["cached_pages"],
             "kv_tiers": {t: TierCounters(**c) for t, c in self.llm.kv_tier_stats.items()},
+            "prompt_tokens_after_cancel": self.pm.tokens_after_cancel if self.pm is not None else 0,
+            "prefills_cancelled": self.pm.cancelled_in_flight if self.pm is not None else 0,
         }
 
     def _handle(self, msg) -> None:
@@ -390,7 +392,7 @@ class Worker(RoleSwitching):
                 self.dm.peer_dead(name)
             self.front.returning[msg.name] = time.monotonic() + msg.back_within_s  # 0: not coming back
         elif isinstance(msg, Cancel):
-            self._cancel(msg.request_id)
+            self._cancel(msg.request_id, msg.at)
         elif isinstance(msg, Submit) and self.switch is not None:  # sent before the runtime knew: back
             self._send(HandedBack(self.spec.name, [msg.request_id]))
         elif isinstance(msg, Submit):
@@ -414,8 +416,13 @@ class Worker(RoleSwitching):
                 self.streamed[msg.request_id] = [len(msg.output_ids), msg.text_sent]
                 self.holdback[msg.request_id] = max((len(s) - 1 for s in params.stop), default=0)
 
-    def _cancel(self, request_id: str) -> None:
-        """The client went away: end the request wherever it is; its Result follows (abort)."""
+    def _cancel(self, request_id: str, at: float = 0.0) -> None:
+        """The client went away (at: when, time.time()): end the request wherever it is; its Result
+        follows (abort). A prefill worker stops computing and sending it (the runtime tells every live
+        one, before the first token); its decode worker hears Ended."""
+        if self.pm is not None:
+            self.pm.cancel(request_id, at)
+            return
         if request_id not in self.live:
             return
         waiting = self.front.drop(request_id)
@@ -426,7 +433,7 @@ class Worker(RoleSwitching):
             received = self.live.pop(request_id)
             self._send(Result.failed(request_id, ErrorKind.CANCELLED, None, self.spec.name, received))
         elif self.dm is not None and request_id in self.dm.pending:
-            self.dm.abort(request_id, "aborted: the client went away")  # its pages free once safe
+            self.dm.abort(request_id, "aborted: the client went away", at)  # its pages free once safe
         else:
             self.llm.abort(request_id)
 

@@ -318,10 +318,12 @@ class DecodeMessenger:
             self._pages_safe(request_id)
         return True
 
-    def abort(self, request_id: str, reason: str = "aborted by the decode worker") -> None:
+    def abort(self, request_id: str, reason: str = "aborted by the decode worker", cancelled_at: float = 0.0):
+        """Stop a request whose KV is on its way (cancelled_at: when its client went away, time.time(),
+        for the prefill side's count of work done for nobody); its pages free once nothing can land."""
         p = self.pending.get(request_id)
         if p is not None and p.failed is None:
-            self._fail(request_id, p, reason)
+            self._fail(request_id, p, reason, cancelled_at=cancelled_at)
 
     def poll(self) -> list[str]:
         """Count landed writes, handle control messages and deadlines; returns the ids admitted now."""
@@ -486,14 +488,16 @@ class DecodeMessenger:
                     self._fail(rid, p, f"prefill worker {name} exited", notify=False)
                 self._pages_safe(rid)
 
-    def _fail(self, request_id: str, p: _Pending, reason: str, notify: bool = True) -> None:
+    def _fail(
+        self, request_id: str, p: _Pending, reason: str, notify: bool = True, cancelled_at: float = 0.0
+    ) -> None:
         """End the request (or mark it for local recompute); its pages stay until they are safe."""
         p.failed = reason
         if self.config.on_transfer_failure == "fail":
             self.groups[p.group].engine.fail(request_id, reason)
         if notify:
             try:  # a hung peer may never read it; its silence is handled by _check_peer
-                p.peer.channel.send(Abort(request_id, p.seq, reason), timeout_s=0.1)
+                p.peer.channel.send(Abort(request_id, p.seq, reason, cancelled_at), timeout_s=0.1)
             except TimeoutError:
                 pass
 

@@ -30,7 +30,7 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
@@ -92,6 +92,17 @@ class _Transfer:
     held: tuple[int, int, list[int]] | None = None  # send_mode=request: pages [i0, i1) of these, not posted
     aborted: str | None = None
     error: str | None = None
+    # (pass number, time.time() as it began, prompt tokens) of each forward pass that computed some of it
+    passes: list[tuple[int, float, int]] = field(default_factory=list)
+    cancelled_at: float = 0.0  # its Abort's: when its client went away
+
+
+def late_tokens(passes: list[tuple[int, float, int]], cancelled_at: float) -> int:
+    """Prompt tokens computed for a request more than one step after its client went away: those of the
+    passes that began after cancelled_at, the first of them excepted (a cancel takes a step to arrive)."""
+    after = [(n, tokens) for n, at, tokens in passes if at > cancelled_at]
+    first = min((n for n, _ in after), default=None)
+    return sum(tokens for n, tokens in after if n != first)
 
 
 class PrefillMessenger:
@@ -124,6 +135,11 @@ class PrefillMessenger:
         self.post_log: deque[tuple[str, int, float]] = deque(maxlen=LOG_LIMIT)
         self.done_log: deque[Sent] = deque(maxlen=LOG_LIMIT)
         self.refused = 0  # requests refused at the boundary
+        # prompt tokens computed more than one step after their client went away (late_tokens), so far;
+        # and the passes of the latest finished transfers, for an Abort that arrives after they ended
+        self.tokens_after_cancel = 0
+        self.cancelled_in_flight = 0  # requests whose client went away while this side held them
+        self._ended_passes: OrderedDict[tuple[str, int], list] = OrderedDict()
         self._last_seq: dict[int, int] = {}  # id(channel) -> newest request seq taken from it
         # requests whose id an earlier owner still holds here (moved to another decode worker): taken once
         # the old transfer's writes are done and its pages back
@@ -140,8 +156,11 @@ class PrefillMessenger:
         """Before a forward pass: queue the pages this pass completes, to be posted layer by layer."""
         self._passes += 1
         items = []
+        began = time.time()
         for chunk in batch.chunks:
             t = self.transfers.get(chunk.seq.request_id)
+            if t is not None:
+                t.passes.append((self._passes, began, chunk.num_tokens))
             if t is None or t.aborted:
                 continue
             t.started = t.started or time.perf_counter()
@@ -216,6 +235,19 @@ class PrefillMessenger:
             t.aborted = t.aborted or reason
         self.engine.stop(request_id)
 
+    def cancel(self, request_id: str, at: float) -> None:
+        """Its client went away (at: when, time.time()), as the runtime says, which may be before its
+        decode worker's Abort comes (that worker busy or frozen): stop it as that Abort would, and tell the
+        decode worker Ended. A request queued here goes at once; one not here is no one's business."""
+        for req, channel in [(r, c) for r, c in self._waiting if r.request_id == request_id]:
+            self._waiting.remove((req, channel))
+            self._tell(channel, Ended(request_id, req.seq, "aborted: the client went away"))
+        t = self.transfers.get(request_id)
+        if t is not None and not t.cancelled_at:
+            t.cancelled_at = at
+            self.cancelled_in_flight += 1
+            self.abort(request_id, "the client went away")
+
     def poll(self) -> None:
         """Take new requests and aborts; free the pages of requests whose writes have all finished."""
         for channel in self.channels:
@@ -242,6 +274,12 @@ class PrefillMessenger:
             self.engine.stop(rid)  # a failed transfer stops its computation too
             self.engine.release(rid)
             self._free_slots.append(self._slots.pop(rid))
+            if t.cancelled_at:
+                self.tokens_after_cancel += late_tokens(t.passes, t.cancelled_at)
+            else:  # kept a while: an Abort may still come (its client left as its KV landed)
+                self._ended_passes[rid, t.req.seq] = t.passes
+                while len(self._ended_passes) > LOG_LIMIT:
+                    self._ended_passes.popitem(last=False)
             if t.aborted or t.error:
                 self._tell(t.channel, Ended(rid, t.req.seq, t.error or f"aborted: {t.aborted}"))
         if self._waiting:
@@ -272,7 +310,13 @@ class PrefillMessenger:
             self._tell(channel, Ended(msg.request_id, msg.seq, f"aborted: {msg.reason}"))
             return
         t = self.transfers.get(msg.request_id)
+        ended = self._ended_passes.pop((msg.request_id, msg.seq), None)
+        if ended is not None and msg.cancelled_at:
+            self.tokens_after_cancel += late_tokens(ended, msg.cancelled_at)
         if t is not None and t.channel is channel and t.req.seq == msg.seq:
+            if msg.cancelled_at and not t.cancelled_at:  # the runtime's Cancel did not come first
+                t.cancelled_at = msg.cancelled_at
+                self.cancelled_in_flight += 1
             self.abort(msg.request_id, msg.reason)
         elif t is None or t.req.seq != msg.seq:
             self._last_seq[id(channel)] = max(self._last_seq.get(id(channel), -1), msg.seq)

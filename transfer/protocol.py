@@ -20,7 +20,9 @@ from transfer.wire import Codec, Message, WireError
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 4  # in every Hello; a peer of another version is refused
+PROTOCOL_VERSION = (
+    5  # in every Hello; a peer of another version is refused (5: identity digests, cancelled_at)
+)
 MAX_PROMPT_TOKENS = 1 << 22
 
 
@@ -150,6 +152,9 @@ class Abort(Message):
     request_id: str
     seq: int
     reason: str
+    # when its client went away (time.time() on the runtime's host; 0: not a client's cancel): the
+    # prefill side counts the prompt tokens it computed for it more than one step later
+    cancelled_at: float = 0.0
 
 
 class Ended(Message):

@@ -78,12 +78,15 @@ def pct(values: list[float], q: float) -> float | None:
 class Server:
     """Our server on one deployment, its request log read by offset (what one run's requests did)."""
 
-    def __init__(self, deployment: str, out: Path, model: str):
-        self.dir = out / f"server-{deployment}"
+    def __init__(
+        self, deployment: str, out: Path, model: str, overrides: tuple[str, ...] = (), name: str = ""
+    ):
+        """overrides: more of the server's settings; name: its folder's (server-<name or deployment>)."""
+        self.dir = out / f"server-{name or deployment}"
         self.dir.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "experiments.serve", f"model={model}", f"deployment={deployment}",
                f"server.served_model_name={MODEL}", "server.port=0", "server.request_log=true",
-               f"hydra.run.dir={self.dir}"]  # fmt: skip
+               *overrides, f"hydra.run.dir={self.dir}"]  # fmt: skip
         self.log = open(self.dir / "server.log", "w")
         self.proc = subprocess.Popen(
             cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True

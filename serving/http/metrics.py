@@ -65,6 +65,19 @@ class Metrics:
                 ["worker"],
                 registry=r,
             ),
+            "prompt_tokens_after_cancel": Counter(
+                "pdk_prompt_tokens_after_cancel",
+                "Prompt tokens a prefill worker computed for requests more than one step after their client "
+                "went away (work for nobody)",
+                ["worker"],
+                registry=r,
+            ),
+            "prefills_cancelled": Counter(
+                "pdk_prefills_cancelled",
+                "Requests whose client went away while a prefill worker held them (computing or sending)",
+                ["worker"],
+                registry=r,
+            ),
             "refetched_tokens": Counter(
                 "pdk_refetched_tokens",
                 "Tokens whose dropped KV a decode worker fetched again from a prefill worker",

@@ -43,6 +43,68 @@ def test_abort_from_decode_mid_transfer_frees_both_sides(pair):
     assert prefill.allocator.num_free == PAGES and decode.allocator.num_free == PAGES
 
 
+@pytest.mark.parametrize("late_s", [0.0, 3600.0])
+def test_a_cancelled_request_is_computed_no_further_than_its_next_step(pair, late_s):
+    """A client's cancel during prefill (its time in the Abort): the prefill side stops the request at
+    once, so none of its prompt is computed more than one step after the cancel (late_tokens). The same
+    cancel stamped an hour before it arrives (a cancel that reached the prefill worker late) counts every
+    pass after its first: the count sees work done for nobody."""
+    from transfer.prefill import late_tokens
+
+    prefill, decode, pm, dm = pair
+    dm.submit("long", list(range(100, 220)), GREEDY)  # 119 tokens: five 24-token chunks
+    pm.poll()
+    prefill.step()
+    prefill.step()  # two chunks computed
+    dm.abort("long", "aborted: the client went away", cancelled_at=time.time() - late_s)
+    _run(prefill, decode, pm, dm, ["long"])
+    assert decode.output("long").finish_reason == "error"
+    assert pm.tokens_after_cancel == (24 if late_s else 0)  # the second pass: the first after it is free
+    assert prefill.allocator.num_free == PAGES and decode.allocator.num_free == PAGES
+    assert late_tokens([(1, 10.0, 24), (2, 11.0, 24), (3, 12.0, 24)], 10.5) == 24  # pass 2 is let go
+    assert late_tokens([(1, 10.0, 24)], 10.5) == 0 and late_tokens([], 1.0) == 0
+
+
+def test_the_runtime_s_cancel_stops_a_prefill_whose_decode_worker_does_not_answer(pair):
+    """The runtime tells the prefill worker itself that the client left (pm.cancel): with the decode side
+    not polling (frozen), the prefill side computes none of the rest, counts it cancelled, and its Ended
+    fails the request on the decode side once that side polls again; every page comes back."""
+    prefill, decode, pm, dm = pair
+    dm.submit("long", list(range(100, 220)), GREEDY)  # five 24-token chunks
+    pm.poll()
+    prefill.step()  # one chunk computed
+    pm.cancel("long", time.time())
+    pm.cancel("long", time.time())  # sent twice (the decode worker's Abort too, later): counted once
+    for _ in range(5):
+        pm.poll()
+        prefill.step()  # nothing left of it to compute
+    assert not prefill.has_unfinished() and pm.cancelled_in_flight == 1
+    _run(prefill, decode, pm, dm, ["long"])
+    assert decode.output("long").finish_reason == "error" and pm.tokens_after_cancel == 0
+    assert prefill.allocator.num_free == PAGES and decode.allocator.num_free == PAGES
+    pm.cancel("unknown", time.time())  # no one's business here
+    assert pm.cancelled_in_flight == 1
+
+
+def test_a_cancel_that_arrives_after_the_kv_landed_counts_the_passes_after_it(pair):
+    """The prefill side keeps a finished transfer's passes a while: an Abort that comes after its KV
+    landed (sent here by hand, stamped before the passes began) is counted against them."""
+    from transfer.protocol import Abort
+
+    prefill, decode, pm, dm = pair
+    stamp = time.time()
+    dm.submit("done", list(range(100, 160)), GREEDY)  # 59 tokens: three 24-token chunks
+    seq = dm.pending["done"].seq
+    _run(prefill, decode, pm, dm, ["done"])
+    assert pm.tokens_after_cancel == 0
+    dm.peers["prefill-0"].channel.send(Abort("done", seq, "late", stamp))
+    give_up = time.monotonic() + 10
+    while pm.tokens_after_cancel == 0:
+        pm.poll()
+        assert time.monotonic() < give_up, "the late Abort was not counted"
+    assert pm.tokens_after_cancel == 35  # passes 2 and 3 (24 + 11 tokens): the first is let go
+
+
 @pytest.mark.parametrize(
     "stage, prefill_progress",
     [("handshake_timeout_s", 0), ("first_layer_timeout_s", 1), ("completion_timeout_s", 2)],

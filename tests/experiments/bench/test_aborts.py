@@ -1,0 +1,25 @@
+"""The abort storm (experiments/bench/aborts.py, `make bench-aborts`) made small enough for `make test`:
+1P2D with the tiers on, 40 long prompts whose clients leave at random moments, a decode worker frozen 3 s
+halfway. Every request ends, every page on every worker comes back, no prompt token is computed more than
+one step after its client left, and a clean batch after gives the greedy texts of before."""
+
+from experiments.bench import aborts
+from experiments.bench.compat import Server
+from tests import needs
+
+needs.nixl()
+
+
+def test_a_small_abort_storm_leaves_nothing_behind(short_tmp, tmp_path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(short_tmp.resolve()))
+    deployment, overrides = aborts.DEPLOYMENTS["1p2d"]
+    settings = (*overrides, *aborts.SETTINGS, f"model.num_pages={aborts.NUM_PAGES}", "start_timeout_s=600")
+    server = Server(deployment, tmp_path, "tiny-random", settings, name="1p2d")
+    try:
+        r = aborts.storm(server, requests=40, concurrency=8, prompt_words=400, freeze_s=3.0, seed=1)
+    finally:
+        server.close()
+    assert r["ended"] == 40 and set(r["outcomes"]) <= {"left", "finished", "error in stream"}, r
+    assert r["pages_free_after_s"] is not None, r  # every page on every worker came back
+    assert r["prompt_tokens_after_cancel"] == 0, r
+    assert r["texts_identical"], r
