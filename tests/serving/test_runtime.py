@@ -327,6 +327,33 @@ def test_refusals_are_typed_a_request_id_in_flight_twice_and_no_live_worker(runt
     assert none.result().error == "no live worker"
 
 
+def test_a_cancel_before_the_first_token_reaches_the_live_prefill_workers_too(runtime_of):
+    """Its prompt may be computing on a prefill worker, and its decode worker may be frozen: the runtime
+    tells both. After its first token only the decode worker hears it (the prefill is done)."""
+    from serving.router.policy import Router
+
+    router = Router(["decode-0", "decode-1"], prefill_workers=["prefill-0"])
+    router.up("prefill-0")  # its Ready came: a live prefill worker
+    fleet, runtime = runtime_of(router=router)
+    runtime.submit(_submit("r1"), Sink())
+    worker, _ = fleet.next_sent()
+    runtime.cancel("r1")
+    sent = [fleet.next_sent(Cancel), fleet.next_sent(Cancel)]
+    assert sorted(name for name, _ in sent) == sorted([worker, "prefill-0"])
+    assert {msg.request_id for _, msg in sent} == {"r1"} and sent[0][1].at == sent[1][1].at > 0
+    sink = Sink()
+    runtime.submit(_submit("r2"), sink)
+    worker, _ = fleet.next_sent()
+    fleet.deliver(worker, Progress([("r2", [5], "a", [])]))
+    sink.next(Streamed)
+    runtime.cancel("r2")
+    runtime.submit(_submit("r3"), Sink())  # a marker: what the runtime sent before it
+    before = []
+    while not isinstance((item := fleet.sent.get(timeout=DEADLINE_S))[1], Submit):
+        before.append(item)
+    assert [(name, msg.request_id) for name, msg in before if isinstance(msg, Cancel)] == [(worker, "r2")]
+
+
 def test_cancel_goes_to_the_worker_that_has_the_request_now(runtime_of):
     fleet, runtime = runtime_of()
     sink = Sink()
@@ -335,7 +362,8 @@ def test_cancel_goes_to_the_worker_that_has_the_request_now(runtime_of):
     fleet.kill(first)
     second, _ = fleet.next_sent()
     runtime.cancel("r1")
-    assert fleet.next_sent(Cancel) == (second, Cancel("r1"))
+    where, msg = fleet.next_sent(Cancel)
+    assert where == second and msg.request_id == "r1" and msg.at > 0  # when its client went away
     fleet.deliver(second, Result.failed("r1", ErrorKind.CANCELLED, None, second))
     result = sink.result()
     assert result.finish_reason == "abort" and result.error_kind == ErrorKind.CANCELLED
