@@ -4,6 +4,7 @@ clients, and reading its /metrics."""
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -110,3 +111,15 @@ def server_per_deployment(request, tmp_path_factory):
     proc, url = _start(tmp, *overrides)
     yield request.param, url
     _stop(proc)
+
+
+def _uploading(url: str, source: str = "127.0.0.1") -> socket.socket:
+    """A request whose body its client has begun and not finished: in flight (not idle) from when the
+    server asks for the body (100 Continue) until server.body_timeout_s."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=60, source_address=(source, 0))
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+    sock.sendall(f"{head}Content-Length: 100\r\nExpect: 100-continue\r\n\r\n".encode())
+    assert sock.recv(4096).startswith(b"HTTP/1.1 100 ")
+    sock.sendall(b'{"model": ')
+    return sock

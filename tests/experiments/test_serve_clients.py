@@ -11,7 +11,7 @@ import time
 import pytest
 
 from tests.experiments.hostile import _start, _until_gauge
-from tests.experiments.serving import _metrics
+from tests.experiments.serving import _metrics, _uploading
 
 OK = {"model": "tiny-random", "prompt": "Hello", "max_tokens": 2, "temperature": 0}
 ATTACKER, VICTIM = "127.0.0.3", "127.0.0.2"
@@ -129,18 +129,6 @@ def test_idle_sockets_from_nine_addresses_at_the_cap_leave_a_new_client_served(s
         assert status == 200, body
     for s in held:
         s.close()
-
-
-def _uploading(url: str, source: str) -> socket.socket:
-    """A request whose body its client has begun and not finished: in flight (not idle) from when the
-    server asks for the body (100 Continue) until server.body_timeout_s."""
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    sock = socket.create_connection((host, int(port)), timeout=60, source_address=(source, 0))
-    head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-    sock.sendall(f"{head}Content-Length: 100\r\nExpect: 100-continue\r\n\r\n".encode())
-    assert sock.recv(4096).startswith(b"HTTP/1.1 100 ")
-    sock.sendall(b'{"model": ')
-    return sock
 
 
 def _stream(url: str, source: str, n: int, max_tokens: int) -> tuple[http.client.HTTPConnection, int, bytes]:

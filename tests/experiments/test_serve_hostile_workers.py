@@ -27,7 +27,7 @@ from tests.experiments.hostile import (
     _still_serving,
     _until_gauge,
 )
-from tests.experiments.serving import _long_stream, _metrics
+from tests.experiments.serving import _long_stream, _metrics, _uploading
 
 
 def test_public_health_opens_health_alone(tmp_path):
@@ -266,16 +266,6 @@ def _closed_by_server(sock, give_up: float, trickle: bytes | None = None) -> boo
     return False
 
 
-def _open_stream(host: str, port: int) -> http.client.HTTPConnection:
-    """A connection with a long streamed request in flight (its response under way), left open."""
-    conn = http.client.HTTPConnection(host, port, timeout=60)
-    body = dict(OK, max_tokens=1000, ignore_eos=True, stream=True)
-    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-    response = conn.getresponse()
-    assert response.status == 200 and response.read(16)
-    return conn
-
-
 def test_slowloris_and_idle_connections_are_closed_and_connections_are_capped(tmp_path):
     """server.header_timeout_s: a connection that sends nothing, or trickles header lines without ever
     ending them, is closed (they stayed open for as long as the client liked); server.max_connections:
@@ -283,7 +273,11 @@ def test_slowloris_and_idle_connections_are_closed_and_connections_are_capped(tm
     when every one has a request in flight is one more answered 503 in OpenAI's shape and closed."""
 
     proc, url = _start(
-        tmp_path, "deployment=colocated", "server.header_timeout_s=3", "server.max_connections=4"
+        tmp_path,
+        "deployment=colocated",
+        "server.header_timeout_s=3",
+        "server.max_connections=4",
+        "server.body_timeout_s=600",  # the busy connections below: bodies under way
     )
     host, port = url.removeprefix("http://").rsplit(":", 1)
     try:
@@ -298,14 +292,16 @@ def test_slowloris_and_idle_connections_are_closed_and_connections_are_capped(tm
         for s in silent:
             s.close()
         assert _closed_by_server(slow, give_up, trickle=b"X-Slow: 1\r\n"), "the slowloris was kept open"
-        streams = [_open_stream(host, int(port)) for _ in range(4)]  # every connection busy
+        # every connection busy: requests whose bodies are under way (100 Continue seen), which cannot end
+        # while the test runs (four 1,000-token streams could: beside other work, 1 run in 5 got a 200)
+        busy = [_uploading(url) for _ in range(4)]
         status, headers, body = _post(url, json.dumps(OK))
         assert status == 503 and headers.get("retry-after") and json.loads(body)["error"]["code"], body
-        for conn in streams:
+        for conn in busy:
             conn.close()
         give_up = time.monotonic() + 60
         while _post(url, json.dumps(OK))[0] != 200:  # the server hears the closes a moment later
-            assert time.monotonic() < give_up, "still refused after every stream was closed"
+            assert time.monotonic() < give_up, "still refused after every busy connection was closed"
             time.sleep(0.05)
         # a kept-alive connection's next request is due within the deadline too
         conn = http.client.HTTPConnection(host, int(port), timeout=30)

@@ -92,13 +92,15 @@ def test_the_prefill_host_s_link_down_for_2_s_mid_transfer_loses_nothing(short_t
     _pages_back(cut)
 
 
-# 2 prefill hosts and a decode host; the decode pool holds several requests beside the set-aside ones.
+# 2 prefill hosts and a decode host; the decode pool holds several requests beside the set-aside ones
+TWO_PREFILL = [*RUN, "deployment.num_prefill=2", "cluster.hosts=3", "model.num_pages=1024",
+               "transfer.peer_timeout_s=3"]  # fmt: skip
 # round_robin: prefill-0 takes the 1st, 3rd and 5th prompts, so the KV crosses host 0's link, which the
-# hooks cut. cache_aware picks the prefill worker by the speed each timed as it started, and in CI a
+# hook cuts. cache_aware picks the prefill worker by the speed each timed as it started, and in CI a
 # prefill-0 that timed itself at under half prefill-1's speed (three workers starting on 2 cores) took
-# no prompt at all: its link carried no KV and was never cut
-TWO_PREFILL = [*RUN, "deployment.num_prefill=2", "deployment.routing=round_robin", "cluster.hosts=3",
-               "model.num_pages=1024", "transfer.peer_timeout_s=3"]  # fmt: skip
+# no prompt at all: its link carried no KV and was never cut. (Not for the cut-for-good test: in turn,
+# a prompt went to prefill-0 after the cut too, and once no lost transfer's pages were set aside.)
+IN_TURN = "deployment.routing=round_robin"
 PAGES_A_REQUEST = 150  # 600 prompt tokens at tiny-random's 4 per page
 
 
@@ -147,7 +149,7 @@ def test_a_prefill_host_s_nic_down_past_peer_timeout_loses_nothing_and_gives_eve
     posted writes finish and its Ended frees the pages set aside for them, so every page comes back on
     every side (the run's last step waits for that, as the workers' Loads report it)."""
     monkeypatch.setenv("TMPDIR", str(short_tmp.resolve()))
-    (clean,) = run(_cfg([*TWO_PREFILL, "cluster.subnet=15"]), tmp_path / "clean", progress=False)
+    (clean,) = run(_cfg([*TWO_PREFILL, IN_TURN, "cluster.subnet=15"]), tmp_path / "clean", progress=False)
     cut, back = [], []
     cut_hook = _cut_prefill_0(5.0, cut)
 
@@ -161,7 +163,9 @@ def test_a_prefill_host_s_nic_down_past_peer_timeout_loses_nothing_and_gives_eve
                 time.sleep(0.05)
             back.append(True)
 
-    (record,) = run(_cfg([*TWO_PREFILL, "cluster.subnet=16"]), tmp_path / "cut", progress=False, hooks=hook)
+    (record,) = run(
+        _cfg([*TWO_PREFILL, IN_TURN, "cluster.subnet=16"]), tmp_path / "cut", progress=False, hooks=hook
+    )
     assert cut and back, "the KV never flowed"
     assert cut[0][1] < 6, "every request had finished before the cut"
     assert record["summary"]["completed"] == 6 and record["summary"]["errors"] == 0
