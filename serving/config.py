@@ -461,8 +461,9 @@ def check_fits_machine(config: RuntimeConfig, loaded) -> None:
     for d in config.deployments:
         if not isinstance(d, DeploymentConfig) or d.num_workers == "auto":
             continue  # an endpoint; auto splits the cores it has
-        workers = d.num_workers if d.kind == "colocated" else d.num_prefill + d.num_decode
-        groups = sum(d.dp_of(r) * n for r, n in _role_counts(d))
+        counts = _role_counts(d)
+        workers = sum(n for _, n in counts)
+        groups = sum(d.dp_of(role) * n for role, n in counts)
         tiers = config.kv_tiers.host_bytes if config.kv_tiers.serves(d) else 0
         need = d.processes * PROCESS_BYTES + groups * config.model.num_pages * page + workers * tiers
         threads = d.processes * d.threads_per_worker

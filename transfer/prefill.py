@@ -243,10 +243,17 @@ class PrefillMessenger:
             self._waiting.remove((req, channel))
             self._tell(channel, Ended(request_id, req.seq, "aborted: the client went away"))
         t = self.transfers.get(request_id)
-        if t is not None and not t.cancelled_at:
-            t.cancelled_at = at
-            self.cancelled_in_flight += 1
+        if t is not None and self._cancelled(t, at):
             self.abort(request_id, "the client went away")
+
+    def _cancelled(self, t: _Transfer, at: float) -> bool:
+        """Its client went away at `at`: counted once, whichever of the runtime's Cancel and the decode
+        worker's Abort comes first. Whether this was the first."""
+        if t.cancelled_at:
+            return False
+        t.cancelled_at = at
+        self.cancelled_in_flight += 1
+        return True
 
     def poll(self) -> None:
         """Take new requests and aborts; free the pages of requests whose writes have all finished."""
@@ -314,9 +321,8 @@ class PrefillMessenger:
         if ended is not None and msg.cancelled_at:
             self.tokens_after_cancel += late_tokens(ended, msg.cancelled_at)
         if t is not None and t.channel is channel and t.req.seq == msg.seq:
-            if msg.cancelled_at and not t.cancelled_at:  # the runtime's Cancel did not come first
-                t.cancelled_at = msg.cancelled_at
-                self.cancelled_in_flight += 1
+            if msg.cancelled_at:  # a client's cancel (0: the decode worker's own abort)
+                self._cancelled(t, msg.cancelled_at)
             self.abort(msg.request_id, msg.reason)
         elif t is None or t.req.seq != msg.seq:
             self._last_seq[id(channel)] = max(self._last_seq.get(id(channel), -1), msg.seq)

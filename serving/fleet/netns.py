@@ -249,18 +249,11 @@ def sweep() -> list[str]:
 def watch(owner: int, names: list[str]) -> None:
     """Wait for process owner to end, however it ends, then remove these namespaces (and what runs in
     them). Hosts runs it as a process of its own; close() stops it once it has removed them itself."""
-    import select
+    from serving.fleet.procs import exit_waiter
 
-    try:
-        fd = os.pidfd_open(owner)
-    except ProcessLookupError:
-        fd = None  # gone already
-    except (AttributeError, OSError):  # no pidfd here: poll
-        while alive(owner):
-            time.sleep(0.5)
-        fd = None
-    if fd is not None:
-        select.select([fd], [], [])
+    wait = exit_waiter(owner, poll_s=0.5)
+    if wait is not None:  # None: gone already
+        wait()
     mine = set(namespaces())
     for name in names:
         if name in mine:

@@ -59,6 +59,25 @@ def reap(procs: list[tuple[int, str]], timeout_s: float) -> None:
                 pass
 
 
+def exit_waiter(pid: int, poll_s: float = 1.0):
+    """A call that returns once process pid has ended, however it ends (it blocks on a pidfd, Linux 5.3+;
+    elsewhere it polls every poll_s), or None when pid has ended already."""
+    import select
+
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return None
+    except (AttributeError, OSError):  # no pidfd here: poll
+
+        def poll() -> None:
+            while (fields := _stat(pid)) is not None and fields[0] != "Z":
+                time.sleep(poll_s)
+
+        return poll
+    return lambda: select.select([fd], [], [])
+
+
 def die_with(owner: int, what: str = "this process") -> None:
     """End this process, and every process below it, when process `owner` ends, however it ends (a
     SIGKILL runs no cleanup of its own): a daemon thread waits on a pidfd of owner (Linux 5.3+; elsewhere
@@ -66,7 +85,6 @@ def die_with(owner: int, what: str = "this process") -> None:
     For what the local launcher starts (the fork server, each worker and grammar or template child),
     whose parent is not the job that needs them: PR_SET_PDEATHSIG follows the parent, and the thread
     that made it. An owner already gone ends this process at once."""
-    import select
     import signal
     import threading
 
@@ -79,19 +97,12 @@ def die_with(owner: int, what: str = "this process") -> None:
                 pass
         os.kill(os.getpid(), signal.SIGKILL)
 
-    try:
-        fd = os.pidfd_open(owner)
-    except ProcessLookupError:
+    wait = exit_waiter(owner)
+    if wait is None:
         end()
-    except (AttributeError, OSError):  # no pidfd here: poll
-        fd = None
 
     def watch() -> None:
-        if fd is not None:
-            select.select([fd], [], [])
-        else:
-            while _stat(owner) is not None and _stat(owner)[0] != "Z":
-                time.sleep(1.0)
+        wait()
         end()
 
     threading.Thread(target=watch, name=f"die-with-{owner}", daemon=True).start()
