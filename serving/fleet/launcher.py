@@ -330,6 +330,12 @@ def disconnect() -> None:
     if _cluster is not None:
         _cluster.shutdown()
         _cluster = None
+        # the one-machine setting goes with its cluster: a multi-node one started later in this process
+        # (launcher=netns with Ray) must not inherit it (its nodes' `ray start` refused to join)
+        from ray._private import ray_constants
+
+        os.environ.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
+        ray_constants.ENABLE_RAY_CLUSTER = not ray_constants.IS_WINDOWS_OR_OSX
 
 
 class RayLauncher:

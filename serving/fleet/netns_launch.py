@@ -119,7 +119,8 @@ class NetnsRayLauncher(RayLauncher):
         head = f"{self.hosts.address(0)}:{self.PORT}"
         super().__init__(replace(cfg, address=head, max_restarts=max_restarts))
         ray = os.path.join(os.path.dirname(sys.executable), "ray")
-        env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+        # a multi-node cluster, whatever a one-machine cluster of this process set (serving.fleet.launcher)
+        env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="1")
         _sweep_ray_temps()
         # short (Ray's socket paths live under it), and named by its owner: a SIGKILLed one's goes next time
         self._temp = tempfile.mkdtemp(prefix=f"pdk-ray-{os.getpid()}-")
