@@ -484,13 +484,21 @@ def test_metrics_parse_and_count(server):
     kind, url = server
     _client(server).completions.create(model="tiny-random", prompt=PROMPTS[0], max_tokens=24, temperature=0)
     want_remote = kind == "1p1d"  # (1P1D's decode worker speculates with the echo head: most drafts taken)
-    m = _metrics(url)
+    expected = {"colocated-0", "colocated-1"} if kind == "colocated" else {"prefill-0", "decode-0"}
+    deadline = time.monotonic() + 15
+    while True:  # a worker's gauges come with its first Load (run first, the one that served nothing may lag)
+        m = _metrics(url)
+        if {
+            k[1][0][1] for k in m if k[0] == "pdk_requests_running"
+        } == expected or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     remote = m.get(("pdk_prefills_total", (("where", "remote"),)), 0)
     drafted = m[("pdk_spec_drafted_tokens_total", ())]
     assert m[("pdk_time_to_first_token_seconds_count", ())] > 0
     assert m[("pdk_requests_in_flight", ())] == 0
     workers = {k[1][0][1] for k in m if k[0] == "pdk_requests_running"}
-    assert workers == ({"colocated-0", "colocated-1"} if kind == "colocated" else {"prefill-0", "decode-0"})
+    assert workers == expected
     assert (remote > 0) == want_remote
     assert (m[("pdk_kv_transfer_bytes_total", ())] > 0) == want_remote
     accepted, steps = m[("pdk_spec_accepted_tokens_total", ())], m[("pdk_spec_verify_steps_total", ())]
@@ -498,6 +506,41 @@ def test_metrics_parse_and_count(server):
     rate, length = m[("pdk_spec_acceptance_rate", ())], m[("pdk_spec_mean_accepted_length", ())]
     assert rate == (accepted / drafted if drafted else 0.0)
     assert length == ((accepted + steps) / steps if steps else 0.0)
+
+
+def test_metrics_show_the_hand_off_s_states_and_moves(server):
+    """1P1D: a request's hand-off moves reach /metrics with the workers' next Load (transfer/handoff.py):
+    on the decode side sent, accepted (or its first write first), landed; on the prefill side started,
+    computed, posted; and once it is over no request is left in any state."""
+    kind, url = server
+    if kind != "1p1d":
+        pytest.skip("the hand-off is the disaggregated deployment's")
+    _client(server).completions.create(model="tiny-random", prompt=PROMPTS[1], max_tokens=4, temperature=0)
+
+    def moves(m, worker, to):
+        return sum(
+            v
+            for k, v in m.items()
+            if k[0] == "pdk_handoff_transitions_total"
+            and ("worker", worker) in k[1]
+            and ("to_state", to) in k[1]
+        )
+
+    deadline = time.monotonic() + 15
+    while True:  # the counters come with each worker's next Load
+        m = _metrics(url)
+        held = sum(v for k, v in m.items() if k[0] == "pdk_handoff_requests")
+        if (moves(m, "decode-0", "decoding") and moves(m, "prefill-0", "sent") and not held) or (
+            time.monotonic() > deadline
+        ):
+            break
+        time.sleep(0.2)
+    assert moves(m, "decode-0", "requested") >= moves(m, "decode-0", "landing") >= 1
+    assert moves(m, "decode-0", "decoding") >= 1 and moves(m, "prefill-0", "computing") >= 1
+    assert moves(m, "prefill-0", "sent") >= 1 and held == 0
+    states = {dict(k[1])["state"] for k in m if k[0] == "pdk_handoff_requests"}
+    assert {"waiting", "requested", "accepted", "landing", "failed", "fenced"} <= states  # each named, at 0
+    assert {"queued", "computing", "sending", "stopping"} <= states
 
 
 def test_a_repeated_prompt_is_served_from_the_prefix_cache(server, reference):
