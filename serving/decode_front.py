@@ -2,7 +2,8 @@
 worker is to send (new requests, migrated ones, and preempted ones whose KV is fetched again, at the
 front), n > 1 completions that wait for their first one's KV (`after`), and the wait for a prefill worker
 being restarted. The worker (serving.worker) owns its socket and steps its engine; this is
-the one place its decode-side state lives.
+the one place its decode-side state lives before a PrefillRequest goes out: each request in the backlog is
+WAITING in its messenger's hand-off (transfer/handoff.py), and every way out of the backlog is a move there.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.fair import Shares
+from transfer.handoff import Cause, DecodeState
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +43,7 @@ class DecodeFront:
     returning: dict[str, float] = field(default_factory=dict)  # restarting prefill worker -> until when
     name: str = ""  # this worker's: a Submit whose prefill_worker names it is prefilled here (by load)
     by_load: set[str] = field(default_factory=set)  # ... those requests, until their Result
+    dm: object = None  # transfer.decode.DecodeMessenger, while this worker decodes: its hand-off's table
 
     def take(self, msg, params, live) -> None:
         """A Submit this decode worker's messenger serves (raises ValueError/TypeError for one the engine
@@ -51,28 +54,32 @@ class DecodeFront:
         if len(msg.prompt_ids) + len(msg.output_ids) <= self.local_max_tokens or by_load:
             rid, outs, group = msg.request_id, msg.output_ids, msg.dp_rank  # the router's DP group
             self.llm.add_request(msg.prompt_ids, params, rid, outs, msg.after, dp_rank=group)
+            self.dm.handoff.move(rid, DecodeState.RECOMPUTING, Cause.BY_LOAD if by_load else Cause.SHORT)
             if by_load:  # counted as a local prefill, and as one by load
                 self.by_load.add(msg.request_id)
                 self.prefilled_here.add(msg.request_id)
         elif msg.output_ids:  # migrated: its prompt and outputs so far come from a prefill worker
             seq = self.llm.make_sequence(msg.prompt_ids, params, msg.request_id, msg.output_ids)
             self.llm.resume(seq)  # DP group 0's engine resumes it (the one in this process)
+            self.dm.wait(msg.request_id)
             self.backlog.append(Waiting(msg.request_id, seq.all_ids, params))
         else:
             self.llm.make_sequence(msg.prompt_ids, params, msg.request_id)  # check it now
             group = msg.dp_rank  # the router's choice of DP group (None: chosen when it is sent)
+            self.dm.wait(msg.request_id)
             self.backlog.append(Waiting(msg.request_id, msg.prompt_ids, params, msg.prefill_worker, group))
             if msg.after in live:  # n > 1: its KV comes with the first completion's
                 self.after[msg.request_id] = msg.after
 
-    def drop(self, request_id: str) -> bool:
-        """Take a request out of the backlog (cancelled, handed back); whether it was there."""
+    def drop(self, request_id: str, cause: Cause = Cause.CANCELLED) -> bool:
+        """Take a request out of the backlog (cancelled; handed back: ABORTED); whether it was there."""
         self.after.pop(request_id, None)
         self.prefilled_here.discard(request_id)
         self.by_load.discard(request_id)
         for item in self.backlog:
             if item.request_id == request_id:
                 self.backlog.remove(item)
+                self.dm.leave(request_id, cause)
                 return True
         return False
 
@@ -81,6 +88,8 @@ class DecodeFront:
         new request."""
         group = self.llm.dp_rank_of
         items = [Waiting(s.request_id, s.all_ids, s.params, group=group(s.request_id)) for s in seqs]
+        for item in items:
+            self.dm.wait(item.request_id)
         self.backlog.extendleft(reversed(items))
 
     def waiting_for_restart(self, dm) -> bool:
@@ -96,12 +105,13 @@ class DecodeFront:
                 self.returning.pop(name, None)  # up (again): a later death waits afresh
         return len(down) == len(dm.peers) and any(self.returning[n] > now for n in down)
 
-    def drain(self, dm, refuse) -> None:
-        """Send what waits to the prefill workers (dm: the decode messenger), while pages last; refuse(
-        request_id, error) ends one the plan or the engine refuses."""
+    def drain(self, refuse) -> None:
+        """Send what waits to the prefill workers (the decode messenger's submit), while pages last;
+        refuse(request_id, error) ends one the plan or the engine refuses."""
         from engine.kv.cache import OutOfPages
         from transfer.decode import NoFreeSlot
 
+        dm = self.dm
         if self.backlog and self.waiting_for_restart(dm):
             return
         shares = Shares(self.llm.scheduler.admitted())
@@ -114,6 +124,7 @@ class DecodeFront:
                 # n > 1: the first completion's transfer serves this one too (engine: add_request after)
                 self.backlog.remove(item)
                 self.llm.add_request(item.token_ids, item.params, rid, after=first.request_id)
+                dm.handoff.move(rid, DecodeState.DECODING, Cause.CACHED)
                 self.prefilled_here.add(rid)
                 continue
             try:
@@ -134,6 +145,7 @@ class DecodeFront:
                 return  # pages come back as running requests finish (engine.scheduler: room to finish),
                 # context slots as transfers land
             except (ValueError, TypeError) as e:  # the plan or the engine refused it
+                dm.leave(rid, Cause.ERROR)
                 if self.llm.holds(rid):  # a refetch: it ends with its tokens so far
                     self.llm.abort(rid, f"could not fetch its KV again: {e}")
                 else:

@@ -202,6 +202,10 @@ class Load(Message):
     # client went away (work for nobody: a cancel that reaches it late, or an abort it does not heed)
     prompt_tokens_after_cancel: int = 0
     prefills_cancelled: int = 0  # requests whose client went away while this prefill worker held them
+    # its messenger's hand-off (transfer/handoff.py): requests in each state now, "side.state" -> count;
+    # and its moves so far, "side|from|to|cause" -> count (a new messenger, after a role switch, from 0)
+    handoff: dict[str, int] = {}
+    handoff_moves: dict[str, int] = {}
 
 
 class ErrorKind(StrEnum):
@@ -268,6 +272,8 @@ class Timeline(Message):
     kv_tiers: dict[str, TierCounters] = {}
     prompt_tokens_after_cancel: int = 0  # as in Load
     prefills_cancelled: int = 0
+    handoff: dict[str, int] = {}  # as in Load, when it stopped
+    handoff_moves: dict[str, int] = {}
     # loads from the tiers below device memory: (start, end, tier of most of its pages, pages loaded)
     loads: list[tuple[float, float, str, int]] = []
     # its transfers as a prefill worker (transfer.prefill.Sent: request id, first pass began, first KV post,

@@ -15,6 +15,7 @@ import logging
 import time
 
 from serving.messages import HandedBack, Released, Switched, SwitchRole
+from transfer.handoff import Cause
 
 log = logging.getLogger("serving.worker")  # its lines in the worker's log, as the worker's
 
@@ -36,7 +37,7 @@ class RoleSwitching:
             channel.close()
         for agent in agents:
             agent.close()
-        self.pm = self.dm = None
+        self.pm = self.dm = self.front.dm = None
         self.joining.clear()
         self.leaving.clear()
 
@@ -86,7 +87,7 @@ class RoleSwitching:
         self.live.pop(request_id)
         for kept in (self.streamed, self.holdback):
             kept.pop(request_id, None)
-        self.front.drop(request_id)
+        self.front.drop(request_id, Cause.ABORTED)
         if request_id in self.dm.pending:
             self.llm.stop(request_id)  # its pages stay until the transfer has settled
             self.dm.abort(request_id, "handed back: its decode worker is switching roles")

@@ -47,6 +47,7 @@ from serving.roles import RoleSwitching
 from serving.worker_results import progress_items, result_of
 from transfer.auth import Credentials
 from transfer.config import TransferConfig
+from transfer.handoff import handoff_stats
 from transfer.wire import MAX_MESSAGE_BYTES, WireError
 
 log = logging.getLogger(__name__)
@@ -220,7 +221,7 @@ class Worker(RoleSwitching):
                 self.llm.start_group_messengers(t, name, peers, spec.creds)
             return
         groups = [rank_agents(t, f"{name}-dp{r}", spec.tp, r) for r in range(1, spec.dp)]
-        self.dm = decode_messenger(self.llm, agents, t, group_backends=groups)
+        self.dm = self.front.dm = decode_messenger(self.llm, agents, t, group_backends=groups)
         channels = {}
         for peer in spec.peers:
             address = (
@@ -324,7 +325,7 @@ class Worker(RoleSwitching):
                 self.pm.done_log.clear()
                 self.llm.poll_groups()  # each other DP group's messenger (none without DP)
             if self.dm is not None:
-                self.front.drain(self.dm, lambda rid, e: self._refuse(rid, self.live.pop(rid), e))
+                self.front.drain(lambda rid, e: self._refuse(rid, self.live.pop(rid), e))
                 self.dm.poll()
                 self._join_and_release()
             if self.llm.has_unfinished():
@@ -365,6 +366,7 @@ class Worker(RoleSwitching):
             "kv_tiers": {t: TierCounters(**c) for t, c in self.llm.kv_tier_stats.items()},
             "prompt_tokens_after_cancel": self.pm.tokens_after_cancel if self.pm is not None else 0,
             "prefills_cancelled": self.pm.cancelled_in_flight if self.pm is not None else 0,
+            **handoff_stats([m.handoff for m in (self.pm, self.dm) if m is not None]),
         }
 
     def _handle(self, msg) -> None:

@@ -45,10 +45,13 @@ from torch import Tensor
 from transfer.agents import RankAgents
 from transfer.backends import Backend
 from transfer.config import TransferConfig
+from transfer.handoff import DECODE_MOVES, Cause, DecodeState, Handoff
 from transfer.plan import ShardSpec, check_compatible, check_sendable, plan_array
 from transfer.protocol import PROTOCOL_VERSION, Abort, Accepted, Ended, Hello, Notif, PrefillRequest
 
 log = logging.getLogger(__name__)
+State = DecodeState
+IN_FLIGHT = (State.REQUESTED, State.ACCEPTED, State.LANDING)  # sent, and nothing has failed
 # a prompt token's time from request to landed KV until a peer's first transfer is measured (seconds)
 PRIOR_TOKEN_S = 0.001
 
@@ -140,7 +143,7 @@ class _Pending:
     accepted_at: float | None = None
     received: int = 0
     posts: set[int] = field(default_factory=set)  # post numbers counted (a duplicate counts once)
-    failed: str | None = None  # set once the request has failed; pages wait for Ended or the peer's death
+    error: str | None = None  # why it failed (State.FAILED): its pages wait for Ended or the peer's death
     group: int = 0  # the DP group whose pages it fills
 
     @property
@@ -168,11 +171,9 @@ class DecodeMessenger:
         self._metadata, self._free_slots = g.metadata, g.free_slots
         self.peers: dict[str, _Peer] = {}
         self.retired: set[str] = set()  # peers that left the prefill role (retire)
-        self.pending: dict[str, _Pending] = {}
-        # failed transfers from a peer that went silent but may be alive (cut off: on another host, or
-        # hung), keyed by (request id, seq): their pages are set aside until it sends Ended or is known
-        # gone, since a write it posted may still land; the request id is free to be sent again
-        self.fenced: dict[tuple[str, int], _Pending] = {}
+        # every request of this side's by state (transfer/handoff.py): keyed by request id (a _Pending
+        # each once sent), a fenced one by _fenced(request id, seq), its id free to be sent again
+        self.handoff: Handoff[DecodeState] = Handoff("decode", DECODE_MOVES)
         # transfer timing of each admitted request, until `forget` (its context goes to the engine)
         self.timings: dict[str, Timing] = {}
         # requests that failed because their prefill worker died or went silent (nothing of theirs is
@@ -207,6 +208,30 @@ class DecodeMessenger:
         return len(self.groups) - 1
 
     @property
+    def pending(self) -> dict[str, _Pending]:
+        """Requests sent and not yet released or safe to free (in flight, or failed: pages pinned)."""
+        return dict(self.handoff.items(*IN_FLIGHT, State.FAILED))
+
+    @property
+    def fenced(self) -> dict[tuple[str, int], _Pending]:
+        """Failed transfers from a peer that went silent but may be alive (cut off: on another host, or
+        hung), by (request id, seq): their pages are set aside until it sends Ended or is known gone,
+        since a write it posted may still land; the request id is free to be sent again."""
+        return {key[1:]: p for key, p in self.handoff.items(State.FENCED)}
+
+    def wait(self, request_id: str) -> None:
+        """The request waits for pages (the decode worker's backlog, serving/decode_front.py) to be sent.
+        Raises ValueError for an id this side still holds (its failed transfer's pages not yet safe)."""
+        if request_id in self.handoff:
+            raise ValueError(f"request {request_id!r} is still {self.handoff.state(request_id)} here")
+        self.handoff.move(request_id, State.WAITING, Cause.SUBMITTED)
+
+    def leave(self, request_id: str, cause: Cause) -> None:
+        """A waiting request goes before anything was sent (cancelled, refused, handed back)."""
+        if self.handoff.state(request_id) is State.WAITING:
+            self.handoff.move(request_id, State.FREED, cause)
+
+    @property
     def backends(self) -> list[Backend]:
         """Every group's agents (the caller closes them)."""
         return [b for g in self.groups for b in g.backends]
@@ -230,12 +255,12 @@ class DecodeMessenger:
 
     def holds(self, name: str) -> bool:
         """Whether a transfer of this worker's is still in flight on peer `name`."""
-        held = [*self.pending.values(), *self.fenced.values()]
-        return any(p.peer.name == name for p in held)
+        held = self.handoff.items(*IN_FLIGHT, State.FAILED, State.FENCED)
+        return any(p.peer.name == name for _, p in held)
 
     def outstanding_tokens(self, peer: str) -> int:
         """Prompt tokens sent to peer and not yet landed (the router's load figure)."""
-        return sum(p.prompt_tokens for p in self.pending.values() if p.peer.name == peer and not p.failed)
+        return sum(p.prompt_tokens for _, p in self.handoff.items(*IN_FLIGHT) if p.peer.name == peer)
 
     def submit(
         self,
@@ -272,6 +297,8 @@ class DecodeMessenger:
             raise ValueError(
                 f"group must be a DP group of this worker, in [0, {len(self.groups)}), got {group!r}"
             )
+        if self.handoff.state(request_id) not in (None, State.WAITING):
+            raise ValueError(f"request {request_id!r} is already {self.handoff.state(request_id)} here")
         target, g = self.peers[peer], self.groups[group]
         if len(prompt_ids) > 1 and not g.free_slots:  # every slot waits for a transfer: so does this one
             raise NoFreeSlot(f"{request_id}: all {self.config.context_slots} context slots are in use")
@@ -282,22 +309,23 @@ class DecodeMessenger:
             plan_array(target.hello.spec, g.spec, placeholder[-1:], placeholder[-1:])
         expected_s = self.token_s.get(peer, PRIOR_TOKEN_S) * (len(prompt_ids) - 1)
         pages, cached = g.engine.reserve(request_id, prompt_ids, params, load_within_s=expected_s)
-        if len(prompt_ids) == 1:  # nothing to prefill: decode runs the only token
-            g.engine.admit(request_id, None)
-            return False
         missing = len(prompt_ids) - 1 - cached  # KV a prefill worker would write
-        if missing == 0:  # the engine holds all of it already: decode from the last token on
+        if missing <= 0:  # one token, or the engine holds all of it already: decode from the last token on
+            self.handoff.move(request_id, State.DECODING, Cause.CACHED)
             g.engine.admit(request_id, None)
             return False
         if missing + 1 <= local_max_tokens:  # with the last token, always computed here
+            self.handoff.move(request_id, State.RECOMPUTING, Cause.SHORT)
             g.engine.recompute(request_id)  # what is missing is short: computed here, no round trip
             return False
         if target.lost:  # nothing was sent: the pages are safe at once
             self.peer_lost.add(request_id)
             if self.config.on_transfer_failure == "fail":
+                self.handoff.move(request_id, State.FREED, Cause.NO_PEER)
                 g.engine.fail(request_id, f"no live prefill worker ({peer} is lost)")
                 g.engine.free(request_id)
             else:
+                self.handoff.move(request_id, State.RECOMPUTING, Cause.NO_PEER)
                 g.engine.recompute(request_id)
             return False
         seq, skip = next(self._seqs), cached // g.spec.page_size
@@ -306,7 +334,7 @@ class DecodeMessenger:
         slot = g.free_slots.pop()
         timing = Timing(time.perf_counter(), peer, writes=len(writes) + 1, nbytes=nbytes)
         pending = _Pending(seq, target, slot, self.clock(), len(prompt_ids) - 1, timing, group=group)
-        self.pending[request_id] = pending
+        self.handoff.move(request_id, State.REQUESTED, Cause.SENT, pending)
         request = PrefillRequest(
             request_id, list(prompt_ids[:-1]), pages, g.spec, g.metadata, slot, seq, skip, cache_salt,
             list(client),
@@ -314,16 +342,18 @@ class DecodeMessenger:
         try:
             target.channel.send(request)
         except TimeoutError as e:  # nothing was sent: nothing can land, the pages are safe at once
-            self._fail(request_id, pending, f"could not reach prefill worker {peer}: {e}", notify=False)
-            self._pages_safe(request_id)
+            reason = f"could not reach prefill worker {peer}: {e}"
+            self._fail(request_id, pending, reason, Cause.UNREACHABLE, notify=False)
+            self._pages_safe(request_id, Cause.UNREACHABLE)
         return True
 
     def abort(self, request_id: str, reason: str = "aborted by the decode worker", cancelled_at: float = 0.0):
         """Stop a request whose KV is on its way (cancelled_at: when its client went away, time.time(),
         for the prefill side's count of work done for nobody); its pages free once nothing can land."""
-        p = self.pending.get(request_id)
-        if p is not None and p.failed is None:
-            self._fail(request_id, p, reason, cancelled_at=cancelled_at)
+        if self.handoff.state(request_id) in IN_FLIGHT:
+            p = self.handoff.records[request_id]
+            cause = Cause.CANCELLED if cancelled_at else Cause.ABORTED
+            self._fail(request_id, p, reason, cause, cancelled_at=cancelled_at)
 
     def poll(self) -> list[str]:
         """Count landed writes, handle control messages and deadlines; returns the ids admitted now."""
@@ -336,25 +366,33 @@ class DecodeMessenger:
                 if isinstance(msg, Hello):  # the peer was restarted and handshakes again
                     self._rejoin(peer, msg)
                     continue
-                p = self.pending.get(msg.request_id) if isinstance(msg, Accepted | Ended) else None
-                fenced = self.fenced.get((msg.request_id, msg.seq)) if isinstance(msg, Ended) else None
-                if fenced is not None and fenced.peer is peer:  # back, and done writing its pages
-                    self._unfence((msg.request_id, msg.seq))
+                rid = msg.request_id
+                state = self.handoff.state(rid)
+                p = self.handoff.records[rid] if state in (*IN_FLIGHT, State.FAILED) else None
+                fenced = _fenced(rid, msg.seq)
+                if (
+                    isinstance(msg, Ended)
+                    and fenced in self.handoff
+                    and self.handoff.records[fenced].peer is peer
+                ):
+                    self._unfence(fenced, Cause.SETTLED)  # back, and done writing its pages
                 elif p is None or p.peer is not peer or p.seq != msg.seq:
                     self.dropped["control message for a request the peer does not own"] += 1
                 elif isinstance(msg, Accepted):
                     p.accepted_at, p.timing.accepted = self.clock(), time.perf_counter()
+                    if state is State.REQUESTED:  # (its first write may have come first: LANDING)
+                        self.handoff.move(rid, State.ACCEPTED, Cause.ACCEPTED)
                 else:
-                    if p.failed is None:  # the prefill side failed it
-                        self._fail(msg.request_id, p, msg.error or "prefill ended the request", notify=False)
-                    self._pages_safe(msg.request_id)
+                    if state is not State.FAILED:  # the prefill side failed it
+                        self._fail(
+                            rid, p, msg.error or "prefill ended the request", Cause.ERROR, notify=False
+                        )
+                    self._pages_safe(rid, Cause.SETTLED)
             self._check_peer(peer)
         admitted, now = [], self.clock()
-        for rid, p in list(self.pending.items()):
-            if p.failed is not None:
-                continue
+        for rid, p in self.handoff.items(*IN_FLIGHT):
             if p.received == p.expected:
-                del self.pending[rid]
+                self.handoff.move(rid, State.DECODING, Cause.LANDED)
                 g = self.groups[p.group]
                 context = g.context[p.slot].clone()
                 g.free_slots.append(p.slot)
@@ -370,7 +408,7 @@ class DecodeMessenger:
                 g.engine.admit(rid, context)
                 admitted.append(rid)
             elif reason := self._late(p, now):
-                self._fail(rid, p, f"{reason} ({p.received}/{p.expected} writes landed)")
+                self._fail(rid, p, f"{reason} ({p.received}/{p.expected} writes landed)", Cause.DEADLINE)
         return admitted
 
     def _count(self, agent: str, msg: bytes, group: int = 0) -> None:
@@ -381,8 +419,8 @@ class DecodeMessenger:
         except ValueError:
             self.dropped["malformed notification"] += 1
             return
-        p = self.pending.get(rid)
-        if p is None or p.failed is not None or p.seq != seq:
+        p = self.handoff.records[rid] if self.handoff.state(rid) in IN_FLIGHT else None
+        if p is None or p.seq != seq:
             self.dropped["notification for no live transfer"] += 1
         elif agent not in p.peer.hello.agents:
             self.dropped["notification from an agent that does not own the request"] += 1
@@ -395,6 +433,8 @@ class DecodeMessenger:
             p.received += writes
             self.writes_from[agent] += writes
             p.timing.first_landed = p.timing.first_landed or time.perf_counter()
+            if self.handoff.state(rid) is not State.LANDING:
+                self.handoff.move(rid, State.LANDING, Cause.WRITE)
 
     def forget(self, request_id: str) -> None:
         """Drop what was kept of an admitted request (its transfer timing) once its caller is done."""
@@ -415,29 +455,32 @@ class DecodeMessenger:
         """A silent peer fails its requests; once its process is known gone their pages are safe. Until
         then (alive, or on another host: cut off, hung) the failed ones' pages are set aside, so that the
         requests can be sent again (to another prefill worker) while a write it posted may still land."""
-        mine = [rid for rid, p in self.pending.items() if p.peer is peer]
+        mine = [rid for rid, p in self.handoff.items(*IN_FLIGHT, State.FAILED) if p.peer is peer]
         silent = peer.channel.peer_silent_for() > self.config.peer_timeout_s
         if not silent and not peer.dead:  # it talks (again): it takes requests
             peer.lost = False
-        if not mine and not self.fenced:
+        if not mine and not self.handoff.keys(State.FENCED):
             return
         if silent and not peer.lost and mine:
             peer.lost = True
             reason = f"prefill worker {peer.name} silent for over peer_timeout_s={self.config.peer_timeout_s}"
             for rid in mine:
-                if self.pending[rid].failed is None:
+                if self.handoff.state(rid) is not State.FAILED:
                     self.peer_lost.add(rid)
-                    self._fail(rid, self.pending[rid], reason)
+                    self._fail(rid, self.handoff.records[rid], reason, Cause.PEER_SILENT)
         if peer.lost and peer.hello.peer_alive() is False:
             for rid in mine:
-                self._pages_safe(rid)
+                if self.handoff.state(rid) is not State.FAILED:  # sent since it was lost: none land
+                    self._fail(rid, self.handoff.records[rid], f"prefill worker {peer.name} exited",
+                               Cause.PEER_EXITED, notify=False)  # fmt: skip
+                self._pages_safe(rid, Cause.PEER_EXITED)
             self._unfence_peer(peer)
         elif peer.lost and self.config.on_transfer_failure == "fail":
-            fence = [rid for rid in mine if self.pending[rid].failed is not None]
+            fence = [rid for rid in mine if self.handoff.state(rid) is State.FAILED]
             for rid in fence:
-                p = self.pending.pop(rid)
+                p = self.handoff.records[rid]
                 self.groups[p.group].engine.set_aside(rid, _fenced(rid, p.seq))
-                self.fenced[rid, p.seq] = p
+                self.handoff.move(rid, State.FENCED, Cause.PEER_SILENT, rename=_fenced(rid, p.seq))
             if fence:
                 log.warning(
                     "prefill worker %s is silent and may still write: %d failed requests' pages set aside "
@@ -446,16 +489,17 @@ class DecodeMessenger:
                     len(fence),
                 )
 
-    def _unfence(self, key: tuple[str, int]) -> None:
-        p = self.fenced.pop(key)
+    def _unfence(self, key: tuple[str, str, int], cause: Cause) -> None:
+        p = self.handoff.records[key]
+        self.handoff.move(key, State.FREED, cause)
         g = self.groups[p.group]
         g.free_slots.append(p.slot)
-        g.engine.free(_fenced(*key))
+        g.engine.free(key)
 
     def _unfence_peer(self, peer: _Peer) -> None:
         """The peer's process is gone: nothing of its can land any more."""
-        for key in [k for k, p in self.fenced.items() if p.peer is peer]:
-            self._unfence(key)
+        for key in [k for k, p in self.handoff.items(State.FENCED) if p.peer is peer]:
+            self._unfence(key, Cause.PEER_EXITED)
 
     def _rejoin(self, peer: _Peer, hello: Hello) -> None:
         """A new Hello on a peer's channel: a new process of that worker (same keys). The old one is
@@ -463,7 +507,7 @@ class DecodeMessenger:
         if hello.version != PROTOCOL_VERSION:
             self.dropped["Hello of another protocol version"] += 1
             return
-        if any(p.peer is peer for p in self.pending.values()):
+        if any(p.peer is peer for _, p in self.handoff.items(*IN_FLIGHT, State.FAILED)):
             self.peer_dead(peer.name)
         self._unfence_peer(peer)
         try:
@@ -481,18 +525,25 @@ class DecodeMessenger:
         peer = self.peers[name]
         peer.lost = peer.dead = True
         self._unfence_peer(peer)
-        for rid, p in list(self.pending.items()):
+        for rid, p in self.handoff.items(*IN_FLIGHT, State.FAILED):
             if p.peer is peer:
-                if p.failed is None:
+                if self.handoff.state(rid) is not State.FAILED:
                     self.peer_lost.add(rid)
-                    self._fail(rid, p, f"prefill worker {name} exited", notify=False)
-                self._pages_safe(rid)
+                    self._fail(rid, p, f"prefill worker {name} exited", Cause.PEER_EXITED, notify=False)
+                self._pages_safe(rid, Cause.PEER_EXITED)
 
     def _fail(
-        self, request_id: str, p: _Pending, reason: str, notify: bool = True, cancelled_at: float = 0.0
+        self,
+        request_id: str,
+        p: _Pending,
+        reason: str,
+        cause: Cause,
+        notify: bool = True,
+        cancelled_at: float = 0.0,
     ) -> None:
         """End the request (or mark it for local recompute); its pages stay until they are safe."""
-        p.failed = reason
+        p.error = reason
+        self.handoff.move(request_id, State.FAILED, cause)
         if self.config.on_transfer_failure == "fail":
             self.groups[p.group].engine.fail(request_id, reason)
         if notify:
@@ -501,11 +552,14 @@ class DecodeMessenger:
             except TimeoutError:
                 pass
 
-    def _pages_safe(self, request_id: str) -> None:
-        p = self.pending.pop(request_id)
+    def _pages_safe(self, request_id: str, cause: Cause) -> None:
+        """Nothing can land in a failed request's pages any more: free them, or prefill it here."""
+        p = self.handoff.records[request_id]
         g = self.groups[p.group]
         g.free_slots.append(p.slot)
         if self.config.on_transfer_failure == "recompute":
+            self.handoff.move(request_id, State.RECOMPUTING, cause)
             g.engine.recompute(request_id)
         else:
+            self.handoff.move(request_id, State.FREED, cause)
             g.engine.free(request_id)

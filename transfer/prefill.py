@@ -41,10 +41,12 @@ from torch import Tensor
 from transfer.agents import RankAgents, context_region, route
 from transfer.backends import Backend, TransferError, WriteOp
 from transfer.config import TransferConfig
+from transfer.handoff import PREFILL_MOVES, Cause, Handoff, PrefillState
 from transfer.plan import ShardSpec, check_sendable, plan_array
 from transfer.protocol import Abort, Accepted, Ended, Hello, Notif, PrefillRequest
 
 log = logging.getLogger(__name__)
+State = PrefillState
 # the sender thread's wait between looks at the layer counter and at posts in flight: about a
 # POLLS_PER_LAYER-th of the time a layer has been taking, within [POLL_S, MAX_POLL_S]. Where the pass runs
 # on the CPU this thread shares its core and the GIL, and each look (its reaping drives UCX's progress)
@@ -92,9 +94,15 @@ class _Transfer:
     held: tuple[int, int, list[int]] | None = None  # send_mode=request: pages [i0, i1) of these, not posted
     aborted: str | None = None
     error: str | None = None
+    stop_cause: Cause = Cause.ERROR  # why it stopped (aborted's or error's): the hand-off's move
     # (pass number, time.time() as it began, prompt tokens) of each forward pass that computed some of it
     passes: list[tuple[int, float, int]] = field(default_factory=list)
     cancelled_at: float = 0.0  # its Abort's: when its client went away
+
+
+def _key(msg: PrefillRequest | Abort) -> tuple[str, int]:
+    """What names one transfer on this side (the hand-off's key): an id may be here twice, seq once."""
+    return msg.request_id, msg.seq
 
 
 def late_tokens(passes: list[tuple[int, float, int]], cancelled_at: float) -> int:
@@ -127,7 +135,10 @@ class PrefillMessenger:
         self.channels: list = []  # one control channel per decode worker
         self._free_slots = list(range(slots))
         self._slots: dict[str, int] = {}
-        self.transfers: dict[str, _Transfer] = {}
+        self.transfers: dict[str, _Transfer] = {}  # by request id: what the sender thread reads
+        # every request's state (transfer/handoff.py), by (request id, seq): an id may be queued behind
+        # its own earlier transfer, which a decode worker that took it over (or fetched it again) sent
+        self.handoff: Handoff[PrefillState] = Handoff("prefill", PREFILL_MOVES)
         self._peers: dict[tuple[int, bytes], str] = {}  # (agent, a decode agent's metadata) -> its name
         self._passes = 0
         self._layer_s = 0.0  # seconds a layer has been taking (moving average, as the sender thread saw)
@@ -178,9 +189,10 @@ class PrefillMessenger:
     def on_prefilled(self, seq, last_hidden: Tensor) -> None:
         """After the last chunk: queue the context write (the last position's hidden state)."""
         t = self.transfers.get(seq.request_id)
-        if t is None or t.aborted:
-            return
+        if t is None or t.aborted or self.handoff.state(_key(t.req)) is not State.COMPUTING:
+            return  # stopped (aborted, or failed: its posts end)
         t.computed = time.perf_counter()
+        self.handoff.move(_key(t.req), State.SENDING, Cause.COMPUTED)
         if t.held is not None:  # send_mode=request: every page now, once the pass's last layer is stored
             self._jobs.put(("kv", self._passes, [(t, *t.held)]))
             t.held = None
@@ -198,6 +210,7 @@ class PrefillMessenger:
         if t is not None:
             with self._lock:
                 t.error = t.error or error
+            self._stopping(t)
 
     # ---- control (the engine's thread) ----------------------------------------------------------------
 
@@ -209,31 +222,46 @@ class PrefillMessenger:
     def replace_peer(self, channel) -> None:
         """A decode worker came back as a new process (restarted): what was on its old channel is
         aborted, the old channel closed, and the new one served as add_peer does."""
-        self.remove_peer(channel.peer, "decode worker restarted")
+        self.remove_peer(channel.peer, "decode worker restarted", Cause.PEER_EXITED)
         self.add_peer(channel)
 
-    def remove_peer(self, name: str, reason: str = "decode worker left the decode role") -> None:
+    def remove_peer(
+        self, name: str, reason: str = "decode worker left the decode role", cause: Cause = Cause.PEER_LEFT
+    ) -> None:
         """A decode worker left that role (an elastic worker): what came over its channel is aborted and
         the channel closed."""
         for old in [c for c in self.channels if c.peer == name]:
-            self._abort_channel(old, reason)
+            self._abort_channel(old, reason, cause)
             self.channels.remove(old)
             old.close()
 
-    def _abort_channel(self, channel, reason: str) -> None:
-        """Abort every request that came over channel (its decode worker is silent or replaced)."""
+    def _abort_channel(self, channel, reason: str, cause: Cause) -> None:
+        """Abort every request that came over channel (its decode worker is silent, replaced or gone)."""
         for t in list(self.transfers.values()):
             if t.channel is channel:
-                self.abort(t.req.request_id, reason)
+                self.abort(t.req.request_id, reason, cause)
+        for req, queued in [(r, c) for r, c in self._waiting if c is channel]:  # never started: end now
+            self._waiting.remove((req, queued))
+            self.handoff.move(_key(req), State.ENDED, cause)
+            self._tell(channel, Ended(req.request_id, req.seq, f"aborted: {reason}"))
 
-    def abort(self, request_id: str, reason: str) -> None:
+    def abort(self, request_id: str, reason: str, cause: Cause = Cause.ABORTED) -> None:
         """Stop a request from this side: no post for it starts after this; Ended tells the decode side."""
         t = self.transfers.get(request_id)
         if t is None:
             return
         with self._lock:
-            t.aborted = t.aborted or reason
+            if not t.aborted:
+                t.aborted, t.stop_cause = reason, cause
+        self._stopping(t)
         self.engine.stop(request_id)
+
+    def _stopping(self, t: _Transfer) -> None:
+        """An aborted or failed transfer posts nothing new (the sender thread checks its flags): STOPPING
+        until its posts in flight finish."""
+        key = _key(t.req)
+        if self.handoff.state(key) in (State.COMPUTING, State.SENDING):
+            self.handoff.move(key, State.STOPPING, t.stop_cause)
 
     def cancel(self, request_id: str, at: float) -> None:
         """Its client went away (at: when, time.time()), as the runtime says, which may be before its
@@ -241,10 +269,11 @@ class PrefillMessenger:
         decode worker Ended. A request queued here goes at once; one not here is no one's business."""
         for req, channel in [(r, c) for r, c in self._waiting if r.request_id == request_id]:
             self._waiting.remove((req, channel))
+            self.handoff.move(_key(req), State.ENDED, Cause.CANCELLED)
             self._tell(channel, Ended(request_id, req.seq, "aborted: the client went away"))
         t = self.transfers.get(request_id)
         if t is not None and self._cancelled(t, at):
-            self.abort(request_id, "the client went away")
+            self.abort(request_id, "the client went away", Cause.CANCELLED)
 
     def _cancelled(self, t: _Transfer, at: float) -> bool:
         """Its client went away at `at`: counted once, whichever of the runtime's Cancel and the decode
@@ -265,8 +294,9 @@ class PrefillMessenger:
                 elif isinstance(msg, Abort):
                     self._on_abort(msg, channel)
             if channel.peer_silent_for() > self.config.peer_timeout_s:
-                self._abort_channel(channel, "decode worker silent")
+                self._abort_channel(channel, "decode worker silent", Cause.PEER_SILENT)
         with self._lock:
+            failed = [t for t in self.transfers.values() if t.error]  # by the sender thread, or the engine
             done = [
                 t
                 for t in self.transfers.values()
@@ -274,8 +304,14 @@ class PrefillMessenger:
             ]
             for t in done:
                 del self.transfers[t.req.request_id]
+        for t in failed:
+            self._stopping(t)
         for t in done:
             rid = t.req.request_id
+            if self.handoff.state(_key(t.req)) is State.STOPPING:
+                self.handoff.move(_key(t.req), State.ENDED, Cause.DRAINED)
+            else:  # every write finished
+                self.handoff.move(_key(t.req), State.SENT, Cause.POSTED)
             if t.done_at is not None:
                 self.done_log.append(Sent(rid, t.started, t.first_post, t.computed, t.done_at))
             self.engine.stop(rid)  # a failed transfer stops its computation too
@@ -292,8 +328,9 @@ class PrefillMessenger:
         if self._waiting:
             waiting, self._waiting = self._waiting, []
             for req, channel in waiting:
-                if channel not in self.channels:
-                    continue  # its decode worker left meanwhile
+                if channel not in self.channels:  # its decode worker left meanwhile
+                    self.handoff.move(_key(req), State.ENDED, Cause.PEER_LEFT)
+                    continue
                 if req.request_id in self.transfers:
                     self._waiting.append((req, channel))
                 else:
@@ -314,6 +351,7 @@ class PrefillMessenger:
         waiting = [(r, c) for r, c in self._waiting if r.request_id == msg.request_id and c is channel]
         if waiting and waiting[0][0].seq == msg.seq:  # never started here: gone from the queue
             self._waiting.remove(waiting[0])
+            self.handoff.move(_key(msg), State.ENDED, Cause.CANCELLED if msg.cancelled_at else Cause.ABORTED)
             self._tell(channel, Ended(msg.request_id, msg.seq, f"aborted: {msg.reason}"))
             return
         t = self.transfers.get(msg.request_id)
@@ -321,9 +359,11 @@ class PrefillMessenger:
         if ended is not None and msg.cancelled_at:
             self.tokens_after_cancel += late_tokens(ended, msg.cancelled_at)
         if t is not None and t.channel is channel and t.req.seq == msg.seq:
+            cause = Cause.ABORTED
             if msg.cancelled_at:  # a client's cancel (0: the decode worker's own abort)
                 self._cancelled(t, msg.cancelled_at)
-            self.abort(msg.request_id, msg.reason)
+                cause = Cause.CANCELLED
+            self.abort(msg.request_id, msg.reason, cause)
         elif t is None or t.req.seq != msg.seq:
             self._last_seq[id(channel)] = max(self._last_seq.get(id(channel), -1), msg.seq)
             self._tell(channel, Ended(msg.request_id, msg.seq, f"aborted: {msg.reason} (not held here)"))
@@ -333,7 +373,7 @@ class PrefillMessenger:
     def _accept(self, req: PrefillRequest, channel) -> None:
         """Check and plan the request, then queue it; a bad one is refused and touches nothing. A request
         no newer than the last one from its channel (a duplicate, or one already aborted) is dropped."""
-        if req.seq <= self._last_seq.get(id(channel), -1):
+        if req.seq <= self._last_seq.get(id(channel), -1) or _key(req) in self.handoff:
             log.warning("dropped request %s: seq %d is stale on its channel", req.request_id, req.seq)
             return
         self._last_seq[id(channel)] = req.seq
@@ -342,22 +382,28 @@ class PrefillMessenger:
             # the request moved to another decode worker (the first one died or gave it up, and this side
             # may not have heard yet): the newer owner wins; the old transfer stops, and this one waits
             # for its writes to finish and its pages to come back
-            self.abort(req.request_id, "the request moved to another decode worker")
-            self._waiting.append((req, channel))
+            self.abort(req.request_id, "the request moved to another decode worker", Cause.MOVED)
+            self._queue(req, channel)
             return
         if old is not None:  # its owner again, newer: it is done with the old one (landed: a preempted
             # request fetched again; or aborted), which this side has not reaped yet. It waits for that
             # (refused, 2 of 512 requests failed at 256 streams on 1P1D)
-            self._waiting.append((req, channel))
+            self._queue(req, channel)
             return
         self._take(req, channel)
+
+    def _queue(self, req: PrefillRequest, channel) -> None:
+        """The request waits (QUEUED) for a context slot or for its id's earlier transfer to end."""
+        if self.handoff.state(_key(req)) is None:
+            self.handoff.move(_key(req), State.QUEUED, Cause.RECEIVED)
+        self._waiting.append((req, channel))
 
     def _take(self, req: PrefillRequest, channel) -> None:
         try:
             if req.request_id in self.transfers:
                 raise ValueError(f"request {req.request_id!r} is already being prefilled here")
             if not self._free_slots:  # decode workers' requests beyond them wait for a transfer to end
-                self._waiting.append((req, channel))
+                self._queue(req, channel)
                 return
             routes = self._plan(req)
             pairs = {(src, dst) for src, dst, _ in routes} | {(0, 0)}  # (0, 0): the context write
@@ -369,8 +415,10 @@ class PrefillMessenger:
         except Exception as e:  # whatever a peer sent, it fails its own request only
             self.refused += 1
             log.warning("refused request %s: %s", req.request_id, e)
+            self.handoff.move(_key(req), State.ENDED, Cause.ERROR)
             self._tell(channel, Ended(req.request_id, req.seq, f"prefill worker refused the request: {e}"))
             return
+        self.handoff.move(_key(req), State.COMPUTING, Cause.STARTED)
         self._slots[req.request_id] = self._free_slots.pop()
         with self._lock:
             self.transfers[req.request_id] = _Transfer(req, peers, channel, sent_pages=req.skip_pages)
@@ -461,9 +509,13 @@ class PrefillMessenger:
             while int(self.counter[0, awaited]) < target:  # the kernel bumps it once the layer is stored
                 if time.monotonic() > deadline or self._stop.is_set():
                     for t, _ in by_layer[layer]:
-                        t.error = (
-                            f"layer {awaited} not done within layer_timeout_s={self.config.layer_timeout_s}"
-                        )
+                        with self._lock:
+                            if not t.error:
+                                t.stop_cause = Cause.DEADLINE
+                                t.error = (
+                                    f"layer {awaited} not done within layer_timeout_s="
+                                    f"{self.config.layer_timeout_s}"
+                                )
                     return
                 self._reap()  # drives earlier layers' writes and their notifications meanwhile
                 time.sleep(self._poll_s())  # never spin: pinned to few cores, it would steal the pass's

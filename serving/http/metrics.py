@@ -101,6 +101,7 @@ class Metrics:
             "pdk_prefix_cached_pages", "KV pages a worker's prefix cache names", ["worker"], registry=r
         )
         self._preemption_seen: dict[tuple[str, str], int] = {}
+        self._handoff_labels: set[tuple[str, ...]] = set()  # (worker, side, state) of pdk_handoff_requests
         # per worker and tier below device memory (kv_tiers), from its Load reports
         self.tier_counters = {
             key: Counter(f"pdk_kv_tier_{key}", what, ["worker", "tier"], registry=r)
@@ -116,6 +117,19 @@ class Metrics:
             )
         }
         self.tier_pages = Gauge("pdk_kv_tier_pages", "Pages a KV tier holds", ["worker", "tier"], registry=r)
+        # the hand-off's states (transfer/handoff.py), from each worker's Load
+        self.handoff = Gauge(
+            "pdk_handoff_requests",
+            "Disaggregated requests in each hand-off state, per worker and side",
+            ["worker", "side", "state"],
+            registry=r,
+        )
+        self.handoff_moves = Counter(
+            "pdk_handoff_transitions",
+            "Hand-off state moves, per worker and side, by from, to and cause",
+            ["worker", "side", "from_state", "to_state", "cause"],
+            registry=r,
+        )
         self.drafted = Counter("pdk_spec_drafted_tokens", "Speculative tokens proposed", registry=r)
         self.accepted = Counter("pdk_spec_accepted_tokens", "Speculative tokens accepted", registry=r)
         self.verifies = Counter("pdk_spec_verify_steps", "Steps that verified drafts", registry=r)
@@ -228,6 +242,9 @@ class Metrics:
                     gauge.remove(name)
                 except KeyError:
                     pass
+            for labels in [k for k in self._handoff_labels if k[0] == name]:
+                self._handoff_labels.discard(labels)
+                self.handoff.remove(*labels)
         self.roles.clear()
         self.routed.clear()
         for name, held in list(self.runtime.router.in_flight.items()):
@@ -247,6 +264,17 @@ class Metrics:
             for key, counter in self.preemption_counters.items():
                 now, seen = getattr(load, key), self._preemption_seen.get((name, key), 0)
                 counter.labels(name).inc(now - seen if now >= seen else now)  # < seen: restarted
+                self._preemption_seen[name, key] = now
+            for labels in [k for k in self._handoff_labels if k[0] == name]:  # its side may have changed
+                self._handoff_labels.discard(labels)
+                self.handoff.remove(*labels)
+            for key, n in load.handoff.items():
+                labels = (name, *key.split(".", 1))
+                self.handoff.labels(*labels).set(n)
+                self._handoff_labels.add(labels)
+            for key, now in load.handoff_moves.items():
+                seen = self._preemption_seen.get((name, key), 0)
+                self.handoff_moves.labels(name, *key.split("|", 3)).inc(now - seen if now >= seen else now)
                 self._preemption_seen[name, key] = now
             for tier, c in load.kv_tiers.items():
                 self.tier_pages.labels(name, tier).set(c.pages)

@@ -2,15 +2,18 @@
 prefills itself and which wait for a prefill worker's KV."""
 
 from engine import LLM, SamplingParams
+from engine.disagg import decode_messenger
 from serving.decode_front import DecodeFront
 from serving.messages import Submit
+from transfer.backends import make_backend
 
 PARAMS = SamplingParams(max_tokens=4, ignore_eos=True)
 
 
 def _front(local_max_tokens=0):
     llm = LLM("tiny-random", role="decode", page_size=4, num_pages=64)
-    return llm, DecodeFront(llm, local_max_tokens, 0.0, name="decode-0")
+    dm = decode_messenger(llm, make_backend("local", f"front-{local_max_tokens}"))
+    return llm, DecodeFront(llm, local_max_tokens, 0.0, name="decode-0", dm=dm)
 
 
 def test_a_request_the_router_sends_here_by_load_is_prefilled_here_and_marked():

@@ -316,8 +316,10 @@ class FaultyPair(RuleBasedStateMachine):
             assert not self.violations, self.violations
             assert not self.dm.pending and self.decode.allocator.num_free == PAGES
             assert len(self.dm._free_slots) == SLOTS
+            assert not self.dm.handoff.keys(), self.dm.handoff.counts()  # every request left its states
             if self.alive:
                 assert not self.pm.transfers and self.prefill.allocator.num_free == PAGES
+                assert not self.pm.handoff.keys(), self.pm.handoff.counts()
                 assert len(self.pm._free_slots) == CONFIG.context_slots
             for rid in self.submitted:
                 admitted, failed = self.calls["admit", rid], self.calls["fail", rid]
