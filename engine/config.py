@@ -6,7 +6,8 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-ROLES = ("colocated", "prefill", "decode")
+from engine.role import Role
+
 PREEMPTIONS = ("recompute", "refetch")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -297,7 +298,7 @@ class KVTiersConfig(TierSettings):
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    role: str = "colocated"
+    role: Role = Role.COLOCATED  # (a role's name is taken too)
     max_num_seqs: int = 64  # sequences in one step
     max_num_batched_tokens: int = 512  # per-step token budget; prompts longer than it are chunked
     # Admission with room to finish: a request starts (a new prefill, or pages reserved for incoming KV)
@@ -317,7 +318,7 @@ class SchedulerConfig:
     step_target_s: float | None = None
 
     def __post_init__(self):
-        _check(self.role in ROLES, f"role must be one of {ROLES}, got {self.role!r}")
+        object.__setattr__(self, "role", Role.parse(self.role))
         _check(
             self.step_target_s is None
             or (

@@ -310,7 +310,7 @@ class EngineCore:
                     self.allocator.shrink(seq.request_id, seq.num_tokens)
             elif chunk.samples:
                 self._append_token(seq, next(sampled), now, logprobs.get(id(chunk), {}).get(0))
-            elif self.scheduler.role == "prefill" and seq.num_computed == self.scheduler.target(seq):
+            elif not self.scheduler.role.samples and seq.num_computed == self.scheduler.target(seq):
                 self.scheduler.remove(seq, free_pages=False)
                 self._prefilled(seq, out.last_hidden[i])
 
@@ -354,7 +354,7 @@ class EngineCore:
         self._finish(seq, reason)
 
     def _fail(self, seq: Sequence, error: str) -> None:
-        if self.scheduler.role != "prefill":
+        if self.scheduler.role.samples:
             self.abort(seq.request_id, error)
             return
         self.stop(seq.request_id, error)  # a prefill request's pages wait for the messenger's release

@@ -47,7 +47,7 @@ def main(rank: int, args: dict, rendezvous: str, conn, backend: str, lead: int) 
         ops.set_backend(backend)  # the lead's choice, not this process's environment
         llm = LLM(**args, dp_rank=rank, dp_rendezvous=rendezvous)
         role = llm.config.scheduler.role
-        conn.send(("ready", llm.kv_caches if role == "decode" else None))  # shared memory: the front maps it
+        conn.send(("ready", llm.kv_caches if role.receives_kv else None))  # shared memory: the front maps it
         side = DecodeSide(llm)
         for kind, payload in from_lead(conn, lead):
             if kind == "add":
@@ -85,7 +85,7 @@ def main(rank: int, args: dict, rendezvous: str, conn, backend: str, lead: int) 
                 if pm is not None:
                     pm.poll()  # what arrived since its last poll joins this step
                 outs = llm.step()
-                if role == "prefill":  # its messenger's requests: the lead has nothing to do with them
+                if role.sends_kv:  # its messenger's requests: the lead has nothing to do with them
                     outs = []
                 for out in outs:  # the lead has them: not pickled again every step
                     out.prompt, out.prompt_token_ids = None, []

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from engine.model import BatchMeta, Model
+from engine.role import Role
 from pdkernels.splits import cap_splits, live_split_len
 
 log = logging.getLogger(__name__)
@@ -141,13 +142,13 @@ class DecodeGraphs:
         return out[: len(ids)]
 
 
-def graphs_wanted(cuda_graphs: bool | None, model, dev: torch.device, tp: int, role: str, num_pages: int):
+def graphs_wanted(cuda_graphs: bool | None, model, dev: torch.device, tp: int, role: Role, num_pages: int):
     """Whether decode steps replay as CUDA graphs (None: on CUDA with tp 1 outside the prefill role); a
     ValueError where they cannot. MoE: the experts' grouping reads counts on the host, which a capture
     cannot; MLA: its decode path has not been captured on a GPU yet."""
     moe, mla = model.moe is not None, model.mla is not None
     if cuda_graphs is None:
-        return dev.type == "cuda" and tp == 1 and role != "prefill" and not (moe or mla)
+        return dev.type == "cuda" and tp == 1 and role.samples and not (moe or mla)
     if cuda_graphs and (dev.type != "cuda" or tp != 1 or num_pages < 2 or moe or mla):
         raise ValueError(
             "cuda_graphs=True needs device='cuda', tp=1, num_pages >= 2 and a model without MoE or MLA "

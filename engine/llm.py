@@ -30,6 +30,7 @@ from engine.kv.pages import namespace
 from engine.kv.tiers import KVTiers
 from engine.model import Model, Shard
 from engine.mtp import drafting
+from engine.role import Role
 from engine.runner import ModelRunner
 from engine.scheduler import Batch, Scheduler
 from engine.sequence import (
@@ -82,7 +83,7 @@ class LLM:
         num_pages: int = 1024,
         device: str = "cpu",
         dtype: str = "float32",
-        role: str = "colocated",
+        role: Role | str = Role.COLOCATED,
         kv_layout: str = "HND",
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 512,
@@ -114,6 +115,7 @@ class LLM:
         attention over dp engines of tp ranks each, the routed experts spread over all of them
         (engine/dp.py; an MoE model, the colocated role); dp_rank and dp_rendezvous are set by
         engine/dp.py for the engines it starts."""
+        role = Role.parse(role)
         engine_args = dict(
             model=model, tp=tp, page_size=page_size, num_pages=num_pages, device=device, dtype=dtype,
             role=role, kv_layout=kv_layout, max_num_seqs=max_num_seqs,
@@ -128,7 +130,7 @@ class LLM:
                 f"cuda_graphs so far; got speculative_config={speculative_config!r}, kv_tiers={kv_tiers!r}, "
                 f"cuda_graphs={cuda_graphs!r}"
             )
-        if dp != 1 and role == "decode" and torch.device(device).type != "cpu":
+        if dp != 1 and role.receives_kv and torch.device(device).type != "cpu":
             raise ValueError(
                 f"dp={dp} in the decode role maps each DP group's KV into the front's NIXL agents, on the "
                 f"CPU so far; got device={device!r}"
@@ -166,7 +168,7 @@ class LLM:
         self.model = Model(loaded.config, loaded.weights, dev, config.torch_dtype, shard)
         kv_cache = allocate_kv_cache(loaded.config, config.cache, shard.num_kv_heads, dev, config.torch_dtype)
         # shared with the lead (TP) and, in the decode role, with DP group 0's agents (engine/dp.py)
-        shared = tp > 1 or (dp > 1 and role == "decode")
+        shared = tp > 1 or (dp > 1 and role.receives_kv)
         self.kv_cache = kv_cache.share_memory_() if shared and dev.type == "cpu" else kv_cache
         if config.world > 1:  # every rank has loaded its shard: join them
             groups = init_rank(0, config, rendezvous)
@@ -195,7 +197,7 @@ class LLM:
             config, self.tokenizer, self.allocator, self.scheduler, self.runner, sampler, leads
         )
         self.core.listener = listener
-        self.core.counter = make_layer_counter(loaded.config.num_layers, dev) if role == "prefill" else None
+        self.core.counter = make_layer_counter(loaded.config.num_layers, dev) if role.sends_kv else None
         self.front = DPFront(self.core, self.dp_engines, self.kv_caches)
         self.handoff = DecodeHandoff(self.core, self.front.make_sequence)
         self.tiers = self._make_tiers(loaded.config.name) if config.kv_tiers.enabled else None
@@ -247,8 +249,8 @@ class LLM:
             counter = make_layer_counter(c.model.num_layers, self.counter.device)
         n = max(1, min(c.scheduler.max_num_batched_tokens, c.model.max_position - 1))
         role = c.scheduler.role
-        prefill = [self._dummy_pass([n], counter) for _ in range(2)] if role != "decode" else []
-        step = [self._dummy_pass([1], counter) for _ in range(3)] if role != "prefill" else []
+        prefill = [self._dummy_pass([n], counter) for _ in range(2)] if role.prefills else []
+        step = [self._dummy_pass([1], counter) for _ in range(3)] if role.samples else []
         prefill, step = [t for t in prefill if t], [t for t in step if t]
         return (n / min(prefill) if prefill else None), (min(step) if step else None)
 
@@ -260,7 +262,7 @@ class LLM:
         space = namespace(model, self.kv_cache, c.dtype, c.cache.kv_layout, c.tp)
         tiers = KVTiers(c.kv_tiers, self.kv_caches, space, c.cache.page_size)
         self.allocator.on_evict, self.allocator.on_named = tiers.evicted, tiers.named
-        tiers.share = c.scheduler.role != "decode"  # a decode worker's pages came from a prefill worker
+        tiers.share = c.scheduler.role.prefills  # a decode worker's pages came from a prefill worker
         step = -(-c.scheduler.max_num_batched_tokens // c.cache.page_size)  # pages one step may name
         if tiers.pool is not None and tiers.share and tiers.host.num_slots < step:
             log.warning(
@@ -274,30 +276,29 @@ class LLM:
 
     def _wire_drafts(self) -> None:
         """The scheduler proposes drafts in the decode and colocated roles, when speculation is set."""
-        drafts = self._propose is not None and self.scheduler.role != "prefill"
+        drafts = self._propose is not None and self.scheduler.role.samples
         self.scheduler.propose = self._propose if drafts else None
         self.core.drafter = self._drafter if drafts else None
         # the MTP head reads the hidden state before the last token
         self.scheduler.min_compute = 2 if self.core.drafter is not None else 1
 
-    def set_role(self, role: str) -> None:
+    def set_role(self, role: Role | str) -> None:
         """Serve another role from now on (an elastic worker: prefill <-> decode), keeping the weights, the
         KV cache's memory and what the prefix cache holds. Only between requests: every one must have
         ended and been handed back by step() (ValueError otherwise). The prefill role gets its layer
         counter here; a decode role reached this way replays no CUDA graphs (none were captured)."""
-        if role not in ("prefill", "decode", "colocated"):
-            raise ValueError(f"role={role!r} is not allowed: one of ('prefill', 'decode', 'colocated')")
+        role = Role.parse(role)
         if self.seqs or self.has_unfinished() or self.scheduler.reserved or self.scheduler.refetching:
             raise ValueError(f"set_role({role!r}) needs an idle engine; {len(self.seqs)} requests are here")
         config = replace(self.config.scheduler, role=role)
         self.core.config = replace(self.config, scheduler=config)
         self.scheduler.config = config
         self._wire_drafts()
-        if role == "prefill" and self.counter is None:
+        if role.sends_kv and self.counter is None:
             self.core.counter = make_layer_counter(self.config.model.num_layers, self.kv_cache.device)
         self.listener = None  # the new role's messenger sets its own
         if self.tiers is not None:
-            self.tiers.share = role != "decode"
+            self.tiers.share = role.prefills
 
     @property
     def kv_caches(self) -> list[torch.Tensor]:

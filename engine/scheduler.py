@@ -35,6 +35,7 @@ from engine.config import SchedulerConfig
 from engine.fair import Shares
 from engine.kv.cache import PageAllocator, page_hashes, request_salt
 from engine.kv.tiers import KVTiers, Load
+from engine.role import Role
 from engine.sequence import Sequence, Status
 
 
@@ -100,12 +101,12 @@ class Scheduler:
         )
 
     @property
-    def role(self) -> str:
+    def role(self) -> Role:
         return self.config.role
 
     def target(self, seq: Sequence) -> int:
         """Tokens whose KV this worker computes for seq."""
-        return len(seq.prompt_ids) if self.role == "prefill" else seq.num_tokens
+        return seq.num_tokens if self.role.samples else len(seq.prompt_ids)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -176,7 +177,7 @@ class Scheduler:
     def final_tokens(self, seq: Sequence) -> int:
         """The length seq is owed pages for: its prompt (prefill role), else min(max_tokens,
         reserved_tokens) tokens past the length it was admitted at, within the context."""
-        if self.role == "prefill":
+        if not self.role.samples:
             return len(seq.prompt_ids)
         start = max(seq.admitted_at, len(seq.prompt_ids))
         left = seq.params.max_tokens - (start - len(seq.prompt_ids))  # outputs it may still make
@@ -254,7 +255,7 @@ class Scheduler:
         self._landed()
         held = self._held()
         shares = Shares(self.admitted())
-        if self.waiting and self.role != "prefill":  # a prefill's pages go free once sent, soon
+        if self.waiting and self.role.samples:  # a prefill's pages go free once sent, soon
             head = self.next_waiting(shares)
             if not self.allocator.pages(head.request_id):
                 self.give_way(head, shares)
@@ -438,7 +439,7 @@ class Scheduler:
 
     def _drafts(self, seq: Sequence, room: int) -> list[int]:
         """Drafts for a decoding sequence: within the step's budget and what it may still generate."""
-        if self.propose is None or room <= 0 or self.role == "prefill":
+        if self.propose is None or room <= 0 or not self.role.samples:
             return []
         left = seq.params.max_tokens - len(seq.output_ids) - 1  # the verify step adds one more itself
         return self.propose(seq)[: max(0, min(room, left))]
@@ -449,7 +450,7 @@ class Scheduler:
         pages = self.allocator.grow(seq.request_id, total)
         if seq.num_computed < seq.recompute_until:  # KV a preemption dropped, computed again
             self.num_recomputed_tokens += min(total, seq.recompute_until) - seq.num_computed
-        samples = self.role != "prefill" and seq.num_computed + n == seq.num_tokens
+        samples = self.role.samples and seq.num_computed + n == seq.num_tokens
         return Chunk(
             seq, seq.num_computed, n + len(drafts), samples, pages[: self.allocator.pages_for(total)], drafts
         )
@@ -479,7 +480,7 @@ class Scheduler:
         self.allocator.free(seq.request_id)
         self.num_preemptions += 1
         seq.pages_named = 0
-        refetch = self.role == "decode" and self.config.preemption == "refetch"
+        refetch = self.role.receives_kv and self.config.preemption == "refetch"
         if refetch:
             self.num_refetched_tokens += seq.num_computed
         else:

@@ -9,7 +9,9 @@
   under `if TYPE_CHECKING:` do not), so dependencies point one way;
 - and between packages, down LAYERS alone: experiments -> serving -> engine -> transfer -> pdkernels (a
   package imports only those after it: the serving runtime never imports the main job or the simulator,
-  the engine never imports the runtime, the transfer layer never imports the engine).
+  the engine never imports the runtime, the transfer layer never imports the engine);
+- no worker role compared by its name (`role == "prefill"`): a role is an `engine.role.Role`, and what
+  differs between roles is one of its traits (`role.sends_kv`, `role.samples`, ...).
 
 python scripts/check_layout.py [ROOT]; exits 1 with one line per breach.
 """
@@ -153,8 +155,34 @@ def import_cycles(root: Path) -> list[str]:
     return out
 
 
+ROLE_NAMES = {"prefill", "decode", "colocated"}
+
+
+def role_names(root: Path) -> list[str]:
+    """Each comparison of something named role with a role's name (==, !=, in, not in a tuple of names)."""
+    out = []
+    for top in PACKAGES:
+        for path in sorted((root / top).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not isinstance(node, ast.Compare):
+                    continue
+                sides = [node.left, *node.comparators]
+                named = any(
+                    isinstance(n, ast.Constant)
+                    and n.value in ROLE_NAMES
+                    or isinstance(n, ast.Tuple | ast.List | ast.Set)
+                    and any(isinstance(e, ast.Constant) and e.value in ROLE_NAMES for e in n.elts)
+                    for n in sides
+                )
+                if named and any("role" in ast.unparse(n) for n in sides):
+                    where = f"{path.relative_to(root)}:{node.lineno}"
+                    out.append(f"{where}: a role compared by name ({ast.unparse(node)}): use its Role")
+    return out
+
+
 def main(root: Path) -> int:
     breaches = too_long(root) + misplaced_tests(root) + import_cycles(root) + upward_imports(root)
+    breaches += role_names(root)
     for line in breaches:
         print(line)
     return 1 if breaches else 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 
 from engine.config import TierSettings
+from engine.role import Role
 from serving.checks import check_positive, refuse
 from serving.fleet.launch_config import ClusterConfig, LauncherConfig, RayConfig
 from transfer.config import TransferConfig
@@ -176,14 +177,14 @@ class DeploymentConfig:
             except (ValueError, TypeError) as e:
                 raise ValueError(f"deployment.{self.name}.speculative: {e}") from e
         if self.num_workers == "auto":
-            if self.kind != "colocated" or self.tp != 1 or self.dp != 1 or self.threads_per_worker != 1:
+            if not self.colocated or self.tp != 1 or self.dp != 1 or self.threads_per_worker != 1:
                 refuse(
                     f"deployment.{self.name}.num_workers", "auto",
                     "auto only for kind=colocated with tp=1, dp=1 and threads_per_worker left at 1 (auto "
                     "sets it), or an integer >= 1",
                 )  # fmt: skip
-        counts = ("num_workers",) if self.kind == "colocated" and self.num_workers != "auto" else ()
-        counts += ("num_prefill", "num_decode") if self.kind != "colocated" else ()
+        counts = ("num_workers",) if self.colocated and self.num_workers != "auto" else ()
+        counts += ("num_prefill", "num_decode") if not self.colocated else ()
         keys = ("tp", "prefill_tp", "decode_tp", "dp", "prefill_dp", "decode_dp", "threads_per_worker")
         for key in counts + keys:
             name = "num_workers (or auto)" if key == "num_workers" else key
@@ -217,7 +218,7 @@ class DeploymentConfig:
             refuse("deployment.prefix_caching", self.prefix_caching, "true or false")
         if not isinstance(self.local_prefill_max_tokens, int) or self.local_prefill_max_tokens < 0:
             refuse("deployment.local_prefill_max_tokens", self.local_prefill_max_tokens, "an integer >= 0")
-        if self.planner.elastic and self.kind != "disaggregated":
+        if self.planner.elastic and self.colocated:
             refuse("deployment.planner", "enabled or switches", "elastic roles need kind=disaggregated")
         if self.planner.elastic:
             names = [f"prefill-{i}" for i in range(self.num_prefill)]
@@ -238,7 +239,7 @@ class DeploymentConfig:
     @property
     def processes(self) -> int:
         """Worker processes including TP ranks and DP groups (what the cores are shared by)."""
-        if self.kind == "colocated":
+        if self.colocated:
             if self.num_workers == "auto":
                 raise ValueError(
                     f"deployment {self.name}: num_workers: auto has no count until the job measures it"
@@ -248,17 +249,22 @@ class DeploymentConfig:
         return prefill + self.num_decode * self.decode_tp * self.decode_dp
 
     @property
-    def roles(self) -> tuple[str, ...]:
+    def colocated(self) -> bool:
+        """Its workers each prefill and decode (kind colocated), or split into the two roles."""
+        return self.kind == "colocated"
+
+    @property
+    def roles(self) -> tuple[Role, ...]:
         """Its workers' roles; the last is the one requests are routed to."""
-        return ("colocated",) if self.kind == "colocated" else ("prefill", "decode")
+        return (Role.COLOCATED,) if self.colocated else (Role.PREFILL, Role.DECODE)
 
-    def tp_of(self, role: str) -> int:
+    def tp_of(self, role: Role) -> int:
         """The TP degree of this deployment's workers of role."""
-        return {"colocated": self.tp, "prefill": self.prefill_tp, "decode": self.decode_tp}[role]
+        return {Role.COLOCATED: self.tp, Role.PREFILL: self.prefill_tp, Role.DECODE: self.decode_tp}[role]
 
-    def dp_of(self, role: str) -> int:
+    def dp_of(self, role: Role) -> int:
         """The DP groups of this deployment's workers of role."""
-        return {"colocated": self.dp, "prefill": self.prefill_dp, "decode": self.decode_dp}[role]
+        return {Role.COLOCATED: self.dp, Role.PREFILL: self.prefill_dp, Role.DECODE: self.decode_dp}[role]
 
 
 def dp_peers(worker: str, dp: int) -> list[str]:
@@ -479,11 +485,11 @@ def check_fits_machine(config: RuntimeConfig, loaded) -> None:
             )
 
 
-def _role_counts(d: DeploymentConfig) -> list[tuple[str, int]]:
+def _role_counts(d: DeploymentConfig) -> list[tuple[Role, int]]:
     """(role, workers of it) of deployment d."""
-    if d.kind == "colocated":
-        return [("colocated", d.num_workers)]
-    return [("prefill", d.num_prefill), ("decode", d.num_decode)]
+    if d.colocated:
+        return [(Role.COLOCATED, d.num_workers)]
+    return [(Role.PREFILL, d.num_prefill), (Role.DECODE, d.num_decode)]
 
 
 def check_fits_model(config: RuntimeConfig):
@@ -503,7 +509,7 @@ def check_fits_model(config: RuntimeConfig):
         dp = max(d.dp_of(role) for role in d.roles)
         if dp > 1 and d.elastic:
             refuse("deployment.prefill_dp and decode_dp", dp, f"1 for {d.name}: elastic workers switch roles")
-        if d.kind != "colocated" and d.decode_dp > 1 and config.model.device != "cpu":
+        if not d.colocated and d.decode_dp > 1 and config.model.device != "cpu":
             refuse("deployment.decode_dp", d.decode_dp, f"1 for {d.name}: DP decode workers run on the CPU")
         nics, ranks = config.transfer.nics_per_rank, max(d.tp_of(r) * d.dp_of(r) for r in d.roles)
         if nics and len(nics) < ranks:
@@ -521,7 +527,7 @@ def check_fits_model(config: RuntimeConfig):
                     dp=d.dp_of(role),
                 )
             except ValueError as e:
-                key = "tp" if role == "colocated" else f"{role}_tp"
+                key = f"{role}_tp" if role.sends_kv or role.receives_kv else "tp"
                 raise ValueError(
                     f"deployment {d.name}: {key}={d.tp_of(role)} does not fit {loaded.config.name}: {e}"
                 ) from e

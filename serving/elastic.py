@@ -28,7 +28,7 @@ class Elastic:
         if not self.planner.due():
             return
         fleet = self.fleet
-        roles = {n: r for n, r in fleet.roles.items() if r != "colocated" and n not in fleet.dead}
+        roles = {n: r for n, r in fleet.roles.items() if r.switchable and n not in fleet.dead}
         move = self.planner.decide(roles, self.router, busy=bool(fleet.switching))
         if move is not None:
             self.move(*move, self.planner.why)

@@ -13,6 +13,7 @@ from enum import StrEnum
 
 import msgspec
 
+from engine.role import Role
 from engine.sequence import SamplingParams
 from transfer.protocol import check_request, check_request_id
 from transfer.wire import Codec, Message
@@ -111,12 +112,13 @@ class SwitchRole(Message):
     (Released from each), finishes its prefills, then switches. It answers Switched. prefill: the prefill
     workers a new decode worker waits for (their Hello) before it says so."""
 
-    role: str
+    role: Role
     prefill: list[str] = []
 
     def __post_init__(self):
-        if self.role not in ("prefill", "decode"):
-            raise ValueError(f"SwitchRole.role must be 'prefill' or 'decode', got {self.role!r}")
+        self.role = Role.parse(self.role)
+        if not self.role.switchable:
+            raise ValueError(f"SwitchRole.role must be prefill or decode, got {self.role}")
 
 
 class PeerLeaving(Message):
@@ -147,9 +149,12 @@ class Switched(Message):
     that may still write the pages of a handed-back request, its own last prefills)."""
 
     name: str
-    role: str
+    role: Role
     seconds: float
     settle_s: float = 0.0
+
+    def __post_init__(self):
+        self.role = Role.parse(self.role)
 
 
 LOAD_EVERY_S = 0.5  # how often a worker sends its Load
@@ -258,7 +263,7 @@ class Result(Message):
 
 class Timeline(Message):
     name: str
-    role: str
+    role: Role
     # (start, end, prefill tokens, decode tokens with their drafts, sequences verifying drafts, each
     # prompt chunk's [tokens, first position], the KV the decode tokens attend over: the simulator's
     # calibration prices attention by these)

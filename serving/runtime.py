@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from engine.role import Role
 from serving.messages import (
     Cancel,
     ErrorKind,
@@ -114,7 +115,7 @@ def start_runtime(config, d, log_dir=None, first_core: int = 0) -> Runtime:
     fleet = start_fleet(config, d, log_dir, first_core)
     try:
         m = config.model
-        prefill = [n for n in fleet.procs if fleet.roles[n] == "prefill"]
+        prefill = [n for n in fleet.procs if fleet.roles[n] == Role.PREFILL]
         dp = d.dp_of(d.roles[-1])  # the routed workers' DP groups
         router = Router.of(
             d, fleet.frontends, m.num_pages, m.page_size, fleet.cache_salt, config.slo, prefill, dp

@@ -20,6 +20,7 @@ import time
 import traceback
 from dataclasses import dataclass
 
+from engine.role import Role
 from serving.config import DeploymentConfig, KernelsConfig, ModelSpec, prefill_budget, worker_of
 from serving.decode_front import DecodeFront
 from serving.messages import (
@@ -43,7 +44,7 @@ from serving.messages import (
     Timeline,
     worker_codec,
 )
-from serving.roles import RoleSwitching
+from serving.roles import RoleSwitch
 from serving.worker_results import progress_items, result_of
 from transfer.auth import Credentials
 from transfer.config import TransferConfig
@@ -57,7 +58,7 @@ HELLO_TIMEOUT_S = 300.0  # a decode worker waits this long for each prefill work
 @dataclass(frozen=True)
 class WorkerSpec:
     name: str
-    role: str  # colocated | prefill | decode
+    role: Role
     model: ModelSpec
     deployment: DeploymentConfig
     transfer: TransferConfig
@@ -80,6 +81,9 @@ class WorkerSpec:
     kv_tiers: object = None  # engine.config.KVTiersConfig: its host, disk and pool tiers (None: off)
     step_target_s: float | None = None  # chunk_size: slo: its steps' time target (engine/budget.py)
     netns: str | None = None  # launcher=netns: the network namespace (host) it runs in
+
+    def __post_init__(self):
+        object.__setattr__(self, "role", Role.parse(self.role))
 
 
 def worker_main(spec: WorkerSpec) -> None:
@@ -121,7 +125,7 @@ def worker_main(spec: WorkerSpec) -> None:
         ctx.term()  # waits for the last messages to go, LINGER (1 s) at most
 
 
-class Worker(RoleSwitching):
+class Worker:
     def __init__(self, spec: WorkerSpec, sock):
         import torch
 
@@ -149,7 +153,7 @@ class Worker(RoleSwitching):
             max_num_seqs=m.max_num_seqs,
             max_num_batched_tokens=prefill_budget(d.chunk_size, m.device, m.dtype),
             seed=spec.seed,
-            speculative_config=d.speculative if spec.role != "prefill" or d.elastic else None,
+            speculative_config=d.speculative if spec.role.samples or d.elastic else None,
             reserved_tokens=d.decode_reserved_tokens,
             fair_share=d.fair_share,
             preemption="refetch" if d.decode_preemption == "refetch" else "recompute",
@@ -172,15 +176,11 @@ class Worker(RoleSwitching):
         # switch), peers not yet heard from (decode), prefill peers leaving that role, a switch under way
         self.generation = 0
         self.joining: dict[str, object] = {}
-        self.leaving: set[str] = set()
-        self.handing: set[str] = set()  # handed back once their transfer has settled (their prefill
-        # worker still holds them until then: resumed at once, they would meet themselves there)
-        self.switch: SwitchRole | None = None
-        self.switch_started = 0.0
-        if spec.role != "prefill":  # the router routes to this worker by what its cache holds
+        self.switch = RoleSwitch(self)
+        if spec.role.samples:  # the router routes to this worker by what its cache holds
             self.llm.record_cache_events()
         self.llm.record_tier_events()  # ... and below it (a prefill worker's pool puts too)
-        if spec.role != "colocated":
+        if spec.role.sends_kv or spec.role.receives_kv:  # a messenger for its side of the hand-off
             self._connect_messenger(spec.wait_for)
 
     def close(self) -> None:
@@ -192,6 +192,39 @@ class Worker(RoleSwitching):
                 close()
             except Exception:
                 log.exception("%s: closing its %s failed", self.spec.name, what)
+
+    def _close_messenger(self) -> None:
+        """Stop this role's messenger: its sender thread, control sockets and transfer agents."""
+        channels, agents = list(self.joining.values()), []
+        if self.pm is not None:
+            self.pm.close()
+            channels += self.pm.channels
+            agents += self.pm.agents.backends
+        if self.dm is not None:
+            channels += [p.channel for p in self.dm.peers.values()]
+            agents += self.dm.backends  # every DP group's too
+        for channel in channels:
+            channel.close()
+        for agent in agents:
+            agent.close()
+        self.pm = self.dm = self.front.dm = None
+        self.joining.clear()
+
+    def _join(self) -> None:
+        """Decode: peers that say Hello for the first time join (an elastic worker now prefilling)."""
+        from transfer.protocol import PROTOCOL_VERSION, Hello
+
+        for peer, channel in list(self.joining.items()):
+            for msg in channel.receive():
+                if isinstance(msg, Hello) and msg.version == PROTOCOL_VERSION:
+                    del self.joining[peer]
+                    try:
+                        self.dm.add_peer(peer, channel, msg)
+                    except ValueError as e:  # its KV would not mean the same here: it is asked nothing
+                        log.error("%s: %s", self.spec.name, e)
+                        break
+                    log.info("%s: prefill worker %s joined", self.spec.name, peer)
+                    break
 
     def _connect_messenger(self, wait_for) -> None:
         """This role's messenger: a prefill worker connects to the decode workers' addresses (the runtime's
@@ -206,7 +239,7 @@ class Worker(RoleSwitching):
         again = f"-{self.generation}" if self.generation else ""  # a new agent's and socket's name
         name = f"{spec.name}-{os.getpid()}{again}"
         agents = rank_agents(t, name, spec.tp)  # DP group 0's: one per TP rank, each on its own NIC
-        if self.role == "prefill":
+        if self.role.sends_kv:
             self.pm = prefill_messenger(self.llm, agents, t)
             self._send(Listening(spec.name, {}))
             connect = self._await_connect()
@@ -305,7 +338,7 @@ class Worker(RoleSwitching):
             ops.resolve("decode_attention", kv.device),
         )
         while os.getppid() == self.parent:
-            stepping = self.llm.has_unfinished() or self.front.backlog or self.switch
+            stepping = self.llm.has_unfinished() or self.front.backlog or self.switch.under_way
             busy = stepping or (self.dm and self.dm.pending)
             # a decode worker that only waits for KV to land looks again within a millisecond rather than
             # spinning: on a shared machine the spin takes a core (or its sibling) from the prefill's pass
@@ -327,11 +360,12 @@ class Worker(RoleSwitching):
             if self.dm is not None:
                 self.front.drain(lambda rid, e: self._refuse(rid, self.live.pop(rid), e))
                 self.dm.poll()
-                self._join_and_release()
+                self._join()
+                self.switch.tend()
             if self.llm.has_unfinished():
                 self._step()
-            elif self.switch is not None and self._settled():
-                self._finish_switch()
+            elif self.switch.under_way and self.switch.settled():
+                self.switch.finish()
             elif self.pm is not None:
                 time.sleep(0.0005)
             if time.monotonic() - self.load_at > LOAD_EVERY_S:
@@ -381,10 +415,10 @@ class Worker(RoleSwitching):
                 elif peer in self.spec.peers:  # an elastic worker left the decode role
                     self.pm.remove_peer(peer)
         elif isinstance(msg, SwitchRole):
-            self._begin_switch(msg)
+            self.switch.begin(msg)
         elif isinstance(msg, PeerLeaving) and self.dm is not None:
             self.dm.retire(msg.name)
-            self.leaving.add(msg.name)
+            self.switch.leaving.add(msg.name)
         elif isinstance(msg, PeerDead) and self.dm is not None:
             peer = self.dm.peers.get(msg.name)
             if peer is None or (msg.pid and msg.pid != peer.hello.pid):
@@ -395,7 +429,7 @@ class Worker(RoleSwitching):
             self.front.returning[msg.name] = time.monotonic() + msg.back_within_s  # 0: not coming back
         elif isinstance(msg, Cancel):
             self._cancel(msg.request_id, msg.at)
-        elif isinstance(msg, Submit) and self.switch is not None:  # sent before the runtime knew: back
+        elif isinstance(msg, Submit) and self.switch.under_way:  # sent before the runtime knew: back
             self._send(HandedBack(self.spec.name, [msg.request_id]))
         elif isinstance(msg, Submit):
             received = time.perf_counter()

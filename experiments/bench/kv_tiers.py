@@ -159,7 +159,7 @@ def main() -> None:
         if args.across_hosts:  # as many hosts as workers, and the pool's (launcher=netns: the last one)
             with initialize_config_dir(config_dir=CONF, version_base=None):
                 d = runtime_of(compose("config", overrides=[*base, *overrides])).deployments[0]
-            workers = d.num_workers if d.kind == "colocated" else d.num_prefill + d.num_decode
+            workers = d.num_workers if d.colocated else d.num_prefill + d.num_decode
             overrides = [*overrides, "launcher=netns", f"cluster.hosts={workers + 1}"]
             overrides += [f"cluster.link.rate={args.across_hosts}"]
         with initialize_config_dir(config_dir=CONF, version_base=None):

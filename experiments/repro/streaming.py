@@ -35,6 +35,8 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 
+from engine.role import Role
+
 CONF = str(Path(__file__).resolve().parents[2] / "conf")
 
 
@@ -135,7 +137,7 @@ def tc_rate(bits: float) -> str:
 
 def summarize(name: str, mode: str | None, link: str | None, record: dict) -> dict:
     s = record["summary"]
-    prefill = [w for w in record["workers"] if w["role"] == "prefill"]
+    prefill = [w for w in record["workers"] if Role(w["role"]).sends_kv]
     nic = sum(sum(w.get("nic_tx_bytes") or []) for w in prefill)
     return {
         "variant": name,

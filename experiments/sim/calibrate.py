@@ -37,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.role import Role
 from experiments.sim.cost import CostModel, Efficiency
 from experiments.sim.hardware import Hardware, load_hardware, measure
 from experiments.sim.models import sim_model
@@ -104,7 +105,8 @@ def points_from_run(saved: dict, roles=("colocated", "decode", "prefill")) -> tu
         for t in rec["timelines"]:
             if t["role"] not in roles:
                 continue
-            tp = d["tp"] if t["role"] == "colocated" else d[f"{t['role']}_tp"]
+            role = Role(t["role"])
+            tp = d[f"{role}_tp"] if role.sends_kv or role.receives_kv else d["tp"]
             if tp != 1:
                 skipped.append(f"{rec['deployment']}/{t['name']} (TP {tp})")
                 continue
@@ -156,7 +158,7 @@ def handoff_from_run(saved: dict) -> float | None:
         steps = {
             t["name"]: sorted(s[0] for s in t["steps"] if s[2] > 0)
             for t in rec["timelines"]
-            if t["role"] == "prefill"
+            if Role(t["role"]).sends_kv
         }
         for r in rec["requests"]:
             starts = steps.get(r.get("prefill_worker") or "", [])

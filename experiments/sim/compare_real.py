@@ -171,7 +171,7 @@ def compare(saved: dict, hw, eff: Efficiency, slowdown: float) -> list[Row]:
         for tier, real in rec["summary"].get("kv_tiers", {}).items():
             ours = simulated["kv_tiers"].get(tier, {}).get("hit_tokens", 0)
             pairs.append((f"{tier} hits", "tokens", real["hit_tokens"], ours))
-        if d.kind == "disaggregated":  # in tokens: the run's dtype and the preset's differ
+        if not d.colocated:  # in tokens: the run's dtype and the preset's differ
             dtype = config.model.dtype if config.model.dtype != "auto" else "float32"  # auto, on a CPU
             real_bytes = model.kv_bytes_per_token() // model.activation_bytes * DTYPE_BYTES[dtype]
             real_sent = rec["summary"]["transfer_bytes"] / real_bytes

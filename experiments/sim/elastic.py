@@ -4,6 +4,8 @@ simulated clock moves instances between prefill and decode, as the real driver d
 
 from __future__ import annotations
 
+from engine.role import Role
+
 
 def hand_back(sim, inst, now) -> None:
     """A decode instance leaves its role: every request it has or expects is fetched again (prompt
@@ -19,7 +21,7 @@ def hand_back(sim, inst, now) -> None:
 
 def plan(sim, now) -> None:
     """The planner's next move, if any: its instance leaves its role (at its next step boundary)."""
-    roles = {sim.names[id(i)]: ("prefill" if i in sim.front else "decode") for i in sim.instances}
+    roles = {sim.names[id(i)]: (Role.PREFILL if i in sim.front else Role.DECODE) for i in sim.instances}
     move = sim.planner.decide(roles, sim.policy, busy=bool(sim.leaving))
     if move is None or move[0] not in sim.by_name:
         return
@@ -27,7 +29,7 @@ def plan(sim, now) -> None:
     inst = sim.by_name[name]
     if sum(1 for r in roles.values() if r == roles[name]) < 2:
         return  # the last of its role stays (as the real fleet refuses)
-    sim.leaving[id(inst)] = role
+    sim.leaving[id(inst)] = Role.parse(role)
     sim.policy.leave(name)
     sim.moves.append({"worker": name, "from": roles[name], "to": role, "at": now, "why": sim.planner.why})
     sim.kick(inst, now)  # an idle one moves now; a busy one at its next step boundary
@@ -36,11 +38,11 @@ def plan(sim, now) -> None:
 def serve(sim, inst, role, now) -> None:
     """inst serves role from now on."""
     del sim.leaving[id(inst)]
-    (sim.back if role == "decode" else sim.front).append(inst)
+    (sim.back if role.receives_kv else sim.front).append(inst)
     for key, value in inst.role_settings.get(role, {}).items():
         setattr(inst, key, value)
     if inst.cache is not None:  # as the engine's set_role: only a decode role keeps out of the pool
-        inst.cache.share = role != "decode"
+        inst.cache.share = role.prefills
     sim.inbox.setdefault(id(inst), [])
     sim.homed.setdefault(id(inst), 0)
     sim.policy.join(sim.names[id(inst)], role)

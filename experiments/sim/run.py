@@ -166,7 +166,7 @@ def simulate_deployment(
         pages = pool[0].cache.size if pool[0].cache is not None else 0
         return Router.of(d, names, pages, page_size, slo=slo)
 
-    if d.kind == "colocated":
+    if d.colocated:
         colocated = [inst(d.tp, d.dp, chunked) for _ in range(d.num_workers)]
         for i in colocated:  # a real worker's pages per DP group
             i.kv_tokens = colocated_kv_tokens * d.dp if colocated_kv_tokens is not None else None
@@ -211,7 +211,7 @@ def simulate_deployment(
         run.sent[rid] = r.arrival
         error = None if r.done is not None else (r.rejected or "not finished in the simulation")
         reason = "length" if not error else ("rejected" if r.rejected else "error")
-        remote = d.kind == "disaggregated" and not r.local
+        remote = not d.colocated and not r.local
         run.results[rid] = Result(
             rid, "sim", [0] * r.generated, r.arrival, None, r.token_times, reason,
             error, prefill="remote" if remote else "local",

@@ -312,13 +312,21 @@ class _Simulation:
     def step(self, inst, now) -> None:
         """inst's step boundary: a move it makes, or its next step and what that step did."""
         role = self.leaving.get(id(inst))
-        if role == "prefill" and inst in self.back:  # at its step boundary: hands back, then switches
+        if (
+            role is not None and role.sends_kv and inst in self.back
+        ):  # at its step boundary: hands back, then switches
             self.back.remove(inst)
             hand_back(self, inst, now)
             self.push(now + self.switch_s, "switched", (inst, role))
             self.idle[id(inst)] = True
             return
-        if role == "decode" and inst in self.front and not inst.waiting and not inst.running:
+        if (
+            role is not None
+            and role.receives_kv
+            and inst in self.front
+            and not inst.waiting
+            and not inst.running
+        ):
             self.front.remove(inst)  # its prompts are done
             self.push(now + self.switch_s, "switched", (inst, role))
             self.idle[id(inst)] = True

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from engine.role import Role
 from serving.config import DeploymentConfig, RuntimeConfig, dp_peers
 from serving.control import driver_socket, private_dir, recv_all, send_to
 from serving.fleet.procs import descendants, reap
@@ -45,7 +46,7 @@ log = logging.getLogger(__name__)
 
 
 def worker_names(d: DeploymentConfig) -> list[str]:
-    if d.kind == "colocated":
+    if d.colocated:
         return [f"colocated-{i}" for i in range(d.num_workers)]
     return [f"prefill-{i}" for i in range(d.num_prefill)] + [f"decode-{i}" for i in range(d.num_decode)]
 
@@ -91,14 +92,14 @@ def worker_specs(
     )
     specs = []
     for name in names:
-        role = name.split("-")[0]
+        role = Role(name.split("-")[0])
         tp = d.tp_of(role)
         groups = tuple(peer for p in prefill for peer in dp_peers(p, d.prefill_dp))  # each prefill group
-        peers = {"colocated": (), "prefill": decode, "decode": groups}[role]
+        peers = {Role.COLOCATED: (), Role.PREFILL: decode, Role.DECODE: groups}[role]
         wait_for = None
         if d.elastic:  # any of them may prefill for any other later: a decode worker waits for today's
             peers, wait_for = tuple(n for n in names if n != name), prefill
-        seed = int(name.split("-")[1]) if role == "colocated" else 0
+        seed = int(name.split("-")[1]) if role == Role.COLOCATED else 0
         dp = d.dp_of(role)
         specs.append(
             WorkerSpec(
@@ -130,7 +131,7 @@ class Fleet:
 
     sock: object  # zmq ROUTER
     procs: dict[str, object]  # name -> worker handle (multiprocessing.Process, launcher.RayWorker)
-    roles: dict[str, str]
+    roles: dict[str, Role]
     run_dir: str
     launcher: object = None
     start_timeout_s: float = 300.0  # how long a restarted worker may take to come back
@@ -139,7 +140,7 @@ class Fleet:
     restarting: set[str] = field(default_factory=set)
     cache_salt: bytes = b""  # what the workers' prefix cache page names start from (their Ready says)
     speeds: dict[str, tuple] = field(default_factory=dict)  # name -> its Ready's (prefill tok/s, step s)
-    switching: dict[str, str] = field(default_factory=dict)  # elastic worker -> the role it moves to
+    switching: dict[str, Role] = field(default_factory=dict)  # elastic worker -> the role it moves to
     releasing: dict[str, set] = field(default_factory=dict)  # leaving prefill worker -> decode workers
     # that may still have something in flight there (their Released has not come)
     store: object = None  # the KV pool's processes (kv_tiers.store: transfer.backends.mooncake)
@@ -148,12 +149,12 @@ class Fleet:
     @property
     def frontends(self) -> list[str]:
         """Where requests go: decode and colocated workers."""
-        return [n for n, r in self.roles.items() if r != "prefill"]
+        return [n for n, r in self.roles.items() if r.samples]
 
     def send(self, name: str, msg) -> bool:
         return send_to(self.sock, name, msg)
 
-    def switch(self, name: str, role: str) -> None:
+    def switch(self, name: str, role: Role | str) -> None:
         """Move a live elastic worker to role (prefill | decode); the caller has stopped routing to it
         (Router.leave). A decode worker is told at once: it hands its requests back (HandedBack, which
         receive() passes on for the caller to resume elsewhere). A prefill worker is told once every
@@ -161,20 +162,21 @@ class Fleet:
         time."""
         if self.switching:
             raise ValueError(f"{sorted(self.switching)} is still switching; one move at a time")
-        if self.roles.get(name) not in ("prefill", "decode") or name in self.dead or self.roles[name] == role:
+        role, now = Role.parse(role), self.roles.get(name)
+        if now is None or not now.switchable or name in self.dead or now == role:
             raise ValueError(f"worker {name!r} cannot move to {role!r}: it is {self.roles.get(name)}")
         if len(self._live(self.roles[name])) < 2:
             raise ValueError(f"worker {name!r} is the last live {self.roles[name]} worker: it stays")
         self.switching[name] = role
-        if role == "prefill":
-            self.send(name, SwitchRole("prefill"))
+        if role == Role.PREFILL:
+            self.send(name, SwitchRole(Role.PREFILL))
             return
-        self.releasing[name] = {n for n in self._live("decode")}
+        self.releasing[name] = {n for n in self._live(Role.DECODE)}
         for decode in self.releasing[name]:
             self.send(decode, PeerLeaving(name))
         self._released(name)
 
-    def _live(self, role: str) -> list[str]:
+    def _live(self, role: Role) -> list[str]:
         return [
             n for n, r in self.roles.items() if r == role and n not in self.dead and n not in self.switching
         ]
@@ -192,29 +194,29 @@ class Fleet:
             if isinstance(msg, Released):
                 self.releasing.get(msg.peer, set()).discard(name)
                 self._released(msg.peer)
-            elif isinstance(msg, Listening) and self.switching.get(name) == "decode":
+            elif isinstance(msg, Listening) and self.switching.get(name) == Role.DECODE:
                 self.listening[name] = msg.addresses  # its new sockets: each prefill worker connects
                 for p in self._live("prefill"):
                     self.send(p, Connect({name: msg.addresses.get(p, "")}))
-            elif isinstance(msg, Listening) and self.switching.get(name) == "prefill":
+            elif isinstance(msg, Listening) and self.switching.get(name) == Role.PREFILL:
                 self.send(name, Connect({d: self.listening[d].get(name, "") for d in self._live("decode")}))
             elif isinstance(msg, Switched) and name in self.switching:
                 del self.switching[name]
                 self.roles[name] = msg.role
-                if msg.role == "prefill":  # the prefill workers drop their sockets to it
+                if msg.role == Role.PREFILL:  # the prefill workers drop their sockets to it
                     self.listening.pop(name, None)
                     for p in self._live("prefill"):
                         if p != name:
                             self.send(p, Connect({name: ""}))
                 out.append((name, msg))
-            elif isinstance(msg, Listening) and self.roles[name] == "decode" and name in self.restarting:
+            elif isinstance(msg, Listening) and self.roles[name] == Role.DECODE and name in self.restarting:
                 self.listening[name] = msg.addresses  # a restarted decode worker: new sockets, new peers
-                for p in (n for n, r in self.roles.items() if r == "prefill" and n not in self.dead):
+                for p in (n for n, r in self.roles.items() if r == Role.PREFILL and n not in self.dead):
                     self.send(p, Connect({name: msg.addresses.get(p, "")}))
-            elif isinstance(msg, Listening) and self.roles[name] == "decode":
+            elif isinstance(msg, Listening) and self.roles[name] == Role.DECODE:
                 self.listening[name] = msg.addresses
-                if len(self.listening) == sum(r == "decode" for r in self.roles.values()):
-                    for p in (n for n, r in self.roles.items() if r == "prefill"):
+                if len(self.listening) == sum(r == Role.DECODE for r in self.roles.values()):
+                    for p in (n for n, r in self.roles.items() if r == Role.PREFILL):
                         self._connect(p)
             elif isinstance(msg, Listening) and name in self.restarting:
                 self._connect(name)
@@ -230,7 +232,7 @@ class Fleet:
     def _connect(self, prefill: str) -> None:
         """A prefill worker's Connect: each decode worker's address for it and for each of its other DP
         groups (dp_peers)."""
-        decode = [n for n, r in self.roles.items() if r == "decode"]
+        decode = [n for n, r in self.roles.items() if r == Role.DECODE]
         groups = dp_peers(prefill, self.prefill_dp)[1:]
         self.send(
             prefill,
@@ -259,7 +261,7 @@ class Fleet:
             out.append((name, code))
             if self.launcher is not None and self.launcher.restart(name, proc):
                 self.restarting.add(name)
-            if self.roles[name] == "prefill":
+            if self.roles[name] == Role.PREFILL:
                 back = self.start_timeout_s if name in self.restarting else 0.0
                 for frontend in self.frontends:
                     if frontend not in self.dead:

@@ -379,7 +379,7 @@ class RayLauncher:
             for s in specs:
                 actor = actor_class.options(
                     num_cpus=s.deployment.threads_per_worker * s.tp * s.dp,
-                    max_restarts=self.cfg.max_restarts if s.role != "decode" else 0,
+                    max_restarts=self.cfg.max_restarts if s.role.restartable else 0,
                     scheduling_strategy=self._where(s, groups.get(s.name)),
                 ).remote()
                 node_id, pid = ray.get(actor.where.remote(), timeout=self.cfg.start_timeout_s)
@@ -409,7 +409,7 @@ class RayLauncher:
 
     def restart(self, name: str, worker: RayWorker) -> bool:
         """Run a dead worker again if Ray may still restart its actor."""
-        if worker.restarts >= self.cfg.max_restarts or worker.spec.role == "decode":
+        if worker.restarts >= self.cfg.max_restarts or not worker.spec.role.restartable:
             return False  # a restarted decode worker would need new addresses at its prefill peers
         log.warning(
             "restarting worker %s (restart %d of %d)", name, worker.restarts + 1, self.cfg.max_restarts

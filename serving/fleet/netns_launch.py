@@ -159,7 +159,7 @@ class NetnsRayLauncher(RayLauncher):
                 actor = actor_class.options(
                     num_cpus=s.deployment.threads_per_worker * s.tp * s.dp,
                     resources={f"pdk_host_{self._host[s.name]}": 1},
-                    max_restarts=self.cfg.max_restarts if s.role != "decode" else 0,
+                    max_restarts=self.cfg.max_restarts if s.role.restartable else 0,
                 ).remote()
                 node_id, pid = ray.get(actor.where.remote(), timeout=self.cfg.start_timeout_s)
                 workers[s.name] = RayWorker(s.name, actor, s, None, node_id, pid)

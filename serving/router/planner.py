@@ -7,6 +7,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from engine.role import Role
 from serving.router.policy import ROLES, Router
 
 
@@ -50,9 +51,11 @@ class PlannerConfig:
                 at, worker, role = move
                 ok = not isinstance(at, bool) and isinstance(at, int | float) and at >= 0
                 ok = ok and isinstance(worker, str) and bool(worker) and role in ROLES
+                role = Role(role) if ok else role
             if not ok:
                 raise ValueError(
-                    f"{key}.switches: {move!r} is not allowed: each is [at_s >= 0, worker, role in {ROLES}]"
+                    f"{key}.switches: {move!r} is not allowed: each is [at_s >= 0, worker, role], role one "
+                    f"of {', '.join(ROLES)}"
                 )
             moves.append((float(at), worker, role))
         object.__setattr__(self, "switches", tuple(sorted(moves)))
@@ -140,14 +143,13 @@ class Planner:
         prefill_p, decode_p = self.pressures(router)
         count = {r: sum(1 for v in roles.values() if v == r) for r in ROLES}
         c = self.config
-        pressure = {"prefill": prefill_p or 0.0, "decode": decode_p or 0.0}
-        minimum = {"prefill": c.min_prefill, "decode": c.min_decode}
-        other = {"prefill": "decode", "decode": "prefill"}
+        pressure = {Role.PREFILL: prefill_p or 0.0, Role.DECODE: decode_p or 0.0}
+        minimum = {Role.PREFILL: c.min_prefill, Role.DECODE: c.min_decode}
         give = next(  # the role with room that can spare a worker for the one over its SLO
             (
                 r
                 for r in ROLES
-                if pressure[other[r]] > 1 and pressure[r] < c.headroom and count[r] > minimum[r]
+                if pressure[r.other] > 1 and pressure[r] < c.headroom and count[r] > minimum[r]
             ),
             None,
         )
@@ -158,13 +160,13 @@ class Planner:
         self.streak = (None, 0)
         self.quiet_until = now + c.patience * c.interval_s
         candidates = [w for w, r in roles.items() if r == give]
-        if give == "decode":
+        if give == Role.DECODE:
             pick = min(candidates, key=lambda w: (len(router.in_flight.get(w, ())) if router else 0, w))
         else:
             pick = min(candidates, key=lambda w: (router._ahead(w) if router else 0, w))
         self.why = (
             f"TTFT at {prefill_p:.2f}x its SLO, TPOT at {decode_p or 0:.2f}x"
-            if give == "decode"
+            if give == Role.DECODE
             else f"TPOT at {decode_p:.2f}x its SLO, TTFT at {prefill_p or 0:.2f}x"
         )
-        return pick, ("prefill" if give == "decode" else "decode")
+        return pick, give.other

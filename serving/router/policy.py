@@ -59,6 +59,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Iterable
 
+from engine.role import Role
 from serving.router.belief import Groups, Speed, apply_events, leading, page_names
 from serving.router.below import Below
 
@@ -68,7 +69,7 @@ BIAS_SAMPLES = 64  # and only the most recent this many
 PROBE_MIN_S, PROBE_MAX_S = 0.5, 10.0  # while all is refused, one is admitted every slo.ttft_s in these
 ADMISSIONS = ("none", "slo")
 CANNOT_FIT = "rejected: it cannot fit"  # a refusal whatever the load (what _admit says starts with it)
-ROLES = ("prefill", "decode")
+ROLES = (Role.PREFILL, Role.DECODE)  # an elastic worker's (Role.switchable)
 
 
 class Router:
@@ -473,10 +474,10 @@ class Router:
     def join(self, worker: str, role: str) -> None:
         """An elastic worker now serves role: decode (routed to) or prefill (chosen for prompts)."""
         if role not in ROLES:
-            raise ValueError(f"role={role!r} is not allowed: one of {ROLES}")
-        if role == "prefill" and worker not in self.prefill_workers:
+            raise ValueError(f"role={role!r} is not allowed: one of {', '.join(ROLES)}")
+        if role == Role.PREFILL and worker not in self.prefill_workers:
             self.prefill_workers.append(worker)
-        elif role == "decode" and worker not in self.workers:
+        elif role == Role.DECODE and worker not in self.workers:
             self.workers.append(worker)
             self.in_flight.setdefault(worker, set())
             self.cached.setdefault(worker, OrderedDict())

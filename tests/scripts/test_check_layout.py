@@ -81,3 +81,20 @@ def test_an_import_against_the_layers_is_named(tmp_path):
         "engine.llm imports serving.router.policy: engine may import only transfer, pdkernels",
         "serving.router.policy imports experiments.run: serving may import only engine, transfer, pdkernels",
     ]
+
+
+def test_a_role_compared_by_its_name_is_named(tmp_path):
+    """A worker's role is a Role: comparing something named role with a role's name is a breach; the
+    same names in other settings (a message's role, a simulator option) are not."""
+    for name, text in {
+        "serving/worker.py": 'def f(s, m):\n    return s.role != "prefill" or m.role in ("decode", "x")\n',
+        "serving/http/fields.py": 'def g(role):\n    return role == "assistant"\n',
+        "experiments/sim/simulate.py": 'def h(router):\n    return router == "decode"\n',
+        "engine/llm.py": "def k(role):\n    return role.sends_kv\n",
+    }.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert [line.split(": ", 1)[0] for line in check_layout.role_names(tmp_path)] == [
+        "serving/worker.py:2",
+        "serving/worker.py:2",
+    ]
