@@ -202,8 +202,20 @@ def storm(
         time.sleep(0.05)
     time.sleep(1.0)  # the prefill workers' last Loads (their counters) after the pages came back
     m = _metrics(server.url)
+    give_up = time.monotonic() + FREE_WITHIN_S
+    while any(v for k, v in m.items() if k[0] == "pdk_handoff_requests") and time.monotonic() < give_up:
+        time.sleep(0.1)  # a Load that still counted a request in a state: the next one
+        m = _metrics(server.url)
     wasted = sum(v for k, v in m.items() if k[0] == "pdk_prompt_tokens_after_cancel_total")
     cut = sum(v for k, v in m.items() if k[0] == "pdk_prefills_cancelled_total")
+    held = sum(v for k, v in m.items() if k[0] == "pdk_handoff_requests")  # in any hand-off state now
+    ends = {}  # the hand-off's ways out, per side (transfer/handoff.py): "side to_state (cause)" -> count
+    for k, v in m.items():
+        if k[0] == "pdk_handoff_transitions_total" and v:
+            labels = dict(k[1])
+            if labels["to_state"] in ("decoding", "recomputing", "freed", "sent", "ended"):
+                key = f"{labels['side']} {labels['to_state']} ({labels['cause']})"
+                ends[key] = ends.get(key, 0) + int(v)
     after = [client.clean(p) for p in clean]
     return {
         "requests": requests,
@@ -214,6 +226,8 @@ def storm(
         "pages_free_after_s": None if free_at is None else round(max(0.0, free_at - last_left), 2),
         "prompt_tokens_after_cancel": int(wasted),
         "cancelled_at_prefill": int(cut),  # requests whose client left while the prefill worker held them
+        "handoff_held_after": int(held),  # requests in a hand-off state once every page was free (0)
+        "handoff_ends": dict(sorted(ends.items(), key=lambda kv: -kv[1])),
         "texts_identical": [t for t, _ in before] == [t for t, _ in after],
         "ttft_before_ms": round(1000 * statistics.median(t for _, t in before), 1),
         "ttft_after_ms": round(1000 * statistics.median(t for _, t in after), 1),
@@ -254,12 +268,13 @@ def main(argv=None) -> int:
     print(f"\n{meta['machine']}")
     columns = (
         "deployment", "ended/requests", "cancelled at prefill", "pages free after last client (s)",
-        "prompt tokens after cancel", "clean texts identical", "clean TTFT p50 before -> after ms",
+        "prompt tokens after cancel", "held in a hand-off state after", "clean texts identical",
+        "clean TTFT p50 before -> after ms",
     )  # fmt: skip
     print(" | ".join(columns))
     for name, r in rows.items():
         cells = (name, f"{r['ended']}/{r['requests']}", r["cancelled_at_prefill"], r["pages_free_after_s"],
-                 r["prompt_tokens_after_cancel"], r["texts_identical"],
+                 r["prompt_tokens_after_cancel"], r["handoff_held_after"], r["texts_identical"],
                  f"{r['ttft_before_ms']} -> {r['ttft_after_ms']}")  # fmt: skip
         print(" | ".join(str(c) for c in cells))
     return 0

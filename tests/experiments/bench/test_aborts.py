@@ -22,4 +22,5 @@ def test_a_small_abort_storm_leaves_nothing_behind(short_tmp, tmp_path, monkeypa
     assert r["ended"] == 40 and set(r["outcomes"]) <= {"left", "finished", "error in stream"}, r
     assert r["pages_free_after_s"] is not None, r  # every page on every worker came back
     assert r["prompt_tokens_after_cancel"] == 0, r
+    assert r["handoff_held_after"] == 0 and r["handoff_ends"], r  # every request left the hand-off
     assert r["texts_identical"], r
