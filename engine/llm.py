@@ -289,7 +289,7 @@ class LLM:
         counter here; a decode role reached this way replays no CUDA graphs (none were captured)."""
         role = Role.parse(role)
         if self.seqs or self.has_unfinished() or self.scheduler.reserved or self.scheduler.refetching:
-            raise ValueError(f"set_role({role!r}) needs an idle engine; {len(self.seqs)} requests are here")
+            raise ValueError(f"set_role('{role}') needs an idle engine; {len(self.seqs)} requests are here")
         config = replace(self.config.scheduler, role=role)
         self.core.config = replace(self.config, scheduler=config)
         self.scheduler.config = config

@@ -455,5 +455,5 @@ def test_set_role_keeps_the_weights_and_changes_only_what_the_role_does():
     llm.step()  # hands the aborted request back
     llm.set_role("prefill")
     assert llm.scheduler.propose is None and llm.config.scheduler.role == "prefill"
-    with pytest.raises(ValueError, match="role='router' is not allowed"):
+    with pytest.raises(ValueError, match="role must be one of prefill, decode, colocated, got 'router'"):
         llm.set_role("router")

@@ -118,7 +118,7 @@ def test_scripted_switches_run_at_their_times_planner_or_not():
         ({"min_decode": 0}, "deployment.planner.min_decode=0 is not allowed: an integer >= 1"),
         ({"headroom": 2}, "deployment.planner.headroom=2 is not allowed: a number in (0, 1]"),
         ({"switches": [[1, "d0"]]}, "deployment.planner.switches: [1, 'd0'] is not allowed"),
-        ({"switches": [[-1, "d0", "prefill"]]}, "each is [at_s >= 0, worker, role in ('prefill', 'decode')]"),
+        ({"switches": [[-1, "d0", "prefill"]]}, "worker, role], role one of prefill, decode"),
         ({"switches": [[1, "d0", "colocated"]]}, "is not allowed"),
     ],
 )
