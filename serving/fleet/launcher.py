@@ -274,17 +274,31 @@ class _Actor:
 
 
 _cluster = None  # the local cluster this process started (ray.local_nodes), shut down at exit
+_shape = None  # what connect() connected this process to: (address, local nodes, CPUs each, role resources)
+
+
+def _shape_of(cfg: RayConfig) -> tuple:
+    if cfg.address is not None:
+        return (cfg.address,)
+    roles = tuple(sorted((str(k), str(v)) for k, v in cfg.role_resources.items()))
+    return (None, cfg.local_nodes, cfg.cpus_per_node, roles)
 
 
 def connect(cfg: RayConfig) -> None:
     """ray.init once per process: to cfg.address, or to a local cluster of cfg.local_nodes nodes on
     127.0.0.1 (node 0 has the prefill resource, the others the decode one; every node the colocated
-    one, if set)."""
-    global _cluster
+    one, if set). Connected already to another cluster than cfg asks for (another address, or a local one
+    of other nodes), this process leaves it first: a run placed on the wrong cluster waits for room it
+    never gets. Connected by someone else (ray.init), it stays."""
+    global _cluster, _shape
     import ray
 
-    if ray.is_initialized():
+    if ray.is_initialized() and _shape in (None, _shape_of(cfg)):
         return
+    if ray.is_initialized():
+        log.warning("leaving the Ray cluster this process used (%s) for the one asked for now", _shape)
+        disconnect()
+    _shape = _shape_of(cfg)
     if cfg.address is not None:
         ray.init(address=cfg.address, log_to_driver=False)
         return
@@ -323,9 +337,10 @@ def connect(cfg: RayConfig) -> None:
 
 
 def disconnect() -> None:
-    global _cluster
+    global _cluster, _shape
     import ray
 
+    _shape = None
     ray.shutdown()
     if _cluster is not None:
         _cluster.shutdown()

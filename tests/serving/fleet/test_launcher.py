@@ -70,6 +70,20 @@ def test_1p1d_across_two_nodes_from_the_command_line_gives_the_colocated_tokens(
     assert colocated["workers"][0]["node_id"] in {w["node_id"] for w in workers.values()}
 
 
+def test_a_run_that_asks_for_another_local_cluster_gets_it():
+    """This process connected to a one-node cluster; a config that asks for two nodes leaves it for a new
+    one (it used to keep the first, where a run placing two roles on two nodes waited for room)."""
+    launcher.connect(RayConfig(local_nodes=1))
+    try:
+        assert len([n for n in ray.nodes() if n["Alive"]]) == 1
+        launcher.connect(RayConfig(local_nodes=2))
+        assert len([n for n in ray.nodes() if n["Alive"]]) == 2
+        launcher.connect(RayConfig(local_nodes=2))  # the same again: kept
+        assert launcher._cluster is not None and len([n for n in ray.nodes() if n["Alive"]]) == 2
+    finally:
+        launcher.disconnect()
+
+
 def test_the_local_clusters_workers_serve_at_full_priority():
     """Ray starts its workers at nice 15: beside a busy machine (the rest of the suite) an actor took over
     two minutes to import its module and the command line's run above failed. The local cluster's are
