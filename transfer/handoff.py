@@ -27,7 +27,6 @@ Prefill side (transfer/prefill.py's PrefillMessenger):
 from __future__ import annotations
 
 import logging
-import time
 from collections import Counter
 from collections.abc import Hashable
 from enum import StrEnum
@@ -136,7 +135,6 @@ class Handoff(Generic[S]):
     def __init__(self, side: str, moves: dict[S | None, frozenset[S]]):
         self.side, self.moves = side, moves
         self._state: dict[Hashable, S] = {}
-        self._since: dict[Hashable, float] = {}
         self.records: dict[Hashable, object] = {}
         self.transitions: Counter[tuple[str, str, str]] = Counter()  # (from, to, cause) -> times
 
@@ -149,10 +147,6 @@ class Handoff(Generic[S]):
     def state(self, key: Hashable) -> S | None:
         return self._state.get(key)
 
-    def since(self, key: Hashable) -> float:
-        """When the request entered its state (time.monotonic)."""
-        return self._since[key]
-
     def move(
         self, key: Hashable, to: S, cause: Cause, record: object = None, rename: Hashable = None
     ) -> None:
@@ -162,17 +156,16 @@ class Handoff(Generic[S]):
         old = self._state.get(key)
         if to not in self.moves.get(old, ()):
             raise RuntimeError(f"{self.side} hand-off: {key!r} cannot move from {old} to {to} ({cause})")
+        held = rename if rename is not None else key
+        if held != key and held in self._state:
+            raise RuntimeError(f"{self.side} hand-off: {held!r} is held already ({self._state[held]})")
         self.transitions[str(old or "new"), str(to), str(cause)] += 1
         log.debug("%s %r: %s -> %s (%s)", self.side, key, old or "new", to, cause)
-        if record is None:
-            record = self.records.get(key)
-        self._state.pop(key, None), self._since.pop(key, None), self.records.pop(key, None)
-        if to in ENDS:
-            return
-        key = key if rename is None else rename
-        if key in self._state:
-            raise RuntimeError(f"{self.side} hand-off: {key!r} is held already ({self._state[key]})")
-        self._state[key], self._since[key], self.records[key] = to, time.monotonic(), record
+        record = self.records.pop(key, None) if record is None else record
+        self._state.pop(key, None)
+        self.records.pop(key, None)
+        if to not in ENDS:
+            self._state[held], self.records[held] = to, record
 
     def keys(self, *states: S) -> list[Hashable]:
         """The keys in any of states (every key if none is named), oldest move first."""

@@ -246,9 +246,14 @@ def test_a_move_the_table_does_not_list_raises_and_changes_nothing():
     assert handoff.state("r") is D.REQUESTED and handoff.records["r"] == "pending"
     handoff.move("r", D.FAILED, Cause.DEADLINE)
     assert handoff.transitions == {("new", "requested", "sent"): 1, ("requested", "failed", "deadline"): 1}
+    handoff.move("s", D.REQUESTED, Cause.SENT)
+    with pytest.raises(RuntimeError, match="'r' is held already"):
+        handoff.move("s", D.FAILED, Cause.DEADLINE, rename="r")  # fenced under a name in use
+    assert handoff.state("s") is D.REQUESTED and handoff.state("r") is D.FAILED
+    handoff.move("s", D.FAILED, Cause.DEADLINE)
     stats = handoff_stats([handoff])
-    assert stats["handoff"] == {"decode.requested": 0, "decode.failed": 1}
-    assert stats["handoff_moves"] == {"decode|new|requested|sent": 1, "decode|requested|failed|deadline": 1}
+    assert stats["handoff"] == {"decode.requested": 0, "decode.failed": 2}
+    assert stats["handoff_moves"] == {"decode|new|requested|sent": 2, "decode|requested|failed|deadline": 2}
 
 
 def test_a_request_id_held_on_the_decode_side_is_refused_again_until_it_leaves(pair):
