@@ -26,6 +26,11 @@ class Traits:
     switchable: bool  # an elastic worker may move it to the other disaggregated role
 
 
+def _trait(name: str) -> property:
+    """A Role's attribute read from its Traits (a property: not an enum member)."""
+    return property(lambda role: getattr(_TRAITS[role], name), doc=f"Traits.{name} of the role")
+
+
 class Role(StrEnum):
     PREFILL = "prefill"
     DECODE = "decode"
@@ -43,29 +48,12 @@ class Role(StrEnum):
     def traits(self) -> Traits:
         return _TRAITS[self]
 
-    @property
-    def prefills(self) -> bool:
-        return _TRAITS[self].prefills
-
-    @property
-    def samples(self) -> bool:
-        return _TRAITS[self].samples
-
-    @property
-    def sends_kv(self) -> bool:
-        return _TRAITS[self].sends_kv
-
-    @property
-    def receives_kv(self) -> bool:
-        return _TRAITS[self].receives_kv
-
-    @property
-    def restartable(self) -> bool:
-        return _TRAITS[self].restartable
-
-    @property
-    def switchable(self) -> bool:
-        return _TRAITS[self].switchable
+    prefills = _trait("prefills")
+    samples = _trait("samples")
+    sends_kv = _trait("sends_kv")
+    receives_kv = _trait("receives_kv")
+    restartable = _trait("restartable")
+    switchable = _trait("switchable")
 
     @property
     def other(self) -> Role:
