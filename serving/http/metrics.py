@@ -100,7 +100,7 @@ class Metrics:
         self.cached_pages = Gauge(
             "pdk_prefix_cached_pages", "KV pages a worker's prefix cache names", ["worker"], registry=r
         )
-        self._preemption_seen: dict[tuple[str, str], int] = {}
+        self._seen: dict[tuple[str, str], int] = {}  # (worker, counter) -> its total at the last scrape
         self._handoff_labels: set[tuple[str, ...]] = set()  # (worker, side, state) of pdk_handoff_requests
         # per worker and tier below device memory (kv_tiers), from its Load reports
         self.tier_counters = {
@@ -242,9 +242,7 @@ class Metrics:
                     gauge.remove(name)
                 except KeyError:
                     pass
-            for labels in [k for k in self._handoff_labels if k[0] == name]:
-                self._handoff_labels.discard(labels)
-                self.handoff.remove(*labels)
+            self._drop_handoff(name)
         self.roles.clear()
         self.routed.clear()
         for name, held in list(self.runtime.router.in_flight.items()):
@@ -262,24 +260,29 @@ class Metrics:
             self.waiting.labels(name).set(load.waiting)
             self.cached_pages.labels(name).set(load.cached_pages)
             for key, counter in self.preemption_counters.items():
-                now, seen = getattr(load, key), self._preemption_seen.get((name, key), 0)
-                counter.labels(name).inc(now - seen if now >= seen else now)  # < seen: restarted
-                self._preemption_seen[name, key] = now
-            for labels in [k for k in self._handoff_labels if k[0] == name]:  # its side may have changed
-                self._handoff_labels.discard(labels)
-                self.handoff.remove(*labels)
+                counter.labels(name).inc(self._added(name, key, getattr(load, key)))
+            self._drop_handoff(name)  # its side may have changed (a role switch)
             for key, n in load.handoff.items():
                 labels = (name, *key.split(".", 1))
                 self.handoff.labels(*labels).set(n)
                 self._handoff_labels.add(labels)
-            for key, now in load.handoff_moves.items():
-                seen = self._preemption_seen.get((name, key), 0)
-                self.handoff_moves.labels(name, *key.split("|", 3)).inc(now - seen if now >= seen else now)
-                self._preemption_seen[name, key] = now
+            for key, total in load.handoff_moves.items():
+                self.handoff_moves.labels(name, *key.split("|", 3)).inc(self._added(name, key, total))
             for tier, c in load.kv_tiers.items():
                 self.tier_pages.labels(name, tier).set(c.pages)
                 for key, counter in self.tier_counters.items():
-                    now, seen = getattr(c, key), self._preemption_seen.get((name, f"{tier}.{key}"), 0)
-                    counter.labels(name, tier).inc(now - seen if now >= seen else now)
-                    self._preemption_seen[name, f"{tier}.{key}"] = now
+                    counter.labels(name, tier).inc(self._added(name, f"{tier}.{key}", getattr(c, key)))
         return generate_latest(self.registry)
+
+    def _added(self, name: str, key: str, total: int) -> int:
+        """What worker name's running total of a counter (from its Load) added since the last scrape; a
+        total below the last one is a restarted worker's (or a new messenger's), counted from 0."""
+        seen = self._seen.get((name, key), 0)
+        self._seen[name, key] = total
+        return total - seen if total >= seen else total
+
+    def _drop_handoff(self, name: str) -> None:
+        """Worker name's hand-off gauges go (it died, or its next Load sets them afresh)."""
+        for labels in [k for k in self._handoff_labels if k[0] == name]:
+            self._handoff_labels.discard(labels)
+            self.handoff.remove(*labels)
