@@ -241,9 +241,13 @@ class PrefillMessenger:
             if t.channel is channel:
                 self.abort(t.req.request_id, reason, cause)
         for req, queued in [(r, c) for r, c in self._waiting if c is channel]:  # never started: end now
-            self._waiting.remove((req, queued))
-            self.handoff.move(_key(req), State.ENDED, cause)
-            self._tell(channel, Ended(req.request_id, req.seq, f"aborted: {reason}"))
+            self._unqueue(req, queued, reason, cause)
+
+    def _unqueue(self, req: PrefillRequest, channel, reason: str, cause: Cause) -> None:
+        """A queued request (never started here) ends: out of the queue, ENDED, and its decode worker told."""
+        self._waiting.remove((req, channel))
+        self.handoff.move(_key(req), State.ENDED, cause)
+        self._tell(channel, Ended(req.request_id, req.seq, f"aborted: {reason}"))
 
     def abort(self, request_id: str, reason: str, cause: Cause = Cause.ABORTED) -> None:
         """Stop a request from this side: no post for it starts after this; Ended tells the decode side."""
@@ -268,9 +272,7 @@ class PrefillMessenger:
         decode worker's Abort comes (that worker busy or frozen): stop it as that Abort would, and tell the
         decode worker Ended. A request queued here goes at once; one not here is no one's business."""
         for req, channel in [(r, c) for r, c in self._waiting if r.request_id == request_id]:
-            self._waiting.remove((req, channel))
-            self.handoff.move(_key(req), State.ENDED, Cause.CANCELLED)
-            self._tell(channel, Ended(request_id, req.seq, "aborted: the client went away"))
+            self._unqueue(req, channel, "the client went away", Cause.CANCELLED)
         t = self.transfers.get(request_id)
         if t is not None and self._cancelled(t, at):
             self.abort(request_id, "the client went away", Cause.CANCELLED)
@@ -350,9 +352,7 @@ class PrefillMessenger:
         request itself, should it still arrive (a reordered channel), is dropped."""
         waiting = [(r, c) for r, c in self._waiting if r.request_id == msg.request_id and c is channel]
         if waiting and waiting[0][0].seq == msg.seq:  # never started here: gone from the queue
-            self._waiting.remove(waiting[0])
-            self.handoff.move(_key(msg), State.ENDED, Cause.CANCELLED if msg.cancelled_at else Cause.ABORTED)
-            self._tell(channel, Ended(msg.request_id, msg.seq, f"aborted: {msg.reason}"))
+            self._unqueue(*waiting[0], msg.reason, Cause.CANCELLED if msg.cancelled_at else Cause.ABORTED)
             return
         t = self.transfers.get(msg.request_id)
         ended = self._ended_passes.pop((msg.request_id, msg.seq), None)
