@@ -350,8 +350,7 @@ class DecodeMessenger:
     def abort(self, request_id: str, reason: str = "aborted by the decode worker", cancelled_at: float = 0.0):
         """Stop a request whose KV is on its way (cancelled_at: when its client went away, time.time(),
         for the prefill side's count of work done for nobody); its pages free once nothing can land."""
-        if self.handoff.state(request_id) in IN_FLIGHT:
-            p = self.handoff.records[request_id]
+        if (p := self.handoff.record(request_id, *IN_FLIGHT)) is not None:
             cause = Cause.CANCELLED if cancelled_at else Cause.ABORTED
             self._fail(request_id, p, reason, cause, cancelled_at=cancelled_at)
 
@@ -368,14 +367,10 @@ class DecodeMessenger:
                     continue
                 rid = msg.request_id
                 state = self.handoff.state(rid)
-                p = self.handoff.records[rid] if state in (*IN_FLIGHT, State.FAILED) else None
-                fenced = _fenced(rid, msg.seq)
-                if (
-                    isinstance(msg, Ended)
-                    and fenced in self.handoff
-                    and self.handoff.records[fenced].peer is peer
-                ):
-                    self._unfence(fenced, Cause.SETTLED)  # back, and done writing its pages
+                p = self.handoff.record(rid, *IN_FLIGHT, State.FAILED)
+                fenced = self.handoff.record(_fenced(rid, msg.seq), State.FENCED)
+                if isinstance(msg, Ended) and fenced is not None and fenced.peer is peer:
+                    self._unfence(_fenced(rid, msg.seq), Cause.SETTLED)  # back, and done writing its pages
                 elif p is None or p.peer is not peer or p.seq != msg.seq:
                     self.dropped["control message for a request the peer does not own"] += 1
                 elif isinstance(msg, Accepted):
@@ -419,7 +414,7 @@ class DecodeMessenger:
         except ValueError:
             self.dropped["malformed notification"] += 1
             return
-        p = self.handoff.records[rid] if self.handoff.state(rid) in IN_FLIGHT else None
+        p = self.handoff.record(rid, *IN_FLIGHT)
         if p is None or p.seq != seq:
             self.dropped["notification for no live transfer"] += 1
         elif agent not in p.peer.hello.agents:

@@ -167,6 +167,10 @@ class Handoff(Generic[S]):
         if to not in ENDS:
             self._state[held], self.records[held] = to, record
 
+    def record(self, key: Hashable, *states: S) -> object | None:
+        """key's record while it is in one of states, else None."""
+        return self.records[key] if self._state.get(key) in states else None
+
     def keys(self, *states: S) -> list[Hashable]:
         """The keys in any of states (every key if none is named), oldest move first."""
         return [k for k, s in self._state.items() if not states or s in states]
