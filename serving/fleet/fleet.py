@@ -245,12 +245,15 @@ class Fleet:
     def deaths(self) -> list[tuple[str, int | None]]:
         """(name, exit code) of the workers found dead since the last call. Each is restarted if its
         launcher may (it comes back with a Ready that receive() passes on); until then it takes no
-        requests. A dead prefill worker's decode peers are told (PeerDead): they end its requests."""
+        requests. A dead prefill worker's decode peers are told (PeerDead): they end its requests. A
+        restarted worker that dies again before its Ready (or whose restart failed) is a death too: it
+        was missed, and its decode peers held their requests for it until their wait ran out."""
         out = []
         for name, proc in self.procs.items():
-            if name in self.dead or proc.is_alive():
+            if (name in self.dead and name not in self.restarting) or proc.is_alive():
                 continue
             self.dead.add(name)
+            self.restarting.discard(name)
             code, pid = proc.exitcode, proc.pid
             self.switching.pop(name, None)  # a move it was making is over
             self.releasing.pop(name, None)

@@ -201,7 +201,9 @@ class RayWorker:
     def is_alive(self) -> bool:
         import ray
 
-        if self._exitcode is None and ray.wait([self._run], timeout=0)[0]:
+        if self._run is None:  # restarting: run() goes once the restarted actor answered where()
+            self.where()
+        if self._exitcode is None and self._run is not None and ray.wait([self._run], timeout=0)[0]:
             try:
                 ray.get(self._run)
                 self._exitcode = 0
@@ -216,12 +218,16 @@ class RayWorker:
         return self._exitcode
 
     def rerun(self) -> None:
-        """Run the worker again on its restarted actor (Ray holds the calls until the actor is back;
-        they run in order: where() answers before run() starts)."""
+        """Run the worker again on its restarted actor. Ray fails a call sent while the actor is still
+        restarting ("The actor is restarting": ActorUnavailableError) unless the call may be retried; a
+        driver that learns of the death before the new process is up sends it then (under load, it
+        did: the run() failed, nothing noticed, and the decode worker held its requests for a restart
+        that never came). So where() goes with retries (it only answers) and run(), which must run at
+        most once, goes when where() has answered: the actor is back."""
         self.restarts += 1
         self._exitcode = None
-        self._where = self.actor.where.remote()
-        self._run = self.actor.run.remote(self.spec)
+        self._where = self.actor.where.options(max_task_retries=-1).remote()
+        self._run = None
 
     def where(self) -> dict:
         import ray
@@ -229,8 +235,12 @@ class RayWorker:
         if self._where is not None and ray.wait([self._where], timeout=0)[0]:
             try:
                 self.node_id, self.pid = ray.get(self._where)
-            except Exception as e:  # it died again before it answered
+                if self._run is None:
+                    self._run = self.actor.run.remote(self.spec)
+            except Exception as e:  # it died for good (no restart left) before it answered
                 log.warning("worker %s did not come back: %s", self.name, type(e).__name__)
+                if self._run is None:
+                    self._exitcode = 1
             self._where = None
         return {"node_id": self.node_id, "pid": self.pid}
 

@@ -96,6 +96,63 @@ def test_the_local_clusters_workers_serve_at_full_priority():
         launcher.disconnect()  # (the killed-prefill-actor test did: nowhere to place its decode worker)
 
 
+def _until(done, what: str, within_s: float = 600.0) -> None:
+    """Wait for an event (a ceiling, not a speed check)."""
+    give_up = time.monotonic() + within_s
+    while not done():
+        assert time.monotonic() < give_up, f"still waiting for {what}"
+        time.sleep(0.02)
+
+
+def test_a_worker_whose_actor_restarts_slower_than_the_driver_notices_runs_again(tmp_path):
+    """Ray fails a call sent to an actor that is still restarting (ActorUnavailableError: "The actor is
+    restarting") unless the call may be retried. Beside the rest of the slow tests the restarted prefill
+    actor took longer to come up than the driver took to see its death, rerun()'s run() failed, nothing
+    noticed, and the decode worker held every request for a restart that never came. Here the restart
+    waits on a gate the test opens only after rerun(): the worker runs again, seen alive throughout."""
+    gate, ran, began = tmp_path / "gate", tmp_path / "ran", tmp_path / "restart-began"
+
+    class SlowToRestart:  # launcher._Actor's two calls; defined here so that Ray ships it by value
+        def __init__(self):
+            if ray.get_runtime_context().was_current_actor_reconstructed:
+                began.write_text(str(os.getpid()))
+                while not gate.exists():
+                    time.sleep(0.01)
+
+        def where(self):
+            return ray.get_runtime_context().get_node_id(), os.getpid()
+
+        def run(self, spec):
+            with open(ran, "a") as f:
+                f.write(f"{os.getpid()}\n")
+            while True:  # a worker serves until it is stopped (here: killed)
+                time.sleep(1)
+
+    launcher.connect(RayConfig(local_nodes=1))
+    actor = ray.remote(num_cpus=0, max_restarts=1)(SlowToRestart).remote()
+    try:
+        node_id, pid = ray.get(actor.where.remote(), timeout=600)
+        worker = launcher.RayWorker("prefill-0", actor, "spec", None, node_id, pid)
+        _until(lambda: ran.exists() and ran.read_text().split() == [str(pid)], "the first run")
+        os.kill(pid, signal.SIGKILL)
+        _until(lambda: not worker.is_alive(), "the death to be seen")
+        _until(began.exists, "Ray to begin the restart")  # the new process is up, the actor not yet back
+        worker.rerun()
+        assert worker.is_alive()
+        gate.write_text("")
+
+        def ran_again():
+            assert worker.is_alive(), "the run on the restarted actor failed"
+            return len(ran.read_text().split()) == 2
+
+        _until(ran_again, "the run on the restarted actor")
+        assert worker.where()["pid"] == int(began.read_text()) == int(ran.read_text().split()[1])
+        assert worker.is_alive() and worker.exitcode is None
+    finally:
+        ray.kill(actor, no_restart=True)
+        launcher.disconnect()
+
+
 @pytest.mark.slow  # make test-all; make test keeps the restart under the local launcher (test_run.py)
 def test_a_killed_prefill_actor_loses_no_request_frees_decode_pages_and_comes_back(tmp_path):
     """SIGKILL the prefill actor after the first result: the requests it had in flight are not lost but
