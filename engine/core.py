@@ -156,7 +156,7 @@ class EngineCore:
         if seq.request_id in self.seqs:
             raise ValueError(f"request_id {seq.request_id!r} is already in use (until forget)")
         self.seqs[seq.request_id] = seq
-        self.scheduler.refetching[seq.request_id] = seq
+        self.scheduler.resume(seq)
 
     def submit(self, seq: Sequence) -> str:
         """Queue a checked sequence (make_sequence's) with the scheduler; its request_id."""

@@ -38,7 +38,7 @@ class DecodeHandoff:
         Raises engine.kv.cache.OutOfPages (taking nothing) when the free pages, after this reservation,
         would not cover the growth every admitted request is owed (SchedulerConfig.reserved_tokens), and
         no client over its share gives way (engine/fair.py)."""
-        seq = self.core.scheduler.refetching.get(request_id) if request_id is not None else None
+        seq = self.core.scheduler.refetched(request_id) if request_id is not None else None
         if seq is None:
             if params is not None and params.n > 1:
                 raise ValueError(f"n={params.n}: reserve takes one completion (add each, with after)")
@@ -62,8 +62,8 @@ class DecodeHandoff:
 
     def reserved_below(self, request_id: str) -> int:
         """Pages of a reserved request loading from below device memory (reserve's), 0 if none."""
-        loading = self.core.scheduler.loading.get(request_id)
-        return len(loading[1].plan) if loading is not None else 0
+        seq = self.core.seqs.get(request_id)
+        return len(seq.load.plan) if seq is not None and seq.load is not None else 0
 
     def admit_prefilled(self, request_id: str, context: torch.Tensor | None = None) -> None:
         """Decode role: every write has landed; the pages now belong to the running request. context: the
@@ -87,11 +87,11 @@ class DecodeHandoff:
     def set_aside(self, request_id: str, owner: str) -> None:
         """A stopped request's pages, which a transfer may still write, held under owner (a name no
         request uses: `release(owner)` frees them) so that request_id can be sent again meanwhile."""
-        self.core.scheduler.reserved.pop(request_id, None)
+        self.core.scheduler.unreserve(request_id)
         self.core.allocator.rename(request_id, owner)
 
     def release(self, request_id: str) -> None:
         """The request's KV is no longer moving (sent, or its transfer ended): unpin and free its pages."""
-        self.core.scheduler.reserved.pop(request_id, None)  # its pages are owed nothing more
+        self.core.scheduler.unreserve(request_id)  # its pages are owed nothing more
         self.core.allocator.unpin(request_id)
         self.core.allocator.free(request_id)

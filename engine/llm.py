@@ -288,7 +288,7 @@ class LLM:
         ended and been handed back by step() (ValueError otherwise). The prefill role gets its layer
         counter here; a decode role reached this way replays no CUDA graphs (none were captured)."""
         role = Role.parse(role)
-        if self.seqs or self.has_unfinished() or self.scheduler.reserved or self.scheduler.refetching:
+        if self.seqs or self.has_unfinished() or self.scheduler.aside:
             raise ValueError(f"set_role('{role}') needs an idle engine; {len(self.seqs)} requests are here")
         config = replace(self.config.scheduler, role=role)
         self.core.config = replace(self.config, scheduler=config)

@@ -18,6 +18,10 @@ request waits only while the others are within their share, never for their long
 pages no one is owed, or is preempted: its KV is dropped and recomputed here later, or (decode role,
 preemption "refetch") handed back to the worker, which asks a prefill worker for prompt + outputs again,
 so that a decode step never carries a whole prompt.
+Where each sequence is, is its status (engine/sequence.py Status): the queues `waiting` and `running`
+hold WAITING and RUNNING ones, and `aside` every other: LOADING (its pages come up from below device
+memory), AWAITING_KV and AWAITING_LOADS (decode role: a prefill worker writes its KV; then its loads from
+below land), REFETCH and REFETCHING (decode role: preempted, its KV to be fetched again).
 Prefix caching (salt set): a sequence that starts holding no pages first looks up the names of its full
 pages (engine/kv/cache.py); the leading ones that are cached are shared and count as computed, but at
 least its last `min_compute` tokens are computed (the one that samples; two when an MTP head needs the
@@ -34,7 +38,7 @@ from engine.budget import SloBudget, decode_state
 from engine.config import SchedulerConfig
 from engine.fair import Shares
 from engine.kv.cache import PageAllocator, page_hashes, request_salt
-from engine.kv.tiers import KVTiers, Load
+from engine.kv.tiers import KVTiers
 from engine.role import Role
 from engine.sequence import Sequence, Status
 
@@ -83,16 +87,12 @@ class Scheduler:
         self.num_prefix_hits = 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.reserved: dict[str, Sequence] = {}  # decode role: pinned pages, waiting for their KV to land
-        self.refetching: dict[str, Sequence] = {}  # decode role: preempted, for the worker to fetch again
-        self._refetch_new: list[Sequence] = []  # ... not yet handed to the worker (take_refetches)
+        self.aside: dict[str, Sequence] = {}  # in neither queue, waiting for KV from elsewhere: see status
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0  # tokens computed again here because a preemption dropped their KV
         self.num_refetched_tokens = 0  # tokens whose KV a preemption dropped, to be fetched again
         self.propose = None  # speculative decoding: seq -> draft token ids for its next decode step
         self.tiers: KVTiers | None = None  # KV below device memory (engine/kv/tiers.py)
-        self.loading: dict[str, tuple[Sequence, Load]] = {}  # admitted, its cached pages coming up
-        self.prefilled: set[str] = set()  # decode role: sent KV landed, pages below still loading
         self._candidates = 0  # has_room: a sequence not yet queued that asks for room
         self.budget = (  # an SLO-driven step budget (engine/budget.py), or None: the fixed one
             SloBudget(config.step_target_s, config.max_num_batched_tokens)
@@ -111,21 +111,54 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def _set_aside(self, seq: Sequence, status: Status) -> None:
+        seq.status = status
+        self.aside[seq.request_id] = seq
+
+    def _take(self, seq: Sequence, status: Status) -> None:
+        """Back from aside, into the queue status names (at its end: RUNNING; at its front: WAITING)."""
+        del self.aside[seq.request_id]
+        seq.status = status
+        if status is Status.RUNNING:
+            self.running.append(seq)
+        else:
+            self.waiting.appendleft(seq)
+
+    def in_state(self, *statuses: Status) -> list[Sequence]:
+        """The sequences set aside in any of these states, in the order they were set aside."""
+        return [s for s in self.aside.values() if s.status in statuses]
+
+    def resume(self, seq: Sequence) -> None:
+        """Decode role: seq resumes with outputs (a migrated or handed-back request); the worker fetches
+        its KV: it waits, holding no pages, to reserve them as a refetched one does."""
+        self._set_aside(seq, Status.REFETCHING)
+
+    def refetched(self, request_id: str) -> Sequence | None:
+        """The preempted (or resumed) sequence whose KV the worker fetches again under this id, if any."""
+        seq = self.aside.get(request_id)
+        return seq if seq is not None and seq.status in (Status.REFETCH, Status.REFETCHING) else None
+
     def reserve(self, seq: Sequence, hit: list[int]) -> None:
         """Decode role: seq starts with the cached pages hit (lookup's) and its other pages are reserved
         (pinned) for KV a prefill worker writes; it counts as admitted from now on. The caller checked
         has_room(seq, hit)."""
-        self.refetching.pop(seq.request_id, None)
         seq.admitted_at = seq.num_tokens
         self._start(seq, hit)
         seq.num_computed = 0  # nothing runs before admit_prefilled
-        self.reserved[seq.request_id] = seq
+        self._set_aside(seq, Status.AWAITING_KV)
+
+    def unreserve(self, request_id: str) -> None:
+        """Decode role: a reserved sequence's pages are owed nothing more (released, or held elsewhere
+        for a transfer that may still write them)."""
+        seq = self.aside.get(request_id)
+        if seq is not None and seq.status is Status.AWAITING_KV:
+            del self.aside[request_id]
 
     def load_reserved(self, seq: Sequence, within_s: float) -> None:
         """Decode role: start loading the reserved seq's next leading pages found below device memory
         (after its device hits) instead of having them sent: as many as kv_tiers.decode_loads allows
         ("cost": while their expected load time stays within within_s, the time the transfer is
-        expected to take). Its entry in `loading` says how many (no prefill worker needs to send them)."""
+        expected to take). Its `load` says how many (no prefill worker needs to send them)."""
         if self.tiers is None or self.tiers.config.decode_loads == "never":
             return
         below = self._below(seq, seq.pages_named)
@@ -143,34 +176,38 @@ class Scheduler:
     def admit_prefilled(self, seq: Sequence) -> None:
         """Decode role: seq's pages hold the KV of all its tokens but the last (a prompt's, or a
         refetched sequence's prompt and outputs); its next step runs that token and samples. Pages it
-        loads from below (load_reserved) must land first: until then it waits in `loading`."""
-        self.reserved.pop(seq.request_id, None)
-        if seq.request_id in self.loading:
-            self.prefilled.add(seq.request_id)
+        loads from below (load_reserved) must land first: until then it is AWAITING_LOADS."""
+        if seq.load is not None:
+            self._set_aside(seq, Status.AWAITING_LOADS)
             return
-        seq.num_computed, seq.status = seq.num_tokens - 1, Status.RUNNING
-        self.running.append(seq)
+        seq.num_computed = seq.num_tokens - 1
+        self._take(seq, Status.RUNNING)
 
     def recompute(self, seq: Sequence) -> None:
         """Decode role: a reserved sequence is prefilled here instead (it keeps its pages; those it shares
         from the prefix cache hold their KV already, and those loading from below join it once landed)."""
-        self.reserved.pop(seq.request_id, None)
-        seq.num_computed, seq.status = seq.pages_named * self.allocator.page_size, Status.WAITING
-        if seq.request_id not in self.loading:
-            self.waiting.append(seq)
+        seq.num_computed = seq.pages_named * self.allocator.page_size
+        if seq.load is not None:
+            self._set_aside(seq, Status.LOADING)
+            return
+        del self.aside[seq.request_id]
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
 
     def take_refetches(self) -> list[Sequence]:
         """Sequences preempted since the last call whose KV the worker must fetch again."""
-        new, self._refetch_new = self._refetch_new, []
+        new = self.in_state(Status.REFETCH)
+        for seq in new:
+            seq.status = Status.REFETCHING
         return new
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.landing)
 
     @property
-    def landing(self) -> list[str]:
-        """Loads a step waits for (not those of reserved sequences, whose transfer is still to land)."""
-        return [rid for rid in self.loading if rid not in self.reserved]
+    def landing(self) -> list[Sequence]:
+        """Sequences whose loads a step waits for (not reserved ones: their transfer is still to land)."""
+        return self.in_state(Status.LOADING, Status.AWAITING_LOADS)
 
     # ---- admission with room to finish -----------------------------------------------------------
 
@@ -191,8 +228,7 @@ class Scheduler:
     @property
     def fair_tokens(self) -> int:
         """A sequence's share of the cache: its tokens over the sequences admitted or waiting."""
-        active = len(self.running) + len(self.reserved) + len(self.waiting) + len(self.refetching)
-        active += len(self.landing)
+        active = len(self.running) + len(self.waiting) + len(self.aside)
         share = self.allocator.num_pages // max(active + self._candidates, 1)  # whole pages: the shares fit
         return share * self.allocator.page_size
 
@@ -204,8 +240,7 @@ class Scheduler:
     def admitted(self) -> list[Sequence]:
         """The sequences admitted: running, reserved, queued with pages, or loading them from below."""
         queued = [s for s in self.waiting if self.allocator.pages(s.request_id)]
-        queued += [self.loading[rid][0] for rid in self.landing]
-        return [*self.running, *self.reserved.values(), *queued]
+        return [*self.running, *self.in_state(Status.AWAITING_KV), *queued, *self.landing]
 
     def debt(self) -> int:
         """Pages the admitted sequences are owed."""
@@ -215,7 +250,7 @@ class Scheduler:
         """Whether seq, not yet admitted and holding no pages, may start now (sharing the cached pages
         hit: they count as its own, and those no request holds leave the free pages)."""
         free = self.allocator.num_free - self.allocator.num_unused(hit)
-        queued = seq in self.waiting or seq.request_id in self.refetching
+        queued = seq in self.waiting or self.refetched(seq.request_id) is seq
         self._candidates = 0 if queued else 1  # it counts among those sharing the cache
         try:
             return self.need(seq) - len(hit) + self.debt() <= free
@@ -305,7 +340,7 @@ class Scheduler:
                 self.need(seq) - len(hit) + others > free
                 or self.allocator.pages_for(start + n) - owned > free
             ):
-                if holds and not (self.running or self.reserved or batch.chunks):
+                if holds and not (self.running or self.in_state(Status.AWAITING_KV) or batch.chunks):
                     self.preempt(seq)  # nothing else can free a page for it: let the others go on
                     continue
                 break  # wait for pages: running sequences' growth comes first
@@ -315,6 +350,7 @@ class Scheduler:
                 shares.add(seq)
             if below:  # it waits out of the batch while they load
                 self._load(seq, below)
+                self._set_aside(seq, Status.LOADING)
                 debt = others + self.need(seq)
                 continue
             seq.status = Status.RUNNING
@@ -382,32 +418,32 @@ class Scheduler:
             self.tiers.start(job, [])
             raise
         self.tiers.start(job, pages[first:])
-        self.loading[seq.request_id] = (seq, job)
+        seq.load = job
 
     def _landed(self) -> None:
         """Sequences whose loads ended (or passed their deadline) queue first, computing from there."""
         if self.tiers is None:
             return
         self.tiers.poll()
-        for rid, (seq, job) in list(self.loading.items()):
-            if not job.due or rid in self.reserved:  # a reserved one's transfer has not landed yet
+        for seq in self.landing:  # not a reserved one: its transfer has not landed yet
+            job = seq.load
+            if not job.due:
                 continue
-            del self.loading[rid]
+            seq.load = None
             ok = job.cancel()
             loaded = ok * self.allocator.page_size
             self.num_prefix_hits += loaded
             seq.num_cached_tokens = (seq.num_cached_tokens or 0) + loaded
-            if rid in self.prefilled:  # decode role: the rest of its KV was sent
-                self.prefilled.discard(rid)
+            if seq.status is Status.AWAITING_LOADS:  # decode role: the rest of its KV was sent
                 if ok == len(job.plan):
-                    seq.num_computed, seq.status = seq.num_tokens - 1, Status.RUNNING
-                    self.running.append(seq)
+                    seq.num_computed = seq.num_tokens - 1
+                    self._take(seq, Status.RUNNING)
                     continue
                 # a page failed to load: compute from there (over the KV sent after it)
-                seq.num_computed, seq.status = seq.pages_named * self.allocator.page_size, Status.WAITING
+                seq.num_computed = seq.pages_named * self.allocator.page_size
             seq.num_computed += loaded
             self.computed(seq)
-            self.waiting.appendleft(seq)
+            self._take(seq, Status.WAITING)
 
     def _salt(self, seq: Sequence) -> bytes:
         """What seq's page names start from: the engine's salt, and its request's cache_salt."""
@@ -474,7 +510,7 @@ class Scheduler:
 
     def preempt(self, seq: Sequence) -> None:
         """Drop seq's KV. It goes back to the front of the queue and is recomputed (prompt + outputs),
-        or (decode role, preemption "refetch") waits in `refetching` for the worker to fetch it again. A
+        or (decode role, preemption "refetch") waits as REFETCH for the worker to fetch it again. A
         queued one that holds pages (prefilled here, waiting for more) may be preempted too."""
         (self.running if seq in self.running else self.waiting).remove(seq)
         self.allocator.free(seq.request_id)
@@ -487,8 +523,7 @@ class Scheduler:
             seq.recompute_until = max(seq.recompute_until, seq.num_computed)
         seq.num_computed, seq.status = 0, Status.WAITING
         if refetch:
-            self.refetching[seq.request_id] = seq
-            self._refetch_new.append(seq)
+            self._set_aside(seq, Status.REFETCH)
         else:
             self.waiting.appendleft(seq)
 
@@ -498,13 +533,11 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.reserved.pop(seq.request_id, None)
-        loading = self.loading.pop(seq.request_id, None)
-        self.prefilled.discard(seq.request_id)
-        if loading is not None:
-            loading[1].cancel()  # no page of it is written after this: they may be freed
-        if self.refetching.pop(seq.request_id, None) is not None and seq in self._refetch_new:
-            self._refetch_new.remove(seq)
+        if self.aside.get(seq.request_id) is seq:
+            del self.aside[seq.request_id]
+        if seq.load is not None:
+            seq.load.cancel()  # no page of it is written after this: they may be freed
+            seq.load = None
         if free_pages:
             self.allocator.unpin(seq.request_id)
             self.allocator.free(seq.request_id)

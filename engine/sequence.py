@@ -168,8 +168,18 @@ def check_token_ids(prompt_ids, vocab_size: int) -> list[int]:
 
 
 class Status(Enum):
-    WAITING = "waiting"  # no KV computed yet (or preempted)
+    """Where a sequence is in its engine's scheduler (engine/scheduler.py). Its two queues hold WAITING and
+    RUNNING sequences; the others wait out of both (Scheduler.aside) for KV that comes from elsewhere: a
+    prefill worker's writes, or pages loading from below device memory. The decode role's states are the
+    engine's side of the hand-off (transfer/handoff.py has the messenger's; docs/handoff.md both)."""
+
+    WAITING = "waiting"  # queued: no KV computed yet, preempted, or holding pages it waits to grow
     RUNNING = "running"  # has pages; prefilling or decoding
+    LOADING = "loading"  # admitted: its leading pages load from below device memory; it computes the rest
+    AWAITING_KV = "awaiting kv"  # decode role: pages pinned for the KV a prefill worker writes
+    AWAITING_LOADS = "awaiting loads"  # decode role: the KV sent landed; it decodes once its loads land
+    REFETCH = "refetch"  # decode role: preempted, KV dropped; for the worker to take (take_refetches)
+    REFETCHING = "refetching"  # decode role: taken; waits to reserve pages for its KV, fetched again
     FINISHED = "finished"
 
 
@@ -202,6 +212,7 @@ class Sequence:
     logprobs: list[dict] = field(default_factory=list, repr=False)  # per output token (params.logprobs)
     grammar: object | None = field(default=None, repr=False)  # xgrammar matcher (params.structured_outputs)
     after: Sequence | None = field(default=None, repr=False)  # n > 1: the sibling whose prompt KV it shares
+    load: object | None = field(default=None, repr=False)  # pages loading from below (engine.kv.tiers.Load)
 
     def __post_init__(self):
         if self.params.seed is not None:

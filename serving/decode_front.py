@@ -39,10 +39,11 @@ class DecodeFront:
     restart_wait_s: float  # how long a prefill worker that went down is waited for (it may restart)
     backlog: deque = field(default_factory=deque)  # of Waiting, in the order they go to prefill
     after: dict[str, str] = field(default_factory=dict)  # a later completion waiting -> its first one
-    prefilled_here: set[str] = field(default_factory=set)  # what the prefix cache lacked was short: here
+    prefilled_here: dict[str, Cause] = field(default_factory=dict)  # request -> why its prompt was computed
+    # here, not sent (until its Result): BY_LOAD (the router sent it), CACHED (a sibling's KV), SHORT (what
+    # the prefix cache lacked was short)
     returning: dict[str, float] = field(default_factory=dict)  # restarting prefill worker -> until when
     name: str = ""  # this worker's: a Submit whose prefill_worker names it is prefilled here (by load)
-    by_load: set[str] = field(default_factory=set)  # ... those requests, until their Result
     dm: object = None  # transfer.decode.DecodeMessenger, while this worker decodes: its hand-off's table
 
     def take(self, msg, params, live) -> None:
@@ -56,8 +57,7 @@ class DecodeFront:
             self.llm.add_request(msg.prompt_ids, params, rid, outs, msg.after, dp_rank=group)
             self.dm.handoff.move(rid, DecodeState.RECOMPUTING, Cause.BY_LOAD if by_load else Cause.SHORT)
             if by_load:  # counted as a local prefill, and as one by load
-                self.by_load.add(msg.request_id)
-                self.prefilled_here.add(msg.request_id)
+                self.prefilled_here[rid] = Cause.BY_LOAD
         elif msg.output_ids:  # migrated: its prompt and outputs so far come from a prefill worker
             seq = self.llm.make_sequence(msg.prompt_ids, params, msg.request_id, msg.output_ids)
             self.llm.resume(seq)  # DP group 0's engine resumes it (the one in this process)
@@ -74,8 +74,7 @@ class DecodeFront:
     def drop(self, request_id: str, cause: Cause = Cause.CANCELLED) -> bool:
         """Take a request out of the backlog (cancelled; handed back: ABORTED); whether it was there."""
         self.after.pop(request_id, None)
-        self.prefilled_here.discard(request_id)
-        self.by_load.discard(request_id)
+        self.prefilled_here.pop(request_id, None)
         for item in self.backlog:
             if item.request_id == request_id:
                 self.backlog.remove(item)
@@ -125,7 +124,7 @@ class DecodeFront:
                 self.backlog.remove(item)
                 self.llm.add_request(item.token_ids, item.params, rid, after=first.request_id)
                 dm.handoff.move(rid, DecodeState.DECODING, Cause.CACHED)
-                self.prefilled_here.add(rid)
+                self.prefilled_here[rid] = Cause.CACHED
                 continue
             try:
                 salt = item.params.cache_salt or ""
@@ -140,7 +139,7 @@ class DecodeFront:
                     client=item.params.client or (),
                     group=item.group if item.group is not None else self.llm.least_busy_group(),
                 ):
-                    self.prefilled_here.add(rid)
+                    self.prefilled_here[rid] = Cause.SHORT
             except (OutOfPages, NoFreeSlot):
                 return  # pages come back as running requests finish (engine.scheduler: room to finish),
                 # context slots as transfers land

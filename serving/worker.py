@@ -48,7 +48,7 @@ from serving.roles import RoleSwitch
 from serving.worker_results import progress_items, result_of
 from transfer.auth import Credentials
 from transfer.config import TransferConfig
-from transfer.handoff import handoff_stats
+from transfer.handoff import Cause, handoff_stats
 from transfer.wire import MAX_MESSAGE_BYTES, WireError
 
 log = logging.getLogger(__name__)
@@ -523,12 +523,10 @@ class Worker:
     def _report(self, out) -> None:
         """The Result of a finished request of this worker's (decode/colocated)."""
         rid = out.request_id
-        here = rid in self.front.prefilled_here
-        by_load = rid in self.front.by_load  # the router sent it here to prefill: the prefill queue was long
-        self.front.prefilled_here.discard(rid)
-        self.front.by_load.discard(rid)
+        here = self.front.prefilled_here.pop(rid, None)  # BY_LOAD: the router sent it here to prefill
         self.streamed.pop(rid, None)
-        result = result_of(out, self.spec, self.live.pop(rid), self.dm, here, by_load)
+        by_load = here is Cause.BY_LOAD
+        result = result_of(out, self.spec, self.live.pop(rid), self.dm, here is not None, by_load)
         if out.error is not None:
             log.warning("%s: request %s failed: %s", self.spec.name, rid, out.error)
         self._send(result)

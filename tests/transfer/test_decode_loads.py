@@ -135,7 +135,7 @@ def test_an_abort_while_its_pages_load_frees_them_on_both_sides(reference):
         _serve(pair, _prompts()[:3])
         go = stalled(decode)
         dm.submit("gone", _prompts()[3], GREEDY)
-        assert "gone" in decode.scheduler.loading
+        assert decode.scheduler.aside["gone"].load is not None
         decode.abort("gone")
         dm.abort("gone")
         go.set()

@@ -15,6 +15,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.config import KVTiersConfig
 from engine.kv.pages import HEADER_BYTES, PageFormat, namespace
+from engine.sequence import Status
 from tests import needs
 from tests.tiers import all_busy, release, stalled
 
@@ -145,7 +146,7 @@ def test_a_load_whose_device_pages_cannot_be_had_gives_its_host_slots_back(monke
     with pytest.raises(OutOfPages):
         llm.scheduler._load(seq, below)
     assert llm.tiers.drain() and not any(llm.tiers.host.busy.values())
-    assert seq.request_id not in llm.scheduler.loading
+    assert seq.load is None and seq.request_id not in llm.scheduler.aside
 
 
 def test_a_page_that_finds_every_host_slot_busy_is_skipped_and_counted(reference):
@@ -225,9 +226,9 @@ def test_an_abort_while_its_pages_load_frees_them(reference):
     go = stalled(llm)
     llm.add_request(prompts[4], GREEDY, request_id="r")
     llm.step()
-    assert "r" in llm.scheduler.loading
+    assert llm.scheduler.aside["r"].status is Status.LOADING
     llm.abort("r")  # no page of it is written after this
-    assert not llm.scheduler.loading and llm.allocator.num_free == llm.allocator.num_pages
+    assert not llm.scheduler.aside and llm.allocator.num_free == llm.allocator.num_pages
     go.set()
     while llm.has_unfinished():
         llm.step()
