@@ -342,6 +342,17 @@ def summarize(run: DeploymentRun, rows: list[dict], slo: SloConfig, rate: float 
     }
 
 
+def label(rec: dict) -> str:
+    """A run's name in tables and plots: its deployment, and its clock when it has one (a Poisson rate, or
+    a trace replayed on its timestamps)."""
+    if rec["rate"] is not None:
+        return f"{rec['deployment']} @{rec['rate']:g}/s"
+    if rec.get("arrival") == "trace":
+        scale = rec.get("trace_scale", 1.0)
+        return f"{rec['deployment']} @trace" + (f" x{scale:g}" if scale != 1 else "")
+    return rec["deployment"]
+
+
 def run_record(run: DeploymentRun, config: RunConfig, rate: float | None) -> dict:
     rows = request_rows(run, config.slo)
     w = config.workload
@@ -354,6 +365,8 @@ def run_record(run: DeploymentRun, config: RunConfig, rate: float | None) -> dic
             else {}
         ),
         "rate": rate,
+        "arrival": w.arrival,  # how requests came: poisson (at rate), concurrency, or trace
+        **({"trace_scale": w.trace_scale} if w.arrival == "trace" else {}),
         "concurrency": w.concurrency if w.arrival == "concurrency" else None,
         "summary": summarize(run, rows, config.slo, rate),
         "requests": rows,

@@ -10,9 +10,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-
-def _label(rec: dict) -> str:
-    return rec["deployment"] + (f" @{rec['rate']:g}/s" if rec["rate"] is not None else "")
+from experiments.metrics import label  # noqa: E402
 
 
 def latency_cdfs(records: list[dict], slo: dict, path: Path) -> None:
@@ -24,7 +22,7 @@ def latency_cdfs(records: list[dict], slo: dict, path: Path) -> None:
             if not len(vals):
                 continue
             line = ax.step(
-                1e3 * vals, np.arange(1, len(vals) + 1) / len(vals), where="post", label=_label(rec)
+                1e3 * vals, np.arange(1, len(vals) + 1) / len(vals), where="post", label=label(rec)
             )[0]
             for q, marker in ((0.5, "o"), (0.9, "^")):
                 ax.plot(1e3 * np.percentile(vals, 100 * q), q, marker, color=line.get_color(), ms=6)
@@ -120,7 +118,7 @@ def all_plots(records: list[dict], slo: dict, out_dir: Path) -> dict[Path, str]:
         paths[path] = "p90 TTFT and TPOT as the rate grows: where each deployment leaves the SLO"
     for rec in records:
         if any(t["steps"] for t in rec["timelines"]):  # a simulated run's have none
-            p = out_dir / f"timeline-{_label(rec).replace(' @', '-').replace('/s', '')}.png"
+            p = out_dir / f"timeline-{label(rec).replace(' @', '-').replace('/s', '').replace(' ', '-')}.png"
             timeline(rec, p)
             paths[p] = "each worker's steps: orange ones are decodes that waited for a prompt's chunk"
     return paths

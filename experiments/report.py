@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from experiments.metrics import SWEEP, goodput, swept_goodput, write_results
+from experiments.metrics import SWEEP, goodput, label, swept_goodput, write_results
 from experiments.run_config import RunConfig
 
 
@@ -18,7 +18,7 @@ def _ms(stats: dict, key: str) -> str:
 
 def table(records: list[dict]) -> str:
     """The side-by-side summary printed at the end of a run (times in ms)."""
-    cols = [r["deployment"] + (f" @{r['rate']:g}/s" if r["rate"] is not None else "") for r in records]
+    cols = [label(r) for r in records]
     s = [r["summary"] for r in records]
     swept = swept_goodput(records)
     lines = [

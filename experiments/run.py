@@ -42,13 +42,28 @@ def run(cfg: DictConfig, out_dir: Path, progress: bool = True, hooks=None) -> li
         if not (isinstance(r, int | float) and r > 0):
             raise ValueError(f"goodput_search.rates holds {r!r}: every rate must be a number > 0")
     if rates and config.workload.arrival != "poisson":
-        raise ValueError("goodput_search.rates needs workload.arrival=poisson")
+        told = " (a mooncake trace replays its own clock unless told otherwise)" * (
+            config.workload.dataset == "mooncake"
+        )
+        raise ValueError(
+            f"goodput_search.rates needs workload.arrival=poisson, not {config.workload.arrival}{told}"
+        )
     if rates and config.workload.load is not None:
         raise ValueError("goodput_search.rates and workload.load both set the rate: give one")
     if config.workload.load is not None:  # the rate this machine makes of it (measured now, printed)
         from experiments.capacity import rate_for_load
 
         config = replace(config, workload=replace(config.workload, rate=rate_for_load(config)))
+    plans = []  # each rate's workload and requests, all made (and checked) before anything runs
+    for rate in rates or [config.workload.rate if config.workload.arrival == "poisson" else None]:
+        workload = replace(config.workload, rate=rate) if rate is not None else config.workload
+        if workload.dataset == "multiturn":  # the first turns; the drivers ask turns for the rest
+            turns = Conversations(workload, vocab, max_position, tokenizer)
+            requests = turns.first()
+        else:
+            turns, requests = None, make_requests(workload, tokenizer, vocab, max_position)
+        _check_span(config, workload, requests)
+        plans.append((rate, workload, turns, requests))
     first_core = _sweep_cores(config)
     _check_auto(config)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -57,13 +72,7 @@ def run(cfg: DictConfig, out_dir: Path, progress: bool = True, hooks=None) -> li
     steps = Steps(config.model)  # num_workers: auto's measured steps (measured on first use, once a job)
     logging.getLogger().setLevel(config.log_level)  # the driver's log: hydra's <run folder>/run.log
     with _sigterm_interrupts():
-        for rate in rates or [config.workload.rate if config.workload.arrival == "poisson" else None]:
-            workload = replace(config.workload, rate=rate) if rate is not None else config.workload
-            if workload.dataset == "multiturn":  # the first turns; the drivers ask turns for the rest
-                turns = Conversations(workload, vocab, max_position, tokenizer)
-                requests = turns.first()
-            else:
-                turns, requests = None, make_requests(workload, tokenizer, vocab, max_position)
+        for rate, workload, turns, requests in plans:
             run_config = replace(config, workload=workload)
             for d in config.deployments:
                 choice = None
@@ -120,6 +129,21 @@ def _layout(config, d, requests, steps):
     return layout.choose(
         config, d, requests, steps, layout.prompt_lengths(requests, budget), layout.job_cores()
     )
+
+
+def _check_span(config, workload, requests) -> None:
+    """Refuse a workload whose last request would arrive after run_timeout_s: it would never be sent, and
+    the run would wait out run_timeout_s for it."""
+    last = max((r.arrival_s for r in requests), default=0.0)
+    if last >= config.run_timeout_s:
+        how = {
+            "trace": "workload.trace_scale (0.5: twice as fast) or workload.num_requests",
+            "poisson": "workload.rate or workload.num_requests",
+        }.get(workload.arrival, "workload.num_requests")
+        raise ValueError(
+            f"the workload's last request arrives {last:.0f} s after the first ({workload.arrival}), past "
+            f"run_timeout_s={config.run_timeout_s}: raise run_timeout_s, or change {how}"
+        )
 
 
 def _sweep_cores(config) -> int:

@@ -5,7 +5,8 @@ prompts_file), `sharegpt` (a ShareGPT JSON file: each conversation's first turn 
 token count of the reply is the output length, as vLLM's benchmark samples it) and `mooncake` (a
 Mooncake trace, JSON lines of timestamp in ms, input_length, output_length and hash_ids: the prompt is
 built block by block, 512 tokens per hash id, so requests that share hash ids share a prefix;
-`arrival: trace` replays its timestamps). The simulator draws the same lengths and arrivals.
+replayed on its timestamps unless `arrival` says otherwise; a line that is not such an object is refused
+naming its line number and field). The simulator draws the same lengths and arrivals.
 `multiturn` is a closed loop (`Conversations`): each conversation's first turn arrives on the workload's
 schedule; each later turn's prompt is the previous prompt, the reply the server returned and a new user
 message, and it arrives think_time_s after that reply ended: the KV reuse of chat and agent traffic.
@@ -14,6 +15,7 @@ message, and it arrives think_time_s after that reply ended: the KV reuse of cha
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 
 import numpy as np
@@ -194,17 +196,58 @@ def _sharegpt_chats(workload: WorkloadConfig, tokenizer) -> list[list[tuple[list
     return [chats[i] for i in order]
 
 
+TRACE_FIELDS = "timestamp (ms, in time order), input_length, output_length (tokens) and optional hash_ids"
+MAX_TRACE_TOKENS = 1 << 24  # a length past this is not a request's
+
+
+def trace_row(line: str, number: int, path: str, after_ms: float = 0.0) -> dict:
+    """One line of a Mooncake trace, checked: a ValueError naming the file, its line number and the field
+    (a bare JSONDecodeError, KeyError or OverflowError said none of them, and a NaN timestamp left its
+    request and every later one unsent). after_ms: the previous line's timestamp."""
+    where = f"workload.dataset_path={path!r} line {number}"
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        why = f"not JSON ({e.msg}, column {e.colno})"
+        raise ValueError(f"{where}: {why}; each line is an object of {TRACE_FIELDS}") from None
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: a JSON {type(row).__name__}, not an object of {TRACE_FIELDS}")
+    for key in ("timestamp", "input_length", "output_length"):
+        if key not in row:
+            raise ValueError(f"{where}: no {key!r}; each line is an object of {TRACE_FIELDS}")
+    stamp = row["timestamp"]
+    if isinstance(stamp, bool) or not isinstance(stamp, int | float) or not math.isfinite(stamp) or stamp < 0:
+        raise ValueError(f"{where}: timestamp={stamp!r} is not allowed: milliseconds, a finite number >= 0")
+    if stamp < after_ms:
+        why = f"before the line above's ({after_ms!r}): a trace's lines are in time order"
+        raise ValueError(f"{where}: timestamp={stamp!r} is {why}")
+    for key in ("input_length", "output_length"):
+        value = row[key]
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_TRACE_TOKENS:
+            raise ValueError(
+                f"{where}: {key}={value!r} is not allowed: tokens, an integer in [1, {MAX_TRACE_TOKENS}]"
+            )
+    ids = row.get("hash_ids")
+    if ids is not None and not (
+        isinstance(ids, list)
+        and all(isinstance(h, int) and not isinstance(h, bool) and 0 <= h < 1 << 63 for h in ids)
+    ):
+        raise ValueError(f"{where}: hash_ids must be a list of integers in [0, 2^63)")
+    return row
+
+
 def mooncake_rows(workload: WorkloadConfig) -> list[dict]:
     """num_requests lines of the trace from its trace_offset-th (timestamp, input_length, output_length,
-    hash_ids)."""
-    rows, skip = [], workload.trace_offset
+    hash_ids), each checked (trace_row)."""
+    rows, skip, last = [], workload.trace_offset, 0.0
     with open(workload.dataset_path) as f:
-        for line in f:
+        for number, line in enumerate(f, 1):
             if line.strip():
                 if skip:
                     skip -= 1
                     continue
-                rows.append(json.loads(line))
+                rows.append(trace_row(line, number, workload.dataset_path, last))
+                last = rows[-1]["timestamp"]
             if len(rows) == workload.num_requests:
                 break
     if len(rows) < workload.num_requests:

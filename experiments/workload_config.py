@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from engine.sequence import SamplingParams
 from serving.checks import check_count, check_positive, refuse
 
-ARRIVALS = ("poisson", "concurrency", "trace")
+ARRIVALS = ("auto", "poisson", "concurrency", "trace")
 DATASETS = ("random", "sharegpt", "mooncake", "multiturn")
 LENGTH_KINDS = ("fixed", "uniform", "lognormal")
 
@@ -82,7 +82,9 @@ def sampling_of(values) -> SamplingParams:
 
 @dataclass(frozen=True)
 class WorkloadConfig:
-    arrival: str = "poisson"  # poisson: `rate` requests/s | concurrency: `concurrency` requests in flight
+    # auto: the dataset's own clock when it has one (mooncake: trace), else poisson | poisson: `rate`
+    # requests/s | concurrency: `concurrency` requests in flight | trace: a mooncake trace's timestamps
+    arrival: str = "auto"
     rate: float = 1.0  # poisson: requests per second
     # poisson: the rate as this multiple of one worker's prefill capacity on this machine, measured in a
     # warm-up before the run (experiments.capacity): rate = load x its prompt tokens/s / the mean prompt
@@ -131,6 +133,8 @@ class WorkloadConfig:
             self.dataset_path is None or not os.path.isfile(self.dataset_path)
         ):
             refuse("workload.dataset_path", self.dataset_path, f"an existing {self.dataset} file")
+        if self.arrival == "auto":  # a dataset with a clock replays on it unless told otherwise
+            object.__setattr__(self, "arrival", "trace" if self.dataset == "mooncake" else "poisson")
         check_positive("workload.trace_scale", self.trace_scale)
         if not (isinstance(self.trace_length_scale, int | float) and 0 < self.trace_length_scale <= 1):
             refuse("workload.trace_length_scale", self.trace_length_scale, "a number in (0, 1]")

@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from experiments.config import from_cfg
-from experiments.metrics import request_rows, summarize
+from experiments.metrics import label, request_rows, summarize
 from experiments.sim.calibrate import FitAtBound, calibrate_from_run
 from experiments.sim.cost import Efficiency
 from experiments.sim.hardware import load_hardware
@@ -154,7 +154,7 @@ def compare(saved: dict, hw, eff: Efficiency, slowdown: float) -> list[Row]:
             colocated_kv_tokens=config.model.num_pages * config.model.page_size,
         )  # fmt: skip
         simulated = summarize(sim, request_rows(sim, slo), slo, rec["rate"])
-        label = f"{rec['deployment']} @{rec['rate']:g}/s" if rec["rate"] else rec["deployment"]
+        name = label(rec)
         pairs = [
             (f"{key[:4].upper()} {q}", "ms", rec["summary"][key][q], simulated[key][q])
             for key in ("ttft_s", "tpot_s")
@@ -177,7 +177,7 @@ def compare(saved: dict, hw, eff: Efficiency, slowdown: float) -> list[Row]:
             real_sent = rec["summary"]["transfer_bytes"] / real_bytes
             sim_sent = simulated["transfer_bytes"] / model.kv_bytes_per_token()
             pairs.append(("KV sent", "tokens", real_sent, sim_sent))
-        rows += [Row(label, metric, unit, real, ours) for metric, unit, real, ours in pairs]
+        rows += [Row(name, metric, unit, real, ours) for metric, unit, real, ours in pairs]
     return rows
 
 

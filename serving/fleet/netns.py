@@ -43,6 +43,9 @@ MAX_NICS, MAX_SUBNETS = 4, 64  # 198.18.(subnet * MAX_NICS + nic).(host + 1)/24
 CLONE_NEWNET, CLONE_NEWNS = 0x40000000, 0x00020000
 MS_REC, MS_SLAVE, MNT_DETACH = 0x4000, 0x80000, 2
 RATE = re.compile(r"(\d+(?:\.\d+)?)([kmgt]?)(bit|bps)")  # tc's rates: 10gbit, 400mbit, 50mbps
+# bytes/s: 1kbit to 10tbit. tc takes 0bit (a link that passes nothing) and fails on a rate past its
+# range only once the hosts are built: both are refused with the other config errors instead
+MIN_RATE, MAX_RATE = 125, 1.25e12
 
 
 def check_cluster(hosts: int, nics_per_host: int, subnet: int) -> None:
@@ -67,9 +70,10 @@ class Link:
     loss_pct: float = 0.0
 
     def __post_init__(self):
-        if not RATE.fullmatch(str(self.rate)):
+        if not RATE.fullmatch(str(self.rate)) or not MIN_RATE <= self.bytes_per_s() <= MAX_RATE:
             raise ValueError(
-                f"cluster.link.rate={self.rate!r} is not allowed: a tc rate such as 10gbit or 400mbit"
+                f"cluster.link.rate={self.rate!r} is not allowed: a tc rate from 1kbit to 10tbit, such as "
+                "10gbit or 400mbit"
             )
         for key in ("delay_us", "jitter_us"):
             value = getattr(self, key)

@@ -1,6 +1,6 @@
 """experiments.metrics: the printed table's goodput lines."""
 
-from experiments.metrics import SWEEP, swept_goodput
+from experiments.metrics import SWEEP, label, swept_goodput
 from experiments.report import table
 
 
@@ -118,3 +118,16 @@ def test_a_run_is_written_in_the_shape_of_vllm_s_bench_serve_result():
     assert (
         out["ttfts"] == [0.1, 0.3, 0.0] and out["itls"][0] == [0.02, 0.03] and out["errors"][2] == "refused"
     )
+
+
+def test_a_run_s_label_says_how_its_requests_arrived():
+    assert label({"deployment": "1p1d", "rate": 2.0, "arrival": "poisson"}) == "1p1d @2/s"
+    assert (
+        label({"deployment": "1p1d", "rate": None, "arrival": "trace", "trace_scale": 1.0}) == "1p1d @trace"
+    )
+    assert (
+        label({"deployment": "1p1d", "rate": None, "arrival": "trace", "trace_scale": 0.5})
+        == "1p1d @trace x0.5"
+    )
+    assert label({"deployment": "1p1d", "rate": None, "arrival": "concurrency"}) == "1p1d"
+    assert label({"deployment": "1p1d", "rate": None}) == "1p1d"  # a results file from before the field

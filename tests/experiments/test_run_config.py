@@ -29,7 +29,7 @@ needs.nixl()
         ("transfer.on_transfer_failure=retry", "on_transfer_failure must be one of ('fail', 'recompute')"),
         (
             "workload.arrival=burst",
-            "workload.arrival='burst' is not allowed: one of ('poisson', 'concurrency', 'trace')",
+            "workload.arrival='burst' is not allowed: one of ('auto', 'poisson', 'concurrency', 'trace')",
         ),
         (
             "deployment.decode_preemption=drop",
@@ -100,6 +100,40 @@ def test_bad_configs_fail_before_any_process_starts(tmp_path, override, message)
         run(_cfg(["model=tiny-random", "deployment=1p1d", override]), tmp_path, progress=False)
     assert message in str(err.value)
     assert not mp.active_children()
+
+
+SAMPLE = [
+    "workload.dataset=mooncake",
+    f"workload.dataset_path={Path(__file__).parents[1]}/data/mooncake_sample.jsonl",
+]
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [  # a request due after run_timeout_s was never sent, and the run waited it out and exited 0
+        (
+            ["workload.rate=0.01", "workload.num_requests=20", "run_timeout_s=600"],
+            "past run_timeout_s=600: raise run_timeout_s, or change workload.rate or workload.num_requests",
+        ),
+        (
+            [*SAMPLE, "workload.num_requests=12", "run_timeout_s=5"],  # its clock spans 8.07 s
+            "the workload's last request arrives 8 s after the first (trace), past run_timeout_s=5",
+        ),
+        (
+            [*SAMPLE, "workload.num_requests=12", "goodput_search.rates=[1,2]"],
+            "rates needs workload.arrival=poisson, not trace (a mooncake trace replays its own clock unless",
+        ),
+        (["launcher=netns", "cluster.link.rate=0bit"], "cluster.link.rate='0bit' is not allowed: a tc rate"),
+        (["launcher=netns", "cluster.link.rate=100tbit"], "cluster.link.rate='100tbit' is not allowed"),
+    ],
+)
+def test_a_workload_or_link_that_cannot_run_as_asked_is_refused_before_anything_starts(
+    tmp_path, overrides, message
+):
+    with pytest.raises(ValueError) as err:
+        run(_cfg(["model=tiny-random", "deployment=1p1d", *overrides]), tmp_path, progress=False)
+    assert message in str(err.value)
+    assert not mp.active_children() and not list(tmp_path.iterdir())  # nothing started, nothing written
 
 
 @pytest.mark.parametrize("what", ["cores", "memory"])

@@ -1,4 +1,7 @@
+import json
+
 import numpy as np
+import pytest
 
 from experiments.workload import draw, make_requests
 from experiments.workload_config import LengthDist, WorkloadConfig
@@ -234,3 +237,63 @@ def test_a_synthetic_trace_with_a_rate_step_arrives_that_much_faster_after_it(tm
     )
     with pytest.raises(ValueError, match="step must be"):
         synthetic_mooncake(5, 0.5, step=(1.0, 0.0))
+
+
+def test_a_trace_replays_on_its_own_clock_unless_told_otherwise():
+    """A new user's `workload.dataset=mooncake` once ran at the default Poisson 1 req/s and ignored the
+    trace's timestamps without a word."""
+    path = str(DATA / "mooncake_sample.jsonl")
+    assert WorkloadConfig(dataset="mooncake", dataset_path=path).arrival == "trace"
+    assert WorkloadConfig().arrival == "poisson"  # random prompts have no clock
+    told = WorkloadConfig(dataset="mooncake", dataset_path=path, arrival="poisson", rate=3.0)
+    assert told.arrival == "poisson"
+    assert (
+        WorkloadConfig(dataset="mooncake", dataset_path=path, arrival="concurrency").arrival == "concurrency"
+    )
+
+
+GOOD = {"timestamp": 5, "input_length": 10, "output_length": 3, "hash_ids": [1, 2]}
+
+
+@pytest.mark.parametrize(
+    "line, field",
+    [
+        ("{not json", "not JSON"),
+        ('{"timestamp": 1, "input_length": 10', "not JSON"),
+        ("[1, 2, 3]", "a JSON list, not an object"),
+        ('"text"', "a JSON str, not an object"),
+        ('{"timestamp": 9, "input_length": 10}', "no 'output_length'"),
+        ('{"input_length": 10, "output_length": 3}', "no 'timestamp'"),
+        ('{"timestamp": NaN, "input_length": 10, "output_length": 3}', "timestamp=nan is not allowed"),
+        ('{"timestamp": Infinity, "input_length": 10, "output_length": 3}', "timestamp=inf is not allowed"),
+        ('{"timestamp": 1e400, "input_length": 10, "output_length": 3}', "timestamp=inf is not allowed"),
+        ('{"timestamp": -1, "input_length": 10, "output_length": 3}', "timestamp=-1 is not allowed"),
+        ('{"timestamp": "5", "input_length": 10, "output_length": 3}', "timestamp='5' is not allowed"),
+        ('{"timestamp": true, "input_length": 10, "output_length": 3}', "timestamp=True is not allowed"),
+        ('{"timestamp": 1, "input_length": 10, "output_length": 3}', "is before the line above's (5)"),
+        ('{"timestamp": 9, "input_length": 10, "output_length": 1e400}', "output_length=inf is not allowed"),
+        ('{"timestamp": 9, "input_length": 1e30, "output_length": 3}', "input_length=1e+30 is not allowed"),
+        ('{"timestamp": 9, "input_length": 99999999999, "output_length": 3}', "input_length=99999999999"),
+        ('{"timestamp": 9, "input_length": 10, "output_length": 0}', "output_length=0 is not allowed"),
+        ('{"timestamp": 9, "input_length": 10, "output_length": 2.5}', "output_length=2.5 is not allowed"),
+        ('{"timestamp": 9, "input_length": 10, "output_length": 3, "hash_ids": [-1]}', "hash_ids must be"),
+        ('{"timestamp": 9, "input_length": 10, "output_length": 3, "hash_ids": "1,2"}', "hash_ids must be"),
+        ('{"timestamp": 9, "input_length": 10, "output_length": 3, "hash_ids": [1e99]}', "hash_ids must be"),
+    ],
+)
+def test_a_bad_trace_line_is_refused_naming_its_line_number_and_field(tmp_path, line, field):
+    path = tmp_path / "trace.jsonl"
+    path.write_text(json.dumps(GOOD) + "\n\n" + line + "\n" + json.dumps({**GOOD, "timestamp": 99}) + "\n")
+    w = WorkloadConfig(num_requests=3, dataset="mooncake", dataset_path=str(path))
+    with pytest.raises(ValueError) as err:
+        make_requests(w, None, 1000, 4096)
+    assert f"workload.dataset_path={str(path)!r} line 3: " in str(err.value) and field in str(err.value)
+
+
+def test_a_trace_line_of_a_length_no_request_has_is_refused(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    path.write_text(json.dumps({**GOOD, "hash_ids": list(range(200_000)), "input_length": 1 << 30}) + "\n")
+    with pytest.raises(ValueError, match="line 1: input_length=1073741824 is not allowed"):
+        make_requests(
+            WorkloadConfig(num_requests=1, dataset="mooncake", dataset_path=str(path)), None, 1000, 4096
+        )
