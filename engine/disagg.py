@@ -6,10 +6,11 @@ The transfer layer never imports the engine; these adapters give it an engine in
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
 
-from engine.llm import LLM
 from engine.sequence import SamplingParams
 from pdkernels.out_proj import host_view
 from transfer.backends import Backend
@@ -17,6 +18,9 @@ from transfer.config import TransferConfig
 from transfer.decode import DecodeMessenger
 from transfer.plan import ShardSpec
 from transfer.prefill import PrefillMessenger
+
+if TYPE_CHECKING:  # the engine it adapts; engine/dp_group.py (which engine.llm starts) imports this module
+    from engine.llm import LLM
 
 
 def shard_spec(llm: LLM) -> ShardSpec:

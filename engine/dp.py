@@ -38,13 +38,13 @@ from typing import NamedTuple
 import torch
 import torch.multiprocessing as mp
 
+from engine import dp_group
 from engine.core import EngineCore
 from engine.kv.cache import OutOfPages
 from engine.sequence import RequestOutput, SamplingParams, Sequence
 from engine.tp import RankDied, stop_processes
 from pdkernels import ops
 
-SIDE_METHODS = ("reserve", "admit", "fail", "free", "set_aside", "recompute")  # what DPEngines.call may run
 START_TIMEOUT_S = 300  # an engine loads its model and joins the process group within this
 STEP_TIMEOUT_S = 600  # one step of another engine (its collectives time out at 120 s before this)
 
@@ -65,8 +65,9 @@ class Refetch(NamedTuple):
 class DPEngines:
     """DP group 0's handle on the engines of groups 1..dp-1 (spawned processes)."""
 
-    def __init__(self, args: dict, dp: int, tp: int, rendezvous: str):
-        """args: the LLM's constructor arguments (each engine builds an LLM of them with its dp_rank)."""
+    def __init__(self, args: dict, dp: int, tp: int, rendezvous: str, engine: type):
+        """args: the lead engine's constructor arguments; engine: its class (each group builds one of
+        them with its dp_rank: engine/dp_group.py)."""
         ctx = mp.get_context("spawn")
         self.conns, self.procs = [], []
         self.stats: dict[int, dict] = {}  # rank -> its counters (_stats), as of its step or refresh
@@ -78,8 +79,8 @@ class DPEngines:
             lead_end, engine_end = ctx.Pipe()
             # an engine that leads TP ranks starts processes: a daemon may not (close() stops it instead)
             proc = ctx.Process(
-                target=_group_process,
-                args=(rank, args, rendezvous, engine_end, ops.get_backend(), os.getpid()),
+                target=dp_group.main,
+                args=(rank, args, rendezvous, engine_end, ops.get_backend(), os.getpid(), engine),
                 daemon=tp == 1,
                 name=f"dp-engine-{rank}",
             )
@@ -195,15 +196,6 @@ class DPEngines:
     def close(self) -> None:
         stop_processes(self.conns, self.procs, 30)  # each stops its own TP ranks first
         self.procs, self.conns = [], []
-
-
-def _group_process(*args) -> None:
-    """A DP group's process: engine/dp_group.py's main, which builds the group's LLM. That module sits
-    above engine.llm (which imports this one), so the child imports it by name: no engine module imports
-    one that imports it back."""
-    from importlib import import_module
-
-    import_module("engine.dp_group").main(*args)
 
 
 class DPFront:

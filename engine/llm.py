@@ -158,7 +158,7 @@ class LLM:
             folder = tempfile.mkdtemp(prefix="pdk-tp-") if own else None
             rendezvous = dp_rendezvous or os.path.join(folder, "rendezvous")
             if dp > 1 and own:
-                self.dp_engines = DPEngines(engine_args, dp, tp, rendezvous)
+                self.dp_engines = DPEngines(engine_args, dp, tp, rendezvous, type(self))
             try:
                 self.tp_group = TPGroup(model, config, rendezvous) if tp > 1 else None
             except BaseException:

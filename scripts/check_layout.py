@@ -1,19 +1,20 @@
 """The codebase's layout rules, checked by `make lint` (and so by CI):
 
-- no Python file is past MAX_LINES lines: a backstop, not where code is cut (files follow seams: a file
-  past ~800 lines is a smell to look at, STYLE.md; one past 1,000 has grown several ideas);
+- a Python file past LONG lines is named as a warning, never a failure: code is cut at its seams, not at a
+  line count (a file past ~800 lines is a smell to look at, STYLE.md);
 - tests mirror the packages: a folder under tests/ is a package's folder (tests/serving/router for
   serving/router), and a test named after a module of a subpackage lives in that subpackage's folder
   (tests/serving/router/test_policy.py, not tests/serving/test_policy.py);
-- no import cycle among the packages' modules: every import counts, inside functions too (only those
-  under `if TYPE_CHECKING:` do not), so dependencies point one way;
+- no import cycle among the packages' modules: every import counts, inside functions too, and so does
+  `import_module("...")` or `__import__("...")` of a literal name (only those under `if TYPE_CHECKING:`
+  do not), so dependencies point one way;
 - and between packages, down LAYERS alone: experiments -> serving -> engine -> transfer -> pdkernels (a
   package imports only those after it: the serving runtime never imports the main job or the simulator,
   the engine never imports the runtime, the transfer layer never imports the engine);
 - no worker role compared by its name (`role == "prefill"`): a role is an `engine.role.Role`, and what
   differs between roles is one of its traits (`role.sends_kv`, `role.samples`, ...).
 
-python scripts/check_layout.py [ROOT]; exits 1 with one line per breach.
+python scripts/check_layout.py [ROOT]; exits 1 with one line per breach (warnings: exit 0).
 """
 
 from __future__ import annotations
@@ -22,19 +23,20 @@ import ast
 import sys
 from pathlib import Path
 
-MAX_LINES = 1000
+LONG = 800
 SOURCES = ("engine", "serving", "experiments", "transfer", "pdkernels", "scripts", "tests")
 PACKAGES = ("engine", "serving", "experiments", "transfer", "pdkernels")  # no import circle among these
 LAYERS = ("experiments", "serving", "engine", "transfer", "pdkernels")  # each imports only those after it
 
 
-def too_long(root: Path) -> list[str]:
+def long_files(root: Path) -> list[str]:
+    """Warnings: the files past LONG lines."""
     out = []
     for top in SOURCES:
         for path in sorted((root / top).rglob("*.py")):
             n = len(path.read_text().splitlines())
-            if n > MAX_LINES:
-                out.append(f"{path.relative_to(root)}: {n} lines (at most {MAX_LINES})")
+            if n > LONG:
+                out.append(f"warning: {path.relative_to(root)}: {n} lines (past {LONG}: look for a seam)")
     return out
 
 
@@ -89,6 +91,8 @@ def _imports(name: str, path: Path, modules: set[str]) -> set[str]:
                     package = package.rpartition(".")[0]
                 base = f"{package}.{base}" if base else package
             named |= {f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names}
+        elif isinstance(node, ast.Call) and _dynamic_import(node):
+            named.add(node.args[0].value)
     out = set()
     for target in named:
         while target and target not in modules:
@@ -96,6 +100,16 @@ def _imports(name: str, path: Path, modules: set[str]) -> set[str]:
         if target and target != name:
             out.add(target)
     return out
+
+
+def _dynamic_import(call: ast.Call) -> bool:
+    """import_module("x"), importlib.import_module("x") or __import__("x"), of a literal name."""
+    func = call.func
+    name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+    literal = (
+        bool(call.args) and isinstance(call.args[0], ast.Constant) and isinstance(call.args[0].value, str)
+    )
+    return name in ("import_module", "__import__") and literal
 
 
 def _graph(root: Path) -> dict[str, set[str]]:
@@ -181,9 +195,8 @@ def role_names(root: Path) -> list[str]:
 
 
 def main(root: Path) -> int:
-    breaches = too_long(root) + misplaced_tests(root) + import_cycles(root) + upward_imports(root)
-    breaches += role_names(root)
-    for line in breaches:
+    breaches = misplaced_tests(root) + import_cycles(root) + upward_imports(root) + role_names(root)
+    for line in long_files(root) + breaches:
         print(line)
     return 1 if breaches else 0
 

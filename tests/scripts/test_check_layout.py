@@ -28,18 +28,18 @@ def test_a_long_file_and_misplaced_tests_are_named(tmp_path, capsys):
             "experiments/__init__.py": 1,
             "experiments/run.py": 10,
             "serving/__init__.py": 1,
-            "serving/router/policy.py": 1001,
+            "serving/router/policy.py": 801,
             "tests/experiments/test_run_faults.py": 5,  # named after experiments/run.py: in place
             "serving/router/__init__.py": 1,
             "tests/serving/test_policy_admission.py": 5,  # serving/router/policy.py's: misplaced
             "tests/nowhere/test_x.py": 5,  # no package nowhere/
-            "tests/serving/router/test_policy.py": 1000,  # in place, and 1,000 lines is allowed
+            "tests/serving/router/test_policy.py": 800,  # in place, and no warning at 800 lines
         },
     )
     assert check_layout.main(tmp_path) == 1
     out = capsys.readouterr().out.splitlines()
     assert out == [
-        "serving/router/policy.py: 1001 lines (at most 1000)",
+        "warning: serving/router/policy.py: 801 lines (past 800: look for a seam)",
         "tests/nowhere/test_x.py: tests/nowhere mirrors no package (nowhere does not exist)",
         "tests/serving/test_policy_admission.py: tests serving/router/policy.py: belongs in "
         "tests/serving/router/",
@@ -59,8 +59,29 @@ def test_an_import_cycle_is_named_even_through_a_function_level_import(tmp_path)
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
     assert check_layout.import_cycles(tmp_path) == ["an import cycle: engine.dp, engine.group, engine.llm"]
-    (tmp_path / "engine/dp.py").write_text("def main():\n    import importlib\n")  # the group by name
+    (tmp_path / "engine/dp.py").write_text("def main():\n    import importlib\n")  # no import of the group
     assert check_layout.import_cycles(tmp_path) == []
+    for call in (
+        'importlib.import_module("engine.group")',
+        'import_module("engine.group")',
+        '__import__("engine.group")',
+    ):
+        (tmp_path / "engine/dp.py").write_text(f"import importlib\ndef main():\n    {call}.run()\n")
+        assert check_layout.import_cycles(tmp_path) == [
+            "an import cycle: engine.dp, engine.group, engine.llm"
+        ], call
+    (tmp_path / "engine/dp.py").write_text(
+        "import importlib\ndef main(name):\n    importlib.import_module(name)\n"
+    )
+    assert check_layout.import_cycles(tmp_path) == []  # a name known only when it runs: not a literal target
+
+
+def test_a_long_file_alone_warns_and_passes(tmp_path, capsys):
+    _tree(tmp_path, {"engine/__init__.py": 1, "engine/llm.py": 900})
+    assert check_layout.main(tmp_path) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "warning: engine/llm.py: 900 lines (past 800: look for a seam)"
+    ]
 
 
 def test_an_import_against_the_layers_is_named(tmp_path):
