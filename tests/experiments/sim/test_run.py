@@ -81,7 +81,7 @@ def test_compare_real_against_a_simulated_run_of_the_same_config_shows_no_error(
 
     overrides = [
         "sim_model=smollm2-135m",
-        "hardware=cpu-epyc-2026-11-29",
+        "hardware=cpu-epyc-zen4",
         "first_token_on=decode",
         "router=decode",
         "plots=false",
@@ -100,7 +100,7 @@ def test_compare_real_against_a_simulated_run_of_the_same_config_shows_no_error(
     capsys.readouterr()
     factors = ["--linear", "0.75", "--memory", "0.2", "--overhead-ms", "0.9"]
     assert (
-        compare_real.main([str(tmp_path / "results.json"), "--hardware", "cpu-epyc-2026-11-29", *factors])
+        compare_real.main([str(tmp_path / "results.json"), "--hardware", "cpu-epyc-zen4", *factors])
         == 0
     )
     out = capsys.readouterr().out
@@ -166,7 +166,7 @@ MULTITURN += ["workload.system_prompt_len=200", "workload.turn_len=100", "worklo
 
 
 def _multiturn_sim(tmp_path, extra=(), cached=""):
-    overrides = ["sim_model=smollm2-135m", "hardware=cpu-epyc-2026-11-29", "first_token_on=decode"]
+    overrides = ["sim_model=smollm2-135m", "hardware=cpu-epyc-zen4", "first_token_on=decode"]
     overrides += ["router=decode", "plots=false", "efficiency.memory=0.2", *MULTITURN, *extra]
     overrides += [
         f"deployments=[{{name: cached, kind: disaggregated, num_prefill: 1, num_decode: 1{cached}}},"
@@ -222,7 +222,7 @@ def test_compare_real_on_a_multiturn_run_compares_hits_and_kv_sent(tmp_path, cap
             [
                 str(tmp_path / "results.json"),
                 "--hardware",
-                "cpu-epyc-2026-11-29",
+                "cpu-epyc-zen4",
                 "--linear",
                 "0.75",
                 "--memory",

@@ -25,7 +25,7 @@ def _sim(routing: str, cache_pages: int, tiers: TierSpec | None, deployment=("de
         cfg = compose("config", overrides=[*MULTITURN, *deployment, f"deployment.routing={routing}"])
     plain = OmegaConf.to_container(cfg, resolve=True)
     (d,), workload = deployments_of(plain), workload_of(plain)
-    model, hw = sim_model("smollm2-135m"), load_hardware("cpu-epyc-2026-11-29")
+    model, hw = sim_model("smollm2-135m"), load_hardware("cpu-epyc-zen4")
     run = simulate_deployment(
         d, workload, model, hw, Efficiency(0.75, 0.75, 0.2), first_token_on="decode", page_size=16,
         cache_pages=cache_pages, tiers=tiers,
@@ -88,7 +88,7 @@ def test_the_running_requests_kv_takes_device_pages_from_the_cache_and_its_names
     from experiments.sim.cost import CostModel
     from experiments.sim.instance import Instance, SimRequest
 
-    inst = Instance(CostModel(sim_model("smollm2-135m"), load_hardware("cpu-epyc-2026-11-29")), kv_tokens=160)
+    inst = Instance(CostModel(sim_model("smollm2-135m"), load_hardware("cpu-epyc-zen4")), kv_tokens=160)
     inst.enable_cache(tiers=TierSpec(host_pages=100))
     history = SimRequest(0, 0.0, prompt=64, output=1, stream="a")
     inst.cache.add(history, 64, 16)  # 4 pages, no request holds them
@@ -118,7 +118,7 @@ def test_a_prefill_instance_puts_only_the_pages_it_computed_when_decode_runs_the
     from experiments.sim.instance import Instance, SimRequest
     from experiments.sim.simulate import simulate_disaggregated
 
-    cost = CostModel(sim_model("smollm2-135m"), load_hardware("cpu-epyc-2026-11-29"))
+    cost = CostModel(sim_model("smollm2-135m"), load_hardware("cpu-epyc-zen4"))
     spec = TierSpec(host_pages=8, pool_pages=100)
     for first_token_on, pages in (("decode", 3), ("prefill", 4)):
         pool = OrderedDict()
