@@ -149,8 +149,11 @@ class PrefillMessenger:
         # prompt tokens computed more than one step after their client went away (late_tokens), so far;
         # and the passes of the latest finished transfers, for an Abort that arrives after they ended
         self.tokens_after_cancel = 0
-        self.cancelled_in_flight = 0  # requests whose client went away while this side held them
+        self.cancelled_in_flight = 0  # requests whose client went away while this side held them (or before they came)
         self._ended_passes: OrderedDict[tuple[str, int], list] = OrderedDict()
+        # request -> when its client left, for a cancel that came before the request did (the runtime's
+        # Cancel overtook the decode worker's PrefillRequest): the request ends as it arrives (LOG_LIMIT kept)
+        self._gone: OrderedDict[str, float] = OrderedDict()
         self._last_seq: dict[int, int] = {}  # id(channel) -> newest request seq taken from it
         # requests whose id an earlier owner still holds here (moved to another decode worker): taken once
         # the old transfer's writes are done and its pages back
@@ -270,12 +273,19 @@ class PrefillMessenger:
     def cancel(self, request_id: str, at: float) -> None:
         """Its client went away (at: when, time.time()), as the runtime says, which may be before its
         decode worker's Abort comes (that worker busy or frozen): stop it as that Abort would, and tell the
-        decode worker Ended. A request queued here goes at once; one not here is no one's business."""
-        for req, channel in [(r, c) for r, c in self._waiting if r.request_id == request_id]:
+        decode worker Ended. A request queued here goes at once; one not here yet is remembered, and ends
+        as it arrives (a decode worker that sent it just after the client left, before it heard: under an
+        abort storm it was computed whole for nobody)."""
+        queued = [(r, c) for r, c in self._waiting if r.request_id == request_id]
+        for req, channel in queued:
             self._unqueue(req, channel, "the client went away", Cause.CANCELLED)
         t = self.transfers.get(request_id)
         if t is not None and self._cancelled(t, at):
             self.abort(request_id, "the client went away", Cause.CANCELLED)
+        elif t is None and not queued:
+            self._gone[request_id] = at
+            while len(self._gone) > LOG_LIMIT:
+                self._gone.popitem(last=False)
 
     def _cancelled(self, t: _Transfer, at: float) -> bool:
         """Its client went away at `at`: counted once, whichever of the runtime's Cancel and the decode
@@ -377,6 +387,11 @@ class PrefillMessenger:
             log.warning("dropped request %s: seq %d is stale on its channel", req.request_id, req.seq)
             return
         self._last_seq[id(channel)] = req.seq
+        if self._gone.pop(req.request_id, None) is not None:  # its client left before it came
+            self.cancelled_in_flight += 1
+            self.handoff.move(_key(req), State.ENDED, Cause.CANCELLED)
+            self._tell(channel, Ended(req.request_id, req.seq, "aborted: the client went away"))
+            return
         old = self.transfers.get(req.request_id)
         if old is not None and old.channel is not channel:
             # the request moved to another decode worker (the first one died or gave it up, and this side

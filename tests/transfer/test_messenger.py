@@ -86,6 +86,25 @@ def test_the_runtime_s_cancel_stops_a_prefill_whose_decode_worker_does_not_answe
     assert pm.cancelled_in_flight == 1
 
 
+def test_a_cancel_that_overtakes_its_request_ends_the_request_as_it_arrives(pair):
+    """The runtime's Cancel can reach the prefill worker before the decode worker's PrefillRequest (sent
+    just after the client left, before that worker heard): the request ends as it arrives, none of it
+    computed, and the decode side frees its pages; the next request is served."""
+    prefill, decode, pm, dm = pair
+    pm.cancel("late", time.time())  # nothing of it here yet
+    dm.submit("late", list(range(100, 220)), GREEDY)
+    pm.poll()
+    assert not prefill.has_unfinished() and pm.cancelled_in_flight == 1
+    _run(prefill, decode, pm, dm, ["late"])
+    late = decode.output("late")
+    assert late.finish_reason == "error" and "the client went away" in late.error and not late.token_ids
+    assert pm.tokens_after_cancel == 0
+    assert prefill.allocator.num_free == PAGES and decode.allocator.num_free == PAGES
+    dm.submit("next", list(range(100, 220)), GREEDY)
+    _run(prefill, decode, pm, dm, ["next"])
+    assert decode.output("next").finish_reason == "length"
+
+
 def test_a_cancel_that_arrives_after_the_kv_landed_counts_the_passes_after_it(pair):
     """The prefill side keeps a finished transfer's passes a while: an Abort that comes after its KV
     landed (sent here by hand, stamped before the passes began) is counted against them."""
