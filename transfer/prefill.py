@@ -149,7 +149,7 @@ class PrefillMessenger:
         # prompt tokens computed more than one step after their client went away (late_tokens), so far;
         # and the passes of the latest finished transfers, for an Abort that arrives after they ended
         self.tokens_after_cancel = 0
-        self.cancelled_in_flight = 0  # requests whose client went away while this side held them (or before they came)
+        self.cancelled_in_flight = 0  # requests whose client went away while held here (or before they came)
         self._ended_passes: OrderedDict[tuple[str, int], list] = OrderedDict()
         # request -> when its client left, for a cancel that came before the request did (the runtime's
         # Cancel overtook the decode worker's PrefillRequest): the request ends as it arrives (LOG_LIMIT kept)
