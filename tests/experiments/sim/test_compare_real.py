@@ -77,9 +77,7 @@ def test_on_an_amx_xeon_the_machine_model_measured_there_predicts_its_overload_w
     AMX, slimmed to what the check reads), against that machine's measured figures; against the EPYC's
     (6.5x less GEMM peak a core) the fit would pin at its grid's top, and is refused instead."""
     amx = Path(__file__).parent / "fixtures" / "overload-amx.json"
-    assert (
-        compare_real.main([str(amx), "--hardware", "cpu-xeon-amx", "--calibrate-rate", "0.5"]) == 0
-    )
+    assert compare_real.main([str(amx), "--hardware", "cpu-xeon-amx", "--calibrate-rate", "0.5"]) == 0
     out = capsys.readouterr().out
     mean, worst = (float(x) for x in re.search(r"mean \|error\| (\d+)%, worst (\d+)%", out).groups())
     assert mean <= 15 and worst <= 30, out

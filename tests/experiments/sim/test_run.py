@@ -99,10 +99,7 @@ def test_compare_real_against_a_simulated_run_of_the_same_config_shows_no_error(
     run_sim(_cfg(overrides), tmp_path)
     capsys.readouterr()
     factors = ["--linear", "0.75", "--memory", "0.2", "--overhead-ms", "0.9"]
-    assert (
-        compare_real.main([str(tmp_path / "results.json"), "--hardware", "cpu-epyc-zen4", *factors])
-        == 0
-    )
+    assert compare_real.main([str(tmp_path / "results.json"), "--hardware", "cpu-epyc-zen4", *factors]) == 0
     out = capsys.readouterr().out
     assert "mean |error| 0%, worst 0%" in out and out.count("TTFT p90") == 4
 
