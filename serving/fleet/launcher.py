@@ -27,6 +27,8 @@ import atexit
 import logging
 import multiprocessing as mp
 import os
+import secrets
+import shutil
 import socket
 import tempfile
 import threading
@@ -284,6 +286,7 @@ class _Actor:
 
 
 _cluster = None  # the local cluster this process started (ray.local_nodes), shut down at exit
+_token_dir = None  # ... and the private folder of its authentication token
 _shape = None  # what connect() connected this process to: (address, local nodes, CPUs each, role resources)
 
 
@@ -292,6 +295,40 @@ def _shape_of(cfg: RayConfig) -> tuple:
         return (cfg.address,)
     roles = tuple(sorted((str(k), str(v)) for k, v in cfg.role_resources.items()))
     return (None, cfg.local_nodes, cfg.cpus_per_node, roles)
+
+
+AUTH_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+
+
+def use_token(folder: str) -> None:
+    """Token authentication for a cluster this process starts: a fresh token in a file only its owner
+    reads (folder/auth_token, 0600), named in this process's environment, which the nodes it starts, their
+    workers and this driver all read; no process joins without it. Ray turns token auth on by itself for
+    `ray start --head` when ~/.ray/auth_token exists (a user's, or one an earlier ray.init wrote) but not
+    for a node that joins: with one there, the netns cluster's second node was refused (InvalidAuthToken).
+    Set here, nothing in the user's home decides it."""
+    path = os.path.join(folder, "auth_token")
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+        f.write(secrets.token_hex(32))
+    os.environ.pop("RAY_AUTH_TOKEN", None)
+    os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=path)
+    _reload_auth()
+
+
+def drop_token() -> None:
+    """This process's cluster is gone: its token goes from the environment (a later one makes its own)."""
+    for var in AUTH_VARS:
+        os.environ.pop(var, None)
+    _reload_auth()
+
+
+def _reload_auth() -> None:
+    """Ray reads the mode and the token once per process and caches them: read them again (what Ray's own
+    tests do between clusters)."""
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
 
 
 def connect(cfg: RayConfig) -> None:
@@ -320,6 +357,9 @@ def connect(cfg: RayConfig) -> None:
     from ray.cluster_utils import Cluster
 
     ray_constants.ENABLE_RAY_CLUSTER = False
+    global _token_dir
+    _token_dir = tempfile.mkdtemp(prefix="pdk-ray-auth-")
+    use_token(_token_dir)
 
     roles = cfg.role_resources
     cluster = Cluster()
@@ -347,7 +387,7 @@ def connect(cfg: RayConfig) -> None:
 
 
 def disconnect() -> None:
-    global _cluster, _shape
+    global _cluster, _shape, _token_dir
     import ray
 
     _shape = None
@@ -361,6 +401,10 @@ def disconnect() -> None:
 
         os.environ.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
         ray_constants.ENABLE_RAY_CLUSTER = not ray_constants.IS_WINDOWS_OR_OSX
+    if _token_dir is not None:  # after its nodes: they read the token until they are gone
+        drop_token()
+        shutil.rmtree(_token_dir, ignore_errors=True)
+        _token_dir = None
 
 
 class RayLauncher:

@@ -21,6 +21,8 @@ from serving.fleet.launcher import (
     RayWorker,
     _Actor,
     connect,
+    drop_token,
+    use_token,
 )
 from serving.worker import WorkerSpec
 
@@ -119,11 +121,12 @@ class NetnsRayLauncher(RayLauncher):
         head = f"{self.hosts.address(0)}:{self.PORT}"
         super().__init__(replace(cfg, address=head, max_restarts=max_restarts))
         ray = os.path.join(os.path.dirname(sys.executable), "ray")
-        # a multi-node cluster, whatever a one-machine cluster of this process set (serving.fleet.launcher)
-        env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="1")
         _sweep_ray_temps()
         # short (Ray's socket paths live under it), and named by its owner: a SIGKILLed one's goes next time
         self._temp = tempfile.mkdtemp(prefix=f"pdk-ray-{os.getpid()}-")
+        use_token(self._temp)  # every node, its workers and this driver: one token of this cluster's
+        # a multi-node cluster, whatever a one-machine cluster of this process set (serving.fleet.launcher)
+        env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="1")
         try:
             for i in range(len(self.hosts.names)):
                 node = [ray, "start", f"--node-ip-address={self.hosts.address(i)}", "--num-cpus=64",
@@ -142,6 +145,7 @@ class NetnsRayLauncher(RayLauncher):
             self._left = switch_thread(self.hosts.names[0])
         except BaseException:
             self.hosts.close()
+            drop_token()
             shutil.rmtree(self._temp, ignore_errors=True)
             raise
 
@@ -186,6 +190,7 @@ class NetnsRayLauncher(RayLauncher):
                 switch_thread(None, self._left)
                 self._left = None
             self.hosts.close()  # the Ray nodes' processes go with their namespaces
+            drop_token()
             shutil.rmtree(self._temp, ignore_errors=True)
 
 

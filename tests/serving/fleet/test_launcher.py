@@ -30,10 +30,19 @@ RAY = ["launcher=ray", "ray.local_nodes=2"]
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _one_cluster_then_gone():
-    """The in-process runs share one local cluster; it is shut down after this module."""
-    yield
-    launcher.disconnect()
+def _one_cluster_then_gone(tmp_path_factory):
+    """The in-process runs share one local cluster; it is shut down after this module. The user has a Ray
+    token of their own (~/.ray/auth_token: Ray's ray.init writes one): each cluster uses its own."""
+    home = tmp_path_factory.mktemp("home")
+    (home / ".ray").mkdir()
+    (home / ".ray" / "auth_token").write_text("f" * 64)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("HOME", str(home))
+        for var in launcher.AUTH_VARS:
+            env.delenv(var, raising=False)
+        yield
+        launcher.disconnect()
+    assert not set(launcher.AUTH_VARS) & set(os.environ)  # the cluster's token went with it
 
 
 def _cfg(overrides):
