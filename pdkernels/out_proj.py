@@ -36,7 +36,7 @@ from pdkernels.splitk_gemm import (
 __all__ = ["out_proj", "out_proj_ref", "make_layer_counter", "host_view"]
 
 GEMMS = ("auto", "triton", "library")
-# From this many rows (prefill) gemm="auto" takes the library GEMM: on the H200 (2026-11-30) our Triton
+# From this many rows (prefill) gemm="auto" takes the library GEMM: on the H200 our Triton
 # tiles reached 0.76x cuBLAS at M = 4096, while at decode M split-K keeps up with it as a graph replay.
 LIBRARY_M = 128
 

@@ -1,4 +1,4 @@
-"""Issue 43's targets for the KV tiers, measured with the main job (`make bench-tiers`; minutes per run):
+"""The KV tiers' targets, measured with the main job (`make bench-tiers`; minutes per run):
 
     python -m experiments.bench.kv_tiers --out bench_results/tiers [--only none,tiers] [--model ...]
         [--reply-spread 32] [--concurrency 8]

@@ -202,7 +202,7 @@ class Router:
         """ttft_bias as it applies to a request for target joining queue: while nothing is in flight
         there, only the lateness of first tokens that came with nothing else on their worker (what a
         burst's requests took behind each other says nothing of an idle worker: after one, an idle
-        server refused every request for about 20 s, issue 56)."""
+        server refused every request for about 20 s)."""
         mean = self.ttft_bias  # drops what is past the window
         if self.in_flight.get(target) or (queue is not None and self._ahead(queue)):
             return max(mean, 0.0)

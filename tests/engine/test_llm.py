@@ -293,7 +293,7 @@ def test_a_top_p_that_rounds_to_zero_keeps_the_likeliest_token():
 
 @pytest.mark.parametrize("role", ["colocated", "decode"])
 def test_a_new_request_does_not_wait_for_long_outputs(role):
-    """Issue 46: three 900-token streams on a worker owed their growth to 512 tokens each, so a new
+    """Three 900-token streams on a worker owed their growth to 512 tokens each, so a new
     request waited for them (1,791 steps on 256 pages, 6.6 s on the server; here 300-token streams on
     96 pages). With each request owed only its share of the cache, the new one starts at once (as many
     steps to its first token as alone); the long ones pay with a preemption when the pages run out, and

@@ -143,7 +143,7 @@ def test_hf_directory_errors(tmp_path):
 @pytest.mark.parametrize(
     "key, value, tensor",
     [
-        ("vocab_size", 10**10, "model.embed_tokens.weight"),  # issue 46's lies: the vocabulary,
+        ("vocab_size", 10**10, "model.embed_tokens.weight"),  # a hostile config's lies: the vocabulary,
         ("hidden_size", 10**7, "model.embed_tokens.weight"),  # the hidden size
         ("intermediate_size", 10**9, "model.layers.0.mlp.gate_proj.weight"),  # and the MLP's width
         ("num_key_value_heads", 4, "model.layers.0.self_attn.k_proj.weight"),

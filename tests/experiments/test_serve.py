@@ -64,7 +64,7 @@ def test_chat_streamed_and_not_equal_llm_chat(server, reference):
 
 def test_chat_as_the_field_s_clients_send_it_equals_llm_chat(server, reference):
     """Content as a list of text parts (vLLM's benchmark, the SDKs' typed helpers, LangChain: 150 of 150
-    such chats got 400 on 40c8490), the developer role, and the chat fields clients send by default."""
+    such chats got 400 before), the developer role, and the chat fields clients send by default."""
     client = _client(server)
     want = reference.chat(
         [
@@ -360,7 +360,7 @@ def test_n_completions_reproduce_by_seed_and_share_one_prompt(server, reference)
 
 
 def test_sixty_four_concurrent_streams_from_one_client_complete(server):
-    """What vLLM's benchmark does at --max-concurrency 64 (on 40c8490 the 33rd stream of one address was
+    """What vLLM's benchmark does at --max-concurrency 64 (before the 33rd stream of one address was
     refused with 429, and this test failed beside the full suite on a slower machine): none is refused."""
 
     async def one(client, i):

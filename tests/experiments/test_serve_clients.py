@@ -1,4 +1,4 @@
-"""One client's share of what the server holds for all (issue 56): connections per client address. Clients
+"""One client's share of what the server holds for all: connections per client address. Clients
 come from addresses of their own in 127.0.0.0/8 (every one of them is this machine's loopback), so the
 server tells them apart as it would hosts."""
 
@@ -63,7 +63,7 @@ def _closed(sock: socket.socket) -> bool:
 def test_one_client_holding_every_connection_locks_no_one_else_out(server):
     """An attacker opens the whole global cap (8) and reopens each one the server closes: it holds only its
     3 (each new one of its own takes the place of its idlest), and another client's requests are all
-    served meanwhile (on 359d433: 503 for 48 of 50)."""
+    served meanwhile (before: 503 for 48 of 50)."""
     host, port = server.removeprefix("http://").rsplit(":", 1)
 
     def connect() -> socket.socket:
@@ -111,7 +111,7 @@ def test_a_client_whose_connections_are_all_busy_is_refused_past_its_share(serve
 def test_idle_sockets_from_nine_addresses_at_the_cap_leave_a_new_client_served(server):
     """Nine addresses keep connections alive and idle, three each (27 > the cap of 8), some after a
     request, some silent: at the cap the idlest is closed for a new one, so a tenth client is served on
-    every try (on 40c8490, 39 of 40 tries were refused with 503)."""
+    every try (before, 39 of 40 tries were refused with 503)."""
     host, port = server.removeprefix("http://").rsplit(":", 1)
     held = []
     for a in range(9):
@@ -152,9 +152,9 @@ def one_worker(tmp_path):
 @pytest.mark.parametrize("attackers", [[ATTACKER] * 4, [ATTACKER, ATTACKER, "127.0.0.5", "127.0.0.5"]])
 def test_many_completions_queue_and_leave_another_client_its_turn(one_worker, attackers):
     """Four streamed requests of n=16 x 1,000 tokens (a worker's 64 sequences, and more pages than it has)
-    from one address or two: all are taken (on 40c8490 the third and fourth were refused with 429), and
+    from one address or two: all are taken (before the third and fourth were refused with 429), and
     another client's request is served while every one of theirs still streams, since a client that holds
-    two more than another gives way (engine/fair.py; on 359d433 the other waited over 60 s). /metrics
+    two more than another gives way (engine/fair.py; before, the other waited over 60 s). /metrics
     follows their pages; once they end, the gauges read idle."""
     url = one_worker
     attacks = [_stream(url, source, 16, 1000) for source in attackers]
@@ -203,7 +203,7 @@ def grammar_server(tmp_path):
 def test_hostile_grammars_from_six_addresses_leave_another_client_its_json(grammar_server):
     """Six addresses each hold a grammar compile that runs to server.grammar_timeout_s; another client's
     JSON request is answered while every one of them still compiles: it gets a child of its own and the
-    slow compiles yield their CPU (on 40c8490, a first-come queue kept it 15 s behind them)."""
+    slow compiles yield their CPU (before, a first-come queue kept it 15 s behind them)."""
     server = grammar_server
     host, port = server.removeprefix("http://").rsplit(":", 1)
     compiles = ("pdk_grammar_compiles", ())

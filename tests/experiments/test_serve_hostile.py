@@ -223,7 +223,7 @@ def _stream_beside(url: str, hostile) -> tuple[int, object]:
     return during, out
 
 
-HOSTILE_SPECS = {  # issue 46: 137 bytes that froze every stream on the decode worker for 21.6 s
+HOSTILE_SPECS = {  # 137 bytes that froze every stream on the decode worker for 21.6 s
     "pattern": {"json": {"type": "string", "pattern": "[a-z]{0,20000}"}},
     "nested": {"json": json.loads('{"items":' * 600 + "{}" + "}" * 600)},  # stalled a worker 6.3 s
 }
@@ -260,7 +260,7 @@ def test_the_same_schema_with_other_whitespace_compiles_once(server):
 
 
 def test_the_prefix_cache_is_no_oracle_across_cache_salts(server):
-    """Issue 46's oracle: a prefix another tenant cached answered 15x faster, and cached_tokens said so.
+    """A cache-timing oracle: a prefix another tenant cached answered 15x faster, and cached_tokens said so.
     With different cache_salts nothing is shared, on the decode worker (cached_tokens 0) and on the
     prefill worker (its prefix-cache hits do not grow); the same salt still finds its prefix."""
     prompt = "A prefix that one tenant sends and another probes for. " * 12

@@ -104,8 +104,8 @@ def _drain_and_stop(proc: subprocess.Popen, url: str, tmp_path: Path) -> None:
         for _ in stream:
             pass
     assert proc.wait(timeout=60) == 0
-    # the fork server and the sandboxes' children too are gone when the server's pid is (issue 46: the
-    # fork server outlived it by 1-2 s)
+    # the fork server and the sandboxes' children too are gone when the server's pid is (the fork
+    # server outlived it by 1-2 s)
     assert not _group(proc.pid), f"processes of the server's group outlived it: {_group(proc.pid)}"
     for pid in pids.values():
         with pytest.raises(ProcessLookupError):
@@ -316,7 +316,7 @@ def test_slowloris_and_idle_connections_are_closed_and_connections_are_capped(tm
 
 
 def test_a_frozen_decode_worker_s_streams_go_on_elsewhere(tmp_path):
-    """Issue 46: a SIGSTOPped decode worker's streams waited it out. Silent past transfer.peer_timeout_s,
+    """A SIGSTOPped decode worker's streams waited it out. Silent past transfer.peer_timeout_s,
     its requests go on on the other decode worker (prompt + the tokens streamed so far): every stream
     finishes with the fault-free greedy text and the migration is counted; once it wakes, it cancels
     them (every one of its pages back) and takes requests again."""
@@ -386,7 +386,7 @@ def test_a_frozen_decode_worker_s_streams_go_on_elsewhere(tmp_path):
 
 
 def test_a_prefill_worker_that_dies_mid_transfer_loses_no_request(tmp_path):
-    """Issue 46's soak: requests whose prefill worker died under them ended with 503 "prefill worker ...
+    """A soak: requests whose prefill worker died under them ended with 503 "prefill worker ...
     exited". 2 prefill + 1 decode worker: prefill-0 is frozen, so the requests sent to it stay in
     flight, then killed; the decode worker fails them as lost, and the server sends them again, to
     prefill-1. Every request answers with the fault-free greedy text."""

@@ -73,7 +73,7 @@ def test_mooncake_trace_lengths_timestamps_and_shared_prefixes():
 
 
 def test_a_mooncake_trace_scaled_down_keeps_its_blocks_equal_where_the_ids_are():
-    """Issue 60 item 3: lengths x 1/16 (a block of 32 tokens an id), a later slice from trace_offset."""
+    """Lengths x 1/16 (a block of 32 tokens an id), a later slice from trace_offset."""
     import dataclasses
     import json
 

@@ -415,7 +415,7 @@ def test_an_unexpected_error_on_the_sender_thread_fails_its_request_not_the_thre
 
 
 def test_requests_past_the_context_slots_wait_for_a_transfer_to_land():
-    """Issue 70: at 256 streams a 1P1D server failed 378 of 512 requests with "no free context slot".
+    """At 256 streams a 1P1D server failed 378 of 512 requests with "no free context slot".
     Past the decode side's transfer.context_slots a request is not taken (NoFreeSlot, nothing reserved)
     and goes again once a transfer lands; a prefill side given more requests than its own slots (as by
     two decode workers) queues them instead of refusing. Tokens as colocated, every page back."""
@@ -457,7 +457,7 @@ def test_requests_past_the_context_slots_wait_for_a_transfer_to_land():
 
 
 def test_a_request_fetched_again_before_its_old_transfer_is_reaped_waits_for_it(pair):
-    """Issue 70: at 256 streams on 1P1D a preempted request, fetched again, reached the prefill worker
+    """At 256 streams on 1P1D a preempted request, fetched again, reached the prefill worker
     before that side had reaped its first transfer, and was refused ("already being prefilled here"): the
     newer one from the same owner now waits, and is taken once the old one is reaped."""
     import msgspec

@@ -162,7 +162,7 @@ def test_pages_of_another_secret_or_salt_are_never_found(store, reference):
 
 
 def test_a_local_process_reading_the_pool_learns_nothing_and_cannot_move_a_page(store, reference, caplog):
-    """Issue 56: any local process can read the pool's objects whole (Mooncake authenticates no one).
+    """Any local process can read the pool's objects whole (Mooncake authenticates no one).
     They are sealed (AES-GCM): no header, name or KV byte of the slot appears in one, and a valid object
     copied under another page's key does not open there: dropped and computed, the text unchanged."""
     writer = LLM(**SMALL, kv_tiers=_tiers(store))
@@ -213,7 +213,7 @@ def test_an_object_of_the_wrong_size_or_bytes_is_a_miss(store, reference):
 
 
 def test_a_rejected_object_is_replaced_by_the_next_good_put(store, reference):
-    """Issue 56: garbage (or a short object) under a page's key was rejected, and since workers skip
+    """Garbage (or a short object) under a page's key was rejected, and since workers skip
     keys the pool holds, that prefix stayed uncached for good. The worker that rejected it puts its own
     page in its place: the next engine loads it."""
     _plant_junk(store)

@@ -2,7 +2,7 @@ import pytest
 
 from experiments.repro import survey
 
-# What survey.claims(200) computes (issue 60: each row's value asserted, so a change that moves one fails):
+# What survey.claims(200) computes (each row's value asserted, so a change that moves one fails):
 # DistServe's goodputs in rps per GPU with the single-phase factors, the interference ratios, OPT-175B's
 # transfer and decode step in ms
 AT_200 = {

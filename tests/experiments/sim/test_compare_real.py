@@ -1,7 +1,7 @@
-"""The simulator against a recorded real run it did not see (issue 45 item 3): 30 Poisson arrivals of
+"""The simulator against a recorded real run it did not see: 30 Poisson arrivals of
 1,024-token prompts and 32 outputs at 0.5, 1.0 and 1.5 req/s, colocated (2 workers) and 1P1D, SmolLM2
-bf16 on 2 cores of an AMD EPYC with AVX-512 BF16 (experiments.run, 2026-12-03 23:48-23:54 UTC, alone on
-the machine; slimmed by `compare_real --save-slim`). Calibrated on the 0.5 req/s records, it predicts
+bf16 on 2 cores of an AMD EPYC with AVX-512 BF16 (experiments.run, alone on the
+machine; slimmed by `compare_real --save-slim`). Calibrated on the 0.5 req/s records, it predicts
 the overload at 1.0 and 1.5 req/s, where every queue grows (1P1D's TTFT p90: 7.2 s at 0.5 req/s, 22.0
 and 32.1 s at 1.0 and 1.5)."""
 
@@ -73,8 +73,8 @@ def test_a_calibration_the_options_cannot_give_is_refused_by_name(tmp_path, caps
 
 
 def test_on_an_amx_xeon_the_machine_model_measured_there_predicts_its_overload_within_15_percent(capsys):
-    """Issue 60 item 4: the same protocol on the other CPU family (run 2026-12-04 on 2 cores of a Xeon with
-    AMX, slimmed to what the check reads), against that machine's measured figures; against the EPYC's
+    """The same protocol on the other CPU family (run on 2 cores of a Xeon with AMX,
+    slimmed to what the check reads), against that machine's measured figures; against the EPYC's
     (6.5x less GEMM peak a core) the fit would pin at its grid's top, and is refused instead."""
     amx = Path(__file__).parent / "fixtures" / "overload-amx.json"
     assert compare_real.main([str(amx), "--hardware", "cpu-xeon-amx", "--calibrate-rate", "0.5"]) == 0
@@ -88,9 +88,9 @@ def test_on_an_amx_xeon_the_machine_model_measured_there_predicts_its_overload_w
 
 
 def test_a_real_trace_scaled_to_the_engine_is_predicted_from_its_first_slice(tmp_path, capsys):
-    """Issue 60 item 3: Mooncake's conversation trace scaled to SmolLM2 on 2 cores (lengths and blocks x
+    """Mooncake's conversation trace scaled to SmolLM2 on 2 cores (lengths and blocks x
     1/16, timestamps x 2), colocated and 1P1D; the simulator, calibrated on its first 40 requests, predicts
-    the next 120 (run 2026-12-04 23:08-23:12 UTC on the AMX Xeon, alone; docs/reproduction.md)."""
+    the next 120 (run on the AMX Xeon, alone; docs/reproduction.md)."""
     root = Path(__file__).parents[3]
     paths = {}
     for part in ("a", "b"):

@@ -54,7 +54,7 @@ def test_the_real_measurement_gives_a_peak_and_a_bandwidth():
 
 
 def test_a_fit_against_another_machines_figures_is_refused_not_pinned():
-    """Issue 60 item 4: steps from a core 9x faster (AMX against AVX-512) fitted against the slower one's
+    """Steps from a core 9x faster (AMX against AVX-512) fitted against the slower one's
     peak would pin the linear efficiency at the grid's top; the fit says so instead."""
     model = sim_model("smollm2-135m")
     amx = hardware.Hardware("amx", 1.8e12, 20e9, 16e9, 20e9, 20e9, devices_per_node=1)

@@ -25,7 +25,7 @@ REPRODUCED = {
 
 
 def test_every_value_of_the_distserve_table_is_asserted(capsys):
-    """Issue 60: each figure, not only their order, so a change that moves one fails loudly. Against the
+    """Each figure, not only their order, so a change that moves one fails loudly. Against the
     paper: datasheet peaks 2.3-4.0x its goodput, the published profiles 1.8-2.4x, the fit within 2%."""
     assert distserve.main(["--requests", "400"]) == 0
     rows = _table(capsys.readouterr().out)

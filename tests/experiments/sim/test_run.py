@@ -119,7 +119,7 @@ def test_a_mooncake_trace_drives_a_simulated_run(tmp_path):
 
 
 def test_a_placement_that_cannot_hold_its_weights_or_longest_request_is_refused_naming_the_numbers(tmp_path):
-    """Issue 60: llama-3-70b on one H200 a worker (its weights alone fill it) printed a TTFT p50 of an
+    """Llama-3-70b on one H200 a worker (its weights alone fill it) printed a TTFT p50 of an
     hour and 11 TB of KV moved instead of refusing the placement."""
     overrides = ["sim_model=llama-3-70b", "hardware=h200", "workload.num_requests=20", "plots=false"]
     refused = (

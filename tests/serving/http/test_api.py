@@ -39,7 +39,7 @@ def test_the_isolation_switch_is_checked():
     [("rejected", 503), ("worker_lost", 503), ("cancelled", 503), ("deadline", 504), ("internal", 500)],
 )
 def test_a_failed_request_s_error_names_its_kind_in_code(kind, status):
-    """Issue 57: rejected, cancelled and worker_lost all answer 503, and the load client counted every 503
+    """Rejected, cancelled and worker_lost all answer 503, and the load client counted every 503
     as a refusal; the body's `code` says which it was."""
     from serving.http.api import App
     from serving.messages import ErrorKind, Result

@@ -1,5 +1,5 @@
 """Chat templates and grammar compiles in killable child processes (serving/http/sandbox.py): the
-hostile recipes of issue 46 end as errors within their limits, the pool serves on, and a caller that
+hostile recipes end as errors within their limits, the pool serves on, and a caller that
 gives up kills its child. Every child runs under its own address-space cap (RLIMIT_AS), so none of these
 cases can take the machine's memory."""
 
@@ -112,7 +112,7 @@ def test_a_caller_that_gives_up_kills_its_child():
 
 
 def _schema_depth(depth: int) -> str:
-    return '{"items":' * depth + "{}" + "}" * depth  # issue 46's: depth 5,000 is 50 KB
+    return '{"items":' * depth + "{}" + "}" * depth  # depth 5,000 is 50 KB
 
 
 def test_a_compiled_grammar_loads_on_the_worker_side_and_constrains_as_its_own(model, grammars):
@@ -165,7 +165,7 @@ def test_a_child_that_cannot_start_is_an_error_not_a_crash(model):
 
 
 def test_one_clients_tasks_leave_a_child_for_the_others():
-    """Issue 56: six endless renders from one client held every child (another client's request waited
+    """Six endless renders from one client held every child (another client's request waited
     behind all of them: 14.7-19.5 s with grammars). A client runs on all children but one; another
     client's task takes the free one at once, while the first client's wait their turn."""
     pool = Sandbox(Setup("template", 64 << 20, 4096, TEMPLATE, "<s>"), processes=2)

@@ -200,7 +200,7 @@ def test_admission_learns_the_bias_from_first_tokens_on_a_driven_clock():
 
 
 def test_admission_cannot_lock_itself_out():
-    """The lockout recipe (issue 46): one first token 20 s late (a slow grammar) raised the bias past the
+    """The lockout recipe: one first token 20 s late (a slow grammar) raised the bias past the
     SLO, and since a refused request never has a first token, every request after it was refused for
     good. Now one is admitted per probe interval while all are refused, and lateness counts for
     BIAS_WINDOW_S only: within that time requests are admitted as before."""
@@ -264,7 +264,7 @@ def test_admission_predicts_tpot_from_the_batch_it_would_join():
 
 
 def test_admission_prices_every_completion_of_a_request():
-    """Issue 56: a request of n=16 was priced as one sequence (its later completions follow the first
+    """A request of n=16 was priced as one sequence (its later completions follow the first
     without admission), so four of them filled a worker's batch while other clients were refused. Its
     predicted TPOT is now the step at the batch with all n: refused where n=1 is admitted."""
     r, _ = _slo_router()
@@ -277,7 +277,7 @@ def test_admission_prices_every_completion_of_a_request():
 
 
 def test_admission_weighs_the_pages_a_request_s_completions_need_to_finish():
-    """Issue 56: four requests of n=16 x 700 tokens on a worker of 256 pages of 4 tokens were admitted,
+    """Four requests of n=16 x 700 tokens on a worker of 256 pages of 4 tokens were admitted,
     each needing 16 x 175 pages: they could only run by being preempted and recomputed over and over."""
     r = Router(["a"], page_size=4, cache_pages=256, admission="slo", slo=(10.0, 1.0))
     assert r.route("big", [], 5, ["a"], admit=True, sequences=16, max_tokens=700) is None
@@ -289,7 +289,7 @@ def test_admission_weighs_the_pages_a_request_s_completions_need_to_finish():
 
 
 def test_a_request_that_cannot_fit_is_refused_every_time_even_by_the_probe():
-    """Issue 70: with admission=slo, one of four identical requests needing 1,616 pages of 256 was
+    """With admission=slo, one of four identical requests needing 1,616 pages of 256 was
     admitted: the probe that admits one request after a probe interval of refusals took it."""
     now = [0.0]
     r = Router(["a"], page_size=4, cache_pages=256, admission="slo", slo=(1.0, 1.0), clock=lambda: now[0])
@@ -302,7 +302,7 @@ def test_a_request_that_cannot_fit_is_refused_every_time_even_by_the_probe():
 
 
 def test_admission_starts_from_the_speed_a_worker_timed_as_it_started():
-    """Issue 70: the router admitted on a speed it had not measured yet, and 5 of the first 6 admitted
+    """The router admitted on a speed it had not measured yet, and 5 of the first 6 admitted
     missed TTFT. With what each worker timed as it started (its Ready), the burst's third 1,024-token
     prompt, predicted at 3.1 s on a 1,000 token/s worker, is refused at once."""
     burst = [f"r{i}" for i in range(4)]
@@ -503,7 +503,7 @@ def test_by_load_keeps_the_prefill_worker_without_tpot_headroom_or_when_asked_no
 
 
 def test_a_bursts_lateness_does_not_refuse_requests_to_an_idle_worker():
-    """Issue 56: a burst's first tokens came late (each behind the others), the bias rose past the SLO,
+    """A burst's first tokens came late (each behind the others), the bias rose past the SLO,
     and once the burst ended the idle server refused every request for about 20 s. What requests took
     beside others predicts nothing for a worker with nothing in flight; it still weighs while others run."""
     r, now = _slo_router()
