@@ -287,6 +287,7 @@ class _Actor:
 
 _cluster = None  # the local cluster this process started (ray.local_nodes), shut down at exit
 _token_dir = None  # ... and the private folder of its authentication token
+_auth_before: dict[str, str | None] = {}  # the authentication variables as they were before use_token
 _shape = None  # what connect() connected this process to: (address, local nodes, CPUs each, role resources)
 
 
@@ -310,15 +311,20 @@ def use_token(folder: str) -> None:
     path = os.path.join(folder, "auth_token")
     with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
         f.write(secrets.token_hex(32))
+    _auth_before.update((var, os.environ.get(var)) for var in AUTH_VARS if var not in _auth_before)
     os.environ.pop("RAY_AUTH_TOKEN", None)
     os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=path)
     _reload_auth()
 
 
 def drop_token() -> None:
-    """This process's cluster is gone: its token goes from the environment (a later one makes its own)."""
-    for var in AUTH_VARS:
-        os.environ.pop(var, None)
+    """This process's cluster is gone: its token goes, and the variables are as they were before."""
+    for var, value in _auth_before.items():
+        if value is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = value
+    _auth_before.clear()
     _reload_auth()
 
 

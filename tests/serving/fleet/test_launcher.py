@@ -32,17 +32,17 @@ RAY = ["launcher=ray", "ray.local_nodes=2"]
 @pytest.fixture(scope="module", autouse=True)
 def _one_cluster_then_gone(tmp_path_factory):
     """The in-process runs share one local cluster; it is shut down after this module. The user has a Ray
-    token of their own (~/.ray/auth_token: Ray's ray.init writes one): each cluster uses its own."""
-    home = tmp_path_factory.mktemp("home")
-    (home / ".ray").mkdir()
-    (home / ".ray" / "auth_token").write_text("f" * 64)
+    token of their own (planted: RAY_AUTH_TOKEN_PATH, as ~/.ray/auth_token that Ray's ray.init writes):
+    each cluster uses its own, and the user's setting is back after."""
+    token = tmp_path_factory.mktemp("user") / "auth_token"
+    token.write_text("f" * 64)
     with pytest.MonkeyPatch.context() as env:
-        env.setenv("HOME", str(home))
-        for var in launcher.AUTH_VARS:
-            env.delenv(var, raising=False)
+        env.setenv("RAY_AUTH_TOKEN_PATH", str(token))
+        env.delenv("RAY_AUTH_MODE", raising=False)
+        env.delenv("RAY_AUTH_TOKEN", raising=False)
         yield
         launcher.disconnect()
-    assert not set(launcher.AUTH_VARS) & set(os.environ)  # the cluster's token went with it
+        assert os.environ.get("RAY_AUTH_TOKEN_PATH") == str(token) and "RAY_AUTH_MODE" not in os.environ
 
 
 def _cfg(overrides):

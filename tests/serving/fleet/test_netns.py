@@ -272,21 +272,20 @@ def test_the_main_job_runs_1p1d_across_two_hosts_and_its_kv_crosses_the_link(sho
 def test_ray_nodes_one_per_host_run_the_workers_and_the_kv_crosses_the_link(short_tmp, tmp_path, monkeypatch):
     """cluster.ray: a Ray node in each host (the head and the driver on host 0), each worker a Ray actor
     on its host's node; every request completes, the KV crosses the link, and the hosts go with every Ray
-    process in them. The user has a Ray token of their own (~/.ray/auth_token, which Ray's own ray.init
-    writes): the cluster uses one of its own on every node (the head took the user's and the second node
-    none: refused, InvalidAuthToken), and it is gone from the environment after."""
+    process in them. The user has a Ray token of their own (planted: RAY_AUTH_TOKEN_PATH, as
+    ~/.ray/auth_token that Ray's ray.init writes): the cluster uses one of its own on every node (the head
+    took the user's and the joining node none: refused, InvalidAuthToken), and the user's is back after."""
     import ray
 
     from experiments.run import run
     from tests.experiments.runs import _cfg
 
     monkeypatch.setenv("TMPDIR", str(short_tmp.resolve()))
-    home = tmp_path / "home"
-    (home / ".ray").mkdir(parents=True)
-    (home / ".ray" / "auth_token").write_text("f" * 64)
-    monkeypatch.setenv("HOME", str(home))
-    for var in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
-        monkeypatch.delenv(var, raising=False)
+    token = tmp_path / "auth_token"
+    token.write_text("f" * 64)
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(token))
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
     before = set(netns.namespaces())
     overrides = [
         "model=tiny-random", "deployment=1p1d", "launcher=netns", "cluster.ray=true", "cluster.subnet=23",
@@ -302,7 +301,7 @@ def test_ray_nodes_one_per_host_run_the_workers_and_the_kv_crosses_the_link(shor
     assert kv <= workers["prefill"]["nic_tx_bytes"][0] <= 1.15 * kv + (256 << 10)
     assert kv <= workers["decode"]["nic_rx_bytes"][0] <= 1.15 * kv + (256 << 10)
     assert not ray.is_initialized() and set(netns.namespaces()) <= before
-    assert not {"RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH"} & set(os.environ)
+    assert os.environ.get("RAY_AUTH_TOKEN_PATH") == str(token) and "RAY_AUTH_MODE" not in os.environ
     # no Ray process of those hosts left (gcs, raylets, workers: each names its node's address)
     left = subprocess.run(["pgrep", "-f", r"198\.18\.92\."], capture_output=True, text=True).stdout.split()
     assert not left, left
