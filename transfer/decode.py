@@ -368,9 +368,10 @@ class DecodeMessenger:
                 rid = msg.request_id
                 state = self.handoff.state(rid)
                 p = self.handoff.record(rid, *IN_FLIGHT, State.FAILED)
-                fenced = self.handoff.record(_fenced(rid, msg.seq), State.FENCED)
+                fenced_key = _fenced(rid, msg.seq)
+                fenced = self.handoff.record(fenced_key, State.FENCED)
                 if isinstance(msg, Ended) and fenced is not None and fenced.peer is peer:
-                    self._unfence(_fenced(rid, msg.seq), Cause.SETTLED)  # back, and done writing its pages
+                    self._unfence(fenced_key, Cause.SETTLED)  # back, and done writing its pages
                 elif p is None or p.peer is not peer or p.seq != msg.seq:
                     self.dropped["control message for a request the peer does not own"] += 1
                 elif isinstance(msg, Accepted):

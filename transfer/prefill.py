@@ -113,6 +113,13 @@ def late_tokens(passes: list[tuple[int, float, int]], cancelled_at: float) -> in
     return sum(tokens for n, tokens in after if n != first)
 
 
+def _remember(kept: OrderedDict, key, value) -> None:
+    """Keep key -> value, the oldest going past LOG_LIMIT entries."""
+    kept[key] = value
+    while len(kept) > LOG_LIMIT:
+        kept.popitem(last=False)
+
+
 class PrefillMessenger:
     def __init__(
         self,
@@ -283,9 +290,7 @@ class PrefillMessenger:
         if t is not None and self._cancelled(t, at):
             self.abort(request_id, "the client went away", Cause.CANCELLED)
         elif t is None and not queued:
-            self._gone[request_id] = at
-            while len(self._gone) > LOG_LIMIT:
-                self._gone.popitem(last=False)
+            _remember(self._gone, request_id, at)
 
     def _cancelled(self, t: _Transfer, at: float) -> bool:
         """Its client went away at `at`: counted once, whichever of the runtime's Cancel and the decode
@@ -332,9 +337,7 @@ class PrefillMessenger:
             if t.cancelled_at:
                 self.tokens_after_cancel += late_tokens(t.passes, t.cancelled_at)
             else:  # kept a while: an Abort may still come (its client left as its KV landed)
-                self._ended_passes[rid, t.req.seq] = t.passes
-                while len(self._ended_passes) > LOG_LIMIT:
-                    self._ended_passes.popitem(last=False)
+                _remember(self._ended_passes, (rid, t.req.seq), t.passes)
             if t.aborted or t.error:
                 self._tell(t.channel, Ended(rid, t.req.seq, t.error or f"aborted: {t.aborted}"))
         if self._waiting:
