@@ -22,16 +22,14 @@ from serving.messages import (
     Switched,
 )
 from serving.runtime import MAX_PREFILL_RETRIES, Ended, Routed, Runtime, Streamed
+from tests.waits import until
 
 DEADLINE_S = 30  # generous: a test waits for events, this only ends one that would hang
 
 
 def _until(done) -> None:
     """Wait for a state the runtime's thread reaches (bounded by DEADLINE_S, which only ends a hang)."""
-    give_up = time.monotonic() + DEADLINE_S
-    while not done():
-        assert time.monotonic() < give_up, "the state never came"
-        time.sleep(0.002)
+    until(done, "a state of the runtime's thread", DEADLINE_S, every_s=0.002)
 
 
 class FakeProc:

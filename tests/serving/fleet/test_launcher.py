@@ -15,6 +15,7 @@ import ray  # make test installs it: missing, this module fails
 from hydra import compose, initialize_config_dir
 
 from tests import needs
+from tests.waits import until
 
 needs.nixl()
 
@@ -27,6 +28,7 @@ TINY = ["model=tiny-random", "workload.arrival=concurrency", "workload.concurren
 TINY += ["workload.prompt_len.kind=uniform", "workload.prompt_len.low=2", "workload.prompt_len.high=40"]
 TINY += ["workload.output_len.value=8", "start_timeout_s=600", "run_timeout_s=600"]
 RAY = ["launcher=ray", "ray.local_nodes=2"]
+RAY_S = 600.0  # how long a wait on Ray may take before it counts as a hang (a ceiling, not a speed check)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -105,14 +107,6 @@ def test_the_local_clusters_workers_serve_at_full_priority():
         launcher.disconnect()  # (the killed-prefill-actor test did: nowhere to place its decode worker)
 
 
-def _until(done, what: str, within_s: float = 600.0) -> None:
-    """Wait for an event (a ceiling, not a speed check)."""
-    give_up = time.monotonic() + within_s
-    while not done():
-        assert time.monotonic() < give_up, f"still waiting for {what}"
-        time.sleep(0.02)
-
-
 def test_a_worker_whose_actor_restarts_slower_than_the_driver_notices_runs_again(tmp_path):
     """Ray fails a call sent to an actor that is still restarting (ActorUnavailableError: "The actor is
     restarting") unless the call may be retried. Beside the rest of the slow tests the restarted prefill
@@ -142,10 +136,10 @@ def test_a_worker_whose_actor_restarts_slower_than_the_driver_notices_runs_again
     try:
         node_id, pid = ray.get(actor.where.remote(), timeout=600)
         worker = launcher.RayWorker("prefill-0", actor, "spec", None, node_id, pid)
-        _until(lambda: ran.exists() and ran.read_text().split() == [str(pid)], "the first run")
+        until(lambda: ran.exists() and ran.read_text().split() == [str(pid)], "the first run", RAY_S)
         os.kill(pid, signal.SIGKILL)
-        _until(lambda: not worker.is_alive(), "the death to be seen")
-        _until(began.exists, "Ray to begin the restart")  # the new process is up, the actor not yet back
+        until(lambda: not worker.is_alive(), "the death to be seen", RAY_S)
+        until(began.exists, "Ray to begin the restart", RAY_S)  # the new process up, the actor not yet back
         worker.rerun()
         assert worker.is_alive()
         gate.write_text("")
@@ -154,7 +148,7 @@ def test_a_worker_whose_actor_restarts_slower_than_the_driver_notices_runs_again
             assert worker.is_alive(), "the run on the restarted actor failed"
             return len(ran.read_text().split()) == 2
 
-        _until(ran_again, "the run on the restarted actor")
+        until(ran_again, "the run on the restarted actor", RAY_S)
         assert worker.where()["pid"] == int(began.read_text()) == int(ran.read_text().split()[1])
         assert worker.is_alive() and worker.exitcode is None
     finally:
