@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
 from engine.role import Role
+from engine.speculative import SpeculativeConfig
 
 PREEMPTIONS = ("recompute", "refetch")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -200,14 +201,13 @@ class CacheConfig:
     page_size: int = 16
     num_pages: int = 1024
     kv_layout: str = "HND"
-    prefix_caching: bool = (
-        True  # share the KV of full pages with the same leading tokens (engine/kv/cache.py)
-    )
+    # share the KV of full pages with the same leading tokens (engine/kv/cache.py; vLLM's name)
+    enable_prefix_caching: bool = True
 
     def __post_init__(self):
         _check(
-            isinstance(self.prefix_caching, bool),
-            f"prefix_caching must be true or false, got {self.prefix_caching!r}",
+            isinstance(self.enable_prefix_caching, bool),
+            f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}",
         )
         _check(self.page_size >= 1, f"page_size must be >= 1, got {self.page_size}")
         _check(self.num_pages >= 1, f"num_pages must be >= 1, got {self.num_pages}")
@@ -349,21 +349,69 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: ModelConfig
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    device: str = "cpu"
+    """Everything one engine is built from: `LLM(config)`, or `LLM(model, **overrides)` whose keywords are
+    these fields' names and the cache's and scheduler's (EngineConfig.of routes each to its part). Checked
+    on construction; the checks that need the model's architecture run once the engine has read it
+    (`arch`). A deployment's workers get theirs from serving.config.engine_config, resolved before any
+    starts."""
+
+    model: str = "smollm2-135m"  # a built-in name (engine/weights.py), a model directory or a .gguf file
+    device: str = "cpu"  # cpu | cuda[:N]
     dtype: str = "float32"
     tp: int = 1
-    seed: int = 0
-    expert_parallel: bool = False  # MoE under TP: whole experts per rank instead of a slice of each
-    kv_tiers: KVTiersConfig = field(default_factory=KVTiersConfig)
     # data-parallel attention (engine/dp.py): dp engines of tp ranks each, the routed experts spread over
-    # all tp x dp ranks; dp_rank: which of them this one is
+    # all tp x dp ranks; dp_rank: which of them this one is (set by engine/dp.py for the engines it starts)
     dp: int = 1
     dp_rank: int = 0
+    seed: int = 0
+    expert_parallel: bool = False  # MoE under TP: whole experts per rank instead of a slice of each
+    # replay decode steps as CUDA graphs (engine/graphs.py); None: on CUDA with tp 1 outside the prefill role
+    cuda_graphs: bool | None = None
+    # speculative decoding, vLLM's names ({"method": "ngram" | "mtp", "num_speculative_tokens": k, ...});
+    # a dict is taken as engine.speculative.SpeculativeConfig's fields
+    speculative_config: SpeculativeConfig | None = None
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # KV below device memory under the prefix cache (engine/kv/tiers.py); a dict is taken as its fields
+    kv_tiers: KVTiersConfig = field(default_factory=KVTiersConfig)
+    arch: ModelConfig | None = None  # the model's architecture: set by the engine as it reads the model
+
+    @classmethod
+    def of(cls, config: EngineConfig | str | None = None, **overrides) -> EngineConfig:
+        """config (an EngineConfig, or a model's name) with overrides by their names: EngineConfig's own
+        fields, CacheConfig's and SchedulerConfig's (page_size=32 changes cache.page_size). An unknown name
+        is refused with the allowed ones."""
+        base = (
+            config
+            if isinstance(config, EngineConfig)
+            else cls(**({} if config is None else {"model": config}))
+        )
+        parts = {"cache": CacheConfig, "scheduler": SchedulerConfig}
+        top, nested = {}, {part: {} for part in parts}
+        for key, value in overrides.items():
+            part = next((p for p, c in parts.items() if key in c.__dataclass_fields__), None)
+            if part is not None:
+                nested[part][key] = value
+            elif key in cls.__dataclass_fields__ and key != "arch":
+                top[key] = value
+            else:
+                raise ValueError(f"the engine has no setting {key!r}; allowed: {sorted(settings())}")
+        for part, values in nested.items():
+            if values:
+                top[part] = replace(top.get(part, getattr(base, part)), **values)
+        if "model" in top:
+            top["arch"] = None  # another model's: read again
+        return replace(base, **top)
 
     def __post_init__(self):
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.of(self.speculative_config))
+        tiers = self.kv_tiers
+        if not isinstance(tiers, KVTiersConfig):
+            object.__setattr__(self, "kv_tiers", KVTiersConfig(**(tiers or {})))
+        _check(
+            isinstance(self.model, str) and bool(self.model),
+            f"model must be a model's name or path, got {self.model!r}",
+        )
         _check(self.dtype in DTYPES, f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
         _check(
             self.device == "cpu" or self.device.startswith("cuda"),
@@ -374,8 +422,36 @@ class EngineConfig:
             f"device={self.device!r} but this machine has no CUDA device (torch.cuda.is_available() is "
             "False): use device='cpu'",
         )
-        _check(self.tp >= 1, f"tp must be >= 1, got {self.tp}")
-        m = self.model
+        _check(isinstance(self.tp, int) and self.tp >= 1, f"tp must be an integer >= 1, got {self.tp!r}")
+        _check(
+            isinstance(self.expert_parallel, bool),
+            f"expert_parallel must be true or false, got {self.expert_parallel!r}",
+        )
+        _check(
+            isinstance(self.dp, int) and self.dp >= 1 and 0 <= self.dp_rank < self.dp,
+            f"dp must be an integer >= 1 (and dp_rank in [0, dp)), got dp={self.dp!r}, "
+            f"dp_rank={self.dp_rank!r}",
+        )
+        _check(
+            self.dp == 1 or not (self.speculative_config or self.kv_tiers.enabled or self.cuda_graphs),
+            f"dp={self.dp} (data-parallel attention) runs without speculative_config, kv_tiers or "
+            f"cuda_graphs so far; got speculative_config={self.speculative_config!r}, "
+            f"kv_tiers.host_bytes={self.kv_tiers.host_bytes}, cuda_graphs={self.cuda_graphs!r}",
+        )
+        _check(
+            self.dp == 1 or not self.scheduler.role.receives_kv or self.device == "cpu",
+            f"dp={self.dp} in the decode role maps each DP group's KV into the front's NIXL agents, on the "
+            f"CPU so far; got device={self.device!r}",
+        )
+        _check(
+            not self.kv_tiers.enabled or self.cache.enable_prefix_caching,
+            "kv_tiers keep prefix-cache pages: they need enable_prefix_caching=True",
+        )
+        if self.arch is not None:
+            self._check_arch(self.arch)
+
+    def _check_arch(self, m: ModelConfig) -> None:
+        """What the model's shape asks of the parallelism."""
         _check(m.num_heads % self.tp == 0, f"tp={self.tp} must divide the {m.num_heads} attention heads")
         _check(
             m.num_kv_heads % self.tp == 0 or self.tp % m.num_kv_heads == 0,
@@ -390,19 +466,9 @@ class EngineConfig:
             f"tp={self.tp} must divide the experts' MLP width {m.moe and m.moe.intermediate_size}",
         )
         _check(
-            isinstance(self.expert_parallel, bool),
-            f"expert_parallel must be true or false, got {self.expert_parallel!r}",
-        )
-        _check(
             not self.expert_parallel or (m.moe is not None and m.moe.num_experts % self.tp == 0),
             f"expert_parallel needs an MoE model whose experts tp={self.tp} divides; got "
             f"{m.moe.num_experts if m.moe else 'no'} experts",
-        )
-
-        _check(
-            isinstance(self.dp, int) and self.dp >= 1 and 0 <= self.dp_rank < self.dp,
-            f"dp must be an integer >= 1 (and dp_rank in [0, dp)), got dp={self.dp!r}, "
-            f"dp_rank={self.dp_rank!r}",
         )
         world = self.tp * self.dp
         _check(
@@ -419,3 +485,17 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+
+def settings(config: EngineConfig | None = None) -> dict:
+    """Every setting by the name LLM(**overrides) takes, and its value in config (the defaults' without
+    one): the cache's and scheduler's fields beside the engine's own (not arch, which the model sets)."""
+    config = config or EngineConfig()
+    out = {
+        f.name: getattr(config, f.name)
+        for f in fields(EngineConfig)
+        if f.name not in ("cache", "scheduler", "arch")
+    }
+    for part in (config.cache, config.scheduler):
+        out.update((f.name, getattr(part, f.name)) for f in fields(part))
+    return out

@@ -62,7 +62,7 @@ class EngineCore:
         if self._grammars is None:
             from engine.structured import Grammars
 
-            model = self.config.model
+            model = self.config.arch
             self._grammars = Grammars(self.tokenizer, model.vocab_size, model.eos_token_ids)
         return self._grammars
 
@@ -79,14 +79,14 @@ class EngineCore:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        vocab = self.config.model.vocab_size
+        vocab = self.config.arch.vocab_size
         prompt_ids = (
             self.tokenizer.encode(prompt) if isinstance(prompt, str) else check_token_ids(prompt, vocab)
         )
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if not isinstance(request_id, str) or not request_id:
             raise TypeError(f"request_id must be a non-empty string, got {request_id!r}")
-        context = self.config.model.max_position
+        context = self.config.arch.max_position
         if not prompt_ids:
             raise ValueError("prompt is empty")
         if len(prompt_ids) >= context:
@@ -326,7 +326,7 @@ class EngineCore:
         seq.token_times.append(now)
         if logprob is not None:
             seq.logprobs.append(logprob)
-        p, model = seq.params, self.config.model
+        p, model = seq.params, self.config.arch
         if seq.grammar is not None and not seq.grammar.accept_token(token):
             self.scheduler.remove(seq)
             self._finish(seq, "error", f"token {token} breaks the request's structured_outputs")

@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # the engine it adapts; engine/dp_group.py (which engine.llm 
 
 def shard_spec(llm: LLM) -> ShardSpec:
     """The geometry of llm's KV cache as the transfer plan sees it."""
-    m, c = llm.config.model, llm.config.cache
+    m, c = llm.config.arch, llm.config.cache
     return ShardSpec(
         tp=llm.config.tp,
         num_kv_heads=m.num_kv_heads,
@@ -134,7 +134,7 @@ def prefill_messenger(
         shard_spec(llm),
         llm.kv_caches,
         host_view(llm.counter),  # read while the pass runs, not after it (pinned, mapped on CUDA)
-        llm.config.model.hidden_size,
+        llm.config.arch.hidden_size,
         config,
     )
     llm.listener = pm
@@ -154,7 +154,7 @@ def decode_messenger(
     dp = llm.config.dp
     if len(group_backends) != dp - 1:
         raise ValueError(f"dp={dp}: one backend (agent) for each of the other {dp - 1} DP groups")
-    spec, hidden = shard_spec(llm), llm.config.model.hidden_size
+    spec, hidden = shard_spec(llm), llm.config.arch.hidden_size
     dm = DecodeMessenger(side(llm), backend, spec, llm.kv_caches, hidden, config)
     for rank, group_backend in enumerate(group_backends, start=1):
         dm.add_group(side(llm, rank), group_backend, spec, llm.group_kv_caches(rank))

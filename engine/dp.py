@@ -39,6 +39,7 @@ import torch
 import torch.multiprocessing as mp
 
 from engine import dp_group
+from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.kv.cache import OutOfPages
 from engine.sequence import RequestOutput, SamplingParams, Sequence
@@ -65,10 +66,10 @@ class Refetch(NamedTuple):
 class DPEngines:
     """DP group 0's handle on the engines of groups 1..dp-1 (spawned processes)."""
 
-    def __init__(self, args: dict, dp: int, tp: int, rendezvous: str, engine: type):
-        """args: the lead engine's constructor arguments; engine: its class (each group builds one of
-        them with its dp_rank: engine/dp_group.py)."""
-        ctx = mp.get_context("spawn")
+    def __init__(self, config: EngineConfig, rendezvous: str, engine: type):
+        """config: the lead engine's; engine: its class (each group builds one of them with its dp_rank:
+        engine/dp_group.py)."""
+        ctx, dp, tp = mp.get_context("spawn"), config.dp, config.tp
         self.conns, self.procs = [], []
         self.stats: dict[int, dict] = {}  # rank -> its counters (_stats), as of its step or refresh
         self.events: dict[int, list] = {r: [] for r in range(1, dp)}  # their prefix caches' events, untaken
@@ -80,7 +81,7 @@ class DPEngines:
             # an engine that leads TP ranks starts processes: a daemon may not (close() stops it instead)
             proc = ctx.Process(
                 target=dp_group.main,
-                args=(rank, args, rendezvous, engine_end, ops.get_backend(), os.getpid(), engine),
+                args=(rank, config, rendezvous, engine_end, ops.get_backend(), os.getpid(), engine),
                 daemon=tp == 1,
                 name=f"dp-engine-{rank}",
             )

@@ -7,6 +7,7 @@ its pipe; in the prefill role it runs the group's own messenger.
 from __future__ import annotations
 
 import traceback
+from dataclasses import replace
 
 import torch
 
@@ -39,15 +40,15 @@ def _stats(llm) -> dict:
     }
 
 
-def main(rank: int, args: dict, rendezvous: str, conn, backend: str, lead: int, engine: type) -> None:
-    """DP group `rank`'s engine: build it (an `engine`, the lead's class, of the lead's arguments; it joins
+def main(rank: int, config, rendezvous: str, conn, backend: str, lead: int, engine: type) -> None:
+    """DP group `rank`'s engine: build it (an `engine`, the lead's class, of the lead's config; it joins
     the process group), then serve the lead's requests and steps until told to stop, or until the lead is
     gone."""
     llm = pm = None
     try:
         torch.set_num_threads(1)
         ops.set_backend(backend)  # the lead's choice, not this process's environment
-        llm = engine(**args, dp_rank=rank, dp_rendezvous=rendezvous)
+        llm = engine(replace(config, dp_rank=rank), rendezvous=rendezvous)
         role = llm.config.scheduler.role
         conn.send(("ready", llm.kv_caches if role.receives_kv else None))  # shared memory: the front maps it
         side = DecodeSide(llm)

@@ -20,7 +20,7 @@ from typing import Protocol
 
 import torch
 
-from engine.config import CacheConfig, EngineConfig, KVTiersConfig, SchedulerConfig
+from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.decode_role import DecodeHandoff
 from engine.dp import DPEngines, DPFront
@@ -39,7 +39,6 @@ from engine.sequence import (
     SamplingParams,
     Sequence,
 )
-from engine.speculative import SpeculativeConfig
 from engine.step_sampling import StepSampler
 from engine.tp import TPGroup, init_rank
 from engine.weights import identity, load_model
@@ -76,131 +75,79 @@ class PrefillListener(Protocol):
 class LLM:
     def __init__(
         self,
-        model: str = "smollm2-135m",
+        config: EngineConfig | str = "smollm2-135m",
+        /,
         *,
-        tp: int = 1,
-        page_size: int = 16,
-        num_pages: int = 1024,
-        device: str = "cpu",
-        dtype: str = "float32",
-        role: Role | str = Role.COLOCATED,
-        kv_layout: str = "HND",
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 512,
-        seed: int = 0,
         listener: PrefillListener | None = None,
-        cuda_graphs: bool | None = None,
-        speculative_config: dict | SpeculativeConfig | None = None,
-        reserved_tokens: int | None = 512,
-        preemption: str = "recompute",
-        enable_prefix_caching: bool = True,
-        expert_parallel: bool = False,
-        fair_share: bool = True,
-        kv_tiers: dict | KVTiersConfig | None = None,
-        step_target_s: float | None = None,
-        dp: int = 1,
-        dp_rank: int = 0,
-        dp_rendezvous: str | None = None,
+        rendezvous: str | None = None,
+        **overrides,
     ):
-        """cuda_graphs: replay decode steps as CUDA graphs (engine.graphs); None: on CUDA with tp 1 outside
-        the prefill role (which never decodes). One page is kept back as the padding rows' scratch page.
-        reserved_tokens, preemption, fair_share: admission with room to finish, what a preempted
-        decode-role sequence does, and each request's share of the cache (engine.config.SchedulerConfig).
-        enable_prefix_caching: share the KV of leading full pages between requests (engine/kv/cache.py;
-        vLLM's name and default). expert_parallel: an MoE model under TP holds whole experts per rank
-        (engine/moe.py) instead of a slice of each. kv_tiers: KV below device memory under the prefix cache
-        (engine.config.KVTiersConfig's fields: host_bytes, disk_bytes, disk_dir, policy, ...).
-        step_target_s: size each step's prompt tokens so that each decoding request's mean interval
-        keeps within it (engine/budget.py; None: max_num_batched_tokens every step). dp: data-parallel
-        attention over dp engines of tp ranks each, the routed experts spread over all of them
-        (engine/dp.py; an MoE model, the colocated role); dp_rank and dp_rendezvous are set by
-        engine/dp.py for the engines it starts."""
-        role = Role.parse(role)
-        engine_args = dict(
-            model=model, tp=tp, page_size=page_size, num_pages=num_pages, device=device, dtype=dtype,
-            role=role, kv_layout=kv_layout, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, seed=seed, cuda_graphs=cuda_graphs,
-            reserved_tokens=reserved_tokens, preemption=preemption,
-            enable_prefix_caching=enable_prefix_caching, expert_parallel=expert_parallel,
-            fair_share=fair_share, step_target_s=step_target_s, dp=dp,
-        )  # fmt: skip
-        if dp != 1 and (speculative_config or kv_tiers or cuda_graphs):
-            raise ValueError(
-                f"dp={dp} (data-parallel attention) runs without speculative_config, kv_tiers or "
-                f"cuda_graphs so far; got speculative_config={speculative_config!r}, kv_tiers={kv_tiers!r}, "
-                f"cuda_graphs={cuda_graphs!r}"
-            )
-        if dp != 1 and role.receives_kv and torch.device(device).type != "cpu":
-            raise ValueError(
-                f"dp={dp} in the decode role maps each DP group's KV into the front's NIXL agents, on the "
-                f"CPU so far; got device={device!r}"
-            )
-        loaded = load_model(model)
-        config = EngineConfig(
-            model=loaded.config,
-            cache=CacheConfig(page_size, num_pages, kv_layout, enable_prefix_caching),
-            scheduler=SchedulerConfig(
-                role, max_num_seqs, max_num_batched_tokens, reserved_tokens, preemption, fair_share,
-                step_target_s,
-            ),
-            device=device, dtype=dtype, tp=tp, seed=seed, expert_parallel=expert_parallel,
-            kv_tiers=kv_tiers if isinstance(kv_tiers, KVTiersConfig) else KVTiersConfig(**(kv_tiers or {})),
-            dp=dp, dp_rank=dp_rank,
-        )  # fmt: skip
-        torch.manual_seed(seed + dp_rank)
+        """config: what the engine is built from (engine.config.EngineConfig), or a model's name; overrides:
+        settings by name, EngineConfig.of's (LLM("tiny-random", page_size=8, role="prefill")). listener: the
+        prefill role's messenger. rendezvous: where a DP group's ranks meet (engine/dp.py sets it for the
+        engines it starts). With CUDA graphs one page is kept back as the padding rows' scratch page."""
+        config = EngineConfig.of(config, **overrides)
+        loaded = load_model(config.model)
+        config = replace(config, arch=loaded.config)  # the checks that need the model's shape run here
+        arch, cache, role = loaded.config, config.cache, config.scheduler.role
+        torch.manual_seed(config.seed + config.dp_rank)
         self.tokenizer = loaded.tokenizer
         self.identity = identity(loaded)  # (model, weights, tokenizer) digests: a KV peer must share them
-        dev = torch.device(device)
-        shard = Shard.of(loaded.config, 0, tp, expert_parallel, dp, dp_rank)
+        dev = torch.device(config.device)
+        shard = Shard.of(arch, 0, config.tp, config.expert_parallel, config.dp, config.dp_rank)
         self.tp_group = self.dp_engines = leads = None
         if config.world > 1:  # ranks of this engine's group (and, dp > 1, of the other groups)
-            own = dp_rendezvous is None  # the first engine: a private directory (mode 0700) for the store
+            own = rendezvous is None  # the first engine: a private directory (mode 0700) for the store
             folder = tempfile.mkdtemp(prefix="pdk-tp-") if own else None
-            rendezvous = dp_rendezvous or os.path.join(folder, "rendezvous")
-            if dp > 1 and own:
-                self.dp_engines = DPEngines(engine_args, dp, tp, rendezvous, type(self))
+            rendezvous = rendezvous or os.path.join(folder, "rendezvous")
+            if config.dp > 1 and own:
+                self.dp_engines = DPEngines(config, rendezvous, type(self))
             try:
-                self.tp_group = TPGroup(model, config, rendezvous) if tp > 1 else None
+                self.tp_group = TPGroup(config, rendezvous) if config.tp > 1 else None
             except BaseException:
                 _close_ranks(None, self.dp_engines, folder)
                 raise
             self._finalizer = weakref.finalize(self, _close_ranks, self.tp_group, self.dp_engines, folder)
-        self.model = Model(loaded.config, loaded.weights, dev, config.torch_dtype, shard)
-        kv_cache = allocate_kv_cache(loaded.config, config.cache, shard.num_kv_heads, dev, config.torch_dtype)
+        self.model = Model(arch, loaded.weights, dev, config.torch_dtype, shard)
+        kv_cache = allocate_kv_cache(arch, cache, shard.num_kv_heads, dev, config.torch_dtype)
         # shared with the lead (TP) and, in the decode role, with DP group 0's agents (engine/dp.py)
-        shared = tp > 1 or (dp > 1 and role.receives_kv)
+        shared = config.tp > 1 or (config.dp > 1 and role.receives_kv)
         self.kv_cache = kv_cache.share_memory_() if shared and dev.type == "cpu" else kv_cache
         if config.world > 1:  # every rank has loaded its shard: join them
             groups = init_rank(0, config, rendezvous)
             self.model.tp_group, leads = groups.tp, groups.leads
             if self.dp_engines is not None:
                 self.dp_engines.await_ready()
-        cuda_graphs = graphs_wanted(cuda_graphs, loaded.config, dev, tp, role, num_pages)
+        cuda_graphs = graphs_wanted(config.cuda_graphs, arch, dev, config.tp, role, cache.num_pages)
         # with graphs, the last page is the padding rows' scratch page: never allocated
-        self.allocator = PageAllocator(num_pages - 1 if cuda_graphs else num_pages, page_size)
-        salt = f"{loaded.config.name}|{dtype}|{page_size}".encode() if enable_prefix_caching else None
-        self.scheduler = Scheduler(config.scheduler, self.allocator, loaded.config.max_position, salt)
-        # speculative decoding (vLLM's names: {"method": "ngram" | "mtp", "num_speculative_tokens": k, ...})
-        # (a prefill-role engine given one builds its drafter too: set_role may make it decode)
-        self.speculative = SpeculativeConfig.of(speculative_config)
-        self._drafter, self._propose = drafting(self.speculative, self.model, loaded, seed)
-        self.runner = ModelRunner(self.model, self.kv_cache, page_size, kv_layout, self.tp_group)
+        self.allocator = PageAllocator(
+            cache.num_pages - 1 if cuda_graphs else cache.num_pages, cache.page_size
+        )
+        salt = (
+            f"{arch.name}|{config.dtype}|{cache.page_size}".encode() if cache.enable_prefix_caching else None
+        )
+        self.scheduler = Scheduler(config.scheduler, self.allocator, arch.max_position, salt)
+        # speculative decoding (a prefill-role engine given it builds its drafter too: set_role may make it
+        # decode)
+        self.speculative = config.speculative_config
+        self._drafter, self._propose = drafting(self.speculative, self.model, loaded, config.seed)
+        self.runner = ModelRunner(self.model, self.kv_cache, cache.page_size, cache.kv_layout, self.tp_group)
         if cuda_graphs:
             self.runner.graphs = DecodeGraphs(
-                self.model, self.kv_cache, page_size, num_pages - 1, max_num_seqs
+                self.model, self.kv_cache, cache.page_size, cache.num_pages - 1, config.scheduler.max_num_seqs
             )
         me = weakref.ref(self)  # the sampler asks for the grammars only when a chunk has one
-        sampler = StepSampler(loaded.config.eos_token_ids, self.tokenizer, lambda: me().grammars)
+        sampler = StepSampler(arch.eos_token_ids, self.tokenizer, lambda: me().grammars)
         # the parts: one engine's request lifecycle, the front of the other DP groups' engines, the
         # decode role's hand-off
         self.core = EngineCore(
             config, self.tokenizer, self.allocator, self.scheduler, self.runner, sampler, leads
         )
         self.core.listener = listener
-        self.core.counter = make_layer_counter(loaded.config.num_layers, dev) if role.sends_kv else None
+        self.core.counter = make_layer_counter(arch.num_layers, dev) if role.sends_kv else None
         self.front = DPFront(self.core, self.dp_engines, self.kv_caches)
         self.handoff = DecodeHandoff(self.core, self.front.make_sequence)
-        self.tiers = self._make_tiers(loaded.config.name) if config.kv_tiers.enabled else None
+        self.tiers = self._make_tiers(arch.name) if config.kv_tiers.enabled else None
         self._wire_drafts()
         if dev.type == "cuda" and config.world == 1:
             self.warm_up()
@@ -211,12 +158,12 @@ class LLM:
         several, token counts of both kinds, prompt rows beside one-token rows, a decode batch). Done at
         start on one GPU; TP and DP ranks run their passes together, so theirs come with the first request."""
         c = self.config
-        longest = min(c.scheduler.max_num_batched_tokens, c.model.max_position) - 1  # not a multiple of 16
+        longest = min(c.scheduler.max_num_batched_tokens, c.arch.max_position) - 1  # not a multiple of 16
         free = self.allocator.num_free
         # the prefill role's passes bump a counter: a scratch one, so the messenger's counts stay true
         counter = None
         if self.counter is not None:
-            counter = make_layer_counter(c.model.num_layers, self.counter.device)
+            counter = make_layer_counter(c.arch.num_layers, self.counter.device)
         for lengths in ([max(1, min(longest, free * c.cache.page_size))], [32, 16], [17, 5, 1], [1, 1], [1]):
             self._dummy_pass(lengths, counter)
 
@@ -246,8 +193,8 @@ class LLM:
             return None, None
         counter = None
         if self.counter is not None:  # the prefill role's passes bump a counter: a scratch one
-            counter = make_layer_counter(c.model.num_layers, self.counter.device)
-        n = max(1, min(c.scheduler.max_num_batched_tokens, c.model.max_position - 1))
+            counter = make_layer_counter(c.arch.num_layers, self.counter.device)
+        n = max(1, min(c.scheduler.max_num_batched_tokens, c.arch.max_position - 1))
         role = c.scheduler.role
         prefill = [self._dummy_pass([n], counter) for _ in range(2)] if role.prefills else []
         step = [self._dummy_pass([1], counter) for _ in range(3)] if role.samples else []
@@ -257,8 +204,6 @@ class LLM:
     def _make_tiers(self, model: str) -> KVTiers:
         """The host and disk tiers under the prefix cache, hooked to the allocator and the scheduler."""
         c = self.config
-        if not c.cache.prefix_caching:
-            raise ValueError("kv_tiers keep prefix-cache pages: they need enable_prefix_caching=True")
         space = namespace(model, self.kv_cache, c.dtype, c.cache.kv_layout, c.tp)
         tiers = KVTiers(c.kv_tiers, self.kv_caches, space, c.cache.page_size)
         self.allocator.on_evict, self.allocator.on_named = tiers.evicted, tiers.named
@@ -295,7 +240,7 @@ class LLM:
         self.scheduler.config = config
         self._wire_drafts()
         if role.sends_kv and self.counter is None:
-            self.core.counter = make_layer_counter(self.config.model.num_layers, self.kv_cache.device)
+            self.core.counter = make_layer_counter(self.config.arch.num_layers, self.kv_cache.device)
         self.listener = None  # the new role's messenger sets its own
         if self.tiers is not None:
             self.tiers.share = role.prefills

@@ -64,9 +64,9 @@ def init_rank(rank: int, config: EngineConfig, rendezvous: str) -> Groups:
     return Groups(groups[config.dp_rank], leads)
 
 
-def build_rank(model_name: str, config: EngineConfig, rank: int):
+def build_rank(config: EngineConfig, rank: int):
     """This rank's model shard, KV cache and, on GPU, the VMM allocation the cache lives in (else None)."""
-    loaded = load_model(model_name)
+    loaded = load_model(config.model)
     device = torch.device(config.device)
     shard = Shard.of(loaded.config, rank, config.tp, config.expert_parallel, config.dp, config.dp_rank)
     model = Model(loaded.config, loaded.weights, device, config.torch_dtype, shard)
@@ -85,14 +85,12 @@ def build_rank(model_name: str, config: EngineConfig, rank: int):
     return model, alloc.tensor(tuple(shape), config.torch_dtype).zero_(), alloc
 
 
-def _rank_main(
-    rank: int, model_name: str, config: EngineConfig, rendezvous: str, conn, backend: str, lead: int
-) -> None:
+def _rank_main(rank: int, config: EngineConfig, rendezvous: str, conn, backend: str, lead: int) -> None:
     """Ranks 1..N-1: build the shard, hand the lead the KV cache, then mirror each step until told to stop."""
     try:
         torch.set_num_threads(1)
         ops.set_backend(backend)  # the lead's choice, not this process's environment
-        model, kv_cache, alloc = build_rank(model_name, config, rank)
+        model, kv_cache, alloc = build_rank(config, rank)
         # before the rendezvous, so the lead learns of load failures at once
         if alloc is None:
             conn.send(("ready", kv_cache))
@@ -166,14 +164,14 @@ class TPGroup:
     process group (engine.llm.LLM calls init_rank for the lead, through `rendezvous`, a path in a private
     directory its owner removes)."""
 
-    def __init__(self, model_name: str, config: EngineConfig, rendezvous: str):
+    def __init__(self, config: EngineConfig, rendezvous: str):
         self.size, self.device = config.tp, torch.device(config.device)
         self._allocs = []  # the ranks' VMM allocations mapped here (GPU)
         ctx = mp.get_context("spawn")
         self.conns, self.procs = [], []
         for rank in range(1, self.size):
             lead_end, rank_end = ctx.Pipe()
-            args = (rank, model_name, config, rendezvous, rank_end, ops.get_backend(), os.getpid())
+            args = (rank, config, rendezvous, rank_end, ops.get_backend(), os.getpid())
             proc = ctx.Process(target=_rank_main, args=args, daemon=True)
             proc.start()
             self.conns.append(lead_end)

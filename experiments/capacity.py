@@ -25,18 +25,20 @@ def prefill_tokens_s(config, prompt_tokens: int) -> float:
     import torch
 
     from engine import LLM, SamplingParams
-    from serving.config import DeploymentConfig, prefill_budget
+    from engine.role import Role
+    from serving.config import DeploymentConfig, engine_config
 
     m = config.model
     d = next((d for d in config.deployments if isinstance(d, DeploymentConfig)), None)
     threads = d.threads_per_worker if d is not None else 1
-    budget = prefill_budget(d.chunk_size if d is not None else "auto", m.device, m.dtype)
+    engine = engine_config(m, d or DeploymentConfig("capacity"), Role.COLOCATED, config.slo.tpot_s)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     pages = -(-(prompt_tokens + 8) // m.page_size) + 1
     try:
-        with LLM(m.name, device=m.device, dtype=m.dtype, page_size=m.page_size, num_pages=pages,
-                 max_num_batched_tokens=budget, enable_prefix_caching=False) as llm:  # fmt: skip
+        # one worker's engine, alone: no TP, DP, speculation or step target; pages for the prompt only
+        alone = dict(tp=1, dp=1, speculative_config=None, step_target_s=None, enable_prefix_caching=False)
+        with LLM(engine, num_pages=pages, **alone) as llm:
             times = []
             for i in range(WARMUP + TIMED):
                 prompt = [100 + (i * 7 + t) % 1000 for t in range(prompt_tokens)]

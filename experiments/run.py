@@ -122,10 +122,13 @@ def _check_auto(config) -> None:
 
 def _layout(config, d, requests, steps):
     """num_workers: auto: d with its cores' split chosen (experiments/layout.py), and the table of splits."""
+    from engine.role import Role
     from experiments import layout
-    from serving.config import prefill_budget
+    from serving.config import engine_config
 
-    budget = prefill_budget(d.chunk_size, config.model.device, config.model.dtype)
+    budget = engine_config(
+        config.model, d, Role.COLOCATED, config.slo.tpot_s
+    ).scheduler.max_num_batched_tokens
     return layout.choose(
         config, d, requests, steps, layout.prompt_lengths(requests, budget), layout.job_cores()
     )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
-from engine.config import TierSettings
+from engine.config import EngineConfig, KVTiersConfig, TierSettings
 from engine.role import Role
 from serving.checks import check_positive, refuse
 from serving.fleet.launch_config import ClusterConfig, LauncherConfig, RayConfig
@@ -47,6 +47,41 @@ def prefill_budget(chunk_size: int | str, device: str, dtype: str) -> int:
         return CPU_FP32_CHUNK
     native = device == "cpu" and dtype == "bfloat16" and native_bf16()
     return CPU_BF16_CHUNK if native else DEFAULT_CHUNK
+
+
+def engine_config(
+    model: ModelSpec,
+    d: DeploymentConfig,
+    role: Role,
+    tpot_s: float,
+    seed: int = 0,
+    kv_tiers: KVTiersConfig | None = None,
+) -> EngineConfig:
+    """The engine one worker of deployment d runs in role: the model's and the deployment's keys under
+    the engine's names, with what they leave to derive resolved here, once, in the main process before any
+    worker starts: chunk_size auto and slo (prefill_budget), slo's step target (tpot_s), the decode
+    preemption, speculation only where a worker samples (or may come to: elastic)."""
+    return EngineConfig.of(
+        model.name,
+        device=model.device,
+        dtype=model.dtype,
+        page_size=model.page_size,
+        num_pages=model.num_pages,
+        max_num_seqs=model.max_num_seqs,
+        expert_parallel=model.expert_parallel,
+        role=role,
+        tp=d.tp_of(role),
+        dp=d.dp_of(role),
+        seed=seed,
+        enable_prefix_caching=d.prefix_caching,
+        max_num_batched_tokens=prefill_budget(d.chunk_size, model.device, model.dtype),
+        step_target_s=d.step_target_s(tpot_s),
+        speculative_config=d.speculative if role.samples or d.elastic else None,
+        reserved_tokens=d.decode_reserved_tokens,
+        fair_share=d.fair_share,
+        preemption="refetch" if d.decode_preemption == "refetch" else "recompute",
+        kv_tiers=kv_tiers,
+    )
 
 
 @dataclass(frozen=True)
@@ -496,7 +531,6 @@ def check_fits_model(config: RuntimeConfig):
     """Read the model's config and tokenizer (what the runtime tokenizes with; not its weights, which only
     workers load) and check every TP degree against it, through the engine's own EngineConfig checks, and
     the deployments against this machine (check_fits_machine)."""
-    from engine.config import EngineConfig
     from engine.weights import load_model
 
     try:
@@ -518,14 +552,11 @@ def check_fits_model(config: RuntimeConfig):
             )
         for role in d.roles:
             try:
-                EngineConfig(
-                    model=loaded.config,
-                    tp=d.tp_of(role),
-                    dtype=config.model.dtype,
-                    device=config.model.device,
-                    expert_parallel=config.model.expert_parallel,
-                    dp=d.dp_of(role),
-                )
+                engine = engine_config(config.model, d, role, config.slo.tpot_s)
+            except ValueError as e:
+                raise ValueError(f"deployment {d.name}, its {role} workers: {e}") from e
+            try:
+                replace(engine, arch=loaded.config)
             except ValueError as e:
                 key = f"{role}_tp" if role.sends_kv or role.receives_kv else "tp"
                 raise ValueError(

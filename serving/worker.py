@@ -20,8 +20,9 @@ import time
 import traceback
 from dataclasses import dataclass
 
+from engine.config import EngineConfig
 from engine.role import Role
-from serving.config import DeploymentConfig, KernelsConfig, ModelSpec, prefill_budget, worker_of
+from serving.config import DeploymentConfig, KernelsConfig, worker_of
 from serving.decode_front import DecodeFront
 from serving.messages import (
     LOAD_EVERY_S,
@@ -58,8 +59,7 @@ HELLO_TIMEOUT_S = 300.0  # a decode worker waits this long for each prefill work
 @dataclass(frozen=True)
 class WorkerSpec:
     name: str
-    role: Role
-    model: ModelSpec
+    engine: EngineConfig  # what its engine is built from (serving.config.engine_config), its role's
     deployment: DeploymentConfig
     transfer: TransferConfig
     kernels: KernelsConfig
@@ -68,9 +68,6 @@ class WorkerSpec:
     run_dir: str  # private (0700) directory for its ipc:// sockets
     peers: tuple[str, ...] = ()  # the messenger's peer workers
     cores: tuple[int, ...] = ()  # CPU affinity (empty: leave as is)
-    tp: int = 1
-    dp: int = 1  # its DP groups (deployment.dp, prefill_dp or decode_dp)
-    seed: int = 0
     log_file: str | None = None  # this worker's log (the run folder's logs/<name>.log)
     log_level: str = "INFO"
     restart_wait_s: float = 0.0  # decode: how long requests wait for a dead prefill worker that the
@@ -78,12 +75,20 @@ class WorkerSpec:
     # decode: the peers whose Hello it waits for before it is Ready (None: every one). An elastic
     # deployment's workers are each other's peers; those not prefilling yet join when they Hello
     wait_for: tuple[str, ...] | None = None
-    kv_tiers: object = None  # engine.config.KVTiersConfig: its host, disk and pool tiers (None: off)
-    step_target_s: float | None = None  # chunk_size: slo: its steps' time target (engine/budget.py)
     netns: str | None = None  # launcher=netns: the network namespace (host) it runs in
 
-    def __post_init__(self):
-        object.__setattr__(self, "role", Role.parse(self.role))
+    @property
+    def role(self) -> Role:
+        """The role it starts in (an elastic worker's changes: Worker.role)."""
+        return self.engine.scheduler.role
+
+    @property
+    def tp(self) -> int:
+        return self.engine.tp
+
+    @property
+    def dp(self) -> int:  # its DP groups (deployment.dp, prefill_dp or decode_dp)
+        return self.engine.dp
 
 
 def worker_main(spec: WorkerSpec) -> None:
@@ -140,28 +145,8 @@ class Worker:
             os.sched_setaffinity(0, spec.cores)
         torch.set_num_threads(spec.deployment.threads_per_worker)
         ops.set_backend(spec.kernels.backend)  # auto: Triton on CUDA, the torch references on the CPU
-        d, m = spec.deployment, spec.model
-        self.llm = LLM(
-            m.name,
-            tp=spec.tp,
-            role=spec.role,
-            device=m.device,
-            dtype=m.dtype,
-            page_size=m.page_size,
-            num_pages=m.num_pages,
-            enable_prefix_caching=d.prefix_caching,
-            max_num_seqs=m.max_num_seqs,
-            max_num_batched_tokens=prefill_budget(d.chunk_size, m.device, m.dtype),
-            seed=spec.seed,
-            speculative_config=d.speculative if spec.role.samples or d.elastic else None,
-            reserved_tokens=d.decode_reserved_tokens,
-            fair_share=d.fair_share,
-            preemption="refetch" if d.decode_preemption == "refetch" else "recompute",
-            expert_parallel=m.expert_parallel,
-            dp=spec.dp,
-            kv_tiers=spec.kv_tiers,
-            step_target_s=spec.step_target_s,
-        )
+        d = spec.deployment
+        self.llm = LLM(spec.engine)
         self.timeline = Timeline(spec.name, spec.role)
         self.live: dict[str, float] = {}  # request -> when it was received
         self.streamed: dict[str, list[int]] = {}  # streamed request -> [tokens sent, characters sent]
@@ -334,7 +319,7 @@ class Worker:
             self.spec.dp,
             os.getpid(),
             kv.device,
-            self.spec.model.dtype,
+            self.spec.engine.dtype,
             ops.resolve("decode_attention", kv.device),
         )
         while os.getppid() == self.parent:

@@ -83,7 +83,7 @@ def test_grammar_compile_and_mask_time(benchmark):
         cached_s = time.perf_counter() - start
         for t in fresh.tokenizer.encode('{"title": "Team A", "scores": [1, 2'):
             assert matcher.accept_token(t)
-        row = torch.zeros(fresh.config.model.vocab_size)
+        row = torch.zeros(fresh.config.arch.vocab_size)
         fresh.grammars.mask(row, matcher, spec)  # the first builds the table of control-byte tokens
         start = time.perf_counter()
         for _ in range(200):

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from engine.role import Role
-from serving.config import DeploymentConfig, RuntimeConfig, dp_peers
+from serving.config import DeploymentConfig, RuntimeConfig, dp_peers, engine_config
 from serving.control import driver_socket, private_dir, recv_all, send_to
 from serving.fleet.procs import descendants, reap
 from serving.messages import (
@@ -82,38 +82,32 @@ def worker_specs(
     prefill = tuple(n for n in names if n.startswith("prefill-"))
     decode = tuple(n for n in names if n.startswith("decode-"))
     common = dict(
-        model=config.model,
         deployment=d,
         transfer=config.transfer,
         kernels=config.kernels,
         driver_address=driver,
         run_dir=run_dir,
-        step_target_s=d.step_target_s(config.slo.tpot_s),
     )
     specs = []
     for name in names:
         role = Role(name.split("-")[0])
-        tp = d.tp_of(role)
         groups = tuple(peer for p in prefill for peer in dp_peers(p, d.prefill_dp))  # each prefill group
         peers = {Role.COLOCATED: (), Role.PREFILL: decode, Role.DECODE: groups}[role]
         wait_for = None
         if d.elastic:  # any of them may prefill for any other later: a decode worker waits for today's
             peers, wait_for = tuple(n for n in names if n != name), prefill
         seed = int(name.split("-")[1]) if role == Role.COLOCATED else 0
-        dp = d.dp_of(role)
+        # a restarted worker finds its own files again
+        kv_tiers = tiers.engine(os.path.join(disk, name), secret, **pool) if tiers.serves(d) else None
+        engine = engine_config(config.model, d, role, config.slo.tpot_s, seed, kv_tiers)
         specs.append(
             WorkerSpec(
                 name,
-                role,
+                engine,
                 creds=keys[name],
                 peers=peers,
-                tp=tp,
-                dp=dp,
-                cores=cores(tp, dp),
-                seed=seed,
+                cores=cores(engine.tp, engine.dp),
                 wait_for=wait_for,
-                # a restarted worker finds its own files again
-                kv_tiers=tiers.engine(os.path.join(disk, name), secret, **pool) if tiers.serves(d) else None,
                 **common,
             )
         )

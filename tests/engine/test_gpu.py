@@ -55,7 +55,7 @@ def test_prefill_role_counts_layers_in_host_memory():
     llm.add_request(list(range(3, 40)), SamplingParams(max_tokens=1), request_id="r")
     llm.step()
     torch.cuda.synchronize()
-    assert host[0].tolist() == [1] * llm.config.model.num_layers and host[1].tolist() == [0] * 4
+    assert host[0].tolist() == [1] * llm.config.arch.num_layers and host[1].tolist() == [0] * 4
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -123,7 +123,7 @@ def test_a_warm_up_pass_gives_its_pages_back_bumps_no_counter_and_changes_no_tok
     # the shapes Triton specializes apart: one sequence and several, token counts of 16k and not, decodes
     assert passes == [[256], [32, 16], [17, 5, 1], [1, 1], [1]]
     assert llm.allocator.num_free == free
-    assert llm.counter.tolist() == [[0] * llm.config.model.num_layers] * 2
+    assert llm.counter.tolist() == [[0] * llm.config.arch.num_layers] * 2
     if model == "tiny-random":
         colocated = LLM(model, num_pages=64, page_size=4)
         colocated.warm_up()
@@ -356,8 +356,8 @@ def test_tp_that_fits_neither_sharding_nor_replication():
     )
     with pytest.raises(ValueError, match="must divide the 4 kv heads or be a multiple of them"):
         # 12 q heads split 2 per rank, but 4 kv heads neither split nor replicate over 6 ranks
-        EngineConfig(model=model, tp=6)
-    EngineConfig(model=model, tp=2)  # 2 kv heads per rank
+        EngineConfig(arch=model, tp=6)
+    EngineConfig(arch=model, tp=2)  # 2 kv heads per rank
 
 
 def test_reserve_out_of_pages_takes_nothing():

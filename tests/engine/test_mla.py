@@ -81,7 +81,7 @@ def _prompts(vocab: int) -> list[list[int]]:
 def test_deepseek_greedy_equals_transformers_with_chunked_prefill(tmp_path, version, overrides):
     hf = _deepseek(tmp_path, version, **overrides)
     llm = LLM(str(tmp_path), page_size=4, num_pages=128, max_num_batched_tokens=16)  # 41 tokens: 3 chunks
-    m = llm.config.model
+    m = llm.config.arch
     assert (m.num_kv_heads, m.head_dim, m.mla.kv_lora_rank, m.mla.q_lora_rank) == (
         1,
         40,
@@ -111,7 +111,7 @@ def test_the_latent_cache_is_replicated_and_tp2_gives_the_tp1_tokens():
     want = [o.token_ids for o in tp1.generate(prompts, params)]
     with LLM("tiny-random-deepseek", tp=2, page_size=4, num_pages=96) as llm:
         assert [o.token_ids for o in llm.generate(prompts, params)] == want
-    assert load_model("tiny-random-deepseek", weights=False).config == tp1.config.model
+    assert load_model("tiny-random-deepseek", weights=False).config == tp1.config.arch
 
 
 def test_triton_kernels_give_the_same_tokens_on_the_latent_cache():

@@ -86,15 +86,15 @@ def _prompts(vocab: int) -> list[list[int]]:
 def test_qwen3_moe_greedy_equals_transformers_with_chunked_prefill(tmp_path, overrides):
     hf = _qwen3_moe(tmp_path, **overrides)
     llm = LLM(str(tmp_path), page_size=4, num_pages=96, max_num_batched_tokens=16)  # 41 tokens: 3 chunks
-    moe = llm.config.model.moe
+    moe = llm.config.arch.moe
     sparse = [
         i
         for i in range(3)
         if i not in hf.config.mlp_only_layers and (i + 1) % hf.config.decoder_sparse_step == 0
     ]
     assert (moe.num_experts, moe.top_k, moe.layers) == (8, 2, tuple(sparse))
-    assert llm.config.model.qk_norm and moe.norm_topk_prob == hf.config.norm_topk_prob
-    assert load_model(str(tmp_path), weights=False).config == llm.config.model  # what a driver reads
+    assert llm.config.arch.qk_norm and moe.norm_topk_prob == hf.config.norm_topk_prob
+    assert load_model(str(tmp_path), weights=False).config == llm.config.arch  # what a driver reads
     outs = llm.generate(_prompts(512), SamplingParams(max_tokens=8, ignore_eos=True))
     for out in outs:
         assert out.token_ids == hf_greedy(hf, out.prompt_token_ids, 8), len(out.prompt_token_ids)
@@ -118,7 +118,7 @@ def test_tp_must_divide_the_experts_width():
     model = load_model("tiny-random-moe").config
     model = replace(model, moe=replace(model.moe, intermediate_size=66))
     with pytest.raises(ValueError, match="tp=4 must divide the experts' MLP width 66"):
-        EngineConfig(model=model, tp=4)
+        EngineConfig(arch=model, tp=4)
     with pytest.raises(ValueError, match=r"moe.layers must be in \[0, 4\), got \[4\]"):
         replace(model, moe=replace(model.moe, layers=(1, 4)))
     with pytest.raises(ValueError, match=r"moe.top_k must be in \[1, num_experts=4\]"):
@@ -255,6 +255,6 @@ def test_expert_parallel_is_checked_naming_the_field():
     model = load_model("tiny-random-moe", weights=False).config
     model = replace(model, moe=replace(model.moe, num_experts=6))
     with pytest.raises(ValueError, match="whose experts tp=4 divides; got 6"):
-        EngineConfig(model=model, tp=4, expert_parallel=True)
+        EngineConfig(arch=model, tp=4, expert_parallel=True)
     with pytest.raises(ValueError, match="expert_parallel needs an MoE model"):
-        EngineConfig(model=load_model("tiny-random", weights=False).config, expert_parallel=True)
+        EngineConfig(arch=load_model("tiny-random", weights=False).config, expert_parallel=True)

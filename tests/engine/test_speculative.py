@@ -116,7 +116,7 @@ def test_mtp_head_weights_are_checked(tmp_path):
         LLM("tiny-random", speculative_config={"method": "mtp"})
     with pytest.raises(ValueError, match="existing .safetensors file"):
         LLM("tiny-random", speculative_config={"method": "mtp", "model": str(tmp_path / "none.safetensors")})
-    head = random_head_weights(LLM("tiny-random", num_pages=4).config.model)
+    head = random_head_weights(LLM("tiny-random", num_pages=4).config.arch)
     head["eh_proj.weight"] = head["eh_proj.weight"][:, :10].contiguous()
     save_file(head, str(tmp_path / "bad.safetensors"))
     with pytest.raises(ValueError, match=r"eh_proj.weight .* has shape \(128, 10\), not \(128, 256\)"):

@@ -96,7 +96,7 @@ def test_hf_directory_matches_transformers(tmp_path, arch):
     model.save_pretrained(tmp_path)
     LLM("tiny-random").tokenizer.tokenizer.save(str(tmp_path / "tokenizer.json"))
     llm = LLM(str(tmp_path), page_size=4, num_pages=64)
-    assert llm.config.model.qk_norm == (arch == "qwen3")
+    assert llm.config.arch.qk_norm == (arch == "qwen3")
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=10, ignore_eos=True))
     for out in outs:
         assert out.token_ids == hf_greedy(model.eval(), out.prompt_token_ids, 10), out.prompt
@@ -124,7 +124,7 @@ def test_a_hub_id_loads_from_the_local_cache_only(tmp_path, monkeypatch):
     transformers.LlamaForCausalLM(config).save_pretrained(snapshot)
     LLM("tiny-random").tokenizer.tokenizer.save(str(snapshot / "tokenizer.json"))
     llm = LLM("pdk/tiny-llama", page_size=4, num_pages=32)
-    assert llm.config.model.num_layers == 2
+    assert llm.config.arch.num_layers == 2
     with pytest.raises(FileNotFoundError, match="not in the local Hugging Face cache"):
         LLM("pdk/not-downloaded")
 

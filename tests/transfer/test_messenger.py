@@ -345,7 +345,7 @@ def test_each_send_mode_moves_the_same_kv_at_its_own_time(mode):
         _run(prefill, decode, pm, dm, ["r"])
         assert decode.output("r").token_ids == expected
         assert prefill.allocator.num_free == PAGES and decode.allocator.num_free == PAGES
-        layers = prefill.config.model.num_layers
+        layers = prefill.config.arch.num_layers
         posts: dict[float, list[int]] = {}  # post time -> the layers it carried
         for _, layer, at in pm.post_log:
             posts.setdefault(at, []).append(layer)
