@@ -58,11 +58,11 @@ class PrefillSide:
         return self.llm.allocator.pages(request_id)
 
     def stop(self, request_id: str) -> None:
-        self.llm.stop(request_id)
+        self.llm.core.stop(request_id)
 
     def release(self, request_id: str) -> None:
-        self.llm.release(request_id)
-        self.llm.forget(request_id)  # stopped or prefilled by now: nothing more is kept of it
+        self.llm.handoff.release(request_id)
+        self.llm.core.forget(request_id)  # stopped or prefilled by now: nothing more is kept of it
 
 
 class DecodeSide:
@@ -80,9 +80,9 @@ class DecodeSide:
         load_within_s: float = 0.0,
     ) -> tuple[list[int], int]:
         if self.group:
-            return self.llm.reserve_in(self.group, request_id, prompt_ids, params, load_within_s)
-        seq = self.llm.reserve(prompt_ids, params, request_id=request_id, load_within_s=load_within_s)
-        held = seq.pages_named + self.llm.reserved_below(request_id)  # cached, or loading from below
+            return self.llm.front.reserve_in(self.group, request_id, prompt_ids, params, load_within_s)
+        seq = self.llm.handoff.reserve(prompt_ids, params, request_id=request_id, load_within_s=load_within_s)
+        held = seq.pages_named + self.llm.handoff.reserved_below(request_id)  # cached, or loading from below
         return self.llm.allocator.pages(request_id), held * self.llm.allocator.page_size
 
     def admit(self, request_id: str, context: Tensor | None) -> None:
@@ -90,37 +90,37 @@ class DecodeSide:
             hidden = context.numpy() if context is not None else None
             self.llm.dp_engines.call(self.group, "admit", request_id, hidden)
         elif context is not None and not isinstance(context, Tensor):  # from the front (numpy)
-            self.llm.admit_prefilled(request_id, torch.from_numpy(context))
+            self.llm.handoff.admit_prefilled(request_id, torch.from_numpy(context))
         else:
-            self.llm.admit_prefilled(request_id, context)
+            self.llm.handoff.admit_prefilled(request_id, context)
 
     def fail(self, request_id: str, error: str) -> None:
         if self.group:
             self.llm.dp_engines.call(self.group, "fail", request_id, error)
         else:
-            self.llm.stop(request_id, error)
+            self.llm.core.stop(request_id, error)
 
     def free(self, request_id: str) -> None:
         if self.group:
             self.llm.dp_engines.call(self.group, "free", request_id)
         else:
-            self.llm.release(request_id)
+            self.llm.handoff.release(request_id)
 
     def set_aside(self, request_id: str, owner: str) -> None:
         if self.group:
             self.llm.dp_engines.call(self.group, "set_aside", request_id, owner)
         else:
-            self.llm.set_aside(request_id, owner)
+            self.llm.handoff.set_aside(request_id, owner)
 
     def recompute(self, request_id: str) -> None:
         if self.group:
             self.llm.dp_engines.call(self.group, "recompute", request_id)
             return
-        seq = self.llm.seqs.get(request_id)
+        seq = self.llm.core.seqs.get(request_id)
         if seq is None or seq.finished:  # stopped meanwhile (handed back, aborted): nothing to compute
-            self.llm.release(request_id)
+            self.llm.handoff.release(request_id)
             return
-        self.llm.prefill_locally(request_id)
+        self.llm.handoff.prefill_locally(request_id)
 
 
 def prefill_messenger(
@@ -133,11 +133,11 @@ def prefill_messenger(
         backend,
         shard_spec(llm),
         llm.kv_caches,
-        host_view(llm.counter),  # read while the pass runs, not after it (pinned, mapped on CUDA)
+        host_view(llm.core.counter),  # read while the pass runs, not after it (pinned, mapped on CUDA)
         llm.config.arch.hidden_size,
         config,
     )
-    llm.listener = pm
+    llm.core.listener = pm
     return pm
 
 
@@ -157,5 +157,5 @@ def decode_messenger(
     spec, hidden = shard_spec(llm), llm.config.arch.hidden_size
     dm = DecodeMessenger(side(llm), backend, spec, llm.kv_caches, hidden, config)
     for rank, group_backend in enumerate(group_backends, start=1):
-        dm.add_group(side(llm, rank), group_backend, spec, llm.group_kv_caches(rank))
+        dm.add_group(side(llm, rank), group_backend, spec, llm.front.group_kv_caches(rank))
     return dm

@@ -35,7 +35,7 @@ def _stats(llm) -> dict:
     return {
         **_counters(llm),
         "cache_events": llm.allocator.take_events(),
-        "refetches": [(q.request_id, q.all_ids, q.params) for q in llm.take_refetches()],
+        "refetches": [(q.request_id, q.all_ids, q.params) for q in llm.front.take_refetches()],
         "busy": llm.has_unfinished(),
     }
 
@@ -64,7 +64,7 @@ def main(rank: int, config, rendezvous: str, conn, backend: str, lead: int, engi
             elif kind == "record":
                 llm.allocator.record_events()
             elif kind == "grammar":  # loaded in the front first: the same vocabulary, it loads here too
-                llm.grammars.load(*payload)
+                llm.core.grammars.load(*payload)
             elif kind == "prefill_messenger":  # prefill role: this group's own messenger and agent
                 pm = _prefill_messenger(llm, rank, *payload)
                 conn.send(("done", pm.agents.names))

@@ -137,7 +137,7 @@ class LLM:
                 self.model, self.kv_cache, cache.page_size, cache.num_pages - 1, config.scheduler.max_num_seqs
             )
         me = weakref.ref(self)  # the sampler asks for the grammars only when a chunk has one
-        sampler = StepSampler(arch.eos_token_ids, self.tokenizer, lambda: me().grammars)
+        sampler = StepSampler(arch.eos_token_ids, self.tokenizer, lambda: me().core.grammars)
         # the parts: one engine's request lifecycle, the front of the other DP groups' engines, the
         # decode role's hand-off
         self.core = EngineCore(
@@ -162,8 +162,8 @@ class LLM:
         free = self.allocator.num_free
         # the prefill role's passes bump a counter: a scratch one, so the messenger's counts stay true
         counter = None
-        if self.counter is not None:
-            counter = make_layer_counter(c.arch.num_layers, self.counter.device)
+        if self.core.counter is not None:
+            counter = make_layer_counter(c.arch.num_layers, self.core.counter.device)
         for lengths in ([max(1, min(longest, free * c.cache.page_size))], [32, 16], [17, 5, 1], [1, 1], [1]):
             self._dummy_pass(lengths, counter)
 
@@ -192,8 +192,8 @@ class LLM:
         if c.world > 1 or c.dp > 1:
             return None, None
         counter = None
-        if self.counter is not None:  # the prefill role's passes bump a counter: a scratch one
-            counter = make_layer_counter(c.arch.num_layers, self.counter.device)
+        if self.core.counter is not None:  # the prefill role's passes bump a counter: a scratch one
+            counter = make_layer_counter(c.arch.num_layers, self.core.counter.device)
         n = max(1, min(c.scheduler.max_num_batched_tokens, c.arch.max_position - 1))
         role = c.scheduler.role
         prefill = [self._dummy_pass([n], counter) for _ in range(2)] if role.prefills else []
@@ -233,15 +233,17 @@ class LLM:
         ended and been handed back by step() (ValueError otherwise). The prefill role gets its layer
         counter here; a decode role reached this way replays no CUDA graphs (none were captured)."""
         role = Role.parse(role)
-        if self.seqs or self.has_unfinished() or self.scheduler.aside:
-            raise ValueError(f"set_role('{role}') needs an idle engine; {len(self.seqs)} requests are here")
+        if self.core.seqs or self.has_unfinished() or self.scheduler.aside:
+            raise ValueError(
+                f"set_role('{role}') needs an idle engine; {len(self.core.seqs)} requests are here"
+            )
         config = replace(self.config.scheduler, role=role)
         self.core.config = replace(self.config, scheduler=config)
         self.scheduler.config = config
         self._wire_drafts()
-        if role.sends_kv and self.counter is None:
+        if role.sends_kv and self.core.counter is None:
             self.core.counter = make_layer_counter(self.config.arch.num_layers, self.kv_cache.device)
-        self.listener = None  # the new role's messenger sets its own
+        self.core.listener = None  # the new role's messenger sets its own
         if self.tiers is not None:
             self.tiers.share = role.prefills
 
@@ -267,11 +269,6 @@ class LLM:
 
     # ---- requests -------------------------------------------------------------------------------
 
-    def make_sequence(self, prompt, params=None, request_id=None, output_ids=None) -> Sequence:
-        """Tokenize and check a request (EngineCore.make_sequence; a request_id another DP group holds is
-        refused too)."""
-        return self.front.make_sequence(prompt, params, request_id, output_ids)
-
     def add_request(self, prompt, params=None, request_id=None, output_ids=None, after=None, dp_rank=None):
         """Queue a request (EngineCore.add_request; dp_rank: DPFront.add_request's)."""
         return self.front.add_request(prompt, params, request_id, output_ids, after, dp_rank)
@@ -287,86 +284,19 @@ class LLM:
         """End a request now (finish_reason 'abort', or 'error' with a message) and free its pages."""
         self.front.abort(request_id, error)
 
-    def stop(self, request_id: str, error: str | None = None) -> None:
-        """End a request but keep its pages until `release` (EngineCore.stop)."""
-        self.core.stop(request_id, error)
-
     def output(self, request_id: str) -> RequestOutput:
         return self.core.output(request_id)
 
-    def forget(self, request_id: str) -> None:
-        self.core.forget(request_id)
-
-    def resume(self, seq: Sequence) -> None:
-        self.core.resume(seq)
-
-    # the decode role's hand-off (engine/decode_role.py)
-    def reserve(self, prompt, params=None, request_id=None, load_within_s: float = 0.0) -> Sequence:
-        return self.handoff.reserve(prompt, params, request_id, load_within_s)
-
-    def reserved_below(self, request_id: str) -> int:
-        return self.handoff.reserved_below(request_id)
-
-    def admit_prefilled(self, request_id: str, context: torch.Tensor | None = None) -> None:
-        self.handoff.admit_prefilled(request_id, context)
-
-    def prefill_locally(self, request_id: str) -> None:
-        self.handoff.prefill_locally(request_id)
-
-    def set_aside(self, request_id: str, owner: str) -> None:
-        self.handoff.set_aside(request_id, owner)
-
-    def release(self, request_id: str) -> None:
-        self.handoff.release(request_id)
-
-    def take_refetches(self) -> list:
-        return self.front.take_refetches()
-
-    # the DP front (engine/dp.py)
-    def dp_rank_of(self, request_id: str) -> int:
-        return self.front.dp_rank_of(request_id)
-
-    def holds(self, request_id: str) -> bool:
-        return self.front.holds(request_id)
-
-    def least_busy_group(self) -> int:
-        return self.front.least_busy_group()
-
-    def group_kv_caches(self, rank: int) -> list[torch.Tensor]:
-        return self.front.group_kv_caches(rank)
-
-    def reserve_in(self, rank: int, request_id: str, prompt_ids: list[int], params, load_within_s: float):
-        return self.front.reserve_in(rank, request_id, prompt_ids, params, load_within_s)
-
-    def start_group_messengers(self, transfer, agent: str, peers: dict[int, list], creds) -> list[list[str]]:
-        return self.front.start_group_messengers(transfer, agent, peers, creds)
-
-    def poll_groups(self) -> bool:
-        return self.front.poll_groups()
-
-    def load_grammar(self, spec, compiled_json: str) -> None:
-        self.front.load_grammar(spec, compiled_json)
-
-    def record_cache_events(self) -> None:
-        self.front.record_cache_events()
-
-    def take_cache_events(self) -> list[list[tuple[bool, bytes]]]:
-        return self.front.take_cache_events()
-
-    # the engine's state, as the core holds it
-    config = property(lambda self: self.core.config)
-    seqs = property(lambda self: self.core.seqs)
-    counter = property(lambda self: self.core.counter)
-    drafter = property(lambda self: self.core.drafter)
-    grammars = property(lambda self: self.core.grammars)
-    listener = property(lambda self: self.core.listener, lambda self, v: setattr(self.core, "listener", v))
-    last_step = property(lambda self: self.core.last_step, lambda self, v: setattr(self.core, "last_step", v))
     # counters over every DP group
     pages = property(lambda self: self.front.pages)
     queues = property(lambda self: self.front.queues)
     prefix_cache_stats = property(lambda self: self.front.prefix_cache_stats)
     preemption_stats = property(lambda self: self.front.preemption_stats)
     grammar_compiles = property(lambda self: self.front.grammar_compiles)
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.core.config
 
     def generate(
         self,
@@ -404,14 +334,14 @@ class LLM:
         """make_sequence, and for params.n > 1 its n - 1 siblings ('<id>#1', ...; child i seeded seed + i)
         that start once the first one's prompt KV is computed, sharing its pages through the prefix
         cache (only the prompt's last partial page is computed again)."""
-        first = self.make_sequence(prompt, params, request_id)
+        first = self.front.make_sequence(prompt, params, request_id)
         p = first.params
         if p.n == 1:
             return [first]
         family = [first]
         for i in range(1, p.n):
             seed = None if p.seed is None else (p.seed + i) % (1 << 63)
-            child = self.make_sequence(
+            child = self.front.make_sequence(
                 first.prompt_ids, replace(p, n=1, seed=seed), f"{first.request_id}#{i}"
             )
             child.prompt, child.after = first.prompt, first

@@ -59,12 +59,12 @@ class DecodeFront:
             if by_load:  # counted as a local prefill, and as one by load
                 self.prefilled_here[rid] = Cause.BY_LOAD
         elif msg.output_ids:  # migrated: its prompt and outputs so far come from a prefill worker
-            seq = self.llm.make_sequence(msg.prompt_ids, params, msg.request_id, msg.output_ids)
-            self.llm.resume(seq)  # DP group 0's engine resumes it (the one in this process)
+            seq = self.llm.front.make_sequence(msg.prompt_ids, params, msg.request_id, msg.output_ids)
+            self.llm.core.resume(seq)  # DP group 0's engine resumes it (the one in this process)
             self.dm.wait(msg.request_id)
             self.backlog.append(Waiting(msg.request_id, seq.all_ids, params))
         else:
-            self.llm.make_sequence(msg.prompt_ids, params, msg.request_id)  # check it now
+            self.llm.front.make_sequence(msg.prompt_ids, params, msg.request_id)  # check it now
             group = msg.dp_rank  # the router's choice of DP group (None: chosen when it is sent)
             self.dm.wait(msg.request_id)
             self.backlog.append(Waiting(msg.request_id, msg.prompt_ids, params, msg.prefill_worker, group))
@@ -118,7 +118,7 @@ class DecodeFront:
             # the client holding the fewest here goes first (engine/fair.py): refetches first among its own
             item = min(self.backlog, key=shares.rank)
             rid = item.request_id
-            first = self.llm.seqs.get(self.after.pop(rid, ""))
+            first = self.llm.core.seqs.get(self.after.pop(rid, ""))
             if first is not None and not first.finished and first.prompt_ids == item.token_ids:
                 # n > 1: the first completion's transfer serves this one too (engine: add_request after)
                 self.backlog.remove(item)
@@ -137,7 +137,7 @@ class DecodeFront:
                     prefer=item.peer,
                     cache_salt=salt,
                     client=item.params.client or (),
-                    group=item.group if item.group is not None else self.llm.least_busy_group(),
+                    group=item.group if item.group is not None else self.llm.front.least_busy_group(),
                 ):
                     self.prefilled_here[rid] = Cause.SHORT
             except (OutOfPages, NoFreeSlot):
@@ -145,7 +145,7 @@ class DecodeFront:
                 # context slots as transfers land
             except (ValueError, TypeError) as e:  # the plan or the engine refused it
                 dm.leave(rid, Cause.ERROR)
-                if self.llm.holds(rid):  # a refetch: it ends with its tokens so far
+                if self.llm.front.holds(rid):  # a refetch: it ends with its tokens so far
                     self.llm.abort(rid, f"could not fetch its KV again: {e}")
                 else:
                     refuse(rid, e)

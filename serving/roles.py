@@ -73,7 +73,7 @@ class RoleSwitch:
             kept.pop(request_id, None)
         w.front.drop(request_id, Cause.ABORTED)
         if request_id in w.dm.pending:
-            w.llm.stop(request_id)  # its pages stay until the transfer has settled
+            w.llm.core.stop(request_id)  # its pages stay until the transfer has settled
             w.dm.abort(request_id, "handed back: its decode worker is switching roles")
         else:
             w.llm.abort(request_id)
@@ -83,7 +83,7 @@ class RoleSwitch:
         """Nothing of this worker's is anywhere: no request, no transfer, no prefill."""
         w = self.worker
         return not (
-            w.llm.seqs
+            w.llm.core.seqs
             or w.live
             or self.handing
             or w.front.backlog
@@ -103,7 +103,7 @@ class RoleSwitch:
         if msg.role.sends_kv:
             w.llm.allocator.events = None  # no router routes to a prefill worker by its cache
         else:
-            w.llm.record_cache_events()
+            w.llm.front.record_cache_events()
         w.generation += 1
         w._connect_messenger(tuple(msg.prefill))
         seconds = time.monotonic() - self.started

@@ -163,7 +163,7 @@ class Worker:
         self.joining: dict[str, object] = {}
         self.switch = RoleSwitch(self)
         if spec.role.samples:  # the router routes to this worker by what its cache holds
-            self.llm.record_cache_events()
+            self.llm.front.record_cache_events()
         self.llm.record_tier_events()  # ... and below it (a prefill worker's pool puts too)
         if spec.role.sends_kv or spec.role.receives_kv:  # a messenger for its side of the hand-off
             self._connect_messenger(spec.wait_for)
@@ -236,7 +236,7 @@ class Worker:
                     rank: [(dn, addrs[rank - 1]) for dn, addrs in connect.groups.items() if addrs[rank - 1]]
                     for rank in range(1, spec.dp)
                 }
-                self.llm.start_group_messengers(t, name, peers, spec.creds)
+                self.llm.front.start_group_messengers(t, name, peers, spec.creds)
             return
         groups = [rank_agents(t, f"{name}-dp{r}", spec.tp, r) for r in range(1, spec.dp)]
         self.dm = self.front.dm = decode_messenger(self.llm, agents, t, group_backends=groups)
@@ -341,7 +341,7 @@ class Worker:
                 self.pm.poll()  # the only place its finished transfers are logged: into the timeline
                 self.timeline.sent += [tuple(s) for s in self.pm.done_log]
                 self.pm.done_log.clear()
-                self.llm.poll_groups()  # each other DP group's messenger (none without DP)
+                self.llm.front.poll_groups()  # each other DP group's messenger (none without DP)
             if self.dm is not None:
                 self.front.drain(lambda rid, e: self._refuse(rid, self.live.pop(rid), e))
                 self.dm.poll()
@@ -358,7 +358,7 @@ class Worker:
                 if self.llm.tiers is not None:
                     self.llm.tiers.tend()  # pool puts waiting for a host slot go, idle or not
                 running, waiting = self.llm.queues  # every DP group's
-                groups = self.llm.take_cache_events()
+                groups = self.llm.front.take_cache_events()
                 pending = len(self.front.backlog) + (len(self.dm.pending) if self.dm is not None else 0)
                 self._send(
                     Load(
@@ -421,7 +421,7 @@ class Worker:
             try:  # a bad request fails alone, with its error
                 params = msg.sampling  # checked where it was built and again on decode
                 if msg.grammar is not None:  # compiled by the server: loaded, not compiled here
-                    self.llm.load_grammar(params.structured_outputs, msg.grammar)  # every DP group's
+                    self.llm.front.load_grammar(params.structured_outputs, msg.grammar)  # every DP group's
                 if msg.request_id in self.live:
                     raise ValueError(f"request_id {msg.request_id!r} is already in flight here")
                 if self.dm is None:
@@ -447,7 +447,7 @@ class Worker:
         if request_id not in self.live:
             return
         waiting = self.front.drop(request_id)
-        if waiting and self.llm.holds(request_id):  # preempted, waiting to be fetched again
+        if waiting and self.llm.front.holds(request_id):  # preempted, waiting to be fetched again
             self.llm.abort(request_id)  # its Result (abort, with its tokens so far) follows a step
         elif waiting:  # not yet sent to a prefill worker: nothing to undo
             self.streamed.pop(request_id, None)
@@ -468,8 +468,8 @@ class Worker:
         finished (the engine hands each finished request back once)."""
         outputs = self.llm.step()
         if self.dm is not None:  # preempted: fetched again, before any new request
-            self.front.refetch(self.llm.take_refetches())
-        stats = self.llm.last_step
+            self.front.refetch(self.llm.front.take_refetches())
+        stats = self.llm.core.last_step
         if stats is not None and stats is not self._last_stats:
             self._last_stats = stats
             self.timeline.steps.append(

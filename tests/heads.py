@@ -49,7 +49,7 @@ def bigram(llm: LLM) -> LLM:
 def record_head_inputs(llm: LLM) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Per request, the first row the MTP head combines: (embedding of the token, target hidden state)."""
     seen, current = {}, []
-    drafter = llm.drafter
+    drafter = llm.core.drafter
     propose, combine = drafter.propose, drafter.combine
 
     def proposing(seq):

@@ -17,7 +17,7 @@ def keep_outputs(llm: LLM) -> dict[str, RequestOutput]:
         return outs
 
     llm.step = recording
-    llm.output = lambda request_id: output(request_id) if request_id in llm.seqs else kept[request_id]
+    llm.output = lambda request_id: output(request_id) if request_id in llm.core.seqs else kept[request_id]
     llm.kept = kept
     return kept
 

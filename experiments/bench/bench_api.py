@@ -76,19 +76,19 @@ def test_grammar_compile_and_mask_time(benchmark):
         fresh = LLM("smollm2-135m", dtype=DTYPE, num_pages=8)
         spec = StructuredOutputs(json=SCHEMA)
         start = time.perf_counter()
-        matcher = fresh.grammars.matcher(spec)
+        matcher = fresh.core.grammars.matcher(spec)
         cold_s = time.perf_counter() - start
         start = time.perf_counter()
-        fresh.grammars.matcher(spec)
+        fresh.core.grammars.matcher(spec)
         cached_s = time.perf_counter() - start
         for t in fresh.tokenizer.encode('{"title": "Team A", "scores": [1, 2'):
             assert matcher.accept_token(t)
         row = torch.zeros(fresh.config.arch.vocab_size)
-        fresh.grammars.mask(row, matcher, spec)  # the first builds the table of control-byte tokens
+        fresh.core.grammars.mask(row, matcher, spec)  # the first builds the table of control-byte tokens
         start = time.perf_counter()
         for _ in range(200):
-            fresh.grammars.mask(row, matcher, spec)
-        return cold_s, fresh.grammars.compile_s[0], cached_s, (time.perf_counter() - start) / 200
+            fresh.core.grammars.mask(row, matcher, spec)
+        return cold_s, fresh.core.grammars.compile_s[0], cached_s, (time.perf_counter() - start) / 200
 
     COMPILE.extend(benchmark.pedantic(measure, rounds=1, iterations=1))
 

@@ -232,7 +232,7 @@ def main(argv=None) -> int:
     for batch in batches:
         long_enough = SamplingParams(max_tokens=4 * args.steps + 16, ignore_eos=True)  # past the timed steps
         ids = [llm.add_request([200 + b + t for t in range(16)], long_enough) for b in range(batch)]
-        while any(not llm.seqs[i].output_ids for i in ids):  # every prompt computed: steps decode only
+        while any(not llm.core.seqs[i].output_ids for i in ids):  # every prompt computed: steps decode only
             llm.step()
         for _ in range(2):
             llm.step()

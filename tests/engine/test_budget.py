@@ -98,9 +98,9 @@ def test_steps_with_decodes_take_only_the_budget_and_the_text_does_not_change():
     while llm.has_unfinished():
         asked = len(allowed)
         done.update((o.request_id, o.token_ids) for o in llm.step() if o.finished)
-        if llm.last_step is not None and len(allowed) > asked:  # a step with decodes
-            sizes.append((llm.last_step.prefill_tokens, allowed[-1]))
-            llm.last_step = None
+        if llm.core.last_step is not None and len(allowed) > asked:  # a step with decodes
+            sizes.append((llm.core.last_step.prefill_tokens, allowed[-1]))
+            llm.core.last_step = None
     assert [done[f"r{i}"] for i in range(6)] == expected
     assert sizes and any(p > 0 for p, _ in sizes)  # prompts went on beside the decodes ...
     assert all(p <= allowed for p, allowed in sizes)  # ... within what the target left them

@@ -33,7 +33,7 @@ def one_engine():
 
 def _run(llm, prompts, **kw):
     ids = [llm.add_request(p, GREEDY, **kw) for p in prompts]
-    ranks = [llm.dp_rank_of(r) for r in ids]
+    ranks = [llm.front.dp_rank_of(r) for r in ids]
     done = {}
     while llm.has_unfinished():
         done.update((o.request_id, o) for o in llm.step() if o.finished)
@@ -130,14 +130,14 @@ def test_a_grammar_loaded_at_the_front_is_loaded_in_every_group():
     that every group shares."""
     spec = StructuredOutputs(json={"type": "object", "properties": {"a": {"type": "integer"}}})
     with LLM("tiny-random-moe", dp=2, page_size=4, num_pages=64) as llm:
-        compiled = llm.grammars.compiler.compile_grammar(spec.grammar_of()).serialize_json()
-        llm.load_grammar(spec, compiled)
+        compiled = llm.core.grammars.compiler.compile_grammar(spec.grammar_of()).serialize_json()
+        llm.front.load_grammar(spec, compiled)
         params = SamplingParams(max_tokens=30, structured_outputs=spec)
         rid = llm.add_request([5, 6, 7, 8], params, dp_rank=1)
         done = {}
         while llm.has_unfinished():
             done.update((o.request_id, o) for o in llm.step() if o.finished)
-        assert llm.dp_rank_of(rid) == 0 and done[rid].finish_reason in ("stop", "length")
+        assert llm.front.dp_rank_of(rid) == 0 and done[rid].finish_reason in ("stop", "length")
         if done[rid].finish_reason == "stop":
             assert isinstance(json.loads(done[rid].text), dict)
         assert llm.grammar_compiles == 0  # group 1 found it loaded

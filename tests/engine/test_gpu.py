@@ -50,8 +50,8 @@ def test_smollm2_greedy_on_gpu_equals_cpu():
 
 def test_prefill_role_counts_layers_in_host_memory():
     llm = LLM("tiny-random", device="cuda", role="prefill", page_size=16, num_pages=64)
-    host = host_view(llm.counter)
-    assert host.device.type == "cpu" and host.data_ptr() == llm.counter.data_ptr()
+    host = host_view(llm.core.counter)
+    assert host.device.type == "cpu" and host.data_ptr() == llm.core.counter.data_ptr()
     llm.add_request(list(range(3, 40)), SamplingParams(max_tokens=1), request_id="r")
     llm.step()
     torch.cuda.synchronize()

@@ -36,7 +36,7 @@ def test_padded_static_decode_gives_the_eager_tokens(num_prompts):
     step = llm.step
 
     def watched():
-        owned.extend(p for rid in llm.seqs for p in llm.allocator.pages(rid))
+        owned.extend(p for rid in llm.core.seqs for p in llm.allocator.pages(rid))
         return step()
 
     llm.step = watched

@@ -82,7 +82,7 @@ def test_prefill_then_decode_on_copied_pages(alone):
         assert all(not o.token_ids for o in outs)  # prefill never samples
     for i, prompt in enumerate(prompts):
         rid = f"r{i}"
-        seq = decode.reserve(prompt, GREEDY, request_id=rid)
+        seq = decode.handoff.reserve(prompt, GREEDY, request_id=rid)
         dst = decode.allocator.pages(rid)
         assert decode.allocator.is_pinned(rid)
         if i in ids:  # a one-token prompt has no KV to move: decode runs its only token
@@ -90,8 +90,8 @@ def test_prefill_then_decode_on_copied_pages(alone):
             src = prefill.allocator.pages(rid)
             assert len(src) == len(dst)
             decode.kv_cache[:, dst] = prefill.kv_cache[:, src]
-            prefill.release(rid)
-        decode.admit_prefilled(seq.request_id)
+            prefill.handoff.release(rid)
+        decode.handoff.admit_prefilled(seq.request_id)
     assert prefill.allocator.num_free == 256
     while decode.has_unfinished():
         decode.step()
@@ -106,7 +106,7 @@ def test_prefill_role_bumps_each_layer_once_per_pass():
     while llm.has_unfinished():
         llm.step()
         passes += 1
-    assert llm.counter.tolist() == [[passes] * 4, [0] * 4]
+    assert llm.core.counter.tolist() == [[passes] * 4, [0] * 4]
 
 
 @pytest.mark.parametrize("model", ["tiny-random", "tiny-random-deepseek"])
@@ -123,7 +123,7 @@ def test_a_warm_up_pass_gives_its_pages_back_bumps_no_counter_and_changes_no_tok
     # the shapes Triton specializes apart: one sequence and several, token counts of 16k and not, decodes
     assert passes == [[256], [32, 16], [17, 5, 1], [1, 1], [1]]
     assert llm.allocator.num_free == free
-    assert llm.counter.tolist() == [[0] * llm.config.arch.num_layers] * 2
+    assert llm.core.counter.tolist() == [[0] * llm.config.arch.num_layers] * 2
     if model == "tiny-random":
         colocated = LLM(model, num_pages=64, page_size=4)
         colocated.warm_up()
@@ -303,8 +303,12 @@ def test_a_new_request_does_not_wait_for_long_outputs(role):
         if role == "colocated":
             llm.add_request(prompt, params, request_id)
             return
-        llm.reserve(prompt, params, request_id)  # raises OutOfPages while the pages are owed to others
-        llm.admit_prefilled(request_id)  # as if its KV had landed (here none did: the tokens do not matter)
+        llm.handoff.reserve(
+            prompt, params, request_id
+        )  # raises OutOfPages while the pages are owed to others
+        llm.handoff.admit_prefilled(
+            request_id
+        )  # as if its KV had landed (here none did: the tokens do not matter)
 
     def steps_to_first_token(streams: int) -> tuple[int, LLM]:
         llm = LLM("tiny-random", role=role, page_size=4, num_pages=96)
@@ -336,8 +340,8 @@ def test_a_finished_request_id_can_be_used_again_once_forgotten():
         llm.add_request([5, 6], params, request_id="r")
     while llm.has_unfinished():
         llm.step()
-    llm.forget("r")
-    assert "r" not in llm.seqs
+    llm.core.forget("r")
+    assert "r" not in llm.core.seqs
     llm.add_request([5, 6], params, request_id="r")
 
 
@@ -364,11 +368,13 @@ def test_reserve_out_of_pages_takes_nothing():
     from engine.kv.cache import OutOfPages
 
     llm = LLM("tiny-random", role="decode", page_size=4, num_pages=8)
-    llm.reserve(list(range(5, 25)), SamplingParams(max_tokens=4), request_id="a")  # 19 tokens: 5 pages
+    llm.handoff.reserve(
+        list(range(5, 25)), SamplingParams(max_tokens=4), request_id="a"
+    )  # 19 tokens: 5 pages
     with pytest.raises(OutOfPages):
-        llm.reserve(list(range(5, 25)), SamplingParams(max_tokens=4), request_id="b")
-    assert "b" not in llm.seqs and llm.allocator.num_free == 3
-    llm.release("a")
+        llm.handoff.reserve(list(range(5, 25)), SamplingParams(max_tokens=4), request_id="b")
+    assert "b" not in llm.core.seqs and llm.allocator.num_free == 3
+    llm.handoff.release("a")
     assert llm.allocator.num_free == 8
 
 
@@ -387,19 +393,19 @@ def test_reserve_keeps_room_for_admitted_requests_to_finish(reserved_tokens, adm
         reserved_tokens=reserved_tokens,
         fair_share=False,
     )
-    llm.reserve(list(range(5, 25)), SamplingParams(max_tokens=20), request_id="a")  # 5 pages now
-    llm.reserve(list(range(5, 13)), SamplingParams(max_tokens=8), request_id="b")  # 2 pages now
+    llm.handoff.reserve(list(range(5, 25)), SamplingParams(max_tokens=20), request_id="a")  # 5 pages now
+    llm.handoff.reserve(list(range(5, 13)), SamplingParams(max_tokens=8), request_id="b")  # 2 pages now
     assert llm.allocator.num_free == 9
     c = (list(range(5, 13)), SamplingParams(max_tokens=8))
     if admits_c:
-        llm.reserve(*c, request_id="c")
+        llm.handoff.reserve(*c, request_id="c")
         return
     with pytest.raises(OutOfPages, match="owed to admitted requests"):
-        llm.reserve(*c, request_id="c")
-    assert "c" not in llm.seqs and llm.allocator.num_free == 9  # took nothing
-    llm.stop("b", "its transfer failed")  # as the decode messenger ends a request: fail, then free
-    llm.release("b")
-    llm.reserve(*c, request_id="c")  # b's pages and what it was owed are back
+        llm.handoff.reserve(*c, request_id="c")
+    assert "c" not in llm.core.seqs and llm.allocator.num_free == 9  # took nothing
+    llm.core.stop("b", "its transfer failed")  # as the decode messenger ends a request: fail, then free
+    llm.handoff.release("b")
+    llm.handoff.reserve(*c, request_id="c")  # b's pages and what it was owed are back
 
 
 def test_a_request_id_sent_again_before_its_pages_are_released_is_refused_not_a_crash():
@@ -408,14 +414,14 @@ def test_a_request_id_sent_again_before_its_pages_are_released_is_refused_not_a_
     decode front turns into that request's own error."""
     llm = LLM("tiny-random", role="decode", page_size=4, num_pages=16)
     prompt, params = list(range(5, 25)), SamplingParams(max_tokens=4)
-    llm.reserve(prompt, params, request_id="a")
-    llm.stop("a", "its prefill worker went silent")
-    llm.step()  # hands the stopped request back: its id leaves llm.seqs, its pages stay pinned
-    assert "a" not in llm.seqs and llm.allocator.pages("a")
+    llm.handoff.reserve(prompt, params, request_id="a")
+    llm.core.stop("a", "its prefill worker went silent")
+    llm.step()  # hands the stopped request back: its id leaves llm.core.seqs, its pages stay pinned
+    assert "a" not in llm.core.seqs and llm.allocator.pages("a")
     with pytest.raises(ValueError, match="until the pages of an earlier request of that id are released"):
-        llm.reserve(prompt, params, request_id="a")
-    llm.release("a")
-    llm.reserve(prompt, params, request_id="a")  # released: the id is free again
+        llm.handoff.reserve(prompt, params, request_id="a")
+    llm.handoff.release("a")
+    llm.handoff.reserve(prompt, params, request_id="a")  # released: the id is free again
 
 
 def test_vllm_shaped_outputs_and_chat():
@@ -444,7 +450,7 @@ def test_set_role_keeps_the_weights_and_changes_only_what_the_role_does():
     fresh = [o.token_ids for o in LLM("tiny-random", page_size=4, num_pages=64).generate(prompts, params)]
     spec = {"method": "ngram", "num_speculative_tokens": 2}
     llm = LLM("tiny-random", role="prefill", page_size=4, num_pages=64, speculative_config=spec)
-    assert llm.scheduler.propose is None and llm.counter is not None
+    assert llm.scheduler.propose is None and llm.core.counter is not None
     llm.set_role("colocated")
     assert llm.scheduler.propose is not None and llm.scheduler.role == "colocated"
     assert [o.token_ids for o in llm.generate(prompts, params)] == fresh

@@ -144,11 +144,11 @@ def test_prefill_role_computes_only_what_its_cache_lacks():
         computed = 0
         while prefill.has_unfinished():
             prefill.step()
-            computed += prefill.last_step.prefill_tokens if prefill.last_step else 0
-            prefill.last_step = None
+            computed += prefill.core.last_step.prefill_tokens if prefill.core.last_step else 0
+            prefill.core.last_step = None
         assert prefill.output(rid).finish_reason == "prefilled"
         assert computed == (33 if rid == "a" else 32 - 28)
-        prefill.release(rid)
+        prefill.handoff.release(rid)
     assert prefill.allocator.num_free == 64
 
 

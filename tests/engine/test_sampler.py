@@ -270,7 +270,7 @@ def test_a_later_completion_waits_for_the_first_without_holding_up_others():
     llm.add_request(other, params, "c")
     llm.step()  # a: 20 of its 31 prompt tokens
     llm.step()  # a: the other 11; b waits for them; c, behind b, takes the 9 tokens left
-    assert [llm.seqs[r].num_computed for r in "abc"] == [31, 0, 9]
+    assert [llm.core.seqs[r].num_computed for r in "abc"] == [31, 0, 9]
     done = {}
     while llm.has_unfinished():
         done.update((o.request_id, o) for o in llm.step() if o.finished)
@@ -278,6 +278,6 @@ def test_a_later_completion_waits_for_the_first_without_holding_up_others():
     assert llm.allocator.num_free == llm.allocator.num_pages
     llm.add_request(prompt, params, "d", after="nobody")  # an unknown first one: an ordinary request
     llm.add_request(other, params, "e", after="d")  # not the same prompt: ordinary too
-    assert llm.seqs["d"].after is None and llm.seqs["e"].after is None
+    assert llm.core.seqs["d"].after is None and llm.core.seqs["e"].after is None
     with pytest.raises(ValueError, match="n=2: add_request takes one completion"):
         llm.add_request(prompt, SamplingParams(n=2))

@@ -183,7 +183,7 @@ def test_hundred_requests_with_speculation_stops_and_aborts_leave_no_page_behind
     outs = [llm.output(i) for i in ids]
     assert all(o.finished for o in outs) and {o.finish_reason for o in outs} >= {"abort", "length"}
     assert sum(o.num_accepted_tokens for o in outs) > 0
-    assert llm.allocator.num_free == 160 and not llm.seqs
+    assert llm.allocator.num_free == 160 and not llm.core.seqs
 
 
 def test_speculative_config_is_checked():

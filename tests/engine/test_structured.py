@@ -101,7 +101,7 @@ def test_a_spec_that_fails_to_compile_fails_alone(llm, monkeypatch):
     def broken(grammar):
         raise RuntimeError("out of memory in the compiler")
 
-    monkeypatch.setattr(llm.grammars.compiler, "compile_grammar", broken)
+    monkeypatch.setattr(llm.core.grammars.compiler, "compile_grammar", broken)
     with pytest.raises(ValueError, match="structured_outputs.regex did not compile: out of memory"):
         llm.add_request("Hi", SamplingParams(structured_outputs=StructuredOutputs(regex="[a-q]{3}")))
     monkeypatch.undo()
@@ -110,12 +110,12 @@ def test_a_spec_that_fails_to_compile_fails_alone(llm, monkeypatch):
 
 def test_outputs_from_elsewhere_advance_the_grammar(llm):
     spec = StructuredOutputs(regex="ab[0-9]+")
-    seq = llm.make_sequence(
+    seq = llm.front.make_sequence(
         "Hi", SamplingParams(max_tokens=8, structured_outputs=spec), output_ids=llm.tokenizer.encode("ab")
     )
     assert seq.grammar is not None and seq.text == "ab"
     with pytest.raises(ValueError, match="structured_outputs"):
-        llm.make_sequence(
+        llm.front.make_sequence(
             "Hi", SamplingParams(max_tokens=8, structured_outputs=spec), output_ids=llm.tokenizer.encode("x")
         )
 
@@ -130,13 +130,13 @@ def test_logprobs_under_a_grammar_are_finite(llm):
 
 
 def test_grammars_compile_once_per_spec(llm):
-    before = len(llm.grammars.compile_s)
+    before = len(llm.core.grammars.compile_s)
     spec = {"type": "object", "properties": {"z": {"enum": [1, 2]}}, "required": ["z"]}
     for _ in range(3):
         _gen(llm, StructuredOutputs(json=spec), n=2)
-    assert len(llm.grammars.compile_s) == before + 1
+    assert len(llm.core.grammars.compile_s) == before + 1
     _gen(llm, StructuredOutputs(json={**spec, "required": []}), n=1)
-    assert len(llm.grammars.compile_s) == before + 2
+    assert len(llm.core.grammars.compile_s) == before + 2
 
 
 @pytest.mark.parametrize("method", ["ngram", "mtp"])

@@ -21,7 +21,7 @@ def test_a_request_the_router_sends_here_by_load_is_prefilled_here_and_marked():
     llm, front = _front()
     front.take(Submit("mine", list(range(5, 45)), PARAMS, prefill_worker="decode-0"), PARAMS, set())
     front.take(Submit("theirs", list(range(5, 45)), PARAMS, prefill_worker="prefill-0"), PARAMS, set())
-    assert "mine" in llm.seqs  # queued in the engine: computed here
+    assert "mine" in llm.core.seqs  # queued in the engine: computed here
     assert front.prefilled_here == {"mine": Cause.BY_LOAD}  # its result says prefill "local", by load
     assert [w.request_id for w in front.backlog] == ["theirs"]  # waits for prefill-0's KV
     assert [w.peer for w in front.backlog] == ["prefill-0"]
@@ -35,4 +35,4 @@ def test_a_request_the_router_sends_here_by_load_is_prefilled_here_and_marked():
 def test_a_short_prompt_is_prefilled_here_without_a_mark():
     llm, front = _front(local_max_tokens=16)
     front.take(Submit("short", list(range(5, 15)), PARAMS), PARAMS, set())
-    assert "short" in llm.seqs and not front.prefilled_here and not front.backlog
+    assert "short" in llm.core.seqs and not front.prefilled_here and not front.backlog

@@ -53,7 +53,10 @@ def _refetching_worker(decode, dm, backlog: list, params, refetched: list | None
     backlog is empty. refetched: what was fetched again is appended there."""
 
     def tick() -> bool:
-        again = [(s.request_id, s.all_ids, decode.dp_rank_of(s.request_id)) for s in decode.take_refetches()]
+        again = [
+            (s.request_id, s.all_ids, decode.front.dp_rank_of(s.request_id))
+            for s in decode.front.take_refetches()
+        ]
         if refetched is not None:
             refetched.extend(again)
         backlog[:0] = again

@@ -170,7 +170,7 @@ def _exit(pair: _Pair, exit: str) -> None:
             pair.cancelled = True
         elif "r" in dm.pending:
             dm.abort("r", "aborted: the client went away", cancelled_at=time.time())
-        elif pair.decode.holds("r"):
+        elif pair.decode.front.holds("r"):
             pair.decode.abort("r")
     elif exit == "prefill dies":
         pair.prefill_up = False
@@ -228,7 +228,7 @@ def test_every_exit_of_every_state_frees_what_it_held(request, state, exit):
             )
         if pair.decode_up and pair.prefill_up:  # the pair still serves
             pair.dm.forget("r")
-            pair.decode.forget("r")
+            pair.decode.core.forget("r")
             pair.turn()  # the decode side hears its peer again (a lost peer is asked nothing)
             pair.dm.submit("after", list(range(300, 340)), GREEDY)
             pair.until(lambda: finished(pair.decode, "after") and pair.settled(), "a later request")

@@ -193,12 +193,12 @@ def test_a_silent_but_living_prefill_worker_keeps_its_pages_quarantined(pair):
     held = PAGES - decode.allocator.num_free
     assert held == 15  # its process is alive (it is this one): pages stay pinned, set aside
     assert len(dm.fenced) == 1 and dm.holds(peer.name) and not decode.allocator.pages("r")
-    decode.forget("r")
+    decode.core.forget("r")
     dm.forget("r")
     dm.submit("r", prompt, GREEDY)  # the id again: the only peer is lost, so it ends at once
     assert "no live prefill worker" in decode.output("r").error
     assert PAGES - decode.allocator.num_free == held  # what it took came back; the set-aside stay
-    decode.forget("r")
+    decode.core.forget("r")
     del peer.channel.peer_silent_for
     _run(prefill, decode, pm, dm, [])  # it resumes, reads the Abort, answers Ended (of the first seq)
     assert not dm.fenced and prefill.allocator.num_free == PAGES and decode.allocator.num_free == PAGES
@@ -390,7 +390,7 @@ def test_a_plan_that_raises_takes_nothing(pair):
     peer.hello = Hello.of(replace(peer.hello.spec, num_layers=3), "elsewhere")  # a worker that does not fit
     with pytest.raises(ValueError, match="disagree on num_layers"):
         dm.submit("r", list(range(100, 140)), GREEDY)
-    assert decode.allocator.num_free == PAGES and "r" not in decode.seqs and not dm.pending
+    assert decode.allocator.num_free == PAGES and "r" not in decode.core.seqs and not dm.pending
 
 
 def test_an_unexpected_error_on_the_sender_thread_fails_its_request_not_the_thread(pair):
@@ -442,7 +442,7 @@ def test_requests_past_the_context_slots_wait_for_a_transfer_to_land():
             try:
                 dm.submit(*backlog[0], GREEDY)
             except NoFreeSlot:
-                assert decode.allocator.num_free == free and backlog[0][0] not in decode.seqs
+                assert decode.allocator.num_free == free and backlog[0][0] not in decode.core.seqs
                 waits.append(backlog[0][0])
                 return False
             backlog.pop(0)

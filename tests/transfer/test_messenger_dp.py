@@ -40,7 +40,7 @@ def test_each_request_lands_in_its_group_and_decodes_as_one_engine(pair):
     ids = [f"g{i}" for i in range(len(prompts))]
     for i, (rid, prompt) in enumerate(zip(ids, prompts, strict=True)):
         assert dm.submit(rid, prompt, GREEDY, group=i % 2)
-        assert dm.pending[rid].group == i % 2 and decode.dp_rank_of(rid) == i % 2
+        assert dm.pending[rid].group == i % 2 and decode.front.dp_rank_of(rid) == i % 2
     _run(prefill, decode, pm, dm, ids)
     assert [decode.output(rid).token_ids for rid in ids] == expected
     assert all(dm.timings[rid].nbytes > 0 for rid in ids) and not dm.dropped
@@ -78,4 +78,4 @@ def test_a_group_that_is_not_there_is_refused_with_nothing_taken(pair):
     for bad in (2, -1, "1", None, True):
         with pytest.raises(ValueError, match=r"group must be a DP group of this worker, in \[0, 2\)"):
             dm.submit("nowhere", [5, 6, 7, 8, 9], GREEDY, group=bad)
-    assert not dm.pending and not decode.holds("nowhere")
+    assert not dm.pending and not decode.front.holds("nowhere")

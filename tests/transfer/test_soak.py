@@ -141,6 +141,6 @@ def test_soak_10000_requests_with_aborts_and_prefill_restarts(tmp_path):
     )
     assert decode.allocator.num_free == PAGES and len(dm._free_slots) == SLOTS and not dm.pending
     assert (prefill_free, prefill_slots, prefill_transfers) == (PAGES, SLOTS, 0)
-    assert not decode.seqs and not dm.timings  # nothing kept per finished request
+    assert not decode.core.seqs and not dm.timings  # nothing kept per finished request
     assert outcomes["length"] > total // 2 and outcomes["error"] > 0 and restarts == 4
     assert growth < 0.05

@@ -69,10 +69,10 @@ def _prefill_worker(addresses, creds, model, tp, page_size, num_pages, budget, p
     pm.add_peer(ZmqEndpoint(addresses[0], False, creds, "decode-0", prefill_codec()))
     if dp > 1:
         peers = {r: [("decode-0", addresses[r])] for r in range(1, dp)}
-        llm.start_group_messengers(TransferConfig(), f"prefill-{os.getpid()}", peers, creds)
+        llm.front.start_group_messengers(TransferConfig(), f"prefill-{os.getpid()}", peers, creds)
     while os.getppid() == parent and not stop.is_set():
         pm.poll()
-        llm.poll_groups()
+        llm.front.poll_groups()
         if llm.has_unfinished():
             llm.step()
         else:
@@ -315,7 +315,7 @@ def test_prefill_tp_into_decode_dp_groups_over_nixl(prefill_tp):
 
         def admit(self, request_id, context):
             if context is not None:  # its KV came from the prefill worker (a 1-token prompt's did not)
-                caches = self.llm.group_kv_caches(self.group)
+                caches = self.llm.front.group_kv_caches(self.group)
                 kv = _full_heads(caches, shard_spec(self.llm), pages[request_id])
                 landed[request_id] = (self.group, kv)
             super().admit(request_id, context)

@@ -134,7 +134,7 @@ def test_a_load_whose_device_pages_cannot_be_had_gives_its_host_slots_back(monke
     llm = LLM("tiny-random", **SMALL, kv_tiers={"host_bytes": 4 << 20})
     prompts = _prompts()
     _one_by_one(llm, prompts[:4])  # the first prompt's pages are in the host pool now
-    seq = llm.make_sequence(prompts[4], GREEDY)
+    seq = llm.front.make_sequence(prompts[4], GREEDY)
     assert llm.scheduler.lookup(seq) == []
     below = llm.scheduler._below(seq, 0)
     assert below == ["host"] * 30
