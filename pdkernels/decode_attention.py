@@ -62,20 +62,13 @@ def _decode_split_kernel(
     head_dim,
     page_size,
     split_len,
-    # strides
-    stride_q_b,
-    stride_q_h,
-    stride_op_b,
-    stride_op_h,
-    stride_op_s,
-    stride_lp_b,
-    stride_lp_h,
-    stride_kc_page,
-    stride_kc_h,
-    stride_kc_p,
-    stride_vc_page,
-    stride_vc_h,
-    stride_vc_p,
+    # strides: q's (batch, head), o_part's (batch, head, split), lse_part's (batch, head), and the K and V
+    # caches' (page, head, token)
+    q_strides,
+    o_strides,
+    lse_strides,
+    k_strides,
+    v_strides,
     # meta
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -106,19 +99,11 @@ def _decode_split_kernel(
             group_size,
             head_dim,
             page_size,
-            stride_q_b,
-            stride_q_h,
-            stride_op_b,
-            stride_op_h,
-            stride_op_s,
-            stride_lp_b,
-            stride_lp_h,
-            stride_kc_page,
-            stride_kc_h,
-            stride_kc_p,
-            stride_vc_page,
-            stride_vc_h,
-            stride_vc_p,
+            q_strides,
+            o_strides,
+            lse_strides,
+            k_strides,
+            v_strides,
             b,
             kv_head,
             split,
@@ -138,12 +123,12 @@ def _decode_split_kernel(
         offs_d = tl.arange(0, BLOCK_D)
         heads = kv_head * group_size + offs_g
         mask_g = offs_g < group_size
-        o = o_part_ptr + b * stride_op_b + heads[:, None] * stride_op_h + offs_d[None, :]
+        o = o_part_ptr + b * o_strides[0] + heads[:, None] * o_strides[1] + offs_d[None, :]
         zeros = tl.zeros((BLOCK_G, BLOCK_D), tl.float32).to(o_part_ptr.dtype.element_ty)
         tl.store(o, zeros, mask=mask_g[:, None] & (offs_d[None, :] < head_dim))
         if HAS_LSE:
             empty = tl.full((BLOCK_G,), float("-inf"), tl.float32)
-            tl.store(lse_part_ptr + b * stride_lp_b + heads * stride_lp_h, empty, mask=mask_g)
+            tl.store(lse_part_ptr + b * lse_strides[0] + heads * lse_strides[1], empty, mask=mask_g)
 
 
 @triton.jit
@@ -158,19 +143,11 @@ def _decode_split(
     group_size,
     head_dim,
     page_size,
-    stride_q_b,
-    stride_q_h,
-    stride_op_b,
-    stride_op_h,
-    stride_op_s,
-    stride_lp_b,
-    stride_lp_h,
-    stride_kc_page,
-    stride_kc_h,
-    stride_kc_p,
-    stride_vc_page,
-    stride_vc_h,
-    stride_vc_p,
+    q_strides,
+    o_strides,
+    lse_strides,
+    k_strides,
+    v_strides,
     b,
     kv_head,
     split,
@@ -194,7 +171,7 @@ def _decode_split(
     mask_g = offs_g < group_size
     mask_d = offs_d < head_dim
     q = tl.load(
-        q_ptr + b * stride_q_b + heads[:, None] * stride_q_h + offs_d[None, :],
+        q_ptr + b * q_strides[0] + heads[:, None] * q_strides[1] + offs_d[None, :],
         mask=mask_g[:, None] & mask_d[None, :],
         other=0.0,
     )  # [BLOCK_G, BLOCK_D]
@@ -223,26 +200,24 @@ def _decode_split(
             head_dim,
             page_size,
             qk_scale,
-            stride_kc_page,
-            stride_kc_h,
-            stride_kc_p,
-            stride_vc_page,
-            stride_vc_h,
-            stride_vc_p,
+            k_strides,
+            v_strides,
             UPCAST,
             IEEE,
         )
     l_safe = tl.where(l_i > 0, l_i, 1.0)
-    o = o_part_ptr + b * stride_op_b + heads[:, None] * stride_op_h + split * stride_op_s + offs_d[None, :]
+    o = o_part_ptr + b * o_strides[0] + heads[:, None] * o_strides[1] + split * o_strides[2] + offs_d[None, :]
     o_val = acc / l_safe[:, None]
     if DIRECT:  # the output itself, in its dtype
         o_val = o_val.to(o_part_ptr.dtype.element_ty)
     tl.store(o, o_val, mask=mask_g[:, None] & mask_d[None, :])
     lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))  # log2 units; -inf for an empty split
     if not DIRECT:
-        tl.store(lse_part_ptr + b * stride_lp_b + heads * stride_lp_h + split, lse, mask=mask_g)
+        tl.store(lse_part_ptr + b * lse_strides[0] + heads * lse_strides[1] + split, lse, mask=mask_g)
     elif HAS_LSE:  # natural log, as the merge writes it
-        tl.store(lse_part_ptr + b * stride_lp_b + heads * stride_lp_h, lse / 1.4426950408889634, mask=mask_g)
+        tl.store(
+            lse_part_ptr + b * lse_strides[0] + heads * lse_strides[1], lse / 1.4426950408889634, mask=mask_g
+        )
 
 
 def decode_attention(
@@ -329,15 +304,11 @@ def decode_attention(
         head_dim,
         page_size,
         split_len,
-        q.stride(0),
-        q.stride(1),
-        o_part.stride(0),
-        o_part.stride(1),
-        o_part.stride(2),
-        lse_part.stride(0),
-        lse_part.stride(1),
-        *cache_strides(k_cache, kv_layout),
-        *cache_strides(v_cache, kv_layout),
+        q.stride(),
+        o_part.stride(),
+        lse_part.stride()[:2],
+        cache_strides(k_cache, kv_layout),
+        cache_strides(v_cache, kv_layout),
         BLOCK_G=max(16, next_pow2(group)),
         BLOCK_N=block_n,
         BLOCK_D=block_d,

@@ -57,9 +57,7 @@ def load_kv_block(
     offs_d,
     head_dim,
     page_size,
-    stride_page,
-    stride_h,
-    stride_p,
+    strides,
     MASK: tl.constexpr = True,
 ):
     """[BLOCK_N, BLOCK_D] rows of one kv head at token positions offs_n of one request (MASK=False: every
@@ -70,7 +68,7 @@ def load_kv_block(
     else:
         page = tl.load(kv_indices_ptr + page_lo + offs_n // page_size).to(tl.int64)
         rows_mask = offs_d[None, :] < head_dim
-    rows = cache_ptr + page * stride_page + kv_head * stride_h + (offs_n % page_size) * stride_p
+    rows = cache_ptr + page * strides[0] + kv_head * strides[1] + (offs_n % page_size) * strides[2]
     return tl.load(rows[:, None] + offs_d[None, :], mask=rows_mask, other=0.0)
 
 
@@ -92,12 +90,8 @@ def attend_block(
     head_dim,
     page_size,
     qk_scale,
-    stride_kc_page,
-    stride_kc_h,
-    stride_kc_p,
-    stride_vc_page,
-    stride_vc_h,
-    stride_vc_p,
+    k_strides,
+    v_strides,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
     MASK: tl.constexpr = True,
@@ -114,9 +108,7 @@ def attend_block(
         offs_d,
         head_dim,
         page_size,
-        stride_kc_page,
-        stride_kc_h,
-        stride_kc_p,
+        k_strides,
         MASK,
     )
     v = load_kv_block(
@@ -129,9 +121,7 @@ def attend_block(
         offs_d,
         head_dim,
         page_size,
-        stride_vc_page,
-        stride_vc_h,
-        stride_vc_p,
+        v_strides,
         MASK,
     )
     if UPCAST:  # the interpreter's bf16 arithmetic is wrong
@@ -174,18 +164,12 @@ def _extend_attention_kernel(
     group_size,
     head_dim,
     page_size,
-    # strides
-    stride_q_t,
-    stride_q_h,
-    stride_o_t,
-    stride_o_h,
-    stride_lse_t,
-    stride_kc_page,
-    stride_kc_h,
-    stride_kc_p,
-    stride_vc_page,
-    stride_vc_h,
-    stride_vc_p,
+    # strides: (token, head) of q and o, lse's per token, (page, head, token) of the K and V caches
+    q_strides,
+    o_strides,
+    lse_stride,
+    k_strides,
+    v_strides,
     # meta
     BLOCK_M: tl.constexpr,
     GROUP: tl.constexpr,
@@ -216,7 +200,7 @@ def _extend_attention_kernel(
     mask_m = (tok < q_len) & (g < group_size)
     mask_md = mask_m[:, None] & (offs_d[None, :] < head_dim)
     q_pos = seq_len - q_len + tok  # absolute position of each row's query
-    q_rows = (q_lo + tok[:, None]).to(tl.int64) * stride_q_t + head[:, None] * stride_q_h
+    q_rows = (q_lo + tok[:, None]).to(tl.int64) * q_strides[0] + head[:, None] * q_strides[1]
     q = tl.load(q_ptr + q_rows + offs_d[None, :], mask=mask_md, other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
@@ -250,12 +234,8 @@ def _extend_attention_kernel(
                 head_dim,
                 page_size,
                 qk_scale,
-                stride_kc_page,
-                stride_kc_h,
-                stride_kc_p,
-                stride_vc_page,
-                stride_vc_h,
-                stride_vc_p,
+                k_strides,
+                v_strides,
                 UPCAST,
                 IEEE,
                 False,
@@ -283,23 +263,19 @@ def _extend_attention_kernel(
                 head_dim,
                 page_size,
                 qk_scale,
-                stride_kc_page,
-                stride_kc_h,
-                stride_kc_p,
-                stride_vc_page,
-                stride_vc_h,
-                stride_vc_p,
+                k_strides,
+                v_strides,
                 UPCAST,
                 IEEE,
             )
     l_safe = tl.where(l_i > 0, l_i, 1.0)
-    o_rows = (q_lo + tok[:, None]).to(tl.int64) * stride_o_t + head[:, None] * stride_o_h
+    o_rows = (q_lo + tok[:, None]).to(tl.int64) * o_strides[0] + head[:, None] * o_strides[1]
     tl.store(
         o_ptr + o_rows + offs_d[None, :], (acc / l_safe[:, None]).to(o_ptr.dtype.element_ty), mask=mask_md
     )
     if HAS_LSE:
         lse = tl.where(l_i > 0, (m_i + tl.log2(l_safe)) / 1.4426950408889634, float("-inf"))
-        tl.store(lse_ptr + (q_lo + tok).to(tl.int64) * stride_lse_t + head, lse, mask=mask_m)
+        tl.store(lse_ptr + (q_lo + tok).to(tl.int64) * lse_stride + head, lse, mask=mask_m)
 
 
 def check_extend_attention(
@@ -385,13 +361,11 @@ def extend_attention(
             group,
             head_dim,
             page_size,
-            q.stride(0),
-            q.stride(1),
-            out.stride(0),
-            out.stride(1),
+            q.stride(),
+            out.stride(),
             lse.stride(0),
-            *cache_strides(k_cache, kv_layout),
-            *cache_strides(v_cache, kv_layout),
+            cache_strides(k_cache, kv_layout),
+            cache_strides(v_cache, kv_layout),
             BLOCK_M=block_m,
             GROUP=group_pad,
             BLOCK_N=block_n,

@@ -42,12 +42,9 @@ __all__ = [
 @triton.jit
 def _store_rows(
     src_ptr,
-    stride_src_t,
-    stride_src_h,
+    src_strides,
     dst_ptr,
-    stride_dst_page,
-    stride_dst_h,
-    stride_dst_p,
+    dst_strides,
     t,
     h,
     page,
@@ -59,10 +56,10 @@ def _store_rows(
     """Copy the rows (token t, head h) [BLOCK_R] of src to (page, entry, h) of dst; invalid rows skip."""
     offs_d = tl.arange(0, BLOCK_D)
     mask = valid[:, None] & (offs_d[None, :] < head_dim)
-    src = src_ptr + t[:, None] * stride_src_t + h[:, None] * stride_src_h + offs_d[None, :]
+    src = src_ptr + t[:, None] * src_strides[0] + h[:, None] * src_strides[1] + offs_d[None, :]
     rows = tl.load(src, mask=mask)
-    dst = dst_ptr + page[:, None] * stride_dst_page + entry[:, None] * stride_dst_p
-    tl.store(dst + h[:, None] * stride_dst_h + offs_d[None, :], rows, mask=mask)
+    dst = dst_ptr + page[:, None] * dst_strides[0] + entry[:, None] * dst_strides[2]
+    tl.store(dst + h[:, None] * dst_strides[1] + offs_d[None, :], rows, mask=mask)
 
 
 @triton.jit
@@ -83,17 +80,11 @@ def _kv_append_kernel(
     head_dim_k,
     head_dim_v,
     page_size,
-    # strides
-    stride_k_t,
-    stride_k_h,
-    stride_v_t,
-    stride_v_h,
-    stride_kc_page,
-    stride_kc_h,
-    stride_kc_p,
-    stride_vc_page,
-    stride_vc_h,
-    stride_vc_p,
+    # strides: k's and v's (token, head), the K and V caches' (page, head, token)
+    k_strides,
+    v_strides,
+    kc_strides,
+    vc_strides,
     # meta
     USE_SLOTS: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -123,12 +114,9 @@ def _kv_append_kernel(
         entry = pos % page_size
     _store_rows(
         k_ptr,
-        stride_k_t,
-        stride_k_h,
+        k_strides,
         k_cache_ptr,
-        stride_kc_page,
-        stride_kc_h,
-        stride_kc_p,
+        kc_strides,
         t,
         h,
         page,
@@ -139,12 +127,9 @@ def _kv_append_kernel(
     )
     _store_rows(
         v_ptr,
-        stride_v_t,
-        stride_v_h,
+        v_strides,
         v_cache_ptr,
-        stride_vc_page,
-        stride_vc_h,
-        stride_vc_p,
+        vc_strides,
         t,
         h,
         page,
@@ -191,12 +176,10 @@ def _launch(
         dk,
         dv,
         page_size,
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        *cache_strides(k_cache, kv_layout),
-        *cache_strides(v_cache, kv_layout),
+        k.stride()[:2],
+        v.stride()[:2],
+        cache_strides(k_cache, kv_layout),
+        cache_strides(v_cache, kv_layout),
         USE_SLOTS=slots is not None,
         BLOCK_R=block_r,
         BLOCK_DK=next_pow2(dk),

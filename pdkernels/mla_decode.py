@@ -47,19 +47,14 @@ def _mla_decode_split_kernel(
     rope_dim,
     page_size,
     split_len,
-    stride_qn_b,
-    stride_qn_h,
-    stride_qp_b,
-    stride_qp_h,
-    stride_op_b,
-    stride_op_h,
-    stride_op_s,
-    stride_lp_b,
-    stride_lp_h,
-    stride_ckv_page,
-    stride_ckv_p,
-    stride_kpe_page,
-    stride_kpe_p,
+    # strides: q_nope's and q_pe's (batch, head), o_part's (batch, head, split), lse_part's (batch, head),
+    # the latent and rope caches' (page, head, token) as load_kv_block takes them (their one head: 0)
+    qn_strides,
+    qp_strides,
+    o_strides,
+    lse_strides,
+    ckv_strides,
+    kpe_strides,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -76,12 +71,12 @@ def _mla_decode_split_kernel(
         mask_h = heads < num_heads
         offs_r, offs_pe = tl.arange(0, BLOCK_R), tl.arange(0, BLOCK_PE)
         q_nope = tl.load(
-            q_nope_ptr + b * stride_qn_b + heads[:, None] * stride_qn_h + offs_r[None, :],
+            q_nope_ptr + b * qn_strides[0] + heads[:, None] * qn_strides[1] + offs_r[None, :],
             mask=mask_h[:, None] & (offs_r[None, :] < rank),
             other=0.0,
         )
         q_pe = tl.load(
-            q_pe_ptr + b * stride_qp_b + heads[:, None] * stride_qp_h + offs_pe[None, :],
+            q_pe_ptr + b * qp_strides[0] + heads[:, None] * qp_strides[1] + offs_pe[None, :],
             mask=mask_h[:, None] & (offs_pe[None, :] < rope_dim),
             other=0.0,
         )
@@ -97,11 +92,11 @@ def _mla_decode_split_kernel(
             mask_n = offs_n < hi
             ckv = load_kv_block(
                 ckv_ptr, kv_indices_ptr, page_lo, 0, offs_n, mask_n, offs_r, rank, page_size,
-                stride_ckv_page, 0, stride_ckv_p,
+                ckv_strides,
             )  # fmt: skip
             kpe = load_kv_block(
                 kpe_ptr, kv_indices_ptr, page_lo, 0, offs_n, mask_n, offs_pe, rope_dim, page_size,
-                stride_kpe_page, 0, stride_kpe_p,
+                kpe_strides,
             )  # fmt: skip
             if UPCAST:
                 ckv, kpe = ckv.to(tl.float32), kpe.to(tl.float32)
@@ -121,10 +116,10 @@ def _mla_decode_split_kernel(
                 acc = acc * alpha[:, None] + tl.dot(p.to(ckv.dtype), ckv)
             m_i = m_new
         l_safe = tl.where(l_i > 0, l_i, 1.0)
-        o = o_part_ptr + b * stride_op_b + heads[:, None] * stride_op_h + split * stride_op_s
+        o = o_part_ptr + b * o_strides[0] + heads[:, None] * o_strides[1] + split * o_strides[2]
         tl.store(o + offs_r[None, :], acc / l_safe[:, None], mask=mask_h[:, None] & (offs_r[None, :] < rank))
         lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
-        tl.store(lse_part_ptr + b * stride_lp_b + heads * stride_lp_h + split, lse, mask=mask_h)
+        tl.store(lse_part_ptr + b * lse_strides[0] + heads * lse_strides[1] + split, lse, mask=mask_h)
 
 
 def check_mla_decode(
@@ -224,19 +219,12 @@ def mla_decode_attention(
         rope_dim,
         page_size,
         split_len,
-        q_nope.stride(0),
-        q_nope.stride(1),
-        q_pe.stride(0),
-        q_pe.stride(1),
-        o_part.stride(0),
-        o_part.stride(1),
-        o_part.stride(2),
-        lse_part.stride(0),
-        lse_part.stride(1),
-        ckv_cache.stride(0),
-        ckv_cache.stride(1),
-        kpe_cache.stride(0),
-        kpe_cache.stride(1),
+        q_nope.stride()[:2],
+        q_pe.stride()[:2],
+        o_part.stride(),
+        lse_part.stride()[:2],
+        (ckv_cache.stride(0), 0, ckv_cache.stride(1)),
+        (kpe_cache.stride(0), 0, kpe_cache.stride(1)),
         BLOCK_H=block_h,
         BLOCK_N=block_n,
         BLOCK_R=max(16, next_pow2(rank)),

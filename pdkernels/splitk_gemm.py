@@ -40,10 +40,8 @@ def gemm_tile(
     w_ptr,
     M,
     N,
-    stride_xm,
-    stride_xk,
-    stride_wn,
-    stride_wk,
+    x_strides,
+    w_strides,
     pid_m,
     pid_n,
     k_lo,
@@ -57,17 +55,17 @@ def gemm_tile(
     """fp32 [BLOCK_M, BLOCK_N] tile of x[:, k_lo:k_hi] @ w[:, k_lo:k_hi]^T (shared with out_proj)."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
-    w_cols = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * x_strides[0]
+    w_cols = w_ptr + offs_n[None, :].to(tl.int64) * w_strides[0]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         in_k = offs_k < k_hi
         x = tl.load(
-            x_rows + offs_k[None, :] * stride_xk, mask=(offs_m[:, None] < M) & in_k[None, :], other=0.0
+            x_rows + offs_k[None, :] * x_strides[1], mask=(offs_m[:, None] < M) & in_k[None, :], other=0.0
         )
         w = tl.load(
-            w_cols + offs_k[:, None] * stride_wk, mask=in_k[:, None] & (offs_n[None, :] < N), other=0.0
+            w_cols + offs_k[:, None] * w_strides[1], mask=in_k[:, None] & (offs_n[None, :] < N), other=0.0
         )
         if UPCAST:  # the interpreter's bf16 arithmetic is wrong; fp32 operands are exact there
             x = x.to(tl.float32)
@@ -101,9 +99,8 @@ def finish_tile(
     pid_n,
     pid_k,
     split_k,
-    stride_ws_s,
-    stride_ws_m,
-    stride_ym,
+    ws_strides,
+    y_stride,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -114,16 +111,16 @@ def finish_tile(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    ws = ws_ptr + offs_m[:, None].to(tl.int64) * stride_ws_m + offs_n[None, :]
-    tl.store(ws + pid_k * stride_ws_s, acc, mask=mask)
+    ws = ws_ptr + offs_m[:, None].to(tl.int64) * ws_strides[1] + offs_n[None, :]
+    tl.store(ws + pid_k * ws_strides[0], acc, mask=mask)
     tl.debug_barrier()  # every thread's stores of this partial precede the ticket
     tile = pid_m * tl.cdiv(N, BLOCK_N) + pid_n
     last = tl.atomic_add(tickets_ptr + tile, 1, sem="acq_rel") == split_k - 1
     if last:
         total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for s in range(0, split_k):  # .cg: from L2, never a stale line of this SM's L1
-            total += tl.load(ws + s * stride_ws_s, mask=mask, other=0.0, cache_modifier=".cg")
-        y = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+            total += tl.load(ws + s * ws_strides[0], mask=mask, other=0.0, cache_modifier=".cg")
+        y = y_ptr + offs_m[:, None].to(tl.int64) * y_stride + offs_n[None, :]
         tl.store(y, total.to(y_ptr.dtype.element_ty), mask=mask)
         tl.atomic_xchg(tickets_ptr + tile, 0, sem="relaxed")
     return last
@@ -139,13 +136,10 @@ def split_tile(
     M,
     N,
     K,
-    stride_xm,
-    stride_xk,
-    stride_wn,
-    stride_wk,
-    stride_ws_s,
-    stride_ws_m,
-    stride_ym,
+    x_strides,
+    w_strides,
+    ws_strides,
+    y_stride,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -162,10 +156,8 @@ def split_tile(
         w_ptr,
         M,
         N,
-        stride_xm,
-        stride_xk,
-        stride_wn,
-        stride_wk,
+        x_strides,
+        w_strides,
         pid_m,
         pid_n,
         k_lo,
@@ -187,9 +179,8 @@ def split_tile(
         pid_n,
         pid_k,
         split_k,
-        stride_ws_s,
-        stride_ws_m,
-        stride_ym,
+        ws_strides,
+        y_stride,
         BLOCK_M,
         BLOCK_N,
     )
@@ -205,13 +196,10 @@ def _splitk_kernel(
     M,
     N,
     K,
-    stride_xm,
-    stride_xk,
-    stride_wn,
-    stride_wk,
-    stride_ws_s,
-    stride_ws_m,
-    stride_ym,
+    x_strides,
+    w_strides,
+    ws_strides,
+    y_stride,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -228,10 +216,8 @@ def _splitk_kernel(
             w_ptr,
             M,
             N,
-            stride_xm,
-            stride_xk,
-            stride_wn,
-            stride_wk,
+            x_strides,
+            w_strides,
             pid_m,
             pid_n,
             0,
@@ -244,7 +230,7 @@ def _splitk_kernel(
         )
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        y = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+        y = y_ptr + offs_m[:, None].to(tl.int64) * y_stride + offs_n[None, :]
         tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
     else:
         split_tile(
@@ -256,13 +242,10 @@ def _splitk_kernel(
             M,
             N,
             K,
-            stride_xm,
-            stride_xk,
-            stride_wn,
-            stride_wk,
-            stride_ws_s,
-            stride_ws_m,
-            stride_ym,
+            x_strides,
+            w_strides,
+            ws_strides,
+            y_stride,
             BLOCK_M,
             BLOCK_N,
             BLOCK_K,
@@ -353,12 +336,9 @@ def splitk_gemm(
         m,
         n,
         k,
-        x.stride(0),
-        x.stride(1),
-        w.stride(0),
-        w.stride(1),
-        ws.stride(0) if ws is not None else 0,
-        ws.stride(1) if ws is not None else 0,
+        x.stride(),
+        w.stride(),
+        ws.stride()[:2] if ws is not None else (0, 0),
         out.stride(0),
         BLOCK_M=block_m,
         BLOCK_N=block_n,

@@ -39,14 +39,11 @@ def _decode_merge_kernel(
     page_size,
     num_splits,
     split_len,
-    stride_op_b,
-    stride_op_h,
-    stride_op_s,
-    stride_lp_b,
-    stride_lp_h,
-    stride_o_b,
-    stride_o_h,
-    stride_lse_b,
+    # strides: o_part's (batch, head, split), lse_part's (batch, head), out's (batch, head), lse's per batch
+    o_part_strides,
+    lse_part_strides,
+    o_strides,
+    lse_stride,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
     SPLIT_BLOCK_N: tl.constexpr,
@@ -63,13 +60,19 @@ def _decode_merge_kernel(
     )
     mask_s = offs_s < used
     lse = tl.load(
-        lse_part_ptr + b * stride_lp_b + head * stride_lp_h + offs_s, mask=mask_s, other=float("-inf")
+        lse_part_ptr + b * lse_part_strides[0] + head * lse_part_strides[1] + offs_s,
+        mask=mask_s,
+        other=float("-inf"),
     )
     m = tl.max(lse, 0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2(lse - m_safe)  # [BLOCK_S]; 0 for empty splits
     parts = tl.load(
-        o_part_ptr + b * stride_op_b + head * stride_op_h + offs_s[:, None] * stride_op_s + offs_d[None, :],
+        o_part_ptr
+        + b * o_part_strides[0]
+        + head * o_part_strides[1]
+        + offs_s[:, None] * o_part_strides[2]
+        + offs_d[None, :],
         mask=mask_s[:, None] & (offs_d[None, :] < head_dim),
         other=0.0,
     )
@@ -77,13 +80,13 @@ def _decode_merge_kernel(
     total_safe = tl.where(total > 0, total, 1.0)
     o = tl.sum(parts * w[:, None], 0) / total_safe
     tl.store(
-        o_ptr + b * stride_o_b + head * stride_o_h + offs_d,
+        o_ptr + b * o_strides[0] + head * o_strides[1] + offs_d,
         o.to(o_ptr.dtype.element_ty),
         mask=offs_d < head_dim,
     )
     if HAS_LSE:
         tl.store(
-            lse_ptr + b * stride_lse_b + head,
+            lse_ptr + b * lse_stride + head,
             tl.where(total > 0, (m_safe + tl.log2(total_safe)) / 1.4426950408889634, float("-inf")),
         )
 
@@ -146,13 +149,9 @@ def merge_splits(
         page_size,
         num_splits,
         split_len,
-        o_part.stride(0),
-        o_part.stride(1),
-        o_part.stride(2),
-        lse_part.stride(0),
-        lse_part.stride(1),
-        out.stride(0),
-        out.stride(1),
+        o_part.stride(),
+        lse_part.stride()[:2],
+        out.stride()[:2],
         lse_arg.stride(0),
         BLOCK_S=MAX_SPLITS,
         BLOCK_D=max(16, next_pow2(head_dim)),
