@@ -1,0 +1,53 @@
+"""A deployment's worker gets its engine's whole config from one function, serving.config.engine_config,
+run in the main process before any worker starts: the model's and deployment's keys under the engine's
+names, and what they leave to derive resolved there."""
+
+import pytest
+
+from engine.role import Role
+from serving.config import DeploymentConfig, ModelSpec, engine_config
+
+MODEL = ModelSpec(
+    name="tiny-random", dtype="float32", device="cpu", page_size=8, num_pages=96, max_num_seqs=5
+)
+SPEC = {"method": "ngram", "num_speculative_tokens": 2}
+
+
+def _d(**kw) -> DeploymentConfig:
+    return DeploymentConfig(name="d", kind="disaggregated", num_prefill=1, num_decode=1, **kw)
+
+
+def test_the_model_and_deployment_keys_land_under_the_engine_names():
+    e = engine_config(MODEL, _d(prefill_tp=2, prefix_caching=False, decode_reserved_tokens=64), Role.PREFILL,
+                      0.1, seed=3)  # fmt: skip
+    assert (e.model, e.device, e.dtype, e.seed, e.tp, e.dp) == ("tiny-random", "cpu", "float32", 3, 2, 1)
+    assert (e.cache.page_size, e.cache.num_pages, e.cache.enable_prefix_caching) == (8, 96, False)
+    assert (e.scheduler.role, e.scheduler.max_num_seqs, e.scheduler.reserved_tokens) == (Role.PREFILL, 5, 64)
+    assert e.scheduler.max_num_batched_tokens == 1024  # chunk_size auto, a CPU in fp32
+    assert not e.kv_tiers.enabled
+
+
+@pytest.mark.parametrize(
+    "chunk_size, tpot_s, budget, target",
+    [("auto", 0.1, 1024, None), (300, 0.1, 300, None), ("slo", 0.1, 1024, 0.09), ("slo", 0.2, 1024, 0.18)],
+)
+def test_chunk_size_resolves_to_a_budget_and_slo_to_a_step_target(chunk_size, tpot_s, budget, target):
+    s = engine_config(MODEL, _d(chunk_size=chunk_size), Role.DECODE, tpot_s).scheduler
+    assert s.max_num_batched_tokens == budget and s.step_target_s == pytest.approx(target)
+
+
+def test_preemption_and_speculation_follow_the_role():
+    d = _d(speculative=SPEC)
+    prefill, decode = (engine_config(MODEL, d, role, 0.1) for role in (Role.PREFILL, Role.DECODE))
+    assert prefill.speculative_config is None  # it never samples
+    assert decode.speculative_config.num_speculative_tokens == 2
+    elastic = engine_config(MODEL, _d(speculative=SPEC, planner={"manual": True}), Role.PREFILL, 0.1)
+    assert elastic.speculative_config is not None  # it may come to decode
+    assert decode.scheduler.preemption == "refetch"
+    local = engine_config(MODEL, _d(decode_preemption="recompute_local"), Role.DECODE, 0.1)
+    assert local.scheduler.preemption == "recompute"
+
+
+def test_a_deployment_the_engine_refuses_is_refused_here_naming_the_setting():
+    with pytest.raises(ValueError, match="dp=2 .* runs without speculative_config"):
+        engine_config(MODEL, _d(decode_dp=2, speculative=SPEC), Role.DECODE, 0.1)
