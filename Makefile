@@ -49,12 +49,12 @@ bench: $(STAMP)
 	$(PYTEST) experiments/bench -q -p no:cacheprovider --benchmark-enable \
 		--benchmark-columns=min,median,max,rounds --benchmark-sort=name
 
-# issue 43's targets for the KV tiers over the main job (SmolLM2, multiturn 16 x 8, 2 colocated workers;
+# the KV tiers' study over the main job (SmolLM2, multiturn 16 x 8, 2 colocated workers;
 # about 25 minutes on 2 cores): none, tiers, full, cache_aware, pool, restart, 2p2d, and 1P2D with the decode
 # workers sent their KV, loading it from the pool, or picking by cost. BENCH_TIERS_ARGS picks, e.g. the
 # 10% target at the workload's 8 requests in flight: "--only none,tiers,full --concurrency 8" (6 minutes)
 BENCH_TIERS_ARGS ?=
-# issue 59: where our prefill (1,024 tokens) and decode steps (batch 1 and 20) spend their time on this CPU,
+# where our prefill (1,024 tokens) and decode steps (batch 1 and 20) spend their time on this CPU,
 # the GEMMs against everything around them (torch profiler); PROFILE_ARGS: --threads 2, --model ...;
 # VLLM_PYTHON: the python of a venv with vLLM's CPU build (docs/results/vllm-cpu.md), profiled beside ours
 PROFILE_ARGS ?=
@@ -63,7 +63,7 @@ profile-cpu: $(STAMP)
 	$(BIN)/python -m experiments.bench.profile_cpu --out bench_results/profile-$$(date +%Y%m%d-%H%M%S) \
 		$(if $(VLLM_PYTHON),--peer-python $(VLLM_PYTHON)) $(PROFILE_ARGS)
 
-# issue 70: the field's clients, unchanged, against our server (experiments/bench/compat.py): vLLM's `vllm bench
+# the field's clients, unchanged, against our server (experiments/bench/compat.py): vLLM's `vllm bench
 # serve` (completions, chat), AIPerf, GuideLLM, LangChain and LiteLLM, each from its own venv under .compat/
 # (scripts/compat_env.sh), on colocated and 1P1D at concurrency 64 and 256, the server's own timings beside
 # each client's (about 40 minutes on 2 cores, the venvs' first install 5 more); COMPAT_ARGS picks, e.g.
@@ -76,7 +76,7 @@ COMPAT_ARGS ?=
 compat: $(STAMP) .compat/.ready
 	$(BIN)/python -m experiments.bench.compat --out bench_results/compat-$$(date +%Y%m%d-%H%M%S) $(COMPAT_ARGS)
 
-# issue 71's abort storm (docs/security-and-faults.md): 1P1D and 1P2D with the tiers on, 300 long prompts whose
+# the abort storm (docs/security-and-faults.md): 1P1D and 1P2D with the tiers on, 300 long prompts whose
 # clients leave at random moments, a decode worker frozen 10 s halfway
 bench-aborts: $(STAMP)
 	$(BIN)/python -m experiments.bench.aborts --out bench_results/aborts-$$(date +%Y%m%d-%H%M%S) $(BENCH_ABORTS_ARGS)
@@ -84,7 +84,7 @@ bench-aborts: $(STAMP)
 bench-tiers: $(STAMP)
 	$(BIN)/python -m experiments.bench.kv_tiers --out bench_results/tiers-$$(date +%Y%m%d-%H%M%S) $(BENCH_TIERS_ARGS)
 
-# issue 45's goodput table (docs/scheduling.md): SmolLM2, 30 Poisson arrivals of 1,024-token prompts, 32 out,
+# the goodput table (docs/results/scheduling.md): SmolLM2, 30 Poisson arrivals of 1,024-token prompts, 32 out,
 # SLO TTFT 3 s / TPOT 100 ms; colocated with fixed chunks and with chunk_size: slo, 1P1D, 1P1D with the
 # budget and prefill by load, and colocated with chunk_size: slo on the split of the cores into workers x
 # threads that num_workers: auto measures (experiments/layout.py), at each of GOODPUT_RATES (about 12 minutes
@@ -102,7 +102,7 @@ bench-goodput: $(STAMP)
 		'goodput_search.rates=[$(GOODPUT_RATES)]' hydra.run.dir=bench_results/goodput-$$(date +%Y%m%d-%H%M%S) \
 		'deployments=[{name: auto, kind: colocated, num_workers: 2}, {name: slo, kind: colocated, num_workers: 2, chunk_size: slo}, {name: 1p1d, kind: disaggregated, num_prefill: 1, num_decode: 1}, {name: hybrid, kind: disaggregated, num_prefill: 1, num_decode: 1, chunk_size: slo, local_prefill_by_load: true}, {name: layout, kind: colocated, num_workers: auto, chunk_size: slo}$(GOODPUT_PEER)]'
 
-# issue 44's decode step at data-parallel attention against TP and one engine (docs/engine.md):
+# the decode step at data-parallel attention against TP and one engine (docs/results/engine-cpu.md):
 # tiny-random-deepseek, 2 ranks, one thread each; short prompts and long ones; then the simulator fitted
 # on the TP 1 and TP 2 steps predicts the DP 2 ones (docs/simulator.md; about 4 minutes on 2 cores)
 DP_OUT := bench_results/dp-$(shell date +%Y%m%d-%H%M%S)
@@ -113,7 +113,7 @@ bench-dp: $(STAMP)
 		--out $(DP_OUT)/long.json
 	$(BIN)/python -m experiments.sim.dp_check $(DP_OUT)/short.json $(DP_OUT)/long.json
 
-# issue 58's send modes over shaped links (docs/multi-machine.md; root: hosts in network namespaces):
+# the send modes over shaped links (docs/multi-machine.md; root: hosts in network namespaces):
 # 1P1D per layer, per chunk and whole against colocated, links scaled from real pairs, one request at a
 # time; then the simulator's rows at real scale. SmolLM2 about 15 minutes on 2 cores; STREAMING_ARGS picks,
 # e.g. "--model random-deepseek-v3 --prompt 512 --chunk 256 --requests 4"
@@ -140,8 +140,8 @@ GPU_CHECK_OUT ?= gpu_check/$(shell date +%Y%m%d-%H%M%S)
 gpu-check: $(GPU_VENV)/.ready
 	$(GPU_VENV)/bin/python -m experiments.bench.gpu_check --out $(GPU_CHECK_OUT)
 
-# every quantitative claim of the seeds, one row each, ours beside it (docs/reproduction.md keeps the table;
-# REPRO_ARGS="--write docs/reproduction.md" rewrites it there). The older studies, each its own table:
+# every quantitative claim of the seeds, one row each, ours beside it (docs/results/reproduction.md keeps the table;
+# REPRO_ARGS="--write docs/results/reproduction.md" rewrites it there). The older studies, each its own table:
 # python -m experiments.repro.distserve (three sets of efficiencies), python -m experiments.repro.moe_study
 repro: $(STAMP)
 	$(BIN)/python -m experiments.repro.table $(REPRO_ARGS)

@@ -217,7 +217,7 @@ class Grammars:
             logits.masked_fill_(~allowed, float("-inf"))
             if spec.json is not None or spec.json_object:
                 # compact JSON holds no raw control character; xgrammar 0.2.9's strings with minLength
-                # or maxLength let them through (its issue #286 fixed only the others): bar them here
+                # or maxLength let them through (its upstream fix covered only the others): bar them here
                 logits[self.controls.to(logits.device)] = float("-inf")
         return True
 

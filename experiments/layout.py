@@ -14,7 +14,7 @@ the table of every candidate is logged and kept in the run's record ("layout_cho
 The measurement takes a few seconds a split, once per job (a rate sweep simulates each rate with it).
 What it cannot see: the simulator replays the requests at their arrival times, so a workload at a fixed
 concurrency (every arrival 0) is simulated as one burst; the isolated steps it times run faster than a
-loaded worker's (docs/simulator.md), so its latencies read low for every split alike.
+loaded worker's (docs/results/simulator.md), so its latencies read low for every split alike.
 """
 
 from __future__ import annotations

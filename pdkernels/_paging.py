@@ -168,8 +168,7 @@ def gather_pages(cache: Tensor, kv_layout: str, page_table: Tensor) -> Tensor:
     Copies pages as blocks (cheap for HND, where a page is [H, P, D]); token t of row b is at [b, :, t].
     """
     batch, n = page_table.shape
-    # index_select, not cache[page_table]: on the CPU it copies whole pages ~6x faster (measured: 49 us
-    # against 325 us for 20 x 10 pages of [3, 16, 64] bf16)
+    # index_select, not cache[page_table]: on the CPU it copies whole pages instead of indexing each token
     pages = cache.index_select(0, page_table.reshape(-1).long()).view(batch, n, *cache.shape[1:])
     if kv_layout == "HND":
         return pages.transpose(1, 2).reshape(batch, pages.shape[2], -1, pages.shape[-1])

@@ -25,14 +25,14 @@ What it holds:
 - packed_linear: `linear`'s oneDNN call; on several threads, each thread's own rows where the weight fits a
   core's L2 (linear_cpu.cpp: oneDNN's own division left SmolLM2's down projection at one core's speed).
 - decode_attention on AVX-512 BF16 CPUs, bf16 caches: 16 tokens' scores at a time (vdpbf16ps), their
-  lanes reduced together, P V accumulated in registers (2.5x the portable loop at batch 20; docs/engine.md);
-  on AVX2 + FMA CPUs the same shape in 8-lane fp32 for fp32 and bf16 caches (decode_cpu.cpp; 3.7-4x).
+  lanes reduced together, P V accumulated in registers; on AVX2 + FMA CPUs the same shape in 8-lane fp32
+  for fp32 and bf16 caches (decode_cpu.cpp). Each beats the portable loop where it is picked
+  (docs/results/engine-cpu.md).
 
 `pack(w)` stores a bf16 linear weight in oneDNN's blocked layout (torch.ops.mkldnn, as inductor's
 freezing does), and `linear` multiplies by it: the same oneDNN kernels, bit-identical results, but the
-weight streams from memory at about twice the rate at decode sizes (measured here for SmolLM2's
-projections at M = 1: 28-34 GB/s against 13-17 GB/s for the row-major weight; M = 20: 1.4x; M = 512:
-the same). Where torch lacks oneDNN, or the dtype is not bf16, `pack` returns the weight as it is.
+weight streams from memory faster at decode sizes (docs/results/engine-cpu.md). Where torch lacks
+oneDNN, or the dtype is not bf16, `pack` returns the weight as it is.
 """
 
 from __future__ import annotations
@@ -182,9 +182,8 @@ class Q8Weight(PackedWeight):
         return w.permute(0, 2, 1).reshape(-1, k)[:n]
 
 
-# Rows of x up to which the int8 copy serves: SmolLM2's projections on one thread of an AVX2 EPYC, 8 layers'
-# weights in turn: 0.25-0.6x the fp32 GEMM's time at M = 1-4, 0.55-0.7x at 12, 0.7-0.8x at 20, 0.8-0.95x at
-# 32, 1.05-1.1x at 64 (docs/engine.md)
+# Rows of x up to which the int8 copy serves: below it the int8 product reads a quarter of the bytes and
+# beats the fp32 GEMM; from about 64 rows the GEMM's arithmetic wins (timed: docs/results/engine-cpu.md)
 Q8_MAX_M = 32
 
 

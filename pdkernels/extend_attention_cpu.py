@@ -25,11 +25,10 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, sm_scale: float) -> Tensor
     [Hkv, L, D] -> [n, Hq, D]. What extend_attention_ref's masked SDPA computes, with the masked blocks
     skipped: torch's flash kernel with is_causal over the chunk's own keys (upper-left aligned,
     which for the chunk's square is the causal mask), and over the context before the chunk, when there
-    is one, with no mask, the two merged by their log-sum-exps (measured on 1 AVX2 core, SmolLM2's heads:
-    1024 new tokens 87 -> 61 ms, 1024 over 1024 cached 182 -> 150 ms). In bf16 on AMX CPUs our own
-    (pdkernels/csrc/attention_amx.cpp: oneDNN's brgemm tiles, each kv head's keys packed once for its
-    group; a layer of SmolLM2's 1,024-token prompt on one Xeon core 4.9-5.3 -> 3.5-3.6 ms); in bf16 on AVX-512
-    BF16 CPUs without AMX, blocked_causal_attention."""
+    is one, with no mask, the two merged by their log-sum-exps: no work on the masked half. In bf16 on AMX
+    CPUs our own (pdkernels/csrc/attention_amx.cpp: oneDNN's brgemm tiles, each kv head's keys packed once
+    for its group); in bf16 on AVX-512 BF16 CPUs without AMX, blocked_causal_attention. Each is the faster
+    where it is picked (timings: docs/results/kernels.md)."""
     n, L = q.shape[0], k.shape[1]
     if q.device.type == "cpu" and q.dtype == torch.bfloat16 and native_bf16():
         ext = cpu.module()
@@ -62,18 +61,16 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, sm_scale: float) -> Tensor
     return out[0].transpose(0, 1).to(q.dtype)
 
 
-BLOCK_ROWS = 64  # query positions per block of blocked_causal_attention (64-512 measured: 64 fastest)
+BLOCK_ROWS = 64  # query positions per block of blocked_causal_attention (the fastest of 64-512 where timed)
 
 
 def blocked_causal_attention(q: Tensor, k: Tensor, v: Tensor, sm_scale: float) -> Tensor:
     """causal_attention in blocks of BLOCK_ROWS query positions, each against the keys up to its last
     position: one batched GEMM for the scores and one for the values per block (a GQA group's heads
     stacked as rows), the softmax in fp32, only the diagonal block masked. On CPUs that compute in bf16
-    (AVX-512 BF16, AMX) these are oneDNN's bf16 GEMMs, and it beats torch's flash kernel there (one AVX-512
-    BF16 core, SmolLM2's heads, bf16: 1024 new tokens 23.1 -> 16.9 ms a layer, 2048 80.0 -> 46.4 ms;
-    in fp32 the flash kernel is the faster, so causal_attention picks this in bf16 on such CPUs only). With
-    AMX torch's flash kernel is the faster (one core of an AMX Xeon, the same heads, bf16, a layer: 1024 new
-    tokens 12.9 -> 7.1 ms, 2048 43.6 -> 21.3 ms, 512 over 1,024 cached 11.5 -> 6.9 ms): not picked there."""
+    these are oneDNN's bf16 GEMMs: faster than torch's flash kernel on AVX-512 BF16 without AMX, slower
+    with AMX and in fp32, so causal_attention picks it in bf16 on AVX-512 BF16 CPUs without AMX only
+    (timings: docs/results/kernels.md)."""
     n, num_heads, dim = q.shape
     num_kv_heads, L, _ = k.shape
     group = num_heads // num_kv_heads
@@ -113,9 +110,7 @@ def extend_attention_cpu(
     flash-style online softmax in fp32, the query heads of a GQA group sharing each key's load), except in
     bf16 on CPUs that compute in it: there, with AMX, each request's pages gathered and its attention on
     AMX tiles, all in C++ (attention_amx.cpp), else oneDNN's bf16 GEMMs (blocked_causal_attention). Else
-    extend_attention_ref's gathers, then each request's attention by causal_attention. One AVX2 core,
-    SmolLM2's heads (9 over 3, dim 64), fp32, one layer of a whole prompt: 128 tokens 0.93 -> 0.38 ms,
-    512 10.8 -> 4.8, 1024 26.2 -> 19.8 ms (about 61 GFLOP/s)."""
+    extend_attention_ref's gathers, then each request's attention by causal_attention."""
     sm_scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     ext = cpu.for_cache(paged_kv_cache)
     if (
@@ -148,7 +143,7 @@ def extend_attention_cpu(
         )
     ]
     if len(parts) == 1 and parts[0][:2] == (0, q.shape[0]):  # one request, every row: no zeros, no copy
-        return parts[0][2]  # (3 + 3 ms of a 1,024-token prefill of SmolLM2 on one Xeon core)
+        return parts[0][2]
     out = torch.zeros_like(q)
     for lo, hi, o in parts:
         out[lo:hi] = o

@@ -1,6 +1,6 @@
 """Write SmolLM2-135M (the GGUF the engine loads) as a Hugging Face folder: config.json, model.safetensors,
 tokenizer files and chat template, dequantized to bf16. Other servers (vLLM's CPU build) then serve the
-same weights as ours, for side-by-side runs through the load client (docs/engine.md).
+same weights as ours, for side-by-side runs through the load client (docs/results/engine-cpu.md).
 
     python scripts/export_hf.py OUT_DIR
 """

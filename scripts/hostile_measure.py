@@ -1,4 +1,4 @@
-"""Hostile clients' measurements against a running server (docs/security-and-faults.md):
+"""Hostile clients' measurements against a running server (docs/results/security-and-faults.md):
 
     python scripts/hostile_measure.py URL victim    # a short request's TTFT alone and beside 3 long streams
     python scripts/hostile_measure.py URL grammar   # a stream's inter-token latency quiet and beside a

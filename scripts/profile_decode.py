@@ -1,5 +1,5 @@
 """Where a decode step goes on this machine: step times at batch 1 and 20, and (--profile) the time per
-part of the model under torch.profiler (which adds its own cost). What docs/engine.md quotes.
+part of the model under torch.profiler (which adds its own cost). What docs/results/engine-cpu.md quotes.
 
     python scripts/profile_decode.py [--threads N] [--dtype bfloat16|float32] [--profile]
     python scripts/profile_decode.py --long-prompt 1024 [--chunk 2048]    # also one long prompt's prefill

@@ -31,14 +31,12 @@ SLO_STEP_SHARE = 0.9
 
 
 def prefill_budget(chunk_size: int | str, device: str, dtype: str) -> int:
-    """deployment.chunk_size with auto resolved by what computes the step. 2,048 tokens (vLLM's CPU
-    budget) on a CPU that computes in bf16 (AVX-512 BF16 or AMX) running a bf16 model: measured there
-    (docs/engine.md), a colocated worker under a stream of 1,024-token prompts met the SLO more often and
-    a burst of 20 prompts decoded faster than at 512. 1,024 on a CPU in fp32: measured on an AVX2-only CPU
-    (docs/engine.md), a burst of 20 prompts decoded 20% faster than at 512 or 256 (2,048 swung with how the
-    burst's arrivals split) and a stream of 1,024-token prompts met the SLO more often; a lone prompt
-    prefilled as fast. 512 elsewhere (bf16 converted by each GEMM, a GPU): no budget measured there.
-    slo: auto's budget, which steps with decodes shrink to keep within the TPOT SLO (step_target_s)."""
+    """deployment.chunk_size with auto resolved by what computes the step: 2,048 tokens (vLLM's CPU
+    budget) on a CPU that computes in bf16 (AVX-512 BF16 or AMX) running a bf16 model, 1,024 on a CPU in
+    fp32, where each met the SLO more often under a stream of 1,024-token prompts and decoded a burst
+    faster than smaller budgets (docs/results/engine-cpu.md); 512 elsewhere (bf16 converted by each GEMM,
+    a GPU), where no budget was measured. slo: auto's budget, which steps with decodes shrink to keep
+    within the TPOT SLO (step_target_s)."""
     if chunk_size not in ("auto", "slo"):
         return chunk_size
     from pdkernels.cpu import native_bf16

@@ -51,7 +51,8 @@ State = PrefillState
 # POLLS_PER_LAYER-th of the time a layer has been taking, within [POLL_S, MAX_POLL_S]. Where the pass runs
 # on the CPU this thread shares its core and the GIL, and each look (its reaping drives UCX's progress)
 # takes from the pass; fewer looks starve UCX's TCP progress where the link is as slow as the compute
-# (docs/multi-machine.md measures both). On a GPU a layer takes under a millisecond and the floor holds
+# (docs/results/multi-machine.md measures both). On a GPU a layer takes under a millisecond and the floor
+# holds
 POLL_S, MAX_POLL_S, POLLS_PER_LAYER = 5e-4, 4e-3, 8
 IDLE_WAIT_S = 0.05  # with nothing in flight, the sender thread waits this long for a job (or close)
 LOG_LIMIT = 4096  # entries kept in post_log / done_log (diagnostics, not per-request state)

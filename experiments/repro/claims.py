@@ -68,7 +68,7 @@ def fmt(x: float) -> str:
 
 
 def markdown(claims: list[Claim]) -> str:
-    """The table docs/reproduction.md keeps and `make repro` prints."""
+    """The table docs/results/reproduction.md keeps and `make repro` prints."""
     head = ["claim", "source", "seed", "ours", "error", "", "how", "assumptions"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(" --- " for _ in head) + "|"]
     for c in claims:

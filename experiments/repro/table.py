@@ -4,7 +4,7 @@ assumptions, and, where ours misses, why and which value of which assumption wou
 
     python -m experiments.repro.table [--requests N] [--trace-requests N] [--no-measure] [--write PATH]
 
---write puts the table into PATH (docs/reproduction.md) between its markers, with the machine the
+--write puts the table into PATH (docs/results/reproduction.md) between its markers, with the machine the
 measured rows ran on. The rows' computations live beside their seed: experiments/repro/survey.py
 (DistServe, its interference figure, OPT-175B), blog.py (DeepSeek-R1, Qwen3-Coder-480B), mooncake.py
 (long context, the conversation trace); tests/experiments/repro/ asserts each row's value.

@@ -45,7 +45,7 @@ from serving.router.policy import Router
 from transfer.config import TransferConfig
 
 MAX_POSITION = 1 << 20
-# what one role switch takes of an elastic worker's time (the real one: docs/scheduling.md)
+# what one role switch takes of an elastic worker's time (the real one: docs/results/scheduling.md)
 SWITCH_S = 0.1
 
 

@@ -136,7 +136,7 @@ def test_over_100_one_page_requests_every_replica_sends_a_share(src_tp, dst_tp):
     [
         (dict(kv_layout="NHD"), dict(kv_layout="NHD"), "needs kv_layout 'HND'"),
         (dict(kv_layout="NHD"), {}, "disagree on kv_layout: 'NHD' \\(prefill\\) vs 'HND' \\(decode\\)"),
-        ({}, dict(weights="0123456789abcdef"), "disagree on weights: '' \\(prefill\\) vs '0123456789abcdef'"),
+        ({}, dict(weights="ab" * 8), "disagree on weights: '' \\(prefill\\) vs 'abababababababab'"),
         ({}, dict(page_size=8), "disagree on page_size"),
         ({}, dict(itemsize=4, dtype="float32"), "disagree on itemsize"),
         ({}, dict(head_dim=128), "disagree on head_dim"),

@@ -90,7 +90,7 @@ def test_on_an_amx_xeon_the_machine_model_measured_there_predicts_its_overload_w
 def test_a_real_trace_scaled_to_the_engine_is_predicted_from_its_first_slice(tmp_path, capsys):
     """Mooncake's conversation trace scaled to SmolLM2 on 2 cores (lengths and blocks x
     1/16, timestamps x 2), colocated and 1P1D; the simulator, calibrated on its first 40 requests, predicts
-    the next 120 (run on the AMX Xeon, alone; docs/reproduction.md)."""
+    the next 120 (run on the AMX Xeon, alone; docs/results/reproduction.md)."""
     root = Path(__file__).parents[3]
     paths = {}
     for part in ("a", "b"):

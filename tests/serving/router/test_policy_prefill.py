@@ -8,7 +8,7 @@ def test_a_prefill_worker_is_priced_by_what_it_lacks_not_by_what_the_decode_work
     """A follow-up turn whose history the decode worker holds still costs its whole prompt on a prefill
     worker that has not seen it (the prefill computes what it lacks): in the conversation trace at 3x its
     rate, admission priced it at the decode worker's miss and let in requests that then missed the TTFT
-    SLO (docs/reproduction.md). The prefill worker that computed the history is chosen for the next
+    SLO (docs/results/reproduction.md). The prefill worker that computed the history is chosen for the next
     turn, at what it lacks."""
     now = [0.0]
     r = Router(["d0"], admission="slo", slo=(1.0, 1.0), prefill_workers=["p0", "p1"], page_size=16,
