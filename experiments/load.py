@@ -23,10 +23,9 @@ import dataclasses
 import time
 
 from engine.sequence import SamplingParams
+from experiments.config import SET_BY_WORKLOAD, EndpointConfig, RunConfig
 from experiments.record import DeploymentRun, Request
-from experiments.run_config import EndpointConfig, RunConfig
 from experiments.workload import Conversations
-from experiments.workload_config import SET_BY_WORKLOAD
 from serving.messages import ErrorKind, Result
 
 

@@ -67,8 +67,8 @@ from pathlib import Path
 
 import numpy as np
 
+from experiments.config import EndpointConfig, RunConfig
 from experiments.record import DeploymentRun
-from experiments.run_config import EndpointConfig, RunConfig
 from experiments.sim.hardware import cpu_model
 from serving.config import SloConfig
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from experiments.config import RunConfig
 from experiments.metrics import SWEEP, goodput, label, swept_goodput, write_results
-from experiments.run_config import RunConfig
 
 
 def _ms(stats: dict, key: str) -> str:

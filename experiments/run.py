@@ -18,9 +18,8 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.config import from_cfg, run_job
+from experiments.config import EndpointConfig, from_cfg, run_job
 from experiments.layout import Steps
-from experiments.run_config import EndpointConfig
 from serving.config import check_fits_model
 from serving.fleet.launcher import start_fork_server
 

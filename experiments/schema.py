@@ -21,10 +21,17 @@ from dataclasses import MISSING, fields
 from hydra.core.config_store import ConfigStore
 
 from engine.sequence import SamplingParams
-from experiments.run_config import RunConfig
-from experiments.workload_config import SET_BY_WORKLOAD, WorkloadConfig
-from serving.config import DeploymentConfig, KernelsConfig, KVTiersSpec, ModelSpec, SloConfig
-from serving.fleet.launch_config import ClusterConfig, LauncherConfig, RayConfig
+from experiments.config import SET_BY_WORKLOAD, RunConfig, WorkloadConfig
+from serving.config import (
+    ClusterConfig,
+    DeploymentConfig,
+    KernelsConfig,
+    KVTiersSpec,
+    LauncherConfig,
+    ModelSpec,
+    RayConfig,
+    SloConfig,
+)
 from serving.http.server_config import ServerConfig
 from serving.router.planner import PlannerConfig
 from transfer.config import TransferConfig

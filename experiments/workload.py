@@ -20,8 +20,8 @@ from dataclasses import replace
 
 import numpy as np
 
+from experiments.config import LengthDist, WorkloadConfig
 from experiments.record import Request
-from experiments.workload_config import LengthDist, WorkloadConfig
 
 
 class Conversations:

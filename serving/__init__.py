@@ -33,11 +33,11 @@ The life of a request (each step names where it happens):
 Where each part lives (dependencies point down: experiments -> serving -> engine -> transfer):
 - here: config.py and checks.py (the deployment's config, checked once), runtime.py (the request loop),
   messages.py and control.py (the runtime's wire messages and its authenticated socket), worker.py,
-  worker_results.py, decode_front.py and roles.py (a worker process), elastic.py (moving workers
+  decode_front.py and roles.py (a worker process), elastic.py (moving workers
   between roles);
 - router/: policy.py (the Router and admission), belief.py and below.py (what it believes each worker
   caches and how fast it runs), planner.py (when to move a worker between roles);
-- fleet/: fleet.py (start, watch, restart and stop the workers), launcher.py and launch_config.py (local
+- fleet/: fleet.py (start, watch, restart and stop the workers), launcher.py (local
   processes or Ray actors), procs.py (their children), preload.py (the fork server's imports), netns*.py
   (hosts in network namespaces, their links and faults);
 - http/: the OpenAI-compatible front: server.py (serve), server_config.py, routes.py, api.py, fields.py,

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from experiments.config import WorkloadConfig
 from experiments.repro.claims import SIMULATED, Claim
 from experiments.sim.cost import CostModel, Efficiency
 from experiments.sim.hardware import hardware
@@ -31,7 +32,6 @@ from experiments.sim.instance import TierSpec
 from experiments.sim.models import sim_model
 from experiments.sim.run import simulate_deployment
 from experiments.sim.simulate import Instance, poisson_requests, simulate_colocated, simulate_disaggregated
-from experiments.workload_config import WorkloadConfig
 from serving.config import DeploymentConfig, SloConfig
 
 SOURCE = "survey, quoting Mooncake (FAST'25)"

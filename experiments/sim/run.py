@@ -21,16 +21,14 @@ import hydra
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.config import run_job, workload_of
+from experiments.config import RunConfig, WorkloadConfig, run_job, workload_of
 from experiments.record import DeploymentRun, Request
-from experiments.run_config import RunConfig
 from experiments.sim.cost import CostModel, Efficiency
 from experiments.sim.hardware import hardware_of
 from experiments.sim.instance import TierSpec, check_fits
 from experiments.sim.models import sim_model
 from experiments.sim.simulate import Instance, SimRequest, simulate_colocated, simulate_disaggregated
 from experiments.workload import Conversations, draw, mooncake_block, mooncake_rows
-from experiments.workload_config import WorkloadConfig
 from serving.config import (
     DeploymentConfig,
     ModelSpec,

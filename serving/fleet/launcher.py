@@ -34,8 +34,7 @@ import tempfile
 import threading
 from dataclasses import replace
 
-from serving.config import launcher_of
-from serving.fleet.launch_config import RayConfig
+from serving.config import RayConfig, launcher_of
 from serving.fleet.procs import die_with
 from serving.worker import WorkerSpec, worker_main
 

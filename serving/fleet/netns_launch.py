@@ -12,7 +12,7 @@ import shutil
 import tempfile
 from dataclasses import replace
 
-from serving.fleet.launch_config import RayConfig
+from serving.config import RayConfig
 from serving.fleet.launcher import (
     LOOPBACK,
     LocalLauncher,

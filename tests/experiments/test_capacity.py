@@ -5,9 +5,8 @@ import logging
 import pytest
 
 from experiments import capacity
-from experiments.config import from_cfg
+from experiments.config import LengthDist, from_cfg
 from experiments.run import run
-from experiments.workload_config import LengthDist
 from tests.experiments.runs import TINY, _cfg
 
 

@@ -5,8 +5,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from experiments.config import sampling_of
 from experiments.load import _kind, _sampling
-from experiments.workload_config import sampling_of
 from serving.messages import ErrorKind
 
 

@@ -3,8 +3,8 @@ import json
 import numpy as np
 import pytest
 
+from experiments.config import LengthDist, WorkloadConfig
 from experiments.workload import draw, make_requests
-from experiments.workload_config import LengthDist, WorkloadConfig
 
 
 def test_the_simulator_draws_the_requests_a_real_run_sends():

@@ -52,8 +52,8 @@ def test_guidellm_s_report_is_read_by_its_successful_requests():
 
 def test_the_sharegpt_like_file_is_real_text_in_sharegpt_s_shape_and_our_runs_read_it_too(tmp_path):
     from engine.weights import load_model
+    from experiments.config import WorkloadConfig
     from experiments.workload import make_requests
-    from experiments.workload_config import WorkloadConfig
 
     path = compat.sharegpt_like(tmp_path / "sharegpt.json", n=40, seed=3)
     data = json.loads(path.read_text())

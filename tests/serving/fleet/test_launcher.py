@@ -20,8 +20,8 @@ from tests.waits import until
 needs.nixl()
 
 from experiments.run import run  # noqa: E402
+from serving.config import RayConfig  # noqa: E402
 from serving.fleet import launcher  # noqa: E402
-from serving.fleet.launch_config import RayConfig  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
 TINY = ["model=tiny-random", "workload.arrival=concurrency", "workload.concurrency=2", "plots=false"]

@@ -343,7 +343,7 @@ def test_two_nics_a_host_share_out_the_kv_across_mismatched_tp(short_tmp, tmp_pa
     ],
 )
 def test_bad_cluster_settings_name_the_key(cluster, match):
-    from serving.fleet.launch_config import ClusterConfig
+    from serving.config import ClusterConfig
 
     with pytest.raises(ValueError, match=match):
         ClusterConfig(**cluster)

@@ -203,7 +203,7 @@ def test_config_maps_to_dataclasses():
 def test_an_endpoint_is_the_experiment_s_config_not_the_runtime_s():
     """`kind: endpoint` (a URL the load client measures) is experiments.config.EndpointConfig, kept in its
     place among the deployments; the runtime's own config (the server's) has no such kind."""
-    from experiments.run_config import EndpointConfig
+    from experiments.config import EndpointConfig
     from serving.config import DeploymentConfig, runtime_of
 
     url = "http://127.0.0.1:9/v1"
