@@ -1,10 +1,11 @@
-"""The engine's API: LLM(model=...).generate(prompts, SamplingParams(...)), plus the role hooks.
+"""The engine's API: LLM(config) or LLM(model, **overrides) (engine.config.EngineConfig), then
+generate(prompts, SamplingParams(...)), chat, or add_request / step / abort.
 
-Roles (see scheduler.py): ``colocated`` serves whole requests; ``prefill`` computes the KV of the
-tokens it is given (a prompt without its last token), never samples, tells its listener each batch
-before the forward pass, and keeps a request's pages until ``release``; ``decode`` additionally
-``reserve``s pinned pages for that KV and ``admit_prefilled`` starts decoding once they are filled,
-running the last prompt token as the first decode step.
+Roles (engine/role.py): ``colocated`` serves whole requests; ``prefill`` computes the KV of the tokens it
+is given (a prompt without its last token), never samples, tells its listener each batch before the
+forward pass, and keeps a request's pages until the hand-off releases them; ``decode`` additionally
+reserves pinned pages for that KV and starts decoding once they are filled, running the last prompt token
+as the first decode step (``llm.handoff``: engine/decode_role.py).
 """
 
 from __future__ import annotations

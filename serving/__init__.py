@@ -19,7 +19,7 @@ The life of a request (each step names where it happens):
     layer while later layers still compute (`PrefillMessenger.on_batch`; NIXL writes), then the last
     position's hidden state (`on_prefilled`), and says Ended.
  5. The decode worker admits it once every write has landed (`DecodeMessenger.poll` ->
-    `engine.LLM.admit_prefilled`) and decodes it with the others (`Worker._step` -> `EngineCore.step`:
+    `llm.handoff.admit_prefilled`) and decodes it with the others (`Worker._step` -> `EngineCore.step`:
     schedule, run, sample, post-process).
  6. Each step's new tokens stream back (`Worker._progress`: Progress) to the runtime
     (`Runtime._message`), which times them and passes them to the request's sink: the client's

@@ -85,7 +85,7 @@ class DecodeFront:
     def refetch(self, seqs) -> None:
         """Preempted sequences whose KV is fetched again (into the DP group that holds each): before any
         new request."""
-        group = self.llm.dp_rank_of
+        group = self.llm.front.dp_rank_of
         items = [Waiting(s.request_id, s.all_ids, s.params, group=group(s.request_id)) for s in seqs]
         for item in items:
             self.dm.wait(item.request_id)
