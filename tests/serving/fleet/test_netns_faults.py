@@ -104,14 +104,20 @@ IN_TURN = "deployment.routing=round_robin"
 PAGES_A_REQUEST = 150  # 600 prompt tokens at tiny-random's 4 per page
 
 
+FLOWING_BYTES = 4_000  # more than prefill-0's host sends between two looks unless KV is crossing
+
+
 def _cut_prefill_0(down_s: float | None, log: list):
-    """A hook: once prefill-0's host (host 0) has sent the KV of about 2/3 of a request, its NIC goes
-    down, for down_s seconds or (None) for good."""
+    """A hook: once prefill-0's host (host 0) has sent more than a request's KV and is sending KV now (its
+    counter grew by FLOWING_BYTES since the hook last looked: a transfer is under way, so one is cut
+    mid-flight, not between two), its NIC goes down, for down_s seconds or (None) for good."""
+    last = [0]
 
     def hook(run_state, runtime):
         hosts = runtime.fleet.launcher.hosts
         sent = hosts.counters(0)[0]
-        if not log and sent > 400_000:
+        flowing, last[0] = sent - last[0] >= FLOWING_BYTES, sent
+        if not log and sent > 400_000 and flowing:
             hosts.set_link(0, up=False)
             log.append((sent, len(run_state.results)))
             if down_s is not None:
