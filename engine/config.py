@@ -347,6 +347,10 @@ class SchedulerConfig:
         )
 
 
+# EngineConfig's parts whose fields LLM(**overrides) takes by their own names (page_size, role, ...)
+PARTS = {"cache": CacheConfig, "scheduler": SchedulerConfig}
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything one engine is built from: `LLM(config)`, or `LLM(model, **overrides)` whose keywords are
@@ -386,10 +390,9 @@ class EngineConfig:
             if isinstance(config, EngineConfig)
             else cls(**({} if config is None else {"model": config}))
         )
-        parts = {"cache": CacheConfig, "scheduler": SchedulerConfig}
-        top, nested = {}, {part: {} for part in parts}
+        top, nested = {}, {part: {} for part in PARTS}
         for key, value in overrides.items():
-            part = next((p for p, c in parts.items() if key in c.__dataclass_fields__), None)
+            part = next((p for p, c in PARTS.items() if key in c.__dataclass_fields__), None)
             if part is not None:
                 nested[part][key] = value
             elif key in cls.__dataclass_fields__ and key != "arch":
@@ -491,11 +494,7 @@ def settings(config: EngineConfig | None = None) -> dict:
     """Every setting by the name LLM(**overrides) takes, and its value in config (the defaults' without
     one): the cache's and scheduler's fields beside the engine's own (not arch, which the model sets)."""
     config = config or EngineConfig()
-    out = {
-        f.name: getattr(config, f.name)
-        for f in fields(EngineConfig)
-        if f.name not in ("cache", "scheduler", "arch")
-    }
-    for part in (config.cache, config.scheduler):
-        out.update((f.name, getattr(part, f.name)) for f in fields(part))
+    out = {f.name: getattr(config, f.name) for f in fields(EngineConfig) if f.name not in (*PARTS, "arch")}
+    for part in PARTS:
+        out.update((f.name, getattr(getattr(config, part), f.name)) for f in fields(PARTS[part]))
     return out
