@@ -96,6 +96,21 @@ def native_bf16() -> bool:
     return bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
+def isa() -> str:
+    """The widest vector ISA this CPU computes with, as the fast paths pick by it: amx (AMX tiles for bf16),
+    avx512_bf16, avx512, avx2 or baseline. What a measured figure is put beside, with the CPU's model."""
+    flags = set(_flags().split())
+    for name, needs in (
+        ("amx", "amx_bf16"),
+        ("avx512_bf16", "avx512_bf16"),
+        ("avx512", "avx512f"),
+        ("avx2", "avx2"),
+    ):
+        if needs in flags:
+            return name
+    return "baseline"
+
+
 def amx_bf16() -> bool:
     """Whether this CPU has AMX tiles for bf16 (Xeon from Sapphire Rapids on): oneDNN's and torch's own
     bf16 kernels use them, and what suits AVX-512 BF16 alone may not suit them."""

@@ -107,21 +107,23 @@ class LauncherConfig:
             object.__setattr__(self, "cluster", ClusterConfig())
 
 
-def prefill_budget(chunk_size: int | str, device: str, dtype: str) -> int:
+def prefill_budget(chunk_size: int | str, device: str, dtype: str, native: bool | None = None) -> int:
     """deployment.chunk_size with auto resolved by what computes the step: 2,048 tokens (vLLM's CPU
     budget) on a CPU that computes in bf16 (AVX-512 BF16 or AMX) running a bf16 model, 1,024 on a CPU in
     fp32, where each met the SLO more often under a stream of 1,024-token prompts and decoded a burst
     faster than smaller budgets (docs/results/engine-cpu.md); 512 elsewhere (bf16 converted by each GEMM,
     a GPU), where no budget was measured. slo: auto's budget, which steps with decodes shrink to keep
-    within the TPOT SLO (step_target_s)."""
+    within the TPOT SLO (step_target_s). native: whether the CPU computes in bf16, where it is not this one
+    (a simulated machine's experiments.sim.hardware.Hardware.bf16); None asks this CPU."""
     if chunk_size not in ("auto", "slo"):
         return chunk_size
-    from pdkernels.cpu import native_bf16
-
     if device == "cpu" and dtype == "float32":
         return CPU_FP32_CHUNK
-    native = device == "cpu" and dtype == "bfloat16" and native_bf16()
-    return CPU_BF16_CHUNK if native else DEFAULT_CHUNK
+    if native is None:
+        from pdkernels.cpu import native_bf16
+
+        native = native_bf16()
+    return CPU_BF16_CHUNK if device == "cpu" and dtype == "bfloat16" and native else DEFAULT_CHUNK
 
 
 def engine_config(

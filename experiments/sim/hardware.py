@@ -31,6 +31,9 @@ class Hardware:
     # as a datasheet gives none; measured on a CPU by experiments.sim.calibrate.measure_collectives)
     allreduce_s: float = 0.0
     alltoall_s: float = 0.0
+    # whether it computes in bf16 (a GPU, a CPU with AVX-512 BF16 or AMX): a CPU without converts in every
+    # GEMM, and chunk_size auto gives it another budget (serving.config.prefill_budget)
+    bf16: bool = True
 
     def __post_init__(self):
         for key in ("flops", "hbm_bw", "hbm_bytes", "nvlink_bw", "nic_bw", "devices_per_node"):
@@ -132,16 +135,24 @@ def cache_dir() -> Path:
 
 def measured_here(cfg: dict) -> Hardware:
     """A machine model of the CPU the simulator runs on (conf/hardware/cpu-this-machine.yaml): its GEMM
-    peak in `measure.dtype` and its copy bandwidth with `measure.threads` threads, measured once per CPU
-    model and kept in cache_dir(); the memory size and the NIC (the messenger's rate) come from cfg."""
+    peak in `measure.dtype` (auto: what the engine computes in here, bf16 where the CPU has it, else
+    float32, as model.dtype auto) and its copy bandwidth with `measure.threads` threads, measured once per
+    CPU model and ISA (two EPYCs both named "AMD EPYC" differ 80x in bf16 GEMMs with and without AVX-512)
+    and kept in cache_dir(); the memory size and the NIC (the messenger's rate) come from cfg."""
+    from pdkernels.cpu import isa, native_bf16
+
     spec = cfg["measure"] or {}
-    threads, dtype = int(spec.get("threads", 1)), str(spec.get("dtype", "bfloat16"))
-    if threads < 1 or dtype not in DTYPES:
+    threads, dtype = int(spec.get("threads", 1)), str(spec.get("dtype", "auto"))
+    if threads < 1 or dtype not in (*DTYPES, "auto"):
         raise ValueError(
-            f"hardware.measure must have threads >= 1 and dtype one of {DTYPES}, got {threads}, {dtype!r}"
+            f"hardware.measure must have threads >= 1 and dtype one of {(*DTYPES, 'auto')}, got {threads}, "
+            f"{dtype!r}"
         )
-    cpu = cpu_model()
-    path = cache_dir() / (re.sub(r"[^A-Za-z0-9]+", "-", f"{cpu}-{threads}t-{dtype}").strip("-") + ".json")
+    if dtype == "auto":
+        dtype = "bfloat16" if native_bf16() else "float32"
+    cpu, vector = cpu_model(), isa()
+    key = f"{cpu}-{vector}-{threads}t-{dtype}"
+    path = cache_dir() / (re.sub(r"[^A-Za-z0-9]+", "-", key).strip("-") + ".json")
     try:
         figures = json.loads(path.read_text())
         flops, bw, when = float(figures["flops"]), float(figures["hbm_bw"]), str(figures["measured"])
@@ -151,6 +162,7 @@ def measured_here(cfg: dict) -> Hardware:
         path.parent.mkdir(parents=True, exist_ok=True)
         record = {
             "cpu": cpu,
+            "isa": vector,
             "threads": threads,
             "dtype": dtype,
             "flops": flops,
@@ -162,7 +174,8 @@ def measured_here(cfg: dict) -> Hardware:
         tmp.replace(path)
     return Hardware(
         str(cfg["name"]), flops, bw, float(cfg["hbm_bytes"]), bw, float(cfg["nic_bw"]), devices_per_node=1,
-        source=f"measured here: {cpu}, {threads} thread(s), {dtype}, {when} ({path})",
+        source=f"measured here: {cpu} ({vector}), {threads} thread(s), {dtype}, {when} ({path})",
+        bf16=native_bf16(),
     )  # fmt: skip
 
 

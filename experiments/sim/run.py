@@ -129,7 +129,8 @@ def simulate_deployment(
             r.blocks, r.block = tuple(row.get("hash_ids") or ()), mooncake_block(workload)
 
     k = int((d.speculative or {}).get("num_speculative_tokens", 2)) if d.speculative else 0
-    budget = prefill_budget(d.chunk_size, "cpu" if hw.name.startswith("cpu") else "cuda", "bfloat16")
+    # auto: the budget of the machine simulated (its ISA), not of the one the simulator runs on
+    budget = prefill_budget(d.chunk_size, "cpu" if hw.name.startswith("cpu") else "cuda", "bfloat16", hw.bf16)
 
     target = d.step_target_s((slo or SloConfig()).tpot_s)  # chunk_size: slo (None: the fixed budget)
 

@@ -42,8 +42,30 @@ def test_this_machine_is_measured_once_per_cpu_model_and_kept(tmp_path, monkeypa
     assert hardware.hardware_of(THIS).flops == 0.2e12 and len(calls) == 3
 
 
+def test_two_cpus_of_one_name_but_another_isa_are_measured_apart(tmp_path, monkeypatch):
+    """Zen 3 and Zen 4 both call themselves "AMD EPYC"; one has no AVX-512 BF16 and runs a bf16 GEMM 80x
+    slower (a conversion in every product), so their figures are kept apart, and `auto` measures the
+    dtype the engine computes in there (model.dtype auto: bf16 only where the CPU has it)."""
+    from pdkernels import cpu
+
+    monkeypatch.setenv("PDK_CACHE_DIR", str(tmp_path))
+    calls: list = []
+    monkeypatch.setattr(hardware, "measure", _fake(70e9, calls))
+    monkeypatch.setattr(hardware, "cpu_model", lambda: "AMD EPYC")
+    auto = {**THIS, "measure": {"threads": 1, "dtype": "auto"}}
+    for flags, dtype, isa in (
+        ("avx2 fma", "float32", "avx2"),
+        ("avx2 avx512f avx512_bf16", "bfloat16", "avx512_bf16"),
+    ):
+        monkeypatch.setattr(cpu, "_flags", lambda flags=flags: f"flags : {flags}")
+        hw = hardware.hardware_of(auto)
+        assert calls[-1] == (1, "cpu", dtype) and hw.bf16 is (dtype == "bfloat16"), flags
+        assert f"AMD EPYC ({isa})" in hw.source and dtype in hw.source
+    assert len(calls) == 2 and len(list(tmp_path.joinpath("machines").iterdir())) == 2
+
+
 def test_a_bad_measure_spec_is_refused_naming_it():
-    for spec in ({"threads": 0}, {"dtype": "int4"}):
+    for spec in ({"threads": 0}, {"dtype": "int4"}, {"dtype": "Auto"}):
         with pytest.raises(ValueError, match="hardware.measure must have threads >= 1 and dtype one of"):
             hardware.hardware_of({**THIS, "measure": spec})
 
