@@ -3,9 +3,11 @@
 `from engine import LLM` loads the engine (torch, the model code) on first use: a light part such as
 `engine.role` imports without it (the router and the simulator read roles)."""
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams", "StructuredOutputs"]
+__all__ = ["DPLLM", "LLM", "RequestOutput", "SamplingParams", "StructuredOutputs", "make_llm"]
 _WHERE = {
+    "DPLLM": "engine.dp",
     "LLM": "engine.llm",
+    "make_llm": "engine.dp",
     "RequestOutput": "engine.sequence",
     "SamplingParams": "engine.sequence",
     "StructuredOutputs": "engine.structured",

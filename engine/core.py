@@ -40,7 +40,7 @@ class StepStats:
 class EngineCore:
     """One engine's request lifecycle: checking, queueing, stepping and post-processing. engine.LLM builds
     its parts (the model runner, the scheduler over the page allocator, the step's sampler) and holds it;
-    the DP front (engine/dp.py) and the decode role's hand-off (engine/decode_role.py) work through it."""
+    the DP front (engine/front.py) and the decode role's hand-off (engine/decode_role.py) work through it."""
 
     def __init__(self, config, tokenizer, allocator, scheduler, runner, sampler, leads=None):
         """leads: the process group of every DP group's first rank (dp > 1), for each step's agreement."""
@@ -188,7 +188,7 @@ class EngineCore:
         if seq is not None and seq.finished:
             del self.seqs[request_id]
 
-    # ---- counters (this engine's; engine/dp.py's DPFront sums every DP group's over these) -----------
+    # ---- counters (this engine's; engine/front.py's DPFront sums every DP group's over these) ---------
 
     @property
     def preemption_stats(self) -> dict[str, int]:

@@ -1,7 +1,6 @@
 """A DP group's engine process (engine/dp.py's DPEngines starts groups 1..dp-1 with this as their main):
-it builds the group's engine (of the lead's class: engine.llm.LLM, handed in, so that this module, which
-engine.llm's DPEngines starts, does not import it back), then serves the lead's requests and steps over
-its pipe; in the prefill role it runs the group's own messenger.
+it builds the group's engine (an engine.llm.LLM of the lead's config with its own dp_rank), then serves
+the lead's requests and steps over its pipe; in the prefill role it runs the group's own messenger.
 """
 
 from __future__ import annotations
@@ -13,6 +12,7 @@ import torch
 
 from engine.disagg import DecodeSide, prefill_messenger
 from engine.kv.cache import OutOfPages
+from engine.llm import LLM
 from engine.tp import from_lead
 from pdkernels import ops
 
@@ -40,15 +40,14 @@ def _stats(llm) -> dict:
     }
 
 
-def main(rank: int, config, rendezvous: str, conn, backend: str, lead: int, engine: type) -> None:
-    """DP group `rank`'s engine: build it (an `engine`, the lead's class, of the lead's config; it joins
-    the process group), then serve the lead's requests and steps until told to stop, or until the lead is
-    gone."""
+def main(rank: int, config, rendezvous: str, conn, backend: str, lead: int) -> None:
+    """DP group `rank`'s engine: build it (of the lead's config; it joins the process group), then serve
+    the lead's requests and steps until told to stop, or until the lead is gone."""
     llm = pm = None
     try:
         torch.set_num_threads(1)
         ops.set_backend(backend)  # the lead's choice, not this process's environment
-        llm = engine(replace(config, dp_rank=rank), rendezvous=rendezvous)
+        llm = LLM(replace(config, dp_rank=rank), rendezvous=rendezvous)
         role = llm.config.scheduler.role
         conn.send(("ready", llm.kv_caches if role.receives_kv else None))  # shared memory: the front maps it
         side = DecodeSide(llm)

@@ -24,7 +24,7 @@ import torch
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.decode_role import DecodeHandoff
-from engine.dp import DPEngines, DPFront
+from engine.front import DPFront
 from engine.graphs import DecodeGraphs, graphs_wanted
 from engine.kv.cache import PageAllocator, allocate_kv_cache
 from engine.kv.pages import namespace
@@ -48,13 +48,11 @@ from pdkernels.out_proj import make_layer_counter
 log = logging.getLogger(__name__)
 
 
-def _close_ranks(tp_group, dp_engines, folder: str | None) -> None:
-    """Stop the other DP groups' engines and this one's TP ranks, leave the process group, remove the
-    rendezvous directory (an LLM's finalizer: it holds no reference to the LLM)."""
+def _close_ranks(tp_group, folder: str | None) -> None:
+    """Stop this engine's TP ranks, leave the process group, remove the rendezvous directory if it made
+    it (an LLM's finalizer: it holds no reference to the LLM)."""
     import torch.distributed as dist
 
-    if dp_engines is not None:
-        dp_engines.close()
     if tp_group is not None:
         tp_group.close()
     if dist.is_initialized():
@@ -85,9 +83,15 @@ class LLM:
     ):
         """config: what the engine is built from (engine.config.EngineConfig), or a model's name; overrides:
         settings by name, EngineConfig.of's (LLM("tiny-random", page_size=8, role="prefill")). listener: the
-        prefill role's messenger. rendezvous: where a DP group's ranks meet (engine/dp.py sets it for the
-        engines it starts). With CUDA graphs one page is kept back as the padding rows' scratch page."""
+        prefill role's messenger. rendezvous: where every DP group's ranks meet (engine/dp.py's DPLLM, which
+        composes dp > 1 engines, sets it for each). With CUDA graphs one page is kept back as the padding
+        rows' scratch page."""
         config = EngineConfig.of(config, **overrides)
+        if config.dp > 1 and rendezvous is None:
+            raise ValueError(
+                f"dp={config.dp}: an LLM is one DP group's engine; engine.dp.DPLLM runs the {config.dp} "
+                "groups (DPLLM(model, dp=...) takes the same settings)"
+            )
         loaded = load_model(config.model)
         config = replace(config, arch=loaded.config)  # the checks that need the model's shape run here
         arch, cache, role = loaded.config, config.cache, config.scheduler.role
@@ -96,19 +100,17 @@ class LLM:
         self.identity = identity(loaded)  # (model, weights, tokenizer) digests: a KV peer must share them
         dev = torch.device(config.device)
         shard = Shard.of(arch, 0, config.tp, config.expert_parallel, config.dp, config.dp_rank)
-        self.tp_group = self.dp_engines = leads = None
+        self.tp_group = leads = None
         if config.world > 1:  # ranks of this engine's group (and, dp > 1, of the other groups)
-            own = rendezvous is None  # the first engine: a private directory (mode 0700) for the store
+            own = rendezvous is None  # TP alone: a private directory (mode 0700) for the store
             folder = tempfile.mkdtemp(prefix="pdk-tp-") if own else None
             rendezvous = rendezvous or os.path.join(folder, "rendezvous")
-            if config.dp > 1 and own:
-                self.dp_engines = DPEngines(config, rendezvous, type(self))
             try:
                 self.tp_group = TPGroup(config, rendezvous) if config.tp > 1 else None
             except BaseException:
-                _close_ranks(None, self.dp_engines, folder)
+                _close_ranks(None, folder)
                 raise
-            self._finalizer = weakref.finalize(self, _close_ranks, self.tp_group, self.dp_engines, folder)
+            self._finalizer = weakref.finalize(self, _close_ranks, self.tp_group, folder)
         self.model = Model(arch, loaded.weights, dev, config.torch_dtype, shard)
         kv_cache = allocate_kv_cache(arch, cache, shard.num_kv_heads, dev, config.torch_dtype)
         # shared with the lead (TP) and, in the decode role, with DP group 0's agents (engine/dp.py)
@@ -117,8 +119,6 @@ class LLM:
         if config.world > 1:  # every rank has loaded its shard: join them
             groups = init_rank(0, config, rendezvous)
             self.model.tp_group, leads = groups.tp, groups.leads
-            if self.dp_engines is not None:
-                self.dp_engines.await_ready()
         cuda_graphs = graphs_wanted(config.cuda_graphs, arch, dev, config.tp, role, cache.num_pages)
         # with graphs, the last page is the padding rows' scratch page: never allocated
         self.allocator = PageAllocator(
@@ -146,7 +146,7 @@ class LLM:
         )
         self.core.listener = listener
         self.core.counter = make_layer_counter(arch.num_layers, dev) if role.sends_kv else None
-        self.front = DPFront(self.core, self.dp_engines, self.kv_caches)
+        self.front = DPFront(self.core, self.kv_caches)  # one engine's; a DPLLM's spans its groups
         self.handoff = DecodeHandoff(self.core, self.front.make_sequence)
         self.tiers = self._make_tiers(arch.name) if config.kv_tiers.enabled else None
         self._wire_drafts()
@@ -254,8 +254,7 @@ class LLM:
         return [self.kv_cache] + (self.tp_group.kv_caches if self.tp_group else [])
 
     def close(self) -> None:
-        """Stop the TP rank processes and the other DP groups' engines (also done when the LLM is
-        garbage-collected or at exit)."""
+        """Stop the TP rank processes (also done when the LLM is garbage-collected or at exit)."""
         if self.tiers is not None:
             self.tiers.close()
             self.tiers = self.scheduler.tiers = None

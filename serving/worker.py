@@ -204,7 +204,7 @@ class Worker:
     def __init__(self, spec: WorkerSpec, sock):
         import torch
 
-        from engine import LLM
+        from engine import make_llm
         from pdkernels import ops
 
         self.spec, self.sock, self.parent = spec, sock, os.getppid()
@@ -216,7 +216,7 @@ class Worker:
         torch.set_num_threads(spec.deployment.threads_per_worker)
         ops.set_backend(spec.kernels.backend)  # auto: Triton on CUDA, the torch references on the CPU
         d = spec.deployment
-        self.llm = LLM(spec.engine)
+        self.llm = make_llm(spec.engine)  # a DPLLM where the deployment sets dp
         self.timeline = Timeline(spec.name, spec.role)
         self.live: dict[str, float] = {}  # request -> when it was received
         self.streamed: dict[str, list[int]] = {}  # streamed request -> [tokens sent, characters sent]

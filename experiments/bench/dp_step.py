@@ -56,12 +56,12 @@ class A2ATimer:
 
 
 def measure(model: str, tp: int, dp: int, batch: int, kv: int, steps: int, dtype: str) -> dict:
-    from engine import LLM, SamplingParams
+    from engine import SamplingParams, make_llm
 
     page_size = 16
     per_group = -(-batch // dp)
     pages = per_group * -(-(kv + steps + 8) // page_size) + 8
-    llm = LLM(
+    llm = make_llm(
         model,
         tp=tp,
         dp=dp,

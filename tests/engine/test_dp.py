@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from engine import LLM, SamplingParams, StructuredOutputs
+from engine import DPLLM, LLM, SamplingParams, StructuredOutputs, make_llm
 from engine.config import ModelConfig
 from engine.dp import EngineDied
 from engine.model import Shard
@@ -45,7 +45,7 @@ def _run(llm, prompts, **kw):
 def test_dp2_gives_the_tokens_of_one_engine(one_engine, name, tp):
     """Requests spread over both groups (the fewer requests first), and all of them on group 1 while
     group 0 has none (its ranks join every all-to-all idle): the tokens of dp 1 either way."""
-    with LLM(name, dp=2, tp=tp, page_size=4, num_pages=64) as llm:
+    with DPLLM(name, dp=2, tp=tp, page_size=4, num_pages=64) as llm:
         outs, ranks = _run(llm, _prompts())
         assert ranks == [0, 1] * 3
         assert [o.token_ids for o in outs] == one_engine[name]
@@ -60,14 +60,14 @@ def test_dp2_in_bf16_gives_the_tokens_of_one_engine_in_bf16():
     prompts = _prompts()[:4]
     with LLM("tiny-random-deepseek", dtype="bfloat16", page_size=4, num_pages=64) as llm:
         want = [o.token_ids for o in llm.generate(prompts, GREEDY)]
-    with LLM("tiny-random-deepseek", dtype="bfloat16", dp=2, page_size=4, num_pages=64) as llm:
+    with DPLLM("tiny-random-deepseek", dtype="bfloat16", dp=2, page_size=4, num_pages=64) as llm:
         assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
 
 
 def test_generate_fans_a_family_out_on_its_first_ones_group(one_engine):
     """n = 2 through generate: both completions on the first one's group, sharing its prompt pages."""
     prompts = _prompts()[:3]
-    with LLM("tiny-random-deepseek", dp=2, page_size=4, num_pages=64) as llm:
+    with DPLLM("tiny-random-deepseek", dp=2, page_size=4, num_pages=64) as llm:
         outs = llm.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True, n=2))
     for out, want in zip(outs, one_engine["tiny-random-deepseek"], strict=False):
         assert [c.token_ids for c in out.outputs] == [want, want]
@@ -87,18 +87,31 @@ def test_the_experts_are_spread_over_every_rank_once():
 
 def test_bad_dp_settings_are_refused_naming_the_field():
     with pytest.raises(ValueError, match="dp=2 needs an MoE model"):
-        LLM("tiny-random", dp=2)
+        DPLLM("tiny-random", dp=2)
     with pytest.raises(ValueError, match=r"tp x dp = 16 ranks divide; got 8 experts"):
-        LLM("tiny-random-moe", dp=8, tp=2)
+        DPLLM("tiny-random-moe", dp=8, tp=2)
     with pytest.raises(ValueError, match="dp must be an integer >= 1"):
-        LLM("tiny-random-moe", dp=0)
+        DPLLM("tiny-random-moe", dp=0)
     with pytest.raises(ValueError, match="runs without speculative_config, kv_tiers or cuda_graphs"):
-        LLM("tiny-random-moe", dp=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+        DPLLM("tiny-random-moe", dp=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     assert isinstance(load_model("tiny-random-moe", weights=False).config, ModelConfig)
+    # an LLM is one group's engine: the groups are composed by a DPLLM (make_llm picks by dp)
+    with pytest.raises(ValueError, match=r"dp=2: an LLM is one DP group's engine; engine.dp.DPLLM runs"):
+        LLM("tiny-random-moe", dp=2)
+    with pytest.raises(ValueError, match=r"DPLLM runs dp >= 2 DP groups, got dp=1"):
+        DPLLM("tiny-random-moe")
+
+
+def test_make_llm_builds_the_engine_the_config_describes():
+    with make_llm("tiny-random-moe", page_size=4, num_pages=16) as one:
+        assert type(one) is LLM
+    with make_llm("tiny-random-moe", dp=2, page_size=4, num_pages=16) as two:
+        assert type(two) is DPLLM and two.front.engines is two.dp_engines
+        assert two.pages == (32, 32)  # both groups' pages
 
 
 def test_a_request_the_other_engine_refuses_fails_alone_and_one_aborted_there_ends():
-    with LLM("tiny-random-moe", dp=2, page_size=4, num_pages=64) as llm:
+    with DPLLM("tiny-random-moe", dp=2, page_size=4, num_pages=64) as llm:
         with pytest.raises(ValueError, match=r"dp_rank must be an integer in \[0, 2\), got 2"):
             llm.add_request([5, 6, 7], GREEDY, dp_rank=2)
         long = SamplingParams(max_tokens=40, ignore_eos=True)
@@ -116,7 +129,7 @@ def test_a_request_the_other_engine_refuses_fails_alone_and_one_aborted_there_en
 
 
 def test_an_engine_that_dies_fails_the_step_instead_of_hanging():
-    llm = LLM("tiny-random-moe", dp=2, page_size=4, num_pages=64)
+    llm = DPLLM("tiny-random-moe", dp=2, page_size=4, num_pages=64)
     llm.dp_engines.procs[0].kill()
     llm.dp_engines.procs[0].join()
     with pytest.raises(EngineDied, match="DP engine 1 has exited"):
@@ -129,7 +142,7 @@ def test_a_grammar_loaded_at_the_front_is_loaded_in_every_group():
     on another group's engine, which must find it loaded too instead of compiling it on the step loop
     that every group shares."""
     spec = StructuredOutputs(json={"type": "object", "properties": {"a": {"type": "integer"}}})
-    with LLM("tiny-random-moe", dp=2, page_size=4, num_pages=64) as llm:
+    with DPLLM("tiny-random-moe", dp=2, page_size=4, num_pages=64) as llm:
         compiled = llm.core.grammars.compiler.compile_grammar(spec.grammar_of()).serialize_json()
         llm.front.load_grammar(spec, compiled)
         params = SamplingParams(max_tokens=30, structured_outputs=spec)

@@ -5,7 +5,7 @@ pages in its own group."""
 
 import pytest
 
-from engine import LLM
+from engine import DPLLM, LLM
 from tests.kept import finished
 from tests.transfer.messengers import GREEDY, _close, _local_pair, _prompts, _run
 from transfer.protocol import Notif
@@ -17,7 +17,7 @@ MODEL, PAGES = "tiny-random-deepseek", 64
 def pair():
     """A prefill engine (TP 1) and a decode engine of 2 DP groups, both messengers over local agents."""
     prefill = LLM(MODEL, role="prefill", page_size=4, num_pages=PAGES)
-    decode = LLM(MODEL, role="decode", page_size=4, num_pages=PAGES, dp=2)
+    decode = DPLLM(MODEL, role="decode", page_size=4, num_pages=PAGES, dp=2)
     pm, dm = _local_pair(prefill, decode, "dp")
     yield prefill, decode, pm, dm
     _close(pm, dm)

@@ -3,7 +3,7 @@ time, and tests/transfer/test_messenger_dp.py's stays up for its module)."""
 
 import random
 
-from engine import LLM, SamplingParams
+from engine import DPLLM, LLM, SamplingParams
 from tests.transfer.messengers import _close, _local_pair, _refetching_worker, _run
 
 MODEL = "tiny-random-deepseek"
@@ -15,7 +15,7 @@ def test_refetches_inside_another_group_go_back_to_it_and_all_finish():
     group 1 and every request finishes with the tokens it has alone, every page back."""
     params = SamplingParams(max_tokens=30, ignore_eos=True)
     prefill = LLM(MODEL, role="prefill", page_size=4, num_pages=512)
-    decode = LLM(
+    decode = DPLLM(
         MODEL, role="decode", page_size=4, num_pages=80, dp=2, reserved_tokens=0, preemption="refetch"
     )
     pm, dm = _local_pair(prefill, decode, "refetch")

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from engine import LLM
+from engine import LLM, make_llm
 from engine.disagg import DecodeSide, PrefillSide, decode_messenger, prefill_messenger, shard_spec
 from tests.kept import finished, keep_outputs
 from tests.transfer.messengers import GREEDY, _full_heads, _prompts
@@ -40,7 +40,7 @@ def _prefill_worker(addresses, creds, model, tp, page_size, num_pages, budget, p
     ops.set_backend("torch")
     torch.set_num_threads(1)
     dp = len(addresses)
-    llm = LLM(
+    llm = make_llm(
         model,
         tp=tp,
         dp=dp,
@@ -127,7 +127,7 @@ def disaggregated(
     decode = dm = None
     try:
         hellos = [wait_hello(c, timeout_s=300, alive=proc.is_alive) for c in channels]
-        decode = LLM(
+        decode = make_llm(
             model, tp=decode_tp, role="decode", page_size=page_size, num_pages=num_pages, dp=decode_dp
         )
         keep_outputs(decode)
