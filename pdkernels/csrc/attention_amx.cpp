@@ -2,8 +2,8 @@
 // files into one module): a flash-style pass per (kv head, block of query rows) whose two GEMMs are
 // oneDNN's batch-reduce GEMM kernels through torch's cpublas::brgemm (AMX where the CPU has it), the online
 // softmax in AVX-512 between them, each kv head's keys and values packed once for all the query heads of
-// its group and all their blocks. torch's flash kernel, which it replaces on AMX CPUs, took 5.2 ms a layer
-// of SmolLM2's 1,024-token prompt on one Xeon core (9 query heads over 3, dim 64).
+// its group and all their blocks. It replaces torch's flash kernel on AMX CPUs only, where it is faster
+// (docs/results/kernels.md, "Why each CPU path is picked").
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
@@ -23,8 +23,8 @@
 namespace {
 
 // 2^t for t <= 0 to about 4e-5 relative: 2^n (scalef) times a quartic in the fraction. P goes to bf16 (2^-8
-// relative), so pdk::exp_nonpositive16's precision bought nothing here, and its degree-6 polynomial and
-// integer exponent were 1.4 ms of a 4.7 ms layer. The caller folds log2(e) into the scores' scale.
+// relative), so pdk::exp_nonpositive16's precision buys nothing here, and its degree-6 polynomial and
+// integer exponent cost a good part of the layer. The caller folds log2(e) into the scores' scale.
 inline __m512 exp2_for_bf16(__m512 t) {
   t = _mm512_max_ps(t, _mm512_set1_ps(-126.0f));
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);

@@ -214,10 +214,9 @@ torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& w) {
 // x [M, K] @ w^T for a weight pdkernels.cpu.pack stored in oneDNN's layout (torch.ops.mkldnn._linear_pointwise).
 // On several threads, where the weight fits one core's L2 and every thread has at least kSplitRows rows, each
 // thread multiplies its own block of rows on one thread (a nested oneDNN call runs single-threaded) instead of
-// oneDNN dividing the product: its own division of SmolLM2's 1,024-row prefill GEMMs on 2 Xeon cores (AMX)
-// left the down projection (K 1,536, N 576) at one core's speed (1.21 ms, the same as 2,048 rows), against
-// 0.55 ms split here; qkv (N 960) 0.60 -> 0.43 ms. A weight larger than L2 (gate_up, N 3,072: 3.5 MB) stays
-// oneDNN's, whose division by columns keeps half of it in each core's L2 (1.07 ms against 1.27 split).
+// oneDNN dividing the product: oneDNN's own division of a narrow weight (SmolLM2's down projection, K 1,536,
+// N 576) left it at one core's speed. A weight larger than L2 stays oneDNN's, whose division by columns keeps
+// half of it in each core's L2.
 torch::Tensor packed_linear(const torch::Tensor& x_in, const torch::Tensor& w) {
   constexpr int64_t kSplitRows = 128;
   const auto x = x_in.contiguous();
