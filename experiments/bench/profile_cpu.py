@@ -21,6 +21,13 @@ the same phases run in vLLM's engine (experiments/bench/profile_vllm.py, in that
 weights: --peer-model, or SmolLM2 written as a Hugging Face folder by scripts/export_hf.py) and their ops
 are sorted into the same kinds. Prints one table with the machine (lscpu's model name and its AMX and
 AVX-512 flags) and writes <out>/profile.json. Speed is measured here, not asserted: run it alone.
+
+Beside each phase, its bound on this machine (the roofline): a decode step must read every weight once
+as our engine stores it (the int8 copy, oneDNN's packed bf16 or plain fp32, as `linear` reads each at
+that batch) and every decoding sequence's KV, so its bound is those bytes over the machine's streaming
+read bandwidth; a prefill must do its GEMMs' and attention's FLOPs, so its bound is those over the
+machine's measured GEMM peak in the step's dtype (experiments.sim.hardware.measure, with --threads
+threads). "% of bound" is the bound over the unprofiled time: how near each engine runs to the wall.
 """
 
 from __future__ import annotations
@@ -67,6 +74,55 @@ def machine() -> dict:
     flags = re.search(r"Flags:\s*(.+)", out)
     isa = sorted(f for f in (flags.group(1).split() if flags else []) if f.startswith(("amx", "avx512")))
     return {"cpu": name.group(1).strip() if name else "unknown", "isa": isa}
+
+
+def streamed_bytes(w, rows: int) -> int:
+    """The bytes pdkernels.cpu.linear (or a plain matmul) reads of weight w in a step of `rows` rows."""
+    from pdkernels.cpu import Q8_MAX_M, PackedWeight, Q8Weight
+
+    if isinstance(w, Q8Weight):
+        if rows <= Q8_MAX_M:
+            return sum(t.numel() * t.element_size() for t in (w.q, w.scales, w.offsets))
+        return w.data.numel() * w.data.element_size()
+    if isinstance(w, PackedWeight):  # oneDNN's blocked layout holds the same elements, padded at most
+        n, k = w.shape
+        return n * k * w.dtype.itemsize
+    return w.numel() * w.element_size() if hasattr(w, "numel") else 0
+
+
+def roofline(llm, hw) -> dict:
+    """What bounds each phase: the weights' bytes a step of M rows streams (`weights(M)`), the KV bytes
+    one cached token adds, the projections' parameters (2 FLOPs each a token row) and the shape the
+    attention's FLOPs come from; with the machine's figures."""
+    model, arch = llm.model, llm.config.arch
+    entries = [w for layer in model.layers for w in layer.values()] + [model.norm]
+    matrices = [w for w in entries if len(getattr(w, "shape", ())) == 2]
+    kv = llm.kv_cache
+    return {
+        "weights": lambda rows: sum(streamed_bytes(w, rows) for w in [*entries, model.lm_head]),
+        "kv_token_bytes": kv.numel() * kv.element_size() / (kv.shape[1] * llm.config.cache.page_size),
+        "params": sum(w.shape[0] * w.shape[1] for w in matrices),
+        "lm_head_params": model.lm_head.shape[0] * model.lm_head.shape[1],
+        "attention": (arch.num_layers, model.shard.num_q_heads, arch.head_dim),
+        "read_bw": hw.read_bw,
+        "gemm_flops": hw.flops,
+    }
+
+
+def decode_bound(line: dict, batch: int, kv_tokens: float) -> dict:
+    """A decode step of `batch` sequences holding kv_tokens cached tokens in all: the bytes it must read
+    and their time at the streaming read bandwidth."""
+    read = line["weights"](batch) + kv_tokens * line["kv_token_bytes"]
+    return {"bytes": read, "bound_ms": 1e3 * read / line["read_bw"]}
+
+
+def prefill_bound(line: dict, tokens: int) -> dict:
+    """A prefill of `tokens` prompt tokens (no cached prefix): its FLOPs (projections on every row, the LM
+    head on the last, causal attention's two products) and their time at the GEMM peak."""
+    layers, heads, dim = line["attention"]
+    flops = 2 * tokens * line["params"] + 2 * line["lm_head_params"]
+    flops += 4 * layers * heads * dim * tokens * (tokens + 1) / 2
+    return {"flops": flops, "bound_ms": 1e3 * flops / line["gemm_flops"]}
 
 
 def kind_of(op: str) -> str:
@@ -169,18 +225,28 @@ def peer(args) -> dict:
 
 
 def print_table(result: dict) -> None:
-    m = result["machine"]
+    m, line = result["machine"], result["roofline"]
     isa = " ".join(m["isa"]) or "no AVX-512"
     print(f"{result['model']} ({result['dtype']}, {result['threads']} thread(s)) on {m['cpu']}; {isa}")
-    print("| engine | phase | unprofiled ms | profiled ms | " + " | ".join(ORDER) + " | non-GEMM ms |")
-    print("| --- | --- | ---: | ---: | " + " | ".join("---:" for _ in ORDER) + " | ---: |")
+    print(
+        f"this machine, {result['threads']} thread(s): streaming read {line['read_bw'] / 1e9:.1f} GB/s, GEMM "
+        f"peak {line['gemm_flops'] / 1e9:.0f} GFLOP/s ({result['dtype']}); bound: decode = bytes / read, "
+        "prefill = FLOPs / peak"
+    )
+    print(
+        "| engine | phase | unprofiled ms | bound ms | % of bound | profiled ms | "
+        + " | ".join(ORDER)
+        + " | non-GEMM ms |"
+    )
+    print("| --- | --- | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in ORDER) + " | ---: |")
     engines = [("ours", result["phases"])]
     if result["peer"]:
         engines.append((result["peer"]["engine"], result["peer"]["phases"]))
     for phase in result["phases"]:
         for engine, phases in engines:
-            p = phases[phase]
-            values = (p["unprofiled_ms"], p["wall_ms"], *(p["ms"][k] for k in ORDER))
+            p, bound = phases[phase], line["phases"][phase]["bound_ms"]
+            values = (p["unprofiled_ms"], bound, 100 * bound / p["unprofiled_ms"], p["wall_ms"])
+            values += tuple(p["ms"][k] for k in ORDER)
             cells = " | ".join(f"{v:.1f}" for v in values)
             print(f"| {engine} | {phase} | {cells} | {p['non_gemm_ms']:.1f} |")
 
@@ -189,6 +255,7 @@ def main(argv=None) -> int:
     import torch
 
     from engine import LLM, SamplingParams
+    from experiments.sim.hardware import measure as measure_machine
     from pdkernels.cpu import native_bf16
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -219,6 +286,8 @@ def main(argv=None) -> int:
             llm.step()
 
     prefill(0)  # warm-up: oneDNN's kernels, our packed weights, the allocator
+    line = roofline(llm, measure_machine(args.threads, "cpu", dtype))
+    bounds = {}
     result = {
         "machine": machine(),
         "model": args.model,
@@ -229,6 +298,7 @@ def main(argv=None) -> int:
     }
     fresh = iter(range(1, 1 << 30))  # a prompt of its own for each run (no prefix caching, nothing reused)
     result["phases"][f"prefill {args.prompt}"] = profile(lambda: prefill(next(fresh)), 1)
+    bounds[f"prefill {args.prompt}"] = prefill_bound(line, args.prompt)
     for batch in batches:
         long_enough = SamplingParams(max_tokens=4 * args.steps + 16, ignore_eos=True)  # past the timed steps
         ids = [llm.add_request([200 + b + t for t in range(16)], long_enough) for b in range(batch)]
@@ -236,6 +306,9 @@ def main(argv=None) -> int:
             llm.step()
         for _ in range(2):
             llm.step()
+        # the KV the unprofiled runs read (profile's 2nd to 4th runs of `steps` steps: 2.5 runs in on average)
+        held = sum(len(llm.core.seqs[i].all_ids) for i in ids) + batch * 2.5 * args.steps
+        bounds[f"decode batch {batch}"] = decode_bound(line, batch, held)
         result["phases"][f"decode batch {batch}"] = profile(
             lambda: [llm.step() for _ in range(args.steps)], args.steps
         )
@@ -243,6 +316,9 @@ def main(argv=None) -> int:
             llm.abort(i)
         while llm.has_unfinished():
             llm.step()
+    result["roofline"] = {
+        "read_bw": line["read_bw"], "gemm_flops": line["gemm_flops"], "phases": bounds,
+    }  # fmt: skip
     if args.peer_python:
         del llm
         result["peer"] = peer(args)

@@ -31,6 +31,9 @@ class Hardware:
     # as a datasheet gives none; measured on a CPU by experiments.sim.calibrate.measure_collectives)
     allreduce_s: float = 0.0
     alltoall_s: float = 0.0
+    # a streaming read's bytes/s (what a decode step's weight and KV reads are bounded by; a copy, hbm_bw,
+    # also writes); 0: not measured (a datasheet gives one figure, hbm_bw)
+    read_bw: float = 0.0
     # whether it computes in bf16 (a GPU, a CPU with AVX-512 BF16 or AMX): a CPU without converts in every
     # GEMM, and chunk_size auto gives it another budget (serving.config.prefill_budget)
     bf16: bool = True
@@ -39,7 +42,7 @@ class Hardware:
         for key in ("flops", "hbm_bw", "hbm_bytes", "nvlink_bw", "nic_bw", "devices_per_node"):
             if not getattr(self, key) > 0:
                 raise ValueError(f"hardware.{key} must be > 0, got {getattr(self, key)!r}")
-        for key in ("allreduce_s", "alltoall_s"):
+        for key in ("allreduce_s", "alltoall_s", "read_bw"):
             if not getattr(self, key) >= 0:
                 raise ValueError(f"hardware.{key} must be >= 0, got {getattr(self, key)!r}")
 
@@ -96,7 +99,8 @@ def best_time(fn, device: str = "cpu", rounds: int = 5) -> float:
 
 def measure(threads: int, device: str = "cpu", dtype: str = "bfloat16") -> Hardware:
     """This device as the cost model sees one: a square GEMM's FLOP/s in dtype (oneDNN picks AMX, AVX-512
-    or AVX2 by the CPU's ISA) and a memory copy's bandwidth, with `threads` threads."""
+    or AVX2 by the CPU's ISA), a memory copy's bandwidth and a streaming read's (a sum over a buffer far
+    larger than the caches), with `threads` threads."""
     import torch
 
     if dtype not in DTYPES:
@@ -108,11 +112,15 @@ def measure(threads: int, device: str = "cpu", dtype: str = "bfloat16") -> Hardw
     x = torch.empty((1 << 30) if device.startswith("cuda") else (64 << 20), dtype=torch.uint8, device=device)
     y = torch.empty_like(x)
     bw = 2 * x.numel() / best_time(lambda: y.copy_(x), device)  # read + write
+    x = y = None  # freed before the next buffer
+    z = torch.ones((1 << 28) if device.startswith("cuda") else (64 << 20), dtype=torch.float32, device=device)
+    read = z.numel() * 4 / best_time(lambda: z.sum(), device)  # 256 MB on a CPU: far past its caches
+    figures = dict(devices_per_node=1, source="measured here", read_bw=read)
     if device.startswith("cuda"):
         mem = torch.cuda.get_device_properties(device).total_memory
-        return Hardware("cuda-measured", flops, bw, mem, bw, bw, devices_per_node=1, source="measured here")
+        return Hardware("cuda-measured", flops, bw, mem, bw, bw, **figures)
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return Hardware("cpu-measured", flops, bw, mem, bw, bw, devices_per_node=1, source="measured here")
+    return Hardware("cpu-measured", flops, bw, mem, bw, bw, **figures)
 
 
 def cpu_model(default: str | None = "unknown") -> str | None:
@@ -156,9 +164,10 @@ def measured_here(cfg: dict) -> Hardware:
     try:
         figures = json.loads(path.read_text())
         flops, bw, when = float(figures["flops"]), float(figures["hbm_bw"]), str(figures["measured"])
+        read = float(figures["read_bw"])
     except (OSError, ValueError, KeyError, TypeError):
         hw = measure(threads, "cpu", dtype)
-        flops, bw, when = hw.flops, hw.hbm_bw, time.strftime("%Y-%m-%d")
+        flops, bw, read, when = hw.flops, hw.hbm_bw, hw.read_bw, time.strftime("%Y-%m-%d")
         path.parent.mkdir(parents=True, exist_ok=True)
         record = {
             "cpu": cpu,
@@ -167,6 +176,7 @@ def measured_here(cfg: dict) -> Hardware:
             "dtype": dtype,
             "flops": flops,
             "hbm_bw": bw,
+            "read_bw": read,
             "measured": when,
         }
         tmp = path.with_suffix(".tmp")
@@ -175,7 +185,7 @@ def measured_here(cfg: dict) -> Hardware:
     return Hardware(
         str(cfg["name"]), flops, bw, float(cfg["hbm_bytes"]), bw, float(cfg["nic_bw"]), devices_per_node=1,
         source=f"measured here: {cpu} ({vector}), {threads} thread(s), {dtype}, {when} ({path})",
-        bf16=native_bf16(),
+        bf16=native_bf16(), read_bw=read,
     )  # fmt: skip
 
 

@@ -107,3 +107,39 @@ def test_a_peer_that_fails_is_an_error_that_says_so(tmp_path):
     with pytest.raises(SystemExit, match="--peer-model"):  # only SmolLM2's weights are written for it
         profile_cpu.main(["--model", "tiny-random", "--prompt", "8", "--batches", "1", "--steps", "1",
                           "--peer-python", peer])  # fmt: skip
+
+
+def test_the_bound_counts_each_weight_once_as_the_engine_stores_it_and_the_kv_each_step_reads():
+    """A decode step's bound: every weight as `linear` streams it at that batch (tiny-random's fp32 ones
+    whole), the LM head once (the embedding's rows are a gather: not counted), and each cached token's
+    KV; a prefill's: 2 FLOPs a parameter a row, the LM head on the last row, causal attention's products."""
+    from engine import LLM
+    from experiments.sim.hardware import Hardware
+
+    llm = LLM("tiny-random", dtype="float32", page_size=4, num_pages=32)
+    hw = Hardware("m", flops=1e9, hbm_bw=1e9, hbm_bytes=1e9, nvlink_bw=1e9, nic_bw=1e9, read_bw=2e9)
+    line = profile_cpu.roofline(llm, hw)
+    m, a = llm.model, llm.config.arch
+    every = [w for layer in m.layers for w in layer.values()] + [m.norm, m.lm_head]
+    assert line["weights"](1) == line["weights"](64) == sum(w.numel() * 4 for w in every)
+    kv_token = a.num_layers * 2 * a.num_kv_heads * a.head_dim * 4
+    assert line["kv_token_bytes"] == kv_token
+    bound = profile_cpu.decode_bound(line, 2, 10)
+    assert bound["bytes"] == line["weights"](2) + 10 * kv_token
+    assert bound["bound_ms"] == pytest.approx(1e3 * bound["bytes"] / 2e9)
+    params = sum(w.numel() for layer in m.layers for w in layer.values() if w.dim() == 2)
+    head = m.lm_head.numel()
+    attention = 4 * a.num_layers * a.num_heads * a.head_dim * 8 * 9 / 2
+    assert profile_cpu.prefill_bound(line, 8)["flops"] == 2 * 8 * params + 2 * head + attention
+
+
+def test_an_int8_block_weight_streams_its_int8_copy_up_to_its_rows_and_the_fp32_one_past_them():
+    from pdkernels import cpu
+    from tests.pdkernels.test_cpu import _ext, _int8_blocks
+
+    _ext()
+    p = cpu.pack(_int8_blocks(96, 320, "q8_0"))
+    assert isinstance(p, cpu.Q8Weight)
+    # a byte a weight, and a scale and an offset (fp32) a block of 32: 1.25 bytes a weight
+    assert profile_cpu.streamed_bytes(p, 1) == profile_cpu.streamed_bytes(p, cpu.Q8_MAX_M) == 96 * 320 * 1.25
+    assert profile_cpu.streamed_bytes(p, cpu.Q8_MAX_M + 1) == 96 * 320 * 4

@@ -18,7 +18,9 @@ THIS = {
 def _fake(flops: float, calls: list):
     def measure(threads, device="cpu", dtype="bfloat16"):
         calls.append((threads, device, dtype))
-        return hardware.Hardware("cpu-measured", flops, 20e9, 1e9, 20e9, 20e9, devices_per_node=1)
+        return hardware.Hardware(
+            "cpu-measured", flops, 20e9, 1e9, 20e9, 20e9, devices_per_node=1, read_bw=25e9
+        )
 
     return measure
 
@@ -31,6 +33,7 @@ def test_this_machine_is_measured_once_per_cpu_model_and_kept(tmp_path, monkeypa
     first = hardware.hardware_of(THIS)
     again = hardware.hardware_of(THIS)
     assert calls == [(1, "cpu", "bfloat16")] and first.flops == again.flops == 1.8e12
+    assert first.read_bw == again.read_bw == 25e9  # the streaming read kept beside the copy
     assert first.nic_bw == 1e9 and "Xeon" in first.source and "measured here" in first.source
     (kept,) = tmp_path.joinpath("machines").iterdir()
     assert json.loads(kept.read_text())["cpu"] == "Intel(R) Xeon(R) Processor"
@@ -72,7 +75,7 @@ def test_a_bad_measure_spec_is_refused_naming_it():
 
 def test_the_real_measurement_gives_a_peak_and_a_bandwidth():
     hw = hardware.load_hardware("cpu-this-machine")  # the test run's own cache (tests/conftest.py)
-    assert hw.flops > 1e9 and hw.hbm_bw > 1e8 and hw.name == "cpu-this-machine"
+    assert hw.flops > 1e9 and hw.hbm_bw > 1e8 and hw.read_bw > 1e8 and hw.name == "cpu-this-machine"
 
 
 def test_a_fit_against_another_machines_figures_is_refused_not_pinned():
