@@ -180,6 +180,7 @@ class Model:
         # ... and its steps with prompt tokens: where the AMX attention takes this head dim
         self.decoder_extends = (  # where the Python layers' attention is the same AMX kernel
             self.decoder is not None
+            and dtype == torch.bfloat16
             and self.decoder.extends()
             and cpu.amx_bf16()
             and config.head_dim % 32 == 0
@@ -193,18 +194,25 @@ class Model:
         """The C++ step through every layer (pdkernels.cpu's DenseDecoder: the same kernels in the same
         order as forward, without the Python between them; decode steps, and steps with prompt tokens where
         their attention is the AMX kernel) where it serves: one rank, dense layers (no MLA, MoE or
-        qk-norm), every projection on oneDNN's packed bf16 weights; else None."""
+        qk-norm), every projection on oneDNN's packed bf16 weights, or every one an fp32 weight held as
+        int8 blocks too (cpu.Q8Weight: a GGUF file's Q8_0 and Q4_1 weights, on AVX2); else None."""
         ext, c = cpu.module(), self.config
         plain = not c.mla and not c.qk_norm and not any(c.is_moe_layer(i) for i in range(c.num_layers))
         if ext is None or not hasattr(ext, "DenseDecoder") or not plain or self.shard.size != 1:
             return None
         weights = [layer[k] for layer in self.layers for k in ("qkv", "o", "gate_up", "down")]
-        if not all(type(w) is cpu.PackedWeight for w in weights):  # fp32, or int8 blocks (Q8Weight)
+        kinds = {type(w) for w in weights}
+        if kinds == {cpu.Q8Weight} and hasattr(ext, "q8_linear"):
+            q8 = [t for w in weights for t in (w.q, w.scales, w.offsets)]
+        elif kinds == {cpu.PackedWeight}:
+            q8 = []
+        else:  # plain fp32 (not int8 blocks), or a mix
             return None
         norms = [layer[k] for layer in self.layers for k in ("input_norm", "post_norm")]
         d = c.head_dim
-        return ext.DenseDecoder([w.data for w in weights], norms, self.norm, self.shard.num_q_heads,
-                                self.shard.num_kv_heads, d, c.rms_norm_eps, 1.0 / math.sqrt(d))  # fmt: skip
+        return ext.DenseDecoder([w.data for w in weights], q8, cpu.Q8_MAX_M, norms, self.norm,
+                                self.shard.num_q_heads, self.shard.num_kv_heads, d, c.rms_norm_eps,
+                                1.0 / math.sqrt(d))  # fmt: skip
 
     def _load_layer(self, weights: dict[str, Tensor], i: int) -> dict[str, Tensor]:
         p, s, d = f"model.layers.{i}.", self.shard, self.config.head_dim

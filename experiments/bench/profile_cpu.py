@@ -22,12 +22,13 @@ weights: --peer-model, or SmolLM2 written as a Hugging Face folder by scripts/ex
 are sorted into the same kinds. Prints one table with the machine (lscpu's model name and its AMX and
 AVX-512 flags) and writes <out>/profile.json. Speed is measured here, not asserted: run it alone.
 
-Beside each phase, its bound on this machine (the roofline): a decode step must read every weight once
-as our engine stores it (the int8 copy, oneDNN's packed bf16 or plain fp32, as `linear` reads each at
-that batch) and every decoding sequence's KV, so its bound is those bytes over the machine's streaming
-read bandwidth; a prefill must do its GEMMs' and attention's FLOPs, so its bound is those over the
-machine's measured GEMM peak in the step's dtype (experiments.sim.hardware.measure, with --threads
-threads). "% of bound" is the bound over the unprofiled time: how near each engine runs to the wall.
+Beside each phase, its bound on this machine (the roofline): a step must read every weight once as our
+engine stores it (the int8 copy, oneDNN's packed bf16 or plain fp32, as `linear` reads each at that
+batch) and every sequence's KV, at the machine's streaming read bandwidth, and must do its GEMMs' and
+attention's FLOPs, at the machine's measured GEMM peak in the step's dtype
+(experiments.sim.hardware.measure, with --threads threads); its bound is the larger of the two, and
+"bound by" says which (a decode step at batch 1 reads, a large batch or a prefill computes). "% of
+bound" is the bound over the unprofiled time: how near each engine runs to the wall.
 """
 
 from __future__ import annotations
@@ -109,20 +110,32 @@ def roofline(llm, hw) -> dict:
     }
 
 
+def _bound(line: dict, read: float, flops: float) -> dict:
+    memory_ms, compute_ms = 1e3 * read / line["read_bw"], 1e3 * flops / line["gemm_flops"]
+    by = "memory" if memory_ms >= compute_ms else "compute"
+    return {"bytes": read, "flops": flops, "bound_ms": max(memory_ms, compute_ms), "bound_by": by}
+
+
 def decode_bound(line: dict, batch: int, kv_tokens: float) -> dict:
     """A decode step of `batch` sequences holding kv_tokens cached tokens in all: the bytes it must read
-    and their time at the streaming read bandwidth."""
+    (every weight, their KV), its FLOPs (each weight's 2 a row, the LM head's on every row, attention's
+    2 x 2 a head dim a cached token) and the time of the larger at this machine's rates."""
+    layers, heads, dim = line["attention"]
     read = line["weights"](batch) + kv_tokens * line["kv_token_bytes"]
-    return {"bytes": read, "bound_ms": 1e3 * read / line["read_bw"]}
+    flops = (
+        2 * batch * line["params"] + 2 * batch * line["lm_head_params"] + 4 * layers * heads * dim * kv_tokens
+    )
+    return _bound(line, read, flops)
 
 
 def prefill_bound(line: dict, tokens: int) -> dict:
     """A prefill of `tokens` prompt tokens (no cached prefix): its FLOPs (projections on every row, the LM
-    head on the last, causal attention's two products) and their time at the GEMM peak."""
+    head on the last, causal attention's two products) and the weights it reads once, the time of the
+    larger at this machine's rates."""
     layers, heads, dim = line["attention"]
     flops = 2 * tokens * line["params"] + 2 * line["lm_head_params"]
     flops += 4 * layers * heads * dim * tokens * (tokens + 1) / 2
-    return {"flops": flops, "bound_ms": 1e3 * flops / line["gemm_flops"]}
+    return _bound(line, line["weights"](tokens), flops)
 
 
 def kind_of(op: str) -> str:
@@ -230,24 +243,27 @@ def print_table(result: dict) -> None:
     print(f"{result['model']} ({result['dtype']}, {result['threads']} thread(s)) on {m['cpu']}; {isa}")
     print(
         f"this machine, {result['threads']} thread(s): streaming read {line['read_bw'] / 1e9:.1f} GB/s, GEMM "
-        f"peak {line['gemm_flops'] / 1e9:.0f} GFLOP/s ({result['dtype']}); bound: decode = bytes / read, "
-        "prefill = FLOPs / peak"
+        f"peak {line['gemm_flops'] / 1e9:.0f} GFLOP/s ({result['dtype']}); a phase's bound: the larger of "
+        "its bytes over the read and its FLOPs over the peak"
     )
     print(
-        "| engine | phase | unprofiled ms | bound ms | % of bound | profiled ms | "
+        "| engine | phase | unprofiled ms | bound ms | bound by | % of bound | profiled ms | "
         + " | ".join(ORDER)
         + " | non-GEMM ms |"
     )
-    print("| --- | --- | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in ORDER) + " | ---: |")
+    print(
+        "| --- | --- | ---: | ---: | --- | ---: | ---: | " + " | ".join("---:" for _ in ORDER) + " | ---: |"
+    )
     engines = [("ours", result["phases"])]
     if result["peer"]:
         engines.append((result["peer"]["engine"], result["peer"]["phases"]))
     for phase in result["phases"]:
         for engine, phases in engines:
-            p, bound = phases[phase], line["phases"][phase]["bound_ms"]
-            values = (p["unprofiled_ms"], bound, 100 * bound / p["unprofiled_ms"], p["wall_ms"])
-            values += tuple(p["ms"][k] for k in ORDER)
-            cells = " | ".join(f"{v:.1f}" for v in values)
+            p, bound = phases[phase], line["phases"][phase]
+            ms = bound["bound_ms"]
+            share = 100 * ms / p["unprofiled_ms"]
+            cells = f"{p['unprofiled_ms']:.1f} | {ms:.1f} | {bound['bound_by']} | {share:.1f} | "
+            cells += " | ".join(f"{v:.1f}" for v in (p["wall_ms"], *(p["ms"][k] for k in ORDER)))
             print(f"| {engine} | {phase} | {cells} | {p['non_gemm_ms']:.1f} |")
 
 

@@ -1,7 +1,8 @@
 // A dense Llama-family model's step through all its layers in one call (pdkernels/cpu.py builds this with the
 // other files into one module): decode steps, and on AMX CPUs steps with prompt tokens too. The same kernels
-// in the same order as engine.model.Model.forward on the CPU (oneDNN's GEMMs on prepacked bf16 weights,
-// this extension's rope, KV append, attention, residual add + RMSNorm and SwiGLU), so the same bits,
+// in the same order as engine.model.Model.forward on the CPU (oneDNN's GEMMs on prepacked bf16 weights, or
+// on AVX2 the int8-block kernel on fp32 weights that are exactly such blocks; this extension's rope, KV
+// append, attention, residual add + RMSNorm and SwiGLU), so the same bits,
 // without the Python between them: about 40 Python-level calls a layer, whose overhead is a large share
 // of a small model's decode step.
 #include <torch/extension.h>
@@ -29,18 +30,28 @@ torch::Tensor extend_attention_amx(torch::Tensor q, torch::Tensor cache, torch::
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor cache, torch::Tensor kv_indptr,
                                torch::Tensor kv_indices, torch::Tensor kv_last_page_len, double scale);
 
-torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& w);  // linear_cpu.cpp
+// linear_cpu.cpp
+torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& w);
+#if defined(__AVX2__) && defined(__FMA__)
+torch::Tensor q8_weight_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& q,
+                               const torch::Tensor& scales, const torch::Tensor& offsets, int64_t max_rows);
+#endif
 
 using pdk::recorded;
 
 namespace {
 
-// Per layer: the packed qkv, o, gate_up and down weights and the two norms' weights; head counts and sizes.
+// Per layer: the qkv, o, gate_up and down weights (oneDNN-packed bf16, or fp32 with q8 holding each one's
+// int8 copy: q, scales, offsets, and q8_max_rows the most rows that copy takes, pdkernels.cpu.Q8_MAX_M) and
+// the two norms' weights; head counts and sizes.
 class DenseDecoder {
  public:
-  DenseDecoder(std::vector<torch::Tensor> weights, std::vector<torch::Tensor> norms, torch::Tensor final_norm,
-               int64_t q_heads, int64_t kv_heads, int64_t head_dim, double eps, double scale)
+  DenseDecoder(std::vector<torch::Tensor> weights, std::vector<torch::Tensor> q8, int64_t q8_max_rows,
+               std::vector<torch::Tensor> norms, torch::Tensor final_norm, int64_t q_heads, int64_t kv_heads,
+               int64_t head_dim, double eps, double scale)
       : weights_(std::move(weights)),
+        q8_(std::move(q8)),
+        q8_max_rows_(q8_max_rows),
         norms_(std::move(norms)),
         final_norm_(final_norm),
         q_heads_(q_heads),
@@ -49,6 +60,10 @@ class DenseDecoder {
         eps_(eps),
         scale_(scale) {
     TORCH_CHECK(weights_.size() % 4 == 0 && norms_.size() == weights_.size() / 2, "4 weights, 2 norms a layer");
+    TORCH_CHECK(q8_.empty() || q8_.size() == 3 * weights_.size(), "q8: none, or q, scales, offsets a weight");
+#if !(defined(__AVX2__) && defined(__FMA__))
+    TORCH_CHECK(q8_.empty(), "int8-block weights need AVX2 + FMA");
+#endif
   }
 
   // Whether run can take steps with prompt tokens: their causal attention on AMX (attention_amx.cpp)
@@ -68,14 +83,13 @@ class DenseDecoder {
                     torch::Tensor batch_indices, torch::Tensor positions, torch::Tensor kv_indices,
                     torch::Tensor kv_indptr, torch::Tensor kv_last_page_len, torch::Tensor kv_cache,
                     std::optional<torch::Tensor> counter, std::optional<torch::Tensor> qo_indptr) const {
-    TORCH_CHECK(!qo_indptr || extends(), "qo_indptr: steps with prompt tokens need AMX here");
+    TORCH_CHECK(!qo_indptr || (extends() && q8_.empty()), "qo_indptr: steps with prompt tokens need AMX and bf16");
     const int64_t layers = static_cast<int64_t>(weights_.size() / 4), tokens = x.size(0);
     TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(0) == layers, "kv_cache: [layers, pages, 2, Hkv, P, D]");
     const int64_t qk = q_heads_ + kv_heads_;
     for (int64_t i = 0; i < layers; ++i) {
-      const torch::Tensor* w = &weights_[4 * i];
       const auto cache = kv_cache.select(0, i);
-      auto qkv = packed_linear(h, w[0]).view({tokens, -1, head_dim_});
+      auto qkv = linear(h, 4 * i).view({tokens, -1, head_dim_});
       auto rotated = recorded("pdk::rope", [&] { return rope(qkv.narrow(1, 0, qk), cos, sin); });
       auto k = rotated.narrow(1, q_heads_, kv_heads_), v = qkv.narrow(1, qk, kv_heads_);
       recorded("pdk::kv_append", [&] {
@@ -95,11 +109,11 @@ class DenseDecoder {
         });
         o = o.to(x.scalar_type());
       }
-      auto attn = packed_linear(o.reshape({tokens, -1}), w[1]);
+      auto attn = linear(o.reshape({tokens, -1}), 4 * i + 1);
       if (counter) (*counter)[0][i] += 1;
       h = recorded("pdk::add_rms_norm", [&] { return add_rms_norm(x, attn, norms_[2 * i + 1], eps_); });
-      auto act = recorded("pdk::silu_mul", [&] { return silu_mul(packed_linear(h, w[2])); });
-      auto mlp = packed_linear(act, w[3]);
+      auto act = recorded("pdk::silu_mul", [&] { return silu_mul(linear(h, 4 * i + 2)); });
+      auto mlp = linear(act, 4 * i + 3);
       const auto& next = i + 1 == layers ? final_norm_ : norms_[2 * (i + 1)];
       h = recorded("pdk::add_rms_norm", [&] { return add_rms_norm(x, mlp, next, eps_); });
     }
@@ -107,7 +121,20 @@ class DenseDecoder {
   }
 
  private:
-  std::vector<torch::Tensor> weights_, norms_;
+  // x @ weight i^T, as pdkernels.cpu.linear takes it (packed bf16, or the int8 copy up to q8_max_rows_ rows)
+  torch::Tensor linear(const torch::Tensor& x, size_t i) const {
+#if defined(__AVX2__) && defined(__FMA__)
+    if (!q8_.empty())
+      return recorded("pdk::q8_linear", [&] {
+        return q8_weight_linear(x, weights_[i], q8_[3 * i], q8_[3 * i + 1], q8_[3 * i + 2], q8_max_rows_);
+      });
+#endif
+    return packed_linear(x, weights_[i]);
+  }
+
+  std::vector<torch::Tensor> weights_, q8_;
+  int64_t q8_max_rows_;
+  std::vector<torch::Tensor> norms_;
   torch::Tensor final_norm_;
   int64_t q_heads_, kv_heads_, head_dim_;
   double eps_, scale_;
@@ -117,8 +144,8 @@ class DenseDecoder {
 
 void register_layers(pybind11::module& m) {
   pybind11::class_<DenseDecoder>(m, "DenseDecoder")
-      .def(pybind11::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, torch::Tensor, int64_t, int64_t,
-                          int64_t, double, double>())
+      .def(pybind11::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, int64_t, std::vector<torch::Tensor>,
+                          torch::Tensor, int64_t, int64_t, int64_t, double, double>())
       .def_static("extends", &DenseDecoder::extends, "whether run takes steps with prompt tokens (AMX)")
       .def("run", &DenseDecoder::run, "a step through every layer (CPU)",
            pybind11::call_guard<pybind11::gil_scoped_release>());

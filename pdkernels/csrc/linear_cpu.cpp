@@ -211,6 +211,17 @@ torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& w) {
 
 }  // namespace
 
+#if defined(__AVX2__) && defined(__FMA__)
+// What pdkernels.cpu.linear does with a Q8Weight (w its fp32 weight, q, scales and offsets its int8 copy): up to
+// max_rows rows of x the int8 copy, more rows the fp32 weight's GEMM (torch.mm), so the C++ step takes the
+// Python layers' bits.
+torch::Tensor q8_weight_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& q,
+                               const torch::Tensor& scales, const torch::Tensor& offsets, int64_t max_rows) {
+  if (x.size(0) > max_rows) return torch::mm(x, w.t());
+  return q8_linear(x.stride(1) == 1 ? x : x.contiguous(), q, scales, offsets, w.size(0));
+}
+#endif
+
 // x [M, K] @ w^T for a weight pdkernels.cpu.pack stored in oneDNN's layout (torch.ops.mkldnn._linear_pointwise).
 // On several threads, where the weight fits one core's L2 and every thread has at least kSplitRows rows, each
 // thread multiplies its own block of rows on one thread (a nested oneDNN call runs single-threaded) instead of

@@ -29,6 +29,22 @@ def _dim32():
     return SimpleNamespace(model=model, kv_cache=cache, runner=ModelRunner(model, cache, 4))
 
 
+def _int8_block_model():
+    """_dim32's model in fp32 with every projection exactly int8 blocks, as a GGUF file's Q8_0 weights
+    dequantize (SmolLM2's): each held as a cpu.Q8Weight too, so its decode steps take the C++ step on the
+    int8-block kernel (AVX2 + FMA)."""
+    from tests.pdkernels.test_cpu import _int8_blocks
+
+    loaded = tiny_random("tiny-dim32", geometry=(192, 256, 2, 6, 2, 32))
+    weights = {
+        name: _int8_blocks(*w.shape, "q8_0", seed=i) if name.endswith("proj.weight") else w
+        for i, (name, w) in enumerate(loaded.weights.items())
+    }
+    model = Model(loaded.config, weights, torch.device("cpu"), torch.float32)
+    cache = torch.zeros(2, 160, 2, 2, 4, 32)  # room for 34 sequences
+    return SimpleNamespace(model=model, kv_cache=cache, runner=ModelRunner(model, cache, 4))
+
+
 def _chunks(lengths, page_size, decode: bool, new=None):
     """Sequences of these lengths, their pages in turn: the whole prompts, each one's next token, or (new)
     that many more tokens each."""
@@ -80,6 +96,24 @@ def test_the_c_plus_plus_decode_step_gives_the_python_layers_bits(prefilled):
     assert torch.equal(fused, plain) and torch.equal(fused_kv, plain_kv)
     assert fused_count[0].tolist() == [1] * layers == plain_count[0].tolist()
     assert not torch.equal(fused_kv, llm.kv_cache)  # the step wrote its tokens' K and V
+
+
+def test_the_c_plus_plus_decode_step_on_int8_block_weights_gives_the_python_layers_bits():
+    """fp32 on an AVX2 CPU (no bf16 there): the projections on the int8 copy of each weight, in C++ as in
+    Python; and past Q8_MAX_M rows the fp32 GEMM in both."""
+    llm = _int8_block_model()
+    if llm.model.decoder is None:
+        pytest.skip("no int8-block kernel here (the C++ extension built without AVX2 + FMA)")
+    assert all(type(layer["qkv"]) is cpu.Q8Weight for layer in llm.model.layers)
+    assert not llm.model.decoder_extends  # steps with prompt tokens: the Python layers
+    for lengths in ([5, 8, 13], [3 + i % 7 for i in range(cpu.Q8_MAX_M + 2)]):
+        llm.kv_cache.zero_()
+        llm.model.forward(*llm.runner.meta(_chunks(lengths, 4, decode=False)), llm.kv_cache)
+        ids, meta = llm.runner.meta(_chunks(lengths, 4, decode=True))
+        assert meta.all_decode
+        (fused, fused_kv, fused_count), (plain, plain_kv, plain_count) = _same_step(llm, meta, ids)
+        assert torch.isfinite(fused).all() and torch.equal(fused, plain) and torch.equal(fused_kv, plain_kv)
+        assert fused_count[0].tolist() == plain_count[0].tolist() == [1] * llm.model.config.num_layers
 
 
 @pytest.mark.parametrize("new", [[1, 9, 2], [4, 0, 30], [40, 40, 40]])

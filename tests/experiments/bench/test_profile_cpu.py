@@ -124,13 +124,18 @@ def test_the_bound_counts_each_weight_once_as_the_engine_stores_it_and_the_kv_ea
     assert line["weights"](1) == line["weights"](64) == sum(w.numel() * 4 for w in every)
     kv_token = a.num_layers * 2 * a.num_kv_heads * a.head_dim * 4
     assert line["kv_token_bytes"] == kv_token
-    bound = profile_cpu.decode_bound(line, 2, 10)
-    assert bound["bytes"] == line["weights"](2) + 10 * kv_token
-    assert bound["bound_ms"] == pytest.approx(1e3 * bound["bytes"] / 2e9)
     params = sum(w.numel() for layer in m.layers for w in layer.values() if w.dim() == 2)
     head = m.lm_head.numel()
+    bound = profile_cpu.decode_bound(line, 2, 10)
+    assert bound["bytes"] == line["weights"](2) + 10 * kv_token
+    assert bound["flops"] == 2 * 2 * (params + head) + 4 * a.num_layers * a.num_heads * a.head_dim * 10
+    # the larger of the two: 1 GFLOP/s against 2 GB/s here
+    slower = max(bound["bytes"] / 2e9, bound["flops"] / 1e9)
+    assert bound["bound_ms"] == pytest.approx(1e3 * slower)
+    assert bound["bound_by"] == ("memory" if bound["bytes"] / 2e9 >= bound["flops"] / 1e9 else "compute")
     attention = 4 * a.num_layers * a.num_heads * a.head_dim * 8 * 9 / 2
-    assert profile_cpu.prefill_bound(line, 8)["flops"] == 2 * 8 * params + 2 * head + attention
+    prefill = profile_cpu.prefill_bound(line, 8)
+    assert prefill["flops"] == 2 * 8 * params + 2 * head + attention and prefill["bound_by"] == "compute"
 
 
 def test_an_int8_block_weight_streams_its_int8_copy_up_to_its_rows_and_the_fp32_one_past_them():
