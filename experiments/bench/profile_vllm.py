@@ -30,6 +30,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,20")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--dtype", default="bfloat16", help="ours' dtype (fp32 on a CPU without bf16)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",") if b]
@@ -43,7 +44,7 @@ def main(argv=None) -> int:
     from vllm import EngineArgs, LLMEngine, SamplingParams
 
     engine = LLMEngine.from_engine_args(EngineArgs(
-        model=args.model, dtype="bfloat16", max_model_len=max(2048, args.prompt + args.steps + 64),
+        model=args.model, dtype=args.dtype, max_model_len=max(2048, args.prompt + args.steps + 64),
         enable_prefix_caching=False, max_num_batched_tokens=max(args.prompt, 2048),
         max_num_seqs=max(batches), async_scheduling=False, gpu_memory_utilization=0.2,
     ))  # fmt: skip

@@ -51,12 +51,14 @@ FAKE_PEER = """#!{python}
 import argparse, json
 ap = argparse.ArgumentParser()
 ap.add_argument("script")
-for name in ("--model", "--prompt", "--batches", "--threads", "--out"):
+for name in ("--model", "--prompt", "--batches", "--threads", "--dtype", "--out"):
     ap.add_argument(name)
 ap.add_argument("--steps", type=int)
 a = ap.parse_args()
 if a.model != "{model}":
     raise SystemExit("wrong model")
+if a.dtype not in ("bfloat16", "float32"):  # ours, passed on
+    raise SystemExit("no dtype")
 ops = [["_C::onednn_mm", 3000.0, 2], ["_C::weight_packed_linear", 1000.0, 2],
        ["_C::cpu_attention_with_kv_cache", 2000.0, 2], ["## Call CompiledFxGraph None ##", 500.0, 1],
        ["_C::cpu_attn_reshape_and_cache", 250.0, 2], ["_C::greedy_argmax", 100.0, 1],
