@@ -96,6 +96,11 @@ def native_bf16() -> bool:
     return bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
+def auto_dtype() -> str:
+    """What `dtype: auto` computes in on this CPU: bfloat16 where it has bf16 arithmetic, else float32."""
+    return "bfloat16" if native_bf16() else "float32"
+
+
 def isa() -> str:
     """The widest vector ISA this CPU computes with, as the fast paths pick by it: amx (AMX tiles for bf16),
     avx512_bf16, avx512, avx2 or baseline. What a measured figure is put beside, with the CPU's model."""

@@ -192,10 +192,9 @@ class ModelSpec:
         device = self.device if self.device != "auto" else ("cuda" if cuda else "cpu")
         object.__setattr__(self, "device", device)  # resolved once, in the main process: workers get the same
         if self.dtype == "auto":
-            from pdkernels.cpu import native_bf16
+            from pdkernels.cpu import auto_dtype
 
-            bf16 = device == "cuda" or native_bf16()
-            object.__setattr__(self, "dtype", "bfloat16" if bf16 else "float32")
+            object.__setattr__(self, "dtype", "bfloat16" if device == "cuda" else auto_dtype())
 
 
 @dataclass(frozen=True)

@@ -273,7 +273,7 @@ def main(argv=None) -> int:
 
     from engine import LLM, SamplingParams
     from experiments.sim.hardware import measure as measure_machine
-    from pdkernels.cpu import native_bf16
+    from pdkernels.cpu import auto_dtype
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -290,7 +290,7 @@ def main(argv=None) -> int:
         ap.error("--prompt, --threads, --steps and every batch size must be at least 1")
     torch.set_num_threads(args.threads)
     record_extension_calls()
-    dtype = "bfloat16" if native_bf16() else "float32"
+    dtype = auto_dtype()
     seqs = max(batches)
     pages = (seqs + 2) * (-(-(args.prompt + args.steps + 64) // 16)) + 8
     llm = LLM(args.model, device="cpu", dtype=dtype, page_size=16, num_pages=pages, max_num_seqs=seqs,
