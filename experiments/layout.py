@@ -89,8 +89,9 @@ class Steps:
 
         before = torch.get_num_threads()
         try:
-            self.core = self.core or measure(1)
-            cores = self.core if threads == 1 else measure(threads)
+            # the GEMM in the engine's dtype: a bf16 GEMM on a CPU without bf16 runs 80x below fp32's
+            self.core = self.core or measure(1, dtype=self.spec.dtype)
+            cores = self.core if threads == 1 else measure(threads, dtype=self.spec.dtype)
             # the cores' peak: one core's GEMM rate times the threads (oneDNN's own 1,024-square GEMM on 2
             # threads reached 1.16x one core's on a Xeon with AMX, where the engine's prefill reaches 1.8x)
             hw = replace(cores, name=f"cpu-{threads}t", flops=self.core.flops * threads)

@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
 
     hidden = load_model(args.model, weights=False).config.hidden_size
     allreduce_s, alltoall_s = measure_collectives(args.ways, hidden)
-    hw = measure(1)  # sets one thread: one core per rank, the lead's too
+    hw = measure(1, dtype=args.dtype)  # sets one thread: one core per rank, the lead's too
     hardware = asdict(replace(hw, allreduce_s=allreduce_s, alltoall_s=alltoall_s))
     torch.set_num_threads(1)
     layouts = [(1, 1)] * args.one + [(args.ways, 1), (1, args.ways)]
