@@ -1,4 +1,5 @@
-"""The abort storm (experiments/bench/aborts.py, `make bench-aborts`) made small enough for `make test`:
+"""The abort storm (experiments/bench/aborts.py, `make bench-aborts`) made small (a soak all the same: `make
+test-all`, 32 s on an AVX2 EPYC; `make test` keeps every exit of every hand-off state, tests/transfer):
 1P2D with the tiers on, 40 long prompts whose clients leave at random moments, a decode worker frozen 3 s
 halfway. Every request ends, every page on every worker comes back, every request leaves the hand-off, and
 a clean batch after gives the greedy texts of before. How many prompt tokens were computed after a client
@@ -7,6 +8,8 @@ suite's own tests beside it on 2 cores) it took longer than a tiny model's prefi
 tokens once on an AVX2 EPYC); the rule the prefill worker keeps once it hears of it (no pass past the one
 in flight) is held event by event in tests/transfer/test_messenger.py."""
 
+import pytest
+
 from experiments.bench import aborts
 from experiments.bench.compat import Server
 from tests import needs
@@ -14,6 +17,7 @@ from tests import needs
 needs.nixl()
 
 
+@pytest.mark.slow
 def test_a_small_abort_storm_leaves_nothing_behind(short_tmp, tmp_path, monkeypatch):
     monkeypatch.setenv("TMPDIR", str(short_tmp.resolve()))
     deployment, overrides = aborts.DEPLOYMENTS["1p2d"]

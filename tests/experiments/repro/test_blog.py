@@ -13,6 +13,8 @@ AT_200 = {
 }
 
 
+# make test-all: every row is a goodput sweep (30 s); make test keeps the decode node's batch rule
+@pytest.mark.slow
 def test_every_blog_row_keeps_its_value():
     claims = {c.key: c for c in blog.claims(200)}
     assert {k: c.ours for k, c in claims.items()} == pytest.approx(AT_200, rel=0.02, abs=0.2)

@@ -13,6 +13,9 @@ def test_the_long_context_gain_needs_a_per_token_slo():
     assert stalled == pytest.approx((1.8125, 0.1953), rel=0.02)
 
 
+# make test-all: a rate sweep of three deployments over the trace (45 s); make test keeps one replay
+# either side of the SLO and the early rejection
+@pytest.mark.slow
 def test_the_trace_replays_against_colocated_pd_and_the_pool():
     """The trace's first 150 requests: the highest rate factor each deployment meets the SLO at, and
     the pool finds at least what the prefill instances' own caches do."""

@@ -24,6 +24,9 @@ REPRODUCED = {
 }
 
 
+# make test-all: a sweep (360 simulated runs, 50 s on an AVX2 EPYC); make test keeps the profile points,
+# the bisection and the single-phase fit it is made of
+@pytest.mark.slow
 def test_every_value_of_the_distserve_table_is_asserted(capsys):
     """Each figure, not only their order, so a change that moves one fails loudly. Against the
     paper: datasheet peaks 2.3-4.0x its goodput, the published profiles 1.8-2.4x, the fit within 2%."""

@@ -1,3 +1,5 @@
+import pytest
+
 from experiments.sim.hardware import Hardware
 from experiments.sim.search import Placement, placements, search
 from tests.experiments.sim.toys import TOY, fixed_steps
@@ -48,6 +50,8 @@ def test_a_tight_tpot_slo_favours_disaggregation():
     assert top_goodput > 2 * colocated
 
 
+# make test-all: a hydra sweep of joblib processes (13 s); make test keeps the search itself
+@pytest.mark.slow
 def test_the_search_runs_as_a_hydra_sweep(tmp_path):
     import json
     import os
