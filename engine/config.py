@@ -371,6 +371,9 @@ class EngineConfig:
     expert_parallel: bool = False  # MoE under TP: whole experts per rank instead of a slice of each
     # replay decode steps as CUDA graphs (engine/graphs.py); None: on CUDA with tp 1 outside the prefill role
     cuda_graphs: bool | None = None
+    # every token's result the same bits whatever its step holds (other sequences, its prompt's chunking,
+    # prefill or decode), as vLLM's VLLM_BATCH_INVARIANT: pdkernels.invariant, on the CPU, dense models
+    batch_invariant: bool = False
     # speculative decoding, vLLM's names ({"method": "ngram" | "mtp", "num_speculative_tokens": k, ...});
     # a dict is taken as engine.speculative.SpeculativeConfig's fields
     speculative_config: SpeculativeConfig | None = None
@@ -447,6 +450,15 @@ class EngineConfig:
             f"CPU so far; got device={self.device!r}",
         )
         _check(
+            isinstance(self.batch_invariant, bool),
+            f"batch_invariant must be true or false, got {self.batch_invariant!r}",
+        )
+        _check(
+            not self.batch_invariant or (self.device == "cpu" and self.cache.kv_layout == "HND"),
+            "batch_invariant runs on the CPU over an HND cache (pdkernels.invariant) so far; got "
+            f"device={self.device!r}, kv_layout={self.cache.kv_layout!r}",
+        )
+        _check(
             not self.kv_tiers.enabled or self.cache.enable_prefix_caching,
             "kv_tiers keep prefix-cache pages: they need enable_prefix_caching=True",
         )
@@ -472,6 +484,11 @@ class EngineConfig:
             not self.expert_parallel or (m.moe is not None and m.moe.num_experts % self.tp == 0),
             f"expert_parallel needs an MoE model whose experts tp={self.tp} divides; got "
             f"{m.moe.num_experts if m.moe else 'no'} experts",
+        )
+        _check(
+            not self.batch_invariant or not (m.moe or m.mla or m.qk_norm),
+            f"batch_invariant covers dense models without MoE, MLA or q/k norms so far; {m.name} has "
+            + ", ".join(k for k, v in (("MoE", m.moe), ("MLA", m.mla), ("q/k norms", m.qk_norm)) if v),
         )
         world = self.tp * self.dp
         _check(

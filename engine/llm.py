@@ -111,7 +111,7 @@ class LLM:
                 _close_ranks(None, folder)
                 raise
             self._finalizer = weakref.finalize(self, _close_ranks, self.tp_group, folder)
-        self.model = Model(arch, loaded.weights, dev, config.torch_dtype, shard)
+        self.model = Model(arch, loaded.weights, dev, config.torch_dtype, shard, config.batch_invariant)
         kv_cache = allocate_kv_cache(arch, cache, shard.num_kv_heads, dev, config.torch_dtype)
         # shared with the lead (TP) and, in the decode role, with DP group 0's agents (engine/dp.py)
         shared = config.tp > 1 or (config.dp > 1 and role.receives_kv)
@@ -125,7 +125,9 @@ class LLM:
             cache.num_pages - 1 if cuda_graphs else cache.num_pages, cache.page_size
         )
         salt = (
-            f"{arch.name}|{config.dtype}|{cache.page_size}".encode() if cache.enable_prefix_caching else None
+            f"{arch.name}|{config.dtype}|{cache.page_size}{'|invariant' * config.batch_invariant}".encode()
+            if cache.enable_prefix_caching
+            else None
         )
         self.scheduler = Scheduler(config.scheduler, self.allocator, arch.max_position, salt)
         # speculative decoding (a prefill-role engine given it builds its drafter too: set_role may make it

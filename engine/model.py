@@ -19,7 +19,7 @@ from torch import Tensor
 from engine import mla, moe
 from engine.collectives import all_sum
 from engine.config import ModelConfig
-from pdkernels import cpu, ops
+from pdkernels import cpu, invariant, ops
 
 
 @dataclass
@@ -39,6 +39,8 @@ class BatchMeta:
     # a CUDA graph's live decode plan: the step's split length in a device buffer, the grid's splits
     split_len: Tensor | None = None
     num_splits: int | None = None
+    # batch_invariant: each token's own page table (pdkernels.invariant.token_tables), made once a step
+    token_tables: tuple[Tensor, Tensor, Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -160,8 +162,13 @@ class Model:
         device: torch.device,
         dtype: torch.dtype,
         shard: Shard | None = None,
+        batch_invariant: bool = False,
     ):
         self.config, self.device, self.dtype = config, device, dtype
+        # every token's result the same bits whatever its step holds (pdkernels.invariant): the projections
+        # a row at a time, each token's attention over its own prefix, and no C++ step (its kernels differ
+        # from the Python layers' by the batch's size and kind)
+        self.batch_invariant = batch_invariant
         self.shard = shard or Shard.of(config)
         self.tp_group = None  # the TP ranks' process group when it is not the default one (engine/tp.py)
         self.layers = [self._load_layer(weights, i) for i in range(config.num_layers)]
@@ -176,7 +183,7 @@ class Model:
             layer.update({k: cpu.pack(layer[k]) for k in PROJECTIONS if k in layer})
         if packing:  # build (first time on this machine, ~20 s) or load the C++ paths now, not in a request
             cpu.module()
-        self.decoder = self._dense_decoder() if packing else None
+        self.decoder = self._dense_decoder() if packing and not batch_invariant else None
         # ... and its steps with prompt tokens: where the AMX attention takes this head dim
         self.decoder_extends = (  # where the Python layers' attention is the same AMX kernel
             self.decoder is not None
@@ -257,6 +264,8 @@ class Model:
         return ops.rope(x, cos, sin, validate=False)
 
     def linear(self, x: Tensor, w: Tensor | cpu.PackedWeight) -> Tensor:
+        if self.batch_invariant:
+            return invariant.linear_rows(x, w)
         if x.shape[0] <= 64 or isinstance(w, cpu.PackedWeight):
             return ops.linear(x, w, validate=False)
         return F.linear(x, w)
@@ -289,7 +298,14 @@ class Model:
         cache = kv_cache[i]
         tables = (meta.kv_indices, meta.kv_indptr, meta.kv_last_page_len)
         ops.kv_append(k, v, meta.batch_indices, meta.positions, cache, *tables, validate=False)
-        if meta.all_decode:
+        if self.batch_invariant:
+            if meta.token_tables is None:
+                page_size = cache.shape[3]
+                meta.token_tables = invariant.token_tables(
+                    meta.batch_indices, meta.positions, meta.kv_indptr, meta.kv_indices, page_size
+                )
+            o = invariant.causal_attention(q, cache, *meta.token_tables)
+        elif meta.all_decode:
             o = ops.decode_attention(
                 q,
                 cache,
@@ -317,11 +333,15 @@ class Model:
     def project_out(self, layer: dict, i: int, o: Tensor, meta: BatchMeta) -> Tensor:
         """The attention output [T, heads x dim] through o_proj, summed over TP ranks, counting layer i."""
         s = self.shard
-        if s.size == 1:  # the projection's last tile bumps the layer counter (kernel-side, graph-safe)
+        if self.batch_invariant:  # the CPU: the projection, then the bump (as out_proj_ref)
+            y = self.all_reduce(self.linear(o, layer["o"]))
+        elif s.size == 1:  # the projection's last tile bumps the layer counter (kernel-side, graph-safe)
             return ops.out_proj(o, layer["o"], counter=meta.counter, layer=i, validate=False)
-        # With TP the lead may only count layer i once every rank has appended its KV shard: the
-        # all-reduce returns after all ranks reached it, so the bump comes after it (stream-ordered on GPU).
-        y = self.all_reduce(ops.out_proj(o, layer["o"], validate=False))
+        else:
+            # With TP the lead may only count layer i once every rank has appended its KV shard: the
+            # all-reduce returns after all ranks reached it, so the bump comes after it (stream-ordered
+            # on GPU).
+            y = self.all_reduce(ops.out_proj(o, layer["o"], validate=False))
         if s.rank == 0 and meta.counter is not None:
             meta.counter[0, i] += 1
         return y
@@ -371,6 +391,8 @@ class Model:
 
     def logits(self, hidden: Tensor) -> Tensor:
         """hidden [n, hidden] -> fp32 logits [n, vocab]."""
+        if self.batch_invariant:
+            return invariant.linear_rows(hidden, self.lm_head).float()
         if isinstance(self.lm_head, cpu.PackedWeight):
             return ops.linear(hidden, self.lm_head, validate=False).float()
         return F.linear(hidden, self.lm_head).float()  # on a GPU: cuBLAS, as before the CPU packing

@@ -36,7 +36,9 @@ results.json, schema "pdkernels.results/1" (stable: fields may be added, never r
   requests, ttft_p50_s, prompt_tokens_mean, new_tokens_mean, cached_tokens_mean, transfer_bytes_mean).
 - request: "request_id", "worker", "prefill" (local | remote), "prefill_worker", "prompt_tokens",
   "output_tokens", "arrival_s", "queue_s", "ttft_s", "tpot_s", "e2e_s", "itl_s" (list),
-  "output_ids", "text" (the output detokenized), "transfer_bytes", "transfer_s", "prefill_compute_s" (a
+  "output_ids", "output_logprobs" (with workload.sampling.logprobs: per output token its [token,
+  log-probability, rank] entries, the sampled token's and the likeliest), "text" (the output detokenized),
+  "transfer_bytes", "transfer_s", "prefill_compute_s" (a
   remote prefill's first pass began -> its last returned, on the prefill worker), "kv_span_s" (its first
   KV post -> every write landed), "kv_exposed_s" (its prefill computed -> every write landed: the part of
   the transfer the compute did not hide; transfer.send_mode), "finish_reason",
@@ -108,6 +110,9 @@ def request_rows(run: DeploymentRun, slo: SloConfig) -> list[dict]:
             "e2e_s": times[-1] - sent if ok else None,
             "itl_s": np.diff(times).tolist() if ok else [],
             "output_ids": list(res.output_ids) if res else [],
+            "output_logprobs": [[list(e) for e in token] for token in res.logprobs]
+            if res and res.logprobs
+            else [],
             "text": res.text if res else "",
             "transfer_bytes": res.transfer_bytes if res else 0,
             "cached_tokens": res.cached_tokens if res else 0,

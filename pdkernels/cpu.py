@@ -222,9 +222,15 @@ def pack(w: Tensor) -> Tensor | PackedWeight:
         return w
     try:
         return PackedWeight(w)
-    except (RuntimeError, AttributeError) as e:  # a torch built without oneDNN
-        log.warning("bf16 weights stay unpacked (%s)", e)
+    except (RuntimeError, AttributeError) as e:  # a torch built without oneDNN, a CPU without bf16
+        _unpacked(str(e))
         return w
+
+
+@functools.cache
+def _unpacked(why: str) -> None:
+    """Said once a process, not once a weight (a model has hundreds)."""
+    log.warning("bf16 weights stay unpacked (%s)", why)
 
 
 def linear(x: Tensor, w: PackedWeight, out: Tensor | None = None) -> Tensor:

@@ -146,6 +146,7 @@ def engine_config(
         num_pages=model.num_pages,
         max_num_seqs=model.max_num_seqs,
         expert_parallel=model.expert_parallel,
+        batch_invariant=model.batch_invariant,
         role=role,
         tp=d.tp_of(role),
         dp=d.dp_of(role),
@@ -170,10 +171,14 @@ class ModelSpec:
     max_num_seqs: int = 64  # sequences a worker runs at once (its largest decode batch)
     device: str = "auto"  # auto: cuda when this machine has it, else cpu
     expert_parallel: bool = False  # an MoE model under TP: whole experts per rank (engine/moe.py)
+    # a prompt's greedy tokens the same bits whatever its batch, chunking and deployment (at a cost:
+    # docs/results/engine-cpu.md); the CPU, dense models (engine.config.EngineConfig.batch_invariant)
+    batch_invariant: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.expert_parallel, bool):
-            refuse("model.expert_parallel", self.expert_parallel, "true or false")
+        for key in ("expert_parallel", "batch_invariant"):
+            if not isinstance(getattr(self, key), bool):
+                refuse(f"model.{key}", getattr(self, key), "true or false")
         if self.device not in DEVICES:
             refuse("model.device", self.device, f"one of {DEVICES}")
         if self.dtype not in DTYPES + ("auto",):

@@ -241,7 +241,8 @@ def peer(args, dtype: str) -> dict:
 def print_table(result: dict) -> None:
     m, line = result["machine"], result["roofline"]
     isa = " ".join(m["isa"]) or "no AVX-512"
-    print(f"{result['model']} ({result['dtype']}, {result['threads']} thread(s)) on {m['cpu']}; {isa}")
+    mode = ", batch_invariant" if result.get("batch_invariant") else ""
+    print(f"{result['model']} ({result['dtype']}{mode}, {result['threads']} thread(s)) on {m['cpu']}; {isa}")
     print(
         f"this machine, {result['threads']} thread(s): streaming read {line['read_bw'] / 1e9:.1f} GB/s, GEMM "
         f"peak {line['gemm_flops'] / 1e9:.0f} GFLOP/s ({result['dtype']}); a phase's bound: the larger of "
@@ -283,6 +284,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=8, help="decode steps profiled per batch size")
     ap.add_argument("--peer-python", help="the Python of a virtual environment with vLLM's CPU build")
     ap.add_argument("--peer-model", help="the same weights as a Hugging Face folder, for the peer")
+    ap.add_argument(
+        "--batch-invariant", action="store_true", help="our engine with batch_invariant on (its cost)"
+    )
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",") if b]
@@ -294,7 +298,8 @@ def main(argv=None) -> int:
     seqs = max(batches)
     pages = (seqs + 2) * (-(-(args.prompt + args.steps + 64) // 16)) + 8
     llm = LLM(args.model, device="cpu", dtype=dtype, page_size=16, num_pages=pages, max_num_seqs=seqs,
-              max_num_batched_tokens=max(args.prompt, 512), enable_prefix_caching=False)  # fmt: skip
+              max_num_batched_tokens=max(args.prompt, 512), enable_prefix_caching=False,
+              batch_invariant=args.batch_invariant)  # fmt: skip
     once = SamplingParams(max_tokens=1, ignore_eos=True)
 
     def prefill(i: int):
@@ -310,6 +315,7 @@ def main(argv=None) -> int:
         "model": args.model,
         "dtype": dtype,
         "threads": args.threads,
+        "batch_invariant": args.batch_invariant,
         "phases": {},
         "peer": None,
     }

@@ -90,9 +90,11 @@ inline void panel_pass(int64_t rows, const float* x, int64_t ldx, const int8_t* 
 }
 
 // x [M, K] fp32 (rows contiguous) @ w^T -> [M, N], w as panels (q8_quantize_exact); threads over panels,
-// each panel read once per pass of up to 12 rows of x (M split into near-equal passes: 16 as 8 + 8).
+// each panel read once per pass of up to 12 rows of x (M split into near-equal passes: 16 as 8 + 8). With
+// rows_alone, every pass is one row: each row's sums in the order of a call with that row alone, whatever M
+// (pdkernels.invariant), the panel read from L1 for each row after the first.
 torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales,
-                        const torch::Tensor& offsets, int64_t N) {
+                        const torch::Tensor& offsets, int64_t N, bool rows_alone) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "x must be [M, K] fp32 rows");
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kChar && q.is_contiguous() && q.size(2) == kPanel,
               "q must be [N / 8, K, 8] int8 panels");
@@ -108,7 +110,7 @@ torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& q, const to
   const float* sp = scales.data_ptr<float>();
   const float* op = offsets.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t ldx = x.stride(0), nb = K / kBlock, passes = (M + kRowsMax - 1) / kRowsMax;
+  const int64_t ldx = x.stride(0), nb = K / kBlock, passes = rows_alone ? M : (M + kRowsMax - 1) / kRowsMax;
   at::parallel_for(0, panels, 8, [&](int64_t lo, int64_t hi) {
     for (int64_t p = lo; p < hi; ++p) {
       const int64_t cols = std::min(kPanel, N - p * kPanel);
@@ -218,7 +220,7 @@ torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& w) {
 torch::Tensor q8_weight_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& q,
                                const torch::Tensor& scales, const torch::Tensor& offsets, int64_t max_rows) {
   if (x.size(0) > max_rows) return torch::mm(x, w.t());
-  return q8_linear(x.stride(1) == 1 ? x : x.contiguous(), q, scales, offsets, w.size(0));
+  return q8_linear(x.stride(1) == 1 ? x : x.contiguous(), q, scales, offsets, w.size(0), false);
 }
 #endif
 
@@ -253,7 +255,7 @@ void register_linear(pybind11::module& m) {
         "that is faster (CPU)");
 #if defined(__AVX2__) && defined(__FMA__)
   m.def("q8_linear", &q8_linear, "x @ an int8-block weight^T, fp32 (CPU, AVX2)", py::arg("x"), py::arg("q"),
-        py::arg("scales"), py::arg("offsets"), py::arg("n"));
+        py::arg("scales"), py::arg("offsets"), py::arg("n"), py::arg("rows_alone") = false);
   m.def("q8_quantize_exact", &q8_quantize_exact, "w as int8-block panels where that is exact, else None (CPU)");
 #else
   (void)m;

@@ -3,6 +3,7 @@ steps through the Python layers: decode steps, and where the AMX attention serve
 tokens (whole prompts, chunks after a prefix, several requests): the same bits, the same KV written, each
 layer counted once; and where it does not serve, the Python layers run."""
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -169,3 +170,56 @@ def test_a_cache_of_the_wrong_shape_is_refused_by_name(prefilled):
     with pytest.raises(RuntimeError, match="kv_cache"):
         llm.model.decoder.run(x, x.clone(), cos, sin, *tables, llm.kv_cache[:1], None, None)
     assert cpu.module() is not None
+
+
+def _invariance_prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(100, 20000, (n,), generator=g).tolist() for n in (300, 17, 90, 5)]
+
+
+@pytest.mark.skipif(cpu.module() is None, reason="the C++ extension is not built here")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_batch_invariant_greedy_tokens_are_the_same_alone_together_and_chunked(dtype):
+    """batch_invariant: each prompt's greedy tokens and their log-probabilities, to the last bit, alone,
+    beside the others (mixed steps) and with its prompt cut in 64-token chunks. Without it, on an AVX2
+    EPYC, 3 (bf16) and 4 (fp32) of these four prompts' log-probabilities differed each way."""
+    prompts, greedy = _invariance_prompts(), SamplingParams(max_tokens=12, ignore_eos=True, logprobs=0)
+
+    def tokens(outs):
+        return [
+            (
+                o.outputs[0].token_ids,
+                [d[t].logprob for t, d in zip(o.outputs[0].token_ids, o.outputs[0].logprobs, strict=True)],
+            )
+            for o in outs
+        ]
+
+    with LLM("tiny-random", dtype=dtype, batch_invariant=True, num_pages=128) as llm:
+        assert llm.model.decoder is None  # the C++ step's kernels differ by the batch: off
+        alone = [tokens(llm.generate([p], greedy))[0] for p in prompts]
+        together = tokens(llm.generate(prompts, greedy))
+    with LLM(
+        "tiny-random", dtype=dtype, batch_invariant=True, num_pages=128, max_num_batched_tokens=64
+    ) as llm:
+        chunked = tokens(llm.generate(prompts, greedy))
+    assert together == alone and chunked == alone
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (
+            dict(model="tiny-random-moe"),
+            "dense models without MoE, MLA or q/k norms so far; tiny-random-moe has MoE",
+        ),
+        (dict(model="tiny-random-deepseek"), "has MoE, MLA"),
+        (
+            dict(kv_layout="NHD"),
+            "over an HND cache (pdkernels.invariant) so far; got device='cpu', kv_layout='NHD'",
+        ),
+        (dict(batch_invariant="yes"), "batch_invariant must be true or false, got 'yes'"),
+    ],
+)
+def test_batch_invariant_where_it_does_not_hold_is_refused_naming_why(overrides, match):
+    with pytest.raises(ValueError, match=re.escape(match)):
+        LLM(**{"model": "tiny-random", "batch_invariant": True, **overrides})
