@@ -359,10 +359,10 @@ def test_batch_invariant_colocated_1p1d_and_1p1d_over_hosts_give_the_same_greedy
     """model.batch_invariant: 16 random 512-token prompts at concurrency 4 give the same greedy tokens and
     log-probabilities, to the last bit, colocated (prompts chunked beside other requests' decodes), 1P1D
     over loopback and 1P1D with each worker a host of its own. (Without it the tokens agreed here but the
-    log-probabilities did not: bf16, where a step's batch changes the bits.)"""
+    log-probabilities did not, in fp32 and in bf16 alike.)"""
     env = dict(os.environ, TMPDIR=str(short_tmp.resolve()))
     common = [
-        "model=tiny-random", "model.dtype=bfloat16", "model.batch_invariant=true", "workload.num_requests=16",
+        "model=tiny-random", "model.dtype=float32", "model.batch_invariant=true", "workload.num_requests=16",
         "workload.prompt_len.value=512", "workload.arrival=concurrency", "workload.concurrency=4",
         "workload.output_len.value=16", "workload.sampling={ignore_eos: true, logprobs: 0}", "plots=false",
     ]  # fmt: skip
