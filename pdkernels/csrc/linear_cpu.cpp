@@ -36,10 +36,11 @@ inline float weight(int8_t q, float scale, float offset) { return std::fmaf(stat
 // them over alternating k so that at least 4 chains of FMAs are in flight. The panel layout makes a
 // panel's K x 8 bytes one sequential stream. (Rows of w in turn, as before, had to reduce every row's
 // sums across lanes and converted each block once per 4 rows of x; at 20 rows MKL's fp32 GEMM beat it.)
-template <int MR>
+// A row's sums depend on U (its chains over alternating k), which MR sets; MR <= 3 all take U = 4, the order
+// of a pass of one row (what rows_alone keeps).
+template <int MR, int U = (MR <= 3 ? 4 : MR <= 6 ? 2 : 1)>
 inline void panel_rows(const float* x, int64_t ldx, const int8_t* q, const float* s, const float* o, float* y,
                        int64_t ldy, int64_t K, int64_t cols, int64_t ahead) {
-  constexpr int U = MR <= 3 ? 4 : MR <= 6 ? 2 : 1;
   __m256 acc[U][MR];  // every index a constant once unrolled, so that the sums stay in registers
 #pragma GCC unroll 4
   for (int u = 0; u < U; ++u)
@@ -78,6 +79,7 @@ inline void panel_rows(const float* x, int64_t ldx, const int8_t* q, const float
 }
 
 constexpr int kRowsMax = 12;  // rows of x a pass over a panel: 12 sums + scale, offset, w and x = 16 registers
+constexpr int kRowsAlone = 3;  // rows_alone: up to 3 rows a pass, each summed as a pass of one row (U = 4)
 
 // panel_rows for `rows` (1..MR) rows of x
 template <int MR>
@@ -91,8 +93,8 @@ inline void panel_pass(int64_t rows, const float* x, int64_t ldx, const int8_t* 
 
 // x [M, K] fp32 (rows contiguous) @ w^T -> [M, N], w as panels (q8_quantize_exact); threads over panels,
 // each panel read once per pass of up to 12 rows of x (M split into near-equal passes: 16 as 8 + 8). With
-// rows_alone, every pass is one row: each row's sums in the order of a call with that row alone, whatever M
-// (pdkernels.invariant), the panel read from L1 for each row after the first.
+// rows_alone, passes of up to 3 rows whose sums each take the order of a call with that row alone, whatever
+// M (pdkernels.invariant): every weight converted once a pass, the panel read from L1 after the first.
 torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales,
                         const torch::Tensor& offsets, int64_t N, bool rows_alone) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "x must be [M, K] fp32 rows");
@@ -110,15 +112,21 @@ torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& q, const to
   const float* sp = scales.data_ptr<float>();
   const float* op = offsets.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t ldx = x.stride(0), nb = K / kBlock, passes = rows_alone ? M : (M + kRowsMax - 1) / kRowsMax;
+  const int64_t rows_max = rows_alone ? kRowsAlone : kRowsMax;
+  const int64_t ldx = x.stride(0), nb = K / kBlock, passes = (M + rows_max - 1) / rows_max;
   at::parallel_for(0, panels, 8, [&](int64_t lo, int64_t hi) {
     for (int64_t p = lo; p < hi; ++p) {
       const int64_t cols = std::min(kPanel, N - p * kPanel);
       for (int64_t i = 0, m = 0; i < passes; ++i) {
         const int64_t rows = M / passes + (i < M % passes ? 1 : 0);
         const int64_t ahead = i == 0 && p + 2 < hi ? 2 * K * kPanel : 0;  // the panel after next, on the first pass
-        panel_pass<kRowsMax>(rows, xp + m * ldx, ldx, qp + p * K * kPanel, sp + p * nb * kPanel,
-                             op + p * nb * kPanel, yp + m * N + p * kPanel, N, K, cols, ahead);
+        const float* xr = xp + m * ldx;
+        const int8_t* qr = qp + p * K * kPanel;
+        const float *sr = sp + p * nb * kPanel, *orr = op + p * nb * kPanel;
+        if (rows_alone)
+          panel_pass<kRowsAlone>(rows, xr, ldx, qr, sr, orr, yp + m * N + p * kPanel, N, K, cols, ahead);
+        else
+          panel_pass<kRowsMax>(rows, xr, ldx, qr, sr, orr, yp + m * N + p * kPanel, N, K, cols, ahead);
         m += rows;
       }
     }
