@@ -31,7 +31,7 @@ def available() -> bool:
 
 def linear_rows(x: Tensor, w) -> Tensor:
     """x [M, K] @ w^T -> [M, N], each row alone (w: a tensor or pdkernels.cpu.PackedWeight)."""
-    if isinstance(w, cpu.Q8Weight):  # the int8 copy a row at a time in one call (the C++ loop's rows_alone)
+    if isinstance(w, cpu.Q8Weight):  # one C++ call: passes of up to 3 rows, each row summed as alone
         return cpu.module().q8_linear(x.contiguous(), w.q, w.scales, w.offsets, w.shape[0], rows_alone=True)
     if x.shape[0] == 1:
         return ops.linear(_aligned(x), w, validate=False)
