@@ -116,13 +116,17 @@ class CostModel:
         """What a step's pieces cost by their arguments (a simulated run asks the same few thousand times)."""
         return {}
 
+    def _kept(self, piece, n: int) -> float:
+        """piece(n), computed once per cost model and n."""
+        key = (piece.__name__, n)
+        if key not in self._memo:
+            self._memo[key] = piece(n)
+        return self._memo[key]
+
     def linear_time(self, tokens: int) -> float:
         """Projections and MLPs of every layer for `tokens` tokens (weights read once). With dp > 1 a
         rank runs the attention side for its 1/dp of the tokens and its share of every token's experts."""
-        key = ("linear", tokens)
-        if key not in self._memo:
-            self._memo[key] = self._linear_time(tokens)
-        return self._memo[key]
+        return self._kept(self._linear_time, tokens)
 
     def _linear_time(self, tokens: int) -> float:
         m = self.model
@@ -141,13 +145,14 @@ class CostModel:
 
     @cached_property
     def _attention_rates(self) -> tuple[float, float]:
-        """Seconds of attention a (query, key) pair computes and a token of KV reads, at the roofline."""
+        """Seconds of attention a (query, key) pair computes and a token of KV reads: the roofline's two
+        terms per unit (each grows linearly, so a step's is the larger of their multiples)."""
         m = self.model
         qk_dim = m.head_dim + (m.rope_dim if m.mla else 0)
         flops = 2 * m.heads * (qk_dim + m.head_dim) * m.layers / self.tp
         return (
-            flops / (self.hw.flops * self.eff.attention),
-            self.kv_bytes_per_token_per_rank() / (self.hw.hbm_bw * self.eff.memory),
+            _roof(flops, 0, self.hw, self.eff.attention, self.eff),
+            _roof(0, self.kv_bytes_per_token_per_rank(), self.hw, self.eff.attention, self.eff),
         )
 
     def decode_attention_time(self, kv_lens: list[int]) -> float:
@@ -158,10 +163,7 @@ class CostModel:
         return self.attention_time(1, sum(kv_lens) + len(kv_lens) - 1)
 
     def lm_head_time(self, sampled: int) -> float:
-        key = ("lm_head", sampled)
-        if key not in self._memo:
-            self._memo[key] = self._lm_head_time(sampled)
-        return self._memo[key]
+        return self._kept(self._lm_head_time, sampled)
 
     def _lm_head_time(self, sampled: int) -> float:
         m = self.model
