@@ -122,10 +122,10 @@ def _graph(root: Path) -> dict[str, set[str]]:
     return {name: _imports(name, path, set(paths)) for name, path in paths.items()}
 
 
-def upward_imports(root: Path) -> list[str]:
+def upward_imports(root: Path, graph: dict[str, set[str]] | None = None) -> list[str]:
     """Each import from a package into one at or above it in LAYERS (its own excepted)."""
     out = []
-    for name, targets in sorted(_graph(root).items()):
+    for name, targets in sorted((graph or _graph(root)).items()):
         top = name.split(".")[0]
         below = LAYERS[LAYERS.index(top) + 1 :]
         for target in sorted(targets):
@@ -134,10 +134,10 @@ def upward_imports(root: Path) -> list[str]:
     return out
 
 
-def import_cycles(root: Path) -> list[str]:
+def import_cycles(root: Path, graph: dict[str, set[str]] | None = None) -> list[str]:
     """Each group of modules that import each other, round a circle (Tarjan's strongly connected
     components of the import graph)."""
-    graph = _graph(root)
+    graph = graph or _graph(root)
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -195,7 +195,10 @@ def role_names(root: Path) -> list[str]:
 
 
 def main(root: Path) -> int:
-    breaches = misplaced_tests(root) + import_cycles(root) + upward_imports(root) + role_names(root)
+    graph = _graph(root)  # the costly part (every module parsed and walked): made once
+    breaches = (
+        misplaced_tests(root) + import_cycles(root, graph) + upward_imports(root, graph) + role_names(root)
+    )
     for line in long_files(root) + breaches:
         print(line)
     return 1 if breaches else 0

@@ -29,6 +29,7 @@ import resource
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
@@ -189,14 +190,25 @@ class Sandbox:
     19). Six clients each holding a hostile grammar for its whole timeout kept another client's trivial
     one waiting 15 s behind them in a first-come queue."""
 
-    def __init__(self, setup: Setup, processes: int = 2, ctx=None, max_processes: int | None = None):
+    def __init__(
+        self,
+        setup: Setup,
+        processes: int = 2,
+        ctx=None,
+        max_processes: int | None = None,
+        vocabulary: Callable[[], str] | None = None,
+    ):
+        """vocabulary: makes the grammar kind's tokenizer_info when the first child starts, not here
+        (xgrammar's view of a 49k-token vocabulary cost the server 1-2 s of CPU at every start, for a
+        grammar no client may ever ask for)."""
         if setup.kind not in KINDS:
             raise ValueError(f"sandbox kind must be one of {KINDS}, got {setup.kind!r}")
         if ctx is None:
             from serving.fleet.launcher import _fork_server
 
             ctx = _fork_server()
-        self.setup, self._ctx, self._json = setup, ctx, msgspec.json.encode(setup)
+        self.setup, self._ctx, self._vocabulary = setup, ctx, vocabulary
+        self._json = None if vocabulary else msgspec.json.encode(setup)
         self.processes = processes
         self.max_processes = max(processes, max_processes or 4 * processes)
         self._idle: queue.SimpleQueue = queue.SimpleQueue()
@@ -237,17 +249,24 @@ class Sandbox:
             with self._lock:
                 start = len(self._children) < self.max_processes
                 if start:
-                    child = _Child(self._ctx, self._json)
+                    child = _Child(self._ctx, self._setup_json())
                     self._children.add(child)
             if not start:
                 return self._idle.get()
         with self._lock:
             spare = self._idle.empty() and self.processes <= len(self._children) < self.max_processes
             if spare:
-                self._children.add(new := _Child(self._ctx, self._json))
+                self._children.add(new := _Child(self._ctx, self._setup_json()))
         if spare:
             self._idle.put(new)
         return child
+
+    def _setup_json(self) -> bytes:
+        """What a child starts with (under self._lock); the vocabulary made for the first one."""
+        if self._json is None:
+            self.setup = msgspec.structs.replace(self.setup, tokenizer_info=self._vocabulary())
+            self._json = msgspec.json.encode(self.setup)
+        return self._json
 
     def _replace(self, child: _Child, killed: bool = True) -> None:
         """Kill a child (its next task starts a fresh one); killed: counted as killed (not retired)."""

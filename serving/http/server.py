@@ -81,7 +81,8 @@ def open_files_for(connections: int) -> int:
 
 def sandboxes(server: ServerConfig, loaded, max_chars: int):
     """The processes chat templates render in and grammars compile in (none for grammars where the
-    model has no tokenizer), started now: their children fork from the fork server meanwhile."""
+    model has no tokenizer); their children start when a first task comes, forked from the fork server,
+    and the grammars' vocabulary is made then too."""
     from engine.structured import tokenizer_info
     from serving.http.sandbox import MAX_COMPILED_CHARS, Sandbox, Setup
 
@@ -91,10 +92,12 @@ def sandboxes(server: ServerConfig, loaded, max_chars: int):
     templates = Sandbox(setup, n)
     if tok.tokenizer is None:  # NoTokenizer: token ids only
         return templates, None
-    info = tokenizer_info(tok, model.vocab_size, model.eos_token_ids).serialize_json()
-    return templates, Sandbox(
-        Setup("grammar", server.grammar_max_bytes, MAX_COMPILED_CHARS, tokenizer_info=info), n
-    )
+
+    def vocabulary() -> str:
+        return tokenizer_info(tok, model.vocab_size, model.eos_token_ids).serialize_json()
+
+    setup = Setup("grammar", server.grammar_max_bytes, MAX_COMPILED_CHARS)
+    return templates, Sandbox(setup, n, vocabulary=vocabulary)
 
 
 class _Server:

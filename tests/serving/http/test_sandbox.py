@@ -36,10 +36,20 @@ def templates():
     pool.close()
 
 
+def _vocabulary(model, made: list | None = None):
+    def make() -> str:
+        if made is not None:
+            made.append(1)
+        return tokenizer_info(
+            model.tokenizer, model.config.vocab_size, model.config.eos_token_ids
+        ).serialize_json()
+
+    return make
+
+
 @pytest.fixture(scope="module")
 def grammars(model):
-    info = tokenizer_info(model.tokenizer, model.config.vocab_size, model.config.eos_token_ids)
-    pool = Sandbox(Setup("grammar", 512 << 20, MAX_COMPILED_CHARS, tokenizer_info=info.serialize_json()), 1)
+    pool = Sandbox(Setup("grammar", 512 << 20, MAX_COMPILED_CHARS), 1, vocabulary=_vocabulary(model))
     yield pool
     pool.close()
 
@@ -152,14 +162,17 @@ def test_a_bad_spec_is_an_error_naming_the_field(grammars):
 
 def test_a_child_that_cannot_start_is_an_error_not_a_crash(model):
     """A memory cap below what a grammar child imports: it dies starting; the task says so (a 400 at
-    the API), and the pool tries a fresh child for the next task."""
-    info = tokenizer_info(model.tokenizer, model.config.vocab_size, model.config.eos_token_ids)
-    pool = Sandbox(Setup("grammar", 1 << 20, MAX_COMPILED_CHARS, tokenizer_info=info.serialize_json()), 1)
+    the API), and the pool tries a fresh child for the next task. The vocabulary the children start with
+    is made once, when the first child starts: not with the pool (a server starts one whether or not a
+    client ever asks for a grammar)."""
+    made = []
+    pool = Sandbox(Setup("grammar", 1 << 20, MAX_COMPILED_CHARS), 1, vocabulary=_vocabulary(model, made))
     try:
+        assert made == []
         for _ in range(2):
             with pytest.raises(SandboxError, match="did not start"):
                 asyncio.run(pool.run(Task(30.0, spec=("regex", "[a-z]+"))))
-        assert pool.killed == 2
+        assert pool.killed == 2 and made == [1]
     finally:
         pool.close()
 
