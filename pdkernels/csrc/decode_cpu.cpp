@@ -59,6 +59,32 @@ inline float online_softmax_step(float* s, int64_t n, float& m, float& l) {
   return alpha;
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// online_softmax_step on one step of 16 scores, of which the first n (1..16) are tokens', in 8-lane vectors
+// (the lanes from n on come out 0). The scalar loop's maximum was a chain of dependent compares, and its
+// exp ran a lane at a time: two thirds of a long-context decode's time on an AVX2 EPYC.
+inline float online_softmax_step16(float* s, int64_t n, float& m, float& l) {
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 in0 = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lanes));
+  const __m256 in1 = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n) - 8), lanes));
+  const __m256 none = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m256 s0 = _mm256_blendv_ps(none, _mm256_loadu_ps(s), in0);
+  const __m256 s1 = _mm256_blendv_ps(none, _mm256_loadu_ps(s + 8), in1);
+  const float top = std::max(m, pdk::hmax8(_mm256_max_ps(s0, s1)));
+  const float alpha = exp_nonpositive(m - top);
+  const __m256 shift = _mm256_set1_ps(top);
+  const __m256 e0 = _mm256_and_ps(pdk::exp_nonpositive8(_mm256_sub_ps(s0, shift)), in0);
+  const __m256 e1 = _mm256_and_ps(pdk::exp_nonpositive8(_mm256_sub_ps(s1, shift)), in1);
+  _mm256_storeu_ps(s, e0);
+  _mm256_storeu_ps(s + 8, e1);
+  l = l * alpha + pdk::hsum8(_mm256_add_ps(e0, e1));
+  m = top;
+  return alpha;
+}
+#else
+inline float online_softmax_step16(float* s, int64_t n, float& m, float& l) { return online_softmax_step(s, n, m, l); }
+#endif
+
 // Each query head's output [heads, dim] divided by its softmax sum (a sequence with no token: zeros).
 inline void normalize_heads(float* out, const float* l, int64_t heads, int64_t dim) {
   for (int64_t g = 0; g < heads; ++g) {
@@ -123,11 +149,11 @@ void attend(const float* q, const T* cache, const int32_t* pages, int64_t num_pa
   normalize_heads(out, l, heads, dim);
 }
 
-// The walk both vector paths share, in steps of 16 tokens: one sequence's pages front to back, per kv head
-// the next page's rows of that head prefetched first (spread over the heads' work), then per step each
-// query head g of the head's group gets its scaled scores (scores(g, k, n, p): p[0..n) for the n rows from
-// k on), one online-softmax step, and its output rescaled and given the step's P V (pv(o, p, alpha, v, n),
-// the output o [dim] accumulated in registers over the n rows from v on).
+// The walk both vector paths share, in steps of 16 tokens: one sequence's pages front to back, the next page
+// prefetched meanwhile; per kv head and step, the scaled scores of the head's group of query heads
+// (scores(g0, k, n, p): head g0 + i's in p[16 i ..][0..n), for the n rows from k on), then per query head
+// one online-softmax step, and its output rescaled and given the step's P V (pv(o, p, alpha, v, n): the
+// output o [dim] accumulated in registers over the n rows from v on).
 template <typename T, typename Scores, typename PV>
 inline void attend_steps(const T* cache, const int32_t* pages, int64_t num_pages, int64_t last_len, int64_t heads,
                          int64_t kv_heads, int64_t page_size, int64_t dim, float* out, std::vector<float>& work,
@@ -145,21 +171,23 @@ inline void attend_steps(const T* cache, const int32_t* pages, int64_t num_pages
     const int64_t tokens = pi + 1 == num_pages ? last_len : page_size;
     const T* k = cache + pages[pi] * block;
     const T* v = k + kv_heads * page_size * dim;
-    const T* next = pi + 1 < num_pages ? cache + pages[pi + 1] * block : nullptr;
+    // the next page's lines, a share before each query head's softmax step: prefetched into L2 (one burst
+    // of a head's 128 lines at its start stalled the core on its full miss buffers: a quarter of its time)
+    const char* next = pi + 1 < num_pages ? reinterpret_cast<const char*>(cache + pages[pi + 1] * block) : nullptr;
+    const int64_t lines = block * static_cast<int64_t>(sizeof(T)) / 64;
+    const int64_t slots = kv_heads * ((tokens + 15) / 16) * group;
+    int64_t slot = 0;
     for (int64_t h = 0; h < kv_heads; ++h) {
       const T* kh = k + h * page_size * dim;
       const T* vh = v + h * page_size * dim;
-      if (next != nullptr)
-        for (int64_t kv = 0; kv < 2; ++kv) {
-          const char* rows = reinterpret_cast<const char*>(next + (kv * kv_heads + h) * page_size * dim);
-          for (int64_t byte = 0; byte < page_size * dim * static_cast<int64_t>(sizeof(T)); byte += 64)
-            __builtin_prefetch(rows + byte);
-        }
       for (int64_t t0 = 0; t0 < tokens; t0 += 16) {
         const int64_t n = std::min<int64_t>(16, tokens - t0);
-        for (int64_t g = h * group; g < (h + 1) * group; ++g) {
-          scores(g, kh + t0 * dim, n, p + g * 16);
-          alpha[g] = online_softmax_step(p + g * 16, n, m[g], l[g]);
+        scores(h * group, kh + t0 * dim, n, p + h * group * 16);
+        for (int64_t g = h * group; g < (h + 1) * group; ++g, ++slot) {
+          if (next != nullptr)
+            for (int64_t line = slot * lines / slots; line < (slot + 1) * lines / slots; ++line)
+              __builtin_prefetch(next + 64 * line, 0, 2);
+          alpha[g] = online_softmax_step16(p + g * 16, n, m[g], l[g]);
         }
         for (int64_t g = h * group; g < (h + 1) * group; ++g) pv(out + g * dim, p + g * 16, alpha[g], vh + t0 * dim, n);
       }
@@ -234,8 +262,10 @@ void attend_bf16(const float* q, const c10::BFloat16* cache, const int32_t* page
       qv[g * chunks + c] =
           _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + g * dim + 32 * c + 16), _mm512_loadu_ps(q + g * dim + 32 * c));
   const __m512 vscale = _mm512_set1_ps(scale);
-  auto scores = [&](int64_t g, const c10::BFloat16* k, int64_t n, float* pg) {
-    _mm512_storeu_ps(pg, _mm512_mul_ps(scores16<CH>(qv.data() + g * chunks, k, dim, n), vscale));
+  const int64_t group = heads / kv_heads;
+  auto scores = [&](int64_t g0, const c10::BFloat16* k, int64_t n, float* p) {
+    for (int64_t g = 0; g < group; ++g)
+      _mm512_storeu_ps(p + g * 16, _mm512_mul_ps(scores16<CH>(qv.data() + (g0 + g) * chunks, k, dim, n), vscale));
   };
   auto pv = [&](float* og, const float* pg, float alpha, const c10::BFloat16* v, int64_t n) {
     const __m512 a = _mm512_set1_ps(alpha);
@@ -288,7 +318,7 @@ inline __m256 transpose_sum8(const __m256* v) {
 // lane t for row t, 0 from n on (nothing past row n is read: it may lie past the cache's end). CH = dim / 8
 // when fixed at compile time (0: at run time), so that the dot products unroll and stay in registers.
 template <int CH, typename T>
-inline __m256 scores8(const __m256* q, const T* k, int64_t dim, int64_t n) {
+[[gnu::always_inline]] inline __m256 scores8(const __m256* q, const T* k, int64_t dim, int64_t n) {
   const int64_t chunks = CH > 0 ? CH : dim / 8;
   __m256 acc[8];
   if (n == 8) {
@@ -309,6 +339,38 @@ inline __m256 scores8(const __m256* q, const T* k, int64_t dim, int64_t n) {
   return transpose_sum8(acc);
 }
 
+// The scaled scores of NG query heads (q: their dim / 8 vectors each, head after head) against 16 whole K rows,
+// into p[g * 16 + t]: the rows four at a time, each row's chunk loaded once and multiplied into the NG heads'
+// accumulators (NG x 4 of them; scores8 per head read every row once a head, and its eight single-head
+// accumulators lived on the stack), then per head the 16 sums reduced eight at a time.
+template <int NG, int CH, typename T>
+[[gnu::always_inline]] inline void scores16_heads(const __m256* q, const T* k, int64_t dim, float* p, __m256 scale) {
+  const int64_t chunks = CH > 0 ? CH : dim / 8;
+  __m256 sums[NG][16];
+  for (int r = 0; r < 16; r += 4) {
+    __m256 acc[NG][4];
+#pragma GCC unroll 4
+    for (int g = 0; g < NG; ++g)
+      for (int t = 0; t < 4; ++t) acc[g][t] = _mm256_setzero_ps();
+#pragma GCC unroll 16
+    for (int64_t c = 0; c < chunks; ++c) {
+      __m256 kt[4];
+#pragma GCC unroll 4
+      for (int t = 0; t < 4; ++t) kt[t] = load8(k + (r + t) * dim + 8 * c);
+#pragma GCC unroll 4
+      for (int g = 0; g < NG; ++g)
+#pragma GCC unroll 4
+        for (int t = 0; t < 4; ++t) acc[g][t] = _mm256_fmadd_ps(q[g * chunks + c], kt[t], acc[g][t]);
+    }
+    for (int g = 0; g < NG; ++g)
+      for (int t = 0; t < 4; ++t) sums[g][r + t] = acc[g][t];
+  }
+  for (int g = 0; g < NG; ++g) {
+    _mm256_storeu_ps(p + g * 16, _mm256_mul_ps(transpose_sum8(sums[g]), scale));
+    _mm256_storeu_ps(p + g * 16 + 8, _mm256_mul_ps(transpose_sum8(sums[g] + 8), scale));
+  }
+}
+
 // attend's math with AVX2 and FMA for fp32 and bf16 caches (dim a multiple of 32): attend_bf16's shape in
 // 8-lane vectors, q kept in fp32: the scores of 16 tokens a step (two transposed sums of 8), one
 // online-softmax step per 16 tokens, P V with each query head's output accumulated in registers. The
@@ -323,13 +385,37 @@ void attend_avx2(const float* q, const T* cache, const int32_t* pages, int64_t n
   for (int64_t g = 0; g < heads; ++g)
     for (int64_t c = 0; c < chunks; ++c) qv[g * chunks + c] = _mm256_loadu_ps(q + g * dim + 8 * c);
   const __m256 vscale = _mm256_set1_ps(scale);
-  auto scores = [&](int64_t g, const T* k, int64_t n, float* pg) {
-    const __m256* qg = qv.data() + g * chunks;
-    _mm256_storeu_ps(pg, _mm256_mul_ps(scores8<CH>(qg, k, dim, std::min<int64_t>(n, 8)), vscale));
-    if (n > 8) _mm256_storeu_ps(pg + 8, _mm256_mul_ps(scores8<CH>(qg, k + 8 * dim, dim, n - 8), vscale));
+  const int64_t group = heads / kv_heads;
+  auto scores = [&](int64_t g0, const T* k, int64_t n, float* p) {
+    int64_t g = 0;
+    if (n == 16) {  // a whole step: each K row read once for up to three query heads at a time
+      for (; g + 3 <= group; g += 3) scores16_heads<3, CH>(qv.data() + (g0 + g) * chunks, k, dim, p + g * 16, vscale);
+      if (group - g == 2) scores16_heads<2, CH>(qv.data() + (g0 + g) * chunks, k, dim, p + g * 16, vscale);
+      if (group - g == 1) scores16_heads<1, CH>(qv.data() + (g0 + g) * chunks, k, dim, p + g * 16, vscale);
+      return;
+    }
+    for (; g < group; ++g) {
+      const __m256* qg = qv.data() + (g0 + g) * chunks;
+      float* pg = p + g * 16;
+      _mm256_storeu_ps(pg, _mm256_mul_ps(scores8<CH>(qg, k, dim, std::min<int64_t>(n, 8)), vscale));
+      if (n > 8) _mm256_storeu_ps(pg + 8, _mm256_mul_ps(scores8<CH>(qg, k + 8 * dim, dim, n - 8), vscale));
+    }
   };
   auto pv = [&](float* og, const float* pg, float alpha, const T* v, int64_t n) {
     const __m256 a = _mm256_set1_ps(alpha);
+    if constexpr (CH == 8) {  // dim 64: the whole row in eight accumulators (four waited on the FMA's latency)
+      __m256 o[8];
+#pragma GCC unroll 8
+      for (int c = 0; c < 8; ++c) o[c] = _mm256_mul_ps(_mm256_loadu_ps(og + 8 * c), a);
+      for (int64_t t = 0; t < n; ++t) {
+        const __m256 pt = _mm256_set1_ps(pg[t]);
+#pragma GCC unroll 8
+        for (int c = 0; c < 8; ++c) o[c] = _mm256_fmadd_ps(pt, load8(v + t * dim + 8 * c), o[c]);
+      }
+#pragma GCC unroll 8
+      for (int c = 0; c < 8; ++c) _mm256_storeu_ps(og + 8 * c, o[c]);
+      return;
+    }
     for (int64_t d = 0; d < dim; d += 32) {  // four independent accumulators (dim: a multiple of 32)
       __m256 o0 = _mm256_mul_ps(_mm256_loadu_ps(og + d), a);
       __m256 o1 = _mm256_mul_ps(_mm256_loadu_ps(og + d + 8), a);

@@ -170,11 +170,13 @@ def test_one_split_writes_the_output_itself_and_no_merge_runs(dtype, monkeypatch
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [40, 64, 96, 128])
-def test_the_cpu_vector_paths_at_the_models_head_widths(head_dim, dtype):
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 5])
+def test_the_cpu_vector_paths_at_the_models_head_widths(head_dim, dtype, group):
     """The C++ vector paths (16 tokens' scores a step: AVX-512 BF16 for bf16 caches, AVX2 + FMA for fp32
-    and bf16; unrolled for head widths 64 and 128; a width not a multiple of 32 takes the portable loop):
-    pages of 32 tokens (two steps each), lengths that end mid-step and within the first 8 of a step, a
-    group of 3, against the reference."""
+    and bf16, a whole step's K rows read once for up to three query heads; unrolled for head widths 64 and
+    128; a width not a multiple of 32 takes the portable loop): pages of 32 tokens (two steps each),
+    lengths that end mid-step and within the first 8 of a step, groups of 1-5 query heads a kv head (in
+    threes, then a pair or one), against the reference."""
     from pdkernels import cpu
     from pdkernels.decode_attention_cpu import decode_attention_cpu
 
@@ -182,7 +184,9 @@ def test_the_cpu_vector_paths_at_the_models_head_widths(head_dim, dtype):
         pytest.skip("pdkernels' CPU extension could not be built here (no C++ compiler)")
     lens = [1, 8, 9, 15, 16, 47, 200]
     case = make_paged_cache(lens, 2, head_dim, 32, "HND", dtype=dtype, seed=3)
-    q = (torch.randn(len(lens), 6, head_dim, generator=torch.Generator().manual_seed(4)) * 3).to(dtype)
+    q = (torch.randn(len(lens), 2 * group, head_dim, generator=torch.Generator().manual_seed(4)) * 3).to(
+        dtype
+    )
     table = case.kv_indptr, case.kv_indices, case.kv_last_page_len
     got = decode_attention_cpu(q, case.cache, *table)
     torch.testing.assert_close(
