@@ -169,6 +169,11 @@ class Model:
         # a row at a time, each token's attention over its own prefix, and no C++ step (its kernels differ
         # from the Python layers' by the batch's size and kind)
         self.batch_invariant = batch_invariant
+        if batch_invariant and not invariant.available():  # refused here, not at the first step
+            raise ValueError(
+                "batch_invariant needs pdkernels' C++ extension, which is turned off (PDKERNELS_CPU_EXT=0) "
+                "or could not be built here (no compiler: see the warning above): set batch_invariant=false"
+            )
         self.shard = shard or Shard.of(config)
         self.tp_group = None  # the TP ranks' process group when it is not the default one (engine/tp.py)
         self.layers = [self._load_layer(weights, i) for i in range(config.num_layers)]

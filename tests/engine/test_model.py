@@ -223,3 +223,11 @@ def test_batch_invariant_greedy_tokens_are_the_same_alone_together_and_chunked(d
 def test_batch_invariant_where_it_does_not_hold_is_refused_naming_why(overrides, match):
     with pytest.raises(ValueError, match=re.escape(match)):
         LLM(**{"model": "tiny-random", "batch_invariant": True, **overrides})
+
+
+def test_batch_invariant_without_the_cpp_extension_is_refused_when_the_engine_is_made(monkeypatch):
+    """Its attention and int8 rows are C++ only: without the extension the engine is refused as it is made
+    (it used to fail at its first step, with a request in flight)."""
+    monkeypatch.setenv("PDKERNELS_CPU_EXT", "0")
+    with pytest.raises(ValueError, match=re.escape("batch_invariant needs pdkernels' C++ extension")):
+        LLM("tiny-random", batch_invariant=True)
