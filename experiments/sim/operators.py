@@ -1,0 +1,264 @@
+"""An operator-level cost model, checked on GPU profiles others measured: Vidur's (microsoft/vidur, MIT
+license; `scripts/fetch_vidur_profiles.py` fetches them), per-operator times of a transformer layer on A100,
+H100 and A40 for Llama-2-7B/70B, Llama-3-8B/70B, CodeLlama-34B, Qwen-72B, InternLM-20B and Phi-2, at 1 to
+4,096+ tokens a step and TP 1-8.
+
+    python -m experiments.sim.operators --profiles DIR [--fit a100 --predict h100] [--fit-models A,B]
+        [--predict-models C,D]
+
+Each operator of a layer but attention (the embedding, both norms, the QKV, output, up and down projections,
+rope, the activation, the residual add) takes max(FLOPs / (peak x e_flops), bytes / (HBM bandwidth x e_mem))
++ t0, its FLOPs and bytes from the model's shapes at that token count and TP degree (fp16: 2 bytes an
+element; a GEMM reads its input and weight and writes its output once). The three numbers are fitted per
+operator on one GPU's rows (least squares of the log of predicted over measured time), and predict another
+GPU's rows from that GPU's datasheet peak and bandwidth (experiments/sim/hardware.py's presets, Vidur's own
+A40 figures), or other models' rows on the same GPU. Printed: the median and 90th-percentile relative error
+per operator and for each row's operators summed (a layer's step time without its attention), held out, and
+beside them today's step model's (the roofline with its default efficiencies, no fixed cost) on the same rows.
+Attention's profiles (`attention.csv`) are not in this check yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from experiments.sim.cost import Efficiency
+from experiments.sim.hardware import GB, HARDWARE, TFLOPS
+
+# datasheet peak (dense fp16/bf16 FLOP/s) and HBM bytes/s of the GPUs the profiles were measured on
+GPUS = {
+    "a100": (HARDWARE["a100-80gb"].flops, HARDWARE["a100-80gb"].hbm_bw),
+    "h100": (HARDWARE["h100"].flops, HARDWARE["h100"].hbm_bw),
+    "a40": (150 * TFLOPS, 696 * GB),  # Vidur's A40 peak; its datasheet's 696 GB/s GDDR6
+}
+OPS = (
+    "emb",
+    "input_layernorm",
+    "attn_pre_proj",
+    "attn_rope",
+    "attn_post_proj",
+    "post_attention_layernorm",
+    "mlp_up_proj",
+    "mlp_act",
+    "mlp_down_proj",
+    "add",
+)
+BYTES = 2  # fp16
+
+
+@dataclass(frozen=True)
+class Row:
+    """One profiled step size: a model's shapes, its tokens and TP degree, each operator's median ms."""
+
+    gpu: str
+    model: str
+    heads: int
+    kv_heads: int
+    hidden: int
+    expanded: int
+    gated: bool
+    tokens: int
+    tp: int
+    ms: dict[str, float]
+
+
+def work(row: Row, op: str) -> tuple[float, float]:
+    """(FLOPs, bytes) of operator op at row's size, on one TP rank."""
+    m, h, tp = row.tokens, row.hidden, row.tp
+    head_dim = h // row.heads
+
+    def gemm(k: float, n: float) -> tuple[float, float]:
+        return 2 * m * k * n, BYTES * (m * k + k * n + m * n)
+
+    if op == "attn_pre_proj":
+        return gemm(h, (row.heads + 2 * row.kv_heads) * head_dim / tp)
+    if op == "attn_post_proj":
+        return gemm(row.heads * head_dim / tp, h)
+    if op == "mlp_up_proj":
+        return gemm(h, (2 if row.gated else 1) * row.expanded / tp)
+    if op == "mlp_down_proj":
+        return gemm(row.expanded / tp, h)
+    if op == "attn_rope":  # q and k of this rank's heads, read and written
+        return 0.0, 2 * BYTES * m * (row.heads + row.kv_heads) * head_dim / tp
+    if op == "mlp_act":  # gated: gate and up read, their product written; else one read, one write
+        return 0.0, (3 if row.gated else 2) * BYTES * m * row.expanded / tp
+    if op == "add":  # two read, one written
+        return 0.0, 3 * BYTES * m * h
+    if op in ("input_layernorm", "post_attention_layernorm"):
+        return 0.0, BYTES * (2 * m * h + h)
+    if op == "emb":  # rows gathered and written
+        return 0.0, 2 * BYTES * m * h
+    raise ValueError(f"operator must be one of {OPS}, got {op!r}")
+
+
+def read_profile(path: Path, gpu: str, model: str) -> list[Row]:
+    """A Vidur `mlp.csv` (columns time_stats.<op>.median in ms, the model's shapes, num_tokens,
+    num_tensor_parallel_workers) as Rows."""
+    rows = []
+    with open(path, newline="") as f:
+        for rec in csv.DictReader(f):
+            ms = {
+                op: float(rec[f"time_stats.{op}.median"]) for op in OPS if rec.get(f"time_stats.{op}.median")
+            }
+            rows.append(
+                Row(
+                    gpu,
+                    model,
+                    int(rec["n_head"]),
+                    int(rec["n_kv_head"]),
+                    int(rec["n_embd"]),
+                    int(rec["n_expanded_embd"]),
+                    rec["use_gated_mlp"] == "True",
+                    int(rec["num_tokens"]),
+                    int(rec["num_tensor_parallel_workers"]),
+                    ms,
+                )
+            )
+    return rows
+
+
+def read_profiles(root: Path) -> list[Row]:
+    """Every <root>/compute/<gpu>/<org>/<model>/mlp.csv under root, as Rows."""
+    rows = []
+    for path in sorted(Path(root).glob("compute/*/*/*/mlp.csv")):
+        gpu, model = path.parts[-4], path.parts[-2]
+        if gpu in GPUS:
+            rows += read_profile(path, gpu, model)
+    if not rows:
+        raise SystemExit(f"no Vidur profiles under {root} (compute/<gpu>/<org>/<model>/mlp.csv): fetch them "
+                         "with scripts/fetch_vidur_profiles.py")  # fmt: skip
+    return rows
+
+
+@dataclass(frozen=True)
+class OpModel:
+    """max(FLOPs / (peak x e_flops), bytes / (bandwidth x e_mem)) + t0_s."""
+
+    e_flops: float
+    e_mem: float
+    t0_s: float
+
+    def predict(self, flops: np.ndarray, nbytes: np.ndarray, gpus: list[str]) -> np.ndarray:
+        """Seconds for each (FLOPs, bytes) on its GPU."""
+        peak, bw = (np.array([GPUS[g][i] for g in gpus]) for i in (0, 1))
+        return np.maximum(flops / (peak * self.e_flops), nbytes / (bw * self.e_mem)) + self.t0_s
+
+
+def _arrays(rows: list[Row], op: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str]]:
+    kept = [r for r in rows if op in r.ms and r.ms[op] > 0]
+    flops, nbytes = (np.array(v, dtype=float) for v in zip(*(work(r, op) for r in kept), strict=True))
+    return flops, nbytes, np.array([r.ms[op] / 1e3 for r in kept]), [r.gpu for r in kept]
+
+
+def fit(rows: list[Row], op: str) -> OpModel:
+    """The operator's (e_flops, e_mem, t0) minimizing the squared log error over rows (one GPU's): a grid,
+    then a finer one around its best point."""
+    flops, nbytes, seconds, gpus = _arrays(rows, op)
+    peak, bw = np.array([GPUS[g][0] for g in gpus]), np.array([GPUS[g][1] for g in gpus])
+    compute, memory = flops / peak, nbytes / bw  # the time at full peak and full bandwidth
+    log_s = np.log(seconds)
+    lo_c, hi_c, lo_m, hi_m, hi_t = -3.0, 0.0, -3.0, 0.0, float(np.min(seconds))
+    best = (math.inf, 1.0, 1.0, 0.0)
+    for _ in range(3):
+        e_c = 10 ** np.linspace(lo_c, hi_c, 25)
+        e_m = 10 ** np.linspace(lo_m, hi_m, 25)
+        t0 = np.linspace(0.0, hi_t, 21)
+        roof = np.maximum(
+            compute[None, None, :] / e_c[:, None, None], memory[None, None, :] / e_m[None, :, None]
+        )
+        for t in t0:
+            loss = ((np.log(roof + t) - log_s) ** 2).sum(axis=-1)
+            i, j = np.unravel_index(np.argmin(loss), loss.shape)
+            if loss[i, j] < best[0]:
+                best = (float(loss[i, j]), float(e_c[i]), float(e_m[j]), float(t))
+        step_c, step_m = (hi_c - lo_c) / 24, (hi_m - lo_m) / 24
+        lc, lm = math.log10(best[1]), math.log10(best[2])
+        lo_c, hi_c = lc - 2 * step_c, min(0.0, lc + 2 * step_c)
+        lo_m, hi_m = lm - 2 * step_m, min(0.0, lm + 2 * step_m)
+        hi_t = max(best[3] * 2, hi_t / 10)
+    return OpModel(best[1], best[2], best[3])
+
+
+def errors(pred: np.ndarray, seconds: np.ndarray) -> np.ndarray:
+    return np.abs(pred / seconds - 1)
+
+
+def evaluate(models: dict[str, OpModel], rows: list[Row]) -> dict[str, np.ndarray]:
+    """Relative errors on rows, per operator and for each row's operators summed ('layer')."""
+    out, pred_sum, meas_sum = {}, np.zeros(len(rows)), np.zeros(len(rows))
+    for op, model in models.items():
+        flops, nbytes, seconds, gpus = _arrays(rows, op)
+        pred = model.predict(flops, nbytes, gpus)
+        out[op] = errors(pred, seconds)
+        has = np.array([op in r.ms and r.ms[op] > 0 for r in rows])
+        pred_sum[has] += pred
+        meas_sum[has] += seconds
+    out["layer"] = errors(pred_sum, meas_sum)
+    return out
+
+
+def roofline_today(ops: list[str]) -> dict[str, OpModel]:
+    """The step model's roofline as the simulator prices a GPU by default (experiments/sim/cost.py's
+    Efficiency: linear ops at its linear efficiency of peak, every op at its memory efficiency of the
+    bandwidth, no fixed cost)."""
+    eff = Efficiency()
+    return {op: OpModel(eff.linear, eff.memory, 0.0) for op in ops}
+
+
+def report(fit_rows: list[Row], test_rows: list[Row], title: str) -> str:
+    ops = [op for op in OPS if any(op in r.ms for r in fit_rows)]
+    fitted = {op: fit(fit_rows, op) for op in ops}
+    new, old = evaluate(fitted, test_rows), evaluate(roofline_today(ops), test_rows)
+    lines = [
+        f"{title}: fitted on {len(fit_rows)} rows, held out {len(test_rows)}",
+        "",
+        "| operator | e_flops | e_mem | t0 us | median error | p90 error | today's median | today's p90 |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for op in [*ops, "layer"]:
+        m = fitted.get(op)
+        e_flops = f"{m.e_flops:.2f}" if m and work(fit_rows[0], op)[0] > 0 else "-"  # no FLOPs: no e_flops
+        params = f"{e_flops} | {m.e_mem:.2f} | {m.t0_s * 1e6:.1f}" if m else "| |"
+        a, b = new[op], old[op]
+        lines.append(f"| {op} | {params} | {np.median(a):.1%} | {np.quantile(a, 0.9):.1%} | "
+                     f"{np.median(b):.1%} | {np.quantile(b, 0.9):.1%} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--profiles", type=Path, required=True, help="Vidur's data/profiling folder")
+    parser.add_argument("--fit", default="a100", help=f"the GPU fitted on, one of {tuple(GPUS)}")
+    parser.add_argument("--predict", default="h100", help="the GPU held out")
+    parser.add_argument("--fit-models", default="Llama-2-7b-hf,Meta-Llama-3-8B")
+    parser.add_argument("--predict-models", default="Llama-2-70b-hf,Qwen-72B")
+    args = parser.parse_args(argv)
+    for gpu in (args.fit, args.predict):
+        if gpu not in GPUS:
+            raise SystemExit(f"--fit and --predict must be one of {tuple(GPUS)}, got {gpu!r}")
+    rows = read_profiles(args.profiles)
+    by_gpu = [r for r in rows if r.gpu == args.fit], [r for r in rows if r.gpu == args.predict]
+    fit_models, test_models = set(args.fit_models.split(",")), set(args.predict_models.split(","))
+    by_model = (
+        [r for r in by_gpu[0] if r.model in fit_models],
+        [r for r in by_gpu[0] if r.model in test_models],
+    )
+    checks = {
+        f"held out by GPU: fitted on {args.fit}, predicting {args.predict}": by_gpu,
+        f"held out by model on {args.fit}: fitted on {args.fit_models}, "
+        f"predicting {args.predict_models}": by_model,
+    }
+    for name, (fit_rows, test_rows) in checks.items():
+        if not fit_rows or not test_rows:
+            raise SystemExit(f"{name}: no rows to fit on or to predict (profiles under {args.profiles})")
+        print(report(fit_rows, test_rows, name), end="\n\n")
+
+
+if __name__ == "__main__":
+    main()
