@@ -2,15 +2,37 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields, replace
-
-import torch
+from typing import TYPE_CHECKING
 
 from engine.role import Role
 from engine.speculative import SpeculativeConfig
 
+if TYPE_CHECKING:  # torch where an engine is built: the server's front checks these settings without it
+    import torch
+
 PREEMPTIONS = ("recompute", "refetch")
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}  # torch's dtypes of these names: bytes an element
+
+
+def cuda_available() -> bool:
+    """torch.cuda.is_available(), asked only where the machine has a GPU's device files (NVIDIA's, or AMD's
+    for ROCm): elsewhere it is False, and a process that never runs a model (a server's front, the
+    simulator) need not import torch (2.5 s of CPU) to learn it."""
+    import glob
+    import os
+
+    if not glob.glob("/dev/nvidia[0-9]*") and not os.path.exists("/dev/kfd"):
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention scale for a context stretched by factor (1 unstretched)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -424,7 +446,7 @@ class EngineConfig:
             f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}",
         )
         _check(
-            not self.device.startswith("cuda") or torch.cuda.is_available(),
+            not self.device.startswith("cuda") or cuda_available(),
             f"device={self.device!r} but this machine has no CUDA device (torch.cuda.is_available() is "
             "False): use device='cpu'",
         )
@@ -504,7 +526,9 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        import torch
+
+        return getattr(torch, self.dtype)
 
 
 def settings(config: EngineConfig | None = None) -> dict:

@@ -18,8 +18,8 @@ from torch import Tensor
 
 from engine import mla, moe
 from engine.collectives import all_sum
-from engine.config import ModelConfig
-from pdkernels import cpu, invariant, ops
+from engine.config import ModelConfig, yarn_mscale
+from pdkernels import cpu, cpuinfo, invariant, ops
 
 
 @dataclass
@@ -134,10 +134,6 @@ def _yarn_factor(config: ModelConfig) -> float:
     return scaling.get("factor") or config.max_position / scaling["original_max_position_embeddings"]
 
 
-def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
-
-
 def rope_attention_factor(config: ModelConfig) -> float:
     """What YaRN multiplies cos and sin by (1 for other RoPE types)."""
     scaling = config.rope_scaling or {}
@@ -194,7 +190,7 @@ class Model:
             self.decoder is not None
             and dtype == torch.bfloat16
             and self.decoder.extends()
-            and cpu.amx_bf16()
+            and cpuinfo.amx_bf16()
             and config.head_dim % 32 == 0
         )
         positions = torch.arange(config.max_position, dtype=torch.float32)

@@ -6,11 +6,13 @@ import math
 import time
 from dataclasses import dataclass, field
 from enum import Enum
-
-import torch
+from typing import TYPE_CHECKING
 
 from engine.fair import check_client
 from engine.structured import StructuredOutputs
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -216,6 +218,8 @@ class Sequence:
 
     def __post_init__(self):
         if self.params.seed is not None:
+            import torch  # here, not at import: the server's front reads requests without torch
+
             self.generator = torch.Generator().manual_seed(self.params.seed)
 
     @property

@@ -17,11 +17,11 @@ names its weights).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-from torch import Tensor
-
-from pdkernels import ops
+if TYPE_CHECKING:  # torch only where a step verifies: the server's front reads SpeculativeConfig alone
+    import torch
+    from torch import Tensor
 
 METHODS = ("ngram", "mtp")
 
@@ -79,6 +79,8 @@ def ngram_drafts(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]
 
 def verify_greedy(logits: Tensor, drafts: list[int]) -> tuple[list[int], int]:
     """logits [k + 1, vocab] at the last token and each draft -> (tokens to append, drafts accepted)."""
+    from pdkernels import ops
+
     target = ops.argmax(logits).tolist()
     accepted = 0
     while accepted < len(drafts) and drafts[accepted] == target[accepted]:
@@ -93,6 +95,8 @@ def verify_sampled(
 
     The drafts come from a deterministic proposer: q is a point mass on each draft, so a draft d is
     accepted with probability p(d), and a rejected one is replaced by a sample of p with d removed."""
+    import torch
+
     out = []
     for i, d in enumerate(drafts):
         p = probs[i]

@@ -10,13 +10,15 @@ samples, so nothing about the grammar crosses the hand-off.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-from torch import Tensor
+if TYPE_CHECKING:  # torch only where a worker masks logits: the server's front checks specs without it
+    from torch import Tensor
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 MAX_SPEC_CHARS = 64 * 1024  # a schema, regex or grammar longer than this is refused (compile time)
@@ -210,6 +212,8 @@ class Grammars:
         matcher allows nothing (it has terminated)."""
         if matcher.is_terminated():
             return False
+        import torch
+
         matcher.fill_next_token_bitmask(self.bitmask)
         with torch.inference_mode():  # the model's logits are inference tensors
             # unpacked here: xgrammar's CPU kernel took 0.35 ms a row mid-JSON, this 0.18 (SmolLM2's vocab)
@@ -224,6 +228,8 @@ class Grammars:
     @property
     def controls(self) -> Tensor:
         if self._controls is None:
+            import torch
+
             ids = [
                 t
                 for t in range(self.vocab_size)
@@ -233,12 +239,16 @@ class Grammars:
         return self._controls
 
 
-SHIFTS = torch.arange(32, dtype=torch.int32)
+@functools.cache
+def _shifts() -> Tensor:
+    import torch
+
+    return torch.arange(32, dtype=torch.int32)
 
 
 def _unpack(bits: Tensor, n: int) -> Tensor:
     """xgrammar's bitmask (int32 words, bit i of word w = token 32 w + i) -> a bool per token."""
-    return ((bits[:, None] >> SHIFTS) & 1).flatten()[:n].bool()
+    return ((bits[:, None] >> _shifts()) & 1).flatten()[:n].bool()
 
 
 def _byte_level(tokenizer) -> bool:

@@ -12,15 +12,15 @@ import os
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-from torch import Tensor
 
-from engine.config import MLAConfig, ModelConfig, MoEConfig
-from engine.model import yarn_mscale
-from engine.tensors import RandomWeights, check_shapes, random_weights
+from engine.config import MLAConfig, ModelConfig, MoEConfig, yarn_mscale
 from engine.tokenizer import NoTokenizer, TextTokenizer, from_gguf_fields, from_hf_dir
+
+if TYPE_CHECKING:  # torch where weights are read; load_model(weights=False) (a front) goes without it
+    from torch import Tensor
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_KV_HEADS = {"tiny-random": 2, "tiny-random-kv4": 4, "tiny-random-kv8": 8}
@@ -121,6 +121,10 @@ def identity(loaded: LoadedModel) -> tuple[str, str, str]:
     import dataclasses
     import hashlib
 
+    import torch
+
+    from engine.tensors import RandomWeights
+
     def digest(*parts: bytes) -> str:
         h = hashlib.sha256()
         for part in parts:
@@ -220,6 +224,8 @@ def _gguf(path: Path):
 def load_gguf(path: Path, name: str, weights: bool = True) -> LoadedModel:
     import gguf
 
+    if weights:
+        import torch
     tensors, fields = _gguf(path)
     arch = fields["general.architecture"]
     if arch != "llama":
@@ -319,6 +325,8 @@ def load_hf_dir(path: Path, weights: bool = True) -> LoadedModel:
     )
     fields.update(_deepseek(arch, cfg, scaling) if arch in DEEPSEEK else {})
     config = ModelConfig(**fields)
+    from engine.tensors import check_shapes
+
     check_shapes(config, shapes, str(path))
     for file in files if weights else ():
         state.update({k: v.float() for k, v in load_file(str(file)).items()})
@@ -439,4 +447,8 @@ def tiny_random(
         moe=moe,
         mla=mla,
     )
-    return LoadedModel(config, random_weights(config, seed) if weights else {}, tokenizer)
+    if not weights:
+        return LoadedModel(config, {}, tokenizer)
+    from engine.tensors import random_weights
+
+    return LoadedModel(config, random_weights(config, seed), tokenizer)

@@ -438,9 +438,14 @@ def environment() -> dict:
         except metadata.PackageNotFoundError:
             pass
     cpu = cpu_model(platform.processor() or None)
-    import torch
+    from engine.config import cuda_available
 
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    if cuda_available():
+        import torch
+
+        gpu = torch.cuda.get_device_name()
+    else:
+        gpu = None
     return {
         "git_commit": git("rev-parse", "HEAD"),
         "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),

@@ -41,12 +41,13 @@ import functools
 import hashlib
 import logging
 import os
-import platform
 import threading
 from pathlib import Path
 
 import torch
 from torch import Tensor
+
+from pdkernels import cpuinfo
 
 log = logging.getLogger(__name__)
 SOURCES = [
@@ -69,57 +70,11 @@ def enabled() -> bool:
     return os.environ.get("PDKERNELS_CPU_EXT", "1") != "0"
 
 
-@functools.cache
-def _flags() -> str:
-    """This CPU's feature flags (/proc/cpuinfo), or what platform says where there is none. Read once:
-    native_bf16 asks on every extend attention call, and reading /proc/cpuinfo took 50-240 us (7 ms of
-    a 128-token prompt's prefill, measured here)."""
-    try:
-        return next(
-            line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")
-        )
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
-
-
 def _build_tag() -> str:
     """One build per CPU feature set (it is built with -march=native, and a home may be shared by unlike
     machines) and per checkout: torch's build files name the source by its path, so two checkouts sharing
     one build folder rebuilt each other's extension at every switch (a minute each, under a lock)."""
-    return hashlib.sha1(f"{_flags()}\n{SOURCES[0].resolve()}".encode()).hexdigest()[:10]
-
-
-def native_bf16() -> bool:
-    """Whether this CPU computes in bf16 (AVX-512 BF16 or AMX): there bf16 weights halve what a step
-    streams; without it every bf16 GEMM converts, and float32 is faster (5x on an AVX2-only EPYC)."""
-    flags = set(_flags().split())
-    return bool(flags & {"avx512_bf16", "amx_bf16"})
-
-
-def auto_dtype() -> str:
-    """What `dtype: auto` computes in on this CPU: bfloat16 where it has bf16 arithmetic, else float32."""
-    return "bfloat16" if native_bf16() else "float32"
-
-
-def isa() -> str:
-    """The widest vector ISA this CPU computes with, as the fast paths pick by it: amx (AMX tiles for bf16),
-    avx512_bf16, avx512, avx2 or baseline. What a measured figure is put beside, with the CPU's model."""
-    flags = set(_flags().split())
-    for name, needs in (
-        ("amx", "amx_bf16"),
-        ("avx512_bf16", "avx512_bf16"),
-        ("avx512", "avx512f"),
-        ("avx2", "avx2"),
-    ):
-        if needs in flags:
-            return name
-    return "baseline"
-
-
-def amx_bf16() -> bool:
-    """Whether this CPU has AMX tiles for bf16 (Xeon from Sapphire Rapids on): oneDNN's and torch's own
-    bf16 kernels use them, and what suits AVX-512 BF16 alone may not suit them."""
-    return "amx_bf16" in set(_flags().split())
+    return hashlib.sha1(f"{cpuinfo.flags()}\n{SOURCES[0].resolve()}".encode()).hexdigest()[:10]
 
 
 def module():

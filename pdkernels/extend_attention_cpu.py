@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from pdkernels import cpu
-from pdkernels.cpu import amx_bf16, native_bf16
+from pdkernels.cpuinfo import amx_bf16, native_bf16
 from pdkernels.extend_attention import requests_kv
 
 __all__ = ["extend_attention_cpu", "causal_attention", "blocked_causal_attention"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
-from engine.config import EngineConfig, KVTiersConfig, TierSettings
+from engine.config import EngineConfig, KVTiersConfig, TierSettings, cuda_available
 from engine.role import Role
 from serving.checks import check_count, check_positive, refuse
 from transfer.config import TransferConfig
@@ -120,7 +120,7 @@ def prefill_budget(chunk_size: int | str, device: str, dtype: str, native: bool 
     if device == "cpu" and dtype == "float32":
         return CPU_FP32_CHUNK
     if native is None:
-        from pdkernels.cpu import native_bf16
+        from pdkernels.cpuinfo import native_bf16
 
         native = native_bf16()
     return CPU_BF16_CHUNK if device == "cpu" and dtype == "bfloat16" and native else DEFAULT_CHUNK
@@ -185,9 +185,7 @@ class ModelSpec:
             refuse("model.dtype", self.dtype, f"one of {DTYPES + ('auto',)}")
         for key in ("page_size", "num_pages", "max_num_seqs"):
             check_positive(f"model.{key}", getattr(self, key), integer=True)
-        import torch
-
-        cuda = torch.cuda.is_available()
+        cuda = cuda_available()
         if self.device == "cuda" and not cuda:
             refuse(
                 "model.device",
@@ -197,7 +195,7 @@ class ModelSpec:
         device = self.device if self.device != "auto" else ("cuda" if cuda else "cpu")
         object.__setattr__(self, "device", device)  # resolved once, in the main process: workers get the same
         if self.dtype == "auto":
-            from pdkernels.cpu import auto_dtype
+            from pdkernels.cpuinfo import auto_dtype
 
             object.__setattr__(self, "dtype", "bfloat16" if device == "cuda" else auto_dtype())
 
@@ -567,7 +565,7 @@ def check_fits_machine(config: RuntimeConfig, loaded) -> None:
     the least they need). The message names both."""
     import os
 
-    import torch
+    from engine.config import DTYPES
 
     if config.launcher.name == "ray" and config.launcher.ray.address is not None:
         return  # another cluster's nodes: Ray places the workers there and says what does not fit
@@ -577,9 +575,7 @@ def check_fits_machine(config: RuntimeConfig, loaded) -> None:
             available = next(int(line.split()[1]) << 10 for line in f if line.startswith("MemAvailable:"))
     except (OSError, StopIteration):
         available = None
-    page = config.model.page_size * loaded.config.kv_bytes_per_token(
-        getattr(torch, config.model.dtype).itemsize
-    )
+    page = config.model.page_size * loaded.config.kv_bytes_per_token(DTYPES[config.model.dtype])
     for d in config.deployments:
         if not isinstance(d, DeploymentConfig) or d.num_workers == "auto":
             continue  # an endpoint; auto splits the cores it has

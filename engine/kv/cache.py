@@ -15,10 +15,12 @@ import hashlib
 from array import array
 from collections import OrderedDict, deque
 from collections.abc import Callable
-
-import torch
+from typing import TYPE_CHECKING
 
 from engine.config import CacheConfig, ModelConfig
+
+if TYPE_CHECKING:  # torch where the cache is made: a router names pages (page_hashes) without it
+    import torch
 
 
 def allocate_kv_cache(
@@ -32,6 +34,8 @@ def allocate_kv_cache(
     heads_tokens = (
         (num_kv_heads, cache.page_size) if cache.kv_layout == "HND" else (cache.page_size, num_kv_heads)
     )
+    import torch
+
     shape = (model.num_layers, cache.num_pages, model.kv_planes, *heads_tokens, model.head_dim)
     return torch.zeros(shape, dtype=dtype, device=device)
 

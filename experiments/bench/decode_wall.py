@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     if not set(dtypes) <= {"float32", "bfloat16", "float16"} or args.threads < 1 or args.rounds < 1:
         raise SystemExit("--dtypes must be float32, bfloat16 or float16; --threads and --rounds at least 1")
     from experiments.sim.hardware import cpu_model
-    from pdkernels.cpu import isa
+    from pdkernels.cpuinfo import isa
 
     read, low, high, rows = measure(cases, dtypes, args.threads, args.rounds, args.against)
     names = [args.against, "now"] if args.against else ["now"]

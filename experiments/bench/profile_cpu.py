@@ -274,7 +274,7 @@ def main(argv=None) -> int:
 
     from engine import LLM, SamplingParams
     from experiments.sim.hardware import measure as measure_machine
-    from pdkernels.cpu import auto_dtype
+    from pdkernels.cpuinfo import auto_dtype
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")

@@ -147,7 +147,7 @@ def measured_here(cfg: dict) -> Hardware:
     float32, as model.dtype auto) and its copy bandwidth with `measure.threads` threads, measured once per
     CPU model and ISA (two EPYCs both named "AMD EPYC" differ 80x in bf16 GEMMs with and without AVX-512)
     and kept in cache_dir(); the memory size and the NIC (the messenger's rate) come from cfg."""
-    from pdkernels.cpu import auto_dtype, isa, native_bf16
+    from pdkernels.cpuinfo import auto_dtype, isa, native_bf16
 
     spec = cfg["measure"] or {}
     threads, dtype = int(spec.get("threads", 1)), str(spec.get("dtype", "auto"))

@@ -312,8 +312,10 @@ def start_fleet(
 
     from serving.fleet.netns_launch import make_launcher
 
-    if config.model.device == "cpu":
-        # pdkernels' C++ CPU paths: built here once (about 20 s on a new machine), not by each worker
+    if config.model.device == "cpu" and config.launcher.name != "local":
+        # pdkernels' C++ CPU paths: built here once (about 20 s on a new machine), not by each worker (the
+        # local launcher's fork server builds or loads them for its workers: this process then never
+        # imports torch)
         from pdkernels import cpu
 
         cpu.module()

@@ -18,6 +18,7 @@ from tests.heads import echo_head
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "test-key-123"
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,"]
+FRONT_HAS_TORCH: dict[str, bool] = {}  # a server's url -> whether its own process had torch once it was up
 
 
 def _start(tmp: Path, *overrides: str) -> tuple[subprocess.Popen, str]:
@@ -109,6 +110,7 @@ def server_per_deployment(request, tmp_path_factory):
             f"deployment.speculative={{method: mtp, num_speculative_tokens: 2, model: '{head}'}}"
         )
     proc, url = _start(tmp, *overrides)
+    FRONT_HAS_TORCH[url] = "libtorch" in Path(f"/proc/{proc.pid}/maps").read_text()
     yield request.param, url
     _stop(proc)
 

@@ -177,7 +177,7 @@ def test_a_parallel_sweep_whose_jobs_cannot_each_have_their_own_cores_is_refused
 
 
 def test_config_maps_to_dataclasses():
-    from pdkernels.cpu import native_bf16
+    from pdkernels.cpuinfo import native_bf16
 
     config = from_cfg(_cfg(["experiment=compare"]))
     assert [d.name for d in config.deployments] == ["colocated", "1p1d", "colocated-slo"]
@@ -250,7 +250,7 @@ def test_the_prefill_budget_auto_is_picked_by_what_computes_the_step(monkeypatch
     """deployment.chunk_size=auto (the default): vLLM's CPU budget on AVX-512 BF16 or AMX CPUs running a
     bf16 model, 1,024 on a CPU in fp32, each where it was measured better; 512 on a GPU or in bf16 on a
     CPU without bf16 compute."""
-    from pdkernels import cpu
+    from pdkernels import cpuinfo
     from serving.config import DeploymentConfig, prefill_budget
 
     assert DeploymentConfig(name="d").chunk_size == "auto"
@@ -262,6 +262,6 @@ def test_the_prefill_budget_auto_is_picked_by_what_computes_the_step(monkeypatch
         (True, "cuda", "float32", 512),
         (False, "cpu", "bfloat16", 512),
     ]:
-        monkeypatch.setattr(cpu, "native_bf16", lambda native=native: native)
+        monkeypatch.setattr(cpuinfo, "native_bf16", lambda native=native: native)
         assert prefill_budget("auto", device, dtype) == want, (native, device, dtype)
         assert prefill_budget(300, device, dtype) == 300  # a number is kept as it is

@@ -51,3 +51,27 @@ def test_preemption_and_speculation_follow_the_role():
 def test_a_deployment_the_engine_refuses_is_refused_here_naming_the_setting():
     with pytest.raises(ValueError, match="dp=2 .* runs without speculative_config"):
         engine_config(MODEL, _d(decode_dp=2, speculative=SPEC), Role.DECODE, 0.1)
+
+
+def test_a_front_reads_its_config_and_names_pages_without_torch():
+    """What a server's or job's own process does (its modules, a model's config and tokenizer, the
+    deployment's settings, the router's page names) imports no torch: only the workers run the model."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import experiments.run, experiments.serve, serving.http.server\n"
+        "from engine.weights import load_model\n"
+        "from serving.config import ModelSpec, DeploymentConfig, engine_config\n"
+        "from serving.router.belief import page_names\n"
+        "for name in ('tiny-random', 'smollm2-135m'):\n"
+        "    loaded = load_model(name, weights=False)\n"
+        "spec = ModelSpec(name='tiny-random', dtype='auto', device='auto')\n"
+        "from engine.role import Role\n"
+        "engine_config(spec, DeploymentConfig(name='d'), Role.COLOCATED, 0.1)\n"
+        "assert len(page_names(list(range(40)), 16)) == 2\n"
+        "print(sorted(m for m in ('torch', 'triton', 'xgrammar', 'transformers') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr[-3000:] + out.stdout

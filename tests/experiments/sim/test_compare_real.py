@@ -40,12 +40,12 @@ def test_the_replay_is_the_recording_machine_s_whatever_cpu_replays_it(monkeypat
     """chunk_size auto means the budget of the machine simulated (the preset's bf16), not of the CPU the
     simulator runs on: replayed on an AVX2-only EPYC, the recording's 2,048-token steps became 512 and the
     held-out error 16%."""
-    from pdkernels import cpu
+    from pdkernels import cpuinfo
 
     saved = json.loads(RECORDED.read_text())
     rows = {}
     for native in (True, False):
-        monkeypatch.setattr(cpu, "native_bf16", lambda native=native: native)
+        monkeypatch.setattr(cpuinfo, "native_bf16", lambda native=native: native)
         rows[native] = _held_out(saved)
     assert rows[True] == rows[False]
 

@@ -49,7 +49,7 @@ def test_two_cpus_of_one_name_but_another_isa_are_measured_apart(tmp_path, monke
     """Zen 3 and Zen 4 both call themselves "AMD EPYC"; one has no AVX-512 BF16 and runs a bf16 GEMM 80x
     slower (a conversion in every product), so their figures are kept apart, and `auto` measures the
     dtype the engine computes in there (model.dtype auto: bf16 only where the CPU has it)."""
-    from pdkernels import cpu
+    from pdkernels import cpuinfo
 
     monkeypatch.setenv("PDK_CACHE_DIR", str(tmp_path))
     calls: list = []
@@ -60,7 +60,7 @@ def test_two_cpus_of_one_name_but_another_isa_are_measured_apart(tmp_path, monke
         ("avx2 fma", "float32", "avx2"),
         ("avx2 avx512f avx512_bf16", "bfloat16", "avx512_bf16"),
     ):
-        monkeypatch.setattr(cpu, "_flags", lambda flags=flags: f"flags : {flags}")
+        monkeypatch.setattr(cpuinfo, "flags", lambda flags=flags: f"flags : {flags}")
         hw = hardware.hardware_of(auto)
         assert calls[-1] == (1, "cpu", dtype) and hw.bf16 is (dtype == "bfloat16"), flags
         assert f"AMD EPYC ({isa})" in hw.source and dtype in hw.source
