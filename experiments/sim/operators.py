@@ -15,6 +15,9 @@ GPU's rows from that GPU's datasheet peak and bandwidth (experiments/sim/hardwar
 A40 figures), or other models' rows on the same GPU. Printed: the median and 90th-percentile relative error
 per operator and for each row's operators summed (a layer's step time without its attention), held out, and
 beside them today's step model's (the roofline with its default efficiencies, no fixed cost) on the same rows.
+The collectives (`network/*/all_reduce.csv`, `send_recv.csv`) the same way: a rank's wire bytes (a ring
+all-reduce's 2 (n - 1) / n of the buffer, a send's buffer) over its link's datasheet rate (NVLink within a
+node, the NIC across nodes) x e, plus t0, fitted per node type, collective and link on one GPU's rows.
 Attention's profiles (`attention.csv`) are not in this check yet.
 """
 
@@ -231,6 +234,107 @@ def report(fit_rows: list[Row], test_rows: list[Row], title: str) -> str:
     return "\n".join(lines)
 
 
+# one GPU's NVLink bytes/s each way and its NIC's (hardware.py's DGX presets; A40: Vidur's pairwise bridge)
+LINKS = {
+    "a100": (HARDWARE["a100-80gb"].nvlink_bw, HARDWARE["a100-80gb"].nic_bw),
+    "h100": (HARDWARE["h100"].nvlink_bw, HARDWARE["h100"].nic_bw),
+    "a40": (56 * GB, 25 * GB),
+}
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One profiled collective: its GPU and node type (dgx, pairwise_nvlink), kind (all_reduce, send_recv),
+    ranks, ranks a node, fp16 elements, median ms."""
+
+    gpu: str
+    node: str
+    kind: str
+    workers: int
+    per_node: int
+    size: int
+    ms: float
+
+    @property
+    def link(self) -> str:
+        return "nvlink" if self.workers <= self.per_node else "nic"
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes one rank sends: a ring all-reduce's 2 (n - 1) / n of the buffer, a send's whole buffer."""
+        nbytes = BYTES * self.size
+        return 2 * (self.workers - 1) / self.workers * nbytes if self.kind == "all_reduce" else nbytes
+
+
+def read_collectives(root: Path) -> list[Collective]:
+    """Every <root>/network/<gpu>_<node>/{all_reduce,send_recv}.csv, as Collectives."""
+    rows = []
+    for path in sorted(Path(root).glob("network/*/*.csv")):
+        gpu, _, node = path.parent.name.partition("_")
+        kind = path.stem
+        if gpu not in LINKS or kind not in ("all_reduce", "send_recv"):
+            continue
+        with open(path, newline="") as f:
+            for rec in csv.DictReader(f):
+                ranks, per_node = int(rec["num_workers"]), int(rec["devices_per_node"])
+                ms = float(rec[f"time_stats.{kind}.median"])
+                rows.append(Collective(gpu, node, kind, ranks, per_node, int(rec["size"]), ms))
+    return rows
+
+
+def _link_seconds(rows: list[Collective]) -> tuple[np.ndarray, np.ndarray]:
+    """(time at the link's full datasheet rate, measured seconds) of each row."""
+    rate = np.array([LINKS[r.gpu][0 if r.link == "nvlink" else 1] for r in rows])
+    return np.array([r.wire_bytes for r in rows]) / rate, np.array([r.ms / 1e3 for r in rows])
+
+
+def fit_collective(rows: list[Collective]) -> tuple[float, float]:
+    """(e, t0): time = wire bytes / (the link's rate x e) + t0, least squares of the log error."""
+    ideal, seconds = _link_seconds(rows)
+    best, lo, hi, hi_t = (math.inf, 1.0, 0.0), -3.0, 0.0, float(np.min(seconds))
+    for _ in range(3):
+        e, t0 = 10 ** np.linspace(lo, hi, 49), np.linspace(0.0, hi_t, 41)
+        loss = (
+            (np.log(ideal[None, None, :] / e[:, None, None] + t0[None, :, None]) - np.log(seconds)) ** 2
+        ).sum(-1)
+        i, j = np.unravel_index(np.argmin(loss), loss.shape)
+        if loss[i, j] < best[0]:
+            best = (float(loss[i, j]), float(e[i]), float(t0[j]))
+        step = (hi - lo) / 48
+        lo, hi, hi_t = (
+            math.log10(best[1]) - 2 * step,
+            min(0.0, math.log10(best[1]) + 2 * step),
+            2 * best[2] or hi_t / 10,
+        )
+    return best[1], best[2]
+
+
+def report_collectives(rows: list[Collective], fit_gpu: str, test_gpu: str) -> str:
+    """Per node type, collective and link: fitted on fit_gpu's rows, the errors on test_gpu's."""
+    eff = Efficiency()
+    lines = [
+        f"collectives held out by GPU: fitted on {fit_gpu}, predicting {test_gpu}",
+        "",
+        "| node | collective | link | held-out rows | e | t0 us | median error | p90 error | "
+        "today's median | today's p90 |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    keys = sorted({(r.node, r.kind, r.link) for r in rows if r.gpu == test_gpu})
+    for key in keys:
+        fit_rows = [r for r in rows if r.gpu == fit_gpu and (r.node, r.kind, r.link) == key]
+        test_rows = [r for r in rows if r.gpu == test_gpu and (r.node, r.kind, r.link) == key]
+        if not fit_rows:
+            continue
+        e, t0 = fit_collective(fit_rows)
+        ideal, seconds = _link_seconds(test_rows)
+        new, old = errors(ideal / e + t0, seconds), errors(ideal / eff.comm, seconds)
+        cells = [f"{np.median(a):.1%} | {np.quantile(a, 0.9):.1%}" for a in (new, old)]
+        lines.append(
+            f"| {' | '.join(key)} | {len(test_rows)} | {e:.2f} | {t0 * 1e6:.1f} | {' | '.join(cells)} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--profiles", type=Path, required=True, help="Vidur's data/profiling folder")
@@ -258,6 +362,9 @@ def main(argv: list[str] | None = None) -> None:
         if not fit_rows or not test_rows:
             raise SystemExit(f"{name}: no rows to fit on or to predict (profiles under {args.profiles})")
         print(report(fit_rows, test_rows, name), end="\n\n")
+    collectives = read_collectives(args.profiles)
+    if collectives:
+        print(report_collectives(collectives, args.fit, args.predict))
 
 
 if __name__ == "__main__":

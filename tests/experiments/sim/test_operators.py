@@ -80,3 +80,27 @@ def test_the_command_prints_both_held_out_tables_and_refuses_what_it_cannot_do(c
         operators.main(["--profiles", str(tmp_path)])
     with pytest.raises(SystemExit, match="no rows to fit on or to predict"):
         operators.main(["--profiles", str(SLICE), "--predict", "a40"])
+
+
+def test_a_collective_costs_its_wire_bytes_over_its_link_and_the_fit_finds_it():
+    ring = operators.Collective("a100", "dgx", "all_reduce", 4, 8, 1 << 20, 0.1)
+    assert ring.link == "nvlink" and ring.wire_bytes == 2 * 3 / 4 * 2 * (1 << 20)
+    assert operators.Collective("a100", "dgx", "send_recv", 2, 1, 10, 0.1).link == "nic"  # across nodes
+    nvlink = operators.LINKS["a100"][0]
+    made = []
+    for size in (1 << 10, 1 << 14, 1 << 18, 1 << 22, 1 << 26):
+        row = operators.Collective("a100", "dgx", "all_reduce", 2, 8, size, 0.0)
+        seconds = row.wire_bytes / (nvlink * 0.6) + 20e-6
+        made.append(operators.Collective("a100", "dgx", "all_reduce", 2, 8, size, seconds * 1e3))
+    e, t0 = operators.fit_collective(made)
+    assert e == pytest.approx(0.6, rel=0.03) and t0 == pytest.approx(20e-6, rel=0.1)
+
+
+def test_the_slices_collectives_are_held_out_by_gpu():
+    rows = operators.read_collectives(SLICE)
+    assert {(r.gpu, r.kind, r.workers) for r in rows} == {
+        ("a100", "all_reduce", 2),
+        ("h100", "all_reduce", 2),
+    }
+    table = operators.report_collectives(rows, "a100", "h100")
+    assert "| dgx | all_reduce | nvlink | 5 |" in table
