@@ -17,13 +17,13 @@ DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}  # torch's dtypes of these 
 
 
 def cuda_available() -> bool:
-    """torch.cuda.is_available(), asked only where the machine has a GPU's device files (NVIDIA's, or AMD's
-    for ROCm): elsewhere it is False, and a process that never runs a model (a server's front, the
-    simulator) need not import torch (2.5 s of CPU) to learn it."""
+    """torch.cuda.is_available(), asked only where the machine has a GPU's device files (NVIDIA's, AMD's for
+    ROCm, or WSL's GPU bridge): elsewhere it is False, and a process that never runs a model (a server's
+    front, the simulator) need not import torch (2.5 s of CPU) to learn it."""
     import glob
     import os
 
-    if not glob.glob("/dev/nvidia[0-9]*") and not os.path.exists("/dev/kfd"):
+    if not glob.glob("/dev/nvidia[0-9]*") and not any(os.path.exists(p) for p in ("/dev/kfd", "/dev/dxg")):
         return False
     import torch
 

@@ -70,3 +70,27 @@ def test_a_config_and_its_keywords_build_the_same_engine():
     assert (
         by_config.generate(prompt, GREEDY)[0].token_ids == by_keywords.generate(prompt, GREEDY)[0].token_ids
     )
+
+
+def test_cuda_is_asked_of_torch_only_where_a_gpus_device_files_exist(monkeypatch):
+    """engine.config.cuda_available: no NVIDIA, ROCm or WSL device file, no GPU (torch not asked: a front
+    need not import it); where one exists, torch says."""
+    import glob
+    import os
+
+    import torch
+
+    from engine.config import cuda_available
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(glob, "glob", lambda pattern: [])
+    monkeypatch.setattr(os.path, "exists", lambda path: False)
+    assert cuda_available() is False
+    for present in ("/dev/kfd", "/dev/dxg"):
+        monkeypatch.setattr(os.path, "exists", lambda path, present=present: path == present)
+        assert cuda_available() is True
+    monkeypatch.setattr(os.path, "exists", lambda path: False)
+    monkeypatch.setattr(glob, "glob", lambda pattern: ["/dev/nvidia0"])
+    assert cuda_available() is True
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cuda_available() is False
