@@ -33,17 +33,18 @@ def build_at(rev: str):
     from pdkernels.cpu import SOURCES
 
     folder = Path(tempfile.mkdtemp(prefix="pdk-csrc-"))
-    for path in SOURCES:
-        relative = path.resolve().relative_to(ROOT)
-        text = subprocess.run(["git", "show", f"{rev}:{relative}"], cwd=ROOT, capture_output=True, text=True)
-        if text.returncode != 0:
-            raise SystemExit(f"--against {rev}: {relative} is not in that revision ({text.stderr.strip()})")
-        (folder / path.name).write_text(text.stdout)
-    for header in (ROOT / "pdkernels" / "csrc").glob("*.h"):
-        shown = subprocess.run(["git", "show", f"{rev}:pdkernels/csrc/{header.name}"], cwd=ROOT,
-                               capture_output=True, text=True)  # fmt: skip
+    csrc = (ROOT / "pdkernels" / "csrc").relative_to(ROOT)
+    headers = [p.name for p in (ROOT / csrc).glob("*.h")]
+    for name, needed in [(p.name, True) for p in SOURCES] + [(h, False) for h in headers]:
+        shown = subprocess.run(
+            ["git", "show", f"{rev}:{csrc / name}"], cwd=ROOT, capture_output=True, text=True
+        )
         if shown.returncode == 0:
-            (folder / header.name).write_text(shown.stdout)
+            (folder / name).write_text(shown.stdout)
+        elif needed:  # a header the revision lacks: its sources did not include it
+            raise SystemExit(
+                f"--against {rev}: {csrc / name} is not in that revision ({shown.stderr.strip()})"
+            )
     sha = subprocess.run(["git", "rev-parse", "--short", rev], cwd=ROOT, capture_output=True, text=True)
     return load(
         name=f"pdk_decode_wall_{sha.stdout.strip() or 'rev'}",

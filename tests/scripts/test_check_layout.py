@@ -1,13 +1,12 @@
 """scripts/check_layout.py finds a file past 1,000 lines, a test outside its package's folder, an import
 cycle and an import against the layers."""
 
-import importlib.util
 from pathlib import Path
 
+from tests.scripts import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("check_layout", ROOT / "scripts" / "check_layout.py")
-check_layout = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(check_layout)
+check_layout = load_script("check_layout")
 
 
 def _tree(root: Path, files: dict[str, int]) -> None:

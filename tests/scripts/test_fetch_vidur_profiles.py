@@ -1,14 +1,12 @@
 """scripts/fetch_vidur_profiles.py from a local clone: the profiles it finds written under the profiling
 tree with the license beside them, the rest named as missing; no license, nothing fetched."""
 
-import importlib.util
 import subprocess
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("fetch", ROOT / "scripts" / "fetch_vidur_profiles.py")
-fetch = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(fetch)
+from tests.scripts import load_script
+
+fetch = load_script("fetch_vidur_profiles")
 
 
 def _repo(path: Path, files: dict[str, str]) -> None:
