@@ -42,6 +42,7 @@ FIRST_DOWN_S, DOWN_FOR_S = 0.5, 5.0
 LOOKUP_S = 0.5  # an existence check's deadline: the engine's thread waits on it
 NO_OBJECT, TOO_SMALL = -704, -600  # Mooncake's codes for a key it does not hold, a buffer too small
 LATE, FAILED = object(), object()
+STARTS = 3  # tries at starting the store's processes, each on fresh ports
 
 
 def _site() -> str:
@@ -136,14 +137,33 @@ def _ports_in(netns: str, host: str, n: int) -> list[int]:
 
 
 def _listens(pid: int, port: int) -> bool:
-    """Whether a TCP socket in pid's network namespace listens on port (/proc/<pid>/net/tcp is that
-    namespace's table: readable from outside it)."""
+    """Whether process pid itself holds a TCP socket listening on port: a row of its namespace's table
+    (/proc/<pid>/net/tcp, readable from outside that namespace) whose socket is one of pid's open files.
+    Another process listening on the port (it was taken between our pick and the store's bind) is not
+    the store: a connection would have taken it for one."""
     try:
         with open(f"/proc/{pid}/net/tcp") as f:
             rows = [line.split() for line in f.readlines()[1:]]
-    except OSError:
+        inodes = {r[9] for r in rows if int(r[1].rsplit(":", 1)[1], 16) == port and r[3] == "0A"}  # LISTEN
+        if not inodes:
+            return False
+        fds = os.listdir(f"/proc/{pid}/fd")
+        return any(os.readlink(f"/proc/{pid}/fd/{fd}") in {f"socket:[{i}]" for i in inodes} for fd in fds)
+    except OSError:  # pid exited meanwhile: its caller reads the exit code
         return False
-    return any(int(r[1].rsplit(":", 1)[1], 16) == port and r[3] == "0A" for r in rows)  # 0A: LISTEN
+
+
+def _log_tail(path: str, chars: int = 600) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - chars))
+            return f.read().decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+class ExitedAtStart(RuntimeError):
+    """One of the store's processes exited before it listened: it is started again on other ports."""
 
 
 class StoreProcesses:
@@ -153,15 +173,38 @@ class StoreProcesses:
     def __init__(
         self, host: str, pool_bytes: int, log_dir: str, timeout_s: float = 60.0, netns: str | None = None
     ):
-        site = os.path.join(_site(), "mooncake")
         self.host, self.netns = host, netns
         self._inside = ["ip", "netns", "exec", netns] if netns else []  # what runs here runs on its host
+        self.procs: list[subprocess.Popen] = []
+        os.makedirs(log_dir, exist_ok=True)
+        for attempt in range(1, STARTS + 1):
+            try:
+                self._start(pool_bytes, log_dir, timeout_s)
+                break
+            except ExitedAtStart as e:
+                self.stop()
+                if attempt == STARTS:
+                    raise
+                log.warning("%s: starting the store again on other ports", e)
+            except BaseException:
+                self.stop()
+                raise
+        log.warning(
+            "Mooncake Store pool of %d bytes: master %s (its transfer engine listens on every interface "
+            "without authenticating peers: keep it on a trusted network)",
+            pool_bytes,
+            self.master,
+        )
+
+    def _start(self, pool_bytes: int, log_dir: str, timeout_s: float) -> None:
+        """One try on fresh ports: ours are picked free and bound by the store a moment later, and
+        Mooncake's transfer engine searches its own, so another process may take one between."""
+        site = os.path.join(_site(), "mooncake")
+        host, netns = self.host, self.netns
         ports = _ports_in(netns, host, 4) if netns else [free_port(host) for _ in range(4)]
         rpc, metrics, meta, mem = ports
         self.master = f"{host}:{rpc}"
         self.metadata = f"http://{host}:{meta}/metadata"
-        self.procs: list[subprocess.Popen] = []
-        os.makedirs(log_dir, exist_ok=True)
         commands = {
             "master": [
                 os.path.join(site, "mooncake_master"),
@@ -191,30 +234,21 @@ class StoreProcesses:
                 "--protocol=tcp",
             ],
         }
-        try:
-            for name, port in (("master", rpc), ("metadata", meta), ("memory", mem)):
-                with open(os.path.join(log_dir, f"store-{name}.log"), "ab") as out:
-                    self.procs.append(
-                        subprocess.Popen(
-                            self._inside + commands[name],
-                            stdout=out,
-                            stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL,
-                            preexec_fn=_die_with_parent,
-                            env=_bound_to(host),
-                        )
+        for name, port in (("master", rpc), ("metadata", meta), ("memory", mem)):
+            path = os.path.join(log_dir, f"store-{name}.log")
+            with open(path, "ab") as out:
+                self.procs.append(
+                    subprocess.Popen(
+                        self._inside + commands[name],
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                        preexec_fn=_die_with_parent,
+                        env=_bound_to(host),
                     )
-                self._await_port(name, port, time.monotonic() + timeout_s)
-            self._await_mounted(metrics, time.monotonic() + timeout_s)
-        except BaseException:
-            self.stop()
-            raise
-        log.warning(
-            "Mooncake Store pool of %d bytes: master %s (its transfer engine listens on every interface "
-            "without authenticating peers: keep it on a trusted network)",
-            pool_bytes,
-            self.master,
-        )
+                )
+            self._await_port(name, port, path, time.monotonic() + timeout_s)
+        self._await_mounted(metrics, time.monotonic() + timeout_s)
 
     def _await_mounted(self, metrics_port: int, deadline: float) -> None:
         """Until the master counts the memory process's segment and the metadata server holds that
@@ -247,28 +281,17 @@ class StoreProcesses:
                 )
             time.sleep(0.05)
 
-    def _await_port(self, name: str, port: int, deadline: float) -> None:
-        while True:
-            if self.procs[-1].poll() is not None:
-                raise RuntimeError(
-                    f"the Mooncake Store {name} exited at start (code {self.procs[-1].returncode})"
+    def _await_port(self, name: str, port: int, log_path: str, deadline: float) -> None:
+        proc = self.procs[-1]
+        while not _listens(proc.pid, port):
+            if proc.poll() is not None:
+                raise ExitedAtStart(
+                    f"the Mooncake Store {name} exited at start (code {proc.returncode}); its log "
+                    f"({log_path}) ends: {_log_tail(log_path)}"
                 )
-            if self.netns is not None:  # out of this namespace's reach: its own table says
-                if _listens(self.procs[-1].pid, port):
-                    return
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"the Mooncake Store {name} did not listen on {port} in time")
-                time.sleep(0.05)
-                continue
-            try:
-                with socket.create_connection((self.host, port), timeout=1):
-                    return
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"the Mooncake Store {name} did not listen on {port} in time"
-                    ) from None
-                time.sleep(0.05)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the Mooncake Store {name} did not listen on {port} in time")
+            time.sleep(0.05)
 
     def alive(self) -> bool:
         return all(p.poll() is None for p in self.procs)
