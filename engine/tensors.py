@@ -4,6 +4,8 @@ built-in test models), and the check that a checkpoint's tensors are the ones it
 from __future__ import annotations
 
 import hashlib
+import threading
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from typing import NamedTuple
 
@@ -55,6 +57,20 @@ class _Normal(NamedTuple):
         return self._replace(offset=self.offset + offset)
 
 
+# tensors drawn lately, kept by (seed, name, spec) up to DRAWN_BYTES a process, the least lately read
+# dropped first: a test suite, a benchmark's engines and forked workers build the same small models again
+# and again, and drawing a 49k-row embedding costs more than copying it
+DRAWN_BYTES = 256 << 20
+_drawn: OrderedDict[tuple, Tensor] = OrderedDict()
+_drawn_lock = threading.Lock()
+
+
+def _draw(seed: int, name: str, spec: _Normal) -> Tensor:
+    key = hashlib.blake2b(f"{seed}|{name}".encode(), digest_size=8).digest()
+    g = torch.Generator().manual_seed(int.from_bytes(key, "little") >> 1)
+    return torch.randn(*spec.shape, generator=g).mul_(spec.std).add_(spec.offset)
+
+
 class RandomWeights(Mapping):
     """Seeded random weights by name, each tensor drawn when it is read from a generator seeded by the
     model's seed and the tensor's name: the same values in every process and in any order of reading,
@@ -66,10 +82,24 @@ class RandomWeights(Mapping):
         self.specs: dict[str, _Normal] = _weights(config, lambda *shape, std=0.05: _Normal(shape, std))
 
     def __getitem__(self, name: str) -> Tensor:
+        """The tensor, a copy of its own (its reader may change it in place)."""
         spec = self.specs[name]
-        key = hashlib.blake2b(f"{self.seed}|{name}".encode(), digest_size=8).digest()
-        g = torch.Generator().manual_seed(int.from_bytes(key, "little") >> 1)
-        return torch.randn(*spec.shape, generator=g).mul_(spec.std).add_(spec.offset)
+        key = (self.seed, name, spec)
+        with _drawn_lock:
+            kept = _drawn.get(key)
+            if kept is not None:
+                _drawn.move_to_end(key)
+                return kept.clone()
+        t = _draw(self.seed, name, spec)
+        nbytes = t.numel() * t.element_size()
+        if nbytes <= DRAWN_BYTES // 4:
+            with _drawn_lock:
+                _drawn[key] = t.clone()
+                held = sum(x.numel() * x.element_size() for x in _drawn.values())
+                while held > DRAWN_BYTES:
+                    _, old = _drawn.popitem(last=False)
+                    held -= old.numel() * old.element_size()
+        return t
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.specs)

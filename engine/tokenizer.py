@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
@@ -29,6 +30,12 @@ class TextTokenizer:
     @property
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size()
+
+    @functools.cached_property
+    def definition(self) -> bytes:
+        """The whole tokenizer as tokenizer.json's text: what makes its ids mean what they mean (read
+        once: a tenth of a second for a 49k-token BPE, and a built-in tokenizer serves many engines)."""
+        return self.tokenizer.to_str().encode()
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
@@ -77,6 +84,7 @@ class NoTokenizer:
 
     chat_template = None
     tokenizer = None
+    definition = b""
 
     def __init__(self, vocab_size: int, where: Path):
         self.vocab_size, self._where = vocab_size, where

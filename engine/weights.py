@@ -140,8 +140,7 @@ def identity(loaded: LoadedModel) -> tuple[str, str, str]:
         where = torch.linspace(0, t.numel() - 1, min(t.numel(), IDENTITY_SAMPLES)).long()
         sample = t[torch.unravel_index(where, t.shape)].cpu() if t.dim() else t.reshape(1).cpu()
         tensors += [f"{name}:{tuple(t.shape)}:{t.dtype}".encode(), sample.view(torch.uint8).numpy().tobytes()]
-    tok = loaded.tokenizer.tokenizer
-    return digest(config), digest(*tensors), digest(tok.to_str().encode() if tok is not None else b"")
+    return digest(config), digest(*tensors), digest(loaded.tokenizer.definition)
 
 
 def load_model(model: str, weights: bool = True) -> LoadedModel:
@@ -221,6 +220,13 @@ def _gguf(path: Path):
     return tensors, fields
 
 
+@lru_cache(maxsize=2)
+def _gguf_tokenizer(path: Path) -> TextTokenizer:
+    """The file's tokenizer, built once per process (a third of a second for SmolLM2's 49k-token BPE, paid
+    by every engine a test suite or a fleet of forked workers made); shared: nothing mutates it."""
+    return from_gguf_fields(_gguf(path)[1])
+
+
 def load_gguf(path: Path, name: str, weights: bool = True) -> LoadedModel:
     import gguf
 
@@ -267,7 +273,7 @@ def load_gguf(path: Path, name: str, weights: bool = True) -> LoadedModel:
         bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=_eos_ids(fields),
     )
-    return LoadedModel(config, state, from_gguf_fields(fields))
+    return LoadedModel(config, state, _gguf_tokenizer(path))
 
 
 def _eos_ids(fields: dict) -> tuple[int, ...]:
@@ -410,9 +416,9 @@ def _builtin_tokenizer_gguf() -> Path:
 
 
 def read_builtin_tokenizer() -> None:
-    """Parse the GGUF whose tokenizer the built-in models use, once per process (cached): a process that
-    forks workers does it before, and they inherit it."""
-    _gguf(_builtin_tokenizer_gguf())
+    """Parse the GGUF whose tokenizer the built-in models use and build that tokenizer, once per process
+    (cached): a process that forks workers does it before, and they inherit both."""
+    _gguf_tokenizer(_builtin_tokenizer_gguf())
 
 
 def tiny_random(
@@ -427,7 +433,7 @@ def tiny_random(
     """A 4-layer model with seeded random weights and SmolLM2's tokenizer (for fast tests): from its GGUF,
     or from the vocab-only GGUF that PDKERNELS_TOKENIZER_GGUF names (scripts/vocab_gguf.py writes one)."""
     _, fields = _gguf(_builtin_tokenizer_gguf())
-    tokenizer = from_gguf_fields(fields)
+    tokenizer = _gguf_tokenizer(_builtin_tokenizer_gguf())
     hidden, width, layers, heads, num_kv_heads, head_dim = geometry or (128, 256, 4, 8, num_kv_heads, 16)
     config = ModelConfig(
         name=name,
