@@ -138,12 +138,16 @@ def engine_config(
     the engine's names, with what they leave to derive resolved here, once, in the main process before any
     worker starts: chunk_size auto and slo (prefill_budget), slo's step target (tpot_s), the decode
     preemption, speculation only where a worker samples (or may come to: elastic)."""
+    page_size, num_pages = model.page_size, model.num_pages
+    if role is Role.PREFILL and d.prefill_page_size is not None:  # the same tokens in pages of its size
+        page_size = d.prefill_page_size
+        num_pages = max(1, model.num_pages * model.page_size // page_size)
     return EngineConfig.of(
         model.name,
         device=model.device,
         dtype=model.dtype,
-        page_size=model.page_size,
-        num_pages=model.num_pages,
+        page_size=page_size,
+        num_pages=num_pages,
         max_num_seqs=model.max_num_seqs,
         expert_parallel=model.expert_parallel,
         batch_invariant=model.batch_invariant,
@@ -231,6 +235,10 @@ class DeploymentConfig:
     prefill_dp: int = 1  # DP groups per prefill worker (each a messenger peer of its own)
     decode_dp: int = 1  # DP groups per decode worker (each request's KV goes to one, picked by its cache)
     threads_per_worker: int = 1  # torch threads per process (each TP rank gets one)
+    # the prefill workers' KV page size (null: model.page_size): one of the two must divide the other (the
+    # KV moves in units of the smaller, transfer/plan.py); a prefill worker's cache holds the tokens
+    # model.num_pages of model.page_size hold
+    prefill_page_size: int | None = None
     # prefill tokens per forward pass (the chunked prefill budget), or auto (prefill_budget: 2,048 where
     # the CPU computes in bf16, 1,024 on a CPU in fp32, 512 elsewhere), or slo (auto's, but a step with
     # decodes takes only the prompt tokens that, at its measured step time, keep each decoding request's
@@ -303,6 +311,13 @@ class DeploymentConfig:
         for key in counts + keys:
             name = "num_workers (or auto)" if key == "num_workers" else key
             check_positive(f"deployment.{name}", getattr(self, key), integer=True)
+        p = self.prefill_page_size
+        if p is not None:
+            check_positive("deployment.prefill_page_size (or null)", p, integer=True)
+            if self.colocated:
+                refuse("deployment.prefill_page_size", p, "null for kind=colocated (no prefill workers)")
+            if self.planner.elastic:
+                refuse("deployment.prefill_page_size", p, "null where elastic workers switch roles")
         g = self.gather_ms
         if isinstance(g, bool) or not isinstance(g, int | float) or not 0 <= g <= 1000:
             refuse(f"deployment.{self.name}.gather_ms", g, "a number of milliseconds from 0 to 1000")
@@ -622,6 +637,12 @@ def check_fits_model(config: RuntimeConfig):
             refuse("deployment.prefill_dp and decode_dp", dp, f"1 for {d.name}: elastic workers switch roles")
         if not d.colocated and d.decode_dp > 1 and config.model.device != "cpu":
             refuse("deployment.decode_dp", d.decode_dp, f"1 for {d.name}: DP decode workers run on the CPU")
+        p, page = d.prefill_page_size, config.model.page_size
+        if p is not None and max(p, page) % min(p, page):
+            refuse(
+                "deployment.prefill_page_size", p,
+                f"a divisor or a multiple of model.page_size={page} (the KV moves in pages of the smaller)",
+            )  # fmt: skip
         nics, ranks = config.transfer.nics_per_rank, max(d.tp_of(r) * d.dp_of(r) for r in d.roles)
         if nics and len(nics) < ranks:
             refuse(

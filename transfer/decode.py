@@ -46,7 +46,7 @@ from transfer.agents import RankAgents
 from transfer.backends import Backend
 from transfer.config import TransferConfig
 from transfer.handoff import DECODE_MOVES, Cause, DecodeState, Handoff
-from transfer.plan import ShardSpec, check_compatible, check_sendable, plan_array
+from transfer.plan import ShardSpec, check_compatible, check_sendable, plan_array, unit_tokens
 from transfer.protocol import PROTOCOL_VERSION, Abort, Accepted, Ended, Hello, Notif, PrefillRequest
 
 log = logging.getLogger(__name__)
@@ -305,8 +305,10 @@ class DecodeMessenger:
         if len(prompt_ids) > 1:  # check before anything is taken: a plan that raises leaves nothing behind
             # counts do not depend on which pages are used: plan against placeholder ids; the specs and
             # the highest id are what can fail, so the check plans the last page only
-            placeholder = list(range(-(-(len(prompt_ids) - 1) // g.spec.page_size)))
-            plan_array(target.hello.spec, g.spec, placeholder[-1:], placeholder[-1:])
+            src, n = target.hello.spec, len(prompt_ids) - 1
+            ours, theirs = list(range(-(-n // g.spec.page_size))), list(range(-(-n // src.page_size)))
+            last = (len(ours) - 1) * g.spec.page_size
+            plan_array(src, g.spec, theirs, ours, start=last - last % unit_tokens(src, g.spec))
         expected_s = self.token_s.get(peer, PRIOR_TOKEN_S) * (len(prompt_ids) - 1)
         pages, cached = g.engine.reserve(request_id, prompt_ids, params, load_within_s=expected_s)
         missing = len(prompt_ids) - 1 - cached  # KV a prefill worker would write
@@ -329,7 +331,7 @@ class DecodeMessenger:
                 g.engine.recompute(request_id)
             return False
         seq, skip = next(self._seqs), cached // g.spec.page_size
-        writes = plan_array(target.hello.spec, g.spec, placeholder[skip:], placeholder[skip:], skip)
+        writes = plan_array(src, g.spec, theirs, ours, start=skip * g.spec.page_size)
         nbytes = int(writes[:, 5].sum()) + g.context[0].numel() * g.context.element_size()
         slot = g.free_slots.pop()
         timing = Timing(time.perf_counter(), peer, writes=len(writes) + 1, nbytes=nbytes)

@@ -9,9 +9,14 @@ ranks (an MLA latent cache is replicated on every rank) each head is replicated 
 each destination rank's page is written once, by one source replica: the replicas take the pages in turn
 from a start drawn per request from its seed (so runs repeat and every source rank and its NIC sends).
 
-Writes are planned per page and never merged across pages, so the count for a whole request is the
-sum of the counts for any split of its pages into chunks: the decode side computes it once, the
-prefill side plans each chunk's completed pages as they become ready.
+The two sides' page sizes may differ when one divides the other (vLLM lets a prefill block be smaller
+than the decode side's): the plan then copies units of the smaller page size, a unit of one head's K (or
+V) being a contiguous part of that head's run on the larger side, so each unit moves as one write per
+head and plane; a request's tokens map to pages by position on each side (token t is in page t // P).
+
+Writes are planned per unit (a page, where the sizes match) and never merged across units, so the count
+for a whole request is the sum of the counts for any split of its tokens at unit boundaries: the decode
+side computes it once, the prefill side plans each chunk's completed pages as they become ready.
 """
 
 from __future__ import annotations
@@ -106,10 +111,11 @@ class Write(NamedTuple):
     nbytes: int
 
 
-# what both sides of a transfer must share (tp may differ: the plan converts between degrees)
+# what both sides of a transfer must share (tp may differ: the plan converts between degrees; so may the
+# page size, where one side's divides the other's)
 MUST_MATCH = (
-    "model", "weights", "tokenizer", "num_kv_heads", "num_layers", "page_size", "head_dim", "itemsize",
-    "dtype", "kv_layout", "planes",
+    "model", "weights", "tokenizer", "num_kv_heads", "num_layers", "head_dim", "itemsize", "dtype",
+    "kv_layout", "planes",
 )  # fmt: skip
 
 
@@ -132,7 +138,18 @@ def check_compatible(src: ShardSpec, dst: ShardSpec) -> None:
                 f"prefill and decode disagree on {name}: {a!r} (prefill) vs {b!r} (decode); both sides "
                 "must match"
             )
+    small, large = sorted((src.page_size, dst.page_size))
+    if large % small:
+        raise ValueError(
+            f"prefill page_size {src.page_size} and decode page_size {dst.page_size}: one must divide the "
+            "other (a page of the smaller size is then a part of one page of the larger)"
+        )
     check_sendable(src)
+
+
+def unit_tokens(src: ShardSpec, dst: ShardSpec) -> int:
+    """Tokens a write unit holds: the smaller page size (the specs checked compatible)."""
+    return min(src.page_size, dst.page_size)
 
 
 def plan_writes(
@@ -140,17 +157,22 @@ def plan_writes(
     dst: ShardSpec,
     src_pages: list[int],
     dst_pages: list[int],
-    first_page_index: int = 0,
+    start: int = 0,
+    end: int | None = None,
     layers: range | None = None,
     seed: int = 0,
 ) -> list[Write]:
-    """Every write that copies src_pages[i] (prefill) into dst_pages[i] (decode) for the given layers.
+    """Every write that copies the request's tokens [start, end) from its source (prefill) pages into its
+    destination (decode) pages, for the given layers.
 
-    first_page_index: position of src_pages[0] in the request's page list (it picks the source replica
-    in turn, so planning chunk by chunk equals planning the whole request). seed: the request's seed.
-    Ordered by layer, then page, then destination rank and head run, then K before V.
+    src_pages and dst_pages: the request's page lists from its first token (src_pages[i] holds tokens
+    [i * P, (i + 1) * P) at the source's page size P; the same for dst_pages at the destination's), as far
+    as [start, end) reaches; end defaults to the tokens both lists hold and is cut there. start: a unit
+    boundary (unit_tokens). seed: the request's (it picks the source replica of each unit in turn, so
+    planning a request in spans equals planning it whole). Ordered by layer, then unit, then destination
+    rank and head run, then K before V.
     """
-    rows = plan_array(src, dst, src_pages, dst_pages, first_page_index, layers, seed)
+    rows = plan_array(src, dst, src_pages, dst_pages, start, end, layers, seed)
     return [Write(*row) for row in rows.tolist()]
 
 
@@ -159,43 +181,59 @@ def plan_array(
     dst: ShardSpec,
     src_pages: list[int],
     dst_pages: list[int],
-    first_page_index: int = 0,
+    start: int = 0,
+    end: int | None = None,
     layers: range | None = None,
     seed: int = 0,
 ) -> np.ndarray:
     """plan_writes as an int64 array [writes, 6] of (layer, src_rank, src_offset, dst_rank, dst_offset,
-    nbytes), built without a Python loop over layers or pages (the messenger plans on its hot path)."""
+    nbytes), built without a Python loop over layers or units (the messenger plans on its hot path)."""
     check_compatible(src, dst)
-    if len(src_pages) != len(dst_pages):
-        raise ValueError(f"{len(src_pages)} source pages for {len(dst_pages)} destination pages")
+    unit = unit_tokens(src, dst)
+    held = min(len(src_pages) * src.page_size, len(dst_pages) * dst.page_size)
+    end = held if end is None else min(end, held)
+    if start % unit or start < 0:
+        raise ValueError(f"start must be a multiple of {unit} tokens (the smaller page size), got {start}")
     sp, dp = np.asarray(src_pages, dtype=np.int64), np.asarray(dst_pages, dtype=np.int64)
     for name, pages, spec in (("source", sp, src), ("destination", dp, dst)):
         bad = pages[(pages < 0) | (pages >= spec.num_pages)]
         if len(bad):
             raise ValueError(f"{name} page ids {bad[:4].tolist()} outside [0, {spec.num_pages})")
+    units = np.arange(start // unit, max(start // unit, -(-end // unit)), dtype=np.int64)
+    tokens = units * unit
+    # each unit's page on each side and its place in that page's head run
+    src_page, src_at = sp[tokens // src.page_size], (tokens % src.page_size) * src.head_dim * src.itemsize
+    dst_page, dst_at = dp[tokens // dst.page_size], (tokens % dst.page_size) * dst.head_dim * dst.itemsize
     layers = np.asarray(layers if layers is not None else range(src.num_layers), dtype=np.int64)
-    index = first_page_index + np.arange(len(sp))
     src_first = np.asarray([src.first_head(r) for r in range(src.tp)], dtype=np.int64)
-    per_page = []  # [pages, rows, 5] per head run: (src_rank, src_offset, dst_rank, dst_offset, nbytes)
+    unit_bytes = unit * src.head_dim * src.itemsize
+    same_pages = src.page_size == dst.page_size  # a head range of a page is one run on both sides
+    per_unit = []  # [units, rows, 5] per write: (src_rank, src_offset, dst_rank, dst_offset, nbytes)
     for dst_rank, head0, nheads, choices in _head_runs(src, dst, seed):
-        src_rank = np.asarray(choices, dtype=np.int64)[index % len(choices)]
+        src_rank = np.asarray(choices, dtype=np.int64)[units % len(choices)]
         sh, dh = head0 - src_first[src_rank], head0 - dst.first_head(dst_rank)
-        whole = nheads == src.heads_per_rank == dst.heads_per_rank  # K and V adjacent on both sides
         planes = src.planes
-        for kv in (0,) if whole else range(planes):
-            per_page.append(
+        if same_pages:
+            whole = nheads == src.heads_per_rank == dst.heads_per_rank  # K and V adjacent on both sides
+            cuts = [(0, kv) for kv in ((0,) if whole else range(planes))]
+            width = (planes if whole else 1) * nheads * unit_bytes
+        else:
+            cuts = [(h, kv) for h in range(nheads) for kv in range(planes)]  # a head's part of a run
+            width = unit_bytes
+        for h, kv in cuts:
+            per_unit.append(
                 np.stack(
                     [
                         src_rank,
-                        ((sp * planes + kv) * src.heads_per_rank + sh) * src.run_bytes,
-                        np.full_like(sp, dst_rank),
-                        ((dp * planes + kv) * dst.heads_per_rank + dh) * dst.run_bytes,
-                        np.full_like(sp, (planes if whole else 1) * nheads * src.run_bytes),
+                        ((src_page * planes + kv) * src.heads_per_rank + sh + h) * src.run_bytes + src_at,
+                        np.full_like(units, dst_rank),
+                        ((dst_page * planes + kv) * dst.heads_per_rank + dh + h) * dst.run_bytes + dst_at,
+                        np.full_like(units, width),
                     ],
                     axis=1,
                 )
             )
-    one_layer = np.stack(per_page, axis=1).reshape(-1, 5)  # page-major, then run and K/V
+    one_layer = np.stack(per_unit, axis=1).reshape(-1, 5)  # unit-major, then run and K/V
     out = np.empty((len(layers), len(one_layer), 6), dtype=np.int64)
     out[:, :, 0] = layers[:, None]
     out[:, :, 1:] = one_layer

@@ -440,7 +440,9 @@ class PrefillMessenger:
         self.handoff.move(_key(req), State.COMPUTING, Cause.STARTED)
         self._slots[req.request_id] = self._free_slots.pop()
         with self._lock:
-            self.transfers[req.request_id] = _Transfer(req, peers, channel, sent_pages=req.skip_pages)
+            skip = req.skip_pages * req.dst_spec.page_size // self.spec.page_size  # a page the decode side
+            # holds in part (its pages smaller than ours) is sent from where its holding ends
+            self.transfers[req.request_id] = _Transfer(req, peers, channel, sent_pages=skip)
         self._tell(channel, Accepted(req.request_id, req.seq))
 
     def _connect(self, metadata: list[bytes], pairs: set[tuple[int, int]]) -> list[list[str | None]]:
@@ -458,7 +460,7 @@ class PrefillMessenger:
         """Plan the whole request against placeholder source pages (the specs must be compatible, the page
         ids in range): the writes of each (our agent, their agent) pair, each checked once connected to be
         inside the regions both sides registered."""
-        n = len(req.dst_pages)
+        n = -(-len(req.prompt_ids) // self.spec.page_size)
         if n > self.spec.num_pages:
             raise ValueError(f"the prompt needs {n} pages; this worker's cache holds {self.spec.num_pages}")
         rows = plan_array(self.spec, req.dst_spec, list(range(n)), req.dst_pages, seed=req.seq)
@@ -509,12 +511,14 @@ class PrefillMessenger:
         by_layer = [[] for _ in range(self.spec.num_layers)]  # [(transfer, ops [n, 5])] per layer
         for t, i0, i1, pages in items:
             req = t.req
+            skipped = req.skip_pages * req.dst_spec.page_size  # tokens the decode side holds already
             rows = plan_array(  # layer-major: each layer's writes are one slice
                 self.spec,
                 req.dst_spec,
-                pages[i0:i1],
-                req.dst_pages[i0:i1],
-                first_page_index=i0,
+                pages[:i1],
+                req.dst_pages,
+                start=max(i0 * self.spec.page_size, skipped),
+                end=i1 * self.spec.page_size,
                 seed=req.seq,
             )
             for layer, layer_rows in enumerate(np.split(rows, self.spec.num_layers)):

@@ -44,6 +44,14 @@ needs.nixl()
             "deployment.chunk_size=0",
             "deployment.chunk_size (or auto, or slo)=0 is not allowed: must be an integer > 0",
         ),
+        (
+            "deployment.prefill_page_size=6",
+            "deployment.prefill_page_size=6 is not allowed: a divisor or a multiple of model.page_size=4",
+        ),
+        (
+            "deployment.prefill_page_size=0",
+            "deployment.prefill_page_size (or null)=0 is not allowed: must be an integer > 0",
+        ),
         ("deployment.gather_ms=-1", "gather_ms=-1 is not allowed: a number of milliseconds from 0 to 1000"),
         (
             "deployment.local_prefill_by_load=maybe",

@@ -13,69 +13,97 @@ def _tps(heads: int) -> list[int]:
 
 @st.composite
 def cases(draw):
+    """Two specs (page sizes equal, or one a multiple of the other), a request of n tokens and its page
+    lists on each side."""
     heads = draw(st.sampled_from([1, 2, 3, 4, 6, 8]))
     geometry = dict(
         num_kv_heads=heads,
         num_layers=draw(st.integers(1, 3)),
-        page_size=draw(st.integers(1, 4)),
         head_dim=draw(st.integers(1, 3)),
         itemsize=draw(st.sampled_from([1, 2])),
     )
-    src = ShardSpec(tp=draw(st.sampled_from(_tps(heads))), num_pages=draw(st.integers(1, 6)), **geometry)
-    dst = ShardSpec(tp=draw(st.sampled_from(_tps(heads))), num_pages=draw(st.integers(1, 6)), **geometry)
-    n = draw(st.integers(0, min(src.num_pages, dst.num_pages)))
-    src_pages = draw(st.permutations(range(src.num_pages)))[:n]
-    dst_pages = draw(st.permutations(range(dst.num_pages)))[:n]
+    unit = draw(st.integers(1, 4))
+    sizes = draw(st.sampled_from([(1, 1), (1, 2), (2, 1), (1, 4), (4, 1), (3, 3)]))
+    src, dst = (
+        ShardSpec(
+            tp=draw(st.sampled_from(_tps(heads))),
+            num_pages=draw(st.integers(1, 6)),
+            page_size=unit * size,
+            **geometry,
+        )
+        for size in sizes
+    )
+    n = draw(st.integers(0, min(src.num_pages * src.page_size, dst.num_pages * dst.page_size)))
+    src_pages = draw(st.permutations(range(src.num_pages)))[: -(-n // src.page_size)]
+    dst_pages = draw(st.permutations(range(dst.num_pages)))[: -(-n // dst.page_size)]
     return src, dst, src_pages, dst_pages, draw(st.integers(0, 2**16))
 
 
+def _pages(spec: ShardSpec, tokens: np.ndarray, pages: list[int]) -> np.ndarray:
+    """tokens [layers, n, planes, H, D * itemsize] in the page layout [layers, pages, planes, H, P * D *
+    itemsize] of len(pages) pages (the last one's tail zero)."""
+    layers, n, planes, heads, row = tokens.shape
+    padded = np.zeros((layers, len(pages) * spec.page_size, planes, heads, row), np.uint8)
+    padded[:, :n] = tokens
+    return padded.reshape(layers, len(pages), spec.page_size, planes, heads, row).transpose(0, 1, 3, 4, 2, 5)
+
+
 def _regions(spec: ShardSpec, truth: np.ndarray, pages: list[int], rng) -> list[np.ndarray]:
-    """Each rank's region: its heads of `truth` [layers, n, 2, H, bytes] at `pages`, noise elsewhere."""
-    regions = []
+    """Each rank's region: its heads of `truth` (tokens, see _pages) at `pages`, noise elsewhere."""
+    regions, paged = [], _pages(spec, truth, pages)
     for rank in range(spec.tp):
         region = rng.integers(0, 256, spec.region_bytes, dtype=np.uint8)
         view = region.reshape(spec.num_layers, spec.num_pages, 2, spec.heads_per_rank, -1)
         h0 = spec.first_head(rank)
-        view[:, pages] = truth[:, :, :, h0 : h0 + spec.heads_per_rank]
+        view[:, pages] = paged[:, :, :, h0 : h0 + spec.heads_per_rank].reshape(*view[:, pages].shape)
         regions.append(region)
     return regions
 
 
-@settings(max_examples=300, deadline=None)
-@given(cases())
-def test_every_destination_byte_is_written_once_with_its_source_byte(case):
-    src, dst, src_pages, dst_pages, seed = case
-    rng = np.random.default_rng(seed)
-    truth = rng.integers(
-        0, 256, (src.num_layers, len(src_pages), 2, src.num_kv_heads, src.run_bytes), dtype=np.uint8
-    )
-    src_regions = _regions(src, truth, src_pages, rng)
+def _apply(src, dst, writes, src_regions):
     dst_regions = [np.zeros(dst.region_bytes, np.uint8) for _ in range(dst.tp)]
     written = [np.zeros(dst.region_bytes, np.int32) for _ in range(dst.tp)]
-    writes = plan_writes(src, dst, src_pages, dst_pages, seed=seed)
     for w in writes:
         dst_regions[w.dst_rank][w.dst_offset : w.dst_offset + w.nbytes] = src_regions[w.src_rank][
             w.src_offset : w.src_offset + w.nbytes
         ]
         written[w.dst_rank][w.dst_offset : w.dst_offset + w.nbytes] += 1
-    expected_cover = [np.zeros(dst.region_bytes, np.int32) for _ in range(dst.tp)]
+    return dst_regions, written
+
+
+@settings(max_examples=300, deadline=None)
+@given(cases())
+def test_every_destination_byte_is_written_once_with_its_source_byte(case):
+    """Every token's K and V, head by head, lands where the destination's page size and ranks put it:
+    each byte of the tokens both sides' pages hold written exactly once, and nothing else."""
+    src, dst, src_pages, dst_pages, seed = case
+    rng = np.random.default_rng(seed)
+    n = min(len(src_pages) * src.page_size, len(dst_pages) * dst.page_size)
+    row = src.head_dim * src.itemsize
+    truth = rng.integers(0, 256, (src.num_layers, n, 2, src.num_kv_heads, row), dtype=np.uint8)
+    writes = plan_writes(src, dst, src_pages, dst_pages, seed=seed)
+    dst_regions, written = _apply(src, dst, writes, _regions(src, truth, src_pages, rng))
+    want, ones = _pages(dst, truth, dst_pages), _pages(dst, np.ones_like(truth), dst_pages)
     for rank in range(dst.tp):
         view = dst_regions[rank].reshape(dst.num_layers, dst.num_pages, 2, dst.heads_per_rank, -1)
         h0 = dst.first_head(rank)
-        np.testing.assert_array_equal(view[:, dst_pages], truth[:, :, :, h0 : h0 + dst.heads_per_rank])
-        expected_cover[rank].reshape(view.shape)[:, dst_pages] = 1
-        np.testing.assert_array_equal(written[rank], expected_cover[rank])  # exactly once, nothing else
+        np.testing.assert_array_equal(view[:, dst_pages], want[:, :, :, h0 : h0 + dst.heads_per_rank].reshape(
+            view[:, dst_pages].shape))  # fmt: skip
+        cover = np.zeros(view.shape, np.int32)
+        cover[:, dst_pages] = ones[:, :, :, h0 : h0 + dst.heads_per_rank].reshape(cover[:, dst_pages].shape)
+        np.testing.assert_array_equal(written[rank], cover.reshape(-1))  # exactly once, nothing else
     assert sum(expected_writes(writes, dst.tp)) == len(writes)
 
 
 @settings(max_examples=100, deadline=None)
-@given(cases(), st.integers(0, 6))
-def test_planning_chunk_by_chunk_equals_planning_the_request(case, cut):
+@given(cases(), st.integers(0, 24))
+def test_planning_in_spans_equals_planning_the_request(case, cut):
     src, dst, src_pages, dst_pages, seed = case
-    cut = min(cut, len(src_pages))
+    unit = min(src.page_size, dst.page_size)
+    cut = min(cut * unit, len(src_pages) * src.page_size, len(dst_pages) * dst.page_size)
     whole = plan_writes(src, dst, src_pages, dst_pages, seed=seed)
-    parts = plan_writes(src, dst, src_pages[:cut], dst_pages[:cut], seed=seed) + plan_writes(
-        src, dst, src_pages[cut:], dst_pages[cut:], first_page_index=cut, seed=seed
+    parts = plan_writes(src, dst, src_pages, dst_pages, end=cut, seed=seed) + plan_writes(
+        src, dst, src_pages, dst_pages, start=cut, seed=seed
     )
     assert sorted(parts) == sorted(whole)
     assert expected_writes(parts, dst.tp) == expected_writes(whole, dst.tp)
@@ -137,7 +165,7 @@ def test_over_100_one_page_requests_every_replica_sends_a_share(src_tp, dst_tp):
         (dict(kv_layout="NHD"), dict(kv_layout="NHD"), "needs kv_layout 'HND'"),
         (dict(kv_layout="NHD"), {}, "disagree on kv_layout: 'NHD' \\(prefill\\) vs 'HND' \\(decode\\)"),
         ({}, dict(weights="ab" * 8), "disagree on weights: '' \\(prefill\\) vs 'abababababababab'"),
-        ({}, dict(page_size=8), "disagree on page_size"),
+        ({}, dict(page_size=24), "prefill page_size 16 and decode page_size 24: one must divide the other"),
         ({}, dict(itemsize=4, dtype="float32"), "disagree on itemsize"),
         ({}, dict(head_dim=128), "disagree on head_dim"),
         (dict(tp=3), {}, "tp=3 must divide num_kv_heads=8"),
@@ -150,7 +178,23 @@ def test_rejects_what_it_cannot_do(src, dst, message):
 
 def test_rejects_bad_page_lists():
     spec = ShardSpec(tp=1, **SPEC)
-    with pytest.raises(ValueError, match="2 source pages for 1 destination"):
-        plan_writes(spec, spec, [0, 1], [0])
+    with pytest.raises(ValueError, match="start must be a multiple of 16 tokens"):
+        plan_writes(spec, spec, [0, 1], [0, 1], start=8)
     with pytest.raises(ValueError, match="outside"):
         plan_writes(spec, spec, [16], [0])
+    assert plan_writes(spec, spec, [0, 1], [0]) == plan_writes(spec, spec, [0], [0])  # what both hold
+
+
+def test_small_pages_into_large_ones_move_a_write_per_head_and_plane_each():
+    """16-token prefill pages into 64-token decode pages, 8 heads on 2 ranks each side: each source page
+    is a quarter of one head's run on the decode side, a write of its own per head and plane."""
+    small, large = ShardSpec(tp=2, **SPEC), ShardSpec(tp=2, **dict(SPEC, page_size=64, num_pages=4))
+    writes = plan_writes(small, large, [3, 4, 5, 6, 7], [2, 0], layers=range(1))
+    assert len(writes) == 5 * 2 * 4 * 2  # pages x ranks x heads x planes
+    assert all(w.nbytes == 16 * 64 * 2 for w in writes)
+    # the fifth source page is the first quarter of the second decode page: rank 0's head 0's K there
+    fifth = [w for w in writes if w.src_offset // small.run_bytes // 8 == 7]
+    assert {w.dst_offset // large.run_bytes // 8 for w in fifth} == {0}
+    assert min(w.dst_offset for w in fifth if w.dst_rank == 0) == 0
+    back = plan_writes(large, small, [2, 0], [3, 4, 5, 6, 7], layers=range(1))
+    assert sorted((w.nbytes, w.dst_rank) for w in back) == sorted((w.nbytes, w.dst_rank) for w in writes)

@@ -1,0 +1,69 @@
+"""A prefill worker and a decode worker of different page sizes (transfer/plan.py's units): the KV lands
+where the decode side's pages put it, a conversation's later turns skip what the decode side's prefix
+cache holds (a page of its own in part, where its pages are the smaller), and the tokens are the ones
+equal page sizes give."""
+
+import pytest
+
+from engine import LLM
+from engine.disagg import shard_spec
+from tests.transfer.messengers import GREEDY, _close, _local_pair, _run
+from transfer.plan import plan_array
+
+PAGES = 64
+
+
+@pytest.mark.parametrize(
+    "model, prefill_tp, prefill_page, decode_page",
+    [
+        ("tiny-random", 1, 16, 64),
+        ("tiny-random", 1, 64, 16),
+        ("tiny-random", 2, 16, 64),  # and TP 2 -> 1 beside
+        ("tiny-random-deepseek", 1, 16, 64),  # the MLA latent cache: one plane, one head
+    ],
+)
+def test_a_conversation_across_page_sizes_gives_the_equal_settings_tokens(
+    request, model, prefill_tp, prefill_page, decode_page
+):
+    chunks = 40  # prefill chunks that end inside pages of either size
+    prefill = LLM(
+        model,
+        tp=prefill_tp,
+        role="prefill",
+        page_size=prefill_page,
+        num_pages=PAGES,
+        max_num_batched_tokens=chunks,
+    )
+    decode = LLM(model, role="decode", page_size=decode_page, num_pages=PAGES)
+    reference = LLM(model, page_size=decode_page, num_pages=PAGES, enable_prefix_caching=False)
+    pm, dm = _local_pair(prefill, decode, request.node.name)
+    requests = []
+    send = dm.peers["prefill-0"].channel.send
+    dm.peers["prefill-0"].channel.send = lambda msg, **kw: (requests.append(msg), send(msg, **kw))[1]
+    try:
+        prompt = list(range(100, 237))  # 136 tokens to send: two pages and a part of 64, 8.5 of 16
+        for turn in range(3):
+            rid = f"turn{turn}"
+            assert dm.submit(rid, prompt, GREEDY)
+            _run(prefill, decode, pm, dm, [rid])
+            out, req = decode.output(rid), requests[-1]
+            assert out.token_ids == reference.generate([prompt], GREEDY)[0].token_ids, turn
+            assert req.skip_pages * decode_page == out.num_cached_tokens
+            src, dst = shard_spec(prefill), shard_spec(decode)
+            theirs, ours = list(range(-(-(len(prompt) - 1) // prefill_page))), req.dst_pages
+            plan = plan_array(src, dst, theirs, ours, start=out.num_cached_tokens)
+            assert dm.timings[rid].writes == len(plan) + 1  # every write landed and was counted
+            prompt = prompt + out.token_ids + list(range(300 + 40 * turn, 340 + 40 * turn))
+        cached = [decode.output(f"turn{t}").num_cached_tokens for t in range(3)]
+        assert cached[0] == 0 and all(c > 0 and c % decode_page == 0 for c in cached[1:]), cached
+        assert not dm.dropped and not pm.transfers
+        assert prefill.allocator.num_free == PAGES and decode.allocator.num_free == PAGES
+    finally:
+        _close(pm, dm)
+
+
+def test_page_sizes_where_neither_divides_the_other_are_refused_at_connect(request):
+    prefill = LLM("tiny-random", role="prefill", page_size=16, num_pages=PAGES)
+    decode = LLM("tiny-random", role="decode", page_size=24, num_pages=PAGES)
+    with pytest.raises(ValueError, match="prefill page_size 16 and decode page_size 24: one must divide"):
+        _local_pair(prefill, decode, request.node.name)
