@@ -111,7 +111,9 @@ class LLM:
                 _close_ranks(None, folder)
                 raise
             self._finalizer = weakref.finalize(self, _close_ranks, self.tp_group, folder)
-        self.model = Model(arch, loaded.weights, dev, config.torch_dtype, shard, config.batch_invariant)
+        self.model = Model(
+            arch, loaded.weights, dev, config.torch_dtype, shard, config.batch_invariant, cache.kv_layout
+        )
         kv_cache = allocate_kv_cache(arch, cache, shard.num_kv_heads, dev, config.torch_dtype)
         # shared with the lead (TP) and, in the decode role, with DP group 0's agents (engine/dp.py)
         shared = config.tp > 1 or (config.dp > 1 and role.receives_kv)

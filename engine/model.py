@@ -159,8 +159,10 @@ class Model:
         dtype: torch.dtype,
         shard: Shard | None = None,
         batch_invariant: bool = False,
+        kv_layout: str = "HND",
     ):
         self.config, self.device, self.dtype = config, device, dtype
+        self.kv_layout = kv_layout  # the paged cache's (engine.kv.cache.allocate_kv_cache): HND or NHD
         # every token's result the same bits whatever its step holds (pdkernels.invariant): the projections
         # a row at a time, each token's attention over its own prefix, and no C++ step (its kernels differ
         # from the Python layers' by the batch's size and kind)
@@ -184,7 +186,9 @@ class Model:
             layer.update({k: cpu.pack(layer[k]) for k in PROJECTIONS if k in layer})
         if packing:  # build (first time on this machine, ~20 s) or load the C++ paths now, not in a request
             cpu.module()
-        self.decoder = self._dense_decoder() if packing and not batch_invariant else None
+        # the C++ step reads HND pages: an NHD cache takes the Python layers (whose kernels take either)
+        fused = packing and not batch_invariant and kv_layout == "HND"
+        self.decoder = self._dense_decoder() if fused else None
         # ... and its steps with prompt tokens: where the AMX attention takes this head dim
         self.decoder_extends = (  # where the Python layers' attention is the same AMX kernel
             self.decoder is not None
@@ -298,7 +302,9 @@ class Model:
         q, k = self.rope(qk, *rope).split([s.num_q_heads, s.num_kv_heads], dim=1)
         cache = kv_cache[i]
         tables = (meta.kv_indices, meta.kv_indptr, meta.kv_last_page_len)
-        ops.kv_append(k, v, meta.batch_indices, meta.positions, cache, *tables, validate=False)
+        ops.kv_append(
+            k, v, meta.batch_indices, meta.positions, cache, *tables, self.kv_layout, validate=False
+        )
         if self.batch_invariant:
             if meta.token_tables is None:
                 page_size = cache.shape[3]
@@ -313,6 +319,7 @@ class Model:
                 meta.kv_indptr,
                 meta.kv_indices,
                 meta.kv_last_page_len,
+                kv_layout=self.kv_layout,
                 max_seq_len=meta.max_kv_len,
                 validate=False,
                 split_len=meta.split_len,
@@ -326,6 +333,7 @@ class Model:
                 meta.kv_indptr,
                 meta.kv_indices,
                 meta.kv_last_page_len,
+                kv_layout=self.kv_layout,
                 max_q_len=meta.max_q_len,
                 validate=False,
             )

@@ -69,7 +69,10 @@ def build_rank(config: EngineConfig, rank: int):
     loaded = load_model(config.model)
     device = torch.device(config.device)
     shard = Shard.of(loaded.config, rank, config.tp, config.expert_parallel, config.dp, config.dp_rank)
-    model = Model(loaded.config, loaded.weights, device, config.torch_dtype, shard, config.batch_invariant)
+    model = Model(
+        loaded.config, loaded.weights, device, config.torch_dtype, shard, config.batch_invariant,
+        config.cache.kv_layout,
+    )  # fmt: skip
     if device.type == "cpu":
         kv_cache = allocate_kv_cache(
             loaded.config, config.cache, shard.num_kv_heads, device, config.torch_dtype

@@ -18,6 +18,7 @@ DEPLOYMENT_KINDS = ("colocated", "disaggregated")
 DECODE_PREEMPTIONS = ("refetch", "recompute_local")
 ON_WORKER_DEATH = ("migrate", "fail")
 DTYPES = ("float32", "bfloat16", "float16")
+KV_LAYOUTS = ("HND", "NHD")
 DEVICES = ("auto", "cpu", "cuda")
 KERNEL_BACKENDS = ("auto", "triton", "flashinfer", "torch")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -138,16 +139,19 @@ def engine_config(
     the engine's names, with what they leave to derive resolved here, once, in the main process before any
     worker starts: chunk_size auto and slo (prefill_budget), slo's step target (tpot_s), the decode
     preemption, speculation only where a worker samples (or may come to: elastic)."""
-    page_size, num_pages = model.page_size, model.num_pages
+    page_size, num_pages, kv_layout = model.page_size, model.num_pages, model.kv_layout
     if role is Role.PREFILL and d.prefill_page_size is not None:  # the same tokens in pages of its size
         page_size = d.prefill_page_size
         num_pages = max(1, model.num_pages * model.page_size // page_size)
+    if role is Role.PREFILL and d.prefill_kv_layout is not None:
+        kv_layout = d.prefill_kv_layout
     return EngineConfig.of(
         model.name,
         device=model.device,
         dtype=model.dtype,
         page_size=page_size,
         num_pages=num_pages,
+        kv_layout=kv_layout,
         max_num_seqs=model.max_num_seqs,
         expert_parallel=model.expert_parallel,
         batch_invariant=model.batch_invariant,
@@ -171,6 +175,7 @@ class ModelSpec:
     name: str  # smollm2-135m | tiny-random[-kv4|-kv8] | random-llama-1b | a Hugging Face model directory
     dtype: str = "bfloat16"  # or auto: bfloat16 on CUDA and on CPUs with AVX-512 BF16 or AMX, else float32
     page_size: int = 16  # tokens per KV page
+    kv_layout: str = "HND"  # a KV page's plane as [heads, tokens, head_dim] (HND) or [tokens, heads, ...]
     num_pages: int = 512  # per worker
     max_num_seqs: int = 64  # sequences a worker runs at once (its largest decode batch)
     device: str = "auto"  # auto: cuda when this machine has it, else cpu
@@ -189,6 +194,8 @@ class ModelSpec:
             refuse("model.dtype", self.dtype, f"one of {DTYPES + ('auto',)}")
         for key in ("page_size", "num_pages", "max_num_seqs"):
             check_positive(f"model.{key}", getattr(self, key), integer=True)
+        if self.kv_layout not in KV_LAYOUTS:
+            refuse("model.kv_layout", self.kv_layout, f"one of {KV_LAYOUTS}")
         cuda = cuda_available()
         if self.device == "cuda" and not cuda:
             refuse(
@@ -239,6 +246,9 @@ class DeploymentConfig:
     # KV moves in units of the smaller, transfer/plan.py); a prefill worker's cache holds the tokens
     # model.num_pages of model.page_size hold
     prefill_page_size: int | None = None
+    # ... and their pages' layout (null: model.kv_layout): what lands in the other layout is turned into the
+    # decode workers' own in place; an NHD prefill worker needs decode_tp = prefill_tp (or one kv head)
+    prefill_kv_layout: str | None = None
     # prefill tokens per forward pass (the chunked prefill budget), or auto (prefill_budget: 2,048 where
     # the CPU computes in bf16, 1,024 on a CPU in fp32, 512 elsewhere), or slo (auto's, but a step with
     # decodes takes only the prompt tokens that, at its measured step time, keep each decoding request's
@@ -311,13 +321,16 @@ class DeploymentConfig:
         for key in counts + keys:
             name = "num_workers (or auto)" if key == "num_workers" else key
             check_positive(f"deployment.{name}", getattr(self, key), integer=True)
-        p = self.prefill_page_size
+        p, layout = self.prefill_page_size, self.prefill_kv_layout
         if p is not None:
             check_positive("deployment.prefill_page_size (or null)", p, integer=True)
-            if self.colocated:
-                refuse("deployment.prefill_page_size", p, "null for kind=colocated (no prefill workers)")
-            if self.planner.elastic:
-                refuse("deployment.prefill_page_size", p, "null where elastic workers switch roles")
+        if layout is not None and layout not in KV_LAYOUTS:
+            refuse("deployment.prefill_kv_layout", layout, f"null or one of {KV_LAYOUTS}")
+        for key, value in (("prefill_page_size", p), ("prefill_kv_layout", layout)):
+            if value is not None and self.colocated:
+                refuse(f"deployment.{key}", value, "null for kind=colocated (no prefill workers)")
+            if value is not None and self.planner.elastic:
+                refuse(f"deployment.{key}", value, "null where elastic workers switch roles")
         g = self.gather_ms
         if isinstance(g, bool) or not isinstance(g, int | float) or not 0 <= g <= 1000:
             refuse(f"deployment.{self.name}.gather_ms", g, "a number of milliseconds from 0 to 1000")
@@ -619,6 +632,20 @@ def _role_counts(d: DeploymentConfig) -> list[tuple[Role, int]]:
     return [(Role.PREFILL, d.num_prefill), (Role.DECODE, d.num_decode)]
 
 
+def _shard_spec(engine: EngineConfig):
+    """The KV geometry a worker of this engine config will announce (engine.disagg.shard_spec's, less
+    the model's digests and what the region's allocation decides)."""
+    from engine.config import DTYPES as BYTES
+    from transfer.plan import ShardSpec
+
+    m, c = engine.arch, engine.cache
+    return ShardSpec(
+        tp=engine.tp, num_kv_heads=m.num_kv_heads, num_layers=m.num_layers, num_pages=c.num_pages,
+        page_size=c.page_size, head_dim=m.head_dim, itemsize=BYTES[engine.dtype], dtype=engine.dtype,
+        kv_layout=c.kv_layout, planes=m.kv_planes,
+    )  # fmt: skip
+
+
 def check_fits_model(config: RuntimeConfig):
     """Read the model's config and tokenizer (what the runtime tokenizes with; not its weights, which only
     workers load) and check every TP degree against it, through the engine's own EngineConfig checks, and
@@ -637,28 +664,33 @@ def check_fits_model(config: RuntimeConfig):
             refuse("deployment.prefill_dp and decode_dp", dp, f"1 for {d.name}: elastic workers switch roles")
         if not d.colocated and d.decode_dp > 1 and config.model.device != "cpu":
             refuse("deployment.decode_dp", d.decode_dp, f"1 for {d.name}: DP decode workers run on the CPU")
-        p, page = d.prefill_page_size, config.model.page_size
-        if p is not None and max(p, page) % min(p, page):
-            refuse(
-                "deployment.prefill_page_size", p,
-                f"a divisor or a multiple of model.page_size={page} (the KV moves in pages of the smaller)",
-            )  # fmt: skip
         nics, ranks = config.transfer.nics_per_rank, max(d.tp_of(r) * d.dp_of(r) for r in d.roles)
         if nics and len(nics) < ranks:
             refuse(
                 "transfer.nics_per_rank", list(nics), f"one device name per rank (tp x dp: {ranks}), or none"
             )
+        specs = {}
         for role in d.roles:
             try:
                 engine = engine_config(config.model, d, role, config.slo.tpot_s)
             except ValueError as e:
                 raise ValueError(f"deployment {d.name}, its {role} workers: {e}") from e
             try:
-                replace(engine, arch=loaded.config)
+                specs[role] = _shard_spec(replace(engine, arch=loaded.config))
             except ValueError as e:
                 key = f"{role}_tp" if role.sends_kv or role.receives_kv else "tp"
                 raise ValueError(
                     f"deployment {d.name}: {key}={d.tp_of(role)} does not fit {loaded.config.name}: {e}"
+                ) from e
+        if not d.colocated:
+            from transfer.plan import check_compatible
+
+            try:
+                check_compatible(specs[Role.PREFILL], specs[Role.DECODE])
+            except ValueError as e:
+                raise ValueError(
+                    f"deployment {d.name}: its prefill workers' KV cannot go to its decode workers "
+                    f"(prefill_page_size, prefill_kv_layout, prefill_tp, decode_tp): {e}"
                 ) from e
     check_fits_machine(config, loaded)
     return loaded

@@ -46,7 +46,7 @@ from transfer.agents import RankAgents
 from transfer.backends import Backend
 from transfer.config import TransferConfig
 from transfer.handoff import DECODE_MOVES, Cause, DecodeState, Handoff
-from transfer.plan import ShardSpec, check_compatible, check_sendable, plan_array, unit_tokens
+from transfer.plan import ShardSpec, check_compatible, plan_array, unit_tokens
 from transfer.protocol import PROTOCOL_VERSION, Abort, Accepted, Ended, Hello, Notif, PrefillRequest
 
 log = logging.getLogger(__name__)
@@ -125,6 +125,7 @@ class _Group:
     context: Tensor  # [context_slots, hidden]: each in-flight request's last prefilled hidden state
     metadata: list[bytes]  # the agents', in every PrefillRequest to this group
     free_slots: list[int]
+    regions: list[Tensor]  # each TP rank's KV cache (mapped here), as the engine reads it
 
     @property
     def backend(self) -> Backend:
@@ -145,11 +146,25 @@ class _Pending:
     posts: set[int] = field(default_factory=set)  # post numbers counted (a duplicate counts once)
     error: str | None = None  # why it failed (State.FAILED): its pages wait for Ended or the peer's death
     group: int = 0  # the DP group whose pages it fills
+    pages: list[int] = field(default_factory=list)  # the pages it writes (its prefix cache's skipped)
 
     @property
     def expected(self) -> int:
         """Writes to count before release: the plan's and the context write."""
         return self.timing.writes
+
+
+def relayout(regions: list[Tensor], pages: list[int]) -> None:
+    """Turn pages that hold KV in the other layout (a plane's [H, P] read as [P, H], or the reverse) into
+    the one each rank's cache has, in place, every layer: one gather and one scatter of those pages."""
+    if not pages:
+        return
+    index = torch.as_tensor(pages, device=regions[0].device)
+    for cache in regions:
+        layers, _, planes, a, b, d = cache.shape
+        if a == 1 or b == 1:  # one head (a latent row) or one token a page: both layouts are the same bytes
+            continue
+        cache[:, index] = cache[:, index].reshape(layers, len(pages), planes, b, a, d).transpose(3, 4)
 
 
 class DecodeMessenger:
@@ -198,13 +213,14 @@ class DecodeMessenger:
         """Another destination (a DP group): its engine side, its own agents (one per TP rank, or one) over
         its KV regions, and a context buffer registered with rank 0's. Returns its number for submit's
         group."""
-        check_sendable(spec)
         context = torch.zeros(
             self.config.context_slots, self.hidden_size, dtype=torch.float32, device=kv_regions[0].device
         )
         agents = RankAgents(backend, kv_regions, context)  # the context buffer: written by prefill
         free = list(range(self.config.context_slots))
-        self.groups.append(_Group(engine, agents.backends, spec, context, agents.metadata(), free))
+        self.groups.append(
+            _Group(engine, agents.backends, spec, context, agents.metadata(), free, kv_regions)
+        )
         return len(self.groups) - 1
 
     @property
@@ -335,7 +351,9 @@ class DecodeMessenger:
         nbytes = int(writes[:, 5].sum()) + g.context[0].numel() * g.context.element_size()
         slot = g.free_slots.pop()
         timing = Timing(time.perf_counter(), peer, writes=len(writes) + 1, nbytes=nbytes)
-        pending = _Pending(seq, target, slot, self.clock(), len(prompt_ids) - 1, timing, group=group)
+        pending = _Pending(
+            seq, target, slot, self.clock(), len(prompt_ids) - 1, timing, group=group, pages=pages[skip:]
+        )
         self.handoff.move(request_id, State.REQUESTED, Cause.SENT, pending)
         request = PrefillRequest(
             request_id, list(prompt_ids[:-1]), pages, g.spec, g.metadata, slot, seq, skip, cache_salt,
@@ -392,6 +410,8 @@ class DecodeMessenger:
             if p.received == p.expected:
                 self.handoff.move(rid, State.DECODING, Cause.LANDED)
                 g = self.groups[p.group]
+                if p.peer.hello.spec.kv_layout != g.spec.kv_layout:  # landed in the sender's layout
+                    relayout(g.regions, p.pages)
                 context = g.context[p.slot].clone()
                 g.free_slots.append(p.slot)
                 p.timing.landed = time.perf_counter()

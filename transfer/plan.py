@@ -14,6 +14,13 @@ than the decode side's): the plan then copies units of the smaller page size, a 
 V) being a contiguous part of that head's run on the larger side, so each unit moves as one write per
 head and plane; a request's tokens map to pages by position on each side (token t is in page t // P).
 
+The two sides' layouts may differ too (HND and NHD, [H, P] or [P, H] in a page's plane): the KV moves in
+the prefill side's layout, its bytes into the decode side's pages as they are, and the decode side turns
+each request's pages into its own layout in place once they have all landed (transfer/decode.py), one
+pass over bytes it holds. In NHD one head of a page is not one run, so an NHD prefill side sends only
+where each decode rank holds the heads of one prefill rank (the same TP; or one latent head): whole
+pages, or whole units of all the rank's heads.
+
 Writes are planned per unit (a page, where the sizes match) and never merged across units, so the count
 for a whole request is the sum of the counts for any split of its tokens at unit boundaries: the decode
 side computes it once, the prefill side plans each chunk's completed pages as they become ready.
@@ -40,7 +47,7 @@ class ShardSpec:
     head_dim: int
     itemsize: int  # bytes per element
     dtype: str = "bfloat16"
-    kv_layout: str = "HND"
+    kv_layout: str = "HND"  # or NHD (the decode side converts what lands: see above)
     planes: int = 2  # K and V; 1 for an MLA latent cache
     # what the KV means beyond its shape: digests of the model's config, its weights and its tokenizer
     # (engine.weights.identity; "" where a caller has none). Another model's KV, or another checkpoint's
@@ -62,7 +69,7 @@ class ShardSpec:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"ShardSpec.{name} must be >= 1, got {getattr(self, name)}")
-        if self.kv_layout not in ("HND", "NHD"):  # the plan writes HND alone (check_compatible)
+        if self.kv_layout not in ("HND", "NHD"):
             raise ValueError(f"ShardSpec.kv_layout must be 'HND' or 'NHD', got {self.kv_layout!r}")
         if self.num_kv_heads % self.tp and self.tp % self.num_kv_heads:
             raise ValueError(
@@ -112,19 +119,10 @@ class Write(NamedTuple):
 
 
 # what both sides of a transfer must share (tp may differ: the plan converts between degrees; so may the
-# page size, where one side's divides the other's)
+# page size, where one side's divides the other's, and the layout)
 MUST_MATCH = (
-    "model", "weights", "tokenizer", "num_kv_heads", "num_layers", "head_dim", "itemsize", "dtype",
-    "kv_layout", "planes",
+    "model", "weights", "tokenizer", "num_kv_heads", "num_layers", "head_dim", "itemsize", "dtype", "planes",
 )  # fmt: skip
-
-
-def check_sendable(spec: ShardSpec) -> None:
-    """A worker's own cache, checked once as its messenger starts: the plan writes HND pages alone."""
-    if spec.kv_layout != "HND":
-        raise ValueError(
-            f"KV transfer needs kv_layout 'HND' (a page's head range is one run), got {spec.kv_layout!r}"
-        )
 
 
 def check_compatible(src: ShardSpec, dst: ShardSpec) -> None:
@@ -144,7 +142,14 @@ def check_compatible(src: ShardSpec, dst: ShardSpec) -> None:
             f"prefill page_size {src.page_size} and decode page_size {dst.page_size}: one must divide the "
             "other (a page of the smaller size is then a part of one page of the larger)"
         )
-    check_sendable(src)
+    if src.kv_layout == "NHD" and not all(
+        n == src.heads_per_rank == dst.heads_per_rank for _, _, n, _ in _head_runs(src, dst, 0)
+    ):
+        raise ValueError(
+            f"an NHD prefill side sends whole pages of its ranks' heads, and decode ranks here hold other "
+            f"heads (prefill tp={src.tp}, decode tp={dst.tp}, {src.num_kv_heads} kv heads): run the "
+            "prefill side in HND, or both at the same TP"
+        )
 
 
 def unit_tokens(src: ShardSpec, dst: ShardSpec) -> int:
@@ -201,9 +206,12 @@ def plan_array(
             raise ValueError(f"{name} page ids {bad[:4].tolist()} outside [0, {spec.num_pages})")
     units = np.arange(start // unit, max(start // unit, -(-end // unit)), dtype=np.int64)
     tokens = units * unit
-    # each unit's page on each side and its place in that page's head run
-    src_page, src_at = sp[tokens // src.page_size], (tokens % src.page_size) * src.head_dim * src.itemsize
-    dst_page, dst_at = dp[tokens // dst.page_size], (tokens % dst.page_size) * dst.head_dim * dst.itemsize
+    # each unit's page on each side and its place in that page: in a head's run (HND), or in the plane of
+    # all the rank's heads (NHD, whose runs are the rank's heads: check_compatible)
+    nhd = src.kv_layout == "NHD"
+    src_row, dst_row = (s.head_dim * s.itemsize * (s.heads_per_rank if nhd else 1) for s in (src, dst))
+    src_page, src_at = sp[tokens // src.page_size], (tokens % src.page_size) * src_row
+    dst_page, dst_at = dp[tokens // dst.page_size], (tokens % dst.page_size) * dst_row
     layers = np.asarray(layers if layers is not None else range(src.num_layers), dtype=np.int64)
     src_first = np.asarray([src.first_head(r) for r in range(src.tp)], dtype=np.int64)
     unit_bytes = unit * src.head_dim * src.itemsize
@@ -217,6 +225,9 @@ def plan_array(
             whole = nheads == src.heads_per_rank == dst.heads_per_rank  # K and V adjacent on both sides
             cuts = [(0, kv) for kv in ((0,) if whole else range(planes))]
             width = (planes if whole else 1) * nheads * unit_bytes
+        elif nhd:
+            cuts = [(0, kv) for kv in range(planes)]  # the unit's tokens of all the rank's heads
+            width = nheads * unit_bytes
         else:
             cuts = [(h, kv) for h in range(nheads) for kv in range(planes)]  # a head's part of a run
             width = unit_bytes

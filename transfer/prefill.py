@@ -42,7 +42,7 @@ from transfer.agents import RankAgents, context_region, route
 from transfer.backends import Backend, TransferError, WriteOp
 from transfer.config import TransferConfig
 from transfer.handoff import PREFILL_MOVES, Cause, Handoff, PrefillState
-from transfer.plan import ShardSpec, check_sendable, plan_array
+from transfer.plan import ShardSpec, plan_array
 from transfer.protocol import Abort, Accepted, Ended, Hello, Notif, PrefillRequest
 
 log = logging.getLogger(__name__)
@@ -132,7 +132,6 @@ class PrefillMessenger:
         hidden_size: int,
         config: TransferConfig | None = None,
     ):
-        check_sendable(spec)
         self.engine, self.spec, self.counter = engine, spec, counter
         self.config = config or TransferConfig()
         slots = self.config.context_slots

@@ -27,12 +27,15 @@ def allocate_kv_cache(
     model: ModelConfig, cache: CacheConfig, num_kv_heads: int, device, dtype
 ) -> torch.Tensor:
     """One tensor for all layers: [layers, pages, 2, H, P, D] (HND) or [layers, pages, 2, P, H, D] (NHD);
-    an MLA model's has one plane and one head, its latent row: [layers, pages, 1, 1, P, D].
+    an MLA model's has one plane and one head, its latent row: [layers, pages, 1, 1, P, D] in either layout
+    (one head: the same bytes).
 
     One region per rank is what the transfer engine registers; cache[l] is layer l's paged cache.
     """
     heads_tokens = (
-        (num_kv_heads, cache.page_size) if cache.kv_layout == "HND" else (cache.page_size, num_kv_heads)
+        (num_kv_heads, cache.page_size)
+        if cache.kv_layout == "HND" or model.mla
+        else (cache.page_size, num_kv_heads)
     )
     import torch
 

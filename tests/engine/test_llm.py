@@ -31,6 +31,7 @@ def alone():
             "num_pages": 512,
             "max_num_batched_tokens": 24,
         },  # chunked prefill mixed with decode
+        {"page_size": 16, "num_pages": 512, "max_num_batched_tokens": 24, "kv_layout": "NHD"},  # [P, H] pages
         # pressure: admission with room to finish (no fair share) queues requests instead of preempting
         {
             "page_size": 4,
@@ -64,6 +65,16 @@ def test_concurrent_requests_match_one_at_a_time(alone, kwargs):
         pass  # preempted or not, the tokens are the same (above)
     else:
         assert stats == {"preemptions": 0, "recomputed_tokens": 0, "refetched_tokens": 0}
+
+
+def test_a_latent_cache_is_the_same_in_either_layout():
+    """One latent head a page: NHD and HND are the same bytes, and the same tokens."""
+    prompts = _prompts(4)
+    hnd, nhd = (LLM("tiny-random-deepseek", page_size=8, num_pages=64, kv_layout=k) for k in ("HND", "NHD"))
+    assert nhd.kv_cache.shape == hnd.kv_cache.shape
+    assert [o.token_ids for o in nhd.generate(prompts, GREEDY)] == [
+        o.token_ids for o in hnd.generate(prompts, GREEDY)
+    ]
 
 
 def test_prefill_then_decode_on_copied_pages(alone):

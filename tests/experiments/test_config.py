@@ -46,12 +46,20 @@ needs.nixl()
         ),
         (
             "deployment.prefill_page_size=6",
-            "deployment.prefill_page_size=6 is not allowed: a divisor or a multiple of model.page_size=4",
+            "prefill workers' KV cannot go to its decode workers (prefill_page_size, prefill_kv_layout, "
+            "prefill_tp, decode_tp): prefill page_size 6 and decode page_size 4: one must divide the other",
         ),
         (
             "deployment.prefill_page_size=0",
             "deployment.prefill_page_size (or null)=0 is not allowed: must be an integer > 0",
         ),
+        (
+            "deployments=[{name: d, kind: disaggregated, num_prefill: 1, num_decode: 1, decode_tp: 2, "
+            "prefill_kv_layout: NHD}]",
+            "an NHD prefill side sends whole pages of its ranks' heads, and decode ranks here hold other",
+        ),
+        ("model.kv_layout=HDN", "model.kv_layout='HDN' is not allowed: one of ('HND', 'NHD')"),
+        ("deployment.prefill_kv_layout=nhd", "prefill_kv_layout='nhd' is not allowed: null or one of"),
         ("deployment.gather_ms=-1", "gather_ms=-1 is not allowed: a number of milliseconds from 0 to 1000"),
         (
             "deployment.local_prefill_by_load=maybe",

@@ -20,9 +20,9 @@ def test_greedy_outputs_are_identical_colocated_1p1d_and_tp_1_to_2(tmp_path, sho
     monkeypatch.setenv("TMPDIR", str(short_tmp.resolve()))  # the workers' (read when each starts)
     deployments = (
         "deployments=[{name: colocated, kind: colocated, num_workers: 1},"
-        "{name: 1p1d, kind: disaggregated, num_prefill: 1, num_decode: 1},"
+        "{name: 1p1d, kind: disaggregated, num_prefill: 1, num_decode: 1, prefill_kv_layout: NHD},"
         "{name: 1p1d-tp1-2, kind: disaggregated, num_prefill: 1, num_decode: 1, decode_tp: 2,"
-        " prefill_page_size: 16}]"  # and the prefill worker's pages four of the decode worker's
+        " prefill_page_size: 16}]"  # 1p1d's prefill pages NHD, this one's four of the decode worker's
     )
     records = run(_cfg([*TINY, deployments]), tmp_path, progress=False)
     assert [r["deployment"] for r in records] == ["colocated", "1p1d", "1p1d-tp1-2"]

@@ -50,19 +50,26 @@ def test_preemption_and_speculation_follow_the_role():
 
 @pytest.mark.parametrize("prefill_page_size, num_pages", [(32, 24), (2, 384), (8, 96)])
 def test_prefill_workers_of_another_page_size_hold_the_same_tokens(prefill_page_size, num_pages):
-    d = _d(prefill_page_size=prefill_page_size)
+    d = _d(prefill_page_size=prefill_page_size, prefill_kv_layout="NHD")
     prefill, decode = (engine_config(MODEL, d, role, 0.1).cache for role in (Role.PREFILL, Role.DECODE))
-    assert (prefill.page_size, prefill.num_pages) == (prefill_page_size, num_pages)
-    assert (decode.page_size, decode.num_pages) == (8, 96)
+    assert (prefill.page_size, prefill.num_pages, prefill.kv_layout) == (prefill_page_size, num_pages, "NHD")
+    assert (decode.page_size, decode.num_pages, decode.kv_layout) == (8, 96, "HND")
 
 
 @pytest.mark.parametrize(
     "kw, message",
     [
-        (dict(kind="colocated", num_workers=1), "prefill_page_size=16 is not allowed: null for kind=colocated"),
+        (
+            dict(kind="colocated", num_workers=1),
+            "prefill_page_size=16 is not allowed: null for kind=colocated",
+        ),
         (dict(planner={"manual": True}), "prefill_page_size=16 is not allowed: null where elastic workers"),
         (dict(prefill_page_size=-4), "prefill_page_size (or null)=-4 is not allowed"),
         (dict(prefill_page_size=2.5), "prefill_page_size (or null)=2.5 is not allowed"),
+        (
+            dict(kind="colocated", num_workers=1, prefill_page_size=None, prefill_kv_layout="NHD"),
+            "prefill_kv_layout='NHD' is not allowed: null for kind=colocated",
+        ),
     ],
 )
 def test_a_prefill_page_size_where_it_cannot_apply_is_refused(kw, message):

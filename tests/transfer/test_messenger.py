@@ -493,9 +493,7 @@ def test_a_request_fetched_again_before_its_old_transfer_is_reaped_waits_for_it(
         ("model", "another-config"),  # another model of the same KV shape
         ("weights", "another-checkpoint"),  # another checkpoint (or seed) of the same model
         ("tokenizer", "another-vocab"),  # the same ids would be other text
-        ("page_size", 8),
-        ("dtype", "float16"),
-        ("kv_layout", "NHD"),
+        ("dtype", "float16"),  # page sizes and layouts convert: tests/transfer/test_messenger_pages.py
     ],
 )
 def test_a_prefill_worker_whose_kv_would_not_mean_the_same_is_refused_at_connect(pair, field, value):

@@ -1,7 +1,7 @@
-"""A prefill worker and a decode worker of different page sizes (transfer/plan.py's units): the KV lands
-where the decode side's pages put it, a conversation's later turns skip what the decode side's prefix
-cache holds (a page of its own in part, where its pages are the smaller), and the tokens are the ones
-equal page sizes give."""
+"""A prefill worker and a decode worker of different page sizes (transfer/plan.py's units) or layouts (HND,
+NHD): the KV lands where the decode side's pages put it, in its layout once landed, a conversation's later
+turns skip what the decode side's prefix cache holds (a page of its own in part, where its pages are the
+smaller), and the tokens are the ones equal settings give."""
 
 import pytest
 
@@ -14,27 +14,25 @@ PAGES = 64
 
 
 @pytest.mark.parametrize(
-    "model, prefill_tp, prefill_page, decode_page",
+    "model, prefill_tp, prefill_page, decode_page, layouts",
     [
-        ("tiny-random", 1, 16, 64),
-        ("tiny-random", 1, 64, 16),
-        ("tiny-random", 2, 16, 64),  # and TP 2 -> 1 beside
-        ("tiny-random-deepseek", 1, 16, 64),  # the MLA latent cache: one plane, one head
+        ("tiny-random", 1, 16, 64, "HND"),
+        ("tiny-random", 1, 64, 16, "HND"),
+        ("tiny-random", 2, 16, 64, "HND"),  # and TP 2 -> 1 beside
+        ("tiny-random-deepseek", 1, 16, 64, "HND"),  # the MLA latent cache: one plane, one head
+        ("tiny-random", 1, 16, 16, "HND NHD"),
+        ("tiny-random", 1, 16, 16, "NHD HND"),
+        ("tiny-random", 2, 64, 16, "HND NHD"),  # all three: TP 2 -> 1, 64 -> 16, HND -> NHD
     ],
 )
-def test_a_conversation_across_page_sizes_gives_the_equal_settings_tokens(
-    request, model, prefill_tp, prefill_page, decode_page
+def test_a_conversation_across_page_sizes_and_layouts_gives_the_equal_settings_tokens(
+    request, model, prefill_tp, prefill_page, decode_page, layouts
 ):
+    prefill_layout, decode_layout = (layouts.split() * 2)[:2]
     chunks = 40  # prefill chunks that end inside pages of either size
-    prefill = LLM(
-        model,
-        tp=prefill_tp,
-        role="prefill",
-        page_size=prefill_page,
-        num_pages=PAGES,
-        max_num_batched_tokens=chunks,
-    )
-    decode = LLM(model, role="decode", page_size=decode_page, num_pages=PAGES)
+    prefill = LLM(model, tp=prefill_tp, role="prefill", page_size=prefill_page, num_pages=PAGES,
+                  max_num_batched_tokens=chunks, kv_layout=prefill_layout)  # fmt: skip
+    decode = LLM(model, role="decode", page_size=decode_page, num_pages=PAGES, kv_layout=decode_layout)
     reference = LLM(model, page_size=decode_page, num_pages=PAGES, enable_prefix_caching=False)
     pm, dm = _local_pair(prefill, decode, request.node.name)
     requests = []
@@ -60,6 +58,7 @@ def test_a_conversation_across_page_sizes_gives_the_equal_settings_tokens(
         assert prefill.allocator.num_free == PAGES and decode.allocator.num_free == PAGES
     finally:
         _close(pm, dm)
+        prefill.close()  # its TP ranks: the next TP engine in this process makes a group of its own
 
 
 def test_page_sizes_where_neither_divides_the_other_are_refused_at_connect(request):
@@ -67,3 +66,13 @@ def test_page_sizes_where_neither_divides_the_other_are_refused_at_connect(reque
     decode = LLM("tiny-random", role="decode", page_size=24, num_pages=PAGES)
     with pytest.raises(ValueError, match="prefill page_size 16 and decode page_size 24: one must divide"):
         _local_pair(prefill, decode, request.node.name)
+
+
+def test_an_nhd_prefill_side_whose_ranks_hold_other_heads_is_refused_at_connect(request):
+    prefill = LLM("tiny-random", tp=2, role="prefill", page_size=16, num_pages=PAGES, kv_layout="NHD")
+    decode = LLM("tiny-random", role="decode", page_size=16, num_pages=PAGES)
+    try:
+        with pytest.raises(ValueError, match="an NHD prefill side sends whole pages of its ranks' heads"):
+            _local_pair(prefill, decode, request.node.name)
+    finally:
+        prefill.close()

@@ -1,9 +1,13 @@
+from dataclasses import replace
+
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from transfer.plan import ShardSpec, expected_writes, plan_writes
+from transfer.decode import relayout
+from transfer.plan import ShardSpec, check_compatible, expected_writes, plan_writes
 
 
 def _tps(heads: int) -> list[int]:
@@ -11,10 +15,14 @@ def _tps(heads: int) -> list[int]:
     return [tp for tp in range(1, 9) if heads % tp == 0 or tp % heads == 0]
 
 
+LAYOUTS = [("HND", "HND"), ("HND", "NHD"), ("NHD", "HND"), ("NHD", "NHD")]
+
+
 @st.composite
 def cases(draw):
-    """Two specs (page sizes equal, or one a multiple of the other), a request of n tokens and its page
-    lists on each side."""
+    """Two specs (page sizes equal, or one a multiple of the other; either layout, an NHD source only
+    where each decode rank holds one source rank's heads), a request of n tokens and its page lists on
+    each side."""
     heads = draw(st.sampled_from([1, 2, 3, 4, 6, 8]))
     geometry = dict(
         num_kv_heads=heads,
@@ -24,38 +32,51 @@ def cases(draw):
     )
     unit = draw(st.integers(1, 4))
     sizes = draw(st.sampled_from([(1, 1), (1, 2), (2, 1), (1, 4), (4, 1), (3, 3)]))
+    layouts = draw(st.sampled_from(LAYOUTS))
     src, dst = (
         ShardSpec(
             tp=draw(st.sampled_from(_tps(heads))),
             num_pages=draw(st.integers(1, 6)),
             page_size=unit * size,
+            kv_layout=layout,
             **geometry,
         )
-        for size in sizes
+        for size, layout in zip(sizes, layouts, strict=True)
     )
+    try:
+        check_compatible(src, dst)
+    except ValueError:  # an NHD source whose ranks' heads are not a decode rank's (kv heads replicated or
+        src = replace(src, tp=dst.tp)  # one, the degrees may differ): at the decode side's degree
     n = draw(st.integers(0, min(src.num_pages * src.page_size, dst.num_pages * dst.page_size)))
     src_pages = draw(st.permutations(range(src.num_pages)))[: -(-n // src.page_size)]
     dst_pages = draw(st.permutations(range(dst.num_pages)))[: -(-n // dst.page_size)]
     return src, dst, src_pages, dst_pages, draw(st.integers(0, 2**16))
 
 
-def _pages(spec: ShardSpec, tokens: np.ndarray, pages: list[int]) -> np.ndarray:
-    """tokens [layers, n, planes, H, D * itemsize] in the page layout [layers, pages, planes, H, P * D *
-    itemsize] of len(pages) pages (the last one's tail zero)."""
+def _view(spec: ShardSpec, region, layout: str):
+    """A rank's region as [layers, pages, 2, H_rank, P, row] (HND) or [layers, pages, 2, P, H_rank, row]."""
+    a, b = (spec.heads_per_rank, spec.page_size) if layout == "HND" else (spec.page_size, spec.heads_per_rank)
+    return region.reshape(spec.num_layers, spec.num_pages, 2, a, b, -1)
+
+
+def _paged(spec: ShardSpec, tokens: np.ndarray, pages: list[int], rank: int, layout: str) -> np.ndarray:
+    """Rank's heads of tokens [layers, n, 2, H, row] in len(pages) pages of spec's size, laid out as
+    _view has them (the last page's tail zero)."""
     layers, n, planes, heads, row = tokens.shape
     padded = np.zeros((layers, len(pages) * spec.page_size, planes, heads, row), np.uint8)
     padded[:, :n] = tokens
-    return padded.reshape(layers, len(pages), spec.page_size, planes, heads, row).transpose(0, 1, 3, 4, 2, 5)
+    h0 = spec.first_head(rank)
+    mine = padded[:, :, :, h0 : h0 + spec.heads_per_rank]
+    mine = mine.reshape(layers, len(pages), spec.page_size, planes, spec.heads_per_rank, row)
+    return mine.transpose(0, 1, 3, 4, 2, 5) if layout == "HND" else mine.transpose(0, 1, 3, 2, 4, 5)
 
 
 def _regions(spec: ShardSpec, truth: np.ndarray, pages: list[int], rng) -> list[np.ndarray]:
-    """Each rank's region: its heads of `truth` (tokens, see _pages) at `pages`, noise elsewhere."""
-    regions, paged = [], _pages(spec, truth, pages)
+    """Each rank's region: its heads of `truth` (tokens, see _paged) at `pages`, noise elsewhere."""
+    regions = []
     for rank in range(spec.tp):
         region = rng.integers(0, 256, spec.region_bytes, dtype=np.uint8)
-        view = region.reshape(spec.num_layers, spec.num_pages, 2, spec.heads_per_rank, -1)
-        h0 = spec.first_head(rank)
-        view[:, pages] = paged[:, :, :, h0 : h0 + spec.heads_per_rank].reshape(*view[:, pages].shape)
+        _view(spec, region, spec.kv_layout)[:, pages] = _paged(spec, truth, pages, rank, spec.kv_layout)
         regions.append(region)
     return regions
 
@@ -71,11 +92,12 @@ def _apply(src, dst, writes, src_regions):
     return dst_regions, written
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=400, deadline=None)
 @given(cases())
 def test_every_destination_byte_is_written_once_with_its_source_byte(case):
-    """Every token's K and V, head by head, lands where the destination's page size and ranks put it:
-    each byte of the tokens both sides' pages hold written exactly once, and nothing else."""
+    """Every token's K and V, head by head, lands where the destination's page size and ranks put it, in
+    the source's layout: each byte of the tokens both sides' pages hold written exactly once, and nothing
+    else; the decode side's relayout then puts it where its own layout reads it."""
     src, dst, src_pages, dst_pages, seed = case
     rng = np.random.default_rng(seed)
     n = min(len(src_pages) * src.page_size, len(dst_pages) * dst.page_size)
@@ -83,15 +105,17 @@ def test_every_destination_byte_is_written_once_with_its_source_byte(case):
     truth = rng.integers(0, 256, (src.num_layers, n, 2, src.num_kv_heads, row), dtype=np.uint8)
     writes = plan_writes(src, dst, src_pages, dst_pages, seed=seed)
     dst_regions, written = _apply(src, dst, writes, _regions(src, truth, src_pages, rng))
-    want, ones = _pages(dst, truth, dst_pages), _pages(dst, np.ones_like(truth), dst_pages)
+    wire, ones = src.kv_layout, np.ones_like(truth)
     for rank in range(dst.tp):
-        view = dst_regions[rank].reshape(dst.num_layers, dst.num_pages, 2, dst.heads_per_rank, -1)
-        h0 = dst.first_head(rank)
-        np.testing.assert_array_equal(view[:, dst_pages], want[:, :, :, h0 : h0 + dst.heads_per_rank].reshape(
-            view[:, dst_pages].shape))  # fmt: skip
-        cover = np.zeros(view.shape, np.int32)
-        cover[:, dst_pages] = ones[:, :, :, h0 : h0 + dst.heads_per_rank].reshape(cover[:, dst_pages].shape)
+        got = _view(dst, dst_regions[rank], wire)
+        np.testing.assert_array_equal(got[:, dst_pages], _paged(dst, truth, dst_pages, rank, wire))
+        cover = np.zeros_like(got, dtype=np.int32)
+        cover[:, dst_pages] = _paged(dst, ones, dst_pages, rank, wire)
         np.testing.assert_array_equal(written[rank], cover.reshape(-1))  # exactly once, nothing else
+        if wire != dst.kv_layout:
+            relayout([torch.from_numpy(_view(dst, dst_regions[rank], dst.kv_layout))], dst_pages)
+        own = _view(dst, dst_regions[rank], dst.kv_layout)
+        np.testing.assert_array_equal(own[:, dst_pages], _paged(dst, truth, dst_pages, rank, dst.kv_layout))
     assert sum(expected_writes(writes, dst.tp)) == len(writes)
 
 
@@ -162,8 +186,8 @@ def test_over_100_one_page_requests_every_replica_sends_a_share(src_tp, dst_tp):
 @pytest.mark.parametrize(
     "src, dst, message",
     [
-        (dict(kv_layout="NHD"), dict(kv_layout="NHD"), "needs kv_layout 'HND'"),
-        (dict(kv_layout="NHD"), {}, "disagree on kv_layout: 'NHD' \\(prefill\\) vs 'HND' \\(decode\\)"),
+        (dict(kv_layout="NHD", tp=4), {}, "an NHD prefill side sends whole pages of its ranks' heads"),
+        (dict(kv_layout="NHD"), dict(tp=1), "prefill tp=2, decode tp=1, 8 kv heads"),
         ({}, dict(weights="ab" * 8), "disagree on weights: '' \\(prefill\\) vs 'abababababababab'"),
         ({}, dict(page_size=24), "prefill page_size 16 and decode page_size 24: one must divide the other"),
         ({}, dict(itemsize=4, dtype="float32"), "disagree on itemsize"),
