@@ -156,15 +156,22 @@ class _Pending:
 
 def relayout(regions: list[Tensor], pages: list[int]) -> None:
     """Turn pages that hold KV in the other layout (a plane's [H, P] read as [P, H], or the reverse) into
-    the one each rank's cache has, in place, every layer: one gather and one scatter of those pages."""
+    the one each rank's cache has, in place: a layer at a time, gathered, transposed and scattered back
+    through two buffers of a layer's pages (fresh tensors of a whole request's pages cost more in page
+    faults than the copies: 100 ms against 23 for 2,048 tokens of SmolLM2 in fp32)."""
     if not pages:
         return
     index = torch.as_tensor(pages, device=regions[0].device)
     for cache in regions:
-        layers, _, planes, a, b, d = cache.shape
+        _, _, planes, a, b, d = cache.shape
         if a == 1 or b == 1:  # one head (a latent row) or one token a page: both layouts are the same bytes
             continue
-        cache[:, index] = cache[:, index].reshape(layers, len(pages), planes, b, a, d).transpose(3, 4)
+        landed = torch.empty((len(pages), planes, a, b, d), dtype=cache.dtype, device=cache.device)
+        own = torch.empty_like(landed)
+        for layer in cache:
+            torch.index_select(layer, 0, index, out=landed)
+            own.copy_(landed.view(len(pages), planes, b, a, d).transpose(2, 3))
+            layer.index_copy_(0, index, own)
 
 
 class DecodeMessenger:
