@@ -7,9 +7,13 @@ layer's own amax, the best static scale). The error is each sequence's output's 
 reference over the reference's norm; the table gives its median, 99th percentile and maximum, with the
 same pages through bf16 beside them for scale.
 
-    python -m experiments.bench.fp8_kv_error [--prompts 8] [--tokens 384] [--steps 16]
+    python -m experiments.bench.fp8_kv_error [--prompts 8] [--tokens 384] [--steps 16] [--agreement 200]
 
-The engine runs its Python layers here (an NHD cache: the fused C++ step never calls the attention op).
+--agreement N: greedy text of N other prompts (128 tokens each, 64 new) with the decode steps attending
+over their pages through each variant, against the text over the pages as computed.
+
+The engine runs its Python layers here (the fused C++ decode step, which never calls the attention op, is
+set aside).
 """
 
 from __future__ import annotations
@@ -24,26 +28,34 @@ from pdkernels import kv_quant, ops
 # how the pages are stored: bf16 (the usual KV, for scale), e4m3 scaled per page and head, per tensor
 VARIANTS = {
     "bf16": lambda c: c.to(torch.bfloat16).to(c.dtype),
-    "fp8, a scale per page and head": lambda c: kv_quant.round_trip_pages(c, "NHD"),
+    "fp8, a scale per page and head": lambda c: kv_quant.round_trip_pages(c, "HND"),
     "fp8, a scale per layer and plane": kv_quant.round_trip_tensor,
 }
 
 
 def text_prompts(tokenizer, n: int, tokens: int, seed: int = 0) -> list[list[int]]:
-    """n slices of `tokens` tokens of the language reference, each from a topic drawn by seed."""
+    """n windows of `tokens` tokens of the language reference: each from a topic and an offset drawn by
+    seed (no two the same)."""
     from pydoc_data.topics import topics
 
     rng = random.Random(seed)
-    names = sorted(k for k, v in topics.items() if len(v) > 8 * tokens)
-    return [tokenizer.encode(topics[name])[:tokens] for name in rng.sample(names, n)]
+    texts = [tokenizer.encode(topics[name]) for name in sorted(topics)]
+    windows = [(t, start) for t, ids in enumerate(texts) for start in range(0, len(ids) - tokens, tokens)]
+    return [texts[t][start : start + tokens] for t, start in rng.sample(windows, n)]
+
+
+def _python_layers(llm):
+    """llm with its decode steps in the Python layers, which call pdkernels.ops.decode_attention."""
+    llm.model.decoder = None
+    return llm
 
 
 def measure(prompts: int = 8, tokens: int = 384, steps: int = 16, seed: int = 0) -> dict[str, torch.Tensor]:
     """Per variant, every (sequence, layer, step)'s relative error of decode attention over FP8 KV."""
     from engine import LLM, SamplingParams
 
-    llm = LLM("smollm2-135m", dtype="float32", kv_layout="NHD", page_size=16, num_pages=prompts * 40,
-              max_num_batched_tokens=prompts * tokens)  # fmt: skip
+    llm = _python_layers(LLM("smollm2-135m", dtype="float32", page_size=16, num_pages=prompts * 40,
+                             max_num_batched_tokens=prompts * tokens))  # fmt: skip
     errors: dict[str, list[torch.Tensor]] = {name: [] for name in VARIANTS}
     attend = ops.decode_attention
 
@@ -65,6 +77,63 @@ def measure(prompts: int = 8, tokens: int = 384, steps: int = 16, seed: int = 0)
     return {name: torch.cat(e) for name, e in errors.items()}
 
 
+def agreement(prompts: int = 200, tokens: int = 128, new_tokens: int = 64, seed: int = 1) -> dict[str, dict]:
+    """Greedy text with the decode steps attending over their pages through each variant against the pages
+    as computed (as a decode worker storing them so would, fed by a prefill worker in full precision):
+    per variant, the mean tokens until the first that differs, the mean of the new_tokens that match
+    position by position, and the share of the prompts whose text is the same."""
+    from engine import LLM, SamplingParams
+
+    llm = LLM(
+        "smollm2-135m",
+        dtype="float32",
+        kv_layout="NHD",
+        page_size=16,
+        max_num_seqs=prompts,
+        num_pages=prompts * -(-(tokens + new_tokens) // 16) + 16,
+        max_num_batched_tokens=prompts * tokens,
+    )  # fmt: skip  (one prefill step, then decode steps)
+    texts = text_prompts(llm.tokenizer, prompts, tokens, seed)
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    reference = [o.token_ids for o in llm.generate(texts, params)]
+    attend, out = ops.decode_attention, {}
+    for name, round_trip in VARIANTS.items():
+
+        def stored(q, cache, kv_indptr, kv_indices, kv_last_page_len, *args, round_trip=round_trip, **kwargs):
+            used, local = kv_indices.unique(return_inverse=True)
+            return attend(q, round_trip(cache[used]), kv_indptr, local, kv_last_page_len, *args, **kwargs)
+
+        ops.decode_attention = stored
+        try:
+            got = [o.token_ids for o in llm.generate(texts, params)]
+        finally:
+            ops.decode_attention = attend
+        pairs = [list(zip(r, g, strict=True)) for r, g in zip(reference, got, strict=True)]
+        first = [next((i for i, (a, b) in enumerate(p) if a != b), len(p)) for p in pairs]
+        same = [sum(a == b for a, b in p) for p in pairs]
+        out[name] = {
+            "prompts": prompts,
+            "first_difference": sum(first) / prompts,
+            "matching": sum(same) / prompts,
+            "identical": sum(f == new_tokens for f in first) / prompts,
+        }
+    return out
+
+
+def agreement_table(rows: dict[str, dict], new_tokens: int) -> str:
+    lines = [
+        f"| KV stored as | prompts | tokens until the first difference (of {new_tokens}) | matching tokens "
+        f"(of {new_tokens}) | texts identical |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for name, r in rows.items():
+        lines.append(
+            f"| {name} | {r['prompts']} | {r['first_difference']:.1f} | {r['matching']:.1f} | "
+            f"{r['identical']:.0%} |"
+        )
+    return "\n".join(lines)
+
+
 def table(errors: dict[str, torch.Tensor]) -> str:
     rows = ["| KV stored as | samples | median | p99 | max |", "| --- | ---: | ---: | ---: | ---: |"]
     for name, e in errors.items():
@@ -79,8 +148,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, default=384)
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--agreement", type=int, default=0, metavar="N", help="also greedy text of N prompts")
     a = parser.parse_args(argv)
     print(table(measure(a.prompts, a.tokens, a.steps, a.seed)))
+    if a.agreement:
+        print()
+        print(agreement_table(agreement(a.agreement), 64))
 
 
 if __name__ == "__main__":
