@@ -1,36 +1,74 @@
-"""A worker side's transfer agents: one per TP rank, or one for every rank.
+"""A worker side's transfer agents: one per TP rank and NIC, one per TP rank, or one for every rank.
 
-A TP worker's ranks each have a NIXL agent of their own (in the lead's process, which maps every rank's
-KV): agent r registers only rank r's KV region, and agent 0 also the context buffer, so rank r's bytes
-go out (or come in) on rank r's NIC (`transfer.nics_per_rank`), as each DP group's agent does. One agent
-for every rank (the local backend's in-process tests, or a worker of one rank) registers all regions,
-rank r's as region r. A peer learns which from how many agents' metadata it is handed, and `route` turns
-plan rows into each (source agent, destination agent) pair's writes.
+A TP worker's ranks each have NIXL agents of their own (in the lead's process, which maps every rank's
+KV): an agent registers only its rank's KV region, and rank 0's agents also the context buffer, so rank
+r's bytes go out (or come in) on rank r's NICs. A rank with several NICs (`transfer.nics_per_rank`'s
+entry naming several: `eth0,eth1`) has an agent on each, a *rail*: the rank's writes are striped over
+the rails both sides share (`route`), each rail's share following its measured rate. One agent for every
+rank (the local backend's in-process tests, or a worker of one rank) registers all regions, rank r's as
+region r. A side is described to its peer by its rails: (rank, NIC) of each agent, rank -1 for an agent
+of every rank, NIC "" for an agent on no named NIC (it pairs with any).
 """
 
 from __future__ import annotations
 
-import numpy as np
-from torch import Tensor
+from typing import TYPE_CHECKING
 
-from transfer.backends import Backend
+import numpy as np
+
+if TYPE_CHECKING:  # the protocol reads rails, and the server's front imports no torch
+    from torch import Tensor
+
+    from transfer.backends import Backend
+
+Rails = list[tuple[int, str]]  # (TP rank, or -1: every rank; NIC name, or "") of each agent, in order
+
+
+def default_rails(agents: int, tp: int) -> Rails:
+    """A side that names no NICs: one agent per rank, or one for all."""
+    return [(-1, "")] if agents == 1 else [(r, "") for r in range(tp)]
+
+
+def check_rails(rails: Rails, agents: int, tp: int, what: str) -> None:
+    """ValueError unless rails describe `agents` agents over tp ranks: one for all, or each rank's agents
+    (one or more, each on another NIC) in rank order."""
+    ranks = [r for r, _ in rails]
+    ok = len(rails) == agents and all(len(nic) <= 64 for _, nic in rails)
+    if ok and ranks != [-1]:
+        ok = sorted(ranks) == ranks and set(ranks) == set(range(tp))
+        nics = [(r, nic) for r, nic in rails]
+        ok = ok and len(set(nics)) == len(nics)
+    if not ok:
+        raise ValueError(
+            f"{what} describes {len(rails)} agents as {rails} for {agents} agents over {tp} TP ranks: one "
+            f"for every rank, or each rank's (one per NIC) in rank order"
+        )
 
 
 class RankAgents:
-    """The agents of one side: backends[r] for rank r's KV region, or backends[0] for all of them."""
+    """The agents of one side: one for every rank, or each rank's (one per NIC: each backend's `rank`
+    and `nic`, as transfer.backends.rank_agents sets them; a list without ranks is one agent per rank)."""
 
     def __init__(self, backends: Backend | list[Backend], kv_regions: list[Tensor], context: Tensor):
         self.backends = list(backends) if isinstance(backends, list | tuple) else [backends]
-        if len(self.backends) not in (1, len(kv_regions)):
-            raise ValueError(
-                f"{len(self.backends)} transfer agents for {len(kv_regions)} TP ranks: one per rank, or one"
-            )
+        tp = len(kv_regions)
         if len(self.backends) == 1:
+            self.rails: Rails = [(-1, self.backends[0].nic)]
+        elif any(b.rank is None for b in self.backends):
+            if len(self.backends) != tp:
+                raise ValueError(
+                    f"{len(self.backends)} transfer agents for {tp} TP ranks: one per rank, or one"
+                )
+            self.rails = [(r, b.nic) for r, b in enumerate(self.backends)]
+        else:
+            self.rails = [(b.rank, b.nic) for b in self.backends]
+        check_rails(self.rails, len(self.backends), tp, "the transfer agents")
+        if self.rails == [(-1, self.rails[0][1])]:
             self.backends[0].register(list(kv_regions) + [context])
         else:
-            for rank, (backend, region) in enumerate(zip(self.backends, kv_regions, strict=True)):
-                backend.register([region] + ([context] if rank == 0 else []))
-        self.context_region = context_region(len(self.backends), len(kv_regions))
+            for backend, (rank, _) in zip(self.backends, self.rails, strict=True):
+                backend.register([kv_regions[rank]] + ([context] if rank == 0 else []))
+        self.context_region = context_region(self.rails, tp)
 
     @property
     def names(self) -> list[str]:
@@ -40,21 +78,56 @@ class RankAgents:
         return [b.metadata() for b in self.backends]
 
 
-def context_region(agents: int, tp: int) -> int:
-    """Agent 0's region index of the context buffer (registered after the KV regions it holds)."""
-    return tp if agents == 1 else 1
+def context_region(rails: Rails, tp: int) -> int:
+    """A rank-0 agent's region index of the context buffer (registered after the KV regions it holds)."""
+    return tp if rails[0][0] == -1 else 1
 
 
-def route(rows: np.ndarray, src_agents: int, dst_agents: int) -> list[tuple[int, int, np.ndarray]]:
+def agents_of(rails: Rails, rank: int) -> list[int]:
+    """The agents that hold rank's KV region."""
+    return [i for i, (r, _) in enumerate(rails) if r in (rank, -1)]
+
+
+def pairs(src: Rails, dst: Rails, src_rank: int, dst_rank: int) -> list[tuple[int, int]]:
+    """The (source agent, destination agent) pairs that may carry writes from src_rank to dst_rank: those
+    on the same NIC name (a rail: a NIC of one host reaches the other's NIC of that name), an agent on no
+    named NIC pairing with any; where none match, the two ranks' first agents (the transfer engine picks
+    the devices)."""
+    a, b = agents_of(src, src_rank), agents_of(dst, dst_rank)
+    out = [(i, j) for i in a for j in b if src[i][1] == dst[j][1] or not src[i][1] or not dst[j][1]]
+    return out or [(a[0], b[0])]
+
+
+def route(
+    rows: np.ndarray, src: Rails, dst: Rails, rates: dict[int, float] | None = None
+) -> list[tuple[int, int, np.ndarray]]:
     """Plan rows [n, 6] (layer, src_rank, src_offset, dst_rank, dst_offset, nbytes) as the writes of each
     (source agent, destination agent) pair: [(source agent, destination agent, WriteOps [m, 5])], each in
-    the rows' order. With one agent per side a rank's region is its rank; with one agent per rank, 0."""
-    src, dst = rows[:, 1], rows[:, 3]
-    src_agent, src_region = (src, np.zeros_like(src)) if src_agents > 1 else (np.zeros_like(src), src)
-    dst_agent, dst_region = (dst, np.zeros_like(dst)) if dst_agents > 1 else (np.zeros_like(dst), dst)
+    the rows' order. A rank pair's writes are striped over its agent pairs (`pairs`) in contiguous runs,
+    each pair's bytes in proportion to rates[source agent] (bytes/s as measured; unmeasured agents weigh
+    as the mean of the measured ones, all alike before any is). An agent of one rank has region 0; an
+    agent of every rank has the rank's."""
+    src_rank, dst_rank = rows[:, 1], rows[:, 3]
+    src_region = src_rank if src[0][0] == -1 else np.zeros_like(src_rank)
+    dst_region = dst_rank if dst[0][0] == -1 else np.zeros_like(dst_rank)
     ops = np.stack([src_region, rows[:, 2], dst_region, rows[:, 4], rows[:, 5]], axis=1)
-    pair = src_agent * dst_agents + dst_agent
-    out = []
-    for key in np.unique(pair).tolist():
-        out.append((key // dst_agents, key % dst_agents, ops[pair == key]))
-    return out
+    ranks = int(max(src_rank.max(initial=0), dst_rank.max(initial=0))) + 1
+    key = src_rank * ranks + dst_rank
+    known = [v for v in (rates or {}).values() if v > 0]
+    mean = float(np.mean(known)) if known else 1.0
+    out: dict[tuple[int, int], list[np.ndarray]] = {}
+    for k in np.unique(key).tolist():
+        sel = ops[key == k]
+        ways = pairs(src, dst, k // ranks, k % ranks)
+        if len(ways) == 1:
+            out.setdefault(ways[0], []).append(sel)
+            continue
+        weight = np.array([(rates or {}).get(i, 0.0) or mean for i, _ in ways], dtype=np.float64)
+        bounds = np.cumsum(weight) / weight.sum() * sel[:, 4].sum()
+        middle = np.cumsum(sel[:, 4]) - sel[:, 4] / 2  # each write goes where its middle byte falls
+        which = np.minimum(np.searchsorted(bounds, middle), len(ways) - 1)
+        for w, way in enumerate(ways):
+            part = sel[which == w]
+            if len(part):
+                out.setdefault(way, []).append(part)
+    return [(i, j, np.concatenate(parts)) for (i, j), parts in sorted(out.items())]

@@ -120,12 +120,13 @@ class _Group:
     """One destination of this worker's KV: a DP group's engine, agents, geometry and context buffer."""
 
     engine: DecodeEngine
-    backends: list[Backend]  # one agent per TP rank, or one for all (transfer.agents)
+    backends: list[Backend]  # one agent per TP rank (or per rank and NIC), or one for all (transfer.agents)
     spec: ShardSpec
     context: Tensor  # [context_slots, hidden]: each in-flight request's last prefilled hidden state
     metadata: list[bytes]  # the agents', in every PrefillRequest to this group
     free_slots: list[int]
     regions: list[Tensor]  # each TP rank's KV cache (mapped here), as the engine reads it
+    rails: list[tuple[int, str]] = field(default_factory=list)  # (rank, NIC) of each agent
 
     @property
     def backend(self) -> Backend:
@@ -226,7 +227,7 @@ class DecodeMessenger:
         agents = RankAgents(backend, kv_regions, context)  # the context buffer: written by prefill
         free = list(range(self.config.context_slots))
         self.groups.append(
-            _Group(engine, agents.backends, spec, context, agents.metadata(), free, kv_regions)
+            _Group(engine, agents.backends, spec, context, agents.metadata(), free, kv_regions, agents.rails)
         )
         return len(self.groups) - 1
 
@@ -364,7 +365,7 @@ class DecodeMessenger:
         self.handoff.move(request_id, State.REQUESTED, Cause.SENT, pending)
         request = PrefillRequest(
             request_id, list(prompt_ids[:-1]), pages, g.spec, g.metadata, slot, seq, skip, cache_salt,
-            list(client),
+            list(client), g.rails,
         )  # fmt: skip
         try:
             target.channel.send(request)

@@ -15,8 +15,10 @@ All backend calls happen on the sender thread; the engine's thread only reads fl
 frees finished requests' pages and answers aborts.
 
 Each TP rank's KV goes out through an agent of its own (transfer/agents.py: its region only, on its
-NIC), so a post is one (this side's agent, the decode side's agent) pair's writes with its own
-notification; the decode side counts them all.
+NIC; an agent on each where the rank has several NICs), so a post is one (this side's agent, the decode
+side's agent) pair's writes with its own notification; the decode side counts them all. A rank pair's
+writes are striped over the rails (NICs) both sides share, each rail's share following the rate its
+agent's posts have been finishing at (`Rates`).
 
 A request is checked and planned when it is accepted (token ids, page ids, shard specs, every write
 inside the registered regions); a bad one is refused with an Ended and touches nothing. On the sender
@@ -38,7 +40,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from transfer.agents import RankAgents, context_region, route
+from transfer.agents import RankAgents, context_region, pairs, route
 from transfer.backends import Backend, TransferError, WriteOp
 from transfer.config import TransferConfig
 from transfer.handoff import PREFILL_MOVES, Cause, Handoff, PrefillState
@@ -56,6 +58,39 @@ State = PrefillState
 POLL_S, MAX_POLL_S, POLLS_PER_LAYER = 5e-4, 4e-3, 8
 IDLE_WAIT_S = 0.05  # with nothing in flight, the sender thread waits this long for a job (or close)
 LOG_LIMIT = 4096  # entries kept in post_log / done_log (diagnostics, not per-request state)
+RATE_MEMORY = 0.8  # each finished post keeps this share of an agent's rate figure before it
+
+
+class Rates:
+    """Each agent's bytes per second while it had posts in flight (decayed, RATE_MEMORY per finished post):
+    what a rank pair's writes are striped over its rails by. A rail whose posts stop finishing weighs
+    less and less as its busy time grows."""
+
+    def __init__(self, agents: int):
+        self.busy = [0] * agents  # posts in flight
+        self.since = [0.0] * agents  # when the agent's current busy stretch (or its last post) began
+        self.nbytes = [0.0] * agents
+        self.seconds = [0.0] * agents
+
+    def posted(self, agent: int, now: float) -> None:
+        if not self.busy[agent]:
+            self.since[agent] = now
+        self.busy[agent] += 1
+
+    def finished(self, agent: int, nbytes: int, now: float) -> None:
+        self.busy[agent] -= 1
+        self.nbytes[agent] = RATE_MEMORY * self.nbytes[agent] + nbytes
+        self.seconds[agent] = RATE_MEMORY * self.seconds[agent] + (now - self.since[agent])
+        self.since[agent] = now
+
+    def of(self, now: float) -> dict[int, float]:
+        """Bytes/s of each agent measured so far (its busy stretch up to now counted)."""
+        out = {}
+        for a, (b, s) in enumerate(zip(self.nbytes, self.seconds, strict=True)):
+            seconds = s + (now - self.since[a] if self.busy[a] else 0.0)
+            if b and seconds > 0:
+                out[a] = b / seconds
+        return out
 
 
 class PrefillEngine(Protocol):
@@ -85,7 +120,7 @@ class _Transfer:
     peers: list[list[str]]  # [this side's agent][the decode side's agent]: the name one has for the other
     channel: object  # its control channel
     sent_pages: int = 0  # pages [0, sent_pages) are posted (or queued to be)
-    in_flight: list = field(default_factory=list)  # (agent, handle) of each post, owned by the sender thread
+    in_flight: list = field(default_factory=list)  # (agent, handle, bytes) of each post (the sender thread's)
     posts: int = 0  # posts made, numbering each notification
     context_posted: bool = False
     done_at: float | None = None  # perf_counter when every write had finished
@@ -139,6 +174,8 @@ class PrefillMessenger:
         self.context = torch.zeros(slots, hidden_size, dtype=torch.float32, device=kv_regions[0].device)
         self.agents = RankAgents(backend, kv_regions, self.context)
         self.backend = self.agents.backends[0]  # rank 0's (the context buffer's)
+        self.rates = Rates(len(self.agents.backends))
+        self.bytes_by_agent = [0] * len(self.agents.backends)  # KV and context bytes posted by each agent
         self.channels: list = []  # one control channel per decode worker
         self._free_slots = list(range(slots))
         self._slots: dict[str, int] = {}
@@ -227,7 +264,7 @@ class PrefillMessenger:
     def add_peer(self, channel) -> None:
         """Serve a decode worker over channel; it learns this worker's shard spec from the Hello."""
         self.channels.append(channel)
-        channel.send(Hello.of(self.spec, self.agents.names))
+        channel.send(Hello.of(self.spec, self.agents.names, self.agents.rails))
 
     def replace_peer(self, channel) -> None:
         """A decode worker came back as a new process (restarted): what was on its old channel is
@@ -424,11 +461,11 @@ class PrefillMessenger:
                 self._queue(req, channel)
                 return
             routes = self._plan(req)
-            pairs = {(src, dst) for src, dst, _ in routes} | {(0, 0)}  # (0, 0): the context write
-            peers = self._connect(req.dst_metadata, pairs)
+            ctx = self._context_pair(req)
+            peers = self._connect(req.dst_metadata, {(src, dst) for src, dst, _ in routes} | {ctx})
             for src, dst, ops in routes:
                 self.agents.backends[src].check(peers[src][dst], ops)
-            self.backend.check(peers[0][0], [self._context_op(req, 0)])
+            self.agents.backends[ctx[0]].check(peers[ctx[0]][ctx[1]], [self._context_op(req, 0)])
             self.engine.start(req.request_id, req.prompt_ids, req.cache_salt, req.client)  # checks the ids
         except Exception as e:  # whatever a peer sent, it fails its own request only
             self.refused += 1
@@ -463,12 +500,19 @@ class PrefillMessenger:
         if n > self.spec.num_pages:
             raise ValueError(f"the prompt needs {n} pages; this worker's cache holds {self.spec.num_pages}")
         rows = plan_array(self.spec, req.dst_spec, list(range(n)), req.dst_pages, seed=req.seq)
-        return route(rows, len(self.agents.backends), len(req.dst_metadata))
+        every = [(a, b, pairs(self.agents.rails, req.rails, a, b)) for a in range(self.spec.tp)
+                 for b in range(req.dst_spec.tp)]  # fmt: skip
+        routes = route(rows, self.agents.rails, req.rails)  # every pair a striped post may use, too
+        return routes + [(i, j, np.zeros((0, 5), np.int64)) for *_, ways in every for i, j in ways]
+
+    def _context_pair(self, req: PrefillRequest) -> tuple[int, int]:
+        """The (our agent, their agent) pair that carries the context write: rank 0's first on one rail."""
+        return pairs(self.agents.rails, req.rails, 0, 0)[0]
 
     def _context_op(self, req: PrefillRequest, slot: int) -> WriteOp:
-        """The context write: from agent 0's context buffer to the decode side's agent 0's."""
+        """The context write: from a rank-0 agent's context buffer to a decode rank-0 agent's."""
         row = self.context.shape[1] * self.context.element_size()
-        far = context_region(len(req.dst_metadata), req.dst_spec.tp)
+        far = context_region(req.rails, req.dst_spec.tp)
         return WriteOp(self.agents.context_region, slot * row, far, req.context_slot * row, row)
 
     def close(self) -> None:
@@ -551,7 +595,8 @@ class PrefillMessenger:
             for i, (t, _) in enumerate(by_layer[layer]):
                 rows = np.concatenate([by_layer[done][i][1] for done in range(layer, ready)])
                 now = time.perf_counter()
-                if self._post(t, route(rows, len(self.agents.backends), len(t.req.dst_metadata)), "kv"):
+                posts = route(rows, self.agents.rails, t.req.rails, self.rates.of(now))
+                if self._post(t, posts, "kv"):
                     t.first_post = t.first_post or now
                     self.post_log += [(t.req.request_id, done, now) for done in range(layer, ready)]
             layer = ready
@@ -563,7 +608,8 @@ class PrefillMessenger:
     def _send_context(self, t: _Transfer, slot: int, done=None) -> None:
         if done is not None:
             done.synchronize()
-        t.context_posted = self._post(t, [(0, 0, [self._context_op(t.req, slot)])], "ctx")
+        src, dst = self._context_pair(t.req)
+        t.context_posted = self._post(t, [(src, dst, [self._context_op(t.req, slot)])], "ctx")
 
     def _post(self, t: _Transfer, posts: list, kind: str) -> bool:
         """Post each (this side's agent, the decode side's agent, ops) with its own notification, unless the
@@ -574,29 +620,33 @@ class PrefillMessenger:
             for src, dst, ops in posts:
                 message = Notif(kind, t.req.request_id, t.req.seq, t.posts, len(ops)).encode()
                 backend = self.agents.backends[src]
+                nbytes = sum(op[4] for op in ops) if isinstance(ops, list) else int(ops[:, 4].sum())
                 try:
-                    t.in_flight.append((backend, backend.post(t.peers[src][dst], ops, message)))
+                    t.in_flight.append((src, backend.post(t.peers[src][dst], ops, message), nbytes))
                 except TransferError as e:
                     t.error = str(e)
                     return False
+                self.rates.posted(src, time.perf_counter())
+                self.bytes_by_agent[src] += nbytes
                 t.posts += 1
         return True
 
     def _reap(self) -> bool:
-        """Poll in-flight posts oldest first (this also sends their notifications) and drop finished ones;
-        the first unfinished one of a transfer ends its scan (an agent's posts finish in order). True while
-        any post is still in flight."""
+        """Poll in-flight posts (this also sends their notifications) and drop finished ones: every post,
+        as those on other agents (rails) finish in any order. True while any post is still in flight."""
         with self._lock:
             transfers = [t for t in self.transfers.values() if t.in_flight]
         for t in transfers:
             for post in list(t.in_flight):
-                backend, handle = post
+                agent, handle, nbytes = post
+                backend = self.agents.backends[agent]
                 try:
                     state = backend.state(handle)
                 except TransferError as e:
                     state, t.error = "ERR", str(e)
                 if state == "PROC":
-                    break
+                    continue
+                self.rates.finished(agent, nbytes, time.perf_counter())
                 if state == "ERR":
                     t.error = t.error or "a KV write failed"
                 try:

@@ -15,14 +15,14 @@ import time
 from functools import cache
 from typing import NamedTuple
 
+from transfer.agents import Rails, check_rails, default_rails
 from transfer.plan import ShardSpec
 from transfer.wire import Codec, Message, WireError
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = (
-    5  # in every Hello; a peer of another version is refused (5: identity digests, cancelled_at)
-)
+# in every Hello; a peer of another version is refused (5: identity digests, cancelled_at; 6: rails)
+PROTOCOL_VERSION = 6
 MAX_PROMPT_TOKENS = 1 << 22
 
 
@@ -59,7 +59,7 @@ class PrefillRequest(Message):
     dst_pages: list[int]  # decode page ids (the same on every decode rank)
     dst_spec: ShardSpec
     dst_metadata: list[bytes]  # the decode side's agents' metadata (agent and registered regions): one per
-    # decode TP rank (transfer.agents), or one for every rank
+    # decode TP rank, one per rank and NIC (dst_rails says which), or one for every rank (transfer.agents)
     context_slot: int  # row of the decode side's context buffer that receives the last hidden state
     seq: int  # the decode worker's number for this request, larger than any it sent before: every reply
     # and notification carries it, so a stale or duplicated message never counts for a later request of
@@ -69,6 +69,7 @@ class PrefillRequest(Message):
     # only dst_pages[skip_pages:]
     cache_salt: str = ""  # the request's (the prefill side names and looks up its pages with it too)
     client: list[str] = []  # who it is for (digests): the prefill side admits by each client's share too
+    dst_rails: list[tuple[int, str]] = []  # (TP rank, NIC) of each dst_metadata agent; [] names no NICs
 
     def __post_init__(self):
         check_request(self.request_id, self.prompt_ids)
@@ -90,11 +91,18 @@ class PrefillRequest(Message):
             raise ValueError("cache_salt holds at most 256 characters")
         if len(self.client) > 2 or not all(0 < len(c) <= 64 for c in self.client):
             raise ValueError("client holds at most 2 names of 1-64 characters")
-        if len(self.dst_metadata) not in (1, self.dst_spec.tp):
+        if self.dst_rails:
+            check_rails(self.dst_rails, len(self.dst_metadata), self.dst_spec.tp, "dst_rails")
+        elif len(self.dst_metadata) not in (1, self.dst_spec.tp):
             raise ValueError(
                 f"dst_metadata holds {len(self.dst_metadata)} agents' metadata; one per decode TP rank "
                 f"({self.dst_spec.tp}) or one"
             )
+
+    @property
+    def rails(self) -> Rails:
+        """The decode side's agents as (rank, NIC)."""
+        return list(self.dst_rails) or default_rails(len(self.dst_metadata), self.dst_spec.tp)
 
 
 class Hello(Message):
@@ -108,17 +116,22 @@ class Hello(Message):
     version: int = PROTOCOL_VERSION
     machine: str = ""
     pid: int = 0
+    rails: list[tuple[int, str]] = []  # (TP rank, NIC) of each agent; [] names no NICs
 
     def __post_init__(self):
-        if len(self.agents) not in (1, self.spec.tp) or not all(self.agents):
+        if not all(self.agents) or len(set(self.agents)) != len(self.agents):
+            raise ValueError(f"a Hello names each agent once, none empty, got {self.agents}")
+        if self.rails:
+            check_rails(self.rails, len(self.agents), self.spec.tp, "a Hello")
+        elif len(self.agents) not in (1, self.spec.tp):
             raise ValueError(
                 f"a Hello names one agent per TP rank ({self.spec.tp}) or one, got {self.agents}"
             )
 
     @staticmethod
-    def of(spec: ShardSpec, agents: str | list[str]) -> Hello:
+    def of(spec: ShardSpec, agents: str | list[str], rails: Rails | None = None) -> Hello:
         agents = [agents] if isinstance(agents, str) else list(agents)
-        return Hello(spec, agents, PROTOCOL_VERSION, _machine(), os.getpid())
+        return Hello(spec, agents, PROTOCOL_VERSION, _machine(), os.getpid(), list(rails or []))
 
     def peer_alive(self) -> bool | None:
         """False once the process is gone (or a zombie); None when it runs on another machine (or in

@@ -36,6 +36,8 @@ class Backend(ABC):
     the target learns of each finished post from a notification carrying the initiator's message."""
 
     name: str
+    rank: int | None = None  # the TP rank whose KV it moves (transfer.backends.rank_agents sets it)
+    nic: str = ""  # the NIC it runs on ("": the process's devices): agents on one NIC name form a rail
 
     @abstractmethod
     def register(self, regions: list[Tensor]) -> None: ...

@@ -332,6 +332,29 @@ def test_two_nics_a_host_share_out_the_kv_across_mismatched_tp(short_tmp, tmp_pa
         assert len(side) == 2 and all(0.4 * kv <= b <= 0.75 * kv for b in side), (kv, side)
 
 
+def test_one_rank_s_kv_is_striped_over_four_nics(short_tmp, tmp_path, monkeypatch):
+    """cluster.nics_per_host=4 and TP 1 on both sides: the rank has an agent on each NIC (a rail), and each
+    request's KV is striped over the four links about evenly; the tokens are those of one NIC."""
+    from experiments.run import run
+    from tests.experiments.runs import _cfg, _outputs
+
+    monkeypatch.setenv("TMPDIR", str(short_tmp.resolve()))
+    base = [
+        "model=tiny-random", "deployment=1p1d", "launcher=netns", "cluster.link.rate=50mbit",
+        "workload.num_requests=3", "workload.arrival=concurrency", "workload.concurrency=1",
+        "workload.prompt_len.value=600", "workload.output_len.value=4", "plots=false",
+    ]  # fmt: skip
+    (one,) = run(_cfg([*base, "cluster.subnet=22"]), tmp_path / "one", progress=False)
+    (four,) = run(
+        _cfg([*base, "cluster.subnet=23", "cluster.nics_per_host=4"]), tmp_path / "four", progress=False
+    )
+    assert four["summary"]["completed"] == 3 and _outputs(four) == _outputs(one)
+    kv = four["summary"]["transfer_bytes"]
+    workers = {w["role"]: w for w in four["workers"]}
+    for side in (workers["prefill"]["nic_tx_bytes"], workers["decode"]["nic_rx_bytes"]):
+        assert len(side) == 4 and all(0.18 * kv <= b <= 0.4 * kv for b in side), (kv, side)
+
+
 @pytest.mark.parametrize(
     "cluster, match",
     [
