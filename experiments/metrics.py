@@ -26,7 +26,9 @@ results.json, schema "pdkernels.results/1" (stable: fields may be added, never r
   "request_goodput_rps"); per worker
   ({name: count}) "preemptions", "recomputed_prompt_tokens" (computed again there after a preemption)
   and "refetched_tokens" (a decode worker's, fetched again from a prefill worker), "prefix_queries" and
-  "prefix_hits" (prompt tokens looked up in its prefix cache, and found); "migrations" (requests that
+  "prefix_hits" (prompt tokens looked up in its prefix cache, and found), "rail_failovers" (a prefill
+  worker's rails taken down, their KV moved to its other NICs) and "agents_renewed" (a decode worker's
+  transfer agents renewed after a post to them was stuck); "migrations" (requests that
   went on on another worker after theirs died: deployment.on_worker_death); "kv_tiers" (per tier below
   device memory, host | disk | pool, over the workers: hit_tokens, bytes_in, bytes_out, loads,
   load_mean_s, load_max_s, evictions, dropped (failed a check), skipped (not saved: no free host slot,
@@ -319,6 +321,8 @@ def summarize(run: DeploymentRun, rows: list[dict], slo: SloConfig, rate: float 
                 ("refetched_tokens", "refetched_tokens"),
                 ("prefix_queries", "prefix_queries"),  # prompt tokens looked up in its cache, found there
                 ("prefix_hits", "prefix_hits"),
+                ("rail_failovers", "rail_failovers"),  # rails taken down (transfer/rails.py)
+                ("agents_renewed", "agents_renewed"),
             )
         },
         "kv_tiers": kv_tiers(run),

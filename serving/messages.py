@@ -207,6 +207,10 @@ class Load(Message):
     # client went away (work for nobody: a cancel that reaches it late, or an abort it does not heed)
     prompt_tokens_after_cancel: int = 0
     prefills_cancelled: int = 0  # requests whose client went away while this prefill worker held them
+    # so far: a prefill worker's rails (its ranks' NICs) taken down, their posts moved to other rails; a
+    # decode worker's transfer agents renewed because a post to them was stuck (transfer/rails.py)
+    rail_failovers: int = 0
+    agents_renewed: int = 0
     # its messenger's hand-off (transfer/handoff.py): requests in each state now, "side.state" -> count;
     # and its moves so far, "side|from|to|cause" -> count (a new messenger, after a role switch, from 0)
     handoff: dict[str, int] = {}
@@ -277,6 +281,8 @@ class Timeline(Message):
     kv_tiers: dict[str, TierCounters] = {}
     prompt_tokens_after_cancel: int = 0  # as in Load
     prefills_cancelled: int = 0
+    rail_failovers: int = 0  # as in Load
+    agents_renewed: int = 0
     handoff: dict[str, int] = {}  # as in Load, when it stopped
     handoff_moves: dict[str, int] = {}
     # loads from the tiers below device memory: (start, end, tier of most of its pages, pages loaded)

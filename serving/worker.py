@@ -455,6 +455,8 @@ class Worker:
             "kv_tiers": {t: TierCounters(**c) for t, c in self.llm.kv_tier_stats.items()},
             "prompt_tokens_after_cancel": self.pm.tokens_after_cancel if self.pm is not None else 0,
             "prefills_cancelled": self.pm.cancelled_in_flight if self.pm is not None else 0,
+            "rail_failovers": self.pm.failovers if self.pm is not None else 0,
+            "agents_renewed": self.dm.renewed if self.dm is not None else 0,
             **handoff_stats([m.handoff for m in (self.pm, self.dm) if m is not None]),
         }
 

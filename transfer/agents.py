@@ -12,6 +12,7 @@ of every rank, NIC "" for an agent on no named NIC (it pairs with any).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -99,14 +100,18 @@ def pairs(src: Rails, dst: Rails, src_rank: int, dst_rank: int) -> list[tuple[in
 
 
 def route(
-    rows: np.ndarray, src: Rails, dst: Rails, rates: dict[int, float] | None = None
+    rows: np.ndarray,
+    src: Rails,
+    dst: Rails,
+    rates: dict[int, float] | None = None,
+    usable: Callable[[int, int], bool] | None = None,
 ) -> list[tuple[int, int, np.ndarray]]:
     """Plan rows [n, 6] (layer, src_rank, src_offset, dst_rank, dst_offset, nbytes) as the writes of each
     (source agent, destination agent) pair: [(source agent, destination agent, WriteOps [m, 5])], each in
     the rows' order. A rank pair's writes are striped over its agent pairs (`pairs`) in contiguous runs,
     each pair's bytes in proportion to rates[source agent] (bytes/s as measured; unmeasured agents weigh
-    as the mean of the measured ones, all alike before any is). An agent of one rank has region 0; an
-    agent of every rank has the rank's."""
+    as the mean of the measured ones, all alike before any is), over those `usable` allows (a rail taken
+    down is not) while any is. An agent of one rank has region 0; an agent of every rank has the rank's."""
     src_rank, dst_rank = rows[:, 1], rows[:, 3]
     src_region = src_rank if src[0][0] == -1 else np.zeros_like(src_rank)
     dst_region = dst_rank if dst[0][0] == -1 else np.zeros_like(dst_rank)
@@ -119,6 +124,8 @@ def route(
     for k in np.unique(key).tolist():
         sel = ops[key == k]
         ways = pairs(src, dst, k // ranks, k % ranks)
+        if usable is not None:
+            ways = [w for w in ways if usable(*w)] or ways
         if len(ways) == 1:
             out.setdefault(ways[0], []).append(sel)
             continue

@@ -28,15 +28,20 @@ class TransferConfig:
     layer_timeout_s: float = 60.0  # prefill side: a forward pass's layer must be done within this
     peer_timeout_s: float = 10.0  # silent (no heartbeat) this long: lost. Heartbeats go out between forward
     # passes, so this must outlast the longest pass of either worker
+    # a rail (one of a rank's NICs, where it has several) whose posts have finished nothing for this long,
+    # past what its measured rate needs for the bytes in flight, is taken down: its posts go again over
+    # the rank's other rails, and it is tried again after a back-off (this, doubling up to 30 s)
+    rail_timeout_s: float = 2.0
     # when the prefill side posts a request's KV: layer (each layer's pages as soon as the forward pass has
     # stored them, while it computes the next: the design) | chunk (a pass's pages, every layer, once the
     # pass ends) | request (all of its pages once its last chunk is computed: no overlap with compute)
     send_mode: str = "layer"
     on_transfer_failure: str = "fail"  # fail: end the request with the error | recompute: prefill it locally
     context_slots: int = 64  # requests in flight per decode worker (rows of its context buffer)
-    # a worker has one NIXL agent per rank: DP group g's TP rank t on entry g * tp + t (RDMA device names,
-    # e.g. mlx5_1:1, NIXL's UCX device_list, so each rank sends or receives on its own NIC); empty: every
-    # agent on nixl_devices
+    # a worker has NIXL agents per rank: DP group g's TP rank t on entry g * tp + t (RDMA device names,
+    # e.g. mlx5_1:1, NIXL's UCX device_list, or network interfaces: each rank sends or receives on its own
+    # NICs; several, comma-separated, make an agent on each, a rail its writes are striped over); empty:
+    # every agent on nixl_devices
     nics_per_rank: tuple[str, ...] = ()
 
     def __post_init__(self):

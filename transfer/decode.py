@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 
 from transfer.agents import RankAgents
-from transfer.backends import Backend
+from transfer.backends import Backend, TransferError
 from transfer.config import TransferConfig
 from transfer.handoff import DECODE_MOVES, Cause, DecodeState, Handoff
 from transfer.plan import ShardSpec, check_compatible, plan_array, unit_tokens
@@ -54,6 +54,7 @@ State = DecodeState
 IN_FLIGHT = (State.REQUESTED, State.ACCEPTED, State.LANDING)  # sent, and nothing has failed
 # a prompt token's time from request to landed KV until a peer's first transfer is measured (seconds)
 PRIOR_TOKEN_S = 0.001
+RETRY_AGENT_S = 1.0  # a renewed agent whose NIC refused its successor tries again after this
 
 
 def _fenced(request_id: str, seq: int) -> tuple[str, str, int]:
@@ -127,6 +128,15 @@ class _Group:
     free_slots: list[int]
     regions: list[Tensor]  # each TP rank's KV cache (mapped here), as the engine reads it
     rails: list[tuple[int, str]] = field(default_factory=list)  # (rank, NIC) of each agent
+    retired: dict[int, float] = field(default_factory=dict)  # agent -> when its successor is tried again
+
+    def offered(self) -> tuple[list[bytes], list[tuple[int, str]]]:
+        """The agents a PrefillRequest offers (metadata, rails): every one but those retired, while each
+        rank keeps one."""
+        live = [i for i in range(len(self.backends)) if i not in self.retired]
+        if {self.rails[i][0] for i in live} != {r for r, _ in self.rails}:
+            live = list(range(len(self.backends)))
+        return [self.metadata[i] for i in live], [self.rails[i] for i in live]
 
     @property
     def backend(self) -> Backend:
@@ -204,6 +214,7 @@ class DecodeMessenger:
         self.peer_lost: set[str] = set()
         self.dropped: Counter[str] = Counter()  # messages not counted, by why
         self.writes_from: Counter[str] = Counter()  # writes counted, by the prefill agent that sent them
+        self.renewed = 0  # agents renewed because a post to them was stuck (transfer/prefill.py)
         # per peer, a prompt token's seconds from request to landed KV (moving average): what a page the
         # engine could load from below instead would cost to be sent
         self.token_s: dict[str, float] = {}
@@ -363,9 +374,10 @@ class DecodeMessenger:
             seq, target, slot, self.clock(), len(prompt_ids) - 1, timing, group=group, pages=pages[skip:]
         )
         self.handoff.move(request_id, State.REQUESTED, Cause.SENT, pending)
+        metadata, rails = g.offered()
         request = PrefillRequest(
-            request_id, list(prompt_ids[:-1]), pages, g.spec, g.metadata, slot, seq, skip, cache_salt,
-            list(client), g.rails,
+            request_id, list(prompt_ids[:-1]), pages, g.spec, metadata, slot, seq, skip, cache_salt,
+            list(client), rails,
         )  # fmt: skip
         try:
             target.channel.send(request)
@@ -385,7 +397,12 @@ class DecodeMessenger:
     def poll(self) -> list[str]:
         """Count landed writes, handle control messages and deadlines; returns the ids admitted now."""
         for group, g in enumerate(self.groups):
-            for backend in g.backends:
+            now = self.clock()
+            for index in [i for i, at in g.retired.items() if at <= now]:
+                self._start_successor(g, index)
+            for index, backend in enumerate(g.backends):
+                if index in g.retired:
+                    continue
                 for agent, msg in backend.notifications():
                     self._count(agent, msg, group)
         for peer in self.peers.values():
@@ -398,6 +415,8 @@ class DecodeMessenger:
                 p = self.handoff.record(rid, *IN_FLIGHT, State.FAILED)
                 fenced_key = _fenced(rid, msg.seq)
                 fenced = self.handoff.record(fenced_key, State.FENCED)
+                if isinstance(msg, Ended) and msg.stuck and (mine := p or fenced) and mine.peer is peer:
+                    self._renew(mine.group, msg.stuck)  # before its pages are safe
                 if isinstance(msg, Ended) and fenced is not None and fenced.peer is peer:
                     self._unfence(fenced_key, Cause.SETTLED)  # back, and done writing its pages
                 elif p is None or p.peer is not peer or p.seq != msg.seq:
@@ -441,17 +460,19 @@ class DecodeMessenger:
         """Count a post's writes: only from the owning peer's agents to the request's group's agents, each
         post once, never past the plan."""
         try:
-            _, rid, seq, post, writes = Notif.parse(msg)
+            _, rid, seq, post, writes, stuck = Notif.parse(msg)
         except ValueError:
             self.dropped["malformed notification"] += 1
             return
         p = self.handoff.record(rid, *IN_FLIGHT)
         if p is None or p.seq != seq:
             self.dropped["notification for no live transfer"] += 1
-        elif agent not in p.peer.hello.agents:
+        elif agent.partition("~")[0] not in p.peer.hello.agents:  # (~n: an agent it renewed)
             self.dropped["notification from an agent that does not own the request"] += 1
         elif group != p.group:
             self.dropped["notification to another DP group's agent"] += 1
+        elif stuck and not self._renew(p.group, stuck.split(",")):
+            self.dropped["notification naming more stuck agents than it may"] += 1
         elif post in p.posts or p.received + writes > p.expected:
             self.dropped["duplicate or excess notification"] += 1
         else:
@@ -461,6 +482,42 @@ class DecodeMessenger:
             p.timing.first_landed = p.timing.first_landed or time.perf_counter()
             if self.handoff.state(rid) is not State.LANDING:
                 self.handoff.move(rid, State.LANDING, Cause.WRITE)
+
+    def _renew(self, group: int, names: list[str]) -> bool:
+        """Renew those of the group's agents named (a stuck post went to them, and its writes may still
+        be in the network's buffers): each retired, its connections closed so that nothing more lands
+        through it, and a successor started in its place (now, or once its NIC is up again), whose
+        metadata the next requests carry. Notifications the old one had received are counted first.
+        False for a list longer than the group's agents."""
+        g = self.groups[group]
+        if len(names) > len(g.backends):
+            return False
+        for name in names:
+            index = next((i for i, b in enumerate(g.backends) if b.name == name), None)
+            if index is None or index in g.retired:  # renewed already, or not ours
+                continue
+            old = g.backends[index]
+            received = old.notifications()
+            old.retire()
+            g.retired[index] = self.clock()
+            self.renewed += 1
+            self._start_successor(g, index)
+            for agent, msg in received:
+                self._count(agent, msg, group)
+        return True
+
+    def _start_successor(self, g: _Group, index: int) -> None:
+        """Start a retired agent's successor; where its NIC refuses (down), try again in a second."""
+        old = g.backends[index]
+        try:
+            new = old.renewed()
+        except TransferError as e:
+            g.retired[index] = self.clock() + RETRY_AGENT_S
+            log.warning("transfer agent %s: no successor yet (%s)", old.name, e)
+            return
+        g.backends[index], g.metadata[index] = new, new.metadata()
+        del g.retired[index]
+        log.warning("renewed transfer agent %s as %s (a post to it was stuck)", old.name, new.name)
 
     def forget(self, request_id: str) -> None:
         """Drop what was kept of an admitted request (its transfer timing) once its caller is done."""

@@ -18,12 +18,12 @@ Each TP rank's KV goes out through an agent of its own (transfer/agents.py: its 
 NIC; an agent on each where the rank has several NICs), so a post is one (this side's agent, the decode
 side's agent) pair's writes with its own notification; the decode side counts them all. A rank pair's
 writes are striped over the rails (NICs) both sides share, each rail's share following the rate its
-agent's posts have been finishing at (`Rates`).
-
-A request is checked and planned when it is accepted (token ids, page ids, shard specs, every write
-inside the registered regions); a bad one is refused with an Ended and touches nothing. On the sender
-thread each job is guarded: an error fails the requests of that job, never the thread. Only the decode
-worker that sent a request may abort it, and every Abort is answered.
+agent's posts have been finishing at (transfer/rails.py). A rail whose posts stop finishing (its NIC
+down, on either side) is failed over: its agent is retired (closed with what it had not sent), its
+posts go again over the rank's other rails, each notification naming the decode agent the stuck post
+went to (which the decode side renews before it counts the post, so a write still in the network's
+buffers cannot land once the request is released), and a successor agent starts on that NIC once a
+back-off is over and the NIC takes it.
 """
 
 from __future__ import annotations
@@ -42,10 +42,12 @@ from torch import Tensor
 
 from transfer.agents import RankAgents, context_region, pairs, route
 from transfer.backends import Backend, TransferError, WriteOp
+from transfer.backends.base import as_ops
 from transfer.config import TransferConfig
 from transfer.handoff import PREFILL_MOVES, Cause, Handoff, PrefillState
 from transfer.plan import ShardSpec, plan_array
 from transfer.protocol import Abort, Accepted, Ended, Hello, Notif, PrefillRequest
+from transfer.rails import Rails
 
 log = logging.getLogger(__name__)
 State = PrefillState
@@ -58,39 +60,9 @@ State = PrefillState
 POLL_S, MAX_POLL_S, POLLS_PER_LAYER = 5e-4, 4e-3, 8
 IDLE_WAIT_S = 0.05  # with nothing in flight, the sender thread waits this long for a job (or close)
 LOG_LIMIT = 4096  # entries kept in post_log / done_log (diagnostics, not per-request state)
-RATE_MEMORY = 0.8  # each finished post keeps this share of an agent's rate figure before it
-
-
-class Rates:
-    """Each agent's bytes per second while it had posts in flight (decayed, RATE_MEMORY per finished post):
-    what a rank pair's writes are striped over its rails by. A rail whose posts stop finishing weighs
-    less and less as its busy time grows."""
-
-    def __init__(self, agents: int):
-        self.busy = [0] * agents  # posts in flight
-        self.since = [0.0] * agents  # when the agent's current busy stretch (or its last post) began
-        self.nbytes = [0.0] * agents
-        self.seconds = [0.0] * agents
-
-    def posted(self, agent: int, now: float) -> None:
-        if not self.busy[agent]:
-            self.since[agent] = now
-        self.busy[agent] += 1
-
-    def finished(self, agent: int, nbytes: int, now: float) -> None:
-        self.busy[agent] -= 1
-        self.nbytes[agent] = RATE_MEMORY * self.nbytes[agent] + nbytes
-        self.seconds[agent] = RATE_MEMORY * self.seconds[agent] + (now - self.since[agent])
-        self.since[agent] = now
-
-    def of(self, now: float) -> dict[int, float]:
-        """Bytes/s of each agent measured so far (its busy stretch up to now counted)."""
-        out = {}
-        for a, (b, s) in enumerate(zip(self.nbytes, self.seconds, strict=True)):
-            seconds = s + (now - self.since[a] if self.busy[a] else 0.0)
-            if b and seconds > 0:
-                out[a] = b / seconds
-        return out
+# a post carries at most this many bytes (more go as several): each post that finishes tells the rail
+# moves, so a rail's silence past rail_timeout_s means stuck, not a large post on a slow link
+MAX_POST_BYTES = 4 << 20
 
 
 class PrefillEngine(Protocol):
@@ -115,12 +87,26 @@ class Sent(NamedTuple):
 
 
 @dataclass
+class _Post:
+    """A post in flight: what it carries, so that it can go again over another rail."""
+
+    src: int  # this side's agent
+    dst: int  # the decode side's agent (its index in the request's dst_metadata)
+    peer: str  # the name this side's agent knows that one by
+    handle: object
+    nbytes: int
+    ops: object  # WriteOps (an array [n, 5], or a list of WriteOp)
+    notif: Notif
+
+
+@dataclass
 class _Transfer:
     req: PrefillRequest
-    peers: list[list[str]]  # [this side's agent][the decode side's agent]: the name one has for the other
     channel: object  # its control channel
     sent_pages: int = 0  # pages [0, sent_pages) are posted (or queued to be)
-    in_flight: list = field(default_factory=list)  # (agent, handle, bytes) of each post (the sender thread's)
+    in_flight: list[_Post] = field(default_factory=list)  # its posts in flight (the sender thread's)
+    dead: set = field(default_factory=set)  # (our agent, their agent) pairs a post of it failed on
+    stuck: set = field(default_factory=set)  # decode agents a stuck post of it went to (Ended names them)
     posts: int = 0  # posts made, numbering each notification
     context_posted: bool = False
     done_at: float | None = None  # perf_counter when every write had finished
@@ -149,6 +135,15 @@ def late_tokens(passes: list[tuple[int, float, int]], cancelled_at: float) -> in
     return sum(tokens for n, tokens in after if n != first)
 
 
+def _parts(ops) -> list:
+    """A post's writes as posts of at most MAX_POST_BYTES each (a write larger than that alone)."""
+    if isinstance(ops, list) or int(ops[:, 4].sum()) <= MAX_POST_BYTES:
+        return [ops]
+    ends = np.cumsum(ops[:, 4])
+    cuts = np.searchsorted(ends, np.arange(MAX_POST_BYTES, int(ends[-1]), MAX_POST_BYTES), side="right")
+    return [part for part in np.split(ops, np.unique(cuts)) if len(part)]
+
+
 def _remember(kept: OrderedDict, key, value) -> None:
     """Keep key -> value, the oldest going past LOG_LIMIT entries."""
     kept[key] = value
@@ -174,8 +169,11 @@ class PrefillMessenger:
         self.context = torch.zeros(slots, hidden_size, dtype=torch.float32, device=kv_regions[0].device)
         self.agents = RankAgents(backend, kv_regions, self.context)
         self.backend = self.agents.backends[0]  # rank 0's (the context buffer's)
-        self.rates = Rates(len(self.agents.backends))
+        self.rails = Rails(len(self.agents.backends), self.config.rail_timeout_s)
+        self.rates = self.rails.rates
         self.bytes_by_agent = [0] * len(self.agents.backends)  # KV and context bytes posted by each agent
+        self.failovers = 0  # rails taken down, each with its posts moved to the rank's other rails
+        self.reposted = 0  # posts sent again over another rail
         self.channels: list = []  # one control channel per decode worker
         self._free_slots = list(range(slots))
         self._slots: dict[str, int] = {}
@@ -376,7 +374,8 @@ class PrefillMessenger:
             else:  # kept a while: an Abort may still come (its client left as its KV landed)
                 _remember(self._ended_passes, (rid, t.req.seq), t.passes)
             if t.aborted or t.error:
-                self._tell(t.channel, Ended(rid, t.req.seq, t.error or f"aborted: {t.aborted}"))
+                stuck = sorted(t.stuck)
+                self._tell(t.channel, Ended(rid, t.req.seq, t.error or f"aborted: {t.aborted}", stuck))
         if self._waiting:
             waiting, self._waiting = self._waiting, []
             for req, channel in waiting:
@@ -462,10 +461,12 @@ class PrefillMessenger:
                 return
             routes = self._plan(req)
             ctx = self._context_pair(req)
-            peers = self._connect(req.dst_metadata, {(src, dst) for src, dst, _ in routes} | {ctx})
-            for src, dst, ops in routes:
-                self.agents.backends[src].check(peers[src][dst], ops)
-            self.agents.backends[ctx[0]].check(peers[ctx[0]][ctx[1]], [self._context_op(req, 0)])
+            with self._lock:  # the sender thread may retire or renew an agent meanwhile
+                for src, dst, ops in routes:
+                    if src not in self.rails.retired:
+                        self.agents.backends[src].check(self._peer(req, src, dst), ops)
+                if ctx[0] not in self.rails.retired:
+                    self.agents.backends[ctx[0]].check(self._peer(req, *ctx), [self._context_op(req, 0)])
             self.engine.start(req.request_id, req.prompt_ids, req.cache_salt, req.client)  # checks the ids
         except Exception as e:  # whatever a peer sent, it fails its own request only
             self.refused += 1
@@ -478,19 +479,17 @@ class PrefillMessenger:
         with self._lock:
             skip = req.skip_pages * req.dst_spec.page_size // self.spec.page_size  # a page the decode side
             # holds in part (its pages smaller than ours) is sent from where its holding ends
-            self.transfers[req.request_id] = _Transfer(req, peers, channel, sent_pages=skip)
+            self.transfers[req.request_id] = _Transfer(req, channel, sent_pages=skip)
         self._tell(channel, Accepted(req.request_id, req.seq))
 
-    def _connect(self, metadata: list[bytes], pairs: set[tuple[int, int]]) -> list[list[str | None]]:
-        """Connect those of this side's agents to those of the decode side's that the plan pairs (an
-        agent on one NIC may reach only the agents on its own rail): [ours][theirs] -> its name, or None."""
-        names = []
-        for i, backend in enumerate(self.agents.backends):
-            for j, md in enumerate(metadata):
-                if (i, j) in pairs and (i, md) not in self._peers:
-                    self._peers[i, md] = backend.connect(md)
-            names.append([self._peers[i, md] if (i, j) in pairs else None for j, md in enumerate(metadata)])
-        return names
+    def _peer(self, req: PrefillRequest, src: int, dst: int) -> str:
+        """The name our agent src knows the request's decode agent dst by, connecting them the first time
+        (only pairs the plan uses: an agent on one NIC may reach only the agents on its own rail)."""
+        md = req.dst_metadata[dst]
+        name = self._peers.get((src, md))
+        if name is None:
+            name = self._peers[src, md] = self.agents.backends[src].connect(md)
+        return name
 
     def _plan(self, req: PrefillRequest) -> list:
         """Plan the whole request against placeholder source pages (the specs must be compatible, the page
@@ -595,7 +594,7 @@ class PrefillMessenger:
             for i, (t, _) in enumerate(by_layer[layer]):
                 rows = np.concatenate([by_layer[done][i][1] for done in range(layer, ready)])
                 now = time.perf_counter()
-                posts = route(rows, self.agents.rails, t.req.rails, self.rates.of(now))
+                posts = route(rows, self.agents.rails, t.req.rails, self.rates.of(now), self._usable(t))
                 if self._post(t, posts, "kv"):
                     t.first_post = t.first_post or now
                     self.post_log += [(t.req.request_id, done, now) for done in range(layer, ready)]
@@ -609,6 +608,10 @@ class PrefillMessenger:
         if done is not None:
             done.synchronize()
         src, dst = self._context_pair(t.req)
+        usable = self._usable(t)
+        if not usable(src, dst):  # its rail is down: another pair of rank 0's agents
+            ways = [w for w in pairs(self.agents.rails, t.req.rails, 0, 0) if usable(*w)]
+            src, dst = ways[0] if ways else (src, dst)
         t.context_posted = self._post(t, [(src, dst, [self._context_op(t.req, slot)])], "ctx")
 
     def _post(self, t: _Transfer, posts: list, kind: str) -> bool:
@@ -618,44 +621,174 @@ class PrefillMessenger:
             if t.aborted or t.error:
                 return False
             for src, dst, ops in posts:
-                message = Notif(kind, t.req.request_id, t.req.seq, t.posts, len(ops)).encode()
-                backend = self.agents.backends[src]
-                nbytes = sum(op[4] for op in ops) if isinstance(ops, list) else int(ops[:, 4].sum())
-                try:
-                    t.in_flight.append((src, backend.post(t.peers[src][dst], ops, message), nbytes))
-                except TransferError as e:
-                    t.error = str(e)
-                    return False
-                self.rates.posted(src, time.perf_counter())
-                self.bytes_by_agent[src] += nbytes
-                t.posts += 1
+                for part in _parts(ops):
+                    notif = Notif(kind, t.req.request_id, t.req.seq, t.posts, len(part))
+                    try:
+                        self._send(t, src, dst, part, notif)
+                    except TransferError as e:
+                        t.error = str(e)
+                        return False
+                    t.posts += 1
         return True
+
+    def _send(self, t: _Transfer, src: int, dst: int, ops, notif: Notif) -> None:
+        """Post ops from our agent src to the decode agent dst (the caller holds the lock); where that
+        pair refuses it (the decode side renewed that agent: it is gone), over another pair of the same
+        ranks. TransferError where none takes it."""
+        while True:
+            try:
+                return self._send_on(t, src, dst, ops, notif)
+            except TransferError:
+                t.dead.add((src, dst))
+                way = self._alternative(t, _Post(src, dst, "", None, 0, ops, notif))
+                if way is None:
+                    raise
+                src, dst = way
+
+    def _send_on(self, t: _Transfer, src: int, dst: int, ops, notif: Notif) -> None:
+        peer = self._peer(t.req, src, dst)
+        handle = self.agents.backends[src].post(peer, ops, notif.encode())
+        nbytes = sum(op[4] for op in ops) if isinstance(ops, list) else int(ops[:, 4].sum())
+        t.in_flight.append(_Post(src, dst, peer, handle, nbytes, ops, notif))
+        self.rates.posted(src, time.perf_counter())
+        self.bytes_by_agent[src] += nbytes
+
+    def _usable(self, t: _Transfer):
+        """Whether a pair may carry t's writes now: its rail is up (or due to be tried again) and no post
+        of t failed on it."""
+        now = time.perf_counter()
+        return lambda i, j: self.rails.up(i, now) and (i, j) not in t.dead
+
+    def _ranks(self, t: _Transfer, post: _Post) -> tuple[int, int]:
+        """The (source rank, destination rank) a post's writes are of (an agent of every rank: the ops
+        name the rank as their region)."""
+        ops = as_ops(post.ops)
+        src, dst = self.agents.rails[post.src][0], t.req.rails[post.dst][0]
+        return (src if src >= 0 else int(ops[0, 0])), (dst if dst >= 0 else int(ops[0, 2]))
+
+    def _alternative(self, t: _Transfer, post: _Post, avoid: int = -1) -> tuple[int, int] | None:
+        """Another pair of the post's ranks that may carry it (the fastest rail; none of our agent avoid's),
+        or None."""
+        usable = self._usable(t)
+        ways = [
+            w
+            for w in pairs(self.agents.rails, t.req.rails, *self._ranks(t, post))
+            if w != (post.src, post.dst) and w[0] != avoid and usable(*w)
+        ]
+        if not ways:
+            return None
+        rates = self.rates.of(time.perf_counter())
+        return max(ways, key=lambda w: rates.get(w[0], 0.0))
+
+    def _repost(self, t: _Transfer, post: _Post, stuck: str) -> bool:
+        """Send a post again over another rail of its ranks, its notification naming the decode agents
+        stuck posts of this number went to (the caller holds the lock). Whether there was one."""
+        t.stuck.add(stuck)
+        if t.aborted or t.error:
+            return True  # nothing more goes for it; its Ended names the stuck agents
+        way = self._alternative(t, post)
+        if way is None:
+            return False
+        names = sorted({*post.notif.stuck.split(","), stuck} - {""})
+        try:
+            self._send(t, *way, post.ops, post.notif._replace(stuck=",".join(names)))
+        except TransferError as e:
+            t.error = t.error or str(e)
+        self.reposted += 1
+        return True
+
+    def _check_rails(self) -> None:
+        """Take down each rail whose posts have finished nothing for rail_timeout_s past what its
+        measured rate needs for the bytes in flight on it, where every post on it can go another way:
+        its agent is retired (closed with what it had not sent) and its posts sent again over other
+        rails. A rail with no other way is waited for, as one NIC is (TCP retransmits once it is back).
+        A retired agent's successor is started once its back-off is over (a NIC still down refuses it:
+        it backs off again)."""
+        now = time.perf_counter()
+        for agent in self.rails.due(now):
+            old = self.agents.backends[agent]
+            try:
+                new = old.renewed()
+            except TransferError as e:
+                log.warning("%s: its rail is still down (%s)", old.name, e)
+                self.rails.take_down(agent, now)
+                continue
+            with self._lock:
+                self.agents.backends[agent] = new
+                self.rails.retired.discard(agent)
+            log.warning("%s: its rail is back as %s", old.name, new.name)
+        with self._lock:
+            on = {}  # agent -> [(transfer, post)] in flight on it
+            for t in self.transfers.values():
+                for post in t.in_flight:
+                    on.setdefault(post.src, []).append((t, post))
+        for agent, posts in on.items():
+            waited = now - self.rates.since[agent]
+            rate = self.rates.finished_rate(agent)  # (a rate counting the stretch it is stuck in would
+            # fall as fast as the wait grows, and the bytes owed at it never be paid)
+            owed = sum(p.nbytes for _, p in posts) / rate if rate else 0.0
+            if waited <= self.config.rail_timeout_s + owed:
+                continue
+            if any(self._alternative(t, p, agent) is None for t, p in posts if not (t.aborted or t.error)):
+                continue
+            self._fail_over(agent, posts, waited)
+
+    def _fail_over(self, agent: int, posts: list, waited: float) -> None:
+        with self._lock:
+            for t, post in posts:
+                if post in t.in_flight:
+                    t.in_flight.remove(post)
+            old = self.agents.backends[agent]
+            log.warning(
+                "%s: no post finished in %.1f s (rail_timeout_s=%s): its %d posts go over other rails",
+                old.name, waited, self.config.rail_timeout_s, len(posts),
+            )  # fmt: skip
+            for _, post in posts:
+                try:
+                    old.release(post.handle)
+                except TransferError:
+                    pass
+            old.retire()
+            self._peers = {k: v for k, v in self._peers.items() if k[0] != agent}
+            self.rails.retired.add(agent)
+            self.rails.take_down(agent, time.perf_counter())
+            self.failovers += 1
+            for t, post in posts:
+                if not self._repost(t, post, post.peer):
+                    t.error = t.error or f"a KV write was stuck on {old.name} and no other rail could take it"
 
     def _reap(self) -> bool:
         """Poll in-flight posts (this also sends their notifications) and drop finished ones: every post,
-        as those on other agents (rails) finish in any order. True while any post is still in flight."""
+        as those on other agents (rails) finish in any order; a failed one goes again over another rail
+        of its ranks where there is one (the request fails otherwise), and a rail that stopped moving is
+        failed over (`_check_rails`). True while any post is still in flight."""
         with self._lock:
             transfers = [t for t in self.transfers.values() if t.in_flight]
         for t in transfers:
             for post in list(t.in_flight):
-                agent, handle, nbytes = post
-                backend = self.agents.backends[agent]
+                backend = self.agents.backends[post.src]
                 try:
-                    state = backend.state(handle)
-                except TransferError as e:
-                    state, t.error = "ERR", str(e)
+                    state = backend.state(post.handle)
+                except TransferError:
+                    state = "ERR"
                 if state == "PROC":
                     continue
-                self.rates.finished(agent, nbytes, time.perf_counter())
-                if state == "ERR":
-                    t.error = t.error or "a KV write failed"
                 try:
-                    backend.release(handle)
+                    backend.release(post.handle)
                 except TransferError:
                     pass
                 with self._lock:
                     t.in_flight.remove(post)
+                    self.rates.finished(post.src, post.nbytes, time.perf_counter())
+                    if state == "ERR":
+                        t.dead.add((post.src, post.dst))
+                        if not self._repost(t, post, post.peer):
+                            t.error = t.error or "a KV write failed"
+                    else:
+                        self.rails.moved(post.src)
                     if not t.in_flight and t.context_posted:
                         t.done_at = time.perf_counter()  # the last write (the context) has landed
+        if len(self.agents.backends) > 1:
+            self._check_rails()
         with self._lock:
             return any(t.in_flight for t in self.transfers.values())

@@ -176,6 +176,12 @@ class Ended(Message):
     request_id: str
     seq: int
     error: str | None
+    # decode agents a stuck post of it went to (then moved to another rail): renewed before its pages go
+    stuck: list[str] = []
+
+    def __post_init__(self):
+        if len(self.stuck) > 64 or not all(0 < len(name) <= 300 for name in self.stuck):
+            raise ValueError("stuck names at most 64 agents of 1-300 characters")
 
 
 TO_PREFILL = (PrefillRequest, Abort)  # what a prefill worker's channel decodes
@@ -192,28 +198,34 @@ def decode_codec() -> Codec:
 
 class Notif(NamedTuple):
     """What ends each post: whose request (id and seq), the post's number within it (so a duplicate
-    counts once) and how many writes it carried."""
+    counts once), how many writes it carried, and for a post sent again over another rail, the decode
+    agent the first one went to (its connection may still deliver: that agent is renewed before the
+    request is released)."""
 
     kind: str  # kv | ctx
     request_id: str
     seq: int
     post: int
     writes: int
+    stuck: str = ""  # the decode agent a stuck post of this number went to ("": none)
 
     def encode(self) -> bytes:
-        return f"{self.kind}|{self.request_id}|{self.seq}|{self.post}|{self.writes}".encode()
+        return f"{self.kind}|{self.stuck}|{self.request_id}|{self.seq}|{self.post}|{self.writes}".encode()
 
     @staticmethod
     def parse(msg: bytes) -> Notif:
         """ValueError for anything that is not a notification."""
         try:
-            kind, request_id, *numbers = msg.decode().rsplit("|", 4)
-        except UnicodeDecodeError as e:
+            kind, stuck, rest = msg.decode().split("|", 2)
+            request_id, *numbers = rest.rsplit("|", 3)
+        except (UnicodeDecodeError, ValueError) as e:
             raise ValueError(f"not a transfer notification: {msg[:64]!r}") from e
         if kind not in ("kv", "ctx") or len(numbers) != 3 or not all(n.isdigit() for n in numbers):
             raise ValueError(f"not a transfer notification: {msg[:64]!r}")
+        if len(stuck) > 300:
+            raise ValueError(f"not a transfer notification: {msg[:64]!r}")
         check_request_id(request_id)
-        return Notif(kind, request_id, *map(int, numbers))
+        return Notif(kind, request_id, *map(int, numbers), stuck)
 
 
 class Endpoint:

@@ -78,6 +78,18 @@ class Metrics:
                 ["worker"],
                 registry=r,
             ),
+            "rail_failovers": Counter(
+                "pdk_rail_failovers",
+                "Rails (a rank's NICs) a prefill worker took down, their KV posts moved to its other rails",
+                ["worker"],
+                registry=r,
+            ),
+            "agents_renewed": Counter(
+                "pdk_transfer_agents_renewed",
+                "Transfer agents a decode worker renewed because a post to them was stuck on a rail",
+                ["worker"],
+                registry=r,
+            ),
             "refetched_tokens": Counter(
                 "pdk_refetched_tokens",
                 "Tokens whose dropped KV a decode worker fetched again from a prefill worker",

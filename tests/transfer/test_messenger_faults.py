@@ -142,7 +142,7 @@ class FaultyPair(RuleBasedStateMachine):
 
     def _check_write(self, ops, message):
         """Before a write lands: its pages must be pinned to its live request, and be ones it asked for."""
-        kind, rid, seq, _, _ = Notif.parse(message)
+        kind, rid, seq, *_ = Notif.parse(message)
         p, spec = self.dm.pending.get(rid), self.dm.spec
         if p is None or p.seq != seq or not self.decode.allocator.is_pinned(rid):
             self.violations.append(f"write for {rid} (seq {seq}) whose pages are not held for it")

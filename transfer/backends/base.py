@@ -72,6 +72,17 @@ class Backend(ABC):
     def close(self) -> None: ...
 
     @abstractmethod
+    def retire(self) -> None:
+        """Close this agent for good with everything in flight: a write it had not handed to the network
+        never goes, and nothing more lands in its regions through it (its connections are closed). What
+        a rail that stopped moving gets (transfer/prefill.py); `renewed` makes its successor."""
+
+    @abstractmethod
+    def renewed(self) -> Backend:
+        """A new agent made as this one was (its regions registered again, its rank and NIC; its name this
+        one's with a new `~n` suffix). TransferError where it cannot start (its NIC down)."""
+
+    @abstractmethod
     def region_sizes(self, peer: str) -> tuple[list[int], list[int]]:
         """Bytes of each region registered here, and at peer (TransferError if peer is not connected)."""
 

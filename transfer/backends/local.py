@@ -83,3 +83,13 @@ class LocalBackend(Backend):
     def close(self) -> None:
         with _LOCK:
             _AGENTS.pop(self.name, None)
+
+    def retire(self) -> None:
+        self.close()  # a copy still owed to this name lands nowhere
+
+    def renewed(self) -> LocalBackend:
+        base, _, n = self.name.partition("~")
+        new = LocalBackend(f"{base}~{int(n or 0) + 1}")
+        new.register(self.regions)
+        new.rank, new.nic = self.rank, self.nic
+        return new

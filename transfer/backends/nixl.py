@@ -6,6 +6,7 @@ UCX covers loopback, ConnectX and InfiniBand; LIBFABRIC covers EFA. Progress is 
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import socket
@@ -85,6 +86,7 @@ class NixlBackend(Backend):
             os.environ.setdefault(key, value)
         api = _nixl()
         self.name, self.engine = name, engine
+        self._args = (engine, devices, nic)
         self.agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False, backends=[]))
         params, env = {}, {}
         if nic is not None and engine == "UCX":
@@ -112,6 +114,7 @@ class NixlBackend(Backend):
         self.regions: list[tuple[int, int, int]] = []  # (address, bytes, device id)
         self.mem_type = "DRAM"
         self._tensors: list[Tensor] = []
+        self._registered: list = []  # NIXL's descriptor lists of what was registered
         self._peers: dict[str, list[tuple[int, int, int]]] = {}
 
     def register(self, regions: list[Tensor]) -> None:
@@ -119,7 +122,7 @@ class NixlBackend(Backend):
         if len(mem_types) != 1:
             raise ValueError("register host or device memory, not both, in one call")
         self.mem_type = mem_types.pop()
-        self.agent.register_memory(regions)
+        self._registered.append(self.agent.register_memory(regions))
         self._tensors += regions  # registered memory must outlive the agent's use of it
         self.regions += [(r.data_ptr(), r.numel() * r.element_size(), r.device.index or 0) for r in regions]
         nbytes = sum(r.numel() * r.element_size() for r in regions)
@@ -191,3 +194,21 @@ class NixlBackend(Backend):
     def close(self) -> None:
         for peer in list(self._peers):
             self.disconnect(peer)
+
+    def retire(self) -> None:
+        if self.agent is None:
+            return
+        self.close()
+        for descs in self._registered:
+            self.agent.deregister_memory(descs)
+        self._registered.clear()
+        self.agent = None  # its UCX worker and connections closed: nothing more lands through them
+        gc.collect()
+
+    def renewed(self) -> NixlBackend:
+        base, _, n = self.name.partition("~")
+        engine, devices, nic = self._args
+        new = NixlBackend(f"{base}~{int(n or 0) + 1}", engine, devices, nic)
+        new.register(self._tensors)
+        new.rank, new.nic = self.rank, self.nic
+        return new

@@ -185,3 +185,33 @@ def test_a_prefill_host_s_nic_down_past_peer_timeout_loses_nothing_and_gives_eve
     assert record["summary"]["completed"] == 6 and record["summary"]["errors"] == 0
     assert _outputs(record) == _outputs(clean)
     _pages_back(record)
+
+
+def test_a_nic_cut_mid_transfer_moves_its_kv_to_the_host_s_other_nic(short_tmp, tmp_path, monkeypatch):
+    """Two NICs a host, TP 1, each request's KV striped over both: once KV flows on the prefill host's NIC
+    1, that NIC goes down for good (the control plane rides NIC 0). Its posts stay in flight; past
+    transfer.rail_timeout_s the prefill worker retires that rail's agent and sends them over NIC 0, and the
+    decode worker renews its agent on NIC 1 before it counts them. No request fails, each ends with the
+    tokens of the same run without the cut, and every page comes back on both sides."""
+    monkeypatch.setenv("TMPDIR", str(short_tmp.resolve()))
+    two = [*RUN, "cluster.nics_per_host=2", "transfer.rail_timeout_s=1"]
+    (clean,) = run(_cfg([*two, "cluster.subnet=34"]), tmp_path / "clean", progress=False)
+    cut, last = [], {}
+
+    def cut_nic_1(run_state, runtime):
+        hosts = runtime.fleet.launcher.hosts
+        sent = hosts.counters(0, nic=1)[0]  # host 0: prefill-0's
+        flowing, last["sent"] = sent - last.get("sent", 0) >= FLOWING_BYTES, sent
+        if not cut and sent > 200_000 and flowing:
+            hosts.set_link(0, up=False, nic=1)
+            cut.append((sent, len(run_state.results)))
+
+    (record,) = run(_cfg([*two, "cluster.subnet=35"]), tmp_path / "cut", progress=False, hooks=cut_nic_1)
+    assert cut and cut[0][1] < 6, "the KV never flowed on NIC 1, or every request had finished before the cut"
+    assert record["summary"]["completed"] == 6 and record["summary"]["errors"] == 0
+    assert _outputs(record) == _outputs(clean)
+    _pages_back(record)
+    summary = record["summary"]
+    assert summary["rail_failovers"]["prefill-0"] >= 1 and summary["agents_renewed"]["decode-0"] >= 1
+    prefill = next(w for w in record["workers"] if w["role"] == "prefill")
+    assert prefill["nic_tx_bytes"][0] > 0.5 * record["summary"]["transfer_bytes"]  # NIC 0 took it over
