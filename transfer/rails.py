@@ -4,21 +4,22 @@ when they are tried again (transfer/prefill.py fails a rail over; the rate and t
 
 from __future__ import annotations
 
-RATE_MEMORY = 0.8  # each finished post keeps this share of an agent's rate figure before it
-# a post that finished sooner than this after its rail's last event tells the poll's latency, not the
-# rail's rate (a rate from such posts fed back on itself: the rail given more bytes looked faster)
-MIN_SAMPLE_S = 0.02
+HALF_LIFE_S = 1.0  # a rail's rate figure halves its weight on what it measured this long ago
 MAX_BACKOFF_S = 30.0  # a rail taken down is tried again after rail_timeout_s, doubling up to this
+# rails' weights are their rates, none below this share of the fastest's: a rate read off posts that
+# wait on latency more than on the link grows with the bytes a rail is given, and would feed on itself
+MIN_WEIGHT = 0.5
 
 
 class Rates:
-    """Each agent's bytes per second while it had posts in flight (decayed, RATE_MEMORY per finished post,
-    from posts that took MIN_SAMPLE_S or more): what a rank pair's writes are striped over its rails by.
-    A rail whose posts stop finishing weighs less and less as its busy time grows."""
+    """Each agent's bytes per second, measured where the link, not the latency, set it: a post counts
+    when it finished with another behind it on its agent (a backlog), over the time since the agent's
+    previous event. Both sums decay with time (HALF_LIFE_S), so posts finishing together at one poll
+    count whole. What a rank pair's writes are striped over its rails by."""
 
     def __init__(self, agents: int):
         self.busy = [0] * agents  # posts in flight
-        self.since = [0.0] * agents  # when the agent's current busy stretch (or its last post) began
+        self.since = [0.0] * agents  # the agent's last event: its busy stretch began, or a post finished
         self.nbytes = [0.0] * agents
         self.seconds = [0.0] * agents
 
@@ -28,10 +29,11 @@ class Rates:
         self.busy[agent] += 1
 
     def finished(self, agent: int, nbytes: int, now: float) -> None:
+        if self.busy[agent] >= 2:  # more behind it: the link was busy all this while
+            keep = 0.5 ** ((now - self.since[agent]) / HALF_LIFE_S)
+            self.nbytes[agent] = keep * self.nbytes[agent] + nbytes
+            self.seconds[agent] = keep * self.seconds[agent] + (now - self.since[agent])
         self.busy[agent] -= 1
-        if now - self.since[agent] >= MIN_SAMPLE_S:
-            self.nbytes[agent] = RATE_MEMORY * self.nbytes[agent] + nbytes
-            self.seconds[agent] = RATE_MEMORY * self.seconds[agent] + (now - self.since[agent])
         self.since[agent] = now
 
     def reset(self, agent: int, now: float) -> None:
@@ -43,13 +45,10 @@ class Rates:
         return self.nbytes[agent] / self.seconds[agent] if self.seconds[agent] > 0 else None
 
     def of(self, now: float) -> dict[int, float]:
-        """Bytes/s of each agent measured so far (its busy stretch up to now counted)."""
-        out = {}
-        for a, (b, s) in enumerate(zip(self.nbytes, self.seconds, strict=True)):
-            seconds = s + (now - self.since[a] if self.busy[a] else 0.0)
-            if b and seconds > 0:
-                out[a] = b / seconds
-        return out
+        """Each measured agent's weight for striping: its rate, at least MIN_WEIGHT of the fastest's."""
+        rates = {a: r for a in range(len(self.busy)) if (r := self.finished_rate(a))}
+        top = max(rates.values(), default=0.0)
+        return {a: max(r, MIN_WEIGHT * top) for a, r in rates.items()}
 
 
 class Rails:
