@@ -530,6 +530,21 @@ class EngineConfig:
 
         return getattr(torch, self.dtype)
 
+    def shard_spec(self, itemsize: int | None = None, identity: tuple[str, str, str] = ("", "", "")):
+        """The geometry of this engine's KV cache as the transfer plan sees it (transfer.plan.ShardSpec;
+        the arch must be read): itemsize, the allocated element's bytes (the dtype's where not given);
+        identity, the model's digests (engine.LLM.identity: model, weights, tokenizer). What a worker
+        announces, and what the runtime checks a deployment's two sides with before any starts."""
+        from transfer.plan import ShardSpec
+
+        m, c = self.arch, self.cache
+        return ShardSpec(
+            tp=self.tp, num_kv_heads=m.num_kv_heads, num_layers=m.num_layers, num_pages=c.num_pages,
+            page_size=c.page_size, head_dim=m.head_dim, itemsize=itemsize or DTYPES[self.dtype],
+            dtype=self.dtype, kv_layout=c.kv_layout, planes=m.kv_planes, model=identity[0],
+            weights=identity[1], tokenizer=identity[2],
+        )  # fmt: skip
+
 
 def settings(config: EngineConfig | None = None) -> dict:
     """Every setting by the name LLM(**overrides) takes, and its value in config (the defaults' without

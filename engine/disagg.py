@@ -25,22 +25,7 @@ if TYPE_CHECKING:  # the engine it adapts; engine/dp_group.py (which engine.llm 
 
 def shard_spec(llm: LLM) -> ShardSpec:
     """The geometry of llm's KV cache as the transfer plan sees it."""
-    m, c = llm.config.arch, llm.config.cache
-    return ShardSpec(
-        tp=llm.config.tp,
-        num_kv_heads=m.num_kv_heads,
-        num_layers=m.num_layers,
-        num_pages=c.num_pages,
-        page_size=c.page_size,
-        head_dim=m.head_dim,
-        itemsize=llm.kv_cache.element_size(),
-        dtype=llm.config.dtype,
-        kv_layout=c.kv_layout,
-        planes=m.kv_planes,
-        model=llm.identity[0],
-        weights=llm.identity[1],
-        tokenizer=llm.identity[2],
-    )
+    return llm.config.shard_spec(llm.kv_cache.element_size(), llm.identity)
 
 
 class PrefillSide:

@@ -632,20 +632,6 @@ def _role_counts(d: DeploymentConfig) -> list[tuple[Role, int]]:
     return [(Role.PREFILL, d.num_prefill), (Role.DECODE, d.num_decode)]
 
 
-def _shard_spec(engine: EngineConfig):
-    """The KV geometry a worker of this engine config will announce (engine.disagg.shard_spec's, less
-    the model's digests and what the region's allocation decides)."""
-    from engine.config import DTYPES as BYTES
-    from transfer.plan import ShardSpec
-
-    m, c = engine.arch, engine.cache
-    return ShardSpec(
-        tp=engine.tp, num_kv_heads=m.num_kv_heads, num_layers=m.num_layers, num_pages=c.num_pages,
-        page_size=c.page_size, head_dim=m.head_dim, itemsize=BYTES[engine.dtype], dtype=engine.dtype,
-        kv_layout=c.kv_layout, planes=m.kv_planes,
-    )  # fmt: skip
-
-
 def check_fits_model(config: RuntimeConfig):
     """Read the model's config and tokenizer (what the runtime tokenizes with; not its weights, which only
     workers load) and check every TP degree against it, through the engine's own EngineConfig checks, and
@@ -676,7 +662,7 @@ def check_fits_model(config: RuntimeConfig):
             except ValueError as e:
                 raise ValueError(f"deployment {d.name}, its {role} workers: {e}") from e
             try:
-                specs[role] = _shard_spec(replace(engine, arch=loaded.config))
+                specs[role] = replace(engine, arch=loaded.config).shard_spec()
             except ValueError as e:
                 key = f"{role}_tp" if role.sends_kv or role.receives_kv else "tp"
                 raise ValueError(

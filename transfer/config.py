@@ -30,7 +30,8 @@ class TransferConfig:
     # passes, so this must outlast the longest pass of either worker
     # a rail (one of a rank's NICs, where it has several) whose posts have finished nothing for this long,
     # past what its measured rate needs for the bytes in flight, is taken down: its posts go again over
-    # the rank's other rails, and it is tried again after a back-off (this, doubling up to 30 s)
+    # the rank's other rails, and it is tried again after a back-off (this, doubling up to 30 s). A post
+    # carries at most 1 MiB: this must outlast 1 MiB on one rail (0.8 s at 10 Mbit/s)
     rail_timeout_s: float = 2.0
     # when the prefill side posts a request's KV: layer (each layer's pages as soon as the forward pass has
     # stored them, while it computes the next: the design) | chunk (a pass's pages, every layer, once the

@@ -62,7 +62,7 @@ IDLE_WAIT_S = 0.05  # with nothing in flight, the sender thread waits this long 
 LOG_LIMIT = 4096  # entries kept in post_log / done_log (diagnostics, not per-request state)
 # a post carries at most this many bytes (more go as several): each post that finishes tells the rail
 # moves, so a rail's silence past rail_timeout_s means stuck, not a large post on a slow link
-MAX_POST_BYTES = 4 << 20
+MAX_POST_BYTES = 1 << 20
 
 
 class PrefillEngine(Protocol):
@@ -139,9 +139,13 @@ def _parts(ops) -> list:
     """A post's writes as posts of at most MAX_POST_BYTES each (a write larger than that alone)."""
     if isinstance(ops, list) or int(ops[:, 4].sum()) <= MAX_POST_BYTES:
         return [ops]
-    ends = np.cumsum(ops[:, 4])
-    cuts = np.searchsorted(ends, np.arange(MAX_POST_BYTES, int(ends[-1]), MAX_POST_BYTES), side="right")
-    return [part for part in np.split(ops, np.unique(cuts)) if len(part)]
+    cuts, size = [], 0
+    for i, nbytes in enumerate(ops[:, 4].tolist()):
+        if size and size + nbytes > MAX_POST_BYTES:
+            cuts.append(i)
+            size = 0
+        size += nbytes
+    return np.split(ops, cuts)
 
 
 def _remember(kept: OrderedDict, key, value) -> None:
@@ -477,8 +481,9 @@ class PrefillMessenger:
         self.handoff.move(_key(req), State.COMPUTING, Cause.STARTED)
         self._slots[req.request_id] = self._free_slots.pop()
         with self._lock:
-            skip = req.skip_pages * req.dst_spec.page_size // self.spec.page_size  # a page the decode side
-            # holds in part (its pages smaller than ours) is sent from where its holding ends
+            # a page the decode side holds in part (its pages smaller than ours) is sent from where its
+            # holding ends (_send_layers)
+            skip = req.held_tokens // self.spec.page_size
             self.transfers[req.request_id] = _Transfer(req, channel, sent_pages=skip)
         self._tell(channel, Accepted(req.request_id, req.seq))
 
@@ -553,13 +558,12 @@ class PrefillMessenger:
         by_layer = [[] for _ in range(self.spec.num_layers)]  # [(transfer, ops [n, 5])] per layer
         for t, i0, i1, pages in items:
             req = t.req
-            skipped = req.skip_pages * req.dst_spec.page_size  # tokens the decode side holds already
             rows = plan_array(  # layer-major: each layer's writes are one slice
                 self.spec,
                 req.dst_spec,
                 pages[:i1],
                 req.dst_pages,
-                start=max(i0 * self.spec.page_size, skipped),
+                start=max(i0 * self.spec.page_size, req.held_tokens),
                 end=i1 * self.spec.page_size,
                 seed=req.seq,
             )

@@ -100,6 +100,11 @@ class PrefillRequest(Message):
             )
 
     @property
+    def held_tokens(self) -> int:
+        """Leading prompt tokens the decode side holds already (skip_pages of its pages): never sent."""
+        return self.skip_pages * self.dst_spec.page_size
+
+    @property
     def rails(self) -> Rails:
         """The decode side's agents as (rank, NIC)."""
         return list(self.dst_rails) or default_rails(len(self.dst_metadata), self.dst_spec.tp)

@@ -206,3 +206,34 @@ def test_with_one_rail_a_stuck_post_is_waited_for():
         for backend in pm.agents.backends + dm.backends:
             backend.close()
     assert prefill.allocator.num_free == PAGES and decode.allocator.num_free == PAGES
+
+
+def test_a_rail_s_rate_counts_backlogged_posts_whole_and_none_weighs_under_half_the_fastest():
+    from transfer.rails import Rates
+
+    rates = Rates(3)
+    for _ in range(3):  # agent 0: three 4 MB posts at once, all found done at one poll 1 s later
+        rates.posted(0, 0.0)
+    for _ in range(3):
+        rates.finished(0, 4_000_000, 1.0)
+    assert rates.finished_rate(0) == pytest.approx(8e6)  # the last had none behind it: not counted
+    rates.posted(1, 0.0)  # agent 1: one post at a time (the latency sets its time, not the link)
+    rates.finished(1, 1_000_000, 0.001)
+    assert rates.finished_rate(1) is None
+    for _ in range(2):  # agent 2: a slow backlogged rail
+        rates.posted(2, 0.0)
+    rates.finished(2, 1_000_000, 1.0)
+    assert rates.of(1.0) == {0: pytest.approx(8e6), 2: pytest.approx(4e6)}  # 1e6 raised to half of 8e6
+
+
+def test_a_post_is_cut_at_one_mib_and_keeps_every_write_once():
+    import numpy as np
+
+    from transfer.prefill import MAX_POST_BYTES, _parts
+
+    ops = np.array([[0, i * 10, 0, i * 10, 300_000] for i in range(40)], dtype=np.int64)
+    parts = _parts(ops)
+    assert np.array_equal(np.concatenate(parts), ops) and len(parts) > 1
+    assert all(int(p[:, 4].sum()) <= MAX_POST_BYTES for p in parts)
+    big = np.array([[0, 0, 0, 0, 3 * MAX_POST_BYTES]], dtype=np.int64)
+    assert [len(p) for p in _parts(big)] == [1]  # a write larger than a post goes alone, whole
