@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST := $(BIN)/python -m pytest
 
-.PHONY: run test test-repeat compat test-all test-gpu gpu-check soak bench profile-cpu bench-aborts bench-tiers bench-goodput bench-dp bench-streaming bench-gpu repro lint clean
+.PHONY: run test test-repeat compat test-all test-gpu gpu-check soak bench profile-cpu bench-aborts bench-tiers bench-goodput bench-dp bench-streaming bench-nics bench-gpu repro lint clean
 
 $(STAMP): setup.py pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -120,6 +120,12 @@ bench-dp: $(STAMP)
 STREAMING_ARGS ?=
 bench-streaming: $(STAMP)
 	$(BIN)/python -m experiments.repro.streaming --out bench_results/streaming-$$(date +%Y%m%d-%H%M%S) $(STREAMING_ARGS)
+
+# one request's KV striped over 1, 2 and 4 NICs a host, and a NIC cut mid-transfer (root: netns hosts;
+# docs/results/transfer.md). About 3 minutes on 2 cores
+NICS_ARGS ?= --requests 3 --prompt 1000 --rate 100mbit --model smollm2-135m --cut
+bench-nics: $(STAMP)
+	$(BIN)/python -m experiments.bench.nic_striping --out bench_results/nics-$$(date +%Y%m%d-%H%M%S) $(NICS_ARGS)
 
 # The GPU side (a CUDA machine): its own venv with CUDA torch, FlashInfer and NIXL (scripts/gpu_env.sh)
 GPU_VENV := .venv-gpu
