@@ -416,7 +416,7 @@ class DecodeMessenger:
                 fenced_key = _fenced(rid, msg.seq)
                 fenced = self.handoff.record(fenced_key, State.FENCED)
                 if isinstance(msg, Ended) and msg.stuck and (mine := p or fenced) and mine.peer is peer:
-                    self._renew(mine.group, msg.stuck)  # before its pages are safe
+                    self._renew(mine.group, msg.stuck, peer)  # before its pages are safe
                 if isinstance(msg, Ended) and fenced is not None and fenced.peer is peer:
                     self._unfence(fenced_key, Cause.SETTLED)  # back, and done writing its pages
                 elif p is None or p.peer is not peer or p.seq != msg.seq:
@@ -471,8 +471,10 @@ class DecodeMessenger:
             self.dropped["notification from an agent that does not own the request"] += 1
         elif group != p.group:
             self.dropped["notification to another DP group's agent"] += 1
-        elif stuck and not self._renew(p.group, stuck.split(",")):
+        elif stuck and not self._renew(p.group, stuck.split(","), p.peer):
             self.dropped["notification naming more stuck agents than it may"] += 1
+        elif self.handoff.record(rid, *IN_FLIGHT) is not p:  # (the renewal sent it again)
+            self.dropped["notification for a request sent again"] += 1
         elif post in p.posts or p.received + writes > p.expected:
             self.dropped["duplicate or excess notification"] += 1
         else:
@@ -483,15 +485,18 @@ class DecodeMessenger:
             if self.handoff.state(rid) is not State.LANDING:
                 self.handoff.move(rid, State.LANDING, Cause.WRITE)
 
-    def _renew(self, group: int, names: list[str]) -> bool:
+    def _renew(self, group: int, names: list[str], peer: _Peer) -> bool:
         """Renew those of the group's agents named (a stuck post went to them, and its writes may still
         be in the network's buffers): each retired, its connections closed so that nothing more lands
         through it, and a successor started in its place (now, or once its NIC is up again), whose
         metadata the next requests carry. Notifications the old one had received are counted first.
-        False for a list longer than the group's agents."""
+        Then the peer's requests still landing in the group are sent again (`_resend`): over TCP a post
+        counts as done once the kernel holds it, so posts the peer saw finish on that rail may never
+        land. False for a list longer than the group's agents."""
         g = self.groups[group]
         if len(names) > len(g.backends):
             return False
+        renewed = self.renewed
         for name in names:
             index = next((i for i, b in enumerate(g.backends) if b.name == name), None)
             if index is None or index in g.retired:  # renewed already, or not ours
@@ -504,7 +509,24 @@ class DecodeMessenger:
             self._start_successor(g, index)
             for agent, msg in received:
                 self._count(agent, msg, group)
+        if self.renewed > renewed:
+            self._resend(group, peer)
         return True
+
+    def _resend(self, group: int, peer: _Peer) -> None:
+        """The peer's requests whose KV is still landing in the group fail as lost (`peer_lost`: the
+        runtime sends them again, their prompt prefilled anew) and, where they end, their pages are set
+        aside until the peer's Ended says nothing more of theirs can land (their ids free meanwhile)."""
+        reason = f"a NIC of prefill worker {peer.name}'s transfer went down: sent again"
+        g = self.groups[group]
+        for rid, p in list(self.handoff.items(*IN_FLIGHT)):
+            if p.group != group or p.peer is not peer:
+                continue
+            self.peer_lost.add(rid)
+            self._fail(rid, p, reason, Cause.RAIL_LOST)
+            if self.config.on_transfer_failure == "fail":
+                g.engine.set_aside(rid, _fenced(rid, p.seq))
+                self.handoff.move(rid, State.FENCED, Cause.RAIL_LOST, rename=_fenced(rid, p.seq))
 
     def _start_successor(self, g: _Group, index: int) -> None:
         """Start a retired agent's successor; where its NIC refuses (down), try again in a second."""

@@ -80,6 +80,7 @@ class Cause(StrEnum):
     DEADLINE = "deadline"  # a stage's deadline passed (transfer.*_timeout_s)
     ERROR = "error"  # the other side or the engine failed it (a refusal, a failed write)
     PEER_SILENT = "peer silent"  # the other side sent nothing for peer_timeout_s
+    RAIL_LOST = "rail lost"  # a NIC its writes went over went down: they may be lost in its buffers
     PEER_EXITED = "peer exited"  # the other side's process is gone (or was replaced by a new one)
     PEER_LEFT = "peer left"  # the other side left its role (an elastic worker)
     MOVED = "moved"  # a newer PrefillRequest for it came from another decode worker (prefill side)

@@ -47,7 +47,7 @@ from transfer.config import TransferConfig
 from transfer.handoff import PREFILL_MOVES, Cause, Handoff, PrefillState
 from transfer.plan import ShardSpec, plan_array
 from transfer.protocol import Abort, Accepted, Ended, Hello, Notif, PrefillRequest
-from transfer.rails import Rails
+from transfer.rails import Rails, parts_of
 
 log = logging.getLogger(__name__)
 State = PrefillState
@@ -60,9 +60,6 @@ State = PrefillState
 POLL_S, MAX_POLL_S, POLLS_PER_LAYER = 5e-4, 4e-3, 8
 IDLE_WAIT_S = 0.05  # with nothing in flight, the sender thread waits this long for a job (or close)
 LOG_LIMIT = 4096  # entries kept in post_log / done_log (diagnostics, not per-request state)
-# a post carries at most this many bytes (more go as several): each post that finishes tells the rail
-# moves, so a rail's silence past rail_timeout_s means stuck, not a large post on a slow link
-MAX_POST_BYTES = 1 << 20
 
 
 class PrefillEngine(Protocol):
@@ -133,19 +130,6 @@ def late_tokens(passes: list[tuple[int, float, int]], cancelled_at: float) -> in
     after = [(n, tokens) for n, at, tokens in passes if at > cancelled_at]
     first = min((n for n, _ in after), default=None)
     return sum(tokens for n, tokens in after if n != first)
-
-
-def _parts(ops) -> list:
-    """A post's writes as posts of at most MAX_POST_BYTES each (a write larger than that alone)."""
-    if isinstance(ops, list) or int(ops[:, 4].sum()) <= MAX_POST_BYTES:
-        return [ops]
-    cuts, size = [], 0
-    for i, nbytes in enumerate(ops[:, 4].tolist()):
-        if size and size + nbytes > MAX_POST_BYTES:
-            cuts.append(i)
-            size = 0
-        size += nbytes
-    return np.split(ops, cuts)
 
 
 def _remember(kept: OrderedDict, key, value) -> None:
@@ -625,7 +609,7 @@ class PrefillMessenger:
             if t.aborted or t.error:
                 return False
             for src, dst, ops in posts:
-                for part in _parts(ops):
+                for part in parts_of(ops):
                     notif = Notif(kind, t.req.request_id, t.req.seq, t.posts, len(part))
                     try:
                         self._send(t, src, dst, part, notif)
@@ -750,9 +734,12 @@ class PrefillMessenger:
             for _, post in posts:
                 try:
                     old.release(post.handle)
-                except TransferError:
-                    pass
-            old.retire()
+                except Exception:  # nixl raises its own types; the agent goes next either way
+                    log.debug("%s: releasing a stuck post failed", old.name, exc_info=True)
+            try:
+                old.retire()
+            except Exception:  # (its successor starts afresh either way)
+                log.warning("%s: retiring it failed", old.name, exc_info=True)
             self._peers = {k: v for k, v in self._peers.items() if k[0] != agent}
             self.rails.retired.add(agent)
             self.rails.take_down(agent, time.perf_counter())

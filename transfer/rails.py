@@ -1,14 +1,20 @@
 """What the prefill side knows of its rails (its agents, one per NIC of a rank: transfer/agents.py): the
-rate each moves bytes at, which the writes are striped by, and which are down after a failover and
-when they are tried again (transfer/prefill.py fails a rail over; the rate and the back-off live here)."""
+rate each moves bytes at, which the writes are striped by; which are down after a failover and when they
+are tried again (transfer/prefill.py fails a rail over; the rate and the back-off live here); and how
+large a post may be, so that a rail that moves says so often."""
 
 from __future__ import annotations
+
+import numpy as np
 
 HALF_LIFE_S = 1.0  # a rail's rate figure halves its weight on what it measured this long ago
 MAX_BACKOFF_S = 30.0  # a rail taken down is tried again after rail_timeout_s, doubling up to this
 # rails' weights are their rates, none below this share of the fastest's: a rate read off posts that
 # wait on latency more than on the link grows with the bytes a rail is given, and would feed on itself
 MIN_WEIGHT = 0.5
+# a post carries at most this many bytes (more go as several): each post that finishes tells the rail
+# moves, so a rail's silence past rail_timeout_s means stuck, not a large post on a slow link
+MAX_POST_BYTES = 1 << 20
 
 
 class Rates:
@@ -81,3 +87,16 @@ class Rails:
     def moved(self, agent: int) -> None:
         """A post finished on the rail: a later fault backs off anew."""
         self._backoff.pop(agent, None)
+
+
+def parts_of(ops) -> list:
+    """A post's writes as posts of at most MAX_POST_BYTES each (a write larger than that alone)."""
+    if isinstance(ops, list) or int(ops[:, 4].sum()) <= MAX_POST_BYTES:
+        return [ops]
+    cuts, size = [], 0
+    for i, nbytes in enumerate(ops[:, 4].tolist()):
+        if size and size + nbytes > MAX_POST_BYTES:
+            cuts.append(i)
+            size = 0
+        size += nbytes
+    return np.split(ops, cuts)

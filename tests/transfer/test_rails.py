@@ -109,6 +109,24 @@ def _submit(dm, prompts, prefix):
     return ids
 
 
+def _run_resending(prefill, decode, pm, dm, prompts, prefix, rounds=3):
+    """Submit, run, and send again (as the runtime does, here under a new id; at most `rounds` times)
+    each request that failed as lost (the decode side's `peer_lost`); the final id of each prompt, and
+    how many sends there were again."""
+    ids = _submit(dm, prompts, prefix)
+    _run(prefill, decode, pm, dm, ids)
+    again = 0
+    for n in range(rounds):
+        lost = [i for i, rid in enumerate(ids) if rid in dm.peer_lost]
+        for i in lost:
+            assert "sent again" in decode.output(ids[i]).error
+            ids[i] = f"{prefix}{i}-again{n}"
+            dm.submit(ids[i], prompts[i], GREEDY)
+        _run(prefill, decode, pm, dm, ids)
+        again += len(lost)
+    return ids, again
+
+
 def test_each_request_s_kv_is_striped_over_both_rails(rails):
     prefill, decode, pm, dm, sending = rails
     prompts = _long(4, seed=5)
@@ -123,16 +141,16 @@ def test_each_request_s_kv_is_striped_over_both_rails(rails):
 def test_a_rail_that_stops_moving_is_failed_over_and_used_again_once_back(rails):
     """NIC 1 of the prefill host goes down before the requests come: its posts stay in flight, and after
     rail_timeout_s its agent is retired and every post it held goes over NIC 0; the decode side renews its
-    agent on NIC 1 before it counts them, so the writes the link delivers once it is back land nowhere. No
-    request fails, every page comes back on both sides, and the tokens are the colocated ones. While the
-    NIC is down its agent's successor cannot start; once it is back and the back-off is over, one does and
-    the rail carries writes again."""
+    agent on NIC 1 before it counts them, so the writes the link delivers once it is back land nowhere, and
+    fails the requests still landing as lost (over TCP a post the kernel holds counts as done, and may
+    never land), to be sent again. No request is lost, every page comes back on both sides, and the tokens
+    are the colocated ones. While the NIC is down its agent's successor cannot start; once it is back and
+    the back-off is over, one does and the rail carries writes again."""
     prefill, decode, pm, dm, sending = rails
     sending[1].jammed = True
     prompts = _long(4, seed=6)
-    ids = _submit(dm, prompts, "f")
-    _run(prefill, decode, pm, dm, ids)
-    assert [decode.output(rid).error for rid in ids] == [None] * len(ids)
+    ids, again = _run_resending(prefill, decode, pm, dm, prompts, "f")
+    assert again >= 1 and [decode.output(rid).error for rid in ids] == [None] * len(ids)
     assert [decode.output(rid).token_ids for rid in ids] == _expected(prompts)
     assert pm.failovers == 1 and pm.reposted >= 1 and dm.renewed == 1
     assert sending[1].held and pm.rails.retired == {1}
@@ -150,9 +168,8 @@ def test_a_rail_that_stops_moving_is_failed_over_and_used_again_once_back(rails)
     assert not pm.rails.retired
     before = dict(dm.writes_from)
     more = _long(4, seed=7)
-    ids = _submit(dm, more, "g")
-    _run(prefill, decode, pm, dm, ids)
-    assert [decode.output(rid).token_ids for rid in ids] == _expected(more)
+    ids, again = _run_resending(prefill, decode, pm, dm, more, "g")
+    assert again == 0 and [decode.output(rid).token_ids for rid in ids] == _expected(more)
     renewed = pm.agents.backends[1].name
     assert renewed.endswith("~1") and dm.writes_from[renewed] > before.get(renewed, 0)
     assert pm.failovers == 1 and prefill.allocator.num_free == PAGES and decode.allocator.num_free == PAGES
@@ -160,13 +177,12 @@ def test_a_rail_that_stops_moving_is_failed_over_and_used_again_once_back(rails)
 
 def test_a_failed_post_goes_again_over_the_other_rail(rails):
     """A post that fails (NIXL's ERR) is sent again over the rank's other rail, naming the decode agent it
-    went to (renewed: it may have landed in part), and later posts of any request avoid that agent: no
-    request fails."""
+    went to (renewed: it may have landed in part; the requests still landing are sent again), and later
+    posts of any request avoid that agent: no request is lost."""
     prefill, decode, pm, dm, sending = rails
     sending[1].fail_next = 2
     prompts = _long(3, seed=8)
-    ids = _submit(dm, prompts, "e")
-    _run(prefill, decode, pm, dm, ids)
+    ids, _ = _run_resending(prefill, decode, pm, dm, prompts, "e")
     assert [decode.output(rid).token_ids for rid in ids] == _expected(prompts)
     assert all(decode.output(rid).finish_reason == "length" for rid in ids)
     assert sending[1].fail_next == 0 and pm.reposted >= 1 and pm.failovers == 0
@@ -229,7 +245,8 @@ def test_a_rail_s_rate_counts_backlogged_posts_whole_and_none_weighs_under_half_
 def test_a_post_is_cut_at_one_mib_and_keeps_every_write_once():
     import numpy as np
 
-    from transfer.prefill import MAX_POST_BYTES, _parts
+    from transfer.rails import MAX_POST_BYTES
+    from transfer.rails import parts_of as _parts
 
     ops = np.array([[0, i * 10, 0, i * 10, 300_000] for i in range(40)], dtype=np.int64)
     parts = _parts(ops)
