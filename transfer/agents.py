@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # the protocol reads rails, and the server's front imports no
     from transfer.backends import Backend
 
 Rails = list[tuple[int, str]]  # (TP rank, or -1: every rank; NIC name, or "") of each agent, in order
+MAX_RAILS = 16  # agents (NICs) a rank may have: a peer's description naming more is refused
 
 
 def default_rails(agents: int, tp: int) -> Rails:
@@ -38,11 +39,11 @@ def check_rails(rails: Rails, agents: int, tp: int, what: str) -> None:
     if ok and ranks != [-1]:
         ok = sorted(ranks) == ranks and set(ranks) == set(range(tp))
         nics = [(r, nic) for r, nic in rails]
-        ok = ok and len(set(nics)) == len(nics)
+        ok = ok and len(set(nics)) == len(nics) and max(ranks.count(r) for r in set(ranks)) <= MAX_RAILS
     if not ok:
         raise ValueError(
-            f"{what} describes {len(rails)} agents as {rails} for {agents} agents over {tp} TP ranks: one "
-            f"for every rank, or each rank's (one per NIC) in rank order"
+            f"{what} describes {len(rails)} agents as {rails[:8]} for {agents} agents over {tp} TP ranks: "
+            f"one for every rank, or each rank's (one per NIC, at most {MAX_RAILS}) in rank order"
         )
 
 

@@ -130,6 +130,7 @@ def test_a_hello_naming_agents_that_do_not_match_its_ranks_is_refused():
         (["a", "b"], [(1, ""), (0, "")]),  # not in rank order
         (["a", "a"], [(0, ""), (1, "")]),  # one name twice
         (["a", "b"], [(0, "x" * 65), (1, "")]),  # a NIC name past 64 characters
+        ([f"a{k}" for k in range(18)], [(0, f"eth{k}") for k in range(17)] + [(1, "")]),  # 17 NICs a rank
     ]
     for agents, rails in bad:
         raw = msgspec.msgpack.encode({"type": "Hello", "spec": spec, "agents": agents, "rails": rails})
