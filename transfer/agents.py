@@ -38,8 +38,7 @@ def check_rails(rails: Rails, agents: int, tp: int, what: str) -> None:
     ok = len(rails) == agents and all(len(nic) <= 64 for _, nic in rails)
     if ok and ranks != [-1]:
         ok = sorted(ranks) == ranks and set(ranks) == set(range(tp))
-        nics = [(r, nic) for r, nic in rails]
-        ok = ok and len(set(nics)) == len(nics) and max(ranks.count(r) for r in set(ranks)) <= MAX_RAILS
+        ok = ok and len(set(rails)) == len(rails) and max(ranks.count(r) for r in set(ranks)) <= MAX_RAILS
     if not ok:
         raise ValueError(
             f"{what} describes {len(rails)} agents as {rails[:8]} for {agents} agents over {tp} TP ranks: "

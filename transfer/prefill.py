@@ -159,7 +159,6 @@ class PrefillMessenger:
         self.backend = self.agents.backends[0]  # rank 0's (the context buffer's)
         self.rails = Rails(len(self.agents.backends), self.config.rail_timeout_s)
         self.rates = self.rails.rates
-        self.bytes_by_agent = [0] * len(self.agents.backends)  # KV and context bytes posted by each agent
         self.failovers = 0  # rails taken down, each with its posts moved to the rank's other rails
         self.reposted = 0  # posts sent again over another rail
         self.channels: list = []  # one control channel per decode worker
@@ -582,7 +581,7 @@ class PrefillMessenger:
             for i, (t, _) in enumerate(by_layer[layer]):
                 rows = np.concatenate([by_layer[done][i][1] for done in range(layer, ready)])
                 now = time.perf_counter()
-                posts = route(rows, self.agents.rails, t.req.rails, self.rates.of(now), self._usable(t))
+                posts = route(rows, self.agents.rails, t.req.rails, self.rates.weights(), self._usable(t))
                 if self._post(t, posts, "kv"):
                     t.first_post = t.first_post or now
                     self.post_log += [(t.req.request_id, done, now) for done in range(layer, ready)]
@@ -639,7 +638,6 @@ class PrefillMessenger:
         nbytes = sum(op[4] for op in ops) if isinstance(ops, list) else int(ops[:, 4].sum())
         t.in_flight.append(_Post(src, dst, peer, handle, nbytes, ops, notif))
         self.rates.posted(src, time.perf_counter())
-        self.bytes_by_agent[src] += nbytes
 
     def _usable(self, t: _Transfer):
         """Whether a pair may carry t's writes now: its rail is up (or due to be tried again) and no post
@@ -665,7 +663,7 @@ class PrefillMessenger:
         ]
         if not ways:
             return None
-        rates = self.rates.of(time.perf_counter())
+        rates = self.rates.weights()
         return max(ways, key=lambda w: rates.get(w[0], 0.0))
 
     def _repost(self, t: _Transfer, post: _Post, stuck: str) -> bool:

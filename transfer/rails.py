@@ -50,7 +50,7 @@ class Rates:
         """Bytes/s of the agent's finished posts alone (its stretch now, stuck or not, left out)."""
         return self.nbytes[agent] / self.seconds[agent] if self.seconds[agent] > 0 else None
 
-    def of(self, now: float) -> dict[int, float]:
+    def weights(self) -> dict[int, float]:
         """Each measured agent's weight for striping: its rate, at least MIN_WEIGHT of the fastest's."""
         rates = {a: r for a in range(len(self.busy)) if (r := self.finished_rate(a))}
         top = max(rates.values(), default=0.0)

@@ -239,7 +239,7 @@ def test_a_rail_s_rate_counts_backlogged_posts_whole_and_none_weighs_under_half_
     for _ in range(2):  # agent 2: a slow backlogged rail
         rates.posted(2, 0.0)
     rates.finished(2, 1_000_000, 1.0)
-    assert rates.of(1.0) == {0: pytest.approx(8e6), 2: pytest.approx(4e6)}  # 1e6 raised to half of 8e6
+    assert rates.weights() == {0: pytest.approx(8e6), 2: pytest.approx(4e6)}  # 1e6 raised to half of 8e6
 
 
 def test_a_post_is_cut_at_one_mib_and_keeps_every_write_once():
