@@ -130,6 +130,7 @@ class Fleet:
     launcher: object = None
     start_timeout_s: float = 300.0  # how long a restarted worker may take to come back
     listening: dict[str, dict[str, str]] = field(default_factory=dict)  # decode worker -> its addresses
+    starting: set[str] = field(default_factory=set)  # prefill workers listening, their Connect not sent
     dead: set[str] = field(default_factory=set)
     restarting: set[str] = field(default_factory=set)
     cache_salt: bytes = b""  # what the workers' prefix cache page names start from (their Ready says)
@@ -209,11 +210,13 @@ class Fleet:
                     self.send(p, Connect({name: msg.addresses.get(p, "")}))
             elif isinstance(msg, Listening) and self.roles[name] == Role.DECODE:
                 self.listening[name] = msg.addresses
-                if len(self.listening) == sum(r == Role.DECODE for r in self.roles.values()):
-                    for p in (n for n, r in self.roles.items() if r == Role.PREFILL):
-                        self._connect(p)
+                self._connect_starting()
             elif isinstance(msg, Listening) and name in self.restarting:
                 self._connect(name)
+            elif isinstance(msg, Listening):  # a prefill worker as the deployment starts: this socket now
+                # reaches it (a Connect sent before its first message could be dropped: ROUTER_MANDATORY)
+                self.starting.add(name)
+                self._connect_starting()
             elif isinstance(msg, Ready) and name in self.restarting:
                 self.restarting.discard(name)
                 self.dead.discard(name)
@@ -223,18 +226,27 @@ class Fleet:
                 out.append((name, msg))
         return out
 
+    def _connect_starting(self) -> None:
+        """Once every decode worker listens, each prefill worker that said Listening gets its Connect."""
+        if len(self.listening) == sum(r == Role.DECODE for r in self.roles.values()):
+            for p in sorted(self.starting):
+                self._connect(p)
+            self.starting.clear()
+
     def _connect(self, prefill: str) -> None:
         """A prefill worker's Connect: each decode worker's address for it and for each of its other DP
         groups (dp_peers)."""
         decode = [n for n, r in self.roles.items() if r == Role.DECODE]
         groups = dp_peers(prefill, self.prefill_dp)[1:]
-        self.send(
+        sent = self.send(
             prefill,
             Connect(
                 {dn: self.listening[dn].get(prefill, "") for dn in decode},
                 {dn: [self.listening[dn].get(g, "") for g in groups] for dn in decode} if groups else {},
             ),
         )
+        if not sent:  # it is gone (its death is found and handled by deaths())
+            log.warning("prefill worker %s took no Connect", prefill)
 
     def deaths(self) -> list[tuple[str, int | None]]:
         """(name, exit code) of the workers found dead since the last call. Each is restarted if its

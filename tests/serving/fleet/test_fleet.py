@@ -73,3 +73,53 @@ def test_a_dead_decode_worker_is_not_announced_to_anyone():
     fleet, procs, sent = _fleet(max_restarts=0)
     procs["decode-0"].die()
     assert fleet.deaths() == [("decode-0", 1)] and sent == [] and fleet.restarting == set()
+
+
+def test_a_prefill_worker_that_connects_after_every_decode_worker_listens_still_gets_its_connect(tmp_path):
+    """Seen in CI (the netns NIC-cut test): a prefill worker started seconds after its decode peer had not
+    yet connected to the runtime's socket when the decode worker said Listening; its Connect went nowhere
+    (ROUTER_MANDATORY) and both waited 300 s for each other. A prefill worker's own Listening is now what
+    its Connect answers, whichever comes first."""
+    import time
+
+    import zmq
+
+    from serving.control import driver_socket
+    from serving.messages import Connect, Listening, worker_codec
+    from transfer import auth
+    from transfer.config import TransferConfig
+
+    keys = auth.keyring(["driver", "decode-0", "prefill-0"])
+    sock = driver_socket(keys, str(tmp_path), TransferConfig())
+    address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    roles = {"prefill-0": Role.PREFILL, "decode-0": Role.DECODE}
+    fleet = Fleet(sock, {}, roles, str(tmp_path))
+    codec, sockets = worker_codec(), {}
+
+    def worker(name: str):
+        w = zmq.Context.instance().socket(zmq.DEALER)
+        w.setsockopt(zmq.LINGER, 0)
+        w.setsockopt(zmq.IDENTITY, name.encode())
+        auth.connect_as(w, keys[name], "driver")
+        w.connect(address)
+        sockets[name] = w
+        return w
+
+    def until(done) -> None:
+        give_up = time.monotonic() + 30
+        while not done() and time.monotonic() < give_up:
+            sock.poll(50)
+            fleet.receive()
+        assert done()
+
+    try:
+        worker("decode-0").send(codec.encode(Listening("decode-0", {"prefill-0": "tcp://127.0.0.1:1"})))
+        until(lambda: "decode-0" in fleet.listening)  # every decode worker listens; prefill-0 is not here
+        prefill = worker("prefill-0")
+        prefill.send(codec.encode(Listening("prefill-0", {})))
+        until(lambda: prefill.poll(0))
+        assert codec.decode(prefill.recv()) == Connect({"decode-0": "tcp://127.0.0.1:1"})
+    finally:
+        for w in sockets.values():
+            w.close()
+        sock.close()
