@@ -25,6 +25,12 @@ os.environ["PDK_CACHE_DIR"] = os.path.join(_STATE, "cache")
 atexit.register(shutil.rmtree, _STATE, ignore_errors=True)
 if not COMPILED:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# One torch thread a test process (and a process it starts that does not set its own): `make test` runs
+# two test processes on two cores, and with torch's default (a thread per core) each, their OpenMP pools
+# fought over the cores. Four engine and main-job test files took 416 s so on 2 cores of an AVX2 EPYC, 160 s
+# on one thread each. A test about threads sets its own (torch.set_num_threads).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
 
 
 _LIBC = ctypes.CDLL(None)
