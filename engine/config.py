@@ -14,6 +14,7 @@ if TYPE_CHECKING:  # torch where an engine is built: the server's front checks t
 
 PREEMPTIONS = ("recompute", "refetch")
 DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}  # torch's dtypes of these names: bytes an element
+KV_DTYPES = ("auto", "fp8_e4m3")  # the KV cache's: the model's dtype, or e4m3 with scales
 
 
 def cuda_available() -> bool:
@@ -225,6 +226,9 @@ class CacheConfig:
     kv_layout: str = "HND"
     # share the KV of full pages with the same leading tokens (engine/kv/cache.py; vLLM's name)
     enable_prefix_caching: bool = True
+    # auto: the model's dtype; fp8_e4m3: e4m3 pages, a float32 scale per page, plane and head beside them
+    # (pdkernels/kv_quant.py), dequantized as attention reads them
+    kv_dtype: str = "auto"
 
     def __post_init__(self):
         _check(
@@ -237,6 +241,11 @@ class CacheConfig:
             self.kv_layout in ("HND", "NHD"),
             f"kv_layout must be one of ('HND', 'NHD'), got {self.kv_layout!r}",
         )
+        _check(self.kv_dtype in KV_DTYPES, f"kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
+
+    @property
+    def fp8(self) -> bool:
+        return self.kv_dtype == "fp8_e4m3"
 
 
 TIER_POLICIES = ("on_evict", "write_through")
@@ -484,6 +493,20 @@ class EngineConfig:
             not self.kv_tiers.enabled or self.cache.enable_prefix_caching,
             "kv_tiers keep prefix-cache pages: they need enable_prefix_caching=True",
         )
+        role = self.scheduler.role
+        fp8_with = {
+            "tp": self.tp > 1, "dp": self.dp > 1,
+            "the prefill or decode role": role.sends_kv or role.receives_kv,
+            "kv_tiers": self.kv_tiers.enabled, "speculative_config": self.speculative_config is not None,
+            "batch_invariant": self.batch_invariant, "cuda_graphs": bool(self.cuda_graphs),
+        }  # fmt: skip
+        _check(
+            not self.cache.fp8 or not any(fp8_with.values()),
+            "kv_dtype='fp8_e4m3' runs in one colocated engine of one rank so far: its scales do not yet "
+            "cross to TP ranks, the transfer or the tiers, a page's rounding depends on how it was filled "
+            "(batch_invariant), and drafts would move its scales (speculative_config); got "
+            + ", ".join(k for k, v in fp8_with.items() if v),
+        )
         if self.arch is not None:
             self._check_arch(self.arch)
 
@@ -511,6 +534,10 @@ class EngineConfig:
             not self.batch_invariant or not (m.moe or m.mla or m.qk_norm),
             f"batch_invariant covers dense models without MoE, MLA or q/k norms so far; {m.name} has "
             + ", ".join(k for k, v in (("MoE", m.moe), ("MLA", m.mla), ("q/k norms", m.qk_norm)) if v),
+        )
+        _check(
+            not (self.cache.fp8 and m.mla),
+            f"kv_dtype='fp8_e4m3' covers models with K and V planes so far; {m.name}'s cache is MLA's latent",
         )
         world = self.tp * self.dp
         _check(

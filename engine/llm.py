@@ -43,6 +43,7 @@ from engine.sequence import (
 from engine.step_sampling import StepSampler
 from engine.tp import TPGroup, init_rank
 from engine.weights import identity, load_model
+from pdkernels.kv_quant import FP8, scales_shape
 from pdkernels.out_proj import make_layer_counter
 
 log = logging.getLogger(__name__)
@@ -114,20 +115,26 @@ class LLM:
         self.model = Model(
             arch, loaded.weights, dev, config.torch_dtype, shard, config.batch_invariant, cache.kv_layout
         )
-        kv_cache = allocate_kv_cache(arch, cache, shard.num_kv_heads, dev, config.torch_dtype)
+        kv_dtype = FP8 if cache.fp8 else config.torch_dtype
+        kv_cache = allocate_kv_cache(arch, cache, shard.num_kv_heads, dev, kv_dtype)
+        if cache.fp8:  # e4m3 pages, and their scales beside them (the model reads both)
+            self.model.kv_scales = torch.ones(scales_shape(kv_cache.shape, cache.kv_layout), device=dev)
         # shared with the lead (TP) and, in the decode role, with DP group 0's agents (engine/dp.py)
         shared = config.tp > 1 or (config.dp > 1 and role.receives_kv)
         self.kv_cache = kv_cache.share_memory_() if shared and dev.type == "cpu" else kv_cache
         if config.world > 1:  # every rank has loaded its shard: join them
             groups = init_rank(0, config, rendezvous)
             self.model.tp_group, leads = groups.tp, groups.leads
-        cuda_graphs = graphs_wanted(config.cuda_graphs, arch, dev, config.tp, role, cache.num_pages)
+        cuda_graphs = not cache.fp8 and graphs_wanted(
+            config.cuda_graphs, arch, dev, config.tp, role, cache.num_pages
+        )
         # with graphs, the last page is the padding rows' scratch page: never allocated
         self.allocator = PageAllocator(
             cache.num_pages - 1 if cuda_graphs else cache.num_pages, cache.page_size
         )
         salt = (
-            f"{arch.name}|{config.dtype}|{cache.page_size}{'|invariant' * config.batch_invariant}".encode()
+            f"{arch.name}|{config.dtype}|{cache.page_size}{'|invariant' * config.batch_invariant}"
+            f"{'|fp8_e4m3' * cache.fp8}".encode()
             if cache.enable_prefix_caching
             else None
         )

@@ -19,7 +19,7 @@ from torch import Tensor
 from engine import mla, moe
 from engine.collectives import all_sum
 from engine.config import ModelConfig, yarn_mscale
-from pdkernels import cpu, cpuinfo, invariant, ops
+from pdkernels import cpu, cpuinfo, invariant, kv_quant, ops
 
 
 @dataclass
@@ -163,6 +163,7 @@ class Model:
     ):
         self.config, self.device, self.dtype = config, device, dtype
         self.kv_layout = kv_layout  # the paged cache's (engine.kv.cache.allocate_kv_cache): HND or NHD
+        self.kv_scales: Tensor | None = None  # an e4m3 cache's: [layers, pages, planes, H] (kv_quant)
         # every token's result the same bits whatever its step holds (pdkernels.invariant): the projections
         # a row at a time, each token's attention over its own prefix, and no C++ step (its kernels differ
         # from the Python layers' by the batch's size and kind)
@@ -302,9 +303,17 @@ class Model:
         q, k = self.rope(qk, *rope).split([s.num_q_heads, s.num_kv_heads], dim=1)
         cache = kv_cache[i]
         tables = (meta.kv_indices, meta.kv_indptr, meta.kv_last_page_len)
-        ops.kv_append(
-            k, v, meta.batch_indices, meta.positions, cache, *tables, self.kv_layout, validate=False
-        )
+        if cache.dtype == kv_quant.FP8:  # quantized as written, the batch's pages dequantized to be read
+            scales = self.kv_scales[i]
+            kv_quant.append_pages(
+                k, v, meta.batch_indices, meta.positions, cache, scales, *tables[:2], self.kv_layout
+            )
+            cache, indices = kv_quant.gather_pages(cache, scales, meta.kv_indices, self.kv_layout, q.dtype)
+            tables = (indices, *tables[1:])
+        else:
+            ops.kv_append(
+                k, v, meta.batch_indices, meta.positions, cache, *tables, self.kv_layout, validate=False
+            )
         if self.batch_invariant:
             if meta.token_tables is None:
                 page_size = cache.shape[3]
@@ -316,9 +325,9 @@ class Model:
             o = ops.decode_attention(
                 q,
                 cache,
-                meta.kv_indptr,
-                meta.kv_indices,
-                meta.kv_last_page_len,
+                tables[1],
+                tables[0],
+                tables[2],
                 kv_layout=self.kv_layout,
                 max_seq_len=meta.max_kv_len,
                 validate=False,
@@ -330,9 +339,9 @@ class Model:
                 q,
                 meta.qo_indptr,
                 cache,
-                meta.kv_indptr,
-                meta.kv_indices,
-                meta.kv_last_page_len,
+                tables[1],
+                tables[0],
+                tables[2],
                 kv_layout=self.kv_layout,
                 max_q_len=meta.max_q_len,
                 validate=False,
@@ -364,6 +373,7 @@ class Model:
         h = ops.add_rms_norm(x, self.layers[0]["input_norm"], eps, validate=False)
         if (
             self.decoder is not None
+            and self.kv_scales is None  # an e4m3 cache: the layers below quantize and dequantize it
             and kv_cache.is_contiguous()
             and (meta.all_decode or self.decoder_extends)
         ):

@@ -47,3 +47,59 @@ def round_trip_tensor(cache: Tensor) -> Tensor:
     dims = tuple(d for d in range(cache.dim()) if d != 1)
     q, scale = quantize(cache, dims)
     return dequantize(q, scale, cache.dtype)
+
+
+def scales_shape(cache_shape: tuple[int, ...], kv_layout: str) -> tuple[int, ...]:
+    """A paged cache's scales: one float32 per page, plane and head (the cache [..., pages, planes, H, P, D]
+    in HND or [..., pages, planes, P, H, D] in NHD: the same leading dims, then planes and heads)."""
+    heads = cache_shape[-3] if kv_layout == "HND" else cache_shape[-2]
+    return (*cache_shape[:-3], heads)
+
+
+def _broadcast(scales: Tensor, kv_layout: str) -> Tensor:
+    """[..., planes, H] -> what multiplies [..., planes, H, P, D] (HND) or [..., planes, P, H, D] (NHD)."""
+    return scales[..., None, None] if kv_layout == "HND" else scales[..., None, :, None]
+
+
+def gather_pages(cache: Tensor, scales: Tensor, kv_indices: Tensor, kv_layout: str, dtype: torch.dtype):
+    """The pages kv_indices names, dequantized into a compact cache of their own, and kv_indices renumbered
+    into it: (pages [n, planes, ...] in dtype, indices). Any attention over a paged cache then runs over
+    an e4m3 one, each page read once however many sequences share it."""
+    pages, inverse = torch.unique(kv_indices.long(), return_inverse=True)
+    compact = dequantize(cache[pages], _broadcast(scales[pages], kv_layout), dtype)
+    return compact, inverse.to(kv_indices.dtype)
+
+
+def append_pages(
+    key: Tensor,
+    value: Tensor,
+    batch_indices: Tensor,
+    positions: Tensor,
+    cache: Tensor,
+    scales: Tensor,
+    kv_indices: Tensor,
+    kv_indptr: Tensor,
+    kv_layout: str = "HND",
+) -> None:
+    """kv_append into an e4m3 cache with a scale per page, plane and head: token t of sequence
+    batch_indices[t] at positions[t] goes to row positions[t] % P of that sequence's page positions[t] // P.
+
+    Each page written to is scaled again by the amax of its rows filled so far (the rows after the last one
+    written are a reused page's leftovers: zeroed, never counted). A page filled over several steps is so
+    rounded again whenever a new row raises its amax: its earlier rows lose up to 2^-4 more each time (a
+    page written whole, by a prefill pass, is rounded once)."""
+    page_size = cache.shape[3] if kv_layout == "HND" else cache.shape[2]
+    b, pos = batch_indices.long(), positions.long()
+    written = kv_indices.long()[kv_indptr.long()[b] + pos // page_size]
+    row = pos % page_size
+    pages, inverse = torch.unique(written, return_inverse=True)
+    filled = torch.zeros(len(pages), dtype=torch.long, device=cache.device)
+    filled.scatter_reduce_(0, inverse, row + 1, "amax")
+    x = dequantize(cache[pages], _broadcast(scales[pages], kv_layout))  # [n, planes, ...] float32
+    rows_first = x.permute(0, 3, 1, 2, 4) if kv_layout == "HND" else x.permute(0, 2, 1, 3, 4)  # a view
+    rows_first[inverse, row] = torch.stack([key, value], dim=1).float()  # [T, planes, H, D]
+    keep = torch.arange(page_size, device=cache.device)[None, :] < filled[:, None]  # [n, P]
+    x *= keep[:, None, None, :, None] if kv_layout == "HND" else keep[:, None, :, None, None]
+    q, s = quantize(x, page_dims(kv_layout))
+    cache[pages] = q
+    scales[pages] = s[..., 0, 0] if kv_layout == "HND" else s[:, :, 0, :, 0]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
-from engine.config import EngineConfig, KVTiersConfig, TierSettings, cuda_available
+from engine.config import KV_DTYPES, EngineConfig, KVTiersConfig, TierSettings, cuda_available
 from engine.role import Role
 from serving.checks import check_count, check_positive, refuse
 from transfer.config import TransferConfig
@@ -152,6 +152,7 @@ def engine_config(
         page_size=page_size,
         num_pages=num_pages,
         kv_layout=kv_layout,
+        kv_dtype=model.kv_dtype,
         max_num_seqs=model.max_num_seqs,
         expert_parallel=model.expert_parallel,
         batch_invariant=model.batch_invariant,
@@ -176,6 +177,9 @@ class ModelSpec:
     dtype: str = "bfloat16"  # or auto: bfloat16 on CUDA and on CPUs with AVX-512 BF16 or AMX, else float32
     page_size: int = 16  # tokens per KV page
     kv_layout: str = "HND"  # a KV page's plane as [heads, tokens, head_dim] (HND) or [tokens, heads, ...]
+    # auto: the model's dtype; fp8_e4m3: e4m3 pages with a scale per page and head (a colocated engine of
+    # one rank so far: engine.config.CacheConfig.kv_dtype)
+    kv_dtype: str = "auto"
     num_pages: int = 512  # per worker
     max_num_seqs: int = 64  # sequences a worker runs at once (its largest decode batch)
     device: str = "auto"  # auto: cuda when this machine has it, else cpu
@@ -196,6 +200,8 @@ class ModelSpec:
             check_positive(f"model.{key}", getattr(self, key), integer=True)
         if self.kv_layout not in KV_LAYOUTS:
             refuse("model.kv_layout", self.kv_layout, f"one of {KV_LAYOUTS}")
+        if self.kv_dtype not in KV_DTYPES:
+            refuse("model.kv_dtype", self.kv_dtype, f"one of {KV_DTYPES}")
         cuda = cuda_available()
         if self.device == "cuda" and not cuda:
             refuse(

@@ -8,9 +8,12 @@ reference over the reference's norm; the table gives its median, 99th percentile
 same pages through bf16 beside them for scale.
 
     python -m experiments.bench.fp8_kv_error [--prompts 8] [--tokens 384] [--steps 16] [--agreement 200]
+    python -m experiments.bench.fp8_kv_error --engine 200
 
 --agreement N: greedy text of N other prompts (128 tokens each, 64 new) with the decode steps attending
-over their pages through each variant, against the text over the pages as computed.
+over their pages through each variant, against the text over the pages as computed. --engine N: greedy
+text of N prompts through an engine whose cache is e4m3 (prefill attention reading it too), against one
+whose cache is fp32.
 
 The engine runs its Python layers here (the fused C++ decode step, which never calls the attention op, is
 set aside).
@@ -108,16 +111,44 @@ def agreement(prompts: int = 200, tokens: int = 128, new_tokens: int = 64, seed:
             got = [o.token_ids for o in llm.generate(texts, params)]
         finally:
             ops.decode_attention = attend
-        pairs = [list(zip(r, g, strict=True)) for r, g in zip(reference, got, strict=True)]
-        first = [next((i for i, (a, b) in enumerate(p) if a != b), len(p)) for p in pairs]
-        same = [sum(a == b for a, b in p) for p in pairs]
-        out[name] = {
-            "prompts": prompts,
-            "first_difference": sum(first) / prompts,
-            "matching": sum(same) / prompts,
-            "identical": sum(f == new_tokens for f in first) / prompts,
-        }
+        out[name] = _compare(reference, got, new_tokens)
     return out
+
+
+def _compare(reference: list[list[int]], got: list[list[int]], new_tokens: int) -> dict:
+    pairs = [list(zip(r, g, strict=True)) for r, g in zip(reference, got, strict=True)]
+    first = [next((i for i, (a, b) in enumerate(p) if a != b), len(p)) for p in pairs]
+    same = [sum(a == b for a, b in p) for p in pairs]
+    n = len(pairs)
+    return {
+        "prompts": n,
+        "first_difference": sum(first) / n,
+        "matching": sum(same) / n,
+        "identical": sum(f == new_tokens for f in first) / n,
+    }
+
+
+def engine_agreement(prompts: int = 200, tokens: int = 128, new_tokens: int = 64, seed: int = 1) -> dict:
+    """The same prompts through an engine that stores its KV in e4m3 (cache.kv_dtype='fp8_e4m3': every
+    page quantized as written, prefill and decode attention both reading it so) against one storing it in
+    fp32, both on the Python layers (the fused C++ decode step serves fp32 caches only)."""
+    from engine import LLM, SamplingParams
+
+    texts, got = None, {}
+    for kv_dtype in ("auto", "fp8_e4m3"):
+        llm = _python_layers(LLM(
+            "smollm2-135m", dtype="float32", kv_dtype=kv_dtype, page_size=16, max_num_seqs=prompts,
+            num_pages=prompts * -(-(tokens + new_tokens) // 16) + 16, max_num_batched_tokens=prompts * tokens,
+        ))  # fmt: skip
+        texts = texts or text_prompts(llm.tokenizer, prompts, tokens, seed)
+        params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+        got[kv_dtype] = [o.token_ids for o in llm.generate(texts, params)]
+        del llm
+    return {
+        "fp8, a scale per page and head (the engine's cache)": _compare(
+            got["auto"], got["fp8_e4m3"], new_tokens
+        )
+    }
 
 
 def agreement_table(rows: dict[str, dict], new_tokens: int) -> str:
@@ -149,7 +180,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--agreement", type=int, default=0, metavar="N", help="also greedy text of N prompts")
+    parser.add_argument(
+        "--engine",
+        type=int,
+        default=0,
+        metavar="N",
+        help="only greedy text of N prompts through an e4m3 cache",
+    )
     a = parser.parse_args(argv)
+    if a.engine:
+        print(agreement_table(engine_agreement(a.engine), 64))
+        return
     print(table(measure(a.prompts, a.tokens, a.steps, a.seed)))
     if a.agreement:
         print()

@@ -100,6 +100,11 @@ needs.nixl()
             "kv_tiers.store=mooncake",  # with host_bytes 0
             "kv_tiers.disk_bytes and kv_tiers.store stage pages through the host pool",
         ),
+        ("model.kv_dtype=fp8", "model.kv_dtype='fp8' is not allowed: one of ('auto', 'fp8_e4m3')"),
+        (  # deployment=1p1d: the scales do not cross the wire yet
+            "model.kv_dtype=fp8_e4m3",
+            "kv_dtype='fp8_e4m3' runs in one colocated engine of one rank so far",
+        ),
         (
             "workload.sampling.structured_outputs={regex: 1}",
             "workload.sampling.structured_outputs.regex: structured_outputs.regex must be a non-empty string",

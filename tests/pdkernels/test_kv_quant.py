@@ -46,6 +46,78 @@ def smollm2_errors():
     return measure(prompts=2, tokens=256, steps=2)
 
 
+def _written(kv_layout: str, seed: int = 0):
+    """Two sequences' KV appended into an e4m3 cache of 8 pages of 4 tokens, over pages whose bytes and
+    scales are a former user's leftovers: a 6-token prompt over pages [5, 2] and a 3-token one over [7],
+    then one decode token each ten times the prompts' size. (cache, scales, tables, K, V as written)."""
+    g = torch.Generator().manual_seed(seed)
+    heads, page_size, dim = 2, 4, 8
+    shape = (8, 2, heads, page_size, dim) if kv_layout == "HND" else (8, 2, page_size, heads, dim)
+    cache = torch.randn(shape, generator=g).to(kv_quant.FP8)  # leftovers
+    scales = torch.rand(kv_quant.scales_shape(shape, kv_layout), generator=g) * 100
+    kv_indices, kv_indptr = torch.tensor([5, 2, 7]), torch.tensor([0, 2, 3])
+    k, v = torch.randn(9, heads, dim, generator=g), torch.randn(9, heads, dim, generator=g)
+    seqs, positions = torch.tensor([0] * 6 + [1] * 3), torch.tensor([*range(6), *range(3)])
+    kv_quant.append_pages(k, v, seqs, positions, cache, scales, kv_indices, kv_indptr, kv_layout)
+    k2, v2 = 10 * torch.randn(2, heads, dim, generator=g), 10 * torch.randn(2, heads, dim, generator=g)
+    kv_quant.append_pages(k2, v2, torch.tensor([0, 1]), torch.tensor([6, 3]), cache, scales, kv_indices,
+                          kv_indptr, kv_layout)  # fmt: skip
+    keys = [torch.cat([k[:6], k2[:1]]), torch.cat([k[6:], k2[1:]])]
+    values = [torch.cat([v[:6], v2[:1]]), torch.cat([v[6:], v2[1:]])]
+    return cache, scales, (kv_indices, kv_indptr), keys, values
+
+
+def _read(compact, indices, kv_indptr, seq: int, n: int, plane: int, kv_layout: str):
+    """Sequence seq's first n tokens of one plane from a compact cache: [n, H, D]."""
+    pages = indices[kv_indptr[seq] : kv_indptr[seq + 1]]
+    rows = [compact[pages[t // 4], plane] for t in range(n)]
+    return torch.stack([rows[t][:, t % 4] if kv_layout == "HND" else rows[t][t % 4] for t in range(n)])
+
+
+@pytest.mark.parametrize("kv_layout", ["HND", "NHD"])
+def test_appended_kv_reads_back_within_e4m3_rounding_and_a_louder_token_rescales_its_page(kv_layout):
+    """Each page is scaled by its filled rows' amax: the decode token ten times the prompt's raises its
+    page's scale, the rows before it are rounded again (two e4m3 roundings at most), every value at least
+    2^-6 of its page's amax comes back within that, and the reused pages' leftovers neither come back nor
+    count towards a scale."""
+    cache, scales, (kv_indices, kv_indptr), keys, values = _written(kv_layout)
+    compact, indices = kv_quant.gather_pages(cache, scales, kv_indices, kv_layout, torch.float32)
+    assert compact.shape[0] == 3 and torch.equal(torch.unique(kv_indices)[indices], kv_indices)  # each once
+    for seq, n in ((0, 7), (1, 4)):
+        for plane, want in ((0, keys[seq]), (1, values[seq])):
+            got = _read(compact, indices, kv_indptr, seq, n, plane, kv_layout)
+            page_amax = torch.stack(
+                [want[(t // 4) * 4 : (t // 4 + 1) * 4].abs().amax(dim=(0, 2)) for t in range(n)]
+            )
+            normal = want.abs() >= page_amax[:, :, None] * 2**-6
+            assert torch.all((got - want).abs()[normal] <= want.abs()[normal] * (2 * 2**-4 + 2**-8))
+    # page 2 holds sequence 0's tokens 4..6: its scale is their amax's (the decode token's), and its
+    # fourth row, never written, comes back zero
+    last = compact[indices[1]]
+    assert torch.all((last[:, :, 3] if kv_layout == "HND" else last[:, 3]) == 0)
+    k_amax = keys[0][4:7].abs().amax(dim=(0, 2))  # per head
+    torch.testing.assert_close(scales[2, 0], k_amax / kv_quant.FP8_MAX)
+
+
+@pytest.mark.parametrize("kv_layout", ["HND", "NHD"])
+def test_a_page_written_whole_is_rounded_once_as_the_page_format_rounds_it(kv_layout):
+    """A prefill pass's full page: the same bits as quantize() over that page (one rounding), whatever
+    the page held before."""
+    g = torch.Generator().manual_seed(1)
+    shape = (3, 2, 2, 4, 8) if kv_layout == "HND" else (3, 2, 4, 2, 8)
+    cache = torch.randn(shape, generator=g).to(kv_quant.FP8)
+    scales = torch.rand(kv_quant.scales_shape(shape, kv_layout), generator=g)
+    k, v = torch.randn(4, 2, 8, generator=g), torch.randn(4, 2, 8, generator=g)
+    kv_quant.append_pages(k, v, torch.zeros(4, dtype=torch.long), torch.arange(4), cache, scales,
+                          torch.tensor([1]), torch.tensor([0, 1]), kv_layout)  # fmt: skip
+    page = torch.stack([k, v])  # [planes, P, H, D]: NHD's page; HND's is [planes, H, P, D]
+    page = page.transpose(1, 2) if kv_layout == "HND" else page
+    q, scale = kv_quant.quantize(page[None], kv_quant.page_dims(kv_layout))
+    assert torch.equal(cache[1].view(torch.uint8), q[0].view(torch.uint8))
+    torch.testing.assert_close(kv_quant.dequantize(cache[1:2], kv_quant._broadcast(scales[1:2], kv_layout)),
+                               kv_quant.dequantize(q, scale))  # fmt: skip
+
+
 def test_attention_over_smollm2_s_kv_through_e4m3_stays_within_its_measured_error(smollm2_errors):
     """Relative error of each sequence's decode attention output, every layer and step, against the KV as
     computed: measured over 8 prompts of 384 tokens of the language reference, 16 steps (3,840 samples),

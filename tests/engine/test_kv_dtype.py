@@ -1,0 +1,61 @@
+"""An engine whose KV cache is e4m3 (cache.kv_dtype='fp8_e4m3'): pages quantized as they are written, a
+scale per page, plane and head beside them, dequantized as attention reads them (pdkernels/kv_quant.py);
+its prefix cache shares those pages as they are; what it does not cover yet is refused by name."""
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.config import EngineConfig
+from tests.engine.test_prefix_cache import _one_by_one, _shared
+
+GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
+FP8 = {"kv_dtype": "fp8_e4m3", "page_size": 4, "num_pages": 128}
+
+
+@pytest.mark.parametrize("kv_layout", ["HND", "NHD"])
+def test_an_fp8_cache_holds_e4m3_pages_and_its_prefix_hits_give_the_tokens_computed_without_them(kv_layout):
+    """A full page is written once, by the prefill pass that computes it, so a page found in the prefix
+    cache holds the bits its own prompt would have written: the greedy tokens with the cache (batched,
+    then again with every prompt's pages cached) are those of one prompt at a time without it."""
+    prompts = _shared(8)
+    plain = LLM("tiny-random", enable_prefix_caching=False, kv_layout=kv_layout, **FP8)
+    arch = plain.config.arch
+    assert plain.kv_cache.dtype == torch.float8_e4m3fn  # one byte an element, where the model's are four
+    assert plain.model.kv_scales.shape == (arch.num_layers, 128, 2, arch.num_kv_heads)
+    reference = _one_by_one(plain, prompts, GREEDY)
+    exact = _one_by_one(LLM("tiny-random", enable_prefix_caching=False, kv_layout=kv_layout), prompts, GREEDY)
+    assert [o.token_ids for o in reference] != [o.token_ids for o in exact]  # e4m3 changed some token
+    llm = LLM("tiny-random", kv_layout=kv_layout, **FP8)
+    batched = llm.generate(prompts, GREEDY)
+    again = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in batched] == [o.token_ids for o in again] == [o.token_ids for o in reference]
+    assert sum(o.num_cached_tokens for o in again) > sum(o.num_cached_tokens for o in batched)
+    assert llm.allocator.num_free == 128
+
+
+def test_an_fp8_cache_salts_its_page_names_apart_from_the_model_dtype_s():
+    """The same tokens' pages in e4m3 and in the model's dtype are different KV: never the same name."""
+    a, b = LLM("tiny-random", page_size=4), LLM("tiny-random", **FP8)
+    assert a.scheduler.salt != b.scheduler.salt
+
+
+@pytest.mark.parametrize(
+    "model, overrides, named",
+    [
+        ("tiny-random", {"kv_dtype": "fp8"}, "kv_dtype must be one of ('auto', 'fp8_e4m3'), got 'fp8'"),
+        ("tiny-random", {"tp": 2}, "got tp"),
+        ("tiny-random", {"role": "decode"}, "got the prefill or decode role"),
+        ("tiny-random", {"kv_tiers": {"host_bytes": 1 << 20}}, "got kv_tiers"),
+        ("tiny-random", {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "got spec"),
+        (
+            "tiny-random-deepseek",
+            {},
+            "covers models with K and V planes so far; tiny-random-deepseek's cache",
+        ),
+    ],
+)
+def test_what_an_fp8_cache_does_not_cover_yet_is_refused_by_name(model, overrides, named):
+    settings = {"kv_dtype": "fp8_e4m3", **overrides}
+    with pytest.raises(ValueError, match=named.replace("(", r"\(").replace(")", r"\)")):
+        LLM(model, **settings) if model != "tiny-random" else EngineConfig.of(model, **settings)
