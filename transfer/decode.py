@@ -47,7 +47,7 @@ from transfer.backends import Backend, TransferError
 from transfer.config import TransferConfig
 from transfer.handoff import DECODE_MOVES, Cause, DecodeState, Handoff
 from transfer.plan import ShardSpec, check_compatible, plan_array, unit_tokens
-from transfer.protocol import PROTOCOL_VERSION, Abort, Accepted, Ended, Hello, Notif, PrefillRequest
+from transfer.protocol import PROTOCOL_VERSION, Abort, Accepted, Ended, Hello, Notif, Posted, PrefillRequest
 
 log = logging.getLogger(__name__)
 State = DecodeState
@@ -158,6 +158,8 @@ class _Pending:
     error: str | None = None  # why it failed (State.FAILED): its pages wait for Ended or the peer's death
     group: int = 0  # the DP group whose pages it fills
     pages: list[int] = field(default_factory=list)  # the pages it writes (its prefix cache's skipped)
+    posted: dict[str, list[int]] | None = None  # the peer's Posted: decode agent -> its posts' numbers
+    moved_at: float = 0.0  # time.monotonic of its Posted or its last write since, whichever came last
 
     @property
     def expected(self) -> int:
@@ -425,6 +427,9 @@ class DecodeMessenger:
                     p.accepted_at, p.timing.accepted = self.clock(), time.perf_counter()
                     if state is State.REQUESTED:  # (its first write may have come first: LANDING)
                         self.handoff.move(rid, State.ACCEPTED, Cause.ACCEPTED)
+                elif isinstance(msg, Posted):
+                    if state is not State.FAILED:
+                        p.posted, p.moved_at = msg.posts, self.clock()
                 else:
                     if state is not State.FAILED:  # the prefill side failed it
                         self._fail(
@@ -434,6 +439,8 @@ class DecodeMessenger:
             self._check_peer(peer)
         admitted, now = [], self.clock()
         for rid, p in self.handoff.items(*IN_FLIGHT):
+            if self.handoff.state(rid) not in IN_FLIGHT:  # failed as this loop renewed an agent
+                continue
             if p.received == p.expected:
                 self.handoff.move(rid, State.DECODING, Cause.LANDED)
                 g = self.groups[p.group]
@@ -454,6 +461,12 @@ class DecodeMessenger:
                 admitted.append(rid)
             elif reason := self._late(p, now):
                 self._fail(rid, p, f"{reason} ({p.received}/{p.expected} writes landed)", Cause.DEADLINE)
+            elif p.posted is not None and now - p.moved_at > self.config.rail_timeout_s:
+                lost = sorted(agent for agent, posts in p.posted.items() if not p.posts.issuperset(posts))
+                p.posted = None  # looked at once: the renewal sends the request again
+                if lost and self.handoff.state(rid) in IN_FLIGHT:
+                    log.warning("writes of %s sent to %s never landed: renewing them", rid, lost)
+                    self._renew(p.group, lost, p.peer)
         return admitted
 
     def _count(self, agent: str, msg: bytes, group: int = 0) -> None:
@@ -480,6 +493,7 @@ class DecodeMessenger:
         else:
             p.posts.add(post)
             p.received += writes
+            p.moved_at = self.clock()
             self.writes_from[agent] += writes
             p.timing.first_landed = p.timing.first_landed or time.perf_counter()
             if self.handoff.state(rid) is not State.LANDING:

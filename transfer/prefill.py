@@ -46,7 +46,7 @@ from transfer.backends.base import as_ops
 from transfer.config import TransferConfig
 from transfer.handoff import PREFILL_MOVES, Cause, Handoff, PrefillState
 from transfer.plan import ShardSpec, plan_array
-from transfer.protocol import Abort, Accepted, Ended, Hello, Notif, PrefillRequest
+from transfer.protocol import Abort, Accepted, Ended, Hello, Notif, Posted, PrefillRequest
 from transfer.rails import Rails, parts_of
 
 log = logging.getLogger(__name__)
@@ -107,6 +107,7 @@ class _Transfer:
     posts: int = 0  # posts made, numbering each notification
     context_posted: bool = False
     done_at: float | None = None  # perf_counter when every write had finished
+    finished: dict = field(default_factory=dict)  # decode agent -> numbers of the posts that finished there
     started: float | None = None  # perf_counter when the first pass with its tokens began
     first_post: float | None = None  # perf_counter of its first KV post
     computed: float | None = None  # perf_counter when its last chunk's forward pass returned
@@ -351,6 +352,8 @@ class PrefillMessenger:
                 self.handoff.move(_key(t.req), State.ENDED, Cause.DRAINED)
             else:  # every write finished
                 self.handoff.move(_key(t.req), State.SENT, Cause.POSTED)
+                if len(self.agents.backends) > 1:  # which agent each post went to, should a NIC drop them
+                    self._tell(t.channel, Posted(rid, t.req.seq, t.finished))
             if t.done_at is not None:
                 self.done_log.append(Sent(rid, t.started, t.first_post, t.computed, t.done_at))
             self.engine.stop(rid)  # a failed transfer stops its computation too
@@ -775,6 +778,7 @@ class PrefillMessenger:
                             t.error = t.error or "a KV write failed"
                     else:
                         self.rails.moved(post.src)
+                        t.finished.setdefault(post.peer, []).append(post.notif.post)
                     if not t.in_flight and t.context_posted:
                         t.done_at = time.perf_counter()  # the last write (the context) has landed
         if len(self.agents.backends) > 1:

@@ -22,7 +22,7 @@ from transfer.wire import Codec, Message, WireError
 log = logging.getLogger(__name__)
 
 # in every Hello; a peer of another version is refused (5: identity digests, cancelled_at; 6: rails)
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 MAX_PROMPT_TOKENS = 1 << 22
 
 
@@ -189,8 +189,27 @@ class Ended(Message):
             raise ValueError("stuck names at most 64 agents of 1-300 characters")
 
 
+class Posted(Message):
+    """Prefill -> decode, where a rank has several rails: every post of this request finished on this side,
+    each decode agent's post numbers. Over TCP a post finishes once the kernel holds it, so a NIC lost
+    after that loses writes no post of this side waits for: the decode side, missing some of them past
+    transfer.rail_timeout_s, renews the agents they went to (and the request is sent again)."""
+
+    request_id: str
+    seq: int
+    posts: dict[str, list[int]]  # decode agent -> the numbers of the posts that went to it
+
+    def __post_init__(self):
+        check_request_id(self.request_id)
+        if len(self.posts) > 64 or not all(0 < len(name) <= 300 for name in self.posts):
+            raise ValueError("posts names at most 64 agents of 1-300 characters")
+        if sum(len(numbers) for numbers in self.posts.values()) > MAX_POSTS:
+            raise ValueError(f"posts lists at most {MAX_POSTS} posts")
+
+
+MAX_POSTS = 1 << 20  # a request's posts (at most 1 MiB each: a TiB of KV)
 TO_PREFILL = (PrefillRequest, Abort)  # what a prefill worker's channel decodes
-TO_DECODE = (Hello, Accepted, Ended)
+TO_DECODE = (Hello, Accepted, Ended, Posted)
 
 
 def prefill_codec() -> Codec:

@@ -64,6 +64,34 @@ class Jammable(LocalBackend):
         self.held.clear()
 
 
+class Severed(Jammable):
+    """A local agent whose NIC dies with writes in the kernel's buffers: posts on a connection it had
+    (to the agents named at sever()) finish at once, as over TCP once the kernel holds them, and never
+    land; a new connection cannot be made, so posts to any other agent stay in flight (jammed)."""
+
+    def __init__(self, name: str):
+        super().__init__(name)
+        self.lost_to: set[str] = set()
+        self.swallowed = 0
+
+    def sever(self, peers) -> None:
+        self.lost_to, self.jammed = set(peers), True
+
+    def post(self, peer, ops, notif):
+        if peer in self.lost_to:
+            self.check(peer, as_ops(ops))
+            self.swallowed += 1
+            return "LOST"
+        return super().post(peer, ops, notif)
+
+    def state(self, handle):
+        return "DONE" if handle == "LOST" else super().state(handle)
+
+    def release(self, handle):
+        if handle != "LOST":
+            super().release(handle)
+
+
 def _rails(name, cls=LocalBackend):
     agents = [cls(f"{name}-nic{k}") for k in range(2)]
     for k, agent in enumerate(agents):
@@ -73,13 +101,14 @@ def _rails(name, cls=LocalBackend):
 
 @pytest.fixture
 def rails(request):
-    """tiny-random 1P1D, each side's one rank on two NICs (prefill's jammable), rail_timeout_s 0.2."""
+    """tiny-random 1P1D, each side's one rank on two NICs (prefill's jammable, or the class the test
+    parametrizes it with), rail_timeout_s 0.2."""
     prefill = LLM("tiny-random", role="prefill", page_size=4, num_pages=PAGES, max_num_batched_tokens=24)
     decode = LLM("tiny-random", role="decode", page_size=4, num_pages=PAGES)
     keep_outputs(prefill), keep_outputs(decode)
     config = TransferConfig(backend="local", rail_timeout_s=0.2)
     tag = request.node.name[-40:]
-    sending, receiving = _rails(f"p-{tag}", Jammable), _rails(f"d-{tag}")
+    sending, receiving = _rails(f"p-{tag}", getattr(request, "param", Jammable)), _rails(f"d-{tag}")
     decode_end, prefill_end = local_channel()
     pm = prefill_messenger(prefill, sending, config)
     pm.add_peer(prefill_end)
@@ -173,6 +202,24 @@ def test_a_rail_that_stops_moving_is_failed_over_and_used_again_once_back(rails)
     renewed = pm.agents.backends[1].name
     assert renewed.endswith("~1") and dm.writes_from[renewed] > before.get(renewed, 0)
     assert pm.failovers == 1 and prefill.allocator.num_free == PAGES and decode.allocator.num_free == PAGES
+
+
+@pytest.mark.parametrize("rails", [Severed], indirect=True)
+def test_writes_a_dead_nic_swallowed_after_its_posts_finished_are_missed_and_sent_again(rails):
+    """NIC 1 dies with writes in its buffers: posts to the agent it was connected to finish on the
+    prefill side and never land, and no post of this side stays stuck to say so. Its Posted (each decode
+    agent's posts) lets the decode side find the missing ones past rail_timeout_s: it renews that agent
+    and the request is sent again; the successor's new connection cannot be made, so the prefill side's
+    posts there stay stuck and it fails that rail over. No request is lost (before, it waited out its
+    stage deadline: once in a loaded suite, 5 minutes, and then failed)."""
+    prefill, decode, pm, dm, sending = rails
+    sending[1].sever([b.name for b in dm.backends])
+    prompts = _long(2, seed=9)
+    ids, again = _run_resending(prefill, decode, pm, dm, prompts, "l")
+    assert sending[1].swallowed >= 1 and again >= 1 and dm.renewed >= 1
+    assert [decode.output(rid).error for rid in ids] == [None] * len(ids)
+    assert [decode.output(rid).token_ids for rid in ids] == _expected(prompts)
+    assert prefill.allocator.num_free == PAGES and decode.allocator.num_free == PAGES
 
 
 def test_a_failed_post_goes_again_over_the_other_rail(rails):

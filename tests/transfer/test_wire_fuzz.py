@@ -30,6 +30,7 @@ from transfer.protocol import (
     Ended,
     Hello,
     Notif,
+    Posted,
     PrefillRequest,
     decode_codec,
     local_channel,
@@ -54,6 +55,7 @@ VALID = [
     Hello.of(SPEC, "agent"),
     Accepted("r", 1),
     Ended("r", 1, None),
+    Posted("r", 1, {"d-nic0": [0, 2], "d-nic1": [1, 3]}),
     Submit("r", [1, 2], SamplingParams(max_tokens=4, stop=("x",), logit_bias={3: 1.0})),
     Result.failed("r", ErrorKind.WORKER_LOST, "worker w exited", "w"),
     Result("r", "w", [1], 0.5, None, [0.6], "length", None),
@@ -102,6 +104,22 @@ def test_refusals_are_counted():
         with pytest.raises(WireError):
             codec.decode(data)
     assert codec.dropped == 4
+
+
+@pytest.mark.parametrize(
+    "posts, why",
+    [
+        ({f"d-{i}": [i] for i in range(65)}, "at most 64 agents"),
+        ({"d" * 301: [0]}, "1-300 characters"),
+        ({"": [0]}, "1-300 characters"),
+        ({"d-nic0": list(range((1 << 20) + 1))}, "at most 1048576 posts"),
+    ],
+)
+def test_a_posted_naming_too_many_agents_or_posts_is_refused(posts, why):
+    """What a decode worker keeps of a Posted until its writes land is bounded."""
+    forged = msgspec.msgpack.encode({"type": "Posted", "request_id": "r", "seq": 1, "posts": posts})
+    with pytest.raises(WireError, match=why):
+        decode_codec().decode(forged)
 
 
 def test_a_switch_to_a_role_elastic_workers_do_not_have_is_refused():
