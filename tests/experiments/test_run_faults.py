@@ -197,6 +197,7 @@ def test_killed_workers_restart_under_the_local_launcher_and_take_requests_again
     assert all(t["free_pages"] == t["num_pages"] for t in faulty["timelines"])
 
 
+@pytest.mark.slow  # make test-all: role moves under streaming clients are make test's (test_serve_faults.py)
 def test_workers_switch_roles_mid_run_when_asked_or_by_the_planner_and_no_request_fails(tmp_path):
     """Elastic roles on 1 prefill + 2 decode workers, beside a colocated run of the same requests.
     Asked (deployment.planner.manual, Runtime.move at points of progress): decode-1 turns prefill while

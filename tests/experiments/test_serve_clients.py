@@ -149,7 +149,10 @@ def one_worker(tmp_path):
     proc.wait(timeout=60)
 
 
-@pytest.mark.parametrize("attackers", [[ATTACKER] * 4, [ATTACKER, ATTACKER, "127.0.0.5", "127.0.0.5"]])
+@pytest.mark.parametrize(
+    "attackers",
+    [[ATTACKER] * 4, pytest.param([ATTACKER, ATTACKER, "127.0.0.5", "127.0.0.5"], marks=pytest.mark.slow)],
+)
 def test_many_completions_queue_and_leave_another_client_its_turn(one_worker, attackers):
     """Four streamed requests of n=16 x 1,000 tokens (a worker's 64 sequences, and more pages than it has)
     from one address or two: all are taken (before the third and fourth were refused with 429), and

@@ -77,6 +77,7 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+@pytest.mark.slow  # make test-all: a dead worker's streams go on elsewhere is make test's
 def test_a_dp_worker_whose_other_engine_dies_hands_its_stream_on(tmp_path):
     """deployment.dp=2: the process of one colocated worker's second DP engine is killed mid-stream: that
     worker fails (its engine cannot step again, nothing waits on it), the stream goes on on the other

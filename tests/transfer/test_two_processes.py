@@ -184,7 +184,7 @@ def _drive(decode, dm, ids, give_up_s=120):
         pytest.param("tiny-random", 2, 1, marks=pytest.mark.slow),
         pytest.param("tiny-random", 1, 2, marks=pytest.mark.slow),
         pytest.param("tiny-random", 4, 2, marks=pytest.mark.slow),
-        ("tiny-random-deepseek", 2, 1),
+        pytest.param("tiny-random-deepseek", 2, 1, marks=pytest.mark.slow),
         ("tiny-random-deepseek", 1, 2),
     ],
 )
@@ -297,7 +297,8 @@ def test_a_conversation_over_nixl_writes_only_the_pages_the_decode_cache_lacks()
 
 
 # make test: the replicated latent's 2 -> DP 2 (1 -> DP 2 runs through the main job: test_run_dp.py)
-@pytest.mark.parametrize("prefill_tp", [pytest.param(1, marks=pytest.mark.slow), 2])
+@pytest.mark.slow  # make test: DP groups over NIXL in the main job (tests/experiments/test_run_dp.py)
+@pytest.mark.parametrize("prefill_tp", [1, 2])
 def test_prefill_tp_into_decode_dp_groups_over_nixl(prefill_tp):
     """Prefill TP 1 or 2 -> a decode worker of 2 DP groups (DeepSeek's latent cache, data-parallel
     attention, the experts over both groups): each request's KV lands in the pages of the group it was
@@ -339,7 +340,8 @@ def test_prefill_tp_into_decode_dp_groups_over_nixl(prefill_tp):
         assert decode.pages == (2 * PAGES, 2 * PAGES)  # every group's, after a step that reported them
 
 
-@pytest.mark.parametrize("decode_dp", [pytest.param(1, marks=pytest.mark.slow), 2])  # make test: DP -> DP
+@pytest.mark.slow  # make test: DP -> DP in the main job (tests/experiments/test_run_dp.py)
+@pytest.mark.parametrize("decode_dp", [1, 2])
 def test_prefill_dp_groups_each_send_their_own_requests_over_nixl(decode_dp):
     """A prefill worker of 2 DP groups -> decode TP 1 or 2 DP groups: each prefill group is a prefill peer
     of its own (its messenger, layer counter and NIXL agent in its engine's process), the decode side

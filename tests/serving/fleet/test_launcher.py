@@ -61,6 +61,7 @@ def _pages_free_at_stop(log_file: Path) -> tuple[int, int]:
     return int(found[1]), int(found[2])
 
 
+@pytest.mark.slow  # make test-all: Ray across nodes is make test's in test_netns.py (a node per host)
 def test_1p1d_across_two_nodes_from_the_command_line_gives_the_colocated_tokens(tmp_path):
     deployments = (
         "deployments=[{name: colocated, kind: colocated, num_workers: 1},"
@@ -81,6 +82,7 @@ def test_1p1d_across_two_nodes_from_the_command_line_gives_the_colocated_tokens(
     assert colocated["workers"][0]["node_id"] in {w["node_id"] for w in workers.values()}
 
 
+@pytest.mark.slow  # make test-all: a second local Ray cluster started and stopped
 def test_a_run_that_asks_for_another_local_cluster_gets_it():
     """This process connected to a one-node cluster; a config that asks for two nodes leaves it for a new
     one (it used to keep the first, where a run placing two roles on two nodes waited for room)."""

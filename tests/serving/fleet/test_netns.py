@@ -380,6 +380,7 @@ def test_without_root_it_refuses_with_a_clear_message(monkeypatch):
         Hosts(1)
 
 
+@pytest.mark.slow  # make test-all; make test: batch-invariant tokens across deployments in tests/engine
 def test_batch_invariant_colocated_1p1d_and_1p1d_over_hosts_give_the_same_greedy_tokens(short_tmp, tmp_path):
     """model.batch_invariant: 16 random 512-token prompts at concurrency 4 give the same greedy tokens and
     log-probabilities, to the last bit, colocated (prompts chunked beside other requests' decodes), 1P1D

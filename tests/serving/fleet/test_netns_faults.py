@@ -28,7 +28,7 @@ def _pages_back(record) -> None:
         assert t["free_pages"] == t["num_pages"], (t["name"], t["free_pages"], t["num_pages"])
 
 
-@pytest.mark.parametrize("loss_pct", [1, 5])
+@pytest.mark.parametrize("loss_pct", [pytest.param(1, marks=pytest.mark.slow), 5])
 def test_random_loss_on_every_link_loses_no_token(short_tmp, tmp_path, monkeypatch, loss_pct):
     """1% and 5% of packets dropped on each NIC's link both ways (KV, control plane and heartbeats
     alike): TCP retransmits, and every request ends with the tokens of a run without loss."""
@@ -155,6 +155,7 @@ def test_a_prefill_host_cut_off_for_good_loses_no_request(short_tmp, tmp_path, m
     assert held[other] == 0 and held[gone] <= lost * PAGES_A_REQUEST, held
 
 
+@pytest.mark.slow  # make test-all: a prefill host lost for good is make test's, below
 def test_a_prefill_host_s_nic_down_past_peer_timeout_loses_nothing_and_gives_every_page_back(
     short_tmp, tmp_path, monkeypatch
 ):
