@@ -75,6 +75,11 @@ class RankAgents:
     def names(self) -> list[str]:
         return [b.name for b in self.backends]
 
+    @property
+    def striped(self) -> bool:
+        """Whether a rank has several agents (rails) its writes are striped over."""
+        return len({rank for rank, _ in self.rails}) < len(self.rails)
+
     def metadata(self) -> list[bytes]:
         return [b.metadata() for b in self.backends]
 

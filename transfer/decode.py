@@ -415,6 +415,8 @@ class DecodeMessenger:
                 rid = msg.request_id
                 state = self.handoff.state(rid)
                 p = self.handoff.record(rid, *IN_FLIGHT, State.FAILED)
+                if isinstance(msg, Posted) and (p is None or p.peer is not peer or p.seq != msg.seq):
+                    continue  # its writes all landed first (as they mostly do), or it ended: nothing to do
                 fenced_key = _fenced(rid, msg.seq)
                 fenced = self.handoff.record(fenced_key, State.FENCED)
                 if isinstance(msg, Ended) and msg.stuck and (mine := p or fenced) and mine.peer is peer:

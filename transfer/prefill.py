@@ -352,7 +352,7 @@ class PrefillMessenger:
                 self.handoff.move(_key(t.req), State.ENDED, Cause.DRAINED)
             else:  # every write finished
                 self.handoff.move(_key(t.req), State.SENT, Cause.POSTED)
-                if len(self.agents.backends) > 1:  # which agent each post went to, should a NIC drop them
+                if self.agents.striped:  # which agent each post went to, should a NIC drop them
                     self._tell(t.channel, Posted(rid, t.req.seq, t.finished))
             if t.done_at is not None:
                 self.done_log.append(Sent(rid, t.started, t.first_post, t.computed, t.done_at))
