@@ -203,6 +203,9 @@ def grammar_server(tmp_path):
     proc.wait(timeout=60)
 
 
+@pytest.mark.slow  # make test-all: its compiles take whatever CPU is left (alone 10 s; in make test 97-125 s,
+# and 5-8x the time of the test beside it). make test: a hostile grammar in its sandbox while streams go on
+# (test_serve_hostile.py) and a slow task beside a quick one (serving/http/test_sandbox.py)
 def test_hostile_grammars_from_three_addresses_leave_another_client_its_json(grammar_server):
     """Three addresses each hold a grammar compile that runs to server.grammar_timeout_s (more than the
     cores and the pool's 2 children); another client's JSON request is answered while every one of them
