@@ -451,12 +451,11 @@ class PrefillMessenger:
                 return
             routes = self._plan(req)
             ctx = self._context_pair(req)
+            dead = set()  # pairs that cannot connect (a NIC down): its writes go the other ways
             with self._lock:  # the sender thread may retire or renew an agent meanwhile
-                for src, dst, ops in routes:
+                for src, dst, ops in [*routes, (*ctx, [self._context_op(req, 0)])]:
                     if src not in self.rails.retired:
-                        self.agents.backends[src].check(self._peer(req, src, dst), ops)
-                if ctx[0] not in self.rails.retired:
-                    self.agents.backends[ctx[0]].check(self._peer(req, *ctx), [self._context_op(req, 0)])
+                        self._check_pair(req, src, dst, ops, dead)
             self.engine.start(req.request_id, req.prompt_ids, req.cache_salt, req.client)  # checks the ids
         except Exception as e:  # whatever a peer sent, it fails its own request only
             self.refused += 1
@@ -470,8 +469,22 @@ class PrefillMessenger:
             # a page the decode side holds in part (its pages smaller than ours) is sent from where its
             # holding ends (_send_layers)
             skip = req.held_tokens // self.spec.page_size
-            self.transfers[req.request_id] = _Transfer(req, channel, sent_pages=skip)
+            self.transfers[req.request_id] = _Transfer(req, channel, sent_pages=skip, dead=dead)
         self._tell(channel, Accepted(req.request_id, req.seq))
+
+    def _check_pair(self, req: PrefillRequest, src: int, dst: int, ops, dead: set) -> None:
+        """Connect our agent src to the request's decode agent dst and check its writes against both sides'
+        regions. A pair that cannot connect (a NIC down, the decode agent there renewed before this side saw
+        the rail stop) goes into dead where another pair of its ranks can carry them; else TransferError."""
+        try:
+            self.agents.backends[src].check(self._peer(req, src, dst), ops)
+        except TransferError:
+            ranks = self.agents.rails[src][0], req.rails[dst][0]
+            if ranks[0] < 0 or ranks[1] < 0:  # one agent for every rank on a side: no other way
+                raise
+            dead.add((src, dst))
+            if all(w in dead for w in pairs(self.agents.rails, req.rails, *ranks)):
+                raise
 
     def _peer(self, req: PrefillRequest, src: int, dst: int) -> str:
         """The name our agent src knows the request's decode agent dst by, connecting them the first time

@@ -67,7 +67,7 @@ class Jammable(LocalBackend):
 class Severed(Jammable):
     """A local agent whose NIC dies with writes in the kernel's buffers: posts on a connection it had
     (to the agents named at sever()) finish at once, as over TCP once the kernel holds them, and never
-    land; a new connection cannot be made, so posts to any other agent stay in flight (jammed)."""
+    land; a new connection cannot be made (UCX: "Destination is unreachable")."""
 
     def __init__(self, name: str):
         super().__init__(name)
@@ -86,6 +86,12 @@ class Severed(Jammable):
 
     def state(self, handle):
         return "DONE" if handle == "LOST" else super().state(handle)
+
+    def connect(self, peer_metadata: bytes) -> str:
+        peer = super().connect(peer_metadata)
+        if self.lost_to and peer not in self.lost_to:
+            raise TransferError(f"{peer}: destination is unreachable")
+        return peer
 
     def release(self, handle):
         if handle != "LOST":
@@ -209,9 +215,10 @@ def test_writes_a_dead_nic_swallowed_after_its_posts_finished_are_missed_and_sen
     """NIC 1 dies with writes in its buffers: posts to the agent it was connected to finish on the
     prefill side and never land, and no post of this side stays stuck to say so. Its Posted (each decode
     agent's posts) lets the decode side find the missing ones past rail_timeout_s: it renews that agent
-    and the request is sent again; the successor's new connection cannot be made, so the prefill side's
-    posts there stay stuck and it fails that rail over. No request is lost (before, it waited out its
-    stage deadline: once in a loaded suite, 5 minutes, and then failed)."""
+    and the request is sent again; the successor cannot be reached over the dead NIC, so the prefill side
+    routes the request's writes over the other rail (before, that failed connection refused every request:
+    0 of 6 in a suite run). No request is lost (before Posted, one waited out its stage deadline: once in
+    a loaded suite, 5 minutes, and then failed)."""
     prefill, decode, pm, dm, sending = rails
     sending[1].sever([b.name for b in dm.backends])
     prompts = _long(2, seed=9)
