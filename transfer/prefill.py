@@ -474,10 +474,10 @@ class PrefillMessenger:
 
     def _check_pair(self, req: PrefillRequest, src: int, dst: int, ops, dead: set) -> None:
         """Connect our agent src to the request's decode agent dst and check its writes against both sides'
-        regions. A pair that cannot connect (a NIC down, the decode agent there renewed before this side saw
-        the rail stop) goes into dead where another pair of its ranks can carry them; else TransferError."""
+        regions. A pair that cannot connect (a NIC down) goes into dead where another pair of its ranks can
+        carry the writes; else, and for writes outside the regions, TransferError."""
         try:
-            self.agents.backends[src].check(self._peer(req, src, dst), ops)
+            peer = self._peer(req, src, dst)
         except TransferError:
             ranks = self.agents.rails[src][0], req.rails[dst][0]
             if ranks[0] < 0 or ranks[1] < 0:  # one agent for every rank on a side: no other way
@@ -485,6 +485,8 @@ class PrefillMessenger:
             dead.add((src, dst))
             if all(w in dead for w in pairs(self.agents.rails, req.rails, *ranks)):
                 raise
+            return
+        self.agents.backends[src].check(peer, ops)
 
     def _peer(self, req: PrefillRequest, src: int, dst: int) -> str:
         """The name our agent src knows the request's decode agent dst by, connecting them the first time
