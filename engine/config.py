@@ -493,18 +493,17 @@ class EngineConfig:
             not self.kv_tiers.enabled or self.cache.enable_prefix_caching,
             "kv_tiers keep prefix-cache pages: they need enable_prefix_caching=True",
         )
-        role = self.scheduler.role
         fp8_with = {
             "tp": self.tp > 1, "dp": self.dp > 1,
-            "the prefill or decode role": role.sends_kv or role.receives_kv,
             "kv_tiers": self.kv_tiers.enabled, "speculative_config": self.speculative_config is not None,
             "batch_invariant": self.batch_invariant, "cuda_graphs": bool(self.cuda_graphs),
         }  # fmt: skip
         _check(
             not self.cache.fp8 or not any(fp8_with.values()),
-            "kv_dtype='fp8_e4m3' runs in one colocated engine of one rank so far: its scales do not yet "
-            "cross to TP ranks, the transfer or the tiers, a page's rounding depends on how it was filled "
-            "(batch_invariant), and drafts would move its scales (speculative_config); got "
+            "kv_dtype='fp8_e4m3' runs on engines of one rank so far (colocated, or either side of the "
+            "hand-off, its scales moved with its pages): its scales do not yet cross to TP ranks, DP "
+            "groups or the tiers, a page's rounding depends on how it was filled (batch_invariant), and "
+            "drafts would move its scales (speculative_config); got "
             + ", ".join(k for k, v in fp8_with.items() if v),
         )
         if self.arch is not None:
@@ -567,9 +566,10 @@ class EngineConfig:
         m, c = self.arch, self.cache
         return ShardSpec(
             tp=self.tp, num_kv_heads=m.num_kv_heads, num_layers=m.num_layers, num_pages=c.num_pages,
-            page_size=c.page_size, head_dim=m.head_dim, itemsize=itemsize or DTYPES[self.dtype],
-            dtype=self.dtype, kv_layout=c.kv_layout, planes=m.kv_planes, model=identity[0],
-            weights=identity[1], tokenizer=identity[2],
+            page_size=c.page_size, head_dim=m.head_dim,
+            itemsize=1 if c.fp8 else itemsize or DTYPES[self.dtype],
+            dtype=c.kv_dtype if c.fp8 else self.dtype, kv_layout=c.kv_layout, planes=m.kv_planes,
+            scale_bytes=4 if c.fp8 else 0, model=identity[0], weights=identity[1], tokenizer=identity[2],
         )  # fmt: skip
 
 

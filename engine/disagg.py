@@ -117,7 +117,7 @@ def prefill_messenger(
         side(llm),
         backend,
         shard_spec(llm),
-        llm.kv_caches,
+        llm.kv_regions,
         host_view(llm.core.counter),  # read while the pass runs, not after it (pinned, mapped on CUDA)
         llm.config.arch.hidden_size,
         config,
@@ -140,7 +140,7 @@ def decode_messenger(
     if len(group_backends) != dp - 1:
         raise ValueError(f"dp={dp}: one backend (agent) for each of the other {dp - 1} DP groups")
     spec, hidden = shard_spec(llm), llm.config.arch.hidden_size
-    dm = DecodeMessenger(side(llm), backend, spec, llm.kv_caches, hidden, config)
+    dm = DecodeMessenger(side(llm), backend, spec, llm.kv_regions, hidden, config)
     for rank, group_backend in enumerate(group_backends, start=1):
         dm.add_group(side(llm, rank), group_backend, spec, llm.front.group_kv_caches(rank))
     return dm

@@ -26,7 +26,7 @@ from engine.core import EngineCore
 from engine.decode_role import DecodeHandoff
 from engine.front import DPFront
 from engine.graphs import DecodeGraphs, graphs_wanted
-from engine.kv.cache import PageAllocator, allocate_kv_cache
+from engine.kv.cache import PageAllocator, allocate_kv_cache, allocate_scaled_kv_cache
 from engine.kv.pages import namespace
 from engine.kv.tiers import KVTiers
 from engine.model import Model, Shard
@@ -43,7 +43,6 @@ from engine.sequence import (
 from engine.step_sampling import StepSampler
 from engine.tp import TPGroup, init_rank
 from engine.weights import identity, load_model
-from pdkernels.kv_quant import FP8, scales_shape
 from pdkernels.out_proj import make_layer_counter
 
 log = logging.getLogger(__name__)
@@ -115,10 +114,13 @@ class LLM:
         self.model = Model(
             arch, loaded.weights, dev, config.torch_dtype, shard, config.batch_invariant, cache.kv_layout
         )
-        kv_dtype = FP8 if cache.fp8 else config.torch_dtype
-        kv_cache = allocate_kv_cache(arch, cache, shard.num_kv_heads, dev, kv_dtype)
-        if cache.fp8:  # e4m3 pages, and their scales beside them (the model reads both)
-            self.model.kv_scales = torch.ones(scales_shape(kv_cache.shape, cache.kv_layout), device=dev)
+        self.kv_region = None  # an e4m3 cache's pages and scales, the bytes the transfer moves
+        if cache.fp8:  # the model reads both
+            self.kv_region, kv_cache, self.model.kv_scales = allocate_scaled_kv_cache(
+                arch, cache, shard.num_kv_heads, dev
+            )
+        else:
+            kv_cache = allocate_kv_cache(arch, cache, shard.num_kv_heads, dev, config.torch_dtype)
         # shared with the lead (TP) and, in the decode role, with DP group 0's agents (engine/dp.py)
         shared = config.tp > 1 or (config.dp > 1 and role.receives_kv)
         self.kv_cache = kv_cache.share_memory_() if shared and dev.type == "cpu" else kv_cache
@@ -263,6 +265,12 @@ class LLM:
     def kv_caches(self) -> list[torch.Tensor]:
         """Every TP rank's KV cache, mapped into this (the lead) process; rank order."""
         return [self.kv_cache] + (self.tp_group.kv_caches if self.tp_group else [])
+
+    @property
+    def kv_regions(self) -> list[torch.Tensor]:
+        """What the transfer registers and moves for each TP rank: its KV cache, or an e4m3 cache's pages
+        and scales in one region (transfer.plan.ShardSpec.region_bytes)."""
+        return [self.kv_region] if self.kv_region is not None else self.kv_caches
 
     def close(self) -> None:
         """Stop the TP rank processes (also done when the LLM is garbage-collected or at exit)."""

@@ -126,7 +126,7 @@ class _Group:
     context: Tensor  # [context_slots, hidden]: each in-flight request's last prefilled hidden state
     metadata: list[bytes]  # the agents', in every PrefillRequest to this group
     free_slots: list[int]
-    regions: list[Tensor]  # each TP rank's KV cache (mapped here), as the engine reads it
+    regions: list[Tensor]  # each TP rank's KV region (mapped here): its cache, or e4m3 pages and scales
     rails: list[tuple[int, str]] = field(default_factory=list)  # (rank, NIC) of each agent
     retired: dict[int, float] = field(default_factory=dict)  # agent -> when its successor is tried again
 
@@ -165,6 +165,14 @@ class _Pending:
     def expected(self) -> int:
         """Writes to count before release: the plan's and the context write."""
         return self.timing.writes
+
+
+def page_bytes(region: Tensor, spec: ShardSpec) -> Tensor:
+    """A rank's pages in its region (the KV cache, or an e4m3 cache's pages and scales) as bytes,
+    [layers, pages, planes, H, P, row] in HND or [..., P, H, row] in NHD, the spec's layout."""
+    a, b = (spec.heads_per_rank, spec.page_size)[:: 1 if spec.kv_layout == "HND" else -1]
+    pages = region.reshape(-1).view(torch.uint8)[: spec.kv_bytes]
+    return pages.view(spec.num_layers, spec.num_pages, spec.planes, a, b, spec.head_dim * spec.itemsize)
 
 
 def relayout(regions: list[Tensor], pages: list[int]) -> None:
@@ -447,7 +455,7 @@ class DecodeMessenger:
                 self.handoff.move(rid, State.DECODING, Cause.LANDED)
                 g = self.groups[p.group]
                 if p.peer.hello.spec.kv_layout != g.spec.kv_layout:  # landed in the sender's layout
-                    relayout(g.regions, p.pages)
+                    relayout([page_bytes(region, g.spec) for region in g.regions], p.pages)
                 context = g.context[p.slot].clone()
                 g.free_slots.append(p.slot)
                 p.timing.landed = time.perf_counter()

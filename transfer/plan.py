@@ -21,6 +21,10 @@ pass over bytes it holds. In NHD one head of a page is not one run, so an NHD pr
 where each decode rank holds the heads of one prefill rank (the same TP; or one latent head): whole
 pages, or whole units of all the rank's heads.
 
+An e4m3 cache's scales (a float32 per layer, page, plane and head) follow every layer's pages in the
+same region (ShardSpec.scale_bytes): each page write of a run of heads brings one write of those heads'
+scales, after the layer's page writes; scaled pages cross only between equal page sizes.
+
 Writes are planned per unit (a page, where the sizes match) and never merged across units, so the count
 for a whole request is the sum of the counts for any split of its tokens at unit boundaries: the decode
 side computes it once, the prefill side plans each chunk's completed pages as they become ready.
@@ -49,6 +53,9 @@ class ShardSpec:
     dtype: str = "bfloat16"
     kv_layout: str = "HND"  # or NHD (the decode side converts what lands: see above)
     planes: int = 2  # K and V; 1 for an MLA latent cache
+    # bytes of one page's scale per plane and head, kept after every layer's pages in the same region
+    # ([layers, pages, planes, H_local] float32: an e4m3 cache's, engine.kv.cache); 0 for a cache without
+    scale_bytes: int = 0
     # what the KV means beyond its shape: digests of the model's config, its weights and its tokenizer
     # (engine.weights.identity; "" where a caller has none). Another model's KV, or another checkpoint's
     # of the same shape, or KV of another tokenizer's ids, is well-formed garbage: both sides must agree
@@ -69,6 +76,10 @@ class ShardSpec:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"ShardSpec.{name} must be >= 1, got {getattr(self, name)}")
+        if self.scale_bytes not in (0, 4):
+            raise ValueError(
+                f"ShardSpec.scale_bytes must be 0 (no scales) or 4 (float32), got {self.scale_bytes}"
+            )
         if self.kv_layout not in ("HND", "NHD"):
             raise ValueError(f"ShardSpec.kv_layout must be 'HND' or 'NHD', got {self.kv_layout!r}")
         if self.num_kv_heads % self.tp and self.tp % self.num_kv_heads:
@@ -99,8 +110,16 @@ class ShardSpec:
         return self.page_size * self.head_dim * self.itemsize
 
     @property
-    def region_bytes(self) -> int:
+    def kv_bytes(self) -> int:
+        """Bytes of a rank region's pages (its scales, if any, follow them)."""
         return self.num_layers * self.num_pages * self.planes * self.heads_per_rank * self.run_bytes
+
+    @property
+    def region_bytes(self) -> int:
+        return (
+            self.kv_bytes
+            + self.num_layers * self.num_pages * self.planes * self.heads_per_rank * self.scale_bytes
+        )
 
     def offset(self, layer: int, page: int, kv: int, local_head: int) -> int:
         """Byte offset of (layer, page, plane K=0/V=1, local head) in a rank's region."""
@@ -121,7 +140,8 @@ class Write(NamedTuple):
 # what both sides of a transfer must share (tp may differ: the plan converts between degrees; so may the
 # page size, where one side's divides the other's, and the layout)
 MUST_MATCH = (
-    "model", "weights", "tokenizer", "num_kv_heads", "num_layers", "head_dim", "itemsize", "dtype", "planes",
+    "model", "weights", "tokenizer", "num_kv_heads", "num_layers", "head_dim", "dtype", "itemsize", "planes",
+    "scale_bytes",
 )  # fmt: skip
 
 
@@ -137,6 +157,11 @@ def check_compatible(src: ShardSpec, dst: ShardSpec) -> None:
                 "must match"
             )
     small, large = sorted((src.page_size, dst.page_size))
+    if src.scale_bytes and small != large:
+        raise ValueError(
+            f"prefill page_size {src.page_size} and decode page_size {dst.page_size} with scaled "
+            f"({src.dtype}) pages: a page's scale covers its own tokens, so both sides must use one page size"
+        )
     if large % small:
         raise ValueError(
             f"prefill page_size {src.page_size} and decode page_size {dst.page_size}: one must divide the "
@@ -175,7 +200,8 @@ def plan_writes(
     as [start, end) reaches; end defaults to the tokens both lists hold and is cut there. start: a unit
     boundary (unit_tokens). seed: the request's (it picks the source replica of each unit in turn, so
     planning a request in spans equals planning it whole). Ordered by layer, then unit, then destination
-    rank and head run, then K before V.
+    rank and head run, then K before V; a layer's scale writes (if any) after its page writes, in that
+    order.
     """
     rows = plan_array(src, dst, src_pages, dst_pages, start, end, layers, seed)
     return [Write(*row) for row in rows.tolist()]
@@ -217,6 +243,7 @@ def plan_array(
     unit_bytes = unit * src.head_dim * src.itemsize
     same_pages = src.page_size == dst.page_size  # a head range of a page is one run on both sides
     per_unit = []  # [units, rows, 5] per write: (src_rank, src_offset, dst_rank, dst_offset, nbytes)
+    scaled = []  # the same for the scales of what per_unit moves (pages of one size: check_compatible)
     for dst_rank, head0, nheads, choices in _head_runs(src, dst, seed):
         src_rank = np.asarray(choices, dtype=np.int64)[units % len(choices)]
         sh, dh = head0 - src_first[src_rank], head0 - dst.first_head(dst_rank)
@@ -232,6 +259,19 @@ def plan_array(
             cuts = [(h, kv) for h in range(nheads) for kv in range(planes)]  # a head's part of a run
             width = unit_bytes
         for h, kv in cuts:
+            if src.scale_bytes:  # the unit is a whole page: its scales of these heads (and planes)
+                scaled.append(
+                    np.stack(
+                        [
+                            src_rank,
+                            ((src_page * planes + kv) * src.heads_per_rank + sh + h) * src.scale_bytes,
+                            np.full_like(units, dst_rank),
+                            ((dst_page * planes + kv) * dst.heads_per_rank + dh + h) * dst.scale_bytes,
+                            np.full_like(units, width // unit_bytes * src.scale_bytes),
+                        ],
+                        axis=1,
+                    )
+                )
             per_unit.append(
                 np.stack(
                     [
@@ -248,8 +288,17 @@ def plan_array(
     out = np.empty((len(layers), len(one_layer), 6), dtype=np.int64)
     out[:, :, 0] = layers[:, None]
     out[:, :, 1:] = one_layer
-    out[:, :, 2] += layers[:, None] * (src.region_bytes // src.num_layers)
-    out[:, :, 4] += layers[:, None] * (dst.region_bytes // dst.num_layers)
+    out[:, :, 2] += layers[:, None] * (src.kv_bytes // src.num_layers)
+    out[:, :, 4] += layers[:, None] * (dst.kv_bytes // dst.num_layers)
+    if scaled:  # each layer's scale writes after its page writes, into the scales after every page
+        scales = np.stack(scaled, axis=1).reshape(-1, 5)
+        rows = np.empty((len(layers), len(scales), 6), dtype=np.int64)
+        rows[:, :, 0] = layers[:, None]
+        rows[:, :, 1:] = scales
+        for col, spec in ((2, src), (4, dst)):
+            per_layer = (spec.region_bytes - spec.kv_bytes) // spec.num_layers
+            rows[:, :, col] += spec.kv_bytes + layers[:, None] * per_layer
+        out = np.concatenate([out, rows], axis=1)
     return out.reshape(-1, 6)
 
 

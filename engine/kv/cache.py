@@ -12,6 +12,7 @@ nothing leaks.
 from __future__ import annotations
 
 import hashlib
+import math
 from array import array
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -41,6 +42,32 @@ def allocate_kv_cache(
 
     shape = (model.num_layers, cache.num_pages, model.kv_planes, *heads_tokens, model.head_dim)
     return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def allocate_scaled_kv_cache(
+    model: ModelConfig, cache: CacheConfig, num_kv_heads: int, device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An e4m3 cache and its scales in one byte region, (region, cache, scales): the pages as
+    allocate_kv_cache lays them, then one float32 per layer, page, plane and head ([layers, pages, planes,
+    H], 1 at first). The region is what the transfer registers and moves: a page's scales go with it
+    (transfer.plan.ShardSpec.scale_bytes)."""
+    import torch
+
+    from pdkernels.kv_quant import FP8, scales_shape
+
+    kv = allocate_kv_cache(model, cache, num_kv_heads, "meta", FP8)
+    scales = scales_shape(kv.shape, cache.kv_layout)
+    kv_bytes, scale_count = kv.numel(), math.prod(scales)
+    if kv_bytes % 4:  # the scales are float32 from there
+        raise ValueError(f"an e4m3 cache needs a head_dim that 4 divides, got {model.head_dim}")
+    region = torch.empty(kv_bytes + 4 * scale_count, dtype=torch.uint8, device=device)
+    region[:kv_bytes].zero_()
+    region[kv_bytes:].view(torch.float32).fill_(1.0)
+    return (
+        region,
+        region[:kv_bytes].view(FP8).view(kv.shape),
+        region[kv_bytes:].view(torch.float32).view(scales),
+    )
 
 
 class OutOfPages(Exception):

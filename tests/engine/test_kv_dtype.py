@@ -45,7 +45,7 @@ def test_an_fp8_cache_salts_its_page_names_apart_from_the_model_dtype_s():
     [
         ("tiny-random", {"kv_dtype": "fp8"}, "kv_dtype must be one of ('auto', 'fp8_e4m3'), got 'fp8'"),
         ("tiny-random", {"tp": 2}, "got tp"),
-        ("tiny-random", {"role": "decode"}, "got the prefill or decode role"),
+        ("tiny-random", {"dp": 2}, "got dp"),
         ("tiny-random", {"kv_tiers": {"host_bytes": 1 << 20}}, "got kv_tiers"),
         ("tiny-random", {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "got spec"),
         (

@@ -101,9 +101,13 @@ needs.nixl()
             "kv_tiers.disk_bytes and kv_tiers.store stage pages through the host pool",
         ),
         ("model.kv_dtype=fp8", "model.kv_dtype='fp8' is not allowed: one of ('auto', 'fp8_e4m3')"),
-        (  # deployment=1p1d: the scales do not cross the wire yet
-            "model.kv_dtype=fp8_e4m3",
-            "kv_dtype='fp8_e4m3' runs in one colocated engine of one rank so far",
+        (  # deployment=1p1d: the scales cross the wire with their pages, of one page size
+            ("model.kv_dtype=fp8_e4m3", "deployment.prefill_page_size=8"),
+            "prefill page_size 8 and decode page_size 4 with scaled (fp8_e4m3) pages: a page's scale covers",
+        ),
+        (
+            ("model.kv_dtype=fp8_e4m3", "deployment.decode_tp=2"),
+            "kv_dtype='fp8_e4m3' runs on engines of one rank so far",
         ),
         (
             "workload.sampling.structured_outputs={regex: 1}",
@@ -118,7 +122,8 @@ needs.nixl()
 )
 def test_bad_configs_fail_before_any_process_starts(tmp_path, override, message):
     with pytest.raises(ValueError) as err:
-        run(_cfg(["model=tiny-random", "deployment=1p1d", override]), tmp_path, progress=False)
+        overrides = [override] if isinstance(override, str) else list(override)
+        run(_cfg(["model=tiny-random", "deployment=1p1d", *overrides]), tmp_path, progress=False)
     assert message in str(err.value)
     assert not mp.active_children()
 

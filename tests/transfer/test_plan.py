@@ -32,6 +32,8 @@ def cases(draw):
     )
     unit = draw(st.integers(1, 4))
     sizes = draw(st.sampled_from([(1, 1), (1, 2), (2, 1), (1, 4), (4, 1), (3, 3)]))
+    if sizes[0] == sizes[1]:  # scaled pages (e4m3's) move only between equal page sizes
+        geometry["scale_bytes"] = draw(st.sampled_from([0, 4]))
     layouts = draw(st.sampled_from(LAYOUTS))
     src, dst = (
         ShardSpec(
@@ -54,9 +56,14 @@ def cases(draw):
 
 
 def _view(spec: ShardSpec, region, layout: str):
-    """A rank's region as [layers, pages, 2, H_rank, P, row] (HND) or [layers, pages, 2, P, H_rank, row]."""
+    """A rank's pages as [layers, pages, 2, H_rank, P, row] (HND) or [layers, pages, 2, P, H_rank, row]."""
     a, b = (spec.heads_per_rank, spec.page_size) if layout == "HND" else (spec.page_size, spec.heads_per_rank)
-    return region.reshape(spec.num_layers, spec.num_pages, 2, a, b, -1)
+    return region[: spec.kv_bytes].reshape(spec.num_layers, spec.num_pages, 2, a, b, -1)
+
+
+def _scales(spec: ShardSpec, region):
+    """A rank's scales (what follows its pages) as [layers, pages, 2, H_rank, scale_bytes]."""
+    return region[spec.kv_bytes :].reshape(spec.num_layers, spec.num_pages, 2, spec.heads_per_rank, -1)
 
 
 def _paged(spec: ShardSpec, tokens: np.ndarray, pages: list[int], rank: int, layout: str) -> np.ndarray:
@@ -71,12 +78,17 @@ def _paged(spec: ShardSpec, tokens: np.ndarray, pages: list[int], rank: int, lay
     return mine.transpose(0, 1, 3, 4, 2, 5) if layout == "HND" else mine.transpose(0, 1, 3, 2, 4, 5)
 
 
-def _regions(spec: ShardSpec, truth: np.ndarray, pages: list[int], rng) -> list[np.ndarray]:
-    """Each rank's region: its heads of `truth` (tokens, see _paged) at `pages`, noise elsewhere."""
+def _regions(
+    spec: ShardSpec, truth: np.ndarray, scales: np.ndarray, pages: list[int], rng
+) -> list[np.ndarray]:
+    """Each rank's region: its heads of `truth` (tokens, see _paged) at `pages` and of `scales` ([layers,
+    pages, 2, H, scale_bytes], where the spec has them) at theirs, noise elsewhere."""
     regions = []
     for rank in range(spec.tp):
         region = rng.integers(0, 256, spec.region_bytes, dtype=np.uint8)
         _view(spec, region, spec.kv_layout)[:, pages] = _paged(spec, truth, pages, rank, spec.kv_layout)
+        h0 = spec.first_head(rank)
+        _scales(spec, region)[:, pages] = scales[:, :, :, h0 : h0 + spec.heads_per_rank]
         regions.append(region)
     return regions
 
@@ -103,15 +115,24 @@ def test_every_destination_byte_is_written_once_with_its_source_byte(case):
     n = min(len(src_pages) * src.page_size, len(dst_pages) * dst.page_size)
     row = src.head_dim * src.itemsize
     truth = rng.integers(0, 256, (src.num_layers, n, 2, src.num_kv_heads, row), dtype=np.uint8)
+    scale_shape = (src.num_layers, len(src_pages), 2, src.num_kv_heads, src.scale_bytes)
+    scales = rng.integers(0, 256, scale_shape, dtype=np.uint8)  # one page size: src page i is dst page i
     writes = plan_writes(src, dst, src_pages, dst_pages, seed=seed)
-    dst_regions, written = _apply(src, dst, writes, _regions(src, truth, src_pages, rng))
+    dst_regions, written = _apply(src, dst, writes, _regions(src, truth, scales, src_pages, rng))
     wire, ones = src.kv_layout, np.ones_like(truth)
     for rank in range(dst.tp):
         got = _view(dst, dst_regions[rank], wire)
         np.testing.assert_array_equal(got[:, dst_pages], _paged(dst, truth, dst_pages, rank, wire))
+        if dst.scale_bytes:  # then the page sizes match: as many pages on each side
+            h0 = dst.first_head(rank)
+            mine = scales[:, :, :, h0 : h0 + dst.heads_per_rank]
+            np.testing.assert_array_equal(_scales(dst, dst_regions[rank])[:, dst_pages], mine)
         cover = np.zeros_like(got, dtype=np.int32)
         cover[:, dst_pages] = _paged(dst, ones, dst_pages, rank, wire)
-        np.testing.assert_array_equal(written[rank], cover.reshape(-1))  # exactly once, nothing else
+        scale_cover = np.zeros_like(_scales(dst, dst_regions[rank]), dtype=np.int32)
+        scale_cover[:, dst_pages] = 1
+        expected = np.concatenate([cover.reshape(-1), scale_cover.reshape(-1)])
+        np.testing.assert_array_equal(written[rank], expected)  # exactly once, nothing else
         if wire != dst.kv_layout:
             relayout([torch.from_numpy(_view(dst, dst_regions[rank], dst.kv_layout))], dst_pages)
         own = _view(dst, dst_regions[rank], dst.kv_layout)
@@ -190,7 +211,14 @@ def test_over_100_one_page_requests_every_replica_sends_a_share(src_tp, dst_tp):
         (dict(kv_layout="NHD"), dict(tp=1), "prefill tp=2, decode tp=1, 8 kv heads"),
         ({}, dict(weights="ab" * 8), "disagree on weights: '' \\(prefill\\) vs 'abababababababab'"),
         ({}, dict(page_size=24), "prefill page_size 16 and decode page_size 24: one must divide the other"),
-        ({}, dict(itemsize=4, dtype="float32"), "disagree on itemsize"),
+        ({}, dict(itemsize=4, dtype="float32"), "disagree on dtype: 'bfloat16' \\(prefill\\) vs 'float32'"),
+        ({}, dict(itemsize=4), "disagree on itemsize"),
+        (dict(scale_bytes=4), {}, "disagree on scale_bytes"),
+        (
+            dict(scale_bytes=4),
+            dict(scale_bytes=4, page_size=64),
+            "with scaled .* both sides must use one page",
+        ),
         ({}, dict(head_dim=128), "disagree on head_dim"),
         (dict(tp=3), {}, "tp=3 must divide num_kv_heads=8"),
     ],
