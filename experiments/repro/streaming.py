@@ -13,7 +13,13 @@ runs' workers do). Each run is the main job (experiments.run) in this process:
 
     python -m experiments.repro.streaming --out bench_results/streaming [--model smollm2-135m]
         [--prompt 1536] [--chunk 512] [--requests 8] [--load 0] [--modes layer,chunk,request]
-        [--links cx8,cx7,efa,eth25] [--delay-us 0] [--subnet 1]
+        [--links cx8,cx7,efa,roce100,eth25] [--delay-us 0] [--subnet 1] [--kv-dtypes auto,fp8_e4m3]
+
+--kv-dtypes runs every row once per KV dtype (model.kv_dtype): `auto`, the model's dtype here and bf16 at
+real scale; `fp8_e4m3`, e4m3 pages and their scales on both. Each dtype's link rates are scaled with its
+own KV bytes (here: the engine's region, scales included; real: one byte an element and the scales), so
+a row stands for the same real link in either dtype, and its colocated row (the same KV dtype) is what
+its TTFT is set against.
 
 --delay-us is the real pair's one-way delay per link (a host's NIC to the switch; host to host crosses two),
 scaled as the rate is, by real compute per layer / compute per layer here, into cluster.link.delay_us.
@@ -53,6 +59,7 @@ PAIRS = {
     "cx8": Pair("cx8", "H200 + 800 Gb/s per GPU (ConnectX-8 class)", 800e9),
     "cx7": Pair("cx7", "H200 + 400 Gb/s ConnectX-7 per GPU", 400e9),
     "efa": Pair("efa", "8 H200 sharing 3.2 Tb/s EFA", 3.2e12 / 8),
+    "roce100": Pair("roce100", "H200 + 100 Gb/s per GPU", 100e9),
     "eth25": Pair("eth25", "H200 node + 25 Gb/s Ethernet", 25e9, per_node=True),
 }
 # our model -> (the simulator's model of the real deployment, its TP on H200s)
@@ -60,21 +67,37 @@ REAL = {"smollm2-135m": ("smollm2-135m", 1), "random-deepseek-v3": ("deepseek-r1
 MODES = ("layer", "chunk", "request")
 
 
-def real_layer_s(model: str, prompt: int) -> tuple[float, float, int]:
+REAL_PAGE = 16  # the real deployment's page size (its e4m3 scales' share of the KV)
+
+
+def real_model(model: str, kv_dtype: str = "auto"):
+    """The simulator's model of the real deployment, its KV in kv_dtype (auto: as released)."""
+    from dataclasses import replace
+
+    from experiments.sim.models import sim_model
+
+    m = sim_model(REAL[model][0])
+    if kv_dtype == "fp8_e4m3":  # a byte an element, and a float32 scale per page, plane and head
+        width = m.kv_lora_rank + m.rope_dim if m.mla else m.head_dim
+        m = replace(m, kv_cache_bytes=1 + 4 / (REAL_PAGE * width))
+    return m
+
+
+def real_layer_s(model: str, prompt: int, kv_dtype: str = "auto") -> tuple[float, float, int]:
     """The real deployment's prefill of one prompt: (seconds per layer, KV bytes per token and layer, TP)."""
     from experiments.sim.cost import CostModel
     from experiments.sim.hardware import hardware
-    from experiments.sim.models import sim_model
 
-    name, tp = REAL[model]
-    m = sim_model(name)
+    m, tp = real_model(model, kv_dtype), REAL[model][1]
     cost = CostModel(m, hardware("h200"), tp)
     return cost.prefill_time([prompt]) / m.layers, m.kv_bytes_per_token() / m.layers, tp
 
 
-def link_rates(args, here_layer_s: float, here_kv_layer: float) -> dict[str, tuple[str, float]]:
+def link_rates(
+    args, here_layer_s: float, here_kv_layer: float, kv_dtype: str
+) -> dict[str, tuple[str, float]]:
     """Each pair's link here: (label, bits/s); pairs that scale to one rate share a run (and a row)."""
-    real_s, real_kv, tp = real_layer_s(args.model, args.prompt)
+    real_s, real_kv, tp = real_layer_s(args.model, args.prompt, kv_dtype)
     out: dict[str, tuple[str, float]] = {}
     for key in args.links:
         pair = PAIRS[key]
@@ -88,7 +111,7 @@ def link_rates(args, here_layer_s: float, here_kv_layer: float) -> dict[str, tup
     return out
 
 
-def simulated(args, pairs: list[str]) -> list[dict]:
+def simulated(args, pairs: list[str], kv_dtype: str) -> list[dict]:
     """The same rows at real scale from the simulator: the real deployment's prefill and decode instances
     (H200s, tp GPUs each) on each pair's link, one request alone, TTFT of colocated and of 1P1D with
     the KV streamed per layer or sent whole (the simulator has no per-chunk mode). The first token is
@@ -98,11 +121,9 @@ def simulated(args, pairs: list[str]) -> list[dict]:
     from experiments.sim.cost import CostModel
     from experiments.sim.hardware import hardware
     from experiments.sim.instance import SimRequest
-    from experiments.sim.models import sim_model
     from experiments.sim.simulate import Instance, simulate_colocated, simulate_disaggregated
 
-    name, tp = REAL[args.model]
-    model, h200 = sim_model(name), hardware("h200")
+    model, tp, h200 = real_model(args.model, kv_dtype), REAL[args.model][1], hardware("h200")
 
     def ttft(run) -> float:  # one request alone (a simulated step has no noise: one is every one)
         (r,) = run([SimRequest(0, 0.0, args.prompt, args.output)])
@@ -135,12 +156,13 @@ def tc_rate(bits: float) -> str:
     return f"{max(1, round(bits / 1e3))}kbit"
 
 
-def summarize(name: str, mode: str | None, link: str | None, record: dict) -> dict:
+def summarize(name: str, mode: str | None, link: str | None, record: dict, kv_dtype: str) -> dict:
     s = record["summary"]
     prefill = [w for w in record["workers"] if Role(w["role"]).sends_kv]
     nic = sum(sum(w.get("nic_tx_bytes") or []) for w in prefill)
     return {
         "variant": name,
+        "kv_dtype": kv_dtype,
         "mode": mode,
         "link": link,
         "completed": s["completed"],
@@ -160,10 +182,10 @@ def table(rows: list[dict], rates: dict, here_layer_s: float, kv_layer_bytes: fl
     base = next((r for r in rows if r["mode"] is None), None)
     whole = {r["link"]: r for r in rows if r["mode"] == "request"}
     lines = [
-        "| link (scaled from) | rate here | link/compute per layer | mode | TTFT p50 / p90 ms | vs colocated "
-        "p50 ms | prefill compute p50 ms | KV after prefill p50 / p90 ms | hidden | TPOT p50 ms "
-        "| NIC/KV bytes |",
-        "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| link (scaled from) | KV | rate here | link/compute per layer | mode | TTFT p50 / p90 ms | vs "
+        "colocated p50 ms | prefill compute p50 ms | KV after prefill p50 / p90 ms | hidden | TPOT p50 ms "
+        "| KV MB a request | NIC/KV bytes |",
+        "| --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
 
     def ms(v):
@@ -189,10 +211,10 @@ def table(rows: list[dict], rates: dict, here_layer_s: float, kv_layer_bytes: fl
         )
         nic = f"{r['nic_tx_bytes'] / r['kv_bytes']:.3f}" if r["kv_bytes"] else "-"
         lines.append(
-            f"| {label} | {rate} | {ratio} | {r['mode'] or '-'} | {ms(r['ttft_p50_s'])} / "
+            f"| {label} | {r['kv_dtype']} | {rate} | {ratio} | {r['mode'] or '-'} | {ms(r['ttft_p50_s'])} / "
             f"{ms(r['ttft_p90_s'])} | {delta} | {ms(r['compute_p50_s'])} | {ms(r['exposed_p50_s'])} / "
             f"{ms(r['exposed_p90_s'])} | "
-            f"{hidden} | {ms(r['tpot_p50_s'])} | {nic} |"
+            f"{hidden} | {ms(r['tpot_p50_s'])} | {r['kv_bytes'] / max(r['completed'], 1) / 1e6:.2f} | {nic} |"
         )
     return "\n".join(lines)
 
@@ -216,9 +238,7 @@ def sim_table(rows: list[dict]) -> str:
 
 
 def main() -> None:
-    from experiments.capacity import prefill_tokens_s
-    from experiments.config import from_cfg
-    from experiments.run import run
+    from experiments.run import run as run_job
 
     raw = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=raw)
@@ -239,12 +259,19 @@ def main() -> None:
     parser.add_argument("--links", default=",".join(PAIRS))
     parser.add_argument("--delay-us", type=float, default=0.0, help="the real one-way delay a link (us)")
     parser.add_argument("--subnet", type=int, default=1, help="cluster.subnet (another run's differs)")
+    parser.add_argument("--kv-dtypes", default="auto", help="model.kv_dtype values: every row once in each")
     args = parser.parse_args()
+    args.kv_dtypes = [d for d in args.kv_dtypes.split(",") if d]
     args.modes = [m for m in args.modes.split(",") if m]
     args.links = [k for k in args.links.split(",") if k]
+    from engine.config import KV_DTYPES
+
     bad = [m for m in args.modes if m not in MODES] + [k for k in args.links if k not in PAIRS]
+    bad += [d for d in args.kv_dtypes if d not in KV_DTYPES]
     if bad:
-        parser.error(f"unknown {bad}: --modes from {MODES}, --links from {tuple(PAIRS)}")
+        parser.error(
+            f"unknown {bad}: --modes from {MODES}, --links from {tuple(PAIRS)}, --kv-dtypes from {KV_DTYPES}"
+        )
     if args.prompt < 2 or args.chunk < 1 or args.requests < 1 or args.load < 0 or args.delay_us < 0:
         parser.error("--prompt must be >= 2 tokens, --chunk and --requests > 0, --load and --delay-us >= 0")
 
@@ -260,65 +287,96 @@ def main() -> None:
         "run_timeout_s=3600",
     ]
     chunk = [f"deployment.chunk_size={args.chunk}", "deployment.threads_per_worker=1"]
+    out, setups, rows, text = Path(args.out), {}, [], []
+    for kv_dtype in args.kv_dtypes:
+        dtype_base = [*base, f"model.kv_dtype={kv_dtype}"]
+        setup, rates, here_layer_s, kv_prompt = measure_here(args, dtype_base, chunk, kv_dtype)
+        setups[kv_dtype] = setup
+        kv_request_bits = 8 * kv_prompt
+
+        def arrivals(
+            bits: float | None, tokens_s=setup["tokens_s"], kv_request_bits=kv_request_bits
+        ) -> list[str]:
+            if not args.load:
+                return ["workload.arrival=concurrency", "workload.concurrency=1"]
+            served = tokens_s / args.prompt
+            served = min(served, bits / kv_request_bits) if bits else served
+            return ["workload.arrival=poisson", f"workload.rate={args.load * served:.4g}"]
+
+        todo = [
+            ("colocated", None, None, ["deployment=colocated", "deployment.num_workers=2", *arrivals(None)])
+        ]
+        for link, (_, bits) in rates.items():
+            for mode in args.modes:
+                more = ["deployment=1p1d", f"cluster.link.rate={tc_rate(bits)}", f"transfer.send_mode={mode}"]
+                more += [f"cluster.link.delay_us={setup['delay_us']}"]
+                todo.append((f"1p1d-{mode}-{link}", mode, link, [*more, *arrivals(bits)]))
+        dtype_rows = []
+        for name, mode, link, overrides in todo:
+            with initialize_config_dir(config_dir=CONF, version_base=None):
+                cfg = compose("config", overrides=[*dtype_base, *overrides, *chunk])
+            (record,) = run_job(cfg, out / kv_dtype / name, progress=False)
+            dtype_rows.append(summarize(name, mode, link, record, kv_dtype))
+            print(json.dumps(dtype_rows[-1]), flush=True)
+        rows += dtype_rows
+        part = table(dtype_rows, rates, here_layer_s, kv_prompt / args.prompt)
+        if setup["delay_us"]:
+            part += (
+                f"\n\nOne-way delay a link: {args.delay_us:g} us there, {setup['delay_us']} us here (host to "
+                "host: two).\n"
+            )
+        real = simulated(args, args.links, kv_dtype)
+        part += (
+            f"\n\nAt real scale (the simulator, {REAL[args.model][0]} on H200s, TP {REAL[args.model][1]}, KV "
+            f"{'bf16 as released' if kv_dtype == 'auto' else kv_dtype}):\n\n"
+        )
+        text.append(part + sim_table(real))
+        (out / f"simulated-{kv_dtype}.json").write_text(json.dumps(real, indent=1))
+    (out / "summary.json").write_text(json.dumps({"setup": setups, "rows": rows}, indent=1))
+    (out / "streaming.md").write_text("\n\n".join(text) + "\n")
+    print("\n\n".join(text))
+
+
+def here_kv_layer(arch, page_size: int, dtype: str, kv_dtype: str) -> float:
+    """KV bytes one token adds to one layer here: the model's dtype, or e4m3's byte an element and its
+    float32 scales' share (one per page, plane and head: engine.kv.cache.allocate_scaled_kv_cache)."""
+    if kv_dtype == "fp8_e4m3":
+        scales = arch.kv_planes * arch.num_kv_heads * 4 / page_size
+        return arch.kv_bytes_per_token(1) / arch.num_layers + scales
+    return arch.kv_bytes_per_token(4 if dtype == "float32" else 2) / arch.num_layers
+
+
+def measure_here(args, base: list[str], chunk: list[str], kv_dtype: str):
+    """One worker's prefill measured here in this KV dtype, and each pair's link scaled to it: (setup,
+    rates, seconds a layer, KV bytes of a prompt)."""
+    from experiments.capacity import prefill_tokens_s
+    from experiments.config import from_cfg
+
     with initialize_config_dir(config_dir=CONF, version_base=None):
         probe = from_cfg(compose("config", overrides=[*base, "deployment=1p1d", *chunk]))
     from engine.weights import load_model
 
     m = probe.model
-    layers = load_model(m.name, weights=False).config
-    itemsize = 4 if m.dtype == "float32" else 2
-    kv_layer = layers.kv_bytes_per_token(itemsize) / layers.num_layers  # per token
+    arch = load_model(m.name, weights=False).config
+    kv_layer = here_kv_layer(arch, m.page_size, m.dtype, kv_dtype)  # per token
     tokens_s = prefill_tokens_s(probe, args.prompt)
-    here_layer_s = args.prompt / tokens_s / layers.num_layers
-    rates = link_rates(args, here_layer_s, kv_layer)
-    delay_us = round(args.delay_us * here_layer_s / real_layer_s(args.model, args.prompt)[0])
-    kv_request_bits = 8 * kv_layer * layers.num_layers * args.prompt
-
-    def arrivals(bits: float | None) -> list[str]:
-        if not args.load:
-            return ["workload.arrival=concurrency", "workload.concurrency=1"]
-        served = min(tokens_s / args.prompt, bits / kv_request_bits) if bits else tokens_s / args.prompt
-        return ["workload.arrival=poisson", f"workload.rate={args.load * served:.4g}"]
-
+    here_layer_s = args.prompt / tokens_s / arch.num_layers
+    rates = link_rates(args, here_layer_s, kv_layer, kv_dtype)
+    delay_us = round(args.delay_us * here_layer_s / real_layer_s(args.model, args.prompt, kv_dtype)[0])
+    kv_prompt = kv_layer * arch.num_layers * args.prompt
     print(
-        f"{m.name} ({m.dtype}): {tokens_s:.0f} prompt tokens/s here, {1e3 * here_layer_s:.1f} ms per layer "
-        f"of a {args.prompt}-token prompt ({kv_request_bits / 8e6:.1f} MB of KV); links: "
+        f"{m.name} ({m.dtype}, KV {kv_dtype}): {tokens_s:.0f} prompt tokens/s here, "
+        f"{1e3 * here_layer_s:.1f} ms per layer of a {args.prompt}-token prompt "
+        f"({kv_prompt / 1e6:.2f} MB of KV); links: "
         + ", ".join(f"{k} {bits / 1e6:.2f} Mbit/s" for k, (_, bits) in rates.items())
         + f"; {args.delay_us:g} us a link there, {delay_us} us here",
         flush=True,
     )
-    todo = [("colocated", None, None, ["deployment=colocated", "deployment.num_workers=2", *arrivals(None)])]
-    for link, (_, bits) in rates.items():
-        for mode in args.modes:
-            more = ["deployment=1p1d", f"cluster.link.rate={tc_rate(bits)}", f"transfer.send_mode={mode}"]
-            more += [f"cluster.link.delay_us={delay_us}"]
-            todo.append((f"1p1d-{mode}-{link}", mode, link, [*more, *arrivals(bits)]))
-    rows = []
-    for name, mode, link, overrides in todo:
-        with initialize_config_dir(config_dir=CONF, version_base=None):
-            cfg = compose("config", overrides=[*base, *overrides, *chunk])
-        (record,) = run(cfg, Path(args.out) / name, progress=False)
-        rows.append(summarize(name, mode, link, record))
-        print(json.dumps(rows[-1]), flush=True)
-    out = Path(args.out)
-    meta = {"model": m.name, "dtype": m.dtype, "tokens_s": tokens_s, "layer_s": here_layer_s}
-    meta |= {"load": args.load, "prompt": args.prompt, "chunk": args.chunk, "requests": args.requests}
-    meta |= {"real_delay_us": args.delay_us, "delay_us": delay_us}
-    meta["links_bits"] = {k: bits for k, (_, bits) in rates.items()}
-    (out / "summary.json").write_text(json.dumps({"setup": meta, "rows": rows}, indent=1))
-    text = table(rows, rates, here_layer_s, kv_layer * args.prompt)
-    if delay_us:
-        text += (
-            f"\n\nOne-way delay a link: {args.delay_us:g} us there, {delay_us} us here (host to host: two).\n"
-        )
-    real = simulated(args, args.links)
-    text += (
-        f"\n\nAt real scale (the simulator, {REAL[args.model][0]} on H200s, TP {REAL[args.model][1]}):\n\n"
-    )
-    text += sim_table(real)
-    (out / "streaming.md").write_text(text + "\n")
-    (out / "simulated.json").write_text(json.dumps(real, indent=1))
-    print(text)
+    setup = {"model": m.name, "dtype": m.dtype, "kv_dtype": kv_dtype, "tokens_s": tokens_s}
+    setup |= {"layer_s": here_layer_s, "load": args.load, "prompt": args.prompt, "chunk": args.chunk}
+    setup |= {"requests": args.requests, "real_delay_us": args.delay_us, "delay_us": delay_us}
+    setup["links_bits"] = {k: bits for k, (_, bits) in rates.items()}
+    return setup, rates, here_layer_s, kv_prompt
 
 
 if __name__ == "__main__":

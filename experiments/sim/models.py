@@ -27,6 +27,9 @@ class SimModel:
     tied_embeddings: bool = False  # the LM head is the embedding matrix
     bytes_per_param: int = 2  # weights
     kv_bytes_per_elem: int | None = None  # the KV cache's dtype (None: as the weights)
+    # a KV cache quantized below the activations (e4m3 with a float32 scale per page, plane and head:
+    # 1 + 4 / (page size x head dim) bytes an element): what a token's KV takes and moves; None: as above
+    kv_cache_bytes: float | None = None
 
     @property
     def mla(self) -> bool:
@@ -42,10 +45,10 @@ class SimModel:
         """Activations (collectives' payload) share the KV cache's dtype."""
         return self.kv_bytes_per_elem or self.bytes_per_param
 
-    def kv_bytes_per_token(self) -> int:
+    def kv_bytes_per_token(self) -> float:
         """Bytes of KV cache one token adds, over all layers."""
         per_layer = (self.kv_lora_rank + self.rope_dim) if self.mla else 2 * self.kv_heads * self.head_dim
-        return self.layers * per_layer * self.activation_bytes
+        return self.layers * per_layer * (self.kv_cache_bytes or self.activation_bytes)
 
     def attn_params(self) -> int:
         """Attention projection weights of one layer."""
