@@ -494,14 +494,14 @@ class EngineConfig:
             "kv_tiers keep prefix-cache pages: they need enable_prefix_caching=True",
         )
         fp8_with = {
-            "tp": self.tp > 1, "dp": self.dp > 1,
-            "kv_tiers": self.kv_tiers.enabled, "speculative_config": self.speculative_config is not None,
+            "dp": self.dp > 1, "kv_tiers": self.kv_tiers.enabled,
+            "speculative_config": self.speculative_config is not None,
             "batch_invariant": self.batch_invariant, "cuda_graphs": bool(self.cuda_graphs),
         }  # fmt: skip
         _check(
             not self.cache.fp8 or not any(fp8_with.values()),
-            "kv_dtype='fp8_e4m3' runs on engines of one rank so far (colocated, or either side of the "
-            "hand-off, its scales moved with its pages): its scales do not yet cross to TP ranks, DP "
+            "kv_dtype='fp8_e4m3' runs on engines of one DP group so far (colocated, or either side of "
+            "the hand-off, each TP rank's scales moved with its pages): its scales do not yet cross to DP "
             "groups or the tiers, a page's rounding depends on how it was filled (batch_invariant), and "
             "drafts would move its scales (speculative_config); got "
             + ", ".join(k for k, v in fp8_with.items() if v),

@@ -26,7 +26,7 @@ from engine.core import EngineCore
 from engine.decode_role import DecodeHandoff
 from engine.front import DPFront
 from engine.graphs import DecodeGraphs, graphs_wanted
-from engine.kv.cache import PageAllocator, allocate_kv_cache, allocate_scaled_kv_cache
+from engine.kv.cache import PageAllocator, allocate_kv_cache, allocate_scaled_kv_cache, scaled_views
 from engine.kv.pages import namespace
 from engine.kv.tiers import KVTiers
 from engine.model import Model, Shard
@@ -121,6 +121,11 @@ class LLM:
             )
         else:
             kv_cache = allocate_kv_cache(arch, cache, shard.num_kv_heads, dev, config.torch_dtype)
+        # the other TP ranks' caches in their regions, mapped here (every rank holds as many heads)
+        self._rank_caches = [
+            scaled_views(region, arch, cache, shard.num_kv_heads)[0] if cache.fp8 else region
+            for region in (self.tp_group.regions if self.tp_group else [])
+        ]
         # shared with the lead (TP) and, in the decode role, with DP group 0's agents (engine/dp.py)
         shared = config.tp > 1 or (config.dp > 1 and role.receives_kv)
         self.kv_cache = kv_cache.share_memory_() if shared and dev.type == "cpu" else kv_cache
@@ -264,13 +269,15 @@ class LLM:
     @property
     def kv_caches(self) -> list[torch.Tensor]:
         """Every TP rank's KV cache, mapped into this (the lead) process; rank order."""
-        return [self.kv_cache] + (self.tp_group.kv_caches if self.tp_group else [])
+        return [self.kv_cache] + self._rank_caches
 
     @property
     def kv_regions(self) -> list[torch.Tensor]:
         """What the transfer registers and moves for each TP rank: its KV cache, or an e4m3 cache's pages
         and scales in one region (transfer.plan.ShardSpec.region_bytes)."""
-        return [self.kv_region] if self.kv_region is not None else self.kv_caches
+        if self.kv_region is None:
+            return self.kv_caches
+        return [self.kv_region] + (self.tp_group.regions if self.tp_group else [])
 
     def close(self) -> None:
         """Stop the TP rank processes (also done when the LLM is garbage-collected or at exit)."""

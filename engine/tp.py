@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from engine.config import EngineConfig
-from engine.kv.cache import allocate_kv_cache
+from engine.kv.cache import allocate_kv_cache, scaled_region_bytes, scaled_views
 from engine.model import BatchMeta, Model, Shard
 from engine.weights import load_model
 from pdkernels import ops
@@ -65,7 +65,9 @@ def init_rank(rank: int, config: EngineConfig, rendezvous: str) -> Groups:
 
 
 def build_rank(config: EngineConfig, rank: int):
-    """This rank's model shard, KV cache and, on GPU, the VMM allocation the cache lives in (else None)."""
+    """This rank's model shard, its KV cache, the region the cache lives in (the cache itself; an e4m3
+    cache's pages and scales: engine.kv.cache.scaled_views), shared with the lead, and, on GPU, the VMM
+    allocation of that region (else None)."""
     loaded = load_model(config.model)
     device = torch.device(config.device)
     shard = Shard.of(loaded.config, rank, config.tp, config.expert_parallel, config.dp, config.dp_rank)
@@ -73,19 +75,27 @@ def build_rank(config: EngineConfig, rank: int):
         loaded.config, loaded.weights, device, config.torch_dtype, shard, config.batch_invariant,
         config.cache.kv_layout,
     )  # fmt: skip
-    if device.type == "cpu":
-        kv_cache = allocate_kv_cache(
-            loaded.config, config.cache, shard.num_kv_heads, device, config.torch_dtype
+    arch, cache, heads = loaded.config, config.cache, shard.num_kv_heads
+    if cache.fp8:  # the rank's region (pages and scales) is what the lead maps; the model reads its views
+        nbytes, shape, dtype = scaled_region_bytes(arch, cache, heads), None, torch.uint8
+    else:
+        shape = allocate_kv_cache(arch, cache, heads, "meta", config.torch_dtype).shape
+        nbytes, dtype = (
+            shape.numel() * torch.empty((), dtype=config.torch_dtype).element_size(),
+            config.torch_dtype,
         )
-        return model, kv_cache.share_memory_(), None
-    from engine.vmm import SharedAllocation
+    if device.type == "cpu":
+        region, alloc = torch.zeros(nbytes // dtype.itemsize, dtype=dtype).share_memory_(), None
+    else:
+        from engine.vmm import SharedAllocation
 
-    shape = allocate_kv_cache(
-        loaded.config, config.cache, shard.num_kv_heads, "meta", config.torch_dtype
-    ).shape
-    nbytes = shape.numel() * torch.empty((), dtype=config.torch_dtype).element_size()
-    alloc = SharedAllocation(nbytes, device.index or 0)
-    return model, alloc.tensor(tuple(shape), config.torch_dtype).zero_(), alloc
+        alloc = SharedAllocation(nbytes, device.index or 0)
+        region = alloc.tensor(tuple(shape) if shape else (nbytes,), dtype).zero_()
+    if not cache.fp8:
+        return model, region.view(shape), region.view(shape), alloc
+    kv_cache, model.kv_scales = scaled_views(region, arch, cache, heads)
+    model.kv_scales.fill_(1.0)
+    return model, kv_cache, region, alloc
 
 
 def _rank_main(rank: int, config: EngineConfig, rendezvous: str, conn, backend: str, lead: int) -> None:
@@ -93,14 +103,14 @@ def _rank_main(rank: int, config: EngineConfig, rendezvous: str, conn, backend: 
     try:
         torch.set_num_threads(1)
         ops.set_backend(backend)  # the lead's choice, not this process's environment
-        model, kv_cache, alloc = build_rank(config, rank)
+        model, kv_cache, region, alloc = build_rank(config, rank)
         # before the rendezvous, so the lead learns of load failures at once
         if alloc is None:
-            conn.send(("ready", kv_cache))
+            conn.send(("ready", region))
         else:  # the lead maps this allocation: its size and layout, then its descriptor (SCM_RIGHTS)
             from multiprocessing.reduction import send_handle
 
-            conn.send(("vmm", (alloc.nbytes, tuple(kv_cache.shape), str(kv_cache.dtype))))
+            conn.send(("vmm", (alloc.nbytes, tuple(region.shape), str(region.dtype))))
             send_handle(conn, alloc.export_fd(), lead)
         model.tp_group = init_rank(rank, config, rendezvous).tp
         for msg in from_lead(conn, lead):
@@ -179,7 +189,7 @@ class TPGroup:
             proc.start()
             self.conns.append(lead_end)
             self.procs.append(proc)
-        self.kv_caches = [self._await_ready(rank) for rank in range(1, self.size)]
+        self.regions = [self._await_ready(rank) for rank in range(1, self.size)]  # their KV caches' (llm.py)
 
     def _await_ready(self, rank: int) -> torch.Tensor:
         conn, proc = self.conns[rank - 1], self.procs[rank - 1]
@@ -229,7 +239,7 @@ class TPGroup:
     def close(self) -> None:
         stop_processes(self.conns, self.procs, 10)
         self.procs, self.conns = [], []
-        self.kv_caches = []
+        self.regions = []
         for alloc in self._allocs:
             alloc.close()
         self._allocs = []

@@ -44,30 +44,54 @@ def allocate_kv_cache(
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
+def scaled_region_bytes(model: ModelConfig, cache: CacheConfig, num_kv_heads: int) -> int:
+    """Bytes of an e4m3 cache's region (scaled_views): its pages, then a float32 per layer, page, plane and
+    head."""
+    kv = allocate_kv_cache(model, cache, num_kv_heads, "meta", _fp8())
+    if kv.numel() % 4:  # the scales are float32 from there
+        raise ValueError(f"an e4m3 cache needs a head_dim that 4 divides, got {model.head_dim}")
+    return kv.numel() + 4 * math.prod(_scales_of(kv.shape, cache))
+
+
+def scaled_views(
+    region: torch.Tensor, model: ModelConfig, cache: CacheConfig, num_kv_heads: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """An e4m3 cache's byte region as (cache, scales): the pages as allocate_kv_cache lays them, then one
+    float32 per layer, page, plane and head ([layers, pages, planes, H]). The region is what the
+    transfer registers and moves: a page's scales go with it (transfer.plan.ShardSpec.scale_bytes)."""
+    import torch
+
+    shape = allocate_kv_cache(model, cache, num_kv_heads, "meta", _fp8()).shape
+    kv_bytes = shape.numel()
+    return (
+        region[:kv_bytes].view(_fp8()).view(shape),
+        region[kv_bytes:].view(torch.float32).view(_scales_of(shape, cache)),
+    )
+
+
 def allocate_scaled_kv_cache(
     model: ModelConfig, cache: CacheConfig, num_kv_heads: int, device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """An e4m3 cache and its scales in one byte region, (region, cache, scales): the pages as
-    allocate_kv_cache lays them, then one float32 per layer, page, plane and head ([layers, pages, planes,
-    H], 1 at first). The region is what the transfer registers and moves: a page's scales go with it
-    (transfer.plan.ShardSpec.scale_bytes)."""
+    """An e4m3 cache's region (scaled_views), its pages zero and its scales 1: (region, cache, scales)."""
     import torch
 
-    from pdkernels.kv_quant import FP8, scales_shape
+    region = torch.empty(scaled_region_bytes(model, cache, num_kv_heads), dtype=torch.uint8, device=device)
+    kv, scales = scaled_views(region, model, cache, num_kv_heads)
+    kv.view(torch.uint8).zero_()
+    scales.fill_(1.0)
+    return region, kv, scales
 
-    kv = allocate_kv_cache(model, cache, num_kv_heads, "meta", FP8)
-    scales = scales_shape(kv.shape, cache.kv_layout)
-    kv_bytes, scale_count = kv.numel(), math.prod(scales)
-    if kv_bytes % 4:  # the scales are float32 from there
-        raise ValueError(f"an e4m3 cache needs a head_dim that 4 divides, got {model.head_dim}")
-    region = torch.empty(kv_bytes + 4 * scale_count, dtype=torch.uint8, device=device)
-    region[:kv_bytes].zero_()
-    region[kv_bytes:].view(torch.float32).fill_(1.0)
-    return (
-        region,
-        region[:kv_bytes].view(FP8).view(kv.shape),
-        region[kv_bytes:].view(torch.float32).view(scales),
-    )
+
+def _fp8():
+    from pdkernels.kv_quant import FP8
+
+    return FP8
+
+
+def _scales_of(shape, cache: CacheConfig) -> tuple[int, ...]:
+    from pdkernels.kv_quant import scales_shape
+
+    return scales_shape(tuple(shape), cache.kv_layout)
 
 
 class OutOfPages(Exception):

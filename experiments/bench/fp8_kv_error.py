@@ -9,11 +9,15 @@ same pages through bf16 beside them for scale.
 
     python -m experiments.bench.fp8_kv_error [--prompts 8] [--tokens 384] [--steps 16] [--agreement 200]
     python -m experiments.bench.fp8_kv_error --engine 200
+    python -m experiments.bench.fp8_kv_error --perplexity 20
 
 --agreement N: greedy text of N other prompts (128 tokens each, 64 new) with the decode steps attending
 over their pages through each variant, against the text over the pages as computed. --engine N: greedy
 text of N prompts through an engine whose cache is e4m3 (prefill attention reading it too), against one
-whose cache is fp32.
+whose cache is fp32. --perplexity N: the perplexity of N windows of 512 tokens of the same text, prefilled
+in passes of 128 tokens (each pass's attention reading the earlier passes' pages and its own as stored):
+an engine storing fp32 pages (as computed), the same with the pages read through bf16, e4m3 per page and
+head, or e4m3 per tensor, and an engine whose cache is e4m3 (pages stored so).
 
 The engine runs its Python layers here (the fused C++ decode step, which never calls the attention op, is
 set aside).
@@ -22,6 +26,7 @@ set aside).
 from __future__ import annotations
 
 import argparse
+import math
 import random
 
 import torch
@@ -151,6 +156,75 @@ def engine_agreement(prompts: int = 200, tokens: int = 128, new_tokens: int = 64
     }
 
 
+def perplexity(prompts: int = 20, tokens: int = 512, chunk: int = 128, seed: int = 2) -> dict[str, dict]:
+    """Per way of storing the pages, the perplexity of the windows' tokens after their first (each
+    predicted from the ones before it by the prefill's hidden states: every row's, not only the last)."""
+    ways = [("fp32 (as computed)", "auto", None)]
+    ways += [(f"{name} (as read)", "auto", round_trip) for name, round_trip in VARIANTS.items()]
+    ways += [("fp8, a scale per page and head (the engine's cache, as written)", "fp8_e4m3", None)]
+    return {
+        name: _perplexity(kv_dtype, round_trip, prompts, tokens, chunk, seed)
+        for name, kv_dtype, round_trip in ways
+    }
+
+
+def _perplexity(kv_dtype: str, round_trip, prompts: int, tokens: int, chunk: int, seed: int) -> dict:
+    """One way's perplexity: an engine storing its pages in kv_dtype, its attention ops reading them
+    through round_trip where one is given (the pages a call reads, dequantized as they were read)."""
+    from engine import LLM, SamplingParams
+
+    llm = _python_layers(LLM(
+        "smollm2-135m", dtype="float32", kv_dtype=kv_dtype, page_size=16, enable_prefix_caching=False,
+        num_pages=-(-tokens // 16) + 8, max_num_seqs=1, max_num_batched_tokens=chunk,
+    ))  # fmt: skip
+    texts = text_prompts(llm.tokenizer, prompts, tokens, seed)
+    nll, run = [], llm.runner.run
+    attend = {op: getattr(ops, op) for op in ("decode_attention", "extend_attention")}
+
+    def scored(batch, counter=None):
+        step, row = run(batch, counter), 0
+        for c in batch.chunks:
+            ids = c.seq.prompt_ids
+            known = [p for p in range(c.start, c.end) if p + 1 < len(ids)]  # a next token to score
+            if known:
+                logits = llm.model.logits(step.hidden[row : row + len(known)])
+                target = torch.tensor([ids[p + 1] for p in known])
+                nll.append(torch.nn.functional.cross_entropy(logits, target, reduction="sum").item())
+            row += c.num_tokens
+        return step
+
+    def stored(op):
+        at = 2 if op == "extend_attention" else 1  # the cache's argument; its page indices two after it
+
+        def read(*args, **kwargs):
+            args = list(args)
+            used, local = args[at + 2].unique(return_inverse=True)
+            args[at], args[at + 2] = round_trip(args[at][used]), local
+            return attend[op](*args, **kwargs)
+
+        return read
+
+    llm.runner.run = scored
+    try:
+        if round_trip is not None:
+            for op in attend:
+                setattr(ops, op, stored(op))
+        for text in texts:
+            llm.generate([text], SamplingParams(max_tokens=1, ignore_eos=True))
+    finally:
+        for op, fn in attend.items():
+            setattr(ops, op, fn)
+    count = sum(len(t) - 1 for t in texts)
+    return {"prompts": len(texts), "tokens": count, "perplexity": math.exp(sum(nll) / count)}
+
+
+def perplexity_table(rows: dict[str, dict]) -> str:
+    lines = ["| KV stored as | windows | tokens scored | perplexity |", "| --- | ---: | ---: | ---: |"]
+    for name, r in rows.items():
+        lines.append(f"| {name} | {r['prompts']} | {r['tokens']:,} | {r['perplexity']:.4f} |")
+    return "\n".join(lines)
+
+
 def agreement_table(rows: dict[str, dict], new_tokens: int) -> str:
     lines = [
         f"| KV stored as | prompts | tokens until the first difference (of {new_tokens}) | matching tokens "
@@ -187,7 +261,17 @@ def main(argv: list[str] | None = None) -> None:
         metavar="N",
         help="only greedy text of N prompts through an e4m3 cache",
     )
+    parser.add_argument(
+        "--perplexity",
+        type=int,
+        default=0,
+        metavar="N",
+        help="only the perplexity of N windows of 512 tokens",
+    )
     a = parser.parse_args(argv)
+    if a.perplexity:
+        print(perplexity_table(perplexity(a.perplexity)))
+        return
     if a.engine:
         print(agreement_table(engine_agreement(a.engine), 64))
         return

@@ -319,7 +319,7 @@ def main() -> None:
             dtype_rows.append(summarize(name, mode, link, record, kv_dtype))
             print(json.dumps(dtype_rows[-1]), flush=True)
         rows += dtype_rows
-        part = table(dtype_rows, rates, here_layer_s, kv_prompt / args.prompt)
+        part = table(dtype_rows, rates, here_layer_s, setup["kv_layer_bytes"])  # a layer's, of the prompt
         if setup["delay_us"]:
             part += (
                 f"\n\nOne-way delay a link: {args.delay_us:g} us there, {setup['delay_us']} us here (host to "
@@ -375,6 +375,7 @@ def measure_here(args, base: list[str], chunk: list[str], kv_dtype: str):
     setup = {"model": m.name, "dtype": m.dtype, "kv_dtype": kv_dtype, "tokens_s": tokens_s}
     setup |= {"layer_s": here_layer_s, "load": args.load, "prompt": args.prompt, "chunk": args.chunk}
     setup |= {"requests": args.requests, "real_delay_us": args.delay_us, "delay_us": delay_us}
+    setup["kv_layer_bytes"] = kv_layer * args.prompt
     setup["links_bits"] = {k: bits for k, (_, bits) in rates.items()}
     return setup, rates, here_layer_s, kv_prompt
 

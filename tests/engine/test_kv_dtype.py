@@ -34,6 +34,23 @@ def test_an_fp8_cache_holds_e4m3_pages_and_its_prefix_hits_give_the_tokens_compu
     assert llm.allocator.num_free == 128
 
 
+def test_tp_ranks_keep_their_heads_pages_and_scales_and_give_the_one_rank_tokens():
+    """A scale per page, plane and head: each TP rank quantizes its own heads as one rank would, so TP 2
+    gives TP 1's tokens; each rank's cache and scales are views of one region, the lead's mapping of a
+    rank's region is that rank's."""
+    prompts = _shared(6)
+    one = [o.token_ids for o in LLM("tiny-random", **FP8).generate(prompts, GREEDY)]
+    with LLM("tiny-random", tp=2, **FP8) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == one
+        rank1_region, rank1_cache = llm.kv_regions[1], llm.kv_caches[1]
+        assert rank1_cache.dtype == torch.float8_e4m3fn and rank1_region.dtype == torch.uint8
+        assert rank1_cache.untyped_storage().data_ptr() == rank1_region.untyped_storage().data_ptr()
+        assert rank1_cache.view(torch.uint8).any()  # the rank wrote its pages into what the lead maps
+        scales = rank1_region[rank1_cache.numel() :].view(torch.float32)
+        assert scales.numel() == llm.config.arch.num_layers * 128 * 2 * (llm.config.arch.num_kv_heads // 2)
+        assert (scales != 1.0).any()  # and its scales after them
+
+
 def test_an_fp8_cache_salts_its_page_names_apart_from_the_model_dtype_s():
     """The same tokens' pages in e4m3 and in the model's dtype are different KV: never the same name."""
     a, b = LLM("tiny-random", page_size=4), LLM("tiny-random", **FP8)
@@ -44,7 +61,6 @@ def test_an_fp8_cache_salts_its_page_names_apart_from_the_model_dtype_s():
     "model, overrides, named",
     [
         ("tiny-random", {"kv_dtype": "fp8"}, "kv_dtype must be one of ('auto', 'fp8_e4m3'), got 'fp8'"),
-        ("tiny-random", {"tp": 2}, "got tp"),
         ("tiny-random", {"dp": 2}, "got dp"),
         ("tiny-random", {"kv_tiers": {"host_bytes": 1 << 20}}, "got kv_tiers"),
         ("tiny-random", {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "got spec"),

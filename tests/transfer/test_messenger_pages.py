@@ -78,16 +78,18 @@ def test_an_nhd_prefill_side_whose_ranks_hold_other_heads_is_refused_at_connect(
         prefill.close()
 
 
-@pytest.mark.parametrize("layouts", ["HND", "HND NHD"])
-def test_an_e4m3_cache_crosses_with_its_scales_and_gives_the_colocated_e4m3_tokens(request, layouts):
-    """e4m3 pages and their scales (one region: engine.kv.cache.allocate_scaled_kv_cache) move together:
-    a conversation's turns, prefilled in chunks that end inside pages, give the tokens of a colocated e4m3
-    engine that serves the same turns, in the other layout too (pages landed without their scales read
-    as values up to 448 times their own: other tokens); and a page's bytes on the wire are a quarter of
-    the model's fp32 ones, its scales beside them."""
+@pytest.mark.parametrize("prefill_tp, layouts", [(1, "HND"), (1, "HND NHD"), (2, "HND")])
+def test_an_e4m3_cache_crosses_with_its_scales_and_gives_the_colocated_e4m3_tokens(
+    request, prefill_tp, layouts
+):
+    """e4m3 pages and their scales (one region a rank: engine.kv.cache.scaled_views) move together: a
+    conversation's turns, prefilled in chunks that end inside pages, give the tokens of a colocated e4m3
+    engine that serves the same turns, in the other layout and from TP 2 too (pages landed without their
+    scales read as values up to 448 times their own: other tokens); and a page's bytes on the wire are a
+    quarter of the model's fp32 ones, its scales beside them."""
     prefill_layout, decode_layout = (layouts.split() * 2)[:2]
     fp8 = dict(kv_dtype="fp8_e4m3", page_size=16, num_pages=PAGES, max_num_batched_tokens=40)
-    prefill = LLM("tiny-random", role="prefill", kv_layout=prefill_layout, **fp8)
+    prefill = LLM("tiny-random", role="prefill", tp=prefill_tp, kv_layout=prefill_layout, **fp8)
     decode = LLM("tiny-random", role="decode", kv_layout=decode_layout, **fp8)
     reference = LLM("tiny-random", kv_layout=decode_layout, **fp8)
     pm, dm = _local_pair(prefill, decode, request.node.name)
@@ -104,6 +106,7 @@ def test_an_e4m3_cache_crosses_with_its_scales_and_gives_the_colocated_e4m3_toke
         assert prefill.allocator.num_free == PAGES and decode.allocator.num_free == PAGES
     finally:
         _close(pm, dm)
+        prefill.close()
     src = shard_spec(prefill)
     plain = shard_spec(LLM("tiny-random", page_size=16, num_pages=PAGES))
     scaled, whole = (
