@@ -494,15 +494,14 @@ class EngineConfig:
             "kv_tiers keep prefix-cache pages: they need enable_prefix_caching=True",
         )
         fp8_with = {
-            "dp": self.dp > 1, "kv_tiers": self.kv_tiers.enabled,
-            "speculative_config": self.speculative_config is not None,
+            "dp": self.dp > 1, "speculative_config": self.speculative_config is not None,
             "batch_invariant": self.batch_invariant, "cuda_graphs": bool(self.cuda_graphs),
         }  # fmt: skip
         _check(
             not self.cache.fp8 or not any(fp8_with.values()),
             "kv_dtype='fp8_e4m3' runs on engines of one DP group so far (colocated, or either side of "
-            "the hand-off, each TP rank's scales moved with its pages): its scales do not yet cross to DP "
-            "groups or the tiers, a page's rounding depends on how it was filled (batch_invariant), and "
+            "the hand-off, each TP rank's scales moved with its pages, and its tiers): its scales do not "
+            "yet cross to DP groups, a page's rounding depends on how it was filled (batch_invariant), and "
             "drafts would move its scales (speculative_config); got "
             + ", ".join(k for k, v in fp8_with.items() if v),
         )
@@ -533,10 +532,6 @@ class EngineConfig:
             not self.batch_invariant or not (m.moe or m.mla or m.qk_norm),
             f"batch_invariant covers dense models without MoE, MLA or q/k norms so far; {m.name} has "
             + ", ".join(k for k, v in (("MoE", m.moe), ("MLA", m.mla), ("q/k norms", m.qk_norm)) if v),
-        )
-        _check(
-            not (self.cache.fp8 and m.mla),
-            f"kv_dtype='fp8_e4m3' covers models with K and V planes so far; {m.name}'s cache is MLA's latent",
         )
         world = self.tp * self.dp
         _check(

@@ -121,11 +121,13 @@ class LLM:
             )
         else:
             kv_cache = allocate_kv_cache(arch, cache, shard.num_kv_heads, dev, config.torch_dtype)
-        # the other TP ranks' caches in their regions, mapped here (every rank holds as many heads)
-        self._rank_caches = [
-            scaled_views(region, arch, cache, shard.num_kv_heads)[0] if cache.fp8 else region
+        # the other TP ranks' caches (and e4m3 scales) in their regions, mapped here (every rank holds as
+        # many heads)
+        ranks = [
+            scaled_views(region, arch, cache, shard.num_kv_heads) if cache.fp8 else (region, None)
             for region in (self.tp_group.regions if self.tp_group else [])
         ]
+        self._rank_caches, self._rank_scales = [c for c, _ in ranks], [s for _, s in ranks]
         # shared with the lead (TP) and, in the decode role, with DP group 0's agents (engine/dp.py)
         shared = config.tp > 1 or (config.dp > 1 and role.receives_kv)
         self.kv_cache = kv_cache.share_memory_() if shared and dev.type == "cpu" else kv_cache
@@ -223,8 +225,10 @@ class LLM:
     def _make_tiers(self, model: str) -> KVTiers:
         """The host and disk tiers under the prefix cache, hooked to the allocator and the scheduler."""
         c = self.config
-        space = namespace(model, self.kv_cache, c.dtype, c.cache.kv_layout, c.tp)
-        tiers = KVTiers(c.kv_tiers, self.kv_caches, space, c.cache.page_size)
+        space = namespace(
+            model, self.kv_cache, c.cache.kv_dtype if c.cache.fp8 else c.dtype, c.cache.kv_layout, c.tp
+        )
+        tiers = KVTiers(c.kv_tiers, self.page_tensors, space, c.cache.page_size)
         self.allocator.on_evict, self.allocator.on_named = tiers.evicted, tiers.named
         tiers.share = c.scheduler.role.prefills  # a decode worker's pages came from a prefill worker
         step = -(-c.scheduler.max_num_batched_tokens // c.cache.page_size)  # pages one step may name
@@ -270,6 +274,14 @@ class LLM:
     def kv_caches(self) -> list[torch.Tensor]:
         """Every TP rank's KV cache, mapped into this (the lead) process; rank order."""
         return [self.kv_cache] + self._rank_caches
+
+    @property
+    def page_tensors(self) -> list[torch.Tensor]:
+        """Every tensor [layers, pages, ...] that holds a part of each page, what the KV tiers copy a page
+        of: each TP rank's cache, and an e4m3 cache's (as bytes) then each rank's scales."""
+        if self.kv_region is None:
+            return self.kv_caches
+        return [c.view(torch.uint8) for c in self.kv_caches] + [self.model.kv_scales, *self._rank_scales]
 
     @property
     def kv_regions(self) -> list[torch.Tensor]:

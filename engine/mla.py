@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from engine.config import ModelConfig
-from pdkernels import ops
+from pdkernels import kv_quant, ops
 
 
 def load_attention(weights: dict[str, Tensor], prefix: str, config: ModelConfig, h0: int, h1: int) -> dict:
@@ -77,17 +77,29 @@ def project(model, layer: dict, x: Tensor, rope: tuple) -> tuple[Tensor, Tensor,
     return q_nope, model.rope(q_pe, *rope), ckv, model.rope(latent[:, None, r:], *rope)[:, 0]
 
 
-def attention(model, layer: dict, x: Tensor, meta, layer_cache: Tensor, rope: tuple) -> Tensor:
+def attention(
+    model, layer: dict, x: Tensor, meta, layer_cache: Tensor, rope: tuple, scales: Tensor | None = None
+) -> Tensor:
     """x [T, hidden] -> this rank's heads' attention output [T, heads x v_head_dim] (before o_proj);
-    appends the tokens' latent rows to layer_cache."""
+    appends the tokens' latent rows to layer_cache. An e4m3 cache (scales: its [pages, 1, 1], a scale per
+    page of latent rows) is quantized as written and its pages dequantized to be read, as a K/V one is."""
     m, t = model.config.mla, x.shape[0]
     r = m.kv_lora_rank
     q_nope, q_pe, ckv, kpe = project(model, layer, x, rope)
-    ckv_cache, kpe_cache = latent_caches(layer_cache, r)
-    tables = (meta.kv_indices, meta.kv_indptr, meta.kv_last_page_len)
-    ops.kv_append_mla(
-        ckv, kpe, meta.batch_indices, meta.positions, ckv_cache, kpe_cache, *tables, validate=False
-    )
+    indices = meta.kv_indices
+    if scales is not None:  # one plane of one head: its layout is either (the same bytes)
+        rows = torch.cat([ckv, kpe], dim=-1)[:, None]
+        kv_quant.append_pages(
+            rows, None, meta.batch_indices, meta.positions, layer_cache, scales, indices, meta.kv_indptr
+        )
+        layer_cache, indices = kv_quant.gather_pages(layer_cache, scales, indices, "HND", x.dtype)
+        ckv_cache, kpe_cache = latent_caches(layer_cache, r)
+    else:
+        ckv_cache, kpe_cache = latent_caches(layer_cache, r)
+        tables = (indices, meta.kv_indptr, meta.kv_last_page_len)
+        ops.kv_append_mla(
+            ckv, kpe, meta.batch_indices, meta.positions, ckv_cache, kpe_cache, *tables, validate=False
+        )
     if meta.all_decode:
         q_lat = torch.bmm(q_nope.transpose(0, 1), layer["w_uk"]).transpose(0, 1)  # [T, h, r]
         o_lat = ops.mla_decode_attention(
@@ -96,7 +108,7 @@ def attention(model, layer: dict, x: Tensor, meta, layer_cache: Tensor, rope: tu
             ckv_cache,
             kpe_cache,
             meta.kv_indptr,
-            meta.kv_indices,
+            indices,
             meta.kv_last_page_len,
             sm_scale=m.scale,
             max_seq_len=meta.max_kv_len,
@@ -104,7 +116,7 @@ def attention(model, layer: dict, x: Tensor, meta, layer_cache: Tensor, rope: tu
         )
         o = torch.bmm(o_lat.transpose(0, 1), layer["w_uv"].transpose(1, 2))  # [h, T, v]
         return o.transpose(0, 1).reshape(t, -1)
-    keys_values = decompress(layer, ckv_cache, kpe_cache, meta.kv_indices, m.qk_nope_head_dim)
+    keys_values = decompress(layer, ckv_cache, kpe_cache, indices, m.qk_nope_head_dim)
     dim = keys_values.shape[-1]
     q = F.pad(torch.cat([q_nope, q_pe], dim=-1), (0, dim - m.qk_head_dim))
     o = ops.extend_attention(

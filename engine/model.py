@@ -293,7 +293,9 @@ class Model:
         self, layer: dict, i: int, x: Tensor, meta: BatchMeta, kv_cache: Tensor, rope: tuple
     ) -> Tensor:
         if self.config.mla:
-            return self.project_out(layer, i, mla.attention(self, layer, x, meta, kv_cache[i], rope), meta)
+            scales = None if self.kv_scales is None else self.kv_scales[i]
+            o = mla.attention(self, layer, x, meta, kv_cache[i], rope, scales)
+            return self.project_out(layer, i, o, meta)
         s, d = self.shard, self.config.head_dim
         qkv = self.linear(x, layer["qkv"]).view(x.shape[0], -1, d)  # [T, Hq + 2 Hkv, D]
         qk, v = qkv[:, : s.num_q_heads + s.num_kv_heads], qkv[:, s.num_q_heads + s.num_kv_heads :]

@@ -72,7 +72,7 @@ def gather_pages(cache: Tensor, scales: Tensor, kv_indices: Tensor, kv_layout: s
 
 def append_pages(
     key: Tensor,
-    value: Tensor,
+    value: Tensor | None,
     batch_indices: Tensor,
     positions: Tensor,
     cache: Tensor,
@@ -83,6 +83,7 @@ def append_pages(
 ) -> None:
     """kv_append into an e4m3 cache with a scale per page, plane and head: token t of sequence
     batch_indices[t] at positions[t] goes to row positions[t] % P of that sequence's page positions[t] // P.
+    value None: a cache of one plane (an MLA latent cache, its rows the key's [T, 1, D]).
 
     Each page written to is scaled again by the amax of its rows filled so far (the rows after the last one
     written are a reused page's leftovers: zeroed, never counted). A page filled over several steps is so
@@ -97,7 +98,7 @@ def append_pages(
     filled.scatter_reduce_(0, inverse, row + 1, "amax")
     x = dequantize(cache[pages], _broadcast(scales[pages], kv_layout))  # [n, planes, ...] float32
     rows_first = x.permute(0, 3, 1, 2, 4) if kv_layout == "HND" else x.permute(0, 2, 1, 3, 4)  # a view
-    rows_first[inverse, row] = torch.stack([key, value], dim=1).float()  # [T, planes, H, D]
+    rows_first[inverse, row] = (key[:, None] if value is None else torch.stack([key, value], dim=1)).float()
     keep = torch.arange(page_size, device=cache.device)[None, :] < filled[:, None]  # [n, P]
     x *= keep[:, None, None, :, None] if kv_layout == "HND" else keep[:, None, :, None, None]
     q, s = quantize(x, page_dims(kv_layout))

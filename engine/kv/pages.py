@@ -2,11 +2,12 @@
 
 A slot is a header (magic, version, payload size, namespace, the page's chained-hash name, a MAC) and the
 page's KV over all layers and TP ranks (rank order, each rank's [layers, planes, heads, page, dim] as the
-device cache holds it). The namespace says what else must match for the bytes to mean the same KV (model,
-dtype, layout, page size, TP shard); the MAC (HMAC-SHA256, keyed by the deployment's secret) covers header
-and payload, so a slot read back from a file or the shared pool is used only if it is exactly the page
-that was saved under that name, in this namespace, by a holder of the secret. Host slots never leave the
-process and are not checked.
+device cache holds it; an e4m3 cache's bytes, then each rank's scales [layers, planes, heads]). The
+namespace says what else must match for the bytes to mean the same KV (model, dtype, layout, page size,
+TP shard); the MAC (HMAC-SHA256, keyed by the deployment's secret) covers header and payload, so a slot
+read back from a file or the shared pool is used only if it is exactly the page that was saved under that
+name, in this namespace, by a holder of the secret. Host slots never leave the process and are not
+checked.
 """
 
 from __future__ import annotations

@@ -85,7 +85,8 @@ class Load:
 
 class KVTiers:
     def __init__(self, config: KVTiersConfig, caches: list[Tensor], space: bytes, page_size: int):
-        """caches: every TP rank's device cache (rank order); space: pages.namespace(...)."""
+        """caches: every tensor [layers, pages, ...] a page has a part in (each TP rank's device cache in
+        rank order, an e4m3 cache's scales after them: LLM.page_tensors); space: pages.namespace(...)."""
         self.config, self.page_size = config, page_size
         self.fmt = PageFormat(caches, space, config.secret.encode())
         slot = self.fmt.slot_bytes

@@ -106,8 +106,8 @@ needs.nixl()
             "prefill page_size 8 and decode page_size 4 with scaled (fp8_e4m3) pages: a page's scale covers",
         ),
         (
-            ("model.kv_dtype=fp8_e4m3", "deployment.decode_tp=2"),
-            "kv_dtype='fp8_e4m3' runs on engines of one rank so far",
+            ("model.kv_dtype=fp8_e4m3", "deployment.speculative={method: ngram, num_speculative_tokens: 2}"),
+            "drafts would move its scales (speculative_config); got speculative_config",
         ),
         (
             "workload.sampling.structured_outputs={regex: 1}",

@@ -78,23 +78,36 @@ def test_an_nhd_prefill_side_whose_ranks_hold_other_heads_is_refused_at_connect(
         prefill.close()
 
 
-@pytest.mark.parametrize("prefill_tp, layouts", [(1, "HND"), (1, "HND NHD"), (2, "HND")])
+@pytest.mark.parametrize(
+    "model, prefill_tp, layouts",
+    [
+        ("tiny-random", 1, "HND"),
+        ("tiny-random", 1, "HND NHD"),
+        ("tiny-random", 2, "HND"),
+        ("tiny-random-deepseek", 1, "HND"),
+        ("tiny-random-deepseek", 2, "HND"),  # the MLA latent cache, replicated on both prefill ranks
+    ],
+)
 def test_an_e4m3_cache_crosses_with_its_scales_and_gives_the_colocated_e4m3_tokens(
-    request, prefill_tp, layouts
+    request, model, prefill_tp, layouts
 ):
     """e4m3 pages and their scales (one region a rank: engine.kv.cache.scaled_views) move together: a
     conversation's turns, prefilled in chunks that end inside pages, give the tokens of a colocated e4m3
-    engine that serves the same turns, in the other layout and from TP 2 too (pages landed without their
-    scales read as values up to 448 times their own: other tokens); and a page's bytes on the wire are a
-    quarter of the model's fp32 ones, its scales beside them."""
+    engine that serves the same turns, in the other layout and from TP 2 too, and an MLA latent cache
+    (pages landed without their scales read as values up to 448 times their own: other tokens); and a
+    page's bytes on the wire are a quarter of the model's fp32 ones, its scales beside them."""
     prefill_layout, decode_layout = (layouts.split() * 2)[:2]
     fp8 = dict(kv_dtype="fp8_e4m3", page_size=16, num_pages=PAGES, max_num_batched_tokens=40)
-    prefill = LLM("tiny-random", role="prefill", tp=prefill_tp, kv_layout=prefill_layout, **fp8)
-    decode = LLM("tiny-random", role="decode", kv_layout=decode_layout, **fp8)
-    reference = LLM("tiny-random", kv_layout=decode_layout, **fp8)
+    prefill = LLM(model, role="prefill", tp=prefill_tp, kv_layout=prefill_layout, **fp8)
+    decode = LLM(model, role="decode", kv_layout=decode_layout, **fp8)
+    reference = LLM(model, kv_layout=decode_layout, **fp8)
     pm, dm = _local_pair(prefill, decode, request.node.name)
     try:
-        prompt = list(range(100, 237))
+        # 144 tokens to send, 9 whole pages (each turn adds 8 + 40 more): the decode side's first step
+        # starts a page, as the colocated engine's last prompt token does. e4m3 rounds a page again as
+        # rows join it, so a page that the decode step would complete is rounded differently than in
+        # the colocated engine's prefill pass (other bits, at random weights other tokens)
+        prompt = list(range(100, 245))
         for turn in range(3):
             rid = f"turn{turn}"
             assert dm.submit(rid, prompt, GREEDY)
@@ -107,12 +120,10 @@ def test_an_e4m3_cache_crosses_with_its_scales_and_gives_the_colocated_e4m3_toke
     finally:
         _close(pm, dm)
         prefill.close()
-    src = shard_spec(prefill)
-    plain = shard_spec(LLM("tiny-random", page_size=16, num_pages=PAGES))
-    scaled, whole = (
-        plan_array(src, shard_spec(decode), [0, 1], [0, 1]),
-        plan_array(plain, plain, [0, 1], [0, 1]),
-    )
-    arch = prefill.config.arch
-    scale_bytes = arch.num_layers * 2 * 2 * arch.num_kv_heads * 4  # a float32 per layer, page, plane, head
+    src, dst = shard_spec(prefill), shard_spec(decode)
+    plain = shard_spec(LLM(model, page_size=16, num_pages=PAGES))
+    scaled, whole = plan_array(src, dst, [0, 1], [0, 1]), plan_array(plain, plain, [0, 1], [0, 1])
+    scale_bytes = (
+        dst.num_layers * 2 * dst.planes * dst.num_kv_heads * 4
+    )  # a float32 a layer, page, plane, head
     assert scaled[:, 5].sum() == whole[:, 5].sum() // 4 + scale_bytes
