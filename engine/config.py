@@ -494,15 +494,13 @@ class EngineConfig:
             "kv_tiers keep prefix-cache pages: they need enable_prefix_caching=True",
         )
         fp8_with = {
-            "dp": self.dp > 1, "speculative_config": self.speculative_config is not None,
+            "speculative_config": self.speculative_config is not None,
             "batch_invariant": self.batch_invariant, "cuda_graphs": bool(self.cuda_graphs),
         }  # fmt: skip
         _check(
             not self.cache.fp8 or not any(fp8_with.values()),
-            "kv_dtype='fp8_e4m3' runs on engines of one DP group so far (colocated, or either side of "
-            "the hand-off, each TP rank's scales moved with its pages, and its tiers): its scales do not "
-            "yet cross to DP groups, a page's rounding depends on how it was filled (batch_invariant), and "
-            "drafts would move its scales (speculative_config); got "
+            "kv_dtype='fp8_e4m3' leaves out, so far: batch_invariant (a page's rounding depends on how it "
+            "was filled), speculative decoding (drafts would move its scales) and CUDA graphs; got "
             + ", ".join(k for k, v in fp8_with.items() if v),
         )
         if self.arch is not None:

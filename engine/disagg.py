@@ -142,5 +142,5 @@ def decode_messenger(
     spec, hidden = shard_spec(llm), llm.config.arch.hidden_size
     dm = DecodeMessenger(side(llm), backend, spec, llm.kv_regions, hidden, config)
     for rank, group_backend in enumerate(group_backends, start=1):
-        dm.add_group(side(llm, rank), group_backend, spec, llm.front.group_kv_caches(rank))
+        dm.add_group(side(llm, rank), group_backend, spec, llm.front.group_kv_regions(rank))
     return dm

@@ -81,7 +81,7 @@ class DPEngines:
         self.conns, self.procs = [], []
         self.stats: dict[int, dict] = {}  # rank -> its counters (_stats), as of its step or refresh
         self.events: dict[int, list] = {r: [] for r in range(1, dp)}  # their prefix caches' events, untaken
-        self.kv_caches: dict[int, list[torch.Tensor]] = {}  # decode role: each group's, mapped here
+        self.kv_regions: dict[int, list[torch.Tensor]] = {}  # decode role: each group's, mapped here
         self.refetches: list[Refetch] = []  # decode role: their preempted sequences, untaken
         self.busy: dict[int, bool] = {}  # prefill role: rank -> it has work (its latest step or poll)
         for rank in range(1, dp):
@@ -120,9 +120,9 @@ class DPEngines:
 
     def await_ready(self) -> None:
         for rank in self.ranks:
-            kv_caches = self._recv(rank, START_TIMEOUT_S)[1]
-            if kv_caches is not None:
-                self.kv_caches[rank] = kv_caches
+            kv_regions = self._recv(rank, START_TIMEOUT_S)[1]
+            if kv_regions is not None:
+                self.kv_regions[rank] = kv_regions
 
     def call(self, rank: int, method: str, *args):
         """engine.disagg.DecodeSide's method on engine rank; raises what it raised there (OutOfPages, or a
@@ -243,7 +243,7 @@ class DPLLM(LLM):
         except BaseException:
             self._groups_finalizer()
             raise
-        self.front = DPFront(self.core, self.kv_caches, self.dp_engines)
+        self.front = DPFront(self.core, self.kv_regions, self.dp_engines)
         self.handoff = DecodeHandoff(self.core, self.front.make_sequence)
 
     def close(self) -> None:

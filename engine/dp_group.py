@@ -49,7 +49,7 @@ def main(rank: int, config, rendezvous: str, conn, backend: str, lead: int) -> N
         ops.set_backend(backend)  # the lead's choice, not this process's environment
         llm = LLM(replace(config, dp_rank=rank), rendezvous=rendezvous)
         role = llm.config.scheduler.role
-        conn.send(("ready", llm.kv_caches if role.receives_kv else None))  # shared memory: the front maps it
+        conn.send(("ready", llm.kv_regions if role.receives_kv else None))  # shared memory: the front maps it
         side = DecodeSide(llm)
         for kind, payload in from_lead(conn, lead):
             if kind == "add":

@@ -16,10 +16,10 @@ class DPFront:
     """The front of the other DP groups' engines, over this engine's core (engine.LLM's `front`). With
     dp = 1 (engines None) every method is the core's own."""
 
-    def __init__(self, core: EngineCore, kv_caches: list[torch.Tensor], engines=None):
-        """kv_caches: this group's (each TP rank's), what group_kv_caches(0) hands a decode messenger;
+    def __init__(self, core: EngineCore, kv_regions: list[torch.Tensor], engines=None):
+        """kv_regions: this group's (each TP rank's), what group_kv_regions(0) hands a decode messenger;
         engines: the other groups' (engine.dp.DPEngines), None for one engine."""
-        self.core, self.engines, self.kv_caches = core, engines, kv_caches
+        self.core, self.engines, self.kv_regions = core, engines, kv_regions
         # request -> (its group, its prompt and prompt ids) while another group's engine has it
         self._remote: dict[str, tuple[int, str | None, list[int]]] = {}
 
@@ -91,9 +91,10 @@ class DPFront:
         """Whether some DP group's engine has this request (running, waiting, or preempted)."""
         return request_id in self.core.seqs or request_id in self._remote
 
-    def group_kv_caches(self, rank: int) -> list[torch.Tensor]:
-        """DP group rank's KV caches (each of its TP ranks'), mapped into this process (decode role)."""
-        return self.kv_caches if rank == 0 else self.engines.kv_caches[rank]
+    def group_kv_regions(self, rank: int) -> list[torch.Tensor]:
+        """DP group rank's KV regions (each of its TP ranks' cache, or e4m3 pages and scales: LLM.kv_regions),
+        mapped into this process (decode role)."""
+        return self.kv_regions if rank == 0 else self.engines.kv_regions[rank]
 
     def reserve_in(self, rank: int, request_id: str, prompt_ids: list[int], params, load_within_s: float):
         """engine.disagg.DecodeSide.reserve on DP group rank's engine (another process): its pages and the

@@ -166,7 +166,7 @@ class LLM:
         )
         self.core.listener = listener
         self.core.counter = make_layer_counter(arch.num_layers, dev) if role.sends_kv else None
-        self.front = DPFront(self.core, self.kv_caches)  # one engine's; a DPLLM's spans its groups
+        self.front = DPFront(self.core, self.kv_regions)  # one engine's; a DPLLM's spans its groups
         self.handoff = DecodeHandoff(self.core, self.front.make_sequence)
         self.tiers = self._make_tiers(arch.name) if config.kv_tiers.enabled else None
         self._wire_drafts()

@@ -69,6 +69,18 @@ def test_an_mla_latent_cache_in_e4m3_keeps_a_scale_per_page_and_its_prefix_hits_
     assert sum(o.num_cached_tokens for o in again) > 0 and llm.allocator.num_free == 128
 
 
+def test_dp_groups_each_keep_their_own_e4m3_pages_and_give_one_engine_s_tokens():
+    """DP 2 of DeepSeek (its latent cache in e4m3 in each group, the experts shared): each request's
+    pages live in one group, quantized as one engine would, so the tokens are one engine's."""
+    from engine.dp import DPLLM
+
+    prompts = _shared(6)
+    with LLM("tiny-random-deepseek", **FP8) as one:
+        want = [o.token_ids for o in one.generate(prompts, GREEDY)]
+    with DPLLM("tiny-random-deepseek", dp=2, **FP8) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
+
+
 def test_the_host_pool_brings_evicted_e4m3_pages_back_with_their_scales():
     """A page below device memory is its e4m3 bytes and its scales (LLM.page_tensors): evicted from a
     small cache and loaded back, the prompts that come back give the tokens they give without any cache."""
@@ -99,7 +111,6 @@ def test_an_fp8_cache_salts_its_page_names_apart_from_the_model_dtype_s():
     "model, overrides, named",
     [
         ("tiny-random", {"kv_dtype": "fp8"}, "kv_dtype must be one of ('auto', 'fp8_e4m3'), got 'fp8'"),
-        ("tiny-random", {"dp": 2}, "got dp"),
         ("tiny-random", {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "got spec"),
     ],
 )

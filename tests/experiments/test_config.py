@@ -107,7 +107,7 @@ needs.nixl()
         ),
         (
             ("model.kv_dtype=fp8_e4m3", "deployment.speculative={method: ngram, num_speculative_tokens: 2}"),
-            "drafts would move its scales (speculative_config); got speculative_config",
+            "speculative decoding (drafts would move its scales) and CUDA graphs; got speculative_config",
         ),
         (
             "workload.sampling.structured_outputs={regex: 1}",

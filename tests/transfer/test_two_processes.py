@@ -316,7 +316,7 @@ def test_prefill_tp_into_decode_dp_groups_over_nixl(prefill_tp):
 
         def admit(self, request_id, context):
             if context is not None:  # its KV came from the prefill worker (a 1-token prompt's did not)
-                caches = self.llm.front.group_kv_caches(self.group)
+                caches = self.llm.front.group_kv_regions(self.group)  # fp32: the caches
                 kv = _full_heads(caches, shard_spec(self.llm), pages[request_id])
                 landed[request_id] = (self.group, kv)
             super().admit(request_id, context)
