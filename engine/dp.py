@@ -10,7 +10,7 @@ is the deployment DeepSeek's serving papers describe: attention data-parallel, e
 
 DP is composed from outside the engine: a DPLLM is DP group 0's engine (an engine.LLM, which knows
 nothing of the other groups) and, through the DPFront it is given (engine/front.py), the front of the
-others: DPEngines spawns groups 1..N-1 (each an LLM with its dp_rank, in its own process, leading its
+others: DPEngines starts groups 1..N-1 (each an LLM with its dp_rank, in its own process, leading its
 own TP ranks: engine/dp_group.py), sends each request to one group
 (add_request's dp_rank, else the one with the fewest requests) and steps all of them together. Every
 step every engine schedules; the groups' first ranks then agree (engine.collectives.any_true) whether any has
@@ -41,7 +41,6 @@ from dataclasses import replace
 from typing import NamedTuple
 
 import torch
-import torch.multiprocessing as mp
 
 from engine import dp_group
 from engine.config import EngineConfig
@@ -50,7 +49,7 @@ from engine.front import DPFront
 from engine.kv.cache import OutOfPages
 from engine.llm import LLM, PrefillListener
 from engine.sequence import RequestOutput, SamplingParams, Sequence
-from engine.tp import RankDied, stop_processes
+from engine.tp import RankDied, rank_context, stop_processes
 from engine.weights import load_model
 from pdkernels import ops
 
@@ -72,12 +71,12 @@ class Refetch(NamedTuple):
 
 
 class DPEngines:
-    """DP group 0's handle on the engines of groups 1..dp-1 (spawned processes)."""
+    """DP group 0's handle on the engines of groups 1..dp-1 (processes forked from the fork server)."""
 
     def __init__(self, config: EngineConfig, rendezvous: str):
         """config: the lead engine's (each group builds an LLM of it with its own dp_rank:
         engine/dp_group.py)."""
-        ctx, dp, tp = mp.get_context("spawn"), config.dp, config.tp
+        ctx, dp, tp = rank_context(), config.dp, config.tp
         self.conns, self.procs = [], []
         self.stats: dict[int, dict] = {}  # rank -> its counters (_stats), as of its step or refresh
         self.events: dict[int, list] = {r: [] for r in range(1, dp)}  # their prefix caches' events, untaken

@@ -21,9 +21,9 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from engine.config import EngineConfig
+from engine.forking import fork_context
 from engine.kv.cache import allocate_kv_cache, scaled_region_bytes, scaled_views
 from engine.model import BatchMeta, Model, Shard
 from engine.weights import load_model
@@ -62,6 +62,13 @@ def init_rank(rank: int, config: EngineConfig, rendezvous: str) -> Groups:
     # the step agreement is a tiny CPU tensor: gloo even beside NCCL
     leads = dist.new_group([g * tp for g in range(dp)], backend="gloo")
     return Groups(groups[config.dp_rank], leads)
+
+
+def rank_context():
+    """The context TP ranks and DP groups start in: forked from multiprocessing's fork server, which
+    imported torch and the engine once (engine/forking.py; a spawned rank imported them itself, 4 s of
+    CPU each on an AVX2 EPYC)."""
+    return fork_context(["engine.tp", "engine.dp_group"])
 
 
 def build_rank(config: EngineConfig, rank: int):
@@ -140,17 +147,30 @@ META_TENSORS = ("positions", "batch_indices", "qo_indptr", "kv_indptr", "kv_indi
 
 
 def from_lead(conn, lead: int):
-    """The lead's messages down conn, until it sends None or is gone (this process reparented: nobody
-    will send another)."""
+    """The lead's messages down conn, until it sends None or is gone: its end of the pipe closed, or the
+    process `lead` no longer there (this process is the fork server's child, not the lead's)."""
     while True:
         if not conn.poll(1.0):
-            if os.getppid() != lead:
+            if not _alive(lead):
                 return
             continue
-        msg = conn.recv()
+        try:
+            msg = conn.recv()
+        except EOFError:  # the lead's end closed: nobody will send another
+            return
         if msg is None:
             return
         yield msg
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # there, under another user (a pid reused: the pipe's end tells the rest)
+        return True
+    return True
 
 
 def stop_processes(conns, procs, within_s: float) -> None:
@@ -173,14 +193,14 @@ class RankDied(RuntimeError):
 
 
 class TPGroup:
-    """The lead's handle on ranks 1..N-1 (spawned processes): they load their shards, then join the
+    """The lead's handle on ranks 1..N-1 (processes forked from the fork server): they load their shards, then join the
     process group (engine.llm.LLM calls init_rank for the lead, through `rendezvous`, a path in a private
     directory its owner removes)."""
 
     def __init__(self, config: EngineConfig, rendezvous: str):
         self.size, self.device = config.tp, torch.device(config.device)
         self._allocs = []  # the ranks' VMM allocations mapped here (GPU)
-        ctx = mp.get_context("spawn")
+        ctx = rank_context()
         self.conns, self.procs = [], []
         for rank in range(1, self.size):
             lead_end, rank_end = ctx.Pipe()

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import multiprocessing as mp
 import os
 import secrets
 import shutil
@@ -34,6 +33,7 @@ import tempfile
 import threading
 from dataclasses import replace
 
+from engine.forking import fork_context
 from serving.config import RayConfig, launcher_of
 from serving.fleet.procs import die_with
 from serving.worker import WorkerSpec, worker_main
@@ -42,26 +42,9 @@ log = logging.getLogger(__name__)
 LOOPBACK = "127.0.0.1"
 
 
-FORK_SERVER_TEMP_MAX = 60  # a longer TMPDIR would put the fork server's socket past AF_UNIX's 107 bytes
-
-
 def _fork_server():
-    """multiprocessing's fork server, torch imported in it once. Its socket lives in multiprocessing's
-    private temp dir (made once per process, removed at exit): under a deep TMPDIR it is made in /tmp."""
-    if mp.get_start_method(allow_none=True) not in (None, "spawn", "fork", "forkserver"):
-        # inside a joblib (loky) sweep job: children would look for a 'loky' context and fail
-        mp.set_start_method("spawn", force=True)
-    if len(tempfile.gettempdir()) > FORK_SERVER_TEMP_MAX:
-        from multiprocessing import util
-
-        deep, tempfile.tempdir = tempfile.tempdir, "/tmp"
-        try:
-            util.get_temp_dir()  # made now, under /tmp, and kept for this process
-        finally:
-            tempfile.tempdir = deep
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["serving.fleet.preload"])  # torch, the tokenizer GGUF
-    return ctx
+    """multiprocessing's fork server, torch and the tokenizer imported in it once (engine/forking.py)."""
+    return fork_context(["serving.fleet.preload"])
 
 
 def start_fork_server(cfg) -> None:
