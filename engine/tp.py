@@ -193,9 +193,9 @@ class RankDied(RuntimeError):
 
 
 class TPGroup:
-    """The lead's handle on ranks 1..N-1 (processes forked from the fork server): they load their shards, then join the
-    process group (engine.llm.LLM calls init_rank for the lead, through `rendezvous`, a path in a private
-    directory its owner removes)."""
+    """The lead's handle on ranks 1..N-1 (processes forked from the fork server): they load their shards,
+    then join the process group (engine.llm.LLM calls init_rank for the lead, through `rendezvous`, a path
+    in a private directory its owner removes)."""
 
     def __init__(self, config: EngineConfig, rendezvous: str):
         self.size, self.device = config.tp, torch.device(config.device)
