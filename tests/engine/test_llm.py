@@ -302,7 +302,9 @@ def test_a_top_p_that_rounds_to_zero_keeps_the_likeliest_token():
     assert out.token_ids == llm.generate(prompt, SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids
 
 
-@pytest.mark.parametrize("role", ["colocated", "decode"])
+@pytest.mark.parametrize(  # make test: the decode role's (the colocated one schedules the same way)
+    "role", [pytest.param("colocated", marks=pytest.mark.slow), "decode"]
+)
 def test_a_new_request_does_not_wait_for_long_outputs(role):
     """Three 900-token streams on a worker owed their growth to 512 tokens each, so a new
     request waited for them (1,791 steps on 256 pages, 6.6 s on the server; here 300-token streams on

@@ -108,6 +108,7 @@ def test_a_client_whose_connections_are_all_busy_is_refused_past_its_share(serve
     assert status == 200
 
 
+@pytest.mark.slow  # make test: one client holding every connection (the same cap, from one address)
 def test_idle_sockets_from_nine_addresses_at_the_cap_leave_a_new_client_served(server):
     """Nine addresses keep connections alive and idle, three each (27 > the cap of 8), some after a
     request, some silent: at the cap the idlest is closed for a new one, so a tenth client is served on

@@ -82,9 +82,9 @@ def test_an_nhd_prefill_side_whose_ranks_hold_other_heads_is_refused_at_connect(
     "model, prefill_tp, layouts",
     [
         ("tiny-random", 1, "HND"),
-        ("tiny-random", 1, "HND NHD"),
+        pytest.param("tiny-random", 1, "HND NHD", marks=pytest.mark.slow),  # relayout: bytes, as any cache's
         ("tiny-random", 2, "HND"),
-        ("tiny-random-deepseek", 1, "HND"),
+        pytest.param("tiny-random-deepseek", 1, "HND", marks=pytest.mark.slow),
         ("tiny-random-deepseek", 2, "HND"),  # the MLA latent cache, replicated on both prefill ranks
     ],
 )

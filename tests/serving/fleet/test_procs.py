@@ -149,8 +149,15 @@ def _listening(pid: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("launcher", ["local", "netns"])
-@pytest.mark.parametrize("entry", ["run", "serve"])
+@pytest.mark.parametrize(  # make test: both entries locally, the server on netns hosts
+    "entry, launcher",
+    [
+        ("run", "local"),
+        ("serve", "local"),
+        ("serve", "netns"),
+        pytest.param("run", "netns", marks=pytest.mark.slow),
+    ],
+)
 def test_a_sigkilled_job_leaves_nothing_running(short_tmp, entry, launcher):
     """SIGKILL of `python -m experiments.run` (mid-run) or `experiments.serve`, with its workers up:
     the fork server, both workers, the resource tracker and (netns) the hosts' namespaces and what runs
