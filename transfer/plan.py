@@ -50,7 +50,7 @@ class ShardSpec:
     page_size: int
     head_dim: int
     itemsize: int  # bytes per element
-    dtype: str = "bfloat16"
+    dtype: str = "bfloat16"  # the KV's: the model's, or fp8_e4m3 (itemsize 1, scale_bytes 4)
     kv_layout: str = "HND"  # or NHD (the decode side converts what lands: see above)
     planes: int = 2  # K and V; 1 for an MLA latent cache
     # bytes of one page's scale per plane and head, kept after every layer's pages in the same region

@@ -310,6 +310,7 @@ def main() -> None:
             for mode in args.modes:
                 more = ["deployment=1p1d", f"cluster.link.rate={tc_rate(bits)}", f"transfer.send_mode={mode}"]
                 more += [f"cluster.link.delay_us={setup['delay_us']}"]
+                more += [f"transfer.peer_timeout_s={setup['peer_timeout_s']}"]
                 todo.append((f"1p1d-{mode}-{link}", mode, link, [*more, *arrivals(bits)]))
         dtype_rows = []
         for name, mode, link, overrides in todo:
@@ -376,6 +377,9 @@ def measure_here(args, base: list[str], chunk: list[str], kv_dtype: str):
     setup |= {"layer_s": here_layer_s, "load": args.load, "prompt": args.prompt, "chunk": args.chunk}
     setup |= {"requests": args.requests, "real_delay_us": args.delay_us, "delay_us": delay_us}
     setup["kv_layer_bytes"] = kv_layer * args.prompt
+    # heartbeats go between passes: a pass here may take longer than the default 10 s (a DeepSeek-shaped
+    # model's 256 tokens took 13 s on one AVX2 core, and the decode side gave up on a healthy worker)
+    setup["peer_timeout_s"] = max(10.0, round(3 * args.chunk / tokens_s, 1))
     setup["links_bits"] = {k: bits for k, (_, bits) in rates.items()}
     return setup, rates, here_layer_s, kv_prompt
 
