@@ -207,23 +207,25 @@ class Model:
         """The C++ step through every layer (pdkernels.cpu's DenseDecoder: the same kernels in the same
         order as forward, without the Python between them; decode steps, and steps with prompt tokens where
         their attention is the AMX kernel) where it serves: one rank, dense layers (no MLA, MoE or
-        qk-norm), every projection on oneDNN's packed bf16 weights, or every one an fp32 weight held as
-        int8 blocks too (cpu.Q8Weight: a GGUF file's Q8_0 and Q4_1 weights, on AVX2); else None."""
+        qk-norm), every projection on oneDNN's packed bf16 weights (with their panels, cpu.PanelWeight, on
+        AVX-512 BF16 without AMX), or every one an fp32 weight held as int8 blocks too (cpu.Q8Weight: a GGUF
+        file's Q8_0 and Q4_1 weights, on AVX2); else None."""
         ext, c = cpu.module(), self.config
         plain = not c.mla and not c.qk_norm and not any(c.is_moe_layer(i) for i in range(c.num_layers))
         if ext is None or not hasattr(ext, "DenseDecoder") or not plain or self.shard.size != 1:
             return None
         weights = [layer[k] for layer in self.layers for k in ("qkv", "o", "gate_up", "down")]
         kinds = {type(w) for w in weights}
+        q8, panels, rows = [], [], cpu.PANEL_MAX_M
         if kinds == {cpu.Q8Weight} and hasattr(ext, "q8_linear"):
-            q8 = [t for w in weights for t in (w.q, w.scales, w.offsets)]
-        elif kinds == {cpu.PackedWeight}:
-            q8 = []
-        else:  # plain fp32 (not int8 blocks), or a mix
+            q8, rows = [t for w in weights for t in (w.q, w.scales, w.offsets)], cpu.Q8_MAX_M
+        elif kinds == {cpu.PanelWeight} and hasattr(ext, "bf16_linear"):
+            panels = [w.panels for w in weights]
+        elif kinds != {cpu.PackedWeight}:  # plain fp32 (not int8 blocks), or a mix
             return None
         norms = [layer[k] for layer in self.layers for k in ("input_norm", "post_norm")]
         d = c.head_dim
-        return ext.DenseDecoder([w.data for w in weights], q8, cpu.Q8_MAX_M, norms, self.norm,
+        return ext.DenseDecoder([w.data for w in weights], q8, panels, rows, norms, self.norm,
                                 self.shard.num_q_heads, self.shard.num_kv_heads, d, c.rms_norm_eps,
                                 1.0 / math.sqrt(d))  # fmt: skip
 

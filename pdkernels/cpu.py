@@ -15,6 +15,8 @@ What it holds:
 - gather_kv and causal_softmax: extend attention's torch path (pdkernels.extend_attention) gathers a
   sequence's K/V in one copy and takes the scale, causal mask, fp32 softmax and cast of each block of
   scores in one pass (torch's exp alone ran at about 0.7 ns an element here).
+- bf16_linear: bf16 linear layers at decode sizes on AVX-512 BF16 CPUs without AMX, from the weight's
+  panels (PanelWeight): vdpbf16ps over one sequential stream a panel of 32 columns.
 - q8_linear: fp32 linear layers whose weights are exactly int8 blocks (GGUF's Q8_0 and Q4_1, as SmolLM2's
   file holds them), multiplied from the int8 copy at decode sizes (Q8Weight; AVX2 + FMA builds only).
 - DenseDecoder: a dense model's decode step (and, on AMX CPUs, a step with prompt tokens) through all its
@@ -31,8 +33,9 @@ What it holds:
 
 `pack(w)` stores a bf16 linear weight in oneDNN's blocked layout (torch.ops.mkldnn, as inductor's
 freezing does), and `linear` multiplies by it: the same oneDNN kernels, bit-identical results, but the
-weight streams from memory faster at decode sizes (docs/results/engine-cpu.md). Where torch lacks
-oneDNN, or the dtype is not bf16, `pack` returns the weight as it is.
+weight streams from memory faster at decode sizes (docs/results/engine-cpu.md); on AVX-512 BF16 CPUs
+without AMX also as bf16_linear's panels, which decode-sized products read instead (PanelWeight). Where
+torch lacks oneDNN, or the dtype is not bf16, `pack` returns the weight as it is.
 """
 
 from __future__ import annotations
@@ -157,14 +160,34 @@ class Q8Weight(PackedWeight):
         return w.permute(0, 2, 1).reshape(-1, k)[:n]
 
 
+class PanelWeight(PackedWeight):
+    """A bf16 linear weight [N, K] kept both ways on AVX-512 BF16 CPUs without AMX: up to PANEL_MAX_M rows of
+    x (decode steps, small batches) multiply `panels`, the weight in panels of 32 columns a pair of k apart
+    ([N / 32, K / 2, 32, 2], linear_cpu.cpp's bf16_linear: one sequential stream a panel, read at the
+    machine's streaming rate, each row's sums the same whatever M); more rows (prefill) oneDNN's packed
+    copy in `data` as before. Twice a weight's memory, for the decode step's speed."""
+
+    __slots__ = ("panels",)
+
+    def __init__(self, w: Tensor, panels: Tensor):
+        super().__init__(w)
+        self.panels = panels
+
+
+# Rows of x up to which the panels serve: from 1 to 32 rows they beat oneDNN on AVX-512 BF16 without AMX
+# (1.2-1.4x at 1-20 rows, 1.07x at 32: docs/results/engine-cpu.md); AMX CPUs keep oneDNN's kernels, not
+# measured against the panels there
+PANEL_MAX_M = 32
+
 # Rows of x up to which the int8 copy serves: below it the int8 product reads a quarter of the bytes and
 # beats the fp32 GEMM; from about 64 rows the GEMM's arithmetic wins (timed: docs/results/engine-cpu.md)
 Q8_MAX_M = 32
 
 
 def pack(w: Tensor) -> Tensor | PackedWeight:
-    """w packed for `linear` where that helps: bf16 in oneDNN's layout (oneDNN present), fp32 that is
-    exactly int8 blocks also as those (Q8Weight; the C++ extension built); otherwise w itself."""
+    """w packed for `linear` where that helps: bf16 in oneDNN's layout (oneDNN present) and, where
+    panels_serve, as panels too (PanelWeight; an even K), fp32 that is exactly int8 blocks also as those
+    (Q8Weight; the C++ extension built); otherwise w itself."""
     if not enabled() or w.device.type != "cpu":
         return w
     if w.dtype == torch.float32:
@@ -176,10 +199,19 @@ def pack(w: Tensor) -> Tensor | PackedWeight:
     if w.dtype != torch.bfloat16:
         return w
     try:
+        if panels_serve() and w.dim() == 2 and w.shape[1] % 2 == 0:
+            return PanelWeight(w, module().bf16_pack_panels(w.contiguous()))
         return PackedWeight(w)
     except (RuntimeError, AttributeError) as e:  # a torch built without oneDNN, a CPU without bf16
         _unpacked(str(e))
         return w
+
+
+def panels_serve() -> bool:
+    """Whether `pack` gives bf16 weights panels too (PanelWeight): the extension built with AVX-512 BF16, on a
+    CPU without AMX (by ISA, cpuinfo.isa)."""
+    ext = module() if enabled() else None
+    return ext is not None and hasattr(ext, "bf16_linear") and cpuinfo.isa() == "avx512_bf16"
 
 
 @functools.cache
@@ -195,6 +227,9 @@ def linear(x: Tensor, w: PackedWeight, out: Tensor | None = None) -> Tensor:
             return torch.mm(x, w.data.t(), out=out)
         x = x if x.stride(-1) == 1 else x.contiguous()
         y = module().q8_linear(x, w.q, w.scales, w.offsets, w.shape[0])
+    elif isinstance(w, PanelWeight) and x.shape[0] <= PANEL_MAX_M:
+        x = x if x.stride(-1) == 1 and x.stride(0) % 2 == 0 else x.contiguous()
+        y = module().bf16_linear(x, w.panels, w.shape[0])
     elif (ext := module()) is not None:
         y = ext.packed_linear(x, w.data)
     else:

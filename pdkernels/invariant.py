@@ -3,7 +3,8 @@ bits whatever else its step holds (other sequences, more of its own prompt, a de
 
 - `linear_rows`: x @ w^T one row at a time, each row the product a decode step of one sequence computes
   (one shape for every call, so one kernel and one summation order, whatever the kernel picks by M: the
-  int8 copy of a Q8Weight up to 32 rows and torch's GEMM past them, oneDNN's blocking by M).
+  int8 copy of a Q8Weight up to 32 rows and torch's GEMM past them, oneDNN's blocking by M); a
+  PanelWeight's panels sum each row alone at any M, so all its rows go in one call.
 - `causal_attention`: every query token attends over its own causal prefix (`token_tables`: a page
   table per token, made once a step) as a decode query would
   (pdkernels.ops.decode_attention's C++ loop: one sequence a thread, one order over its pages), whether it
@@ -33,6 +34,8 @@ def linear_rows(x: Tensor, w) -> Tensor:
     """x [M, K] @ w^T -> [M, N], each row alone (w: a tensor or pdkernels.cpu.PackedWeight)."""
     if isinstance(w, cpu.Q8Weight):  # one C++ call: passes of up to 3 rows, each row summed as alone
         return cpu.module().q8_linear(x.contiguous(), w.q, w.scales, w.offsets, w.shape[0], rows_alone=True)
+    if isinstance(w, cpu.PanelWeight):  # one C++ call: the panels sum each row alone whatever M
+        return cpu.module().bf16_linear(x.contiguous(), w.panels, w.shape[0])
     if x.shape[0] == 1:
         return ops.linear(_aligned(x), w, validate=False)
     rows = [ops.linear(_aligned(x[m : m + 1]), w, validate=False) for m in range(x.shape[0])]

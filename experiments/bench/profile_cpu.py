@@ -49,7 +49,7 @@ KINDS = {  # op-name patterns per kind, first match wins: torch's (aten::, mkldn
     # functions (pdk::, recorded around each call: the profiler does not see into a pybind module) and
     # vLLM's CPU kernels (_C::, vllm::); its inductor-compiled graph fuses its norms, rope, SiLU and
     # residual adds, and the graph's own time is those kernels: elementwise
-    "gemm": r"aten::(mm|addmm|linear|matmul)$|mkldnn|pdk::q8_linear|"
+    "gemm": r"aten::(mm|addmm|linear|matmul)$|mkldnn|pdk::(q8_linear|bf16_linear)|"
     r"_C::(onednn_mm|weight_packed_linear|onednn_scaled_mm|int8_scaled_mm)",
     "attention": r"aten::(bmm|baddbmm|_softmax|softmax|scaled_dot_product|_scaled_dot)|"
     r"pdk::(decode_attention|extend_attention|causal_softmax|gather_kv|causal_attention_amx)|"

@@ -32,6 +32,10 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor cache, torch::Tens
 
 // linear_cpu.cpp
 torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& w);
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+torch::Tensor bf16_weight_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& panels,
+                                 int64_t max_rows);
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
 torch::Tensor q8_weight_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& q,
                                const torch::Tensor& scales, const torch::Tensor& offsets, int64_t max_rows);
@@ -41,17 +45,19 @@ using pdk::recorded;
 
 namespace {
 
-// Per layer: the qkv, o, gate_up and down weights (oneDNN-packed bf16, or fp32 with q8 holding each one's
-// int8 copy: q, scales, offsets, and q8_max_rows the most rows that copy takes, pdkernels.cpu.Q8_MAX_M) and
-// the two norms' weights; head counts and sizes.
+// Per layer: the qkv, o, gate_up and down weights (oneDNN-packed bf16, with panels holding each one's
+// bf16_pack_panels copy or none; or fp32 with q8 holding each one's int8 copy: q, scales, offsets), with
+// max_rows the most rows either copy takes (pdkernels.cpu.PANEL_MAX_M, Q8_MAX_M), and the two norms'
+// weights; head counts and sizes.
 class DenseDecoder {
  public:
-  DenseDecoder(std::vector<torch::Tensor> weights, std::vector<torch::Tensor> q8, int64_t q8_max_rows,
-               std::vector<torch::Tensor> norms, torch::Tensor final_norm, int64_t q_heads, int64_t kv_heads,
-               int64_t head_dim, double eps, double scale)
+  DenseDecoder(std::vector<torch::Tensor> weights, std::vector<torch::Tensor> q8, std::vector<torch::Tensor> panels,
+               int64_t max_rows, std::vector<torch::Tensor> norms, torch::Tensor final_norm, int64_t q_heads,
+               int64_t kv_heads, int64_t head_dim, double eps, double scale)
       : weights_(std::move(weights)),
         q8_(std::move(q8)),
-        q8_max_rows_(q8_max_rows),
+        panels_(std::move(panels)),
+        max_rows_(max_rows),
         norms_(std::move(norms)),
         final_norm_(final_norm),
         q_heads_(q_heads),
@@ -61,8 +67,12 @@ class DenseDecoder {
         scale_(scale) {
     TORCH_CHECK(weights_.size() % 4 == 0 && norms_.size() == weights_.size() / 2, "4 weights, 2 norms a layer");
     TORCH_CHECK(q8_.empty() || q8_.size() == 3 * weights_.size(), "q8: none, or q, scales, offsets a weight");
+    TORCH_CHECK(panels_.empty() || (q8_.empty() && panels_.size() == weights_.size()), "panels: none, or one a weight");
 #if !(defined(__AVX2__) && defined(__FMA__))
     TORCH_CHECK(q8_.empty(), "int8-block weights need AVX2 + FMA");
+#endif
+#if !(defined(__AVX512F__) && defined(__AVX512BF16__))
+    TORCH_CHECK(panels_.empty(), "bf16 panels need AVX-512 BF16");
 #endif
   }
 
@@ -121,19 +131,24 @@ class DenseDecoder {
   }
 
  private:
-  // x @ weight i^T, as pdkernels.cpu.linear takes it (packed bf16, or the int8 copy up to q8_max_rows_ rows)
+  // x @ weight i^T, as pdkernels.cpu.linear takes it (packed bf16, its panels or the int8 copy up to
+  // max_rows_ rows)
   torch::Tensor linear(const torch::Tensor& x, size_t i) const {
 #if defined(__AVX2__) && defined(__FMA__)
     if (!q8_.empty())
       return recorded("pdk::q8_linear", [&] {
-        return q8_weight_linear(x, weights_[i], q8_[3 * i], q8_[3 * i + 1], q8_[3 * i + 2], q8_max_rows_);
+        return q8_weight_linear(x, weights_[i], q8_[3 * i], q8_[3 * i + 1], q8_[3 * i + 2], max_rows_);
       });
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    if (!panels_.empty() && x.size(0) <= max_rows_)
+      return bf16_weight_linear(x, weights_[i], panels_[i], max_rows_);  // recorded as pdk::bf16_linear
 #endif
     return packed_linear(x, weights_[i]);
   }
 
-  std::vector<torch::Tensor> weights_, q8_;
-  int64_t q8_max_rows_;
+  std::vector<torch::Tensor> weights_, q8_, panels_;
+  int64_t max_rows_;
   std::vector<torch::Tensor> norms_;
   torch::Tensor final_norm_;
   int64_t q_heads_, kv_heads_, head_dim_;
@@ -144,8 +159,9 @@ class DenseDecoder {
 
 void register_layers(pybind11::module& m) {
   pybind11::class_<DenseDecoder>(m, "DenseDecoder")
-      .def(pybind11::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, int64_t, std::vector<torch::Tensor>,
-                          torch::Tensor, int64_t, int64_t, int64_t, double, double>())
+      .def(pybind11::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
+                          int64_t, std::vector<torch::Tensor>, torch::Tensor, int64_t, int64_t, int64_t, double,
+                          double>())
       .def_static("extends", &DenseDecoder::extends, "whether run takes steps with prompt tokens (AMX)")
       .def("run", &DenseDecoder::run, "a step through every layer (CPU)",
            pybind11::call_guard<pybind11::gil_scoped_release>());

@@ -6,6 +6,7 @@
 // Built with AVX2 + FMA only (the module has no q8_linear elsewhere, and such weights stay fp32).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -204,6 +205,105 @@ std::optional<std::tuple<torch::Tensor, torch::Tensor, torch::Tensor>> q8_quanti
 }
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// bf16 weights for decode-sized products on AVX-512 BF16 (vdpbf16ps: 16 lanes, each the sum of two bf16
+// products into fp32). A weight [N, K] is stored once at load as panels of 32 output columns: for each pair
+// of k, the panel's 32 columns' two weights side by side ([N / 32, K / 2, 32, 2]; a last panel's missing
+// columns zero), so that one panel is one sequential stream of 128 bytes a pair of k and each 64 bytes is
+// one vdpbf16ps operand. A row of x's pair (x[m, k], x[m, k + 1]) is broadcast to all lanes; each column's
+// sum runs in one lane over k in order, the same whatever rows share the pass: a row's result does not
+// depend on M (batch-invariant by construction).
+constexpr int64_t kBfPanel = 32;  // output columns a panel: two zmm of fp32 sums a row
+constexpr int kBfRowsMax = 12;    // rows a pass: 24 sums + 2 weights + 1 broadcast of the 32 zmm registers
+
+torch::Tensor bf16_pack_panels(const torch::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "w must be [N, K] bf16");
+  const int64_t N = w.size(0), K = w.size(1), panels = (N + kBfPanel - 1) / kBfPanel;
+  TORCH_CHECK(K % 2 == 0 && K > 0 && N > 0, "w must have an even number of columns (vdpbf16ps takes pairs)");
+  auto padded = torch::zeros({panels * kBfPanel, K}, w.options());
+  padded.narrow(0, 0, N).copy_(w);
+  // [P, 32, K / 2, 2] -> [P, K / 2, 32, 2]
+  return padded.view({panels, kBfPanel, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+}
+
+// y[m, cols] for MR rows of x against one panel (K / 2 pairs), rounded to bf16 once at the end; next, where
+// given, the panel to fetch into cache as this one is read, two lines a pair of k. Without it a pass of 12
+// rows fetched a panel, then computed (SmolLM2's projections at 12 rows, one thread of an AVX-512 BF16
+// EPYC: 14.0 ms, 8.7 with it; at 1 row the same within the machine's noise).
+template <int MR>
+inline void bf16_panel_rows(const uint16_t* x, int64_t ldx, const uint16_t* w, uint16_t* y, int64_t ldy,
+                            int64_t K, int64_t cols, const uint16_t* next) {
+  __m512 lo[MR], hi[MR];
+#pragma GCC unroll 12
+  for (int m = 0; m < MR; ++m) lo[m] = hi[m] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 2) {
+    const uint16_t* wk = w + k * kBfPanel;
+    if (next != nullptr) {  // the next panel's same two lines, as this one's are used
+      __builtin_prefetch(next + k * kBfPanel);
+      __builtin_prefetch(next + k * kBfPanel + kBfPanel);
+    }
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk), w1 = (__m512bh)_mm512_loadu_si512(wk + kBfPanel);
+#pragma GCC unroll 12
+    for (int m = 0; m < MR; ++m) {
+      int32_t pair;
+      std::memcpy(&pair, x + m * ldx + k, sizeof(pair));
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+      lo[m] = _mm512_dpbf16_ps(lo[m], xb, w0);
+      hi[m] = _mm512_dpbf16_ps(hi[m], xb, w1);
+    }
+  }
+#pragma GCC unroll 12
+  for (int m = 0; m < MR; ++m) {
+    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(lo[m])),
+                                            (__m256i)_mm512_cvtneps_pbh(hi[m]), 1);
+    _mm512_mask_storeu_epi16(y + m * ldy, cols == kBfPanel ? ~__mmask32(0) : (__mmask32(1) << cols) - 1, both);
+  }
+}
+
+template <int MR>
+inline void bf16_panel_pass(int64_t rows, const uint16_t* x, int64_t ldx, const uint16_t* w, uint16_t* y,
+                            int64_t ldy, int64_t K, int64_t cols, const uint16_t* next) {
+  if (rows == MR)
+    bf16_panel_rows<MR>(x, ldx, w, y, ldy, K, cols, next);
+  else if constexpr (MR > 1)
+    bf16_panel_pass<MR - 1>(rows, x, ldx, w, y, ldy, K, cols, next);
+}
+
+// x [M, K] bf16 (rows contiguous) @ w^T -> [M, N] bf16, w as bf16_pack_panels stored it; threads over panels,
+// each panel read once per pass of up to 12 rows of x (M split into near-equal passes: 20 as 10 + 10), the
+// passes after the first from cache. Each row's sums are the same whatever M (see above).
+torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, "x must be [M, K] bf16 rows");
+  TORCH_CHECK(panels.dim() == 4 && panels.scalar_type() == at::kBFloat16 && panels.is_contiguous() &&
+                  panels.size(2) == kBfPanel && panels.size(3) == 2,
+              "panels must be [N / 32, K / 2, 32, 2] bf16 (bf16_pack_panels)");
+  const int64_t M = x.size(0), K = x.size(1), count = panels.size(0);
+  TORCH_CHECK(panels.size(1) * 2 == K, "panels must have K = x's columns");
+  TORCH_CHECK(N > 0 && (N + kBfPanel - 1) / kBfPanel == count, "N must be the weight's rows, 32 to a panel");
+  TORCH_CHECK(x.stride(0) % 2 == 0, "x's rows must start at even columns (pairs of bf16)");
+  RECORD_FUNCTION("pdk::bf16_linear", std::vector<c10::IValue>());  // called from Python and from C++ alike
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const auto* wp = reinterpret_cast<const uint16_t*>(panels.data_ptr());
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  const int64_t ldx = x.stride(0), passes = (M + kBfRowsMax - 1) / kBfRowsMax, stride = K * kBfPanel;
+  at::parallel_for(0, count, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t p = lo; p < hi; ++p) {
+      const int64_t cols = std::min(kBfPanel, N - p * kBfPanel);
+      const uint16_t* w = wp + p * stride;
+      for (int64_t i = 0, m = 0; i < passes; ++i) {
+        const int64_t rows = M / passes + (i < M % passes ? 1 : 0);
+        const uint16_t* next = i == 0 && p + 1 < hi ? w + stride : nullptr;  // prefetched as this one is read
+        bf16_panel_pass<kBfRowsMax>(rows, xp + m * ldx, ldx, w, yp + m * N + p * kBfPanel, N, K, cols, next);
+        m += rows;
+      }
+    }
+  });
+  return y;
+}
+#endif
+
 // Bytes of a core's own L2 (0 where the system does not say).
 int64_t l2_bytes() {
   static const int64_t bytes = std::max<long>(0, sysconf(_SC_LEVEL2_CACHE_SIZE));
@@ -221,6 +321,8 @@ torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& w) {
 
 }  // namespace
 
+torch::Tensor packed_linear(const torch::Tensor& x_in, const torch::Tensor& w);
+
 #if defined(__AVX2__) && defined(__FMA__)
 // What pdkernels.cpu.linear does with a Q8Weight (w its fp32 weight, q, scales and offsets its int8 copy): up to
 // max_rows rows of x the int8 copy, more rows the fp32 weight's GEMM (torch.mm), so the C++ step takes the
@@ -229,6 +331,16 @@ torch::Tensor q8_weight_linear(const torch::Tensor& x, const torch::Tensor& w, c
                                const torch::Tensor& scales, const torch::Tensor& offsets, int64_t max_rows) {
   if (x.size(0) > max_rows) return torch::mm(x, w.t());
   return q8_linear(x.stride(1) == 1 ? x : x.contiguous(), q, scales, offsets, w.size(0), false);
+}
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// What pdkernels.cpu.linear does with a PanelWeight (w in oneDNN's layout, panels its bf16_pack_panels copy):
+// up to max_rows rows of x the panels, more rows oneDNN's GEMM, so the C++ step takes the Python layers' bits.
+torch::Tensor bf16_weight_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& panels,
+                                 int64_t max_rows) {
+  if (x.size(0) > max_rows) return packed_linear(x, w);
+  return bf16_linear(x.stride(1) == 1 && x.stride(0) % 2 == 0 ? x : x.contiguous(), panels, w.size(0));
 }
 #endif
 
@@ -265,7 +377,11 @@ void register_linear(pybind11::module& m) {
   m.def("q8_linear", &q8_linear, "x @ an int8-block weight^T, fp32 (CPU, AVX2)", py::arg("x"), py::arg("q"),
         py::arg("scales"), py::arg("offsets"), py::arg("n"), py::arg("rows_alone") = false);
   m.def("q8_quantize_exact", &q8_quantize_exact, "w as int8-block panels where that is exact, else None (CPU)");
-#else
-  (void)m;
 #endif
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  m.def("bf16_linear", &bf16_linear, "x @ a bf16 weight's panels^T, decode-sized x (CPU, AVX-512 BF16)",
+        py::arg("x"), py::arg("panels"), py::arg("n"));
+  m.def("bf16_pack_panels", &bf16_pack_panels, "a bf16 weight [N, K] as bf16_linear's panels (CPU)");
+#endif
+  (void)m;
 }

@@ -117,6 +117,37 @@ def test_the_c_plus_plus_decode_step_on_int8_block_weights_gives_the_python_laye
         assert fused_count[0].tolist() == plain_count[0].tolist() == [1] * llm.model.config.num_layers
 
 
+def test_the_c_plus_plus_decode_step_on_bf16_panels_gives_the_python_layers_bits():
+    """bf16 on AVX-512 BF16 without AMX: the projections on each weight's panels (cpu.PanelWeight) up to
+    PANEL_MAX_M rows, in C++ as in Python; and past them oneDNN's GEMM in both."""
+    if not cpu.panels_serve():
+        pytest.skip("no bf16 panels here (they serve AVX-512 BF16 CPUs without AMX)")
+    loaded = tiny_random("tiny-dim32", geometry=(192, 256, 2, 6, 2, 32))
+    model = Model(loaded.config, loaded.weights, torch.device("cpu"), torch.bfloat16)
+    cache = torch.zeros(2, 160, 2, 2, 4, 32, dtype=torch.bfloat16)  # room for 34 sequences
+    llm = SimpleNamespace(model=model, kv_cache=cache, runner=ModelRunner(model, cache, 4))
+    assert model.decoder is not None and type(model.lm_head) is cpu.PanelWeight
+    assert all(
+        type(layer[k]) is cpu.PanelWeight for layer in model.layers for k in ("qkv", "o", "gate_up", "down")
+    )
+    for lengths in ([5, 8, 13], [3 + i % 7 for i in range(cpu.PANEL_MAX_M + 2)]):
+        llm.kv_cache.zero_()
+        model.forward(*llm.runner.meta(_chunks(lengths, 4, decode=False)), llm.kv_cache)
+        ids, meta = llm.runner.meta(_chunks(lengths, 4, decode=True))
+        assert meta.all_decode
+        (fused, fused_kv, fused_count), (plain, plain_kv, plain_count) = _same_step(llm, meta, ids)
+        assert (
+            torch.isfinite(fused.float()).all()
+            and torch.equal(fused, plain)
+            and torch.equal(fused_kv, plain_kv)
+        )
+        assert fused_count[0].tolist() == plain_count[0].tolist() == [1] * model.config.num_layers
+        with torch.profiler.profile() as prof:  # the step's projections went through the panels, or not
+            model.forward(ids, meta, llm.kv_cache.clone())
+        calls = sum(e.key == "pdk::bf16_linear" for e in prof.key_averages() for _ in range(e.count))
+        assert calls == (4 * model.config.num_layers if len(lengths) <= cpu.PANEL_MAX_M else 0)
+
+
 @pytest.mark.parametrize("new", [[1, 9, 2], [4, 0, 30], [40, 40, 40]])
 def test_the_c_plus_plus_prefill_step_gives_the_python_layers_bits(new):
     """Chunks after cached prompts (one request with none: its rows skipped), whole pages and not."""

@@ -10,17 +10,19 @@ from pdkernels import cpu, cpuinfo, ops
 from pdkernels.out_proj import make_layer_counter
 
 
-def _packed(n=96, k=64, seed=0):
+def _packed(n=96, k=64, seed=0, onednn_only=False):
+    """A bf16 weight and what cpu.pack makes of it (PanelWeight on AVX-512 BF16 without AMX), or with
+    onednn_only oneDNN's layout alone (whose bits are torch.mm's at any M)."""
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
     p = cpu.pack(w)
     if not isinstance(p, cpu.PackedWeight):
         pytest.skip("this torch has no oneDNN weight packing")
-    return w, p
+    return w, cpu.PackedWeight(w) if onednn_only else p
 
 
 @pytest.mark.parametrize("m", [1, 7, 20, 65, 300])
 def test_a_packed_weight_gives_the_plain_gemms_bits(m):
-    w, p = _packed()
+    w, p = _packed(onednn_only=True)
     x = torch.randn(m, 64).to(torch.bfloat16)
     assert torch.equal(ops.linear(x, p), torch.mm(x, w.t()))
     out = torch.empty(m, 96, dtype=torch.bfloat16)
@@ -51,7 +53,7 @@ def test_on_two_threads_each_takes_its_rows_and_inference_mode_holds(m):
 
 
 def test_out_proj_on_a_packed_weight_bumps_its_layer_once():
-    w, p = _packed()
+    w, p = _packed(onednn_only=True)
     counter = make_layer_counter(4, torch.device("cpu"))
     x = torch.randn(3, 64).to(torch.bfloat16)
     assert torch.equal(ops.out_proj(x, p, counter=counter, layer=2), torch.mm(x, w.t()))
@@ -208,3 +210,76 @@ def test_out_proj_on_an_int8_block_weight_bumps_its_layer_once():
     x = torch.randn(2, 64)
     torch.testing.assert_close(ops.out_proj(x, cpu.pack(w), counter=counter, layer=1), x @ w.t())
     assert counter[0].tolist() == [0, 1]
+
+
+def _panels_ext():
+    if cpu.module() is None or not hasattr(cpu.module(), "bf16_linear"):
+        pytest.skip("the bf16 panel kernel is built for AVX-512 BF16 CPUs only")
+    return cpu.module()
+
+
+@pytest.mark.parametrize("m", [1, 5, 12, 13, 20, 32, 40])
+@pytest.mark.parametrize("n", [96, 101])
+def test_bf16_panels_give_the_exact_sum_rounded_once_where_every_sum_is_exact(m, n):
+    """Small integers (|x|, |w| <= 8, K 320: every partial sum below 2^24, exact in fp32 in any order): each
+    output is the exact product rounded to bf16 once, so any slip of the packing, a pass's rows (12 a pass;
+    13, 20 and 40 split unevenly) or the masked last panel (101 columns) shows as a wrong bit."""
+    ext = _panels_ext()
+    g = torch.Generator().manual_seed(m * 1000 + n)
+    w = torch.randint(-8, 9, (n, 320), generator=g).to(torch.bfloat16)
+    x = torch.randint(-8, 9, (m, 400), generator=g).to(torch.bfloat16)[:, :320]  # a view: rows 400 apart
+    y = ext.bf16_linear(x, ext.bf16_pack_panels(w), n)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, (x.double() @ w.double().t()).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("m", [1, 7, 20, 32, 33, 70])
+def test_a_panel_weight_multiplies_within_bf16_s_rounding_and_each_row_as_alone(m):
+    """Random weights: each output within half a bf16 ulp of an fp32 sum that is itself within K * eps of the
+    exact one; up to PANEL_MAX_M rows through the panels, each row the same bits as that row alone (the
+    sums run per lane in k's order, whatever the pass holds), more rows oneDNN's GEMM (its bits)."""
+    _panels_ext()
+    w, p = _packed(n=101, k=576, seed=m)
+    assert isinstance(p, cpu.PanelWeight) == cpu.panels_serve()
+    if not isinstance(p, cpu.PanelWeight):
+        pytest.skip("this CPU keeps oneDNN's kernels (AMX): panels are not made")
+    assert p.panels.shape == (4, 288, 32, 2) and torch.equal(
+        p.panels[3, :, 5:], torch.zeros(288, 27, 2).bfloat16()
+    )
+    x = torch.randn(m, 576, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+    y = ops.linear(x, p)
+    if m > cpu.PANEL_MAX_M:
+        assert torch.equal(y, cpu.module().packed_linear(x, p.data))
+        return
+    exact = x.double() @ w.double().t()
+    bound = (x.abs().double() @ w.abs().double().t()) * 576 * 2.0**-24 + exact.abs() * 2.0**-8
+    assert bool(((y.double() - exact).abs() <= bound * 1.01).all())
+    for i in range(m):
+        assert torch.equal(y[i], ops.linear(x[i : i + 1].clone(), p)[0])
+
+
+def test_the_bf16_panel_kernel_refuses_what_does_not_fit():
+    """Shapes and dtypes are checked against the panels (a wrong call is an error naming what it must be,
+    not a read past the end); an odd K gets no panels (vdpbf16ps takes pairs) and multiplies as before."""
+    ext = _panels_ext()
+    panels = ext.bf16_pack_panels(torch.randn(40, 64).to(torch.bfloat16))
+    assert panels.shape == (2, 32, 32, 2)
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    for bad, match in (
+        ((x, panels, 65), "N must be"),
+        ((x, panels, 32), "N must be"),
+        ((torch.randn(3, 66).to(torch.bfloat16), panels, 40), "K = x's columns"),
+        ((x.float(), panels, 40), r"x must be \[M, K\] bf16"),
+        ((x, panels.float(), 40), "panels must be"),
+        ((x, panels[:, :, :16].contiguous(), 40), "panels must be"),
+        ((torch.randn(3, 65).to(torch.bfloat16)[:, :64], panels, 40), "even columns"),
+    ):
+        with pytest.raises(RuntimeError, match=match):
+            ext.bf16_linear(*bad)
+    with pytest.raises(RuntimeError, match="even number of columns"):
+        ext.bf16_pack_panels(torch.randn(8, 63).to(torch.bfloat16))
+    assert ext.bf16_linear(x[:0], panels, 40).shape == (0, 40)
+    odd = torch.randn(8, 63).to(torch.bfloat16)
+    p = cpu.pack(odd)
+    assert type(p) is cpu.PackedWeight
+    ones = torch.ones(2, 63).to(torch.bfloat16)
+    assert torch.equal(ops.linear(ones, p), torch.mm(ones, odd.t()))

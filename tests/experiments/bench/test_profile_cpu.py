@@ -28,6 +28,7 @@ def test_each_phase_splits_its_wall_time_by_kind(tmp_path, capsys):
     "op, kind",
     [
         ("aten::addmm", "gemm"), ("mkldnn::_linear_pointwise", "gemm"), ("pdk::q8_linear", "gemm"),
+        ("pdk::bf16_linear", "gemm"),
         ("aten::bmm", "attention"), ("pdk::causal_attention_amx", "attention"),
         ("pdk::decode_attention", "attention"), ("aten::argmax", "sampling"),
         ("aten::copy_", "copies"), ("pdk::kv_append", "copies"), ("aten::silu", "elementwise"),
