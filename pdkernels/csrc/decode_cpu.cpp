@@ -152,8 +152,9 @@ void attend(const float* q, const T* cache, const int32_t* pages, int64_t num_pa
 // The walk both vector paths share, in steps of 16 tokens: one sequence's pages front to back, the next page
 // prefetched meanwhile; per kv head and step, the scaled scores of the head's group of query heads
 // (scores(g0, k, n, p): head g0 + i's in p[16 i ..][0..n), for the n rows from k on), then per query head
-// one online-softmax step, and its output rescaled and given the step's P V (pv(o, p, alpha, v, n): the
-// output o [dim] accumulated in registers over the n rows from v on).
+// one online-softmax step, and the group's outputs rescaled and given the step's P V (pv(o, p, alpha, v, n):
+// head i's output o + i * dim, scaled by alpha[i], accumulated in registers over the n rows from v on with
+// its probabilities p + 16 i).
 template <typename T, typename Scores, typename PV>
 inline void attend_steps(const T* cache, const int32_t* pages, int64_t num_pages, int64_t last_len, int64_t heads,
                          int64_t kv_heads, int64_t page_size, int64_t dim, float* out, std::vector<float>& work,
@@ -189,7 +190,7 @@ inline void attend_steps(const T* cache, const int32_t* pages, int64_t num_pages
               __builtin_prefetch(next + 64 * line, 0, 2);
           alpha[g] = online_softmax_step16(p + g * 16, n, m[g], l[g]);
         }
-        for (int64_t g = h * group; g < (h + 1) * group; ++g) pv(out + g * dim, p + g * 16, alpha[g], vh + t0 * dim, n);
+        pv(out + h * group * dim, p + h * group * 16, alpha + h * group, vh + t0 * dim, n);
       }
     }
   }
@@ -246,11 +247,71 @@ inline __m512 load_bf16x16(const c10::BFloat16* src) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
+// The scaled scores of NG query heads (q: their CH bf16 chunk pairs each, head after head) against 16 whole
+// K rows, into p[g * 16 + t]: 8 rows at a time, each row's chunk loaded once and multiplied into the NG
+// heads' accumulators, then per head the 16 sums reduced together. Each head's sums in scores16's order
+// (per row: the chunks in turn from zero), so the same bits.
+template <int NG, int CH>
+[[gnu::always_inline]] inline void scores16_heads_bf16(const __m512bh* q, const c10::BFloat16* k, int64_t dim,
+                                                       float* p, __m512 scale) {
+  __m512 sums[NG][16];
+  for (int r = 0; r < 16; r += 8) {
+    __m512 acc[NG][8];
+#pragma GCC unroll 3
+    for (int g = 0; g < NG; ++g)
+#pragma GCC unroll 8
+      for (int t = 0; t < 8; ++t) acc[g][t] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+    for (int c = 0; c < CH; ++c)
+#pragma GCC unroll 8
+      for (int t = 0; t < 8; ++t) {
+        const __m512bh kt = (__m512bh)_mm512_loadu_si512(k + (r + t) * dim + 32 * c);
+#pragma GCC unroll 3
+        for (int g = 0; g < NG; ++g) acc[g][t] = _mm512_dpbf16_ps(acc[g][t], q[g * CH + c], kt);
+      }
+    for (int g = 0; g < NG; ++g)
+      for (int t = 0; t < 8; ++t) sums[g][r + t] = acc[g][t];
+  }
+  for (int g = 0; g < NG; ++g) _mm512_storeu_ps(p + g * 16, _mm512_mul_ps(transpose_sum16(sums[g]), scale));
+}
+
+// P V of NG query heads at head dim 64 over the n rows from v on: each V row widened to fp32 once for the NG
+// heads, each head's output (o + 64 g, scaled by alpha[g]) in four registers. Each head's products in the
+// per-head loop's order (per lane: rescaled, then row after row), so the same bits.
+template <int NG>
+[[gnu::always_inline]] inline void pv64_heads_bf16(float* o, const float* p, const float* alpha,
+                                                   const c10::BFloat16* v, int64_t n) {
+  __m512 acc[NG][4];
+#pragma GCC unroll 3
+  for (int g = 0; g < NG; ++g) {
+    const __m512 a = _mm512_set1_ps(alpha[g]);
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_mul_ps(_mm512_loadu_ps(o + g * 64 + 16 * c), a);
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    __m512 row[4];
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) row[c] = load_bf16x16(v + t * 64 + 16 * c);
+#pragma GCC unroll 3
+    for (int g = 0; g < NG; ++g) {
+      const __m512 pt = _mm512_set1_ps(p[g * 16 + t]);
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_fmadd_ps(pt, row[c], acc[g][c]);
+    }
+  }
+#pragma GCC unroll 3
+  for (int g = 0; g < NG; ++g)
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(o + g * 64 + 16 * c, acc[g][c]);
+}
+
 // attend's math for a bf16 cache on CPUs with AVX-512 BF16 (dim a multiple of 32): the scores of 16 tokens
 // at a time in bf16 pairs (vdpbf16ps; q rounded to bf16, exact for a bf16 model's q) with the 16 dot
 // products' lanes reduced together, one online-softmax step per 16 tokens, and P V in fp32 with each
 // query head's output accumulated in registers over the 16 tokens (attend's per-token update of the
-// output in memory waited on its own previous store).
+// output in memory waited on its own previous store). At a whole step of 16 rows each K row is read once
+// for up to three query heads of its group, and at head dim 64 each V row widened once for them (head by
+// head, a group of 3 read and widened every row three times).
 template <int CH>
 void attend_bf16(const float* q, const c10::BFloat16* cache, const int32_t* pages, int64_t num_pages,
                  int64_t last_len, int64_t heads, int64_t kv_heads, int64_t page_size, int64_t dim, float scale,
@@ -264,10 +325,20 @@ void attend_bf16(const float* q, const c10::BFloat16* cache, const int32_t* page
   const __m512 vscale = _mm512_set1_ps(scale);
   const int64_t group = heads / kv_heads;
   auto scores = [&](int64_t g0, const c10::BFloat16* k, int64_t n, float* p) {
-    for (int64_t g = 0; g < group; ++g)
+    int64_t g = 0;
+    if constexpr (CH > 0) {
+      if (n == 16) {  // a whole step
+        const __m512bh* qg = qv.data() + g0 * chunks;
+        for (; g + 3 <= group; g += 3) scores16_heads_bf16<3, CH>(qg + g * chunks, k, dim, p + g * 16, vscale);
+        if (group - g == 2) scores16_heads_bf16<2, CH>(qg + g * chunks, k, dim, p + g * 16, vscale);
+        if (group - g == 1) scores16_heads_bf16<1, CH>(qg + g * chunks, k, dim, p + g * 16, vscale);
+        return;
+      }
+    }
+    for (; g < group; ++g)
       _mm512_storeu_ps(p + g * 16, _mm512_mul_ps(scores16<CH>(qv.data() + (g0 + g) * chunks, k, dim, n), vscale));
   };
-  auto pv = [&](float* og, const float* pg, float alpha, const c10::BFloat16* v, int64_t n) {
+  auto pv_head = [&](float* og, const float* pg, float alpha, const c10::BFloat16* v, int64_t n) {
     const __m512 a = _mm512_set1_ps(alpha);
     for (int64_t d = 0; d < dim; d += 64) {  // four independent accumulators (dim: a multiple of 32)
       const bool wide = d + 64 <= dim;
@@ -292,6 +363,16 @@ void attend_bf16(const float* q, const c10::BFloat16* cache, const int32_t* page
         _mm512_storeu_ps(og + d + 48, o3);
       }
     }
+  };
+  auto pv = [&](float* o, const float* p, const float* alpha, const c10::BFloat16* v, int64_t n) {
+    int64_t g = 0;
+    if constexpr (CH == 2) {  // head dim 64
+      for (; g + 3 <= group; g += 3) pv64_heads_bf16<3>(o + g * 64, p + g * 16, alpha + g, v, n);
+      if (group - g == 2) pv64_heads_bf16<2>(o + g * 64, p + g * 16, alpha + g, v, n);
+      if (group - g == 1) pv64_heads_bf16<1>(o + g * 64, p + g * 16, alpha + g, v, n);
+      return;
+    }
+    for (; g < group; ++g) pv_head(o + g * dim, p + g * 16, alpha[g], v, n);
   };
   attend_steps(cache, pages, num_pages, last_len, heads, kv_heads, page_size, dim, out, work, scores, pv);
 }
@@ -401,7 +482,7 @@ void attend_avx2(const float* q, const T* cache, const int32_t* pages, int64_t n
       if (n > 8) _mm256_storeu_ps(pg + 8, _mm256_mul_ps(scores8<CH>(qg, k + 8 * dim, dim, n - 8), vscale));
     }
   };
-  auto pv = [&](float* og, const float* pg, float alpha, const T* v, int64_t n) {
+  auto pv_head = [&](float* og, const float* pg, float alpha, const T* v, int64_t n) {
     const __m256 a = _mm256_set1_ps(alpha);
     if constexpr (CH == 8) {  // dim 64: the whole row in eight accumulators (four waited on the FMA's latency)
       __m256 o[8];
@@ -434,6 +515,9 @@ void attend_avx2(const float* q, const T* cache, const int32_t* pages, int64_t n
       _mm256_storeu_ps(og + d + 16, o2);
       _mm256_storeu_ps(og + d + 24, o3);
     }
+  };
+  auto pv = [&](float* o, const float* p, const float* alpha, const T* v, int64_t n) {
+    for (int64_t g = 0; g < group; ++g) pv_head(o + g * dim, p + g * 16, alpha[g], v, n);
   };
   attend_steps(cache, pages, num_pages, last_len, heads, kv_heads, page_size, dim, out, work, scores, pv);
 }
