@@ -227,9 +227,8 @@ torch::Tensor bf16_pack_panels(const torch::Tensor& w) {
 }
 
 // y[m, cols] for MR rows of x against one panel (K / 2 pairs), rounded to bf16 once at the end; next, where
-// given, the panel to fetch into cache as this one is read, two lines a pair of k. Without it a pass of 12
-// rows fetched a panel, then computed (SmolLM2's projections at 12 rows, one thread of an AVX-512 BF16
-// EPYC: 14.0 ms, 8.7 with it; at 1 row the same within the machine's noise).
+// given, the panel to fetch into cache as this one is read, two lines a pair of k: without it a pass of 12
+// rows fetched a panel, then computed on it, the two never overlapping (experiments/bench/bench_bf16_linear.py).
 template <int MR>
 inline void bf16_panel_rows(const uint16_t* x, int64_t ldx, const uint16_t* w, uint16_t* y, int64_t ldy,
                             int64_t K, int64_t cols, const uint16_t* next) {
