@@ -75,7 +75,7 @@ def enabled() -> bool:
 
 def _build_tag() -> str:
     """One build per CPU feature set (it is built with -march=native, and a home may be shared by unlike
-    machines) and per checkout: torch's build files name the source by its path, so two checkouts sharing
+    machines; PDKERNELS_CPU_ISA=avx2 narrows the set, cpuinfo.flags) and per checkout: torch's build files name the source by its path, so two checkouts sharing
     one build folder rebuilt each other's extension at every switch (a minute each, under a lock)."""
     return hashlib.sha1(f"{cpuinfo.flags()}\n{SOURCES[0].resolve()}".encode()).hexdigest()[:10]
 
@@ -112,10 +112,12 @@ def _build(name: str):
         if stale.exists():
             log.warning("removing %s, left by a build that did not finish", stale)
             stale.unlink()
+        # PDKERNELS_CPU_ISA=avx2 (cpuinfo): this CPU's AVX2 paths only, its AVX-512 and AMX left out
+        narrowed = ["-mno-avx512f", "-mno-amx-tile"] if cpuinfo.forced_isa() == "avx2" else []
         return load(
             name=name,
             sources=[str(path) for path in SOURCES],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_cflags=["-O3", "-march=native", *narrowed, "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )

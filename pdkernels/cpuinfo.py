@@ -4,21 +4,39 @@ and the ISA a measured figure is put beside. No torch here: the server's front a
 from __future__ import annotations
 
 import functools
+import os
 import platform
 from pathlib import Path
+
+# PDKERNELS_CPU_ISA: "native" (the default) computes with all this CPU has; "avx2" makes this process see
+# it as an AVX2-only CPU (no AVX-512, no AMX: what `dtype: auto` picks and which fast paths serve) and builds
+# the C++ extension without them (pdkernels.cpu), so that a CPU with both runs, and tests, the AVX2 paths
+FORCED_ISAS = ("native", "avx2")
+
+
+def forced_isa() -> str:
+    """PDKERNELS_CPU_ISA's value (FORCED_ISAS), or a ValueError naming the allowed ones."""
+    value = os.environ.get("PDKERNELS_CPU_ISA", "native")
+    if value not in FORCED_ISAS:
+        raise ValueError(f"PDKERNELS_CPU_ISA={value!r}: the allowed values are {', '.join(FORCED_ISAS)}")
+    return value
 
 
 @functools.cache
 def flags() -> str:
-    """This CPU's feature flags (/proc/cpuinfo), or what platform says where there is none. Read once:
-    native_bf16 asks on every extend attention call, and reading /proc/cpuinfo took 50-240 us (7 ms of
-    a 128-token prompt's prefill, measured here)."""
+    """This CPU's feature flags (/proc/cpuinfo), or what platform says where there is none; under
+    PDKERNELS_CPU_ISA=avx2 without the AVX-512 and AMX ones. Read once: native_bf16 asks on every extend
+    attention call, and reading /proc/cpuinfo took 50-240 us (7 ms of a 128-token prompt's prefill,
+    measured here)."""
     try:
-        return next(
+        line = next(
             line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")
         )
     except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
+        line = platform.processor() or platform.machine()
+    if forced_isa() == "avx2":
+        line = " ".join(f for f in line.split(" ") if not f.startswith(("avx512", "amx")))
+    return line
 
 
 def native_bf16() -> bool:
