@@ -75,8 +75,9 @@ def enabled() -> bool:
 
 def _build_tag() -> str:
     """One build per CPU feature set (it is built with -march=native, and a home may be shared by unlike
-    machines; PDKERNELS_CPU_ISA=avx2 narrows the set, cpuinfo.flags) and per checkout: torch's build files name the source by its path, so two checkouts sharing
-    one build folder rebuilt each other's extension at every switch (a minute each, under a lock)."""
+    machines; PDKERNELS_CPU_ISA=avx2 narrows the set, cpuinfo.flags) and per checkout: torch's build
+    files name the source by its path, so two checkouts sharing one build folder rebuilt each other's
+    extension at every switch (a minute each, under a lock)."""
     return hashlib.sha1(f"{cpuinfo.flags()}\n{SOURCES[0].resolve()}".encode()).hexdigest()[:10]
 
 

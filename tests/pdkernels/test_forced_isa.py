@@ -44,9 +44,8 @@ def test_the_avx2_paths_pass_the_kernels_tests_on_a_cpu_with_avx512(tmp_path):
     check = subprocess.run([sys.executable, "-c", CHECK], cwd=ROOT, env=env, capture_output=True, text=True,
                            timeout=600)  # fmt: skip
     assert check.returncode == 0, check.stderr[-3000:]
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-m", "not slow", *FILES],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=840,
-    )  # fmt: skip
+    pytest_args = ["-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-m", "not slow", *FILES]
+    run = subprocess.run([sys.executable, "-m", "pytest", *pytest_args], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=840)  # fmt: skip
     assert run.returncode == 0, run.stdout[-6000:]
     assert " passed" in run.stdout.splitlines()[-1]
