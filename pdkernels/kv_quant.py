@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from pdkernels import cpu
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 TINY = 1e-12  # the scale of an all-zero block (its values come back zero)
@@ -66,8 +68,18 @@ def gather_pages(cache: Tensor, scales: Tensor, kv_indices: Tensor, kv_layout: s
     into it: (pages [n, planes, ...] in dtype, indices). Any attention over a paged cache then runs over
     an e4m3 one, each page read once however many sequences share it."""
     pages, inverse = torch.unique(kv_indices.long(), return_inverse=True)
-    compact = dequantize(cache[pages], _broadcast(scales[pages], kv_layout), dtype)
-    return compact, inverse.to(kv_indices.dtype)
+    return dequantized_pages(cache, scales, pages, kv_layout, dtype), inverse.to(kv_indices.dtype)
+
+
+def dequantized_pages(
+    cache: Tensor, scales: Tensor, pages: Tensor, kv_layout: str, dtype: torch.dtype
+) -> Tensor:
+    """cache[pages] dequantized into dtype: on the CPU the C++ extension's one pass (the same bits as
+    dequantize; torch's e4m3 conversion ran a byte at a time), else dequantize."""
+    ext = cpu.for_cache(cache)
+    if ext is not None and scales.dim() == 3 and scales.is_contiguous() and hasattr(ext, "gather_dequantize"):
+        return ext.gather_dequantize(cache, scales, pages, kv_layout == "HND", dtype)
+    return dequantize(cache[pages], _broadcast(scales[pages], kv_layout), dtype)
 
 
 def append_pages(
@@ -96,7 +108,7 @@ def append_pages(
     pages, inverse = torch.unique(written, return_inverse=True)
     filled = torch.zeros(len(pages), dtype=torch.long, device=cache.device)
     filled.scatter_reduce_(0, inverse, row + 1, "amax")
-    x = dequantize(cache[pages], _broadcast(scales[pages], kv_layout))  # [n, planes, ...] float32
+    x = dequantized_pages(cache, scales, pages, kv_layout, torch.float32)  # [n, planes, ...]
     rows_first = x.permute(0, 3, 1, 2, 4) if kv_layout == "HND" else x.permute(0, 2, 1, 3, 4)  # a view
     rows_first[inverse, row] = (key[:, None] if value is None else torch.stack([key, value], dim=1)).float()
     keep = torch.arange(page_size, device=cache.device)[None, :] < filled[:, None]  # [n, P]

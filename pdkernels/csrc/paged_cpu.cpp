@@ -382,6 +382,98 @@ torch::Tensor argmax_rows(torch::Tensor x) {
   return out;
 }
 
+// e4m3 (fn: no infinities; 0x7F and 0xFF NaN, as torch gives them: 0x7FF00000 with the sign) as fp32,
+// exactly: a normal's exponent and mantissa moved into fp32's fields (bias 7 -> 127), a subnormal (exponent
+// 0) m * 2^-9. torch's conversion ran a byte at a time: 80% of an e4m3 decode step here.
+inline float e4m3_to_float(uint8_t b) {
+  const uint32_t mag = b & 0x7Fu, sign = (b & 0x80u) << 24;
+  if (mag == 0x7Fu) return std::bit_cast<float>(0x7FF00000u | sign);
+  const float value = mag < 8 ? static_cast<float>(mag) * 0x1p-9f : std::bit_cast<float>((mag << 20) + (120u << 23));
+  return std::bit_cast<float>(std::bit_cast<uint32_t>(value) | sign);
+}
+
+#if defined(__AVX2__)
+// e4m3_to_float on 8 bytes
+inline __m256 e4m3_to_float8(const uint8_t* q) {
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
+  const __m256i mag = _mm256_and_si256(b, _mm256_set1_epi32(0x7F));
+  const __m256i normal = _mm256_add_epi32(_mm256_slli_epi32(mag, 20), _mm256_set1_epi32(120 << 23));
+  const __m256i sub = _mm256_castps_si256(_mm256_mul_ps(_mm256_cvtepi32_ps(mag), _mm256_set1_ps(0x1p-9f)));
+  __m256i v = _mm256_blendv_epi8(normal, sub, _mm256_cmpgt_epi32(_mm256_set1_epi32(8), mag));
+  v = _mm256_blendv_epi8(v, _mm256_set1_epi32(0x7FF00000), _mm256_cmpeq_epi32(mag, _mm256_set1_epi32(0x7F)));
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24);
+  return _mm256_castsi256_ps(_mm256_or_si256(v, sign));
+}
+#endif
+
+// n e4m3 values times scale, each rounded once into out's dtype: fp32; bf16 to nearest even (NaN as 0x7FC0,
+// as c10's conversion; on the raw bits so that the loop vectorizes); fp16 by c10's conversion
+template <typename T>
+inline void dequantize_row(const uint8_t* q, float scale, T* out, int64_t n) {
+  float row[64];
+  for (int64_t d0 = 0; d0 < n; d0 += 64) {
+    const int64_t m = std::min<int64_t>(64, n - d0);
+    int64_t d = 0;
+#if defined(__AVX2__)
+    for (; d + 8 <= m; d += 8)
+      _mm256_storeu_ps(row + d, _mm256_mul_ps(e4m3_to_float8(q + d0 + d), _mm256_set1_ps(scale)));
+#endif
+    for (; d < m; ++d) row[d] = e4m3_to_float(q[d0 + d]) * scale;
+    if constexpr (std::is_same_v<T, float>) {
+      std::copy_n(row, m, out + d0);
+    } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      uint16_t* bits = reinterpret_cast<uint16_t*>(out + d0);
+#pragma omp simd
+      for (int64_t i = 0; i < m; ++i) {
+        const uint32_t u = std::bit_cast<uint32_t>(row[i]);
+        bits[i] = row[i] != row[i] ? uint16_t{0x7FC0} : static_cast<uint16_t>((u + ((u >> 16) & 1u) + 0x7FFFu) >> 16);
+      }
+    } else {
+      for (int64_t i = 0; i < m; ++i) out[d0 + i] = static_cast<T>(row[i]);
+    }
+  }
+}
+
+// pdkernels.kv_quant.gather_pages' dequantizing copy: cache [pages, planes, ...] e4m3 with scales [pages,
+// planes, H] fp32 (one per page, plane and head; HND: a head's P x D block, NHD: every D run of P x H rows
+// cycles through the heads), the pages `pages` names -> [n, planes, ...] in dtype (fp32, bf16 or fp16), each
+// element (q as fp32) * scale rounded once to dtype, as torch's (q.float() * scale).to(dtype).
+torch::Tensor gather_dequantize(const torch::Tensor& cache, const torch::Tensor& scales, const torch::Tensor& pages,
+                                bool hnd, at::ScalarType dtype) {
+  TORCH_CHECK(cache.dim() == 5 && cache.is_contiguous() && cache.element_size() == 1,
+              "cache must be a contiguous 5-D e4m3 (or uint8) paged cache");
+  const int64_t planes = cache.size(1), heads = hnd ? cache.size(2) : cache.size(3), dim = cache.size(4);
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 3 &&
+                  scales.size(0) == cache.size(0) && scales.size(1) == planes && scales.size(2) == heads,
+              "scales must be [pages, planes, H] fp32 for this cache");
+  TORCH_CHECK(pages.scalar_type() == at::kLong && pages.dim() == 1, "pages must be int64 [n]");
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, "dtype: fp32, bf16 or fp16");
+  const int64_t n = pages.size(0), count = cache.size(0), page = cache[0].numel(), plane = page / planes;
+  auto sizes = cache.sizes().vec();
+  sizes[0] = n;
+  auto out = torch::empty(sizes, cache.options().dtype(dtype));
+  const auto* src = reinterpret_cast<const uint8_t*>(cache.data_ptr());
+  const float* sp = scales.data_ptr<float>();
+  const int64_t* ids = pages.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(ids[i] >= 0 && ids[i] < count, "page ", ids[i], " out of range");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "gather_dequantize", [&] {
+    scalar_t* dst = out.data_ptr<scalar_t>();
+    at::parallel_for(0, n * planes, 1, [&](int64_t lo, int64_t hi) {
+      for (int64_t j = lo; j < hi; ++j) {
+        const int64_t i = j / planes, c = j % planes;
+        const uint8_t* from = src + ids[i] * page + c * plane;
+        const float* scale = sp + (ids[i] * planes + c) * heads;
+        scalar_t* to = dst + j * plane;
+        for (int64_t r = 0; r < plane / dim; ++r) {  // a row of D: one head's
+          const float sc = scale[hnd ? r / (plane / dim / heads) : r % heads];
+          dequantize_row(from + r * dim, sc, to + r * dim, dim);
+        }
+      }
+    });
+  });
+  return out;
+}
+
 void register_decode(pybind11::module& m);  // decode_cpu.cpp
 void register_linear(pybind11::module& m);  // linear_cpu.cpp
 void register_extend(pybind11::module& m);  // extend_cpu.cpp
@@ -397,6 +489,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual add and RMSNorm in one pass (CPU)", py::arg("x"),
         py::arg("residual"), py::arg("weight"), py::arg("eps"));
   m.def("kv_append", &kv_append, "append K and V rows to a 5-D HND paged cache (CPU)");
+  m.def("gather_dequantize", &gather_dequantize, "e4m3 pages with their scales, dequantized into a compact "
+        "cache (CPU)", py::arg("cache"), py::arg("scales"), py::arg("pages"), py::arg("hnd"), py::arg("dtype"));
   m.def("gather_kv", &gather_kv, "one sequence's K and V from its pages, [2, Hkv, L, D] (CPU)");
   m.def("causal_softmax", &causal_softmax, "scaled softmax of a causal block of scores (CPU)");
   m.def("rope", &rope, "rotary embedding, half-split layout (CPU)");

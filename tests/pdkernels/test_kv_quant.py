@@ -128,3 +128,52 @@ def test_attention_over_smollm2_s_kv_through_e4m3_stays_within_its_measured_erro
     assert pages.median() < 0.06 and pages.max() < 0.3
     assert bf16.median() < 0.005 and bf16.max() < 0.02
     assert pages.median() > 5 * bf16.median()  # e4m3 keeps 3 mantissa bits to bf16's 7: it shows
+
+
+def _ext():
+    from pdkernels import cpu
+
+    if cpu.module() is None or not hasattr(cpu.module(), "gather_dequantize"):
+        pytest.skip("pdkernels' CPU extension is not built here")
+    return cpu.module()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape, kv_layout", [((9, 2, 3, 16, 64), "HND"), ((9, 2, 16, 3, 36), "NHD"),
+                                              ((9, 1, 1, 16, 72), "HND")])  # fmt: skip
+def test_the_cpu_dequantizing_copy_gives_dequantize_s_bits_for_every_byte(shape, kv_layout, dtype):
+    """Every e4m3 byte value (random pages, one scale per page, plane and head; an MLA-shaped cache of one
+    plane and one head; head widths 64, 36 and 72: a scalar tail, a partial row of 64) through the C++
+    copy is bit for bit what dequantize gives (the NaN bytes, never written by quantize, come back NaN),
+    pages picked repeatedly and out of order."""
+    _ext()
+    g = torch.Generator().manual_seed(1)
+    cache = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
+    cache.view(-1)[:256] = torch.arange(256, dtype=torch.uint8)
+    cache = cache.view(torch.float8_e4m3fn)
+    scales = torch.rand(kv_quant.scales_shape(shape, kv_layout), generator=g) * 10.0 ** torch.randint(
+        -6, 3, (1,), generator=g
+    )
+    pages = torch.tensor([4, 0, 8, 4, 2])
+    got = kv_quant.dequantized_pages(cache, scales, pages, kv_layout, dtype)
+    want = kv_quant.dequantize(cache[pages], kv_quant._broadcast(scales[pages], kv_layout), dtype)
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan) and torch.equal(got[~nan], want[~nan])
+
+
+def test_the_cpu_dequantizing_copy_refuses_what_does_not_fit():
+    ext = _ext()
+    cache = torch.zeros(4, 2, 3, 16, 8, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    scales = torch.ones(4, 2, 3)
+    with pytest.raises(RuntimeError, match="page 4 out of range"):
+        ext.gather_dequantize(cache, scales, torch.tensor([1, 4]), True, torch.float32)
+    with pytest.raises(RuntimeError, match="page -1 out of range"):
+        ext.gather_dequantize(cache, scales, torch.tensor([-1]), True, torch.float32)
+    with pytest.raises(RuntimeError, match=r"scales must be \[pages, planes, H\]"):
+        ext.gather_dequantize(cache, torch.ones(4, 2, 16), torch.tensor([0]), True, torch.float32)
+    with pytest.raises(RuntimeError, match="e4m3"):
+        ext.gather_dequantize(torch.zeros(4, 2, 3, 16, 8), scales, torch.tensor([0]), True, torch.float32)
+    with pytest.raises(RuntimeError, match="dtype"):
+        ext.gather_dequantize(cache, scales, torch.tensor([0]), True, torch.int32)
+    none = ext.gather_dequantize(cache, scales, torch.tensor([], dtype=torch.long), True, torch.bfloat16)
+    assert none.shape == (0, 2, 3, 16, 8)
