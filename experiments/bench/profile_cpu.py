@@ -242,6 +242,7 @@ def print_table(result: dict) -> None:
     m, line = result["machine"], result["roofline"]
     isa = " ".join(m["isa"]) or "no AVX-512"
     mode = ", batch_invariant" if result.get("batch_invariant") else ""
+    mode += f", KV {result['kv_dtype']}" if result.get("kv_dtype", "auto") != "auto" else ""
     print(f"{result['model']} ({result['dtype']}{mode}, {result['threads']} thread(s)) on {m['cpu']}; {isa}")
     print(
         f"this machine, {result['threads']} thread(s): streaming read {line['read_bw'] / 1e9:.1f} GB/s, GEMM "
@@ -287,11 +288,19 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--batch-invariant", action="store_true", help="our engine with batch_invariant on (its cost)"
     )
+    ap.add_argument(
+        "--kv-dtype",
+        choices=("auto", "fp8_e4m3"),
+        default="auto",
+        help="our engine's KV cache dtype (fp8_e4m3: e4m3 pages with their scales; ours only, no peer)",
+    )
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",") if b]
     if args.prompt < 1 or args.threads < 1 or args.steps < 1 or not batches or min(batches) < 1:
         ap.error("--prompt, --threads, --steps and every batch size must be at least 1")
+    if args.kv_dtype != "auto" and args.peer_python:
+        ap.error("--kv-dtype fp8_e4m3 profiles our engine only: leave out --peer-python")
     torch.set_num_threads(args.threads)
     record_extension_calls()
     dtype = auto_dtype()
@@ -299,7 +308,7 @@ def main(argv=None) -> int:
     pages = (seqs + 2) * (-(-(args.prompt + args.steps + 64) // 16)) + 8
     llm = LLM(args.model, device="cpu", dtype=dtype, page_size=16, num_pages=pages, max_num_seqs=seqs,
               max_num_batched_tokens=max(args.prompt, 512), enable_prefix_caching=False,
-              batch_invariant=args.batch_invariant)  # fmt: skip
+              batch_invariant=args.batch_invariant, kv_dtype=args.kv_dtype)  # fmt: skip
     once = SamplingParams(max_tokens=1, ignore_eos=True)
 
     def prefill(i: int):
@@ -316,6 +325,7 @@ def main(argv=None) -> int:
         "dtype": dtype,
         "threads": args.threads,
         "batch_invariant": args.batch_invariant,
+        "kv_dtype": args.kv_dtype,
         "phases": {},
         "peer": None,
     }

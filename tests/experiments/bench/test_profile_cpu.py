@@ -42,9 +42,23 @@ def test_ops_fall_in_their_kinds(op, kind):
     assert profile_cpu.kind_of(op) == kind
 
 
-def test_bad_arguments_are_refused():
+def test_bad_arguments_are_refused(capsys):
     with pytest.raises(SystemExit):
         profile_cpu.main(["--batches", "0"])
+    with pytest.raises(SystemExit):
+        profile_cpu.main(["--kv-dtype", "fp8_e5m2"])
+    assert "invalid choice: 'fp8_e5m2'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        profile_cpu.main(["--kv-dtype", "fp8_e4m3", "--peer-python", "/nowhere/python"])
+    assert "profiles our engine only" in capsys.readouterr().err
+
+
+def test_an_e4m3_cache_is_profiled_and_said_so(tmp_path, capsys):
+    assert profile_cpu.main(["--model", "tiny-random", "--prompt", "40", "--batches", "2", "--steps", "2",
+                             "--kv-dtype", "fp8_e4m3", "--out", str(tmp_path)]) == 0  # fmt: skip
+    result = json.loads((tmp_path / "profile.json").read_text())
+    assert result["kv_dtype"] == "fp8_e4m3" and set(result["phases"]) == {"prefill 40", "decode batch 2"}
+    assert ", KV fp8_e4m3," in capsys.readouterr().out
 
 
 FAKE_PEER = """#!{python}
