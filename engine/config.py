@@ -267,6 +267,8 @@ class TierSettings:
     policy: str = "on_evict"  # on_evict | write_through: when a page goes below device memory
     store: str = "none"  # none | mooncake: a pool every worker of the deployment shares (Mooncake Store)
     store_deadline_s: float = 2.0  # every store call's deadline; past it the pool is a miss
+    # an existence check's deadline (the engine's step waits on it; the shorter of the two serves)
+    store_lookup_s: float = 0.5
     # decode role: a disaggregated request's leading pages found below device memory are loaded here
     # instead of sent by the prefill worker: "cost" when their load is expected to end before the
     # transfer would land (each tier's measured load time per page against the prefill workers'
@@ -295,10 +297,12 @@ class TierSettings:
             f"kv_tiers.host_bytes too (got host_bytes={self.host_bytes}, disk_bytes={self.disk_bytes}, "
             f"store={self.store!r})",
         )
-        _check(
-            isinstance(self.store_deadline_s, int | float) and 0 < self.store_deadline_s <= 60,
-            f"kv_tiers.store_deadline_s must be in (0, 60] seconds, got {self.store_deadline_s!r}",
-        )
+        for key in ("store_deadline_s", "store_lookup_s"):
+            value = getattr(self, key)
+            _check(
+                isinstance(value, int | float) and not isinstance(value, bool) and 0 < value <= 60,
+                f"kv_tiers.{key} must be in (0, 60] seconds, got {value!r}",
+            )
 
     def settings(self) -> dict:
         """TierSettings' fields and their values (what a KVTiersConfig takes from a deployment's)."""

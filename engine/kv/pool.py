@@ -33,7 +33,7 @@ SEALS = 2  # sealed objects in the client's buffer: a call past its deadline kee
 
 class PoolTier:
     def __init__(self, master: str, metadata: str, space: bytes, secret: bytes, plain_bytes: int,
-                 deadline_s: float):  # fmt: skip
+                 deadline_s: float, lookup_s: float = 0.5):  # fmt: skip
         """plain_bytes: how much of a slot an object holds (header and payload, not the padding)."""
         from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
@@ -43,7 +43,7 @@ class PoolTier:
         self.sealed_bytes = NONCE + plain_bytes + TAG
         self._stride = -(-self.sealed_bytes // 4096) * 4096
         self.memory = torch.empty(SEALS * self._stride, dtype=torch.uint8)  # registered: outlives the client
-        self.client = StoreClient(master, metadata, self.memory, deadline_s)
+        self.client = StoreClient(master, metadata, self.memory, deadline_s, lookup_s)
         self._free, self._held = list(range(SEALS)), []  # _held: given to a call past its deadline
         self._aead = AESGCM(hmac.new(secret, b"pdkernels kv pool: seal", hashlib.sha256).digest())
         self._names = hmac.new(secret, b"pdkernels kv pool: names|" + space, hashlib.sha256)

@@ -120,6 +120,7 @@ class KVTiers:
                     self.fmt.secret,
                     HEADER_BYTES + self.fmt.payload,
                     config.store_deadline_s,
+                    config.store_lookup_s,
                 )
             except Exception as e:  # a store that is not there: the engine serves without the pool
                 log.warning("kv_tiers: no shared pool at %s: %s", config.store_master, e)

@@ -201,12 +201,14 @@ def _stream_beside(url: str, hostile) -> tuple[int, object]:
     """(tokens a greedy stream received while hostile() ran, what hostile() returned): the stream is
     running (its first token came) before hostile() starts, and runs on after it ends."""
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
-    started, stop, counts = threading.Event(), threading.Event(), [0]
+    started, stop, arrivals = threading.Event(), threading.Event(), []
 
     def stream():
+        # 1,000 tokens (the server's context holds 1,020) took 2-3 s on an AVX-512 EPYC, about as long as a
+        # refused grammar: a stream may end while the grammar runs (its tokens till then count)
         with _long_stream(client, "Stream on:") as chunks:  # closed on leaving: the server cancels it
             for _ in chunks:
-                counts[0] += 1
+                arrivals.append(time.monotonic())
                 started.set()
                 if stop.is_set():
                     break
@@ -214,12 +216,15 @@ def _stream_beside(url: str, hostile) -> tuple[int, object]:
     t = threading.Thread(target=stream)
     t.start()
     assert started.wait(60), "the stream did not start"
-    before = counts[0]
+    before, began = len(arrivals), time.monotonic()
     out = hostile()
-    during = counts[0] - before
+    during, ended = len(arrivals) - before, time.monotonic()
     stop.set()
     t.join(timeout=120)
     _until_pages_back(url)  # its pages too: the next test starts with every page free
+    if during == 0:  # what the stream did around it, for the failure's message
+        print(f"no token during {ended - began:.2f} s: {before} before, the last at "
+              f"{arrivals[-1] - began:+.2f} s, {len(arrivals)} in all")  # fmt: skip
     return during, out
 
 

@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 # with no call done well between, up to DOWN_FOR_S: one transient failure costs a short run half a second
 # of its pool, not five; a store that stays down is asked once every DOWN_FOR_S
 FIRST_DOWN_S, DOWN_FOR_S = 0.5, 5.0
-LOOKUP_S = 0.5  # an existence check's deadline: the engine's thread waits on it
+LOOKUP_S = 0.5  # an existence check's deadline by default: the engine's thread waits on it
 NO_OBJECT, TOO_SMALL = -704, -600  # Mooncake's codes for a key it does not hold, a buffer too small
 LATE, FAILED = object(), object()
 STARTS = 3  # tries at starting the store's processes, each on fresh ports
@@ -325,9 +325,10 @@ def _bound_to(host: str) -> dict:
 class StoreClient:
     """A worker's client of the pool: pages move between its registered host buffer and the pool."""
 
-    def __init__(self, master: str, metadata: str, memory, deadline_s: float):
+    def __init__(self, master: str, metadata: str, memory, deadline_s: float, lookup_s: float = LOOKUP_S):
         host = local_address(master)
         self.deadline_s, self.down_until = deadline_s, 0.0
+        self.lookup_s = lookup_s  # an existence check's deadline (kv_tiers.store_lookup_s)
         self.down_for = FIRST_DOWN_S  # the next outage's length
         self.outages = 0  # times the pool went down (a failure while up)
         self._lock = threading.Lock()
@@ -393,7 +394,7 @@ class StoreClient:
         """Which keys the pool holds (all False while it is down)."""
         if not self.up or not keys:
             return [False] * len(keys)
-        found = self._call(self.store.batch_is_exist, keys, wait=min(self.deadline_s, LOOKUP_S))
+        found = self._call(self.store.batch_is_exist, keys, wait=min(self.deadline_s, self.lookup_s))
         if found in (LATE, FAILED) or any(f < 0 for f in found):
             if found not in (LATE, FAILED):
                 self._failed("batch_is_exist", found)

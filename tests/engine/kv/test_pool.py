@@ -46,12 +46,17 @@ def store(tmp_path):
 
 
 def _tiers(store, **more):
+    """The tiers over the test's store; its calls' deadlines generous (only a broken store reaches them:
+    a first existence check past the default 0.5 s under a loaded machine made a pool a miss mid-test),
+    but where a test sets its own."""
     return {
         "host_bytes": 1 << 20,
         "store": "mooncake",
         "store_master": store.master,
         "store_metadata": store.metadata,
         "secret": "deployment secret",
+        "store_deadline_s": 30.0,
+        "store_lookup_s": 30.0,
         **more,
     }
 

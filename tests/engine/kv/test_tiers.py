@@ -300,6 +300,7 @@ def test_two_engines_cannot_share_a_disk_folder(tmp_path):
         ({"disk_bytes": 1 << 20, "disk_dir": "/tmp/x"}, r"stage pages through the host pool"),
         ({"host_bytes": 1 << 20, "store": "redis"}, r"kv_tiers.store must be one of \('none', 'mooncake'\)"),
         ({"host_bytes": 1 << 20, "store_deadline_s": 0}, r"kv_tiers.store_deadline_s must be in \(0, 60\]"),
+        ({"host_bytes": 1 << 20, "store_lookup_s": 61}, r"kv_tiers.store_lookup_s must be in \(0, 60\]"),
     ],
 )
 def test_bad_tier_settings_name_the_field_and_the_allowed_values(tiers, match):
