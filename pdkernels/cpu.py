@@ -177,9 +177,9 @@ class PanelWeight(PackedWeight):
         self.panels = panels
 
 
-# Rows of x up to which the panels serve: from 1 to 32 rows they beat oneDNN on AVX-512 BF16 without AMX
-# (1.2-1.4x at 1-20 rows, 1.07x at 32: docs/results/engine-cpu.md); AMX CPUs keep oneDNN's kernels, not
-# measured against the panels there
+# Rows of x up to which the panels serve: a step's projections 1.35-2.0x faster than oneDNN's at 1-32 rows
+# on an AVX-512 BF16 EPYC (experiments/bench/bench_bf16_linear.py, docs/results/engine-cpu.md); past them
+# the prefill's GEMMs stay oneDNN's. AMX CPUs keep oneDNN's kernels, not measured against the panels there
 PANEL_MAX_M = 32
 
 # Rows of x up to which the int8 copy serves: below it the int8 product reads a quarter of the bytes and
