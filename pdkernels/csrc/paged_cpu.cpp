@@ -384,7 +384,7 @@ torch::Tensor argmax_rows(torch::Tensor x) {
 
 // e4m3 (fn: no infinities; 0x7F and 0xFF NaN, as torch gives them: 0x7FF00000 with the sign) as fp32,
 // exactly: a normal's exponent and mantissa moved into fp32's fields (bias 7 -> 127), a subnormal (exponent
-// 0) m * 2^-9. torch's conversion ran a byte at a time: 80% of an e4m3 decode step here.
+// 0) m * 2^-9. torch's conversion ran a byte at a time (most of an e4m3 decode step: docs/results/fp8-kv.md).
 inline float e4m3_to_float(uint8_t b) {
   const uint32_t mag = b & 0x7Fu, sign = (b & 0x80u) << 24;
   if (mag == 0x7Fu) return std::bit_cast<float>(0x7FF00000u | sign);
