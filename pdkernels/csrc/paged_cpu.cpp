@@ -406,8 +406,7 @@ inline __m256 e4m3_to_float8(const uint8_t* q) {
 }
 #endif
 
-// n e4m3 values times scale, each rounded once into out's dtype: fp32; bf16 to nearest even (NaN as 0x7FC0,
-// as c10's conversion; on the raw bits so that the loop vectorizes); fp16 by c10's conversion
+// n e4m3 values times scale, each rounded once into out's dtype (store_row: bf16 on the raw bits)
 template <typename T>
 inline void dequantize_row(const uint8_t* q, float scale, T* out, int64_t n) {
   float row[64];
@@ -419,18 +418,7 @@ inline void dequantize_row(const uint8_t* q, float scale, T* out, int64_t n) {
       _mm256_storeu_ps(row + d, _mm256_mul_ps(e4m3_to_float8(q + d0 + d), _mm256_set1_ps(scale)));
 #endif
     for (; d < m; ++d) row[d] = e4m3_to_float(q[d0 + d]) * scale;
-    if constexpr (std::is_same_v<T, float>) {
-      std::copy_n(row, m, out + d0);
-    } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
-      uint16_t* bits = reinterpret_cast<uint16_t*>(out + d0);
-#pragma omp simd
-      for (int64_t i = 0; i < m; ++i) {
-        const uint32_t u = std::bit_cast<uint32_t>(row[i]);
-        bits[i] = row[i] != row[i] ? uint16_t{0x7FC0} : static_cast<uint16_t>((u + ((u >> 16) & 1u) + 0x7FFFu) >> 16);
-      }
-    } else {
-      for (int64_t i = 0; i < m; ++i) out[d0 + i] = static_cast<T>(row[i]);
-    }
+    store_row(row, out + d0, m);
   }
 }
 
