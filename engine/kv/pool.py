@@ -33,7 +33,7 @@ SEALS = 2  # sealed objects in the client's buffer: a call past its deadline kee
 
 class PoolTier:
     def __init__(self, master: str, metadata: str, space: bytes, secret: bytes, plain_bytes: int,
-                 deadline_s: float, lookup_s: float = 0.5):  # fmt: skip
+                 deadline_s: float, lookup_s: float):  # fmt: skip
         """plain_bytes: how much of a slot an object holds (header and payload, not the padding)."""
         from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 

@@ -19,10 +19,10 @@ ROUNDS = 200
 @pytest.fixture(scope="module")
 def pool():
     from engine.kv.pool import PoolTier
-    from transfer.backends.mooncake import StoreProcesses
+    from transfer.backends.mooncake import LOOKUP_S, StoreProcesses
 
     store = StoreProcesses("127.0.0.1", 512 << 20, tempfile.mkdtemp(prefix="bench-pool-"))
-    tier = PoolTier(store.master, store.metadata, b"s" * 16, b"bench secret", PLAIN, 5.0)
+    tier = PoolTier(store.master, store.metadata, b"s" * 16, b"bench secret", PLAIN, 5.0, LOOKUP_S)
     yield tier
     tier.close()
     store.stop()
