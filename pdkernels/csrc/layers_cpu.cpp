@@ -141,8 +141,8 @@ class DenseDecoder {
       });
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-    if (!panels_.empty() && x.size(0) <= max_rows_)
-      return bf16_weight_linear(x, weights_[i], panels_[i], max_rows_);  // recorded as pdk::bf16_linear
+    if (!panels_.empty())  // recorded as pdk::bf16_linear where the panels serve
+      return bf16_weight_linear(x, weights_[i], panels_[i], max_rows_);
 #endif
     return packed_linear(x, weights_[i]);
   }
