@@ -11,12 +11,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from engine.config import KV_DTYPES
 from engine.sequence import SamplingParams
 from pdkernels.out_proj import host_view
 from transfer.backends import Backend
 from transfer.config import TransferConfig
 from transfer.decode import DecodeMessenger
-from transfer.plan import ShardSpec
+from transfer.plan import ShardSpec, as_e4m3, wire_spec
 from transfer.prefill import PrefillMessenger
 
 if TYPE_CHECKING:  # the engine it adapts; engine/dp_group.py (which engine.llm starts) imports this module
@@ -108,19 +109,74 @@ class DecodeSide:
         self.llm.handoff.prefill_locally(request_id)
 
 
+class E4M3Staging:
+    """A prefill worker's KV as it crosses to decode workers whose cache is e4m3 while its own is wider
+    (bf16, fp32): a staging copy of each TP rank's cache in e4m3 with a float32 scale per page, plane and
+    head (engine.kv.cache's scaled region, what the transfer registers instead of the cache), each page
+    quantized into it from the cache as its layers are posted (pdkernels.kv_quant.quantize, over the rows
+    the page holds: the bits an e4m3 cache keeps for a page written whole). The price: half the cache's
+    bytes again (a quarter of an fp32 one's), and a pass over each page sent."""
+
+    def __init__(self, llm: LLM):
+        from engine.kv.cache import allocate_scaled_kv_cache
+
+        c = llm.config
+        heads = llm.model.shard.num_kv_heads  # every rank holds as many
+        self.caches, self.layout, self.page_size = llm.kv_caches, c.cache.kv_layout, c.cache.page_size
+        staged = [allocate_scaled_kv_cache(c.arch, c.cache, heads, cache.device) for cache in self.caches]
+        self.regions = [region for region, _, _ in staged]
+        self.views = [(kv, scales) for _, kv, scales in staged]
+        self.spec = as_e4m3(shard_spec(llm))
+
+    def __call__(self, pages: list[int], tokens: int, layers: range) -> None:
+        """Quantize layers' pages of every rank into the staging copy: pages hold tokens from the first
+        one's start (the last page's rows past them are a reused page's leftovers: zero, never counted)."""
+        from pdkernels.kv_quant import page_dims, quantize
+
+        n, rows = len(pages), tokens - (len(pages) - 1) * self.page_size
+        hnd = self.layout == "HND"
+        for cache, (kv, scales) in zip(self.caches, self.views, strict=True):
+            index = torch.tensor(pages, device=cache.device)
+            x = cache[layers.start : layers.stop][:, index].float().flatten(0, 1)  # [layers * n, planes, ...]
+            if rows < self.page_size:
+                last = x[n - 1 :: n]
+                (last[:, :, :, rows:] if hnd else last[:, :, rows:]).zero_()
+                x[n - 1 :: n] = last
+            q, s = quantize(x, page_dims(self.layout))
+            shape = (len(layers), n)
+            kv[layers.start : layers.stop, index] = q.view(*shape, *q.shape[1:])
+            s = s[..., 0, 0] if hnd else s[:, :, 0, :, 0]
+            scales[layers.start : layers.stop, index] = s.view(*shape, *s.shape[1:])
+        if self.caches[0].is_cuda:  # the writes read the staging copy from the NIC: done before they post
+            torch.cuda.current_stream().synchronize()
+
+
 def prefill_messenger(
-    llm: LLM, backend: Backend | list[Backend], config: TransferConfig | None = None, side: type = PrefillSide
+    llm: LLM,
+    backend: Backend | list[Backend],
+    config: TransferConfig | None = None,
+    side: type = PrefillSide,
+    kv_dtype: str = "auto",
 ) -> PrefillMessenger:
     """A PrefillMessenger over llm's KV regions (every TP rank's) and layer counter, as its listener;
-    backend: an agent per TP rank (a worker's: transfer.backends.rank_agents) or one for all."""
+    backend: an agent per TP rank (a worker's: transfer.backends.rank_agents) or one for all. kv_dtype: what
+    the KV crosses as, the decode workers' cache's (engine.config.KV_DTYPES): auto, the cache's own;
+    fp8_e4m3 from a wider cache, through an E4M3Staging."""
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_dtype must be one of {KV_DTYPES}, got {kv_dtype!r}")
+    spec, regions, stage = shard_spec(llm), llm.kv_regions, None
+    if wire_spec(spec, kv_dtype) != spec:
+        stage = E4M3Staging(llm)
+        spec, regions = stage.spec, stage.regions
     pm = PrefillMessenger(
         side(llm),
         backend,
-        shard_spec(llm),
-        llm.kv_regions,
+        spec,
+        regions,
         host_view(llm.core.counter),  # read while the pass runs, not after it (pinned, mapped on CUDA)
         llm.config.arch.hidden_size,
         config,
+        stage,
     )
     llm.core.listener = pm
     return pm

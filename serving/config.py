@@ -139,12 +139,19 @@ def engine_config(
     the engine's names, with what they leave to derive resolved here, once, in the main process before any
     worker starts: chunk_size auto and slo (prefill_budget), slo's step target (tpot_s), the decode
     preemption, speculation only where a worker samples (or may come to: elastic)."""
-    page_size, num_pages, kv_layout = model.page_size, model.num_pages, model.kv_layout
+    page_size, num_pages, kv_layout, kv_dtype = (
+        model.page_size,
+        model.num_pages,
+        model.kv_layout,
+        model.kv_dtype,
+    )
     if role is Role.PREFILL and d.prefill_page_size is not None:  # the same tokens in pages of its size
         page_size = d.prefill_page_size
         num_pages = max(1, model.num_pages * model.page_size // page_size)
     if role is Role.PREFILL and d.prefill_kv_layout is not None:
         kv_layout = d.prefill_kv_layout
+    if role is Role.PREFILL and d.prefill_kv_dtype is not None:
+        kv_dtype = d.prefill_kv_dtype
     return EngineConfig.of(
         model.name,
         device=model.device,
@@ -152,7 +159,7 @@ def engine_config(
         page_size=page_size,
         num_pages=num_pages,
         kv_layout=kv_layout,
-        kv_dtype=model.kv_dtype,
+        kv_dtype=kv_dtype,
         max_num_seqs=model.max_num_seqs,
         expert_parallel=model.expert_parallel,
         batch_invariant=model.batch_invariant,
@@ -177,8 +184,9 @@ class ModelSpec:
     dtype: str = "bfloat16"  # or auto: bfloat16 on CUDA and on CPUs with AVX-512 BF16 or AMX, else float32
     page_size: int = 16  # tokens per KV page
     kv_layout: str = "HND"  # a KV page's plane as [heads, tokens, head_dim] (HND) or [tokens, heads, ...]
-    # auto: the model's dtype; fp8_e4m3: e4m3 pages with a scale per page and head (a colocated engine of
-    # one rank so far: engine.config.CacheConfig.kv_dtype)
+    # auto: the model's dtype; fp8_e4m3: e4m3 pages with a scale per page, plane and head
+    # (engine.config.CacheConfig.kv_dtype; a deployment's prefill workers may keep a wider one:
+    # deployment.prefill_kv_dtype)
     kv_dtype: str = "auto"
     num_pages: int = 512  # per worker
     max_num_seqs: int = 64  # sequences a worker runs at once (its largest decode batch)
@@ -255,6 +263,10 @@ class DeploymentConfig:
     # ... and their pages' layout (null: model.kv_layout): what lands in the other layout is turned into the
     # decode workers' own in place; an NHD prefill worker needs decode_tp = prefill_tp (or one kv head)
     prefill_kv_layout: str | None = None
+    # ... and their KV cache's dtype (null: model.kv_dtype): auto (the model's dtype) where model.kv_dtype is
+    # fp8_e4m3 computes the prompt over a full-precision cache and quantizes each page as it is sent to the
+    # decode workers' e4m3 one; an e4m3 prefill cache never feeds a wider decode cache
+    prefill_kv_dtype: str | None = None
     # prefill tokens per forward pass (the chunked prefill budget), or auto (prefill_budget: 2,048 where
     # the CPU computes in bf16, 1,024 on a CPU in fp32, 512 elsewhere), or slo (auto's, but a step with
     # decodes takes only the prompt tokens that, at its measured step time, keep each decoding request's
@@ -327,12 +339,20 @@ class DeploymentConfig:
         for key in counts + keys:
             name = "num_workers (or auto)" if key == "num_workers" else key
             check_positive(f"deployment.{name}", getattr(self, key), integer=True)
-        p, layout = self.prefill_page_size, self.prefill_kv_layout
+        p, layout, kv_dtype = self.prefill_page_size, self.prefill_kv_layout, self.prefill_kv_dtype
         if p is not None:
             check_positive("deployment.prefill_page_size (or null)", p, integer=True)
         if layout is not None and layout not in KV_LAYOUTS:
             refuse("deployment.prefill_kv_layout", layout, f"null or one of {KV_LAYOUTS}")
-        for key, value in (("prefill_page_size", p), ("prefill_kv_layout", layout)):
+        if kv_dtype is not None and kv_dtype not in KV_DTYPES:
+            refuse("deployment.prefill_kv_dtype", kv_dtype, f"null or one of {KV_DTYPES}")
+        if kv_dtype is not None and self.prefill_dp > 1:
+            refuse("deployment.prefill_kv_dtype", kv_dtype, "null where prefill_dp > 1")
+        for key, value in (
+            ("prefill_page_size", p),
+            ("prefill_kv_layout", layout),
+            ("prefill_kv_dtype", kv_dtype),
+        ):
             if value is not None and self.colocated:
                 refuse(f"deployment.{key}", value, "null for kind=colocated (no prefill workers)")
             if value is not None and self.planner.elastic:
@@ -675,14 +695,14 @@ def check_fits_model(config: RuntimeConfig):
                     f"deployment {d.name}: {key}={d.tp_of(role)} does not fit {loaded.config.name}: {e}"
                 ) from e
         if not d.colocated:
-            from transfer.plan import check_compatible
+            from transfer.plan import check_compatible, wire_spec
 
             try:
-                check_compatible(specs[Role.PREFILL], specs[Role.DECODE])
+                check_compatible(wire_spec(specs[Role.PREFILL], config.model.kv_dtype), specs[Role.DECODE])
             except ValueError as e:
                 raise ValueError(
                     f"deployment {d.name}: its prefill workers' KV cannot go to its decode workers "
-                    f"(prefill_page_size, prefill_kv_layout, prefill_tp, decode_tp): {e}"
+                    f"(prefill_page_size, prefill_kv_layout, prefill_kv_dtype, prefill_tp, decode_tp): {e}"
                 ) from e
     check_fits_machine(config, loaded)
     return loaded

@@ -75,6 +75,9 @@ class WorkerSpec:
     # deployment's workers are each other's peers; those not prefilling yet join when they Hello
     wait_for: tuple[str, ...] | None = None
     netns: str | None = None  # launcher=netns: the network namespace (host) it runs in
+    # prefill: the decode workers' KV dtype (model.kv_dtype), what its KV crosses as (engine.disagg's
+    # prefill_messenger: e4m3 from a wider cache, deployment.prefill_kv_dtype, is quantized as it is sent)
+    kv_wire_dtype: str = "auto"
 
     @property
     def role(self) -> Role:
@@ -295,7 +298,7 @@ class Worker:
         name = f"{spec.name}-{os.getpid()}{again}"
         agents = rank_agents(t, name, spec.tp)  # DP group 0's: one per TP rank, each on its own NIC
         if self.role.sends_kv:
-            self.pm = prefill_messenger(self.llm, agents, t)
+            self.pm = prefill_messenger(self.llm, agents, t, kv_dtype=spec.kv_wire_dtype)
             self._send(Listening(spec.name, {}))
             connect = self._await_connect()
             for peer, address in connect.addresses.items():

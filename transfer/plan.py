@@ -23,7 +23,9 @@ pages, or whole units of all the rank's heads.
 
 An e4m3 cache's scales (a float32 per layer, page, plane and head) follow every layer's pages in the
 same region (ShardSpec.scale_bytes): each page write of a run of heads brings one write of those heads'
-scales, after the layer's page writes; scaled pages cross only between equal page sizes.
+scales, after the layer's page writes; scaled pages cross only between equal page sizes. A prefill side
+whose cache is wider (bf16, fp32) feeds an e4m3 decode side from a staging copy in e4m3 (as_e4m3), each
+page quantized into it as its layers are posted; an e4m3 prefill side never feeds a wider decode side.
 
 Writes are planned per unit (a page, where the sizes match) and never merged across units, so the count
 for a whole request is the sum of the counts for any split of its tokens at unit boundaries: the decode
@@ -33,7 +35,7 @@ side computes it once, the prefill side plans each chunk's completed pages as th
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import numpy as np
@@ -145,10 +147,33 @@ MUST_MATCH = (
 )  # fmt: skip
 
 
+E4M3 = "fp8_e4m3"
+
+
+def as_e4m3(spec: ShardSpec) -> ShardSpec:
+    """The geometry of spec's pages quantized to e4m3 with a float32 scale per page, plane and head: what a
+    prefill side with a wider cache sends a decode side whose cache is e4m3 (a staging copy it quantizes
+    each page into as its layers are posted: engine.disagg.E4M3Staging)."""
+    return replace(spec, dtype=E4M3, itemsize=1, scale_bytes=4)
+
+
+def wire_spec(spec: ShardSpec, kv_dtype: str) -> ShardSpec:
+    """What a prefill side's KV crosses as toward decode workers whose cache holds kv_dtype (auto: the
+    model's dtype, or fp8_e4m3): as_e4m3 of its own where those hold e4m3 and it a wider cache, else its
+    own spec."""
+    return as_e4m3(spec) if kv_dtype == E4M3 and spec.dtype != E4M3 else spec
+
+
 def check_compatible(src: ShardSpec, dst: ShardSpec) -> None:
     """Refuse a pair of specs whose KV does not mean the same on both sides, naming the first field they
     disagree on and both values (the decode side checks a prefill worker's Hello at connect; the prefill
     side each request's destination)."""
+    if src.dtype == E4M3 and dst.dtype != E4M3:
+        raise ValueError(
+            f"an e4m3 prefill side's KV cannot go to a {dst.dtype} decode side (it would read 3 mantissa "
+            "bits as its own): give the prefill workers the decode workers' KV dtype, or a wider one "
+            "(each page is then quantized as it is written)"
+        )
     for name in MUST_MATCH:
         a, b = getattr(src, name), getattr(dst, name)
         if a != b:

@@ -150,8 +150,11 @@ class PrefillMessenger:
         counter: Tensor,  # polled by the sender thread: host memory (see pdkernels.out_proj.host_view)
         hidden_size: int,
         config: TransferConfig | None = None,
+        # where the KV crosses in another dtype than the cache's (spec and kv_regions a staging copy's:
+        # transfer.plan.as_e4m3): stage(page ids, the tokens they hold, layers) fills them before posting
+        stage=None,
     ):
-        self.engine, self.spec, self.counter = engine, spec, counter
+        self.engine, self.spec, self.counter, self.stage = engine, spec, counter, stage
         self.config = config or TransferConfig()
         slots = self.config.context_slots
         # staging for context writes, beside the KV (one memory type per NIXL agent: DRAM or VRAM)
@@ -557,8 +560,11 @@ class PrefillMessenger:
         """Post each layer's writes for every item as soon as counter[0, layer] reaches the pass (send_mode
         layer), or every layer's once the last one has (chunk, request)."""
         by_layer = [[] for _ in range(self.spec.num_layers)]  # [(transfer, ops [n, 5])] per layer
+        staged = []  # per item: the pages it posts that the decode side lacks, and the tokens they hold
         for t, i0, i1, pages in items:
             req = t.req
+            first, size = max(i0, req.held_tokens // self.spec.page_size), self.spec.page_size
+            staged.append((pages[first:i1], min(i1 * size, len(req.prompt_ids)) - first * size))
             rows = plan_array(  # layer-major: each layer's writes are one slice
                 self.spec,
                 req.dst_spec,
@@ -598,6 +604,8 @@ class PrefillMessenger:
             seen = now
             for i, (t, _) in enumerate(by_layer[layer]):
                 rows = np.concatenate([by_layer[done][i][1] for done in range(layer, ready)])
+                if self.stage is not None and len(rows):
+                    self.stage(*staged[i], range(layer, ready))
                 now = time.perf_counter()
                 posts = route(rows, self.agents.rails, t.req.rails, self.rates.weights(), self._usable(t))
                 if self._post(t, posts, "kv"):

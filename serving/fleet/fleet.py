@@ -108,6 +108,7 @@ def worker_specs(
                 peers=peers,
                 cores=cores(engine.tp, engine.dp),
                 wait_for=wait_for,
+                kv_wire_dtype=config.model.kv_dtype if role is Role.PREFILL else "auto",
                 **common,
             )
         )

@@ -47,7 +47,8 @@ needs.nixl()
         (
             "deployment.prefill_page_size=6",
             "prefill workers' KV cannot go to its decode workers (prefill_page_size, prefill_kv_layout, "
-            "prefill_tp, decode_tp): prefill page_size 6 and decode page_size 4: one must divide the other",
+            "prefill_kv_dtype, prefill_tp, decode_tp): prefill page_size 6 and decode page_size 4: one must "
+            "divide the other",
         ),
         (
             "deployment.prefill_page_size=0",
@@ -104,6 +105,14 @@ needs.nixl()
         (  # deployment=1p1d: the scales cross the wire with their pages, of one page size
             ("model.kv_dtype=fp8_e4m3", "deployment.prefill_page_size=8"),
             "prefill page_size 8 and decode page_size 4 with scaled (fp8_e4m3) pages: a page's scale covers",
+        ),
+        (  # e4m3 pages may come from a wider cache (quantized as sent), never go to one
+            "deployment.prefill_kv_dtype=fp8_e4m3",
+            "prefill_kv_dtype, prefill_tp, decode_tp): an e4m3 prefill side's KV cannot go to a",
+        ),
+        (
+            "deployment.prefill_kv_dtype=fp8",
+            "deployment.prefill_kv_dtype='fp8' is not allowed: null or one of ('auto', 'fp8_e4m3')",
         ),
         (
             ("model.kv_dtype=fp8_e4m3", "deployment.speculative={method: ngram, num_speculative_tokens: 2}"),

@@ -43,6 +43,24 @@ def test_greedy_outputs_are_identical_colocated_1p1d_and_tp_1_to_2(tmp_path, sho
     assert not list(short_tmp.resolve().glob("pdk-tp-*"))
 
 
+def test_prefill_workers_with_a_wider_cache_feed_e4m3_decode_workers(tmp_path, short_tmp, monkeypatch):
+    """model.kv_dtype=fp8_e4m3 with deployment.prefill_kv_dtype=auto: the prefill worker computes over a
+    cache in the model's dtype and each page crosses quantized, the same bytes as from an e4m3 prefill
+    worker (pages and scales), and every request completes."""
+    monkeypatch.setenv("TMPDIR", str(short_tmp.resolve()))
+    deployments = (
+        "deployments=[{name: e4m3, kind: disaggregated, num_prefill: 1, num_decode: 1},"
+        "{name: wider, kind: disaggregated, num_prefill: 1, num_decode: 1, prefill_kv_dtype: auto}]"
+    )
+    records = run(_cfg([*TINY, "model.kv_dtype=fp8_e4m3", deployments]), tmp_path, progress=False)
+    for rec in records:
+        assert rec["summary"]["completed"] == 6 and rec["summary"]["errors"] == 0, rec["requests"]
+        assert all(len(ids) == 8 for ids in _outputs(rec).values())
+    sent = [{r["request_id"]: r["transfer_bytes"] for r in rec["requests"]} for rec in records]
+    assert sent[0] == sent[1] and sum(sent[0].values()) > 0
+    assert not mp.active_children()
+
+
 def test_a_sampled_structured_workload_runs_through_the_main_job(tmp_path):
     """workload.sampling: every request samples (temperature, top_p, seed) within a regex, colocated and
     1P1D: each text keeps to it and ends at the grammar's end."""

@@ -2,6 +2,8 @@
 run in the main process before any worker starts: the model's and deployment's keys under the engine's
 names, and what they leave to derive resolved there."""
 
+from dataclasses import replace
+
 import pytest
 
 from engine.role import Role
@@ -56,12 +58,32 @@ def test_prefill_workers_of_another_page_size_hold_the_same_tokens(prefill_page_
     assert (decode.page_size, decode.num_pages, decode.kv_layout) == (8, 96, "HND")
 
 
+def test_prefill_workers_may_keep_a_wider_cache_than_e4m3_decode_workers():
+    model = replace(MODEL, kv_dtype="fp8_e4m3")
+    d = _d(prefill_page_size=None, prefill_kv_dtype="auto")
+    prefill, decode = (engine_config(model, d, role, 0.1).cache for role in (Role.PREFILL, Role.DECODE))
+    assert (prefill.kv_dtype, decode.kv_dtype) == ("auto", "fp8_e4m3")
+    assert engine_config(model, _d(prefill_page_size=None), Role.PREFILL, 0.1).cache.kv_dtype == "fp8_e4m3"
+
+
 @pytest.mark.parametrize(
     "kw, message",
     [
         (
             dict(kind="colocated", num_workers=1),
             "prefill_page_size=16 is not allowed: null for kind=colocated",
+        ),
+        (
+            dict(kind="colocated", num_workers=1, prefill_page_size=None, prefill_kv_dtype="auto"),
+            "prefill_kv_dtype='auto' is not allowed: null for kind=colocated",
+        ),
+        (
+            dict(prefill_page_size=None, prefill_kv_dtype="auto", prefill_dp=2),
+            "prefill_kv_dtype='auto' is not allowed: null where prefill_dp > 1",
+        ),
+        (
+            dict(prefill_page_size=None, prefill_kv_dtype="bf16"),
+            "prefill_kv_dtype='bf16' is not allowed: null or one of ('auto', 'fp8_e4m3')",
         ),
         (dict(planner={"manual": True}), "prefill_page_size=16 is not allowed: null where elastic workers"),
         (dict(prefill_page_size=-4), "prefill_page_size (or null)=-4 is not allowed"),

@@ -29,14 +29,25 @@ def _agents(name, tp, per_rank):
     )
 
 
-def _local_pair(prefill, decode, tag, source=PrefillSide, sink=DecodeSide, per_rank=(True, True), **config):
+def _local_pair(
+    prefill,
+    decode,
+    tag,
+    source=PrefillSide,
+    sink=DecodeSide,
+    per_rank=(True, True),
+    kv_dtype="auto",
+    **config,
+):
     """Both messenger halves in this process: local backend, in-process control queues. per_rank: whether
     the prefill and the decode side have an agent per TP rank (a worker's) or one for all their ranks (a
-    decode engine of DP groups: agents for each group)."""
+    decode engine of DP groups: agents for each group); kv_dtype: what the KV crosses as
+    (engine.disagg.prefill_messenger)."""
     config = TransferConfig(backend="local", **config)
     keep_outputs(prefill), keep_outputs(decode)
     decode_end, prefill_end = local_channel()
-    pm = prefill_messenger(prefill, _agents(f"p-{tag}", prefill.config.tp, per_rank[0]), config, side=source)
+    agents = _agents(f"p-{tag}", prefill.config.tp, per_rank[0])
+    pm = prefill_messenger(prefill, agents, config, side=source, kv_dtype=kv_dtype)
     pm.add_peer(prefill_end)
     tp, dp = decode.config.tp, decode.config.dp
     groups = [_agents(f"d-{tag}-dp{r}", tp, per_rank[1]) for r in range(1, dp)]

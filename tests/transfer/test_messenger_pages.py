@@ -4,9 +4,11 @@ turns skip what the decode side's prefix cache holds (a page of its own in part,
 smaller), and the tokens are the ones equal settings give."""
 
 import pytest
+import torch
 
 from engine import LLM
 from engine.disagg import shard_spec
+from pdkernels import kv_quant
 from tests.transfer.messengers import GREEDY, _close, _local_pair, _run
 from transfer.plan import plan_array
 
@@ -127,3 +129,63 @@ def test_an_e4m3_cache_crosses_with_its_scales_and_gives_the_colocated_e4m3_toke
         dst.num_layers * 2 * dst.planes * dst.num_kv_heads * 4
     )  # a float32 a layer, page, plane, head
     assert scaled[:, 5].sum() == whole[:, 5].sum() // 4 + scale_bytes
+
+
+@pytest.mark.parametrize(
+    "model, prefill_tp, layout",
+    [
+        ("tiny-random", 1, "HND"),
+        ("tiny-random", 2, "HND"),  # each rank's heads staged on its own, landing in one decode rank
+        ("tiny-random", 1, "NHD"),
+        ("tiny-random-deepseek", 1, "HND"),  # the MLA latent cache: one plane, one head
+    ],
+)
+def test_a_wider_prefill_cache_feeds_an_e4m3_decode_cache_each_page_quantized_as_written(
+    request, model, prefill_tp, layout
+):
+    """A prefill worker with a cache in the model's dtype and a decode worker with an e4m3 one: each page
+    crosses quantized from the prefill cache (a scale per page, plane and head over the rows it holds:
+    the last page's leftovers from an earlier request count for nothing), lands as staged, and the decode
+    side generates from it; half-filled pages included, nothing is left held on either side."""
+    fp8 = dict(kv_dtype="fp8_e4m3", kv_layout=layout, page_size=16, num_pages=PAGES)
+    prefill = LLM(model, role="prefill", tp=prefill_tp, kv_layout=layout, page_size=16, num_pages=PAGES,
+                  max_num_batched_tokens=40)  # fmt: skip
+    decode = LLM(model, role="decode", **fp8)
+    pm, dm = _local_pair(prefill, decode, request.node.name, kv_dtype="fp8_e4m3")
+    requests = []
+    send = dm.peers["prefill-0"].channel.send
+    dm.peers["prefill-0"].channel.send = lambda msg, **kw: (requests.append(msg), send(msg, **kw))[1]
+    try:
+        for cache in prefill.kv_caches:  # leftovers: a page's rows past its tokens must not set its scale
+            cache.fill_(1e3)
+        prompt = list(range(100, 240))  # 139 tokens to send: 8 pages and 11 rows of a ninth
+        assert dm.submit("r", prompt, GREEDY)
+        _run(prefill, decode, pm, dm, ["r"])
+        assert len(decode.output("r").token_ids) == GREEDY.max_tokens
+        assert not dm.dropped and not pm.transfers
+        assert prefill.allocator.num_free == PAGES and decode.allocator.num_free == PAGES
+    finally:
+        _close(pm, dm)
+        prefill.close()
+    hnd = layout == "HND" or prefill.config.arch.mla
+    heads = 3 if hnd else 4  # the head dim of [layers, pages, planes, H, P, D] (HND) or [..., P, H, D]
+    theirs, ours = list(range(9)), requests[0].dst_pages[:9]
+    x = torch.cat([c[:, theirs] for c in prefill.kv_caches], dim=heads).float()  # [layers, 9, ...]
+    (x[:, 8, :, :, 11:] if hnd else x[:, 8, :, 11:]).zero_()
+    q, s = kv_quant.quantize(x, (heads + 1, 5) if hnd else (heads - 1, 5))
+    s = s[..., 0, 0] if hnd else s[:, :, :, 0, :, 0]
+    staged_kv, staged_scales = pm.stage.views[0] if prefill_tp == 1 else (None, None)
+    if staged_kv is not None:  # the staging copy holds what was quantized, bit for bit
+        assert torch.equal(staged_kv[:, theirs].view(torch.uint8), q.view(torch.uint8))
+        assert torch.equal(staged_scales[:, theirs], s)
+    # and the decode side's first 8 pages hold it as landed (the ninth took the decode steps' rows since)
+    assert torch.equal(decode.kv_cache[:, ours[:8]].view(torch.uint8), q[:, :8].view(torch.uint8))
+    assert torch.equal(decode.model.kv_scales[:, ours[:8]], s[:, :8])
+    assert s[:, 8].max() < 1e3 / kv_quant.FP8_MAX  # the leftovers were not counted
+
+
+def test_an_e4m3_prefill_cache_is_refused_by_a_wider_decode_cache_at_connect(request):
+    prefill = LLM("tiny-random", role="prefill", kv_dtype="fp8_e4m3", page_size=16, num_pages=PAGES)
+    decode = LLM("tiny-random", role="decode", page_size=16, num_pages=PAGES)
+    with pytest.raises(ValueError, match="an e4m3 prefill side's KV cannot go to a float32 decode side"):
+        _local_pair(prefill, decode, request.node.name)
