@@ -12,16 +12,18 @@ compare = load_script("compare_outputs")
 
 def _run(folder, runs: dict[str, dict[str, list[int]]]):
     folder.mkdir()
-    body = {"runs": [{"deployment": name, "requests": [{"request_id": i, "output_ids": ids} for i, ids in
-                                                       reqs.items()]} for name, reqs in runs.items()]}  # fmt: skip
+    requests = {
+        name: [{"request_id": i, "output_ids": ids} for i, ids in r.items()] for name, r in runs.items()
+    }
+    body = {"runs": [{"deployment": name, "requests": r} for name, r in requests.items()]}
     (folder / "results.json").write_text(json.dumps(body))
     return str(folder)
 
 
 def test_each_deployment_is_compared_request_by_request_with_the_reference(tmp_path, capsys):
     a = _run(tmp_path / "a", {"ref": {"r0": [1, 2, 3, 4], "r1": [5, 6, 7, 8]}})
-    b = _run(tmp_path / "b", {"other": {"r1": [5, 6, 0, 8], "r0": [1, 2, 3, 4]}, "ref": {"r0": [9, 2, 3, 4],
-                                                                                        "r1": [5, 6, 7, 8]}})  # fmt: skip
+    other, ref = {"r1": [5, 6, 0, 8], "r0": [1, 2, 3, 4]}, {"r0": [9, 2, 3, 4], "r1": [5, 6, 7, 8]}
+    b = _run(tmp_path / "b", {"other": other, "ref": ref})
     compare.main([a, b, "--against", "ref"])
     out = capsys.readouterr().out
     assert "| ref | 2 | 4.0 | 4.0 | 100% |" in out
