@@ -1,6 +1,8 @@
 """Fetch Vidur's published GPU profiles (microsoft/vidur, MIT license) for experiments.sim.operators: each
 GPU's and model's `mlp.csv` (a layer's operators but attention, by token count and TP degree), the
-collectives' CSVs, and the license, at a pinned commit; `attention.csv` too where the source has it.
+collectives' CSVs, and the license, at a pinned commit; `attention.csv` too where the source has it (at the
+pinned commit it has none: the one attention profile in its public history, an A100's over Llama-2-70B's
+heads at TP 2, is read from the first commit, EARLY, under the same license).
 
     python scripts/fetch_vidur_profiles.py [--out DIR] [--from-git REPO] [--commit REV]
 
@@ -31,6 +33,8 @@ MODELS = (
     "meta-llama/Meta-Llama-3-8B",
     "microsoft/phi-2",
 )
+# files read at another commit than the pinned one: path -> commit
+EARLY = {"data/profiling/a100/attention.csv": "e2d00e9afba96cec9f0e7ea560bbfc4a539fae6a"}
 NETWORK = ("a100_dgx", "a100_pairwise_nvlink", "h100_dgx", "h100_pairwise_nvlink", "a40_pairwise_nvlink")
 
 
@@ -74,8 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "LICENSE").write_bytes(license_text)
     got, missing = 0, []
-    for path in wanted():
-        data = read(path, args.from_git, args.commit)
+    for path, commit in [(p, args.commit) for p in wanted()] + list(EARLY.items()):
+        data = read(path, args.from_git, commit)
         if data is None or data.startswith(b"version https://git-lfs"):
             missing.append(path)
             continue
@@ -85,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         got += 1
     some = ", ".join(missing[:4]) + (" ..." if len(missing) > 4 else "")
     print(f"{got} files in {args.out} (profiling tree; Vidur's MIT license in LICENSE); {len(missing)} not "
-          f"in the source at {args.commit}: {some}")  # fmt: skip
+          f"in the source at {args.commit} (or EARLY's commit): {some}")  # fmt: skip
     return 0
 
 

@@ -28,6 +28,9 @@ class Claim:
     paper_hi: float | None = None  # a range's upper end
     note: str = ""  # why it is not reproduced, and which value of which assumption would reproduce it
     fitted: bool = False  # an assumption was solved so that this row matches (it checks nothing)
+    # the operator-level step model's value, where it applies (experiments/sim/attention_ops.py: each of a
+    # layer's operators fitted on published GPU profiles of other models): beside ours, the roofline's
+    operator: float | None = None
 
     def __post_init__(self):
         if self.bound not in BOUNDS:
@@ -69,7 +72,7 @@ def fmt(x: float) -> str:
 
 def markdown(claims: list[Claim]) -> str:
     """The table docs/results/reproduction.md keeps and `make repro` prints."""
-    head = ["claim", "source", "seed", "ours", "error", "", "how", "assumptions"]
+    head = ["claim", "source", "seed", "ours", "error", "", "operator model", "how", "assumptions"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(" --- " for _ in head) + "|"]
     for c in claims:
         mark = "fitted" if c.fitted else ("yes" if c.reproduced else "**no**")
@@ -80,6 +83,9 @@ def markdown(claims: list[Claim]) -> str:
             f"{fmt(c.ours)} {c.unit}",
             f"{100 * c.error:+.0f}%",
             mark,
+            "-"
+            if c.operator is None
+            else f"{fmt(c.operator)} {c.unit} ({100 * (c.operator / c.paper - 1):+.0f}%)",
             c.how,
             c.assumptions + (f" *{c.note}*" if c.note else ""),
         ]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,18 +140,29 @@ def read_profiles(root: Path) -> list[Row]:
     return rows
 
 
+# how an operator's compute time c and memory time m combine: (c^p + m^p)^(1/p), fitted per operator among
+# these (inf: the larger of the two, the plain roofline; 1: their sum). Near the ridge a GEMM pays more than
+# the larger (its tiles' loads and math overlap only in part), which p of 2 or 4 carries
+P_CHOICES = (1.0, 2.0, 4.0, math.inf)
+
+
 @dataclass(frozen=True)
 class OpModel:
-    """max(FLOPs / (peak x e_flops), bytes / (bandwidth x e_mem)) + t0_s."""
+    """(c^p + m^p)^(1/p) + t0_s, c = FLOPs / (peak x e_flops), m = bytes / (bandwidth x e_mem)."""
 
     e_flops: float
     e_mem: float
     t0_s: float
+    p: float = math.inf
 
     def predict(self, flops: np.ndarray, nbytes: np.ndarray, gpus: list[str]) -> np.ndarray:
         """Seconds for each (FLOPs, bytes) on its GPU."""
         peak, bw = (np.array([GPUS[g][i] for g in gpus]) for i in (0, 1))
-        return np.maximum(flops / (peak * self.e_flops), nbytes / (bw * self.e_mem)) + self.t0_s
+        return combine(flops / (peak * self.e_flops), nbytes / (bw * self.e_mem), self.p) + self.t0_s
+
+
+def combine(c: np.ndarray, m: np.ndarray, p: float) -> np.ndarray:
+    return np.maximum(c, m) if p == math.inf else (c**p + m**p) ** (1 / p)
 
 
 def _arrays(rows: list[Row], op: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str]]:
@@ -160,32 +172,39 @@ def _arrays(rows: list[Row], op: str) -> tuple[np.ndarray, np.ndarray, np.ndarra
 
 
 def fit(rows: list[Row], op: str) -> OpModel:
-    """The operator's (e_flops, e_mem, t0) minimizing the squared log error over rows (one GPU's): a grid,
-    then a finer one around its best point."""
-    flops, nbytes, seconds, gpus = _arrays(rows, op)
+    """The operator's (e_flops, e_mem, t0) minimizing the squared log error over rows (one GPU's)."""
+    return fit_arrays(*_arrays(rows, op))
+
+
+def fit_arrays(flops: np.ndarray, nbytes: np.ndarray, seconds: np.ndarray, gpus: list[str]) -> OpModel:
+    """The (e_flops, e_mem, t0, p) minimizing the squared log error of the predicted seconds of work of these
+    FLOPs and bytes on these GPUs: for each p of P_CHOICES a grid, then a finer one around its best point."""
     peak, bw = np.array([GPUS[g][0] for g in gpus]), np.array([GPUS[g][1] for g in gpus])
     compute, memory = flops / peak, nbytes / bw  # the time at full peak and full bandwidth
     log_s = np.log(seconds)
-    lo_c, hi_c, lo_m, hi_m, hi_t = -3.0, 0.0, -3.0, 0.0, float(np.min(seconds))
-    best = (math.inf, 1.0, 1.0, 0.0)
-    for _ in range(3):
-        e_c = 10 ** np.linspace(lo_c, hi_c, 25)
-        e_m = 10 ** np.linspace(lo_m, hi_m, 25)
-        t0 = np.linspace(0.0, hi_t, 21)
-        roof = np.maximum(
-            compute[None, None, :] / e_c[:, None, None], memory[None, None, :] / e_m[None, :, None]
-        )
-        for t in t0:
-            loss = ((np.log(roof + t) - log_s) ** 2).sum(axis=-1)
-            i, j = np.unravel_index(np.argmin(loss), loss.shape)
-            if loss[i, j] < best[0]:
-                best = (float(loss[i, j]), float(e_c[i]), float(e_m[j]), float(t))
-        step_c, step_m = (hi_c - lo_c) / 24, (hi_m - lo_m) / 24
-        lc, lm = math.log10(best[1]), math.log10(best[2])
-        lo_c, hi_c = lc - 2 * step_c, min(0.0, lc + 2 * step_c)
-        lo_m, hi_m = lm - 2 * step_m, min(0.0, lm + 2 * step_m)
-        hi_t = max(best[3] * 2, hi_t / 10)
-    return OpModel(best[1], best[2], best[3])
+    best = (math.inf, 1.0, 1.0, 0.0, math.inf)
+    for p in P_CHOICES if flops.any() else (math.inf,):  # no FLOPs: p says nothing
+        lo_c, hi_c, lo_m, hi_m, hi_t = -3.0, 0.0, -3.0, 0.0, float(np.min(seconds))
+        mine = (math.inf, 1.0, 1.0, 0.0)
+        for _ in range(3):
+            e_c = 10 ** np.linspace(lo_c, hi_c, 25)
+            e_m = 10 ** np.linspace(lo_m, hi_m, 25)
+            roof = combine(
+                compute[None, None, :] / e_c[:, None, None], memory[None, None, :] / e_m[None, :, None], p
+            )
+            for t in np.linspace(0.0, hi_t, 21):
+                loss = ((np.log(roof + t) - log_s) ** 2).sum(axis=-1)
+                i, j = np.unravel_index(np.argmin(loss), loss.shape)
+                if loss[i, j] < mine[0]:
+                    mine = (float(loss[i, j]), float(e_c[i]), float(e_m[j]), float(t))
+            step_c, step_m = (hi_c - lo_c) / 24, (hi_m - lo_m) / 24
+            lc, lm = math.log10(mine[1]), math.log10(mine[2])
+            lo_c, hi_c = lc - 2 * step_c, min(0.0, lc + 2 * step_c)
+            lo_m, hi_m = lm - 2 * step_m, min(0.0, lm + 2 * step_m)
+            hi_t = max(mine[3] * 2, hi_t / 10)
+        if mine[0] < best[0]:
+            best = (*mine, p)
+    return OpModel(*best[1:])
 
 
 def errors(pred: np.ndarray, seconds: np.ndarray) -> np.ndarray:
@@ -221,13 +240,15 @@ def report(fit_rows: list[Row], test_rows: list[Row], title: str) -> str:
     lines = [
         f"{title}: fitted on {len(fit_rows)} rows, held out {len(test_rows)}",
         "",
-        "| operator | e_flops | e_mem | t0 us | median error | p90 error | today's median | today's p90 |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| operator | e_flops | e_mem | p | t0 us | median error | p90 error | today's median | "
+        "today's p90 |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for op in [*ops, "layer"]:
         m = fitted.get(op)
-        e_flops = f"{m.e_flops:.2f}" if m and work(fit_rows[0], op)[0] > 0 else "-"  # no FLOPs: no e_flops
-        params = f"{e_flops} | {m.e_mem:.2f} | {m.t0_s * 1e6:.1f}" if m else "| |"
+        gemm = m and work(fit_rows[0], op)[0] > 0  # no FLOPs: no e_flops, no p
+        e_flops, p = (f"{m.e_flops:.2f}", f"{m.p:g}") if gemm else ("-", "-")
+        params = f"{e_flops} | {m.e_mem:.2f} | {p} | {m.t0_s * 1e6:.1f}" if m else "| | |"
         a, b = new[op], old[op]
         lines.append(f"| {op} | {params} | {np.median(a):.1%} | {np.quantile(a, 0.9):.1%} | "
                      f"{np.median(b):.1%} | {np.quantile(b, 0.9):.1%} |")  # fmt: skip
@@ -342,6 +363,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--predict", default="h100", help="the GPU held out")
     parser.add_argument("--fit-models", default="Llama-2-7b-hf,Meta-Llama-3-8B")
     parser.add_argument("--predict-models", default="Llama-2-70b-hf,Qwen-72B")
+    parser.add_argument("--write-params", type=Path, help="write --fit's fitted parameters there (JSON)")
     args = parser.parse_args(argv)
     for gpu in (args.fit, args.predict):
         if gpu not in GPUS:
@@ -364,7 +386,23 @@ def main(argv: list[str] | None = None) -> None:
         print(report(fit_rows, test_rows, name), end="\n\n")
     collectives = read_collectives(args.profiles)
     if collectives:
-        print(report_collectives(collectives, args.fit, args.predict))
+        print(report_collectives(collectives, args.fit, args.predict), end="\n\n")
+    from experiments.sim import attention_ops  # it builds on this module
+
+    attn = attention_ops.read_attention(args.profiles)
+    if attn:
+        print(attention_ops.report_attention(attn), end="\n\n")
+        print(attention_ops.report_interference(rows, attn, args.fit))
+    if args.write_params:
+        if not any(r.gpu == args.fit for r in attn):
+            raise SystemExit(f"--write-params: no attention rows of {args.fit} under {args.profiles}")
+        params = attention_ops.fitted_params(rows, attn, args.fit)
+        params["source"] = (
+            "microsoft/vidur (MIT license) at the commits scripts/fetch_vidur_profiles.py reads: python -m "
+            f"experiments.sim.operators --profiles DIR --fit {args.fit} --write-params "
+            f"{args.write_params.name}"
+        )
+        args.write_params.write_text(json.dumps(params, indent=1) + "\n")
 
 
 if __name__ == "__main__":

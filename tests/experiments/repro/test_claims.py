@@ -38,8 +38,8 @@ def test_a_malformed_claim_is_refused_naming_what_is_wrong():
 
 
 def test_the_table_marks_fitted_rows_and_misses_and_keeps_its_columns():
-    rows = [_claim(10.0), _claim(30.0, note="why | not"), _claim(10.0, fitted=True)]
+    rows = [_claim(10.0), _claim(30.0, note="why | not"), _claim(10.0, fitted=True, operator=12.0)]
     lines = markdown(rows).splitlines()
-    assert len(lines) == 5 and all(line.count(" | ") == 7 for line in lines[2:])  # a | in a note is escaped
-    assert "| yes |" in lines[2] and "| **no** |" in lines[3] and "| fitted |" in lines[4]
+    assert len(lines) == 5 and all(line.count(" | ") == 8 for line in lines[2:])  # a | in a note is escaped
+    assert "| yes | - |" in lines[2] and "| **no** |" in lines[3] and "| fitted | 12 ms (+20%) |" in lines[4]
     assert "+200%" in lines[3] and "*why / not*" in lines[3]

@@ -17,11 +17,17 @@ AT_200 = {
 }
 
 
+# the operator model's values beside them (attention_ops.PARAMS: every operator fitted on Vidur's A100
+# profiles, none of OPT-13B)
+OPERATOR = {"interference-128": 1.557, "interference-1024": 7.68}
+
+
 # make test-all: every row is a goodput sweep (24 s); make test keeps the interference rows
 @pytest.mark.slow
 def test_every_survey_row_keeps_its_value():
     claims = {c.key: c for c in survey.claims(200)}
     assert {k: c.ours for k, c in claims.items()} == pytest.approx(AT_200, rel=0.02)
+    assert {k: c.operator for k, c in claims.items() if c.operator} == pytest.approx(OPERATOR, rel=0.002)
     # the two single-phase rows are what the factors were solved on: they check nothing
     assert {k for k, c in claims.items() if c.fitted} == {"distserve-prefill-only", "distserve-decode-only"}
 
@@ -31,6 +37,10 @@ def test_the_interference_grows_with_the_prompt_and_shrinks_with_the_batch():
     one = {n: survey.interference_ratio(cost, n, 1, 544) for n in (128, 1024)}
     assert 1 < one[128] < one[1024]
     assert survey.interference_ratio(cost, 1024, 32, 544) < one[1024]
+    # the operator model: a 128-token prompt near the ridge costs its GEMMs more than their weight reads
+    ops = [survey.operator_ratio(n, 1, 544) for n in (128, 1024)]
+    assert ops == pytest.approx(list(OPERATOR.values()), rel=0.002) and ops[0] > one[128]
+    assert survey.operator_ratio(1024, 32, 544) < ops[1]
     # DistServe's own vLLM profile, for the note: 3.2x and 10.4x at a batch of one
     assert survey.profile_ratio(128, 1, 544) == pytest.approx(3.16, rel=0.01)
     assert survey.profile_ratio(1024, 1, 544) == pytest.approx(10.40, rel=0.01)

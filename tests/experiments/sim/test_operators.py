@@ -1,8 +1,9 @@
 """experiments/sim/operators.py: each operator's FLOPs and bytes from a model's shapes, the fit recovering a
 known operator, and the held-out errors on the slice of Vidur's profiles kept in tests/data/vidur, bounded by
-what they measured (fitted on A100 Llama-2-7B: H100 Llama-2-7B layer sums 9.0% median, 19.1% p90;
-A100 Llama-2-70B 5.7% and 10.6%; the default roofline 14.9% and 7.1% median)."""
+what they measured (fitted on A100 Llama-2-7B: H100 Llama-2-7B layer sums 8.3% median, 12.1% p90;
+A100 Llama-2-70B 4.7% and 8.2%; the default roofline 14.9% and 7.8% median)."""
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -41,9 +42,10 @@ def test_the_slice_reads_as_published(rows):
     assert r.ms["mlp_up_proj"] > r.ms["mlp_down_proj"] > 0  # twice the columns (gate and up)
 
 
-def test_the_fit_finds_an_operator_it_was_made_from():
-    """Times made by a known (e_flops, e_mem, t0) at the slice's shapes: the fit gives them back."""
-    truth = operators.OpModel(0.6, 0.8, 10e-6)
+@pytest.mark.parametrize("p", [math.inf, 2.0])
+def test_the_fit_finds_an_operator_it_was_made_from(p):
+    """Times made by a known (e_flops, e_mem, t0, p) at the slice's shapes: the fit gives them back."""
+    truth = operators.OpModel(0.6, 0.8, 10e-6, p)
     made = []
     for tokens in (1, 4, 16, 64, 256, 1024, 4096):
         for tp in (1, 2):
@@ -52,15 +54,15 @@ def test_the_fit_finds_an_operator_it_was_made_from():
             made.append(_row(tokens, tp, mlp_down_proj=seconds * 1e3))
     got = operators.fit(made, "mlp_down_proj")
     assert got.e_flops == pytest.approx(0.6, rel=0.03) and got.e_mem == pytest.approx(0.8, rel=0.03)
-    assert got.t0_s == pytest.approx(10e-6, rel=0.1)
+    assert got.t0_s == pytest.approx(10e-6, rel=0.1) and got.p == p
 
 
 def test_held_out_errors_stay_within_what_they_measured(rows):
     fit_rows = [r for r in rows if r.gpu == "a100" and r.model == "Llama-2-7b-hf"]
     fitted = {op: operators.fit(fit_rows, op) for op in operators.OPS}
     for held, median, p90, today in (
-        ([r for r in rows if r.gpu == "h100"], 0.095, 0.20, 0.149),  # by GPU: its datasheet only
-        ([r for r in rows if r.model == "Llama-2-70b-hf"], 0.06, 0.11, 0.071),  # by model
+        ([r for r in rows if r.gpu == "h100"], 0.09, 0.13, 0.149),  # by GPU: its datasheet only
+        ([r for r in rows if r.model == "Llama-2-70b-hf"], 0.05, 0.09, 0.078),  # by model
     ):
         errors = operators.evaluate(fitted, held)["layer"]
         assert np.median(errors) <= median and np.quantile(errors, 0.9) <= p90
