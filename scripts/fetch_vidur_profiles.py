@@ -33,8 +33,10 @@ MODELS = (
     "meta-llama/Meta-Llama-3-8B",
     "microsoft/phi-2",
 )
-# files read at another commit than the pinned one: path -> commit
-EARLY = {"data/profiling/a100/attention.csv": "e2d00e9afba96cec9f0e7ea560bbfc4a539fae6a"}
+# files read at another commit than the pinned one (path -> commit): the first commit's A100 attention
+EARLY = {
+    "data/profiling/a100/attention.csv": (Path(__file__).parent / "vidur-attention.pin").read_text().strip()
+}
 NETWORK = ("a100_dgx", "a100_pairwise_nvlink", "h100_dgx", "h100_pairwise_nvlink", "a40_pairwise_nvlink")
 
 

@@ -1,31 +1,35 @@
 """Attention priced from a published GPU profile, a layer's step time from its operators, and what published
 operator times say a decode step with a prompt batched in costs.
 
-Vidur's first public commit (microsoft/vidur e2d00e9, MIT license; `scripts/fetch_vidur_profiles.py` writes
-it as `a100/attention.csv`) carries one attention profile: an A100 running FlashAttention over a Llama-2-70B
-layer's heads at TP 2 (32 query and 4 KV heads of 128 dims a rank, 16-token blocks), decode at batch 1 and
-more with 32-4,096 tokens of KV each, and prefill of one request in chunks of 64 tokens and more after up to
-a few thousand tokens already cached. (The later commits' attention profiles per model and GPU are not in
-the public copy, so attention is checked on A100 alone, held out by context length.)
+Vidur's first public commit (microsoft/vidur, MIT license; `scripts/fetch_vidur_profiles.py` writes it as
+`a100/attention.csv`, at the commit scripts/vidur-attention.pin names) carries one attention profile: an
+A100 running FlashAttention over a Llama-2-70B layer's heads at TP 2 (32 query and 4 KV heads of 128 dims a
+rank, 16-token blocks), decode at batch 1 and more with 32-4,032 tokens of KV each, and prefill of one
+request in chunks of 64-4,096 tokens after up to about 3,000 tokens already cached. (The later commits'
+attention profiles per model and GPU are not in the public copy, so attention is checked on A100 alone,
+held out by context length.)
 
-Decode attention is priced as experiments/sim/operators.py prices a layer's other operators, max(FLOPs /
-(peak x e_flops), bytes / (bandwidth x e_mem)) + t0. Prefill attention is two parts of one kernel that run
-at rates of their own: the chunk over itself (causal: FlashAttention skips the masked half, and its tiles
-near the diagonal do less work each) and the chunk over the KV cached before it (dense tiles): t0 + causal
-FLOPs / (peak x e_causal) + cached FLOPs / (peak x e_cached) (one roofline over both missed by 35% at the
-median, held out). Each is fitted on the rows whose context is at most FIT_CONTEXT tokens and checked on
-the longer ones. `layer_seconds` sums a layer's operators for a step
-of decodes and prompt chunks; `interference` is a step with one prompt batched into a decode batch over the
-step without it, per layer: from the profiles' own times (Llama-2-70B at TP 2, its mlp.csv rows interpolated
-in tokens, and the attention rows), and from the fitted models for any model's shapes (DistServe's OPT-13B,
-experiments/repro/survey.py, reads the fitted parameters from PARAMS).
+Decode attention is priced as experiments/sim/operators.py prices a layer's other operators (its FLOPs and
+bytes, combined as a fitted p-norm, plus t0). Prefill attention is two parts of one kernel that run at rates
+of their own: the chunk over itself (causal: FlashAttention skips the masked half, and its tiles near the
+diagonal do less work each) and the chunk over the KV cached before it (dense tiles): t0 + causal FLOPs /
+(peak x e_causal) + cached FLOPs / (peak x e_cached) (one roofline over both missed by 35% at the median,
+held out). Each is fitted on the rows whose context is at most FIT_CONTEXT tokens and checked on the longer
+ones. `layer_seconds` sums a layer's operators for a step of decodes and prompt chunks; `interference` is a
+step with one prompt batched into a decode batch over the step without it, per layer: from the profiles' own
+times (Llama-2-70B at TP 2, its mlp.csv rows interpolated in tokens, and the attention rows), and from the
+fitted models for any model's shapes (DistServe's OPT-13B: experiments/repro/survey.py reads the fitted
+parameters from PARAMS).
 
-    python -m experiments.sim.operators --profiles DIR      # prints these tables after the operators'
-    python -m experiments.sim.operators --profiles DIR --write-params experiments/sim/data/a100-operators.json
+    python -m experiments.sim.attention_ops --profiles DIR [--gpu a100] [--write-params PATH]
+
+prints the attention and interference tables; --write-params writes every operator's and attention's
+parameters fitted on that GPU's rows (experiments/sim/data/a100-operators.json is a100's).
 """
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import math
@@ -35,7 +39,18 @@ from pathlib import Path
 import numpy as np
 
 from experiments.sim.cost import Efficiency
-from experiments.sim.operators import BYTES, GPUS, OPS, OpModel, Row, errors, fit, fit_arrays, work
+from experiments.sim.operators import (
+    BYTES,
+    GPUS,
+    OPS,
+    OpModel,
+    Row,
+    errors,
+    fit,
+    fit_arrays,
+    read_profiles,
+    work,
+)
 
 FIT_CONTEXT = 1024  # tokens of context (KV, plus the chunk in a prefill) the attention fit sees at most
 KINDS = ("decode", "prefill")
@@ -320,3 +335,29 @@ def report_interference(rows: list[Row], attn: list[AttnRow], gpu: str, prompts=
         lines.append(f"| {SHAPES[key].name}, TP {tp} | operators fitted on the other models | " +
                      " | ".join(f"{g:.2f}x" for g in got) + " |")  # fmt: skip
     return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--profiles", type=Path, required=True, help="Vidur's data/profiling folder")
+    parser.add_argument("--gpu", default="a100", help=f"the GPU fitted on, one of {tuple(GPUS)}")
+    parser.add_argument("--write-params", type=Path, help="write the fitted parameters there (JSON)")
+    args = parser.parse_args(argv)
+    rows, attn = read_profiles(args.profiles), read_attention(args.profiles)
+    if not any(r.gpu == args.gpu for r in attn):
+        raise SystemExit(f"no attention rows of {args.gpu} under {args.profiles} (<gpu>/attention.csv): "
+                         "fetch them with scripts/fetch_vidur_profiles.py")  # fmt: skip
+    print(report_attention([r for r in attn if r.gpu == args.gpu]), end="\n\n")
+    print(report_interference(rows, attn, args.gpu))
+    if args.write_params:
+        params = fitted_params(rows, attn, args.gpu)
+        params["source"] = (
+            "microsoft/vidur (MIT license) at the commits scripts/fetch_vidur_profiles.py reads: python -m "
+            f"experiments.sim.attention_ops --profiles DIR --gpu {args.gpu} --write-params "
+            f"{args.write_params.name}"
+        )
+        args.write_params.write_text(json.dumps(params, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

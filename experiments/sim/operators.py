@@ -7,10 +7,11 @@ H100 and A40 for Llama-2-7B/70B, Llama-3-8B/70B, CodeLlama-34B, Qwen-72B, Intern
         [--predict-models C,D]
 
 Each operator of a layer but attention (the embedding, both norms, the QKV, output, up and down projections,
-rope, the activation, the residual add) takes max(FLOPs / (peak x e_flops), bytes / (HBM bandwidth x e_mem))
-+ t0, its FLOPs and bytes from the model's shapes at that token count and TP degree (fp16: 2 bytes an
-element; a GEMM reads its input and weight and writes its output once). The three numbers are fitted per
-operator on one GPU's rows (least squares of the log of predicted over measured time), and predict another
+rope, the activation, the residual add) takes (c^p + m^p)^(1/p) + t0, c = FLOPs / (peak x e_flops) and m =
+bytes / (HBM bandwidth x e_mem) (p infinite: the roofline's max; 1: their sum), its FLOPs and bytes from the
+model's shapes at that token count and TP degree (fp16: 2 bytes an element; a GEMM reads its input and
+weight and writes its output once). The four numbers are fitted per operator on one GPU's rows (least
+squares of the log of predicted over measured time; p among P_CHOICES), and predict another
 GPU's rows from that GPU's datasheet peak and bandwidth (experiments/sim/hardware.py's presets, Vidur's own
 A40 figures), or other models' rows on the same GPU. Printed: the median and 90th-percentile relative error
 per operator and for each row's operators summed (a layer's step time without its attention), held out, and
@@ -18,14 +19,13 @@ beside them today's step model's (the roofline with its default efficiencies, no
 The collectives (`network/*/all_reduce.csv`, `send_recv.csv`) the same way: a rank's wire bytes (a ring
 all-reduce's 2 (n - 1) / n of the buffer, a send's buffer) over its link's datasheet rate (NVLink within a
 node, the NIC across nodes) x e, plus t0, fitted per node type, collective and link on one GPU's rows.
-Attention's profiles (`attention.csv`) are not in this check yet.
+Attention, and whole layers' steps from their operators: experiments/sim/attention_ops.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -363,7 +363,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--predict", default="h100", help="the GPU held out")
     parser.add_argument("--fit-models", default="Llama-2-7b-hf,Meta-Llama-3-8B")
     parser.add_argument("--predict-models", default="Llama-2-70b-hf,Qwen-72B")
-    parser.add_argument("--write-params", type=Path, help="write --fit's fitted parameters there (JSON)")
     args = parser.parse_args(argv)
     for gpu in (args.fit, args.predict):
         if gpu not in GPUS:
@@ -386,23 +385,7 @@ def main(argv: list[str] | None = None) -> None:
         print(report(fit_rows, test_rows, name), end="\n\n")
     collectives = read_collectives(args.profiles)
     if collectives:
-        print(report_collectives(collectives, args.fit, args.predict), end="\n\n")
-    from experiments.sim import attention_ops  # it builds on this module
-
-    attn = attention_ops.read_attention(args.profiles)
-    if attn:
-        print(attention_ops.report_attention(attn), end="\n\n")
-        print(attention_ops.report_interference(rows, attn, args.fit))
-    if args.write_params:
-        if not any(r.gpu == args.fit for r in attn):
-            raise SystemExit(f"--write-params: no attention rows of {args.fit} under {args.profiles}")
-        params = attention_ops.fitted_params(rows, attn, args.fit)
-        params["source"] = (
-            "microsoft/vidur (MIT license) at the commits scripts/fetch_vidur_profiles.py reads: python -m "
-            f"experiments.sim.operators --profiles DIR --fit {args.fit} --write-params "
-            f"{args.write_params.name}"
-        )
-        args.write_params.write_text(json.dumps(params, indent=1) + "\n")
+        print(report_collectives(collectives, args.fit, args.predict))
 
 
 if __name__ == "__main__":
