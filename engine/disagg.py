@@ -138,10 +138,9 @@ class E4M3Staging:
         for cache, (kv, scales) in zip(self.caches, self.views, strict=True):
             index = torch.tensor(pages, device=cache.device)
             x = cache[layers.start : layers.stop][:, index].float().flatten(0, 1)  # [layers * n, planes, ...]
-            if rows < self.page_size:
-                last = x[n - 1 :: n]
+            if rows < self.page_size:  # x is a copy (indexed): its last pages' leftover rows zeroed in place
+                last = x[n - 1 :: n]  # a view
                 (last[:, :, :, rows:] if hnd else last[:, :, rows:]).zero_()
-                x[n - 1 :: n] = last
             q, s = quantize(x, page_dims(self.layout))
             shape = (len(layers), n)
             kv[layers.start : layers.stop, index] = q.view(*shape, *q.shape[1:])

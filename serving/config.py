@@ -347,7 +347,11 @@ class DeploymentConfig:
         if kv_dtype is not None and kv_dtype not in KV_DTYPES:
             refuse("deployment.prefill_kv_dtype", kv_dtype, f"null or one of {KV_DTYPES}")
         if kv_dtype is not None and self.prefill_dp > 1:
-            refuse("deployment.prefill_kv_dtype", kv_dtype, "null where prefill_dp > 1")
+            refuse(
+                "deployment.prefill_kv_dtype",
+                kv_dtype,
+                "null where prefill_dp > 1 (a DP group sends its cache as it is)",
+            )
         for key, value in (
             ("prefill_page_size", p),
             ("prefill_kv_layout", layout),

@@ -58,12 +58,15 @@ def profile_points(name: str) -> list[Point]:
     return points
 
 
-def goodputs(eff: dict[str, Efficiency], n: int, keys=tuple(PAPER)) -> dict[str, float]:
-    """Highest rate per GPU meeting the SLO for each setup; eff['colocated'] and eff['disaggregated']."""
+def goodputs(
+    eff: dict[str, Efficiency], n: int, keys=tuple(PAPER), cost: type = CostModel
+) -> dict[str, float]:
+    """Highest rate per GPU meeting the SLO for each setup; eff['colocated'] and eff['disaggregated']; cost:
+    how a step is priced (CostModel, or experiments.sim.operator_cost.OperatorCost)."""
     model, hw = sim_model("opt-13b"), hardware("a100-80gb")
 
     def inst(kind: str) -> Instance:  # vLLM and DistServe of the paper's time: no chunked prefill
-        return Instance(CostModel(model, hw, 1, eff[kind]), chunked=False)
+        return Instance(cost(model, hw, 1, eff[kind]), chunked=False)
 
     def disagg(np_: int, nd: int) -> Callable:
         return lambda reqs: simulate_disaggregated(

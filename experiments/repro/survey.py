@@ -17,6 +17,7 @@ from experiments.sim import attention_ops
 from experiments.sim.cost import CostModel, Efficiency
 from experiments.sim.hardware import hardware
 from experiments.sim.models import sim_model
+from experiments.sim.operator_cost import OperatorCost
 
 SOURCE = "survey, quoting DistServe (OSDI'24)"
 INTERFERENCE = {128: 1.8, 1024: 12.6}  # decode step with one prompt of this many tokens / without it
@@ -41,6 +42,9 @@ def _assumed(e: Efficiency) -> str:
 def distserve_claims(n: int) -> list[Claim]:
     e = fitted(n)
     got = distserve.goodputs({"colocated": e, "disaggregated": e}, n)
+    # the operator model, nothing solved: the layers from the A100 fits, the LM head at default efficiency
+    base = Efficiency()
+    operator = distserve.goodputs({"colocated": base, "disaggregated": base}, n, cost=OperatorCost)
     words = {
         "colocated": "colocated (vLLM) goodput",
         "prefill-only": "a prefill-only GPU's goodput (TTFT alone)",
@@ -62,6 +66,7 @@ def distserve_claims(n: int) -> list[Claim]:
             SIMULATED,
             f"{work}; {_assumed(e)}",
             fitted=key in ("prefill-only", "decode-only"),
+            operator=operator[key],
         )
         for key, paper in distserve.PAPER.items()
     ]

@@ -24,6 +24,7 @@ class SimModel:
     rope_dim: int = 0
     q_lora_rank: int = 0
     gated_mlp: bool = True  # SwiGLU: 3 matrices; OPT: 2
+    rotary: bool = True  # rope on q and k (OPT learns its positions instead)
     tied_embeddings: bool = False  # the LM head is the embedding matrix
     bytes_per_param: int = 2  # weights
     kv_bytes_per_elem: int | None = None  # the KV cache's dtype (None: as the weights)
@@ -78,11 +79,11 @@ class SimModel:
 MODELS = {
     # facebook/opt-13b: 40 layers, 5120 wide, 40 heads (MHA), ReLU MLP 20480, vocab 50272
     "opt-13b": SimModel(
-        "opt-13b", 40, 5120, 40, 40, 128, 20480, 50272, gated_mlp=False, tied_embeddings=True
+        "opt-13b", 40, 5120, 40, 40, 128, 20480, 50272, gated_mlp=False, rotary=False, tied_embeddings=True
     ),
     # facebook/opt-175b (the OPT paper's 175B shape): 96 layers, 12288 wide, 96 heads (MHA), MLP 49152
     "opt-175b": SimModel(
-        "opt-175b", 96, 12288, 96, 96, 128, 49152, 50272, gated_mlp=False, tied_embeddings=True
+        "opt-175b", 96, 12288, 96, 96, 128, 49152, 50272, gated_mlp=False, rotary=False, tied_embeddings=True
     ),
     # meta-llama/Meta-Llama-3-8B
     "llama-3-8b": SimModel("llama-3-8b", 32, 4096, 32, 8, 128, 14336, 128256),

@@ -27,6 +27,7 @@ from experiments.sim.cost import CostModel, Efficiency
 from experiments.sim.hardware import hardware_of
 from experiments.sim.instance import TierSpec, check_fits
 from experiments.sim.models import sim_model
+from experiments.sim.operator_cost import OperatorCost
 from experiments.sim.simulate import Instance, SimRequest, simulate_colocated, simulate_disaggregated
 from experiments.workload import Conversations, draw, mooncake_block, mooncake_rows
 from serving.config import (
@@ -43,6 +44,9 @@ from serving.router.policy import Router
 from transfer.config import TransferConfig
 
 MAX_POSITION = 1 << 20
+# how a step is priced (sim.cost): the roofline on datasheet peaks x efficiency, or operator by operator by
+# models fitted on published GPU profiles (dense models on A100 or H100)
+COSTS = {"roofline": CostModel, "operators": OperatorCost}
 # what one role switch takes of an elastic worker's time (the real one: docs/results/scheduling.md)
 SWITCH_S = 0.1
 
@@ -67,6 +71,7 @@ def simulate_deployment(
     switch_s: float = SWITCH_S,
     tiers: TierSpec | None = None,
     colocated_kv_tokens: float | None = None,
+    cost: str = "roofline",
 ) -> DeploymentRun:
     """trace: (arrival offsets, prompt lengths, output lengths[, conversations, turns]) to replay instead
     of drawing the workload's (a measured run's own requests; a multiturn run's are replayed at the times
@@ -142,7 +147,7 @@ def simulate_deployment(
         else:
             step_budget = None
         return Instance(
-            CostModel(model, hw, tp, eff, dp),  # dp: deployment.dp, prefill_dp or decode_dp
+            COSTS[cost](model, hw, tp, eff, dp),  # dp: deployment.dp, prefill_dp or decode_dp
             budget=budget,
             step_budget=step_budget,
             chunked=chunk,
@@ -260,6 +265,8 @@ def run_sim(cfg: DictConfig, out_dir: Path) -> list[dict]:
         isinstance(kv_tokens, bool) or not isinstance(kv_tokens, int) or kv_tokens < 1
     ):
         raise ValueError(f"decode_kv_tokens={kv_tokens!r} is not allowed: null or an integer >= 1")
+    if c.get("cost", "roofline") not in COSTS:
+        raise ValueError(f"cost={c.get('cost')!r} is not allowed: one of {tuple(COSTS)}")
     acceptance = c.get("spec_acceptance", 0.7)
     if isinstance(acceptance, bool) or not isinstance(acceptance, (int, float)) or not 0 <= acceptance < 1:
         raise ValueError(f"spec_acceptance={acceptance!r} is not allowed: a number in [0, 1)")
@@ -306,7 +313,7 @@ def run_sim(cfg: DictConfig, out_dir: Path) -> list[dict]:
                 d, run_config.workload, model, hw, eff, c["first_token_on"], c.get("layerwise", True),
                 c.get("chunked_prefill", True), slowdown, router=c.get("router", "prefill"),
                 spec_acceptance=acceptance, decode_kv_tokens=kv_tokens, page_size=page_size,
-                cache_pages=cache_pages, slo=slo,
+                cache_pages=cache_pages, slo=slo, cost=c.get("cost", "roofline"),
             )  # fmt: skip
             records.append(metrics.run_record(run, run_config, rate))
     report.report(

@@ -68,6 +68,10 @@ def test_the_simulator_refuses_what_it_cannot_model(tmp_path):
         run_sim(_cfg(["sim_model=gpt-5"]), tmp_path)
     with pytest.raises(ValueError, match=r"router='random' is not allowed: one of \('prefill', 'decode'\)"):
         run_sim(_cfg(["router=random"]), tmp_path)
+    with pytest.raises(ValueError, match=r"cost='vidur' is not allowed: one of \('roofline', 'operators'\)"):
+        run_sim(_cfg(["cost=vidur"]), tmp_path)
+    with pytest.raises(ValueError, match="sim.cost=operators knows the GPUs"):
+        run_sim(_cfg(["cost=operators", "hardware=h200", "plots=false"]), tmp_path)
     with pytest.raises(ValueError, match="prefill_slowdown=0.5 is not allowed"):
         run_sim(_cfg(["prefill_slowdown=0.5"]), tmp_path)
     with pytest.raises(ValueError, match="num_workers=auto is chosen by the main job"):
@@ -278,3 +282,18 @@ def test_a_deployment_s_dp_degrees_reach_the_simulated_instances(tmp_path):
     tp8, dp2 = run_sim(_cfg(overrides), tmp_path)
     assert tp8["summary"]["completed"] == dp2["summary"]["completed"] == 200
     assert dp2["summary"]["tpot_s"]["p50"] < tp8["summary"]["tpot_s"]["p50"]
+
+
+def test_the_operator_model_runs_the_same_simulation(tmp_path):
+    """sim.cost=operators: the same deployments and workload over steps priced operator by operator (the
+    fitted A100 parameters, H100 from its datasheet): every request completes, and its steps differ from
+    the roofline's."""
+    overrides = ["sim_model=llama-3-8b", "hardware=h100", "workload.num_requests=100", "workload.rate=4"]
+    overrides += [
+        "plots=false",
+        "deployments=[{name: 1p1d, kind: disaggregated, num_prefill: 1, num_decode: 1}]",
+    ]
+    (ops,) = run_sim(_cfg([*overrides, "cost=operators"]), tmp_path / "ops")
+    (roof,) = run_sim(_cfg(overrides), tmp_path / "roof")
+    assert ops["summary"]["completed"] == roof["summary"]["completed"] == 100
+    assert ops["summary"]["tpot_s"]["p50"] != roof["summary"]["tpot_s"]["p50"]
