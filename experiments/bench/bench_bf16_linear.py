@@ -1,8 +1,9 @@
 """bf16 linear layers on SmolLM2's weights, one thread: every projection of a step (30 layers' qkv, o,
 gate_up and down, and the LM head, each weight distinct so that they stream from memory as in a step)
 through oneDNN's packed copy against the panels pdkernels.cpu keeps on AVX-512 BF16 CPUs without AMX
-(cpu.PanelWeight, linear_cpu.cpp's bf16_linear), at the rows decode steps have (M = 1 to 64;
-PANEL_MAX_M = 32 takes the panels up to 32). Skipped without SmolLM2's GGUF or the panels.
+(cpu.PanelWeight, linear_cpu.cpp's bf16_linear), at the rows decode steps have (M = 1 to 64: PANEL_MAX_M =
+32 takes the panels up to 32) and mixed and prefill steps have (256, 1,024). Skipped without SmolLM2's GGUF
+or the panels.
 """
 
 import functools
@@ -29,7 +30,7 @@ def _model():
 
 @pytest.mark.benchmark(group="bf16-linear")
 @pytest.mark.parametrize("path", ["onednn", "panels"])
-@pytest.mark.parametrize("m", [1, 4, 12, 20, 32, 64])
+@pytest.mark.parametrize("m", [1, 4, 12, 20, 32, 64, 256, 1024])
 def test_a_steps_projections(benchmark, m, path):
     weights = _model()
     ext = cpu.module()

@@ -41,10 +41,14 @@ class Claim:
     @property
     def error(self) -> float:
         """Ours against the figure, relative (0 on the right side of a bound or inside a range)."""
+        return self.error_of(self.ours)
+
+    def error_of(self, value: float) -> float:
+        """A value against the figure, as `error` measures ours."""
         if self.bound == "range":
             lo, hi = self.paper, self.paper_hi
-            return 0.0 if lo <= self.ours <= hi else (self.ours / (lo if self.ours < lo else hi) - 1)
-        err = self.ours / self.paper - 1
+            return 0.0 if lo <= value <= hi else (value / (lo if value < lo else hi) - 1)
+        err = value / self.paper - 1
         if (self.bound == "above" and err >= 0) or (self.bound == "below" and err <= 0):
             return 0.0
         return err
@@ -85,7 +89,7 @@ def markdown(claims: list[Claim]) -> str:
             mark,
             "-"
             if c.operator is None
-            else f"{fmt(c.operator)} {c.unit} ({100 * (c.operator / c.paper - 1):+.0f}%)",
+            else f"{fmt(c.operator)} {c.unit} ({100 * c.error_of(c.operator):+.0f}%)",
             c.how,
             c.assumptions + (f" *{c.note}*" if c.note else ""),
         ]

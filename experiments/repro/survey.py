@@ -135,6 +135,7 @@ def opt175_claims(n: int) -> list[Claim]:
     e = fitted(n)
     cost = CostModel(model, hw, 8, e)
     step_ms = {b: 1e3 * cost.decode_time([OPT175_TOKENS] * b) for b in (1, 8)}
+    operator_ms = 1e3 * OperatorCost(model, hw, 8, Efficiency()).decode_time([OPT175_TOKENS])
     return [
         Claim(
             "opt175b-kv-transfer",
@@ -159,6 +160,7 @@ def opt175_claims(n: int) -> list[Claim]:
             f"{step_ms[8]:.0f} ms); {_assumed(e)}",
             bound="range",
             paper_hi=50.0,
+            operator=operator_ms,
         ),
     ]
 

@@ -288,15 +288,20 @@ class Fleet:
         children (TP ranks) are reaped as well, so nothing of the deployment outlives this call."""
         children = [pid for p in self.procs.values() for pid in descendants(getattr(p, "pid", None))]
         try:
-            live = [n for n, p in self.procs.items() if p.is_alive() and self.send(n, Stop())]
             give_up = time.monotonic() + timeout_s
-            while live and time.monotonic() < give_up:
-                self.sock.poll(50)
-                for name, msg in self.receive():
-                    if on_message is not None:
-                        on_message(name, msg)
-                    if isinstance(msg, Timeline):
-                        live = [n for n in live if n != name]
+            # the workers that receive KV first, then the rest: a decode worker's timeline then says what
+            # it holds while its prefill peers are up (pages set aside for one that may still write are
+            # let go once its process is seen gone: its own stop raced the report)
+            receives = {n: getattr(self.roles.get(n), "receives_kv", False) for n in self.procs}
+            for wave in ([n for n in self.procs if receives[n]], [n for n in self.procs if not receives[n]]):
+                live = [n for n in wave if self.procs[n].is_alive() and self.send(n, Stop())]
+                while live and time.monotonic() < give_up:
+                    self.sock.poll(50)
+                    for name, msg in self.receive():
+                        if on_message is not None:
+                            on_message(name, msg)
+                        if isinstance(msg, Timeline):
+                            live = [n for n in live if n != name]
             for p in self.procs.values():
                 p.join(timeout=max(0.0, give_up - time.monotonic()) if p.is_alive() else 0)
                 if p.is_alive():

@@ -42,4 +42,6 @@ def test_the_table_marks_fitted_rows_and_misses_and_keeps_its_columns():
     lines = markdown(rows).splitlines()
     assert len(lines) == 5 and all(line.count(" | ") == 8 for line in lines[2:])  # a | in a note is escaped
     assert "| yes | - |" in lines[2] and "| **no** |" in lines[3] and "| fitted | 12 ms (+20%) |" in lines[4]
+    inside = markdown([_claim(10.0, "range", 20.0, operator=15.0)]).splitlines()[2]
+    assert "| 15 ms (+0%) |" in inside  # the operator model's value judged as ours is: inside the range
     assert "+200%" in lines[3] and "*why / not*" in lines[3]
