@@ -48,6 +48,7 @@ from experiments.sim.operators import (
     errors,
     fit,
     fit_arrays,
+    grid_fit,
     read_profiles,
     work,
 )
@@ -148,28 +149,10 @@ def _arrays(rows: list[AttnRow]) -> tuple[np.ndarray, np.ndarray, np.ndarray, li
 
 
 def fit_prefill(causal: np.ndarray, cached: np.ndarray, seconds: np.ndarray, gpus: list[str]) -> PrefillModel:
-    """(e_causal, e_cached, t0) minimizing the squared log error: a grid, then finer ones around its best."""
+    """(e_causal, e_cached, t0) minimizing the squared log error (operators.grid_fit, its parts summed)."""
     peak = np.array([GPUS[g][0] for g in gpus])
-    a, b, log_s = causal / peak, cached / peak, np.log(seconds)
-    best, lo_a, hi_a, lo_b, hi_b, hi_t = (math.inf, 1.0, 1.0, 0.0), -3.0, 0.0, -3.0, 0.0, float(seconds.min())
-    for _ in range(4):
-        e_a, e_b = 10 ** np.linspace(lo_a, hi_a, 31), 10 ** np.linspace(lo_b, hi_b, 31)
-        base = a[None, None, :] / e_a[:, None, None] + b[None, None, :] / e_b[None, :, None]
-        for t in np.linspace(0.0, hi_t, 31):
-            loss = ((np.log(base + t) - log_s) ** 2).sum(axis=-1)
-            i, j = np.unravel_index(np.argmin(loss), loss.shape)
-            if loss[i, j] < best[0]:
-                best = (float(loss[i, j]), float(e_a[i]), float(e_b[j]), float(t))
-        step_a, step_b = (hi_a - lo_a) / 30, (hi_b - lo_b) / 30
-        la, lb = math.log10(best[1]), math.log10(best[2])
-        lo_a, hi_a, lo_b, hi_b = (
-            la - 2 * step_a,
-            min(0.0, la + 2 * step_a),
-            lb - 2 * step_b,
-            min(0.0, lb + 2 * step_b),
-        )
-        hi_t = max(2 * best[3], hi_t / 10)
-    return PrefillModel(best[1], best[2], best[3])
+    _, e_causal, e_cached, t0 = grid_fit(causal / peak, cached / peak, seconds, np.add, 4, 31, 31)
+    return PrefillModel(e_causal, e_cached, t0)
 
 
 def fit_attention(rows: list[AttnRow]) -> dict[str, OpModel | PrefillModel]:

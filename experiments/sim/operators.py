@@ -178,33 +178,45 @@ def fit(rows: list[Row], op: str) -> OpModel:
 
 def fit_arrays(flops: np.ndarray, nbytes: np.ndarray, seconds: np.ndarray, gpus: list[str]) -> OpModel:
     """The (e_flops, e_mem, t0, p) minimizing the squared log error of the predicted seconds of work of these
-    FLOPs and bytes on these GPUs: for each p of P_CHOICES a grid, then a finer one around its best point."""
+    FLOPs and bytes on these GPUs, the best over P_CHOICES."""
     peak, bw = np.array([GPUS[g][0] for g in gpus]), np.array([GPUS[g][1] for g in gpus])
-    compute, memory = flops / peak, nbytes / bw  # the time at full peak and full bandwidth
-    log_s = np.log(seconds)
     best = (math.inf, 1.0, 1.0, 0.0, math.inf)
     for p in P_CHOICES if flops.any() else (math.inf,):  # no FLOPs: p says nothing
-        lo_c, hi_c, lo_m, hi_m, hi_t = -3.0, 0.0, -3.0, 0.0, float(np.min(seconds))
-        mine = (math.inf, 1.0, 1.0, 0.0)
-        for _ in range(3):
-            e_c = 10 ** np.linspace(lo_c, hi_c, 25)
-            e_m = 10 ** np.linspace(lo_m, hi_m, 25)
-            roof = combine(
-                compute[None, None, :] / e_c[:, None, None], memory[None, None, :] / e_m[None, :, None], p
-            )
-            for t in np.linspace(0.0, hi_t, 21):
-                loss = ((np.log(roof + t) - log_s) ** 2).sum(axis=-1)
-                i, j = np.unravel_index(np.argmin(loss), loss.shape)
-                if loss[i, j] < mine[0]:
-                    mine = (float(loss[i, j]), float(e_c[i]), float(e_m[j]), float(t))
-            step_c, step_m = (hi_c - lo_c) / 24, (hi_m - lo_m) / 24
-            lc, lm = math.log10(mine[1]), math.log10(mine[2])
-            lo_c, hi_c = lc - 2 * step_c, min(0.0, lc + 2 * step_c)
-            lo_m, hi_m = lm - 2 * step_m, min(0.0, lm + 2 * step_m)
-            hi_t = max(mine[3] * 2, hi_t / 10)
+        mine = grid_fit(flops / peak, nbytes / bw, seconds, lambda c, m, p=p: combine(c, m, p))
         if mine[0] < best[0]:
             best = (*mine, p)
     return OpModel(*best[1:])
+
+
+def grid_fit(
+    a: np.ndarray,
+    b: np.ndarray,
+    seconds: np.ndarray,
+    join,
+    rounds: int = 3,
+    points: int = 25,
+    t_points: int = 21,
+) -> tuple[float, float, float, float]:
+    """(loss, e_a, e_b, t0) minimizing the squared log error of join(a / e_a, b / e_b) + t0 against seconds,
+    a and b each a part's time at full rate (the efficiencies in (0, 1]): a grid of `points` values an
+    efficiency (log-spaced) and t_points of t0, then finer ones around its best point, `rounds` in all."""
+    log_s = np.log(seconds)
+    lo_a, hi_a, lo_b, hi_b, hi_t = -3.0, 0.0, -3.0, 0.0, float(np.min(seconds))
+    best = (math.inf, 1.0, 1.0, 0.0)
+    for _ in range(rounds):
+        e_a, e_b = 10 ** np.linspace(lo_a, hi_a, points), 10 ** np.linspace(lo_b, hi_b, points)
+        base = join(a[None, None, :] / e_a[:, None, None], b[None, None, :] / e_b[None, :, None])
+        for t in np.linspace(0.0, hi_t, t_points):
+            loss = ((np.log(base + t) - log_s) ** 2).sum(axis=-1)
+            i, j = np.unravel_index(np.argmin(loss), loss.shape)
+            if loss[i, j] < best[0]:
+                best = (float(loss[i, j]), float(e_a[i]), float(e_b[j]), float(t))
+        step_a, step_b = (hi_a - lo_a) / (points - 1), (hi_b - lo_b) / (points - 1)
+        la, lb = math.log10(best[1]), math.log10(best[2])
+        lo_a, hi_a = la - 2 * step_a, min(0.0, la + 2 * step_a)
+        lo_b, hi_b = lb - 2 * step_b, min(0.0, lb + 2 * step_b)
+        hi_t = max(best[3] * 2, hi_t / 10)
+    return best
 
 
 def errors(pred: np.ndarray, seconds: np.ndarray) -> np.ndarray:
