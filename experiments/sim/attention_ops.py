@@ -13,13 +13,12 @@ Decode attention is priced as experiments/sim/operators.py prices a layer's othe
 bytes, combined as a fitted p-norm, plus t0). Prefill attention is two parts of one kernel that run at rates
 of their own: the chunk over itself (causal: FlashAttention skips the masked half, and its tiles near the
 diagonal do less work each) and the chunk over the KV cached before it (dense tiles): t0 + causal FLOPs /
-(peak x e_causal) + cached FLOPs / (peak x e_cached) (one roofline over both missed by 35% at the median,
-held out). Each is fitted on the rows whose context is at most FIT_CONTEXT tokens and checked on the longer
-ones. `layer_seconds` sums a layer's operators for a step of decodes and prompt chunks; `interference` is a
-step with one prompt batched into a decode batch over the step without it, per layer: from the profiles' own
-times (Llama-2-70B at TP 2, its mlp.csv rows interpolated in tokens, and the attention rows), and from the
-fitted models for any model's shapes (DistServe's OPT-13B: experiments/repro/survey.py reads the fitted
-parameters from PARAMS).
+(peak x e_causal) + cached FLOPs / (peak x e_cached). Each is fitted on the rows whose context is at most
+FIT_CONTEXT tokens and checked on the longer ones. `layer_seconds` sums a layer's operators for a step of
+decodes and prompt chunks; `interference` is a step with one prompt batched into a decode batch over the
+step without it, per layer: from the profiles' own times (Llama-2-70B at TP 2, its mlp.csv rows interpolated
+in tokens, and the attention rows), and from the fitted models for any model's shapes (DistServe's OPT-13B:
+experiments/repro/survey.py reads the fitted parameters from PARAMS).
 
     python -m experiments.sim.attention_ops --profiles DIR [--gpu a100] [--write-params PATH]
 
