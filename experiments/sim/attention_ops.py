@@ -209,9 +209,35 @@ SHAPES = {
 }
 
 
+def layer_ops_seconds(ops: dict[str, OpModel], shape: Shape, gpu: str, tp: int, tokens: int) -> float:
+    """A layer's operators but attention (and the embedding, once a step: not a layer's) at `tokens` tokens
+    on one TP rank."""
+    row = Row(gpu, shape.name, shape.heads, shape.kv_heads, shape.hidden, shape.expanded, shape.gated, tokens,
+              tp, {})  # fmt: skip
+    layer = [op for op in OPS if op != "emb" and (shape.rotary or op != "attn_rope")]
+    return float(sum(ops[op].predict(*(np.array([x]) for x in work(row, op)), [gpu])[0] for op in layer))
+
+
+def decode_attention_seconds(
+    attention: dict, shape: Shape, gpu: str, tp: int, kv_lens: list[int]
+) -> float:  # fmt: skip
+    """A layer's decode attention on one TP rank: one call over the batch, each sequence over its own
+    kv_lens tokens (their work summed)."""
+    w = [attn_work(shape.hidden, shape.heads, shape.kv_heads, tp, "decode", 1, 0, kv) for kv in kv_lens]
+    return float(attention["decode"].predict(*(np.array([x]) for x in np.sum(w, axis=0)), [gpu])[0])
+
+
+def prefill_attention_seconds(
+    attention: dict, shape: Shape, gpu: str, tp: int, chunk: int, kv: int
+) -> float:  # fmt: skip
+    """A layer's prefill attention of a chunk after kv cached tokens, on one TP rank."""
+    parts = prefill_parts(shape.hidden, shape.heads, tp, chunk, kv)
+    return float(attention["prefill"].predict(*(np.array([x]) for x in parts), [gpu])[0])
+
+
 def layer_seconds(
     ops: dict[str, OpModel],
-    attention: dict[str, OpModel],
+    attention: dict,
     shape: Shape,
     gpu: str,
     tp: int,
@@ -221,17 +247,12 @@ def layer_seconds(
     """One layer of a step on one TP rank (its collectives aside): the operators but the embedding at the
     step's tokens, decode attention over each decode's kv tokens, prefill attention for each (chunk, kv)."""
     tokens = len(decode) + sum(chunk for chunk, _ in prompts)
-    row = Row(gpu, shape.name, shape.heads, shape.kv_heads, shape.hidden, shape.expanded, shape.gated, tokens,
-              tp, {})  # fmt: skip
-    layer = [op for op in OPS if op != "emb" and (shape.rotary or op != "attn_rope")]
-    seconds = sum(ops[op].predict(*(np.array([x]) for x in work(row, op)), [gpu])[0] for op in layer)
-    if decode:  # one call over the batch, each sequence over its own KV
-        w = [attn_work(shape.hidden, shape.heads, shape.kv_heads, tp, "decode", 1, 0, kv) for kv in decode]
-        seconds += attention["decode"].predict(*(np.array([x]) for x in np.sum(w, axis=0)), [gpu])[0]
-    for chunk, kv in prompts:  # each prompt's own
-        parts = prefill_parts(shape.hidden, shape.heads, tp, chunk, kv)
-        seconds += attention["prefill"].predict(*(np.array([x]) for x in parts), [gpu])[0]
-    return float(seconds)
+    seconds = layer_ops_seconds(ops, shape, gpu, tp, tokens)
+    if decode:
+        seconds += decode_attention_seconds(attention, shape, gpu, tp, decode)
+    for chunk, kv in prompts:
+        seconds += prefill_attention_seconds(attention, shape, gpu, tp, chunk, kv)
+    return seconds
 
 
 def interference(
@@ -275,22 +296,29 @@ def fitted_params(rows: list[Row], attn: list[AttnRow], gpu: str) -> dict:
     return {
         "gpu": gpu,
         "rows": {"operators": len(mine), "attention": sum(r.gpu == gpu for r in attn)},
-        # p: null for the plain roofline's max (JSON has no infinity)
-        "operators": {op: {**asdict(m), "p": m.p if math.isfinite(m.p) else None} for op, m in ops.items()},
-        "attention": {
-            kind: {**asdict(m), **({"p": m.p if math.isfinite(m.p) else None} if kind == "decode" else {})}
-            for kind, m in attention.items()
-        },
+        "operators": {op: _to_json(m) for op, m in ops.items()},
+        "attention": {kind: _to_json(m) for kind, m in attention.items()},
     }
+
+
+def _to_json(m: OpModel | PrefillModel) -> dict:
+    """A fitted model's fields; an OpModel's p null for the plain roofline's max (JSON has no infinity)."""
+    d = asdict(m)
+    if "p" in d and not math.isfinite(d["p"]):
+        d["p"] = None
+    return d
+
+
+def _op_model(d: dict) -> OpModel:
+    return OpModel(**{**d, "p": d["p"] if d["p"] is not None else math.inf})
 
 
 def load_params(path: Path = PARAMS) -> tuple[dict[str, OpModel], dict, str]:
     """(operators, attention, gpu) from a file fitted_params wrote."""
     p = json.loads(Path(path).read_text())
-    ops = {op: OpModel(**{**m, "p": m["p"] or math.inf}) for op, m in p["operators"].items()}
+    ops = {op: _op_model(m) for op, m in p["operators"].items()}
     a = p["attention"]
-    decode = OpModel(**{**a["decode"], "p": a["decode"]["p"] or math.inf})
-    return ops, {"decode": decode, "prefill": PrefillModel(**a["prefill"])}, p["gpu"]
+    return ops, {"decode": _op_model(a["decode"]), "prefill": PrefillModel(**a["prefill"])}, p["gpu"]
 
 
 def report_interference(rows: list[Row], attn: list[AttnRow], gpu: str, prompts=(128, 1024)) -> str:

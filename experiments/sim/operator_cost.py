@@ -13,12 +13,9 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
-import numpy as np
-
 from experiments.sim import attention_ops
-from experiments.sim.attention_ops import Shape, attn_work, prefill_parts
+from experiments.sim.attention_ops import Shape
 from experiments.sim.cost import CostModel
-from experiments.sim.operators import OPS, Row, work
 
 # the hardware presets (experiments/sim/hardware.py) the operator models know, by their profiles' GPU names
 GPU_OF = {"a100-80gb": "a100", "h100": "h100"}
@@ -59,32 +56,24 @@ class OperatorCost(CostModel):
         return Shape(m.name, m.heads, m.kv_heads, m.hidden, m.intermediate, m.gated_mlp, m.rotary)
 
     def _linear_time(self, tokens: int) -> float:
-        """Every layer's operators but attention (and the embedding, once a step: not a layer's) at the
-        step's tokens on one TP rank."""
+        """Every layer's operators but attention at the step's tokens on one TP rank."""
         ops, _ = self._fitted
-        s = self.shape
-        row = Row(self.gpu, s.name, s.heads, s.kv_heads, s.hidden, s.expanded, s.gated, tokens, self.tp, {})
-        layer = [op for op in OPS if op != "emb" and (s.rotary or op != "attn_rope")]
-        per_layer = sum(
-            ops[op].predict(*(np.array([x]) for x in work(row, op)), [self.gpu])[0] for op in layer
-        )
-        return self.model.layers * float(per_layer)
+        return self.model.layers * attention_ops.layer_ops_seconds(ops, self.shape, self.gpu, self.tp, tokens)
 
     def attention_time(self, new_tokens: int, prefix: int) -> float:
         """Prefill attention of a chunk after prefix cached tokens, every layer."""
         _, attention = self._fitted
-        parts = prefill_parts(self.model.hidden, self.model.heads, self.tp, new_tokens, prefix)
-        one = attention["prefill"].predict(*(np.array([x]) for x in parts), [self.gpu])[0]
-        return self.model.layers * float(one)
+        one = attention_ops.prefill_attention_seconds(
+            attention, self.shape, self.gpu, self.tp, new_tokens, prefix
+        )
+        return self.model.layers * one
 
     def decode_attention_time(self, kv_lens: list[int]) -> float:
-        """One call over the batch a layer, each sequence over its own KV (its work summed), every layer."""
+        """One call over the batch a layer, each sequence over its KV and its new token, every layer."""
         if not kv_lens:
             return 0.0
         _, attention = self._fitted
-        m = self.model
-        flops, nbytes = np.sum([attn_work(m.hidden, m.heads, m.kv_heads, self.tp, "decode", 1, 0, kv + 1)
-                                for kv in kv_lens], axis=0)  # fmt: skip
-        return m.layers * float(
-            attention["decode"].predict(np.array([flops]), np.array([nbytes]), [self.gpu])[0]
+        kv = [n + 1 for n in kv_lens]
+        return self.model.layers * attention_ops.decode_attention_seconds(
+            attention, self.shape, self.gpu, self.tp, kv
         )
