@@ -70,8 +70,8 @@ IPC_PATH_MAX = 107  # bytes of a unix socket's path (sockaddr_un.sun_path, less 
 def private_dir(names: list[str]) -> str:
     """A new directory (mode 0700: only this user reaches its sockets) for the run's ipc:// sockets, in
     TMPDIR; in /tmp when TMPDIR is so long that a socket's path would pass the kernel's limit."""
-    # (+ 4: an elastic worker's sockets carry the generation of its messenger)
-    longest = max(len(f"{a}-{b}") for a in [*names, "driver"] for b in names) + 1 + 4
+    # (+ 8: a decode worker's sockets carry its pid, + 4: an elastic worker's the generation of its messenger)
+    longest = max(len(f"{a}-{b}") for a in [*names, "driver"] for b in names) + 1 + 8 + 4
     run_dir = tempfile.mkdtemp(prefix="pdk-")
     if len(run_dir.encode()) + longest > IPC_PATH_MAX:
         os.rmdir(run_dir)

@@ -164,6 +164,17 @@ def wire_logprobs(out, start: int) -> list:
     ]
 
 
+def listen_address(spec: WorkerSpec, peer: str, again: str = "") -> str:
+    """Where a decode worker's control socket for prefill worker `peer` binds (again: the messenger's
+    generation, for an elastic worker). An ipc:// path is this process's own: a restarted worker bound its
+    predecessor's, the prefill worker's old socket reconnected to it before the new one did (ZMQ
+    reconnects a connecting end by itself), and the PAIR socket, taken, dropped the new socket's Hello:
+    the worker waited for it for good."""
+    if spec.transfer.control_transport == "ipc":
+        return f"ipc://{spec.run_dir}/{spec.name}-{os.getpid()}-{peer}{again}"
+    return f"tcp://{spec.transfer.control_host}:0"
+
+
 def worker_main(spec: WorkerSpec) -> None:
     import zmq
 
@@ -314,13 +325,8 @@ class Worker:
         groups = [rank_agents(t, f"{name}-dp{r}", spec.tp, r) for r in range(1, spec.dp)]
         self.dm = self.front.dm = decode_messenger(self.llm, agents, t, group_backends=groups)
         channels = {}
-        for peer in spec.peers:
-            address = (
-                f"ipc://{spec.run_dir}/{spec.name}-{peer}{again}"
-                if t.control_transport == "ipc"
-                else f"tcp://{t.control_host}:0"
-            )
-            # a prefill worker's DP group authenticates as its worker
+        for peer in spec.peers:  # a prefill worker's DP group authenticates as its worker
+            address = listen_address(spec, peer, again)
             channels[peer] = ZmqEndpoint(address, True, spec.creds, worker_of(peer), decode_codec())
         self._send(Listening(spec.name, {p: c.address for p, c in channels.items()}))
 

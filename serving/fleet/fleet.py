@@ -284,16 +284,19 @@ class Fleet:
 
     def stop(self, on_message=None, timeout_s: float = 10.0) -> None:
         """Stop every worker (on_message(name, msg) sees what they send meanwhile: timelines, late
-        results): Stop, then up to timeout_s for them to exit, then SIGKILL (a frozen one too). Their own
-        children (TP ranks) are reaped as well, so nothing of the deployment outlives this call."""
+        results): Stop, then up to timeout_s for them to answer and exit, then SIGKILL (a frozen one
+        too). Their own children (TP ranks) are reaped as well, so nothing of the deployment outlives this
+        call."""
         children = [pid for p in self.procs.values() for pid in descendants(getattr(p, "pid", None))]
         try:
-            give_up = time.monotonic() + timeout_s
             # the workers that receive KV first, then the rest: a decode worker's timeline then says what
             # it holds while its prefill peers are up (pages set aside for one that may still write are
-            # let go once its process is seen gone: its own stop raced the report)
+            # let go once its process is seen gone: its own stop raced the report). Each wave has its own
+            # timeout_s: a frozen decode worker spent all of it, and its prefill peers, never asked, were
+            # killed with it
             receives = {n: getattr(self.roles.get(n), "receives_kv", False) for n in self.procs}
             for wave in ([n for n in self.procs if receives[n]], [n for n in self.procs if not receives[n]]):
+                give_up = time.monotonic() + timeout_s
                 live = [n for n in wave if self.procs[n].is_alive() and self.send(n, Stop())]
                 while live and time.monotonic() < give_up:
                     self.sock.poll(50)
@@ -302,12 +305,10 @@ class Fleet:
                             on_message(name, msg)
                         if isinstance(msg, Timeline):
                             live = [n for n in live if n != name]
-            for p in self.procs.values():
+            for name, p in self.procs.items():
                 p.join(timeout=max(0.0, give_up - time.monotonic()) if p.is_alive() else 0)
                 if p.is_alive():
-                    log.warning(
-                        "worker %s did not stop within %s s: killed", getattr(p, "name", p), timeout_s
-                    )
+                    log.warning("worker %s did not stop within %s s: killed", name, timeout_s)
                     p.kill()
                     p.join(timeout=5)
             reap(children, timeout_s=max(1.0, give_up - time.monotonic()))
