@@ -86,25 +86,30 @@ def predict(cost: CostModel, p: Point) -> float:
 PREFIX_BIN = 128  # a recorded chunk's prefix, to the nearest this many tokens (a shape's steps: one median)
 
 
-def points_from_run(saved: dict, roles=("colocated", "decode", "prefill")) -> tuple[list[Point], list[str]]:
+def points_from_run(
+    saved: dict, roles=("colocated", "decode", "prefill"), contention=None
+) -> tuple[list[Point], list[str]]:
     """The steps a real run's TP-1 workers of the given roles timed, grouped by shape (prefill tokens,
     decode batch, its prompt chunks and its decode sequences' mean KV where the timeline recorded them,
     prefixes and KV to PREFIX_BIN tokens), the median of each. Without a recorded KV, a decode
     sequence's is the requests' mean prompt plus half their mean output (in a multiturn run the early
     turns' steps then read as too slow for their KV and the late ones' as too fast); without recorded
-    chunks a step's prompt tokens are chunks of at most their mean prompt (Point.chunks). Returns the
-    points and what was left out."""
+    chunks a step's prompt tokens are chunks of at most their mean prompt (Point.chunks). contention (a
+    Contention): each step's time is taken back to what it would be alone, by the other workers' steps
+    beside it in the same run (alone()). Returns the points and what was left out."""
     reqs = [r for rec in saved["runs"] for r in rec["requests"]]
     kv = int(np.mean([r["prompt_tokens"] + r["output_tokens"] / 2 for r in reqs]))
     prompt = round(np.mean([r["prompt_tokens"] for r in reqs]))
     deployments = {d["name"]: d for d in saved["config"]["deployments"]}
     shapes: dict[tuple, list[float]] = {}
     skipped = []
+    bytes_of = _reads(saved, contention)
     for rec in saved["runs"]:
         d = deployments[rec["deployment"]]
         for t in rec["timelines"]:
             if t["role"] not in roles:
                 continue
+            others = [u["steps"] for u in rec["timelines"] if u is not t]
             role = Role(t["role"])
             tp = d[f"{role}_tp"] if role.sends_kv or role.receives_kv else d["tp"]
             if tp != 1:
@@ -115,7 +120,12 @@ def points_from_run(saved: dict, roles=("colocated", "decode", "prefill")) -> tu
                 seq_kv = kv
                 if rest[2:] and decode:  # recorded: the decode sequences' mean, binned
                     seq_kv = max(1, PREFIX_BIN * round(rest[2] / decode / PREFIX_BIN))
-                shapes.setdefault((prefill, decode, given, seq_kv), []).append(end - start)
+                seconds = end - start
+                if contention is not None:
+                    chunks = list(given) or [(prefill, 0)] * bool(prefill)
+                    nbytes = bytes_of.step_bytes(chunks, [seq_kv] * decode, decode + bool(prefill))
+                    seconds = alone(contention, nbytes, start, end, others)
+                shapes.setdefault((prefill, decode, given, seq_kv), []).append(seconds)
     points = []
     for (prefill, decode, given, seq_kv), secs in sorted(shapes.items()):
         med = float(np.median(secs))
@@ -126,17 +136,47 @@ def points_from_run(saved: dict, roles=("colocated", "decode", "prefill")) -> tu
     return points, skipped
 
 
-def calibrate_from_run(saved: dict, hw: Hardware, allow_bound: bool = False) -> dict:
+def _reads(saved: dict, contention):
+    """A cost model of the run's model, for what its steps read (only with contention)."""
+    if contention is None:
+        return None
+    from experiments.sim.contention import bytes_model
+
+    return bytes_model(sim_model(saved["config"]["model"]["name"]), contention.read_bw)
+
+
+def alone(contention, nbytes: float, start: float, end: float, others: list[list]) -> float:
+    """A step's time with its neighbours' cost taken out: the steps of the other workers (others: their
+    timelines' steps) that overlap [start, end], by kind and share of it, priced by contention; its memory
+    share f is its time alone's, found by iterating from the measured time's."""
+    seconds = end - start
+    shares: dict[str, float] = {}
+    for steps in others:
+        for s0, s1, prefill, *_ in steps:
+            overlap = min(end, s1) - max(start, s0)
+            if overlap > 0 and seconds > 0:
+                kind = "prefill" if prefill else "decode"
+                shares[kind] = shares.get(kind, 0.0) + overlap / seconds
+    if not shares:
+        return seconds
+    t = seconds
+    for _ in range(4):
+        t = seconds / contention.factor(contention.share(nbytes, t), shares)
+    return t
+
+
+def calibrate_from_run(saved: dict, hw: Hardware, allow_bound: bool = False, contention=None) -> dict:
     """Fit the efficiency to the colocated and decode workers' steps; then how much longer the prefill
     workers' steps take than that model says (median ratio: on a CPU the messenger's thread and the
-    NIXL posts share the prefill worker's core); and the hand-off. allow_bound: as fit's."""
+    NIXL posts share the prefill worker's core); and the hand-off. allow_bound: as fit's. contention: the
+    steps' times alone are fitted (points_from_run), for a simulation that prices the neighbours."""
     model = sim_model(saved["config"]["model"]["name"])
-    points, skipped = points_from_run(saved, roles=("colocated", "decode"))
+    points, skipped = points_from_run(saved, roles=("colocated", "decode"), contention=contention)
     if not points:
         raise ValueError(f"no steps of TP-1 colocated or decode workers to fit (left out: {skipped})")
     eff, err = fit(model, hw, points, allow_bound=allow_bound)
     cost = CostModel(model, hw, 1, eff)
-    prefill_points, more = points_from_run(saved, roles=("prefill",))
+    prefill_points, more = points_from_run(saved, roles=("prefill",), contention=contention)
     ratios = [p.seconds / predict(cost, p) for p in prefill_points]
     return {
         "model": model,

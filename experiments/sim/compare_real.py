@@ -4,6 +4,7 @@
         [--hardware cpu-this-machine]
     python -m experiments.sim.compare_real RUN_DIR/results.json --calibrate-rate 0.5 [--save-slim OUT.json]
     python -m experiments.sim.compare_real RUN_DIR/results.json --linear 0.75 --memory 0.2 [--overhead-ms ..]
+    ... [--contention CONTENTION.json]
 
 Reads the measured run's config, simulates each deployment at each rate on that run's own requests
 (their arrival times and lengths, from results.json), and prints measured and simulated latencies
@@ -14,7 +15,9 @@ project's workers sample the first token on the decode side and route every requ
 worker, so the simulation does too. A multiturn run's later turns are sent when they were, but never
 before think_time_s after the simulated reply they extend; each instance's prefix cache is as large as
 the run's model.num_pages; the prefix cache hit rate, the KV sent (in tokens: the run's dtype and the
-preset's differ) and TTFT p50 per turn are compared too.
+preset's differ) and TTFT p50 per turn are compared too. --contention (a file `python -m
+experiments.sim.contention --out` wrote on this machine): the workers share the machine, each step
+slowed by its neighbours' (calibrated on the steps' times alone, simulated with the neighbours priced).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from pathlib import Path
 from experiments.config import from_cfg
 from experiments.metrics import label, request_rows, summarize
 from experiments.sim.calibrate import FitAtBound, calibrate_from_run
+from experiments.sim.contention import Contention
 from experiments.sim.cost import Efficiency
 from experiments.sim.hardware import load_hardware
 from experiments.sim.instance import TierSpec
@@ -129,10 +133,10 @@ def with_link(hw, config, d):
     return replace(hw, nic_bw=Link(**cluster.link).bytes_per_s() * cluster.nics_per_host / links)
 
 
-def compare(saved: dict, hw, eff: Efficiency, slowdown: float) -> list[Row]:
+def compare(saved: dict, hw, eff: Efficiency, slowdown: float, contention=None) -> list[Row]:
     """Simulate each run of saved (a results.json) on its own requests with the given factors (on its
-    own link: with_link; its KV per layer or whole, as transfer.send_mode says), and pair what it
-    measured with what the simulator predicts."""
+    own link: with_link; its KV per layer or whole, as transfer.send_mode says; its workers on one
+    machine, with contention), and pair what it measured with what the simulator predicts."""
     config = from_cfg(saved["config"])
     layerwise = config.transfer.send_mode != "request"
     model, slo = sim_model(config.model.name), config.slo
@@ -151,7 +155,7 @@ def compare(saved: dict, hw, eff: Efficiency, slowdown: float) -> list[Row]:
             chunked=True, prefill_slowdown=slowdown,
             trace=trace, router="decode", page_size=config.model.page_size,
             cache_pages=config.model.num_pages, tiers=tier_spec(config, model, rec["summary"]),
-            colocated_kv_tokens=config.model.num_pages * config.model.page_size,
+            colocated_kv_tokens=config.model.num_pages * config.model.page_size, contention=contention,
         )  # fmt: skip
         simulated = summarize(sim, request_rows(sim, slo), slo, rec["rate"])
         name = label(rec)
@@ -198,9 +202,13 @@ def main(argv=None) -> int:
     ap.add_argument("--overhead-ms", type=float, default=0.0)
     ap.add_argument("--seq-overhead-ms", type=float, default=0.0)
     ap.add_argument("--prefill-slowdown", type=float, default=1.0)
+    ap.add_argument(
+        "--contention", type=Path, help="the neighbours' model (experiments.sim.contention --out)"
+    )
     args = ap.parse_args(argv)
     saved = json.loads(args.results.read_text())
     hw = load_hardware(args.hardware)
+    contention = Contention.load(args.contention) if args.contention else None
     if args.linear is not None:
         eff = Efficiency(args.linear, args.linear, args.memory, step_overhead_s=args.overhead_ms / 1e3,
                          seq_overhead_s=args.seq_overhead_ms / 1e3)  # fmt: skip
@@ -223,7 +231,7 @@ def main(argv=None) -> int:
             source = args.calibrate_from or args.results
             cal_run = json.loads(Path(source).read_text())
         try:
-            cal = calibrate_from_run(cal_run, hw)
+            cal = calibrate_from_run(cal_run, hw, contention=contention)
         except FitAtBound as e:
             ap.error(f"--hardware {args.hardware}: {e}")
         eff, slowdown = cal["efficiency"], cal["prefill_slowdown"]
@@ -232,7 +240,7 @@ def main(argv=None) -> int:
           f"memory {eff.memory:.2f}, overhead {1e3 * eff.step_overhead_s:.1f} ms a step + "
           f"{1e3 * eff.seq_overhead_s:.2f} ms a sequence, prefill slowdown {slowdown:.2f}")  # fmt: skip
     print(f"{'run':<22}{'metric':<16}{'measured':>12}{'sim':>9}{'error':>8}")
-    rows = compare(saved, hw, eff, slowdown)
+    rows = compare(saved, hw, eff, slowdown, contention)
     for r in rows:
         scale = {"ms": 1e3, "%": 100}.get(r.unit, 1)
         name = f"{r.metric} {r.unit}"

@@ -217,6 +217,22 @@ class CostModel:
             + self.eff.seq_overhead_s * (len(chunks) + len(decode_kv_lens)) / self.dp
         )
 
+    def step_bytes(
+        self, chunks: list[tuple[int, int]], decode_kv_lens: list[int], sampled: int | None = None
+    ) -> float:
+        """What one forward pass (as step_time's arguments) reads from memory on a rank: the weights once,
+        each sequence's KV, the LM head where a token samples (what a neighbour on the same memory slows)."""
+        m = self.model
+        tokens = sum(n for n, _ in chunks) + len(decode_kv_lens)
+        if tokens == 0:
+            return 0.0
+        side = self._params[0] * m.bytes_per_param
+        weights = side / self.tp + (self.weights_read(tokens) - side) / self.ranks
+        kv = sum(n + p for n, p in chunks) + sum(decode_kv_lens) + len(decode_kv_lens)
+        sampled = len(decode_kv_lens) if sampled is None else sampled
+        head = m.vocab * m.hidden * m.bytes_per_param / self.tp if sampled else 0.0
+        return weights + kv * self.kv_bytes_per_token_per_rank() / self.dp + head
+
     def prefill_time(self, prompt_lens: list[int]) -> float:
         """A batch of whole prompts in one pass (each samples its first token)."""
         return self.step_time([(n, 0) for n in prompt_lens], [], sampled=len(prompt_lens))

@@ -211,6 +211,10 @@ class Instance:
     chunked: bool = True
     kv_fraction: float = 0.9  # of the HBM left after weights
     slowdown: float = 1.0  # every step takes this many times the cost model's (measured work beside it)
+    # the machine's other workers (experiments.sim.contention.Contention): a step beside their steps takes
+    # longer, by what it and they read from memory; None: instances do not share a machine
+    contention: object = None
+    last_bytes: float = 0.0  # what the step just scheduled reads (with contention)
     waiting: list = field(default_factory=list)
     running: list = field(default_factory=list)
     kv_used: float = 0.0

@@ -72,6 +72,7 @@ def simulate_deployment(
     tiers: TierSpec | None = None,
     colocated_kv_tokens: float | None = None,
     cost: str = "roofline",
+    contention=None,
 ) -> DeploymentRun:
     """trace: (arrival offsets, prompt lengths, output lengths[, conversations, turns]) to replay instead
     of drawing the workload's (a measured run's own requests; a multiturn run's are replayed at the times
@@ -83,7 +84,9 @@ def simulate_deployment(
     elastic deployment's planner too; switch_s: what one role switch takes of an instance's time. tiers:
     KV below each instance's prefix cache (kv_tiers: host pool, files, the shared pool).
     colocated_kv_tokens: each colocated instance's KV capacity in tokens (a real run's num_pages x
-    page_size: what its requests wait for room in; None: what HBM holds after the weights)."""
+    page_size: what its requests wait for room in; None: what HBM holds after the weights). contention
+    (experiments.sim.contention.Contention): the instances share one machine, each step slowed by the
+    others' beside it; None: each has its own."""
     multiturn = workload.dataset == "multiturn"
     shared = workload.system_prompt_len if multiturn else 0
     moves: list[dict] = []
@@ -152,6 +155,7 @@ def simulate_deployment(
             step_budget=step_budget,
             chunked=chunk,
             slowdown=slowdown,
+            contention=contention,
             spec_k=k if decodes else 0,
             spec_acceptance=spec_acceptance,
             rng=np.random.default_rng([workload.seed, 3]),

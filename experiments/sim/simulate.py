@@ -160,6 +160,7 @@ class _Simulation:
         self.heap: list = []
         self.seq = 0
         self.idle = {id(i): True for i in self.instances}
+        self.stepping: dict = {}  # id(instance) -> (end, kind) of its last step (with contention)
         self.inbox = {id(i): [] for i in back}  # router='decode': what a busy decode instance forwards next
         self.home = {}  # rid -> the decode instance a request was routed to (router='decode')
         self.homed = {id(i): 0 for i in back}  # requests routed to a decode instance and not landed yet
@@ -342,8 +343,11 @@ class _Simulation:
             self.idle[id(inst)] = True
             return
         dt *= inst.slowdown
-        end = now + dt
         prompt_tokens, decoding = inst.last_step
+        if inst.contention is not None:
+            dt *= self.beside(inst, now, dt)
+            self.stepping[id(inst)] = (now + dt, "prefill" if prompt_tokens else "decode")
+        end = now + dt
         if inst.step_budget is not None:  # the budget learns the step times, as the engine's does
             inst.step_budget.observe(decoding, prompt_tokens, dt)
         if prompt_tokens:
@@ -371,6 +375,21 @@ class _Simulation:
                 if maybe_finish(inst, r, end):
                     self.finished(r, end)
         self.push(end, "step", inst)
+
+    def beside(self, inst, now: float, dt: float) -> float:
+        """How many times its time alone inst's step from now takes beside the other instances' steps on
+        the machine (Instance.contention): each busy neighbour counts by the kind of the step it is in,
+        for the whole step where it has more to do after that one, else for the share of it left."""
+        shares: dict[str, float] = {}
+        for other in self.instances:
+            end, kind = self.stepping.get(id(other), (0.0, ""))
+            if other is inst or end <= now:
+                continue
+            more = bool(other.running or other.waiting)
+            shares[kind] = shares.get(kind, 0.0) + (1.0 if more else min(1.0, (end - now) / dt))
+        if not shares:
+            return 1.0
+        return inst.contention.factor(inst.contention.share(inst.last_bytes, dt), shares)
 
     def cached(self, inst, r, end, tokens: int) -> None:
         """r's first `tokens` tokens' pages join inst's prefix cache (and the pool) when its step ends,

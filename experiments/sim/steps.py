@@ -61,8 +61,8 @@ def colocated_step(inst: Instance, now: float) -> tuple[float, list]:
     inst.last_step = (sum(n for _, n in chunks), len(decode))
     verify, decode, drafts = _verify_chunks(inst, decode)
     sampled = len(decode) + sum(1 for r, n in chunks if r.computed + n == r.context) + drafts
-    dt = inst.cost.step_time(
-        [(n, r.computed) for r, n in chunks] + verify, [r.prompt + r.generated for r in decode], sampled
+    dt = _priced(
+        inst, [(n, r.computed) for r, n in chunks] + verify, [r.prompt + r.generated for r in decode], sampled
     )
 
     for r, n in chunks:
@@ -251,9 +251,18 @@ def decode_step(inst: Instance, now: float) -> tuple[float, list]:
         if r.computed == r.prompt + r.generated:
             r.computing = False
             done.append(r)
-    dt = inst.cost.step_time(
+    dt = _priced(
+        inst,
         verify + [(n, r.computed - n) for r, n in chunks],
         [r.prompt + r.generated for r in plain],
         len(plain) + drafts + len(done),
     )
     return dt, events + _decode_events(inst, plain + done)
+
+
+def _priced(inst: Instance, chunks: list, kv_lens: list[int], sampled: int) -> float:
+    """The step's time alone (the cost model's); with a model of the machine's neighbours, also what it
+    reads (Instance.last_bytes: the simulation prices its neighbours' cost with it)."""
+    if inst.contention is not None:
+        inst.last_bytes = inst.cost.step_bytes(chunks, kv_lens, sampled)
+    return inst.cost.step_time(chunks, kv_lens, sampled)
