@@ -344,7 +344,7 @@ class _Simulation:
             return
         dt *= inst.slowdown
         prompt_tokens, decoding = inst.last_step
-        if inst.contention is not None:
+        if inst.contention is not None and (prompt_tokens or decoding):  # a step (not a wait for loads)
             dt *= self.beside(inst, now, dt)
             self.stepping[id(inst)] = (now + dt, "prefill" if prompt_tokens else "decode")
         end = now + dt
