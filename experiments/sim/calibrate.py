@@ -140,9 +140,13 @@ def _reads(saved: dict, contention):
     """A cost model of the run's model, for what its steps read (only with contention)."""
     if contention is None:
         return None
-    from experiments.sim.contention import bytes_model
-
     return bytes_model(sim_model(saved["config"]["model"]["name"]), contention.read_bw)
+
+
+def bytes_model(model, read_bw: float) -> CostModel:
+    """A cost model of one rank, for its step_bytes (its times are not used)."""
+    hw = Hardware("here", 1.0, read_bw, 1.0, 1.0, 1.0, devices_per_node=1)
+    return CostModel(model, hw, 1, Efficiency())
 
 
 def alone(contention, nbytes: float, start: float, end: float, others: list[list]) -> float:
@@ -261,17 +265,19 @@ def fit(
 
 
 def _overheads(resid: np.ndarray, seqs: np.ndarray, sw: np.ndarray) -> tuple[float, float]:
-    """Non-negative (a, b) minimising sum(((a + b x seqs - resid) x sw)^2): the unconstrained solution
-    if both are >= 0, else the better of a alone and b alone (each clamped at 0)."""
-    cols = np.stack([sw, seqs * sw], axis=1)
-    (a, b), *_ = np.linalg.lstsq(cols, resid * sw, rcond=None)
-    if a >= 0 and b >= 0:
-        return float(a), float(b)
-    only_a = max(0.0, float(np.sum(resid * sw**2) / np.sum(sw**2)))
-    only_b = max(0.0, float(np.sum(resid * seqs * sw**2) / np.sum((seqs * sw) ** 2)))
-    cost_a = np.sum(((only_a - resid) * sw) ** 2)
-    cost_b = np.sum(((only_b * seqs - resid) * sw) ** 2)
-    return (only_a, 0.0) if cost_a <= cost_b else (0.0, only_b)
+    """Non-negative (a, b) minimising sum(((a + b x seqs - resid) x sw)^2)."""
+    return nonnegative_lstsq(np.stack([sw, seqs * sw], axis=1), resid * sw)
+
+
+def nonnegative_lstsq(cols: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """argmin |cols x - y| over x >= 0, for two columns: the unconstrained solution if both are >= 0,
+    else the better of each column alone (clamped at 0; the first on a tie)."""
+    x, *_ = np.linalg.lstsq(cols, y, rcond=None)
+    if (x >= 0).all():
+        return float(x[0]), float(x[1])
+    alone = [max(0.0, float(cols[:, c] @ y / (cols[:, c] @ cols[:, c]))) for c in range(2)]
+    cost = [float(np.sum((cols[:, c] * alone[c] - y) ** 2)) for c in range(2)]
+    return (alone[0], 0.0) if cost[0] <= cost[1] else (0.0, alone[1])
 
 
 def _collective_rank(rank: int, ranks: int, rendezvous: str, hidden: int, rounds: int, out) -> None:

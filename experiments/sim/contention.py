@@ -31,6 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
+from experiments.sim.calibrate import bytes_model, nonnegative_lstsq
+
 KINDS = ("prefill", "decode")  # a neighbour's step: with prompt tokens, or decode tokens only
 
 
@@ -75,17 +77,8 @@ def fit(records: list[dict], model, read_bw: float) -> Contention:
     memory, compute = {}, {}
     for kind in KINDS:
         slow = np.array([r["beside"][kind] / r["alone"] - 1 for r in records])
-        memory[kind], compute[kind] = _nonnegative(np.stack([shares, 1 - shares], axis=1), slow)
+        memory[kind], compute[kind] = nonnegative_lstsq(np.stack([shares, 1 - shares], axis=1), slow)
     return Contention(memory, compute, read_bw)
-
-
-def bytes_model(model, read_bw: float):
-    """A cost model of one rank, for its step_bytes (its times are not used)."""
-    from experiments.sim.cost import CostModel, Efficiency
-    from experiments.sim.hardware import Hardware
-
-    hw = Hardware("here", 1.0, read_bw, 1.0, 1.0, 1.0, devices_per_node=1)
-    return CostModel(model, hw, 1, Efficiency())
 
 
 def step_bytes(cost, record: dict) -> float:
@@ -93,21 +86,6 @@ def step_bytes(cost, record: dict) -> float:
     if record["kind"] == "decode":
         return cost.step_bytes([], [record["kv"]] * record["size"])
     return cost.step_bytes([(record["size"], 0)], [], sampled=1)
-
-
-def _nonnegative(a: np.ndarray, y: np.ndarray) -> tuple[float, float]:
-    """argmin |a x - y| over x >= 0, for two columns: the unconstrained solution, else the better of
-    each column alone (clamped at 0)."""
-    x, *_ = np.linalg.lstsq(a, y, rcond=None)
-    if (x >= 0).all():
-        return float(x[0]), float(x[1])
-    best = None
-    for col in range(2):
-        v = max(0.0, float(a[:, col] @ y / (a[:, col] @ a[:, col])))
-        cost = float(np.sum((a[:, col] * v - y) ** 2))
-        if best is None or cost < best[0]:
-            best = (cost, (v, 0.0) if col == 0 else (0.0, v))
-    return best[1]
 
 
 MODES = ("idle", "prefill", "decode", "read")  # the neighbour's, in the order each round takes them
